@@ -1,0 +1,249 @@
+package bus
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// commitTimeout bounds one offset commit, including the last ones made while
+// Run stops.
+const commitTimeout = 5 * time.Second
+
+// Consumer runs a Handler over the records of a consumer group. It handles
+// one record at a time, so each partition's records (and so each key's) are
+// handled in offset order; run more members of the group (more Consumers,
+// one Run each) to handle partitions in parallel. A record's offset
+// is committed only after its handler returned nil or the record was
+// dead-lettered, so a crash or stop never skips a record.
+type Consumer struct {
+	cfg     ConsumerConfig
+	handler Handler
+	tracer  tracerSource
+	running atomic.Bool
+}
+
+// NewConsumer checks cfg and returns a consumer; Run starts consuming.
+func NewConsumer(cfg ConsumerConfig, h Handler) (*Consumer, error) {
+	if h == nil {
+		return nil, fmt.Errorf("%w: nil handler", ErrInvalidConfig)
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	c := &Consumer{cfg: cfg, handler: h, tracer: tracerSource{tp: cfg.TracerProvider}}
+	rc := c.readerConfig()
+	if err := rc.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	return c, nil
+}
+
+// readerConfig maps the consumer's config to kafka-go's.
+func (c *Consumer) readerConfig() kafka.ReaderConfig {
+	rc := kafka.ReaderConfig{
+		Brokers:           c.cfg.Brokers,
+		GroupID:           c.cfg.GroupID,
+		GroupTopics:       c.cfg.Topics,
+		MaxWait:           c.cfg.MaxWait,
+		CommitInterval:    c.cfg.CommitInterval,
+		SessionTimeout:    c.cfg.SessionTimeout,
+		HeartbeatInterval: c.cfg.HeartbeatInterval,
+		RebalanceTimeout:  c.cfg.RebalanceTimeout,
+		JoinGroupBackoff:  c.cfg.JoinGroupBackoff,
+		StartOffset:       kafka.FirstOffset,
+		ErrorLogger:       kafka.LoggerFunc(c.logReaderError),
+	}
+	if c.cfg.SyncCommit {
+		rc.CommitInterval = 0 // kafka-go: zero means synchronous commits
+	}
+	if c.cfg.StartAtLatest {
+		rc.StartOffset = kafka.LastOffset
+	}
+	return rc
+}
+
+func (c *Consumer) logReaderError(format string, args ...any) {
+	c.cfg.Logger.Warn("kafka reader error", "group", c.cfg.GroupID, "detail", fmt.Sprintf(format, args...))
+}
+
+// Run joins the group and handles records until ctx ends, then commits the
+// offsets of the records already handled, leaves the group and returns nil.
+// A record whose handling ctx interrupted is not committed: the group
+// delivers it again. Run returns an error only if the reader fails; it must
+// not be called again while running.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.running.CompareAndSwap(false, true) {
+		return ErrAlreadyRunning
+	}
+	defer c.running.Store(false)
+
+	r := kafka.NewReader(c.readerConfig())
+	err := c.consume(ctx, r)
+	if cerr := r.Close(); cerr != nil {
+		err = errors.Join(err, fmt.Errorf("bus: close reader: %w", cerr))
+	}
+	return err
+}
+
+// consume fetches, settles and commits records one at a time until ctx ends.
+func (c *Consumer) consume(ctx context.Context, r *kafka.Reader) error {
+	for {
+		m, err := r.FetchMessage(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("bus: fetch from group %s: %w", c.cfg.GroupID, err)
+		}
+		if !c.settle(ctx, received(m)) {
+			return nil
+		}
+		c.commit(ctx, r, m)
+	}
+}
+
+// received converts a kafka-go record to a Received.
+func received(m kafka.Message) Received {
+	return Received{
+		Message:   Message{Topic: m.Topic, Key: string(m.Key), Value: m.Value, Headers: fromKafkaHeaders(m.Headers)},
+		Partition: m.Partition,
+		Offset:    m.Offset,
+		Time:      m.Time,
+	}
+}
+
+// commit marks m as done. It runs even when ctx has just ended, bounded by
+// commitTimeout, because m's effects are durable. A failed commit only means
+// m may be delivered again, so it is logged and consumption goes on; a later
+// commit on the partition covers it.
+func (c *Consumer) commit(ctx context.Context, r *kafka.Reader, m kafka.Message) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if err := r.CommitMessages(cctx, m); err != nil {
+		c.cfg.Logger.Warn("offset commit failed; the record may be delivered again",
+			"group", c.cfg.GroupID, "topic", m.Topic, "partition", m.Partition, "offset", m.Offset, "error", err)
+	}
+}
+
+// settle handles rec until it succeeded or was dead-lettered, and reports
+// whether it may be committed: false means ctx ended first.
+func (c *Consumer) settle(ctx context.Context, rec Received) bool {
+	ctx, span := c.startSpan(ctx, rec)
+	defer span.End()
+	reason, err := c.handleWithRetry(ctx, span, rec)
+	if err == nil {
+		return true
+	}
+	if ctx.Err() != nil {
+		span.SetStatus(codes.Error, "interrupted")
+		return false
+	}
+	span.RecordError(err)
+	span.SetStatus(codes.Error, reason)
+	return c.deadLetter(ctx, span, rec, reason, err)
+}
+
+// startSpan starts the consumer span of rec: a child of the producer's span
+// found in the record headers, and linked to it.
+func (c *Consumer) startSpan(ctx context.Context, rec Received) (context.Context, trace.Span) {
+	parent := ExtractContext(ctx, rec.Headers)
+	attrs := []attribute.KeyValue{
+		semconv.MessagingSystemKafka,
+		semconv.MessagingOperationTypeProcess,
+		semconv.MessagingOperationName("process"),
+		semconv.MessagingDestinationName(rec.Topic),
+		semconv.MessagingDestinationPartitionID(strconv.Itoa(rec.Partition)),
+		semconv.MessagingKafkaOffset(int(rec.Offset)),
+		semconv.MessagingConsumerGroupName(c.cfg.GroupID),
+	}
+	if rec.Key != "" {
+		attrs = append(attrs, semconv.MessagingKafkaMessageKey(rec.Key))
+	}
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
+	if sc := trace.SpanContextFromContext(parent); sc.IsValid() && sc.IsRemote() {
+		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
+	}
+	return c.tracer.get().Start(parent, "process "+rec.Topic, opts...)
+}
+
+// handleWithRetry calls the handler until it succeeds, fails permanently,
+// exhausts the retry policy or ctx ends. On failure it returns the
+// dead-letter reason with the last error.
+func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Received) (string, error) {
+	for attempt := 1; ; attempt++ {
+		start := time.Now()
+		err := c.invoke(ctx, rec)
+		if err == nil {
+			c.observe(rec.Topic, OutcomeOK, start)
+			return "", nil
+		}
+		if ctx.Err() != nil {
+			c.observe(rec.Topic, OutcomeInterrupted, start)
+			return "", err
+		}
+		reason, permanent := classify(err)
+		if permanent || attempt >= c.cfg.Retry.MaxAttempts {
+			c.observe(rec.Topic, OutcomeFailed, start)
+			return reason, err
+		}
+		c.observe(rec.Topic, OutcomeRetry, start)
+		delay := c.cfg.Retry.Backoff(attempt)
+		span.AddEvent("retry", trace.WithAttributes(attribute.Int("attempt", attempt), attribute.String("error", err.Error())))
+		c.cfg.Logger.Info("handler failed; retrying", c.recordAttrs(rec, "attempt", attempt, "delay", delay, "error", err)...)
+		if !wait(ctx, delay) {
+			return "", ctx.Err()
+		}
+	}
+}
+
+// invoke calls the handler, turning a panic into a permanent failure with
+// reason ReasonHandlerPanic.
+func (c *Consumer) invoke(ctx context.Context, rec Received) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			c.cfg.Logger.Error("handler panicked", c.recordAttrs(rec, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
+			err = Permanent(ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
+		}
+	}()
+	return c.handler(ctx, rec)
+}
+
+func (c *Consumer) observe(topic string, o Outcome, start time.Time) {
+	if c.cfg.Hooks.Handled != nil {
+		c.cfg.Hooks.Handled(topic, o, time.Since(start))
+	}
+}
+
+// recordAttrs returns log attributes naming rec, followed by extra.
+func (c *Consumer) recordAttrs(rec Received, extra ...any) []any {
+	return append([]any{
+		slog.String("group", c.cfg.GroupID), slog.String("topic", rec.Topic),
+		slog.Int("partition", rec.Partition), slog.Int64("offset", rec.Offset), slog.String("key", rec.Key),
+	}, extra...)
+}
+
+// wait blocks for d or until ctx ends, and reports whether d elapsed. It is
+// the consumer's only way of pausing: backoff that ctx can interrupt.
+func wait(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -1,0 +1,222 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"time"
+
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Defaults of ConsumerConfig and RetryPolicy.
+const (
+	// DefaultMaxWait bounds how long one fetch waits for new records.
+	DefaultMaxWait = 250 * time.Millisecond
+	// DefaultCommitInterval is how often handled records' offsets are
+	// committed, in one request per interval, unless SyncCommit is set.
+	DefaultCommitInterval = 100 * time.Millisecond
+	// DefaultSessionTimeout is the group session timeout; it must be at
+	// least the broker's minimum (6 s on Kafka and kfake by default).
+	DefaultSessionTimeout = 10 * time.Second
+	// DefaultHeartbeatInterval is how often a member heartbeats, and so how
+	// soon it notices a rebalance.
+	DefaultHeartbeatInterval = time.Second
+	// DefaultRebalanceTimeout is how long the coordinator waits for members
+	// to rejoin during a rebalance.
+	DefaultRebalanceTimeout = 10 * time.Second
+	// DefaultJoinGroupBackoff is the wait before rejoining after an error.
+	DefaultJoinGroupBackoff = time.Second
+	// DefaultMaxAttempts is how many times a transient failure is tried.
+	DefaultMaxAttempts = 5
+	// DefaultInitialBackoff is the wait after the first failed attempt.
+	DefaultInitialBackoff = 100 * time.Millisecond
+	// DefaultMaxBackoff caps the exponential backoff.
+	DefaultMaxBackoff = 5 * time.Second
+)
+
+// Received is one record handed to a Handler: the message and where it came
+// from.
+type Received struct {
+	Message
+	// Partition is the partition the record was read from.
+	Partition int
+	// Offset is the record's offset in its partition.
+	Offset int64
+	// Time is the record's timestamp.
+	Time time.Time
+}
+
+// Handler processes one record. It returns nil once the record's effects are
+// durable (the consumer commits its offset after that), Transient(err) for a
+// failure worth retrying, or Permanent(reason, err) for a record that can
+// never succeed, such as Permanent(ReasonUndecodable, err). Other errors are
+// retried like transient ones. A Handler must be idempotent: delivery is at
+// least once.
+type Handler func(ctx context.Context, m Received) error
+
+// DeadLetterFunc records a dead letter in the service's own store before the
+// record is published to the dead-letter topic. If it fails, the consumer
+// retries it (with the publish) and does not commit, so it must be
+// idempotent.
+type DeadLetterFunc func(ctx context.Context, m Received, reason string, cause error) error
+
+// RetryPolicy bounds the retries of transient failures with exponential
+// backoff. Zero fields take the defaults.
+type RetryPolicy struct {
+	// MaxAttempts is the number of handler calls before a record that keeps
+	// failing is dead-lettered; 1 means no retry. Default DefaultMaxAttempts.
+	MaxAttempts int
+	// InitialBackoff is the wait after the first failure; it doubles after
+	// each further one. Default DefaultInitialBackoff.
+	InitialBackoff time.Duration
+	// MaxBackoff caps the wait. Default DefaultMaxBackoff.
+	MaxBackoff time.Duration
+}
+
+func (p RetryPolicy) withDefaults() RetryPolicy {
+	if p.MaxAttempts == 0 {
+		p.MaxAttempts = DefaultMaxAttempts
+	}
+	if p.InitialBackoff == 0 {
+		p.InitialBackoff = DefaultInitialBackoff
+	}
+	if p.MaxBackoff == 0 {
+		p.MaxBackoff = max(DefaultMaxBackoff, p.InitialBackoff)
+	}
+	return p
+}
+
+func (p RetryPolicy) validate() error {
+	if p.MaxAttempts < 1 || p.InitialBackoff <= 0 || p.MaxBackoff < p.InitialBackoff {
+		return fmt.Errorf("%w: retry policy %+v", ErrInvalidConfig, p)
+	}
+	return nil
+}
+
+// Backoff returns the wait after failed attempt n (counting from 1):
+// InitialBackoff doubled n-1 times, capped at MaxBackoff.
+func (p RetryPolicy) Backoff(attempt int) time.Duration {
+	p = p.withDefaults()
+	d := p.InitialBackoff
+	for i := 1; i < attempt && d < p.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, p.MaxBackoff)
+}
+
+// Outcome is the result of one handler attempt, as reported to Hooks.
+type Outcome string
+
+// Handler attempt outcomes.
+const (
+	// OutcomeOK: the handler succeeded; the offset will be committed.
+	OutcomeOK Outcome = "ok"
+	// OutcomeRetry: the handler failed transiently and will be retried.
+	OutcomeRetry Outcome = "retry"
+	// OutcomeFailed: the handler failed for good; the record is dead-lettered.
+	OutcomeFailed Outcome = "failed"
+	// OutcomeInterrupted: the consumer stopped during the attempt; the
+	// offset is not committed and the record will be delivered again.
+	OutcomeInterrupted Outcome = "interrupted"
+)
+
+// Hooks lets a service observe the consumer, for metrics. Nil funcs are
+// skipped. They run on the consumer's goroutine and must be fast.
+type Hooks struct {
+	// Handled is called after each handler attempt.
+	Handled func(topic string, outcome Outcome, elapsed time.Duration)
+	// DeadLettered is called after a record was dead-lettered.
+	DeadLettered func(topic, reason string)
+}
+
+// ConsumerConfig configures NewConsumer. Brokers, GroupID, Topics and a
+// dead-letter sink (DLQTopic with Producer, or OnDeadLetter, or both) are
+// required; the rest have defaults.
+type ConsumerConfig struct {
+	// Brokers are the bootstrap addresses.
+	Brokers []string
+	// GroupID is the consumer group.
+	GroupID string
+	// Topics are the topics to consume.
+	Topics []string
+	// DLQTopic receives dead letters, published through Producer. It must not
+	// be one of Topics.
+	DLQTopic string
+	// Producer publishes dead letters; required with DLQTopic. The consumer
+	// does not close it.
+	Producer *Producer
+	// OnDeadLetter, if set, records each dead letter before it is published.
+	OnDeadLetter DeadLetterFunc
+	// Retry bounds retries of transient failures.
+	Retry RetryPolicy
+	// Logger receives dead-letter, retry and commit-failure events. Default
+	// slog.Default().
+	Logger *slog.Logger
+	// Hooks observes handler outcomes.
+	Hooks Hooks
+	// TracerProvider makes the consumer spans; default the global provider.
+	TracerProvider trace.TracerProvider
+	// SyncCommit commits each record's offset synchronously before the next
+	// fetch (about 1.5 ms per record) instead of every CommitInterval.
+	SyncCommit bool
+	// CommitInterval is how often the offsets of handled records are
+	// committed; pending ones are also committed on rebalance and when Run
+	// returns. Default DefaultCommitInterval.
+	CommitInterval time.Duration
+	// MaxWait bounds how long one fetch waits for records. Default
+	// DefaultMaxWait.
+	MaxWait time.Duration
+	// SessionTimeout, HeartbeatInterval, RebalanceTimeout and
+	// JoinGroupBackoff tune group membership; see the Default constants.
+	SessionTimeout, HeartbeatInterval, RebalanceTimeout, JoinGroupBackoff time.Duration
+	// StartAtLatest makes a group without committed offsets start at the end
+	// of each partition instead of the beginning.
+	StartAtLatest bool
+}
+
+// withDefaults returns c with every unset optional field given its default.
+func (c ConsumerConfig) withDefaults() ConsumerConfig {
+	c.Retry = c.Retry.withDefaults()
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.CommitInterval = orDefault(c.CommitInterval, DefaultCommitInterval)
+	c.MaxWait = orDefault(c.MaxWait, DefaultMaxWait)
+	c.SessionTimeout = orDefault(c.SessionTimeout, DefaultSessionTimeout)
+	c.HeartbeatInterval = orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval)
+	c.RebalanceTimeout = orDefault(c.RebalanceTimeout, DefaultRebalanceTimeout)
+	c.JoinGroupBackoff = orDefault(c.JoinGroupBackoff, DefaultJoinGroupBackoff)
+	return c
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d == 0 {
+		return def
+	}
+	return d
+}
+
+// validate checks a defaulted config.
+func (c ConsumerConfig) validate() error {
+	switch {
+	case len(c.Brokers) == 0:
+		return fmt.Errorf("%w: no brokers", ErrInvalidConfig)
+	case c.GroupID == "":
+		return fmt.Errorf("%w: no group id", ErrInvalidConfig)
+	case len(c.Topics) == 0 || slices.Contains(c.Topics, ""):
+		return fmt.Errorf("%w: no topics or an empty topic name", ErrInvalidConfig)
+	case c.DLQTopic == "" && c.OnDeadLetter == nil:
+		return fmt.Errorf("%w: no dead-letter sink (DLQTopic or OnDeadLetter)", ErrInvalidConfig)
+	case c.DLQTopic != "" && c.Producer == nil:
+		return fmt.Errorf("%w: DLQTopic without a Producer", ErrInvalidConfig)
+	case slices.Contains(c.Topics, c.DLQTopic):
+		return fmt.Errorf("%w: DLQ topic %s is also consumed", ErrInvalidConfig, c.DLQTopic)
+	case c.CommitInterval < 0 || c.MaxWait < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 || c.JoinGroupBackoff < 0:
+		return fmt.Errorf("%w: negative duration", ErrInvalidConfig)
+	case c.HeartbeatInterval <= 0 || c.HeartbeatInterval >= c.SessionTimeout:
+		return fmt.Errorf("%w: heartbeat interval must be below the session timeout", ErrInvalidConfig)
+	}
+	return c.Retry.validate()
+}

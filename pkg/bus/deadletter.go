@@ -1,0 +1,81 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"strconv"
+	"strings"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+)
+
+// maxReasonText bounds the error text carried in contract.HeaderReasonText.
+const maxReasonText = 1024
+
+// deadLetter records rec as a dead letter with reason, retrying with backoff
+// until that succeeds, and reports whether it did: false means ctx ended
+// first, and rec must not be committed.
+func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received, reason string, cause error) bool {
+	for attempt := 1; ; attempt++ {
+		err := c.sendDeadLetter(ctx, rec, reason, cause)
+		if err == nil {
+			span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", reason)))
+			c.cfg.Logger.Warn("record dead-lettered", c.recordAttrs(rec, "reason", reason, "error", cause)...)
+			if c.cfg.Hooks.DeadLettered != nil {
+				c.cfg.Hooks.DeadLettered(rec.Topic, reason)
+			}
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		delay := c.cfg.Retry.Backoff(attempt)
+		c.cfg.Logger.Error("dead-lettering failed; retrying, offset not committed",
+			c.recordAttrs(rec, "reason", reason, "attempt", attempt, "delay", delay, "error", err)...)
+		if !wait(ctx, delay) {
+			return false
+		}
+	}
+}
+
+// sendDeadLetter runs the OnDeadLetter hook, then publishes to the DLQ topic.
+func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason string, cause error) error {
+	if c.cfg.OnDeadLetter != nil {
+		if err := c.cfg.OnDeadLetter(ctx, rec, reason, cause); err != nil {
+			return fmt.Errorf("dead-letter hook: %w", err)
+		}
+	}
+	if c.cfg.DLQTopic == "" {
+		return nil
+	}
+	return c.cfg.Producer.Publish(ctx, DeadLetterMessage(c.cfg.DLQTopic, rec, reason, cause))
+}
+
+// DeadLetterMessage returns the dead letter of rec for topic dlq: the
+// original key, value and headers, plus the reason code, the error text and
+// the record's original topic, partition and offset (contract.HeaderReason,
+// HeaderReasonText, HeaderOrigTopic, HeaderOrigPart, HeaderOrigOffset).
+func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Message {
+	headers := make(map[string]string, len(rec.Headers)+5)
+	maps.Copy(headers, rec.Headers)
+	headers[contract.HeaderReason] = reason
+	if cause != nil {
+		headers[contract.HeaderReasonText] = truncate(cause.Error(), maxReasonText)
+	}
+	headers[contract.HeaderOrigTopic] = rec.Topic
+	headers[contract.HeaderOrigPart] = strconv.Itoa(rec.Partition)
+	headers[contract.HeaderOrigOffset] = strconv.FormatInt(rec.Offset, 10)
+	return Message{Topic: dlq, Key: rec.Key, Value: rec.Value, Headers: headers}
+}
+
+// truncate shortens s to at most n bytes without splitting a UTF-8 sequence.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return strings.ToValidUTF8(s[:n], "")
+}

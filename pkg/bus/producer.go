@@ -1,0 +1,187 @@
+package bus
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// tracerName names the tracer of bus spans.
+const tracerName = "github.com/kvmesh/kvmesh/pkg/bus"
+
+// DefaultBatchTimeout is how long the producer waits to fill a batch before
+// sending it. kafka-go's own default of 1 s would make every synchronous
+// publish of a control message take a second.
+const DefaultBatchTimeout = 2 * time.Millisecond
+
+// Producer publishes Messages to Kafka, each to its own topic, partitioned by
+// key (murmur2, as the Java client does) so that one key's records keep their
+// order, acknowledged by all in-sync replicas. It is safe for concurrent use.
+type Producer struct {
+	writer    *kafka.Writer
+	transport *kafka.Transport
+	tracer    tracerSource
+}
+
+// ProducerOption configures NewProducer.
+type ProducerOption func(*producerConfig)
+
+type producerConfig struct {
+	batchTimeout time.Duration
+	balancer     kafka.Balancer
+	autoCreate   bool
+	clientID     string
+	tp           trace.TracerProvider
+}
+
+// WithBatchTimeout sets how long a publish waits to fill a batch (default
+// DefaultBatchTimeout).
+func WithBatchTimeout(d time.Duration) ProducerOption {
+	return func(c *producerConfig) { c.batchTimeout = d }
+}
+
+// WithBalancer replaces the murmur2 key balancer.
+func WithBalancer(b kafka.Balancer) ProducerOption {
+	return func(c *producerConfig) { c.balancer = b }
+}
+
+// WithAutoTopicCreation lets publishing to an unknown topic create it, where
+// the broker allows it. By default topics come from EnsureTopics.
+func WithAutoTopicCreation() ProducerOption {
+	return func(c *producerConfig) { c.autoCreate = true }
+}
+
+// WithClientID sets the Kafka client id the producer reports to brokers.
+func WithClientID(id string) ProducerOption {
+	return func(c *producerConfig) { c.clientID = id }
+}
+
+// WithTracerProvider sets the tracer provider of publish spans; by default
+// the global one at the time of each publish.
+func WithTracerProvider(tp trace.TracerProvider) ProducerOption {
+	return func(c *producerConfig) { c.tp = tp }
+}
+
+// NewProducer returns a producer for the brokers. It connects lazily, on the
+// first publish.
+func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
+	if len(brokers) == 0 {
+		return nil, fmt.Errorf("%w: no brokers", ErrInvalidConfig)
+	}
+	cfg := producerConfig{batchTimeout: DefaultBatchTimeout, balancer: kafka.Murmur2Balancer{}}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.batchTimeout <= 0 || cfg.balancer == nil {
+		return nil, fmt.Errorf("%w: batch timeout must be positive and balancer set", ErrInvalidConfig)
+	}
+	transport := &kafka.Transport{ClientID: cfg.clientID}
+	w := &kafka.Writer{
+		Addr:                   kafka.TCP(brokers...),
+		Balancer:               cfg.balancer,
+		BatchTimeout:           cfg.batchTimeout,
+		RequiredAcks:           kafka.RequireAll,
+		AllowAutoTopicCreation: cfg.autoCreate,
+		Transport:              transport,
+	}
+	return &Producer{writer: w, transport: transport, tracer: tracerSource{tp: cfg.tp}}, nil
+}
+
+// Publish writes msgs and returns once the brokers acknowledged all of them.
+// It starts one producer span per call, a child of the span in ctx, and
+// writes that span's trace context into every message's headers (the
+// caller's header maps are not modified). A record that should not start a
+// new trace must be published with a ctx that carries its trace.
+func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	for i, m := range msgs {
+		if m.Topic == "" {
+			return fmt.Errorf("bus: publish message %d: %w", i, ErrNoTopic)
+		}
+	}
+	ctx, span := p.tracer.get().Start(ctx, publishSpanName(msgs), trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(publishAttributes(msgs)...))
+	defer span.End()
+
+	records := make([]kafka.Message, len(msgs))
+	for i, m := range msgs {
+		records[i] = toRecord(ctx, m)
+	}
+	if err := p.writer.WriteMessages(ctx, records...); err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, "publish failed")
+		return fmt.Errorf("bus: publish %d message(s): %w", len(msgs), err)
+	}
+	return nil
+}
+
+// toRecord converts m to a kafka-go message carrying ctx's trace context.
+func toRecord(ctx context.Context, m Message) kafka.Message {
+	headers := make(map[string]string, len(m.Headers)+2)
+	maps.Copy(headers, m.Headers)
+	InjectHeaders(ctx, headers)
+	var key []byte
+	if m.Key != "" {
+		key = []byte(m.Key)
+	}
+	return kafka.Message{Topic: m.Topic, Key: key, Value: m.Value, Headers: toKafkaHeaders(headers)}
+}
+
+// publishSpanName follows the messaging conventions: "send {topic}", or just
+// "send" when one publish spans several topics.
+func publishSpanName(msgs []Message) string {
+	for _, m := range msgs[1:] {
+		if m.Topic != msgs[0].Topic {
+			return "send"
+		}
+	}
+	return "send " + msgs[0].Topic
+}
+
+func publishAttributes(msgs []Message) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{
+		semconv.MessagingSystemKafka,
+		semconv.MessagingOperationTypeSend,
+		semconv.MessagingOperationName("send"),
+		semconv.MessagingDestinationName(msgs[0].Topic),
+	}
+	if len(msgs) > 1 {
+		attrs = append(attrs, semconv.MessagingBatchMessageCount(len(msgs)))
+	} else if msgs[0].Key != "" {
+		attrs = append(attrs, semconv.MessagingKafkaMessageKey(msgs[0].Key))
+	}
+	return attrs
+}
+
+// Close flushes pending writes and releases the producer's connections.
+func (p *Producer) Close() error {
+	err := p.writer.Close()
+	p.transport.CloseIdleConnections()
+	if err != nil {
+		return fmt.Errorf("bus: close producer: %w", err)
+	}
+	return nil
+}
+
+// tracerSource yields the tracer of a configured provider, or of the global
+// provider at the time of the call so that a provider installed after the
+// producer or consumer was built still applies.
+type tracerSource struct{ tp trace.TracerProvider }
+
+func (s tracerSource) get() trace.Tracer {
+	tp := s.tp
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	return tp.Tracer(tracerName)
+}

@@ -1,0 +1,108 @@
+package bus_test
+
+import (
+	"context"
+	"testing"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+)
+
+// installTracing sets a global tracer provider that records spans and the
+// W3C propagator, restoring the previous ones at cleanup.
+func installTracing(t *testing.T) *tracetest.SpanRecorder {
+	t.Helper()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	prevTP, prevProp := otel.GetTracerProvider(), otel.GetTextMapPropagator()
+	otel.SetTracerProvider(tp)
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	t.Cleanup(func() {
+		otel.SetTracerProvider(prevTP)
+		otel.SetTextMapPropagator(prevProp)
+		if err := tp.Shutdown(context.Background()); err != nil {
+			t.Errorf("TracerProvider.Shutdown: %v", err)
+		}
+	})
+	return rec
+}
+
+func spanOfKind(spans []sdktrace.ReadOnlySpan, kind trace.SpanKind) sdktrace.ReadOnlySpan {
+	for _, s := range spans {
+		if s.SpanKind() == kind {
+			return s
+		}
+	}
+	return nil
+}
+
+func TestTraceContextFlowsFromProducerToConsumer(t *testing.T) {
+	const topic, group = "bus.test.trace", "trace"
+	rec := installTracing(t)
+	e := newEnv(t)
+	e.topics(topic)
+
+	var headers seen[map[string]string]
+	e.run(e.consumerConfig(group, topic), func(_ context.Context, m bus.Received) error {
+		headers.add(m.Headers)
+		return nil
+	})
+	e.publish(e.producer(), bus.Message{Topic: topic, Key: "req-1", Value: []byte("{}")})
+	eventually(t, "the consumer span", func() bool { return spanOfKind(rec.Ended(), trace.SpanKindConsumer) != nil })
+
+	spans := rec.Ended()
+	producer, consumer := spanOfKind(spans, trace.SpanKindProducer), spanOfKind(spans, trace.SpanKindConsumer)
+	if producer == nil {
+		t.Fatalf("no producer span among %d spans", len(spans))
+	}
+	if producer.Name() != "send "+topic || consumer.Name() != "process "+topic {
+		t.Errorf("span names %q, %q", producer.Name(), consumer.Name())
+	}
+	if consumer.SpanContext().TraceID() != producer.SpanContext().TraceID() {
+		t.Fatalf("consumer trace %s != producer trace %s", consumer.SpanContext().TraceID(), producer.SpanContext().TraceID())
+	}
+	if consumer.Parent().SpanID() != producer.SpanContext().SpanID() {
+		t.Errorf("consumer parent %s, want the producer span %s", consumer.Parent().SpanID(), producer.SpanContext().SpanID())
+	}
+	links := consumer.Links()
+	if len(links) != 1 || links[0].SpanContext.SpanID() != producer.SpanContext().SpanID() {
+		t.Errorf("consumer links %v, want one link to the producer span", links)
+	}
+	if tp := headers.snapshot()[0][contract.HeaderTraceparent]; tp == "" {
+		t.Errorf("record headers carry no %s", contract.HeaderTraceparent)
+	}
+}
+
+func TestPublishContinuesTheCallersTrace(t *testing.T) {
+	const topic = "bus.test.trace-parent"
+	rec := installTracing(t)
+	e := newEnv(t)
+	e.topics(topic)
+
+	ctx, parent := otel.Tracer("test").Start(e.ctx, "request")
+	if err := e.producer().Publish(ctx, bus.Message{Topic: topic, Value: []byte("x")}); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	parent.End()
+
+	producer := spanOfKind(rec.Ended(), trace.SpanKindProducer)
+	if producer == nil || producer.Parent().SpanID() != parent.SpanContext().SpanID() {
+		t.Fatalf("producer span %v is not a child of the caller's span", producer)
+	}
+	// ExtractContext on the published headers yields the producer span.
+	got := e.readAll(topic, 1)[0]
+	h := map[string]string{}
+	for _, kv := range got.Headers {
+		h[kv.Key] = string(kv.Value)
+	}
+	sc := trace.SpanContextFromContext(bus.ExtractContext(context.Background(), h))
+	if sc.SpanID() != producer.SpanContext().SpanID() || !sc.IsRemote() {
+		t.Fatalf("extracted span context %v, want the producer span", sc)
+	}
+}

@@ -1,0 +1,230 @@
+// Package config loads a service's settings from environment variables into
+// one struct, driven by struct tags, and describes the resolved settings for
+// logs and documentation.
+//
+// A service declares its settings once:
+//
+//	type Config struct {
+//		HTTPAddr        string        `env:"KVMESH_HTTP_ADDR" default:":8082" doc:"listen address"`
+//		DatabaseURL     string        `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL"`
+//		Brokers         []string      `env:"KVMESH_KAFKA_BROKERS" default:"127.0.0.1:9092" doc:"Kafka bootstrap brokers"`
+//		ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" default:"5s" doc:"graceful shutdown limit"`
+//	}
+//
+// and main calls Load(&cfg, os.LookupEnv). The tags are:
+//
+//   - env: the variable name. Fields without it are skipped, except struct
+//     fields, whose own fields are loaded as if declared in the parent
+//     (nested structs are flattened).
+//   - default: the value used when the variable is unset or empty.
+//   - doc: a one-line description for Describe and MarkdownTable.
+//   - secret:"true": the value is never shown; Describe masks it as "***".
+//   - required:"true": Load fails when neither the variable nor a default
+//     gives a value.
+//
+// Supported field types are string, bool, every signed and unsigned integer
+// kind, float32/float64, time.Duration, []string (comma-separated, blanks
+// trimmed, empty items dropped) and any type whose pointer implements
+// encoding.TextUnmarshaler. A variable that is set but empty counts as unset.
+package config
+
+import (
+	"encoding"
+	"errors"
+	"fmt"
+	"reflect"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Errors returned by Load, wrapped with the variable name and value.
+var (
+	// ErrNotStructPointer means Load was given something other than a
+	// non-nil pointer to a struct.
+	ErrNotStructPointer = errors.New("config: destination must be a non-nil pointer to a struct")
+	// ErrInvalidValue means a variable or default could not be parsed into
+	// its field's type.
+	ErrInvalidValue = errors.New("config: invalid value")
+	// ErrMissing means a required variable had no value and no default.
+	ErrMissing = errors.New("config: missing required variable")
+	// ErrUnsupportedType means a tagged field has a type Load cannot set.
+	ErrUnsupportedType = errors.New("config: unsupported field type")
+)
+
+// Validator is implemented by configuration structs that check their own
+// consistency. Load calls Validate after every field has been set.
+type Validator interface {
+	// Validate reports whether the loaded configuration is usable.
+	Validate() error
+}
+
+var (
+	durationType        = reflect.TypeFor[time.Duration]()
+	textUnmarshalerType = reflect.TypeFor[encoding.TextUnmarshaler]()
+	textMarshalerType   = reflect.TypeFor[encoding.TextMarshaler]()
+)
+
+// Load fills the struct that dst points to from the variables that lookup
+// returns (os.LookupEnv in a main, a map in tests), applying defaults from the
+// tags. Every bad or missing variable is reported, joined into one error that
+// names each variable and its bad value (secret values are not shown). When
+// the struct implements Validator, Validate runs after a successful load.
+func Load(dst any, lookup func(string) (string, bool)) error {
+	rv := reflect.ValueOf(dst)
+	if rv.Kind() != reflect.Pointer || rv.IsNil() || rv.Elem().Kind() != reflect.Struct {
+		return ErrNotStructPointer
+	}
+	var errs []error
+	walk(rv.Elem(), func(sf reflect.StructField, fv reflect.Value) {
+		if err := loadField(sf, fv, lookup); err != nil {
+			errs = append(errs, err)
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	if v, ok := dst.(Validator); ok {
+		if err := v.Validate(); err != nil {
+			return fmt.Errorf("config: validate: %w", err)
+		}
+	}
+	return nil
+}
+
+// walk calls fn for every settable field with an env tag, descending into
+// untagged struct fields.
+func walk(v reflect.Value, fn func(reflect.StructField, reflect.Value)) {
+	t := v.Type()
+	for i := range t.NumField() {
+		sf := t.Field(i)
+		if !sf.IsExported() {
+			continue
+		}
+		fv := v.Field(i)
+		if _, tagged := sf.Tag.Lookup("env"); tagged {
+			fn(sf, fv)
+			continue
+		}
+		if sf.Type.Kind() == reflect.Struct {
+			walk(fv, fn)
+		}
+	}
+}
+
+// loadField sets one field from its variable or default.
+func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (string, bool)) error {
+	name := sf.Tag.Get("env")
+	raw, ok := lookup(name)
+	source := name
+	if !ok || raw == "" {
+		def, hasDefault := sf.Tag.Lookup("default")
+		if !hasDefault || def == "" {
+			if isTrue(sf.Tag.Get("required")) {
+				return fmt.Errorf("%w: %s is not set%s", ErrMissing, name, docSuffix(sf))
+			}
+			return nil
+		}
+		raw, source = def, name+" (default)"
+	}
+	if err := setValue(fv, raw); err != nil {
+		shown := strconv.Quote(raw)
+		if isTrue(sf.Tag.Get("secret")) {
+			shown = "(secret, not shown)"
+		}
+		return fmt.Errorf("%s=%s: %w", source, shown, err)
+	}
+	return nil
+}
+
+func docSuffix(sf reflect.StructField) string {
+	if doc := sf.Tag.Get("doc"); doc != "" {
+		return " (" + doc + ")"
+	}
+	return ""
+}
+
+func isTrue(s string) bool {
+	b, err := strconv.ParseBool(s)
+	return err == nil && b
+}
+
+// setValue parses raw into fv according to fv's type.
+func setValue(fv reflect.Value, raw string) error {
+	if reflect.PointerTo(fv.Type()).Implements(textUnmarshalerType) {
+		u, _ := fv.Addr().Interface().(encoding.TextUnmarshaler)
+		if err := u.UnmarshalText([]byte(raw)); err != nil {
+			return fmt.Errorf("%w: %w", ErrInvalidValue, err)
+		}
+		return nil
+	}
+	if fv.Type() == durationType {
+		d, err := time.ParseDuration(raw)
+		if err != nil {
+			return fmt.Errorf("%w: want a duration such as 5s or 250ms", ErrInvalidValue)
+		}
+		fv.SetInt(int64(d))
+		return nil
+	}
+	return setKind(fv, raw)
+}
+
+// setKind handles the basic kinds.
+func setKind(fv reflect.Value, raw string) error {
+	bits := 0
+	switch fv.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64,
+		reflect.Float32, reflect.Float64:
+		bits = fv.Type().Bits()
+	}
+	switch fv.Kind() {
+	case reflect.String:
+		fv.SetString(raw)
+	case reflect.Bool:
+		b, err := strconv.ParseBool(raw)
+		if err != nil {
+			return fmt.Errorf("%w: want true or false", ErrInvalidValue)
+		}
+		fv.SetBool(b)
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		n, err := strconv.ParseInt(raw, 10, bits)
+		if err != nil {
+			return fmt.Errorf("%w: want a %d-bit integer", ErrInvalidValue, bits)
+		}
+		fv.SetInt(n)
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		n, err := strconv.ParseUint(raw, 10, bits)
+		if err != nil {
+			return fmt.Errorf("%w: want a non-negative %d-bit integer", ErrInvalidValue, bits)
+		}
+		fv.SetUint(n)
+	case reflect.Float32, reflect.Float64:
+		f, err := strconv.ParseFloat(raw, bits)
+		if err != nil {
+			return fmt.Errorf("%w: want a number", ErrInvalidValue)
+		}
+		fv.SetFloat(f)
+	case reflect.Slice:
+		if fv.Type().Elem().Kind() != reflect.String {
+			return fmt.Errorf("%w: %s", ErrUnsupportedType, fv.Type())
+		}
+		fv.Set(reflect.ValueOf(splitList(raw)).Convert(fv.Type()))
+	default:
+		return fmt.Errorf("%w: %s", ErrUnsupportedType, fv.Type())
+	}
+	return nil
+}
+
+// splitList splits a comma-separated list, trimming blanks and dropping
+// empty items.
+func splitList(raw string) []string {
+	parts := strings.Split(raw, ",")
+	out := make([]string, 0, len(parts))
+	for _, p := range parts {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -1,0 +1,21 @@
+// Package database is kvmesh's PostgreSQL foundation: a pgx connection pool
+// with sane defaults, a dependency-free migration runner safe under
+// concurrent starts, and a transactional outbox (Enqueue plus Relay) that
+// publishes messages written in a service's transaction to the bus.
+package database
+
+import "errors"
+
+// Sentinel errors returned (wrapped) by this package.
+var (
+	// ErrBadMigrationName reports a *.sql file whose name is not NNNN_name.(up|down).sql.
+	ErrBadMigrationName = errors.New("malformed migration file name")
+	// ErrMigrationSequence reports duplicate, missing or out-of-sequence migration versions.
+	ErrMigrationSequence = errors.New("bad migration sequence")
+	// ErrUnknownMigration reports an applied version with no migration file to revert it.
+	ErrUnknownMigration = errors.New("applied migration has no file")
+	// ErrInvalidSteps reports a non-positive step count for MigrateDown.
+	ErrInvalidSteps = errors.New("steps must be positive")
+	// ErrEmptyTopic reports an outbox message without a topic.
+	ErrEmptyTopic = errors.New("message has no topic")
+)

@@ -1,0 +1,73 @@
+package database
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// listener holds a dedicated connection (outside the pool, so it takes no
+// pool slot) that LISTENs on OutboxChannel. When it has no connection the
+// relay still works, by polling.
+type listener struct {
+	pool  *pgxpool.Pool
+	log   *slog.Logger
+	retry time.Duration // pause after losing the connection
+	conn  *pgx.Conn
+}
+
+// ensure (re)connects and LISTENs if the listener has no connection. Rows
+// committed before LISTEN takes effect are found by the batch that follows.
+func (l *listener) ensure(ctx context.Context) {
+	if l.conn != nil {
+		return
+	}
+	conn, err := pgx.ConnectConfig(ctx, l.pool.Config().ConnConfig)
+	if err == nil {
+		_, err = conn.Exec(ctx, "LISTEN "+OutboxChannel)
+		if err != nil {
+			_ = conn.Close(ctx)
+		}
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			l.log.WarnContext(ctx, "outbox relay: listen failed; polling", "err", err)
+		}
+		return
+	}
+	l.conn = conn
+}
+
+// wait returns when a notification arrives, after d, or when ctx is done;
+// after losing its connection it returns within retry, so that the next
+// ensure reconnects.
+func (l *listener) wait(ctx context.Context, d time.Duration) {
+	if l.conn == nil {
+		sleepCtx(ctx, d)
+		return
+	}
+	wctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	_, err := l.conn.WaitForNotification(wctx)
+	if err == nil || ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
+		return
+	}
+	l.log.WarnContext(ctx, "outbox relay: listen connection lost; reconnecting", "err", err)
+	l.close()
+	sleepCtx(ctx, min(l.retry, d))
+}
+
+// close drops the listening connection.
+func (l *listener) close() {
+	if l.conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = l.conn.Close(ctx)
+	l.conn = nil
+}

@@ -1,0 +1,57 @@
+package database
+
+import (
+	"context"
+	"fmt"
+	"maps"
+
+	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+)
+
+// OutboxChannel is the LISTEN/NOTIFY channel on which committed outbox
+// inserts wake relays (a trigger from migration 0001 notifies it).
+const OutboxChannel = "kvmesh_outbox"
+
+// Publisher sends messages to the bus; bus.Producer satisfies it. Publish
+// returns nil only once every message is acknowledged, and must keep the
+// order of messages that share a key.
+type Publisher interface {
+	Publish(ctx context.Context, msgs ...bus.Message) error
+}
+
+const insertOutbox = `INSERT INTO outbox (topic, key, value, headers) VALUES ($1, $2, $3, $4)`
+
+// Enqueue writes msgs to the outbox inside the caller's transaction tx, so
+// they are published (by a Relay) if and only if tx commits, in the order
+// given. The W3C trace context of ctx is injected into each message's
+// headers through the global propagator (otel.GetTextMapPropagator), so the
+// consumer's span continues the trace of the code that enqueued it. The
+// caller's header maps are not modified.
+func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...bus.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	batch := &pgx.Batch{}
+	for i, m := range msgs {
+		if m.Topic == "" {
+			return fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
+		}
+		batch.Queue(insertOutbox, m.Topic, m.Key, m.Value, traceHeaders(ctx, m.Headers))
+	}
+	if err := tx.SendBatch(ctx, batch).Close(); err != nil {
+		return fmt.Errorf("database: enqueue %d messages: %w", len(msgs), err)
+	}
+	return nil
+}
+
+// traceHeaders returns a copy of headers with ctx's trace context added.
+func traceHeaders(ctx context.Context, headers map[string]string) map[string]string {
+	out := make(map[string]string, len(headers)+2)
+	maps.Copy(out, headers)
+	otel.GetTextMapPropagator().Inject(ctx, propagation.MapCarrier(out))
+	return out
+}

@@ -1,0 +1,261 @@
+// Package httpserver is the HTTP front of every kvmesh service: a chi router
+// with the common middleware (request ids, panic recovery, access log,
+// OpenTelemetry spans, Prometheus metrics, body size limit), the built-in
+// routes GET /healthz, /readyz and /metrics, RFC 9457 problem responses,
+// strict JSON decoding and bearer-token protection for admin routes.
+//
+// A service builds a Server, mounts its routes on Router() and calls Run:
+//
+//	srv, err := httpserver.New(httpserver.Options{Addr: cfg.HTTPAddr, Service: "sender", Logger: logger})
+//	srv.Router().Get("/v1/dlq", listDLQ)
+//	srv.Router().With(srv.RequireAdmin()).Post("/v1/dlq/{id}/replay", replay)
+//	err = srv.Run(ctx) // returns nil after a graceful stop when ctx is cancelled
+package httpserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Defaults applied by New to zero Options fields.
+const (
+	DefaultMaxBodyBytes      int64 = 1 << 20
+	DefaultReadHeaderTimeout       = 5 * time.Second
+	DefaultReadTimeout             = 30 * time.Second
+	DefaultWriteTimeout            = 30 * time.Second
+	DefaultIdleTimeout             = 120 * time.Second
+	DefaultShutdownTimeout         = 5 * time.Second
+	DefaultReadyTimeout            = 2 * time.Second
+)
+
+// Errors returned by New, Listen and Run.
+var (
+	// ErrNoAddr means Options.Addr was empty.
+	ErrNoAddr = errors.New("httpserver: listen address is required")
+	// ErrRunning means Run was called on a server that is already running
+	// or has stopped.
+	ErrRunning = errors.New("httpserver: server already started")
+)
+
+// ReadyCheck is one dependency probed by GET /readyz.
+type ReadyCheck struct {
+	// Name identifies the dependency in the readiness report.
+	Name string
+	// Check returns nil when the dependency is usable. Its context ends
+	// after Options.ReadyTimeout.
+	Check func(ctx context.Context) error
+}
+
+// Options configures a Server. Zero fields take the documented defaults.
+type Options struct {
+	// Addr is the listen address, such as ":8082" or "127.0.0.1:0".
+	Addr string
+	// Service names the service in logs, spans and /healthz.
+	Service string
+	// Logger receives the access log and panic reports; default discards.
+	Logger *slog.Logger
+	// Ready lists the checks behind GET /readyz.
+	Ready []ReadyCheck
+	// Registry is served on GET /metrics and receives the HTTP metrics and
+	// the Go and process collectors; default a new registry.
+	Registry *prometheus.Registry
+	// AdminToken guards routes wrapped with Server.RequireAdmin.
+	AdminToken string
+	// MaxBodyBytes limits request bodies; default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// ReadHeaderTimeout, ReadTimeout, WriteTimeout and IdleTimeout set the
+	// http.Server fields of the same names; defaults as the Default*
+	// constants.
+	ReadHeaderTimeout time.Duration
+	ReadTimeout       time.Duration
+	WriteTimeout      time.Duration
+	IdleTimeout       time.Duration
+	// ShutdownTimeout bounds the graceful stop in Run.
+	ShutdownTimeout time.Duration
+	// ReadyTimeout bounds each readiness check.
+	ReadyTimeout time.Duration
+	// TracerProvider and Propagator default to the OpenTelemetry globals.
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
+}
+
+// withDefaults fills zero fields.
+func (o Options) withDefaults() Options {
+	if o.Service == "" {
+		o.Service = "kvmesh"
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.Registry == nil {
+		o.Registry = prometheus.NewRegistry()
+	}
+	setDefault(&o.MaxBodyBytes, DefaultMaxBodyBytes)
+	setDefault(&o.ReadHeaderTimeout, DefaultReadHeaderTimeout)
+	setDefault(&o.ReadTimeout, DefaultReadTimeout)
+	setDefault(&o.WriteTimeout, DefaultWriteTimeout)
+	setDefault(&o.IdleTimeout, DefaultIdleTimeout)
+	setDefault(&o.ShutdownTimeout, DefaultShutdownTimeout)
+	setDefault(&o.ReadyTimeout, DefaultReadyTimeout)
+	return o
+}
+
+func setDefault[T int64 | time.Duration](v *T, def T) {
+	if *v <= 0 {
+		*v = def
+	}
+}
+
+// Server is one service's HTTP server.
+type Server struct {
+	opts    Options
+	mux     *chi.Mux
+	http    *http.Server
+	builtin sync.Once
+
+	mu      sync.Mutex
+	ln      net.Listener
+	started bool
+}
+
+// New builds a Server with the common middleware installed. It does not
+// listen yet: call Listen to learn the bound address early, or Run.
+func New(opts Options) (*Server, error) {
+	if opts.Addr == "" {
+		return nil, ErrNoAddr
+	}
+	opts = opts.withDefaults()
+	m, err := newHTTPMetrics(opts.Registry)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{opts: opts, mux: chi.NewRouter()}
+	s.mux.Use(
+		requestID,
+		traceMiddleware(opts),
+		observe(opts.Logger, m),
+		recoverPanic(opts.Logger),
+		limitBody(opts.MaxBodyBytes),
+	)
+	s.mux.NotFound(notFound)
+	s.mux.MethodNotAllowed(s.methodNotAllowed)
+	s.http = &http.Server{
+		Handler:           s.mux,
+		ReadHeaderTimeout: opts.ReadHeaderTimeout,
+		ReadTimeout:       opts.ReadTimeout,
+		WriteTimeout:      opts.WriteTimeout,
+		IdleTimeout:       opts.IdleTimeout,
+		ErrorLog:          slog.NewLogLogger(opts.Logger.Handler(), slog.LevelWarn),
+	}
+	return s, nil
+}
+
+// Router returns the router on which the service mounts its routes. More
+// middleware may be added with Use before the first route is mounted.
+func (s *Server) Router() chi.Router {
+	return s.mux
+}
+
+// RequireAdmin returns RequireAdmin(Options.AdminToken).
+func (s *Server) RequireAdmin() func(http.Handler) http.Handler {
+	return RequireAdmin(s.opts.AdminToken)
+}
+
+// Handler returns the complete handler, built-in routes included, for use
+// with httptest or another server. Mount service routes before calling it.
+func (s *Server) Handler() http.Handler {
+	s.builtin.Do(s.mountBuiltin)
+	return s.mux
+}
+
+// Listen binds the listen address, if not already bound. With port 0 the
+// kernel picks a free port; Addr then reports it.
+func (s *Server) Listen() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln != nil {
+		return nil
+	}
+	ln, err := net.Listen("tcp", s.opts.Addr)
+	if err != nil {
+		return fmt.Errorf("httpserver: listen %s: %w", s.opts.Addr, err)
+	}
+	s.ln = ln
+	return nil
+}
+
+// Addr returns the bound address (host:port) once listening, otherwise the
+// configured address.
+func (s *Server) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln != nil {
+		return s.ln.Addr().String()
+	}
+	return s.opts.Addr
+}
+
+// Run listens (unless Listen was called) and serves until ctx is cancelled,
+// then stops gracefully: the listener closes, in-flight requests finish
+// within ShutdownTimeout, and Run returns nil. It returns an error when
+// serving fails or the graceful stop runs out of time (remaining
+// connections are then closed).
+func (s *Server) Run(ctx context.Context) error {
+	if err := s.Listen(); err != nil {
+		return err
+	}
+	ln, err := s.claim()
+	if err != nil {
+		return err
+	}
+	s.Handler()
+	s.http.BaseContext = func(net.Listener) context.Context { return context.WithoutCancel(ctx) }
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- s.http.Serve(ln) }()
+	s.opts.Logger.InfoContext(ctx, "http server listening", "addr", ln.Addr().String())
+
+	select {
+	case err := <-serveErr:
+		return fmt.Errorf("httpserver: serve: %w", err)
+	case <-ctx.Done():
+	}
+	return s.shutdown(ctx, serveErr)
+}
+
+// claim marks the server started and returns its listener.
+func (s *Server) claim() (net.Listener, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.started {
+		return nil, ErrRunning
+	}
+	s.started = true
+	return s.ln, nil
+}
+
+// shutdown stops the server gracefully within ShutdownTimeout.
+func (s *Server) shutdown(ctx context.Context, serveErr <-chan error) error {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.ShutdownTimeout)
+	defer cancel()
+	err := s.http.Shutdown(sctx)
+	if err != nil {
+		closeErr := s.http.Close()
+		<-serveErr
+		return fmt.Errorf("httpserver: graceful shutdown: %w", errors.Join(err, closeErr))
+	}
+	if err := <-serveErr; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("httpserver: serve: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,11 @@
+// Package kvcore is kvmesh's domain core: everything the four services decide
+// about a request's KV cache, as pure functions and values with no I/O, no
+// goroutines and no globals.
+//
+// It holds the model spec (KV-cache groups, block sizes, rank namespaces),
+// chained block hashing, Mooncake-layout store keys, lookup planning with the
+// hybrid longest-hit and full-hit rules, MultiConnector selection, the
+// per-request tracker state machine that yields load and save tasks, save-task
+// validation with stable reason codes, and chunk planning for send and
+// receive. The behaviour follows shared/reference/connector-semantics.md.
+package kvcore

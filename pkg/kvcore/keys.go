@@ -1,0 +1,212 @@
+package kvcore
+
+import (
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Store keys follow Mooncake's layout, so a store pool can be shared with vLLM:
+//
+//	[{prefix}@]{model}@tp_rank:{r}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{block_hash_hex}
+//
+// Everything before the last '@' is the key's namespace: one per (rank, group).
+const (
+	keySep     = '@'
+	tagTP      = "@tp_rank:"
+	tagPCP     = "@pcp"
+	tagDCP     = "@dcp"
+	tagPP      = "@pp_rank:"
+	tagGroup   = "@group:"
+	keyFields  = 7 // model, tp, pcp, dcp, pp, group, hash
+	maxIntText = 20
+)
+
+// KeyBuilder builds the store keys of one model under an optional deployment
+// prefix. The zero Prefix means no prefix segment.
+type KeyBuilder struct {
+	// Prefix separates deployments sharing one store; it may not contain '@'.
+	Prefix string
+	// Model is the model name (Model.Name).
+	Model string
+}
+
+// NewKeyBuilder returns a validated KeyBuilder.
+func NewKeyBuilder(prefix, model string) (KeyBuilder, error) {
+	kb := KeyBuilder{Prefix: prefix, Model: model}
+	if err := kb.Validate(); err != nil {
+		return KeyBuilder{}, err
+	}
+	return kb, nil
+}
+
+// Validate reports a prefix or model name that would make keys ambiguous:
+// neither may contain '@' or whitespace, and the model name may not be empty.
+func (kb KeyBuilder) Validate() error {
+	if strings.ContainsAny(kb.Prefix, "@ \t\r\n") {
+		return fmt.Errorf("key prefix %q: %w", kb.Prefix, ErrBadKeyPrefix)
+	}
+	if kb.Model == "" || strings.ContainsAny(kb.Model, "@ \t\r\n") {
+		return fmt.Errorf("key model name %q: %w", kb.Model, ErrBadKeyPrefix)
+	}
+	return nil
+}
+
+// Namespace is the key up to (not including) the '@' before the block hash:
+// the part shared by every key of one rank and group.
+func (kb KeyBuilder) Namespace(r Rank, group int) string {
+	var sb strings.Builder
+	sb.Grow(kb.namespaceLen(r, group))
+	kb.writeNamespace(&sb, r, group)
+	return sb.String()
+}
+
+// Key is the store key of block hash h in group's namespace on rank r.
+func (kb KeyBuilder) Key(r Rank, group int, h BlockHash) string {
+	var sb strings.Builder
+	sb.Grow(kb.namespaceLen(r, group) + 1 + hex.EncodedLen(len(h)))
+	kb.writeNamespace(&sb, r, group)
+	sb.WriteByte(keySep)
+	writeHex(&sb, h)
+	return sb.String()
+}
+
+// KeyHex is Key for a hash already in hex form, as carried by tasks.
+func (kb KeyBuilder) KeyHex(r Rank, group int, hashHex string) string {
+	var sb strings.Builder
+	sb.Grow(kb.namespaceLen(r, group) + 1 + len(hashHex))
+	kb.writeNamespace(&sb, r, group)
+	sb.WriteByte(keySep)
+	sb.WriteString(hashHex)
+	return sb.String()
+}
+
+func (kb KeyBuilder) namespaceLen(r Rank, group int) int {
+	n := len(kb.Model) + len(tagTP) + len(tagPCP) + len(tagDCP) + len(tagPP) + len(tagGroup) +
+		intLen(r.TP) + intLen(r.PCP) + intLen(r.DCP) + intLen(r.PP) + intLen(group)
+	if kb.Prefix != "" {
+		n += len(kb.Prefix) + 1
+	}
+	return n
+}
+
+func (kb KeyBuilder) writeNamespace(sb *strings.Builder, r Rank, group int) {
+	if kb.Prefix != "" {
+		sb.WriteString(kb.Prefix)
+		sb.WriteByte(keySep)
+	}
+	sb.WriteString(kb.Model)
+	writeTagged(sb, tagTP, r.TP)
+	writeTagged(sb, tagPCP, r.PCP)
+	writeTagged(sb, tagDCP, r.DCP)
+	writeTagged(sb, tagPP, r.PP)
+	writeTagged(sb, tagGroup, group)
+}
+
+func writeTagged(sb *strings.Builder, tag string, v int) {
+	var buf [maxIntText]byte
+	sb.WriteString(tag)
+	sb.Write(strconv.AppendInt(buf[:0], int64(v), 10))
+}
+
+// writeHex writes h in lower-case hex through a stack buffer, 64 bytes of
+// hash at a time.
+func writeHex(sb *strings.Builder, h BlockHash) {
+	var buf [128]byte
+	for len(h) > 0 {
+		n := min(len(h), len(buf)/2)
+		sb.Write(buf[:hex.Encode(buf[:], h[:n])])
+		h = h[n:]
+	}
+}
+
+// intLen is the length of v in decimal.
+func intLen(v int) int {
+	n := 1
+	if v < 0 {
+		n++
+		v = -v
+	}
+	for v >= 10 {
+		v /= 10
+		n++
+	}
+	return n
+}
+
+// KeyParts is a store key taken apart, for operators and tests.
+type KeyParts struct {
+	// Prefix is the deployment prefix, empty when the key has none.
+	Prefix string
+	// Model is the model name.
+	Model string
+	// Rank is the rank namespace.
+	Rank Rank
+	// Group is the KV-group index.
+	Group int
+	// Hash is the block hash.
+	Hash BlockHash
+}
+
+// Key puts the parts back together.
+func (p KeyParts) Key() string {
+	return KeyBuilder{Prefix: p.Prefix, Model: p.Model}.Key(p.Rank, p.Group, p.Hash)
+}
+
+// ParseKey takes a store key apart. It accepts exactly the keys KeyBuilder
+// writes: seven or eight '@'-separated fields, canonical decimal numbers and
+// a non-empty lower-case hex hash.
+func ParseKey(s string) (KeyParts, error) {
+	fields := strings.Split(s, string(keySep))
+	var p KeyParts
+	switch len(fields) {
+	case keyFields:
+	case keyFields + 1:
+		p.Prefix, fields = fields[0], fields[1:]
+		if p.Prefix == "" {
+			return KeyParts{}, keyError(s, "empty prefix")
+		}
+	default:
+		return KeyParts{}, keyError(s, fmt.Sprintf("%d '@'-separated fields, want %d or %d", len(fields), keyFields, keyFields+1))
+	}
+	p.Model = fields[0]
+	if p.Model == "" {
+		return KeyParts{}, keyError(s, "empty model name")
+	}
+	nums := []struct {
+		tag string
+		dst *int
+	}{{tagTP, &p.Rank.TP}, {tagPCP, &p.Rank.PCP}, {tagDCP, &p.Rank.DCP}, {tagPP, &p.Rank.PP}, {tagGroup, &p.Group}}
+	for i, n := range nums {
+		v, ok := parseTagged(fields[i+1], n.tag[1:])
+		if !ok {
+			return KeyParts{}, keyError(s, fmt.Sprintf("field %q, want %s<n>", fields[i+1], n.tag[1:]))
+		}
+		*n.dst = v
+	}
+	hx := fields[keyFields-1]
+	h, err := hex.DecodeString(hx)
+	if err != nil || len(h) == 0 || hex.EncodeToString(h) != hx {
+		return KeyParts{}, keyError(s, fmt.Sprintf("hash %q is not non-empty lower-case hex", hx))
+	}
+	p.Hash = h
+	return p, nil
+}
+
+// parseTagged reads "<tag><n>" with n a canonical non-negative decimal.
+func parseTagged(field, tag string) (int, bool) {
+	num, ok := strings.CutPrefix(field, tag)
+	if !ok {
+		return 0, false
+	}
+	v, err := strconv.Atoi(num)
+	if err != nil || v < 0 || strconv.Itoa(v) != num {
+		return 0, false
+	}
+	return v, true
+}
+
+func keyError(key, problem string) error {
+	return fmt.Errorf("store key %q: %s: %w", key, problem, ErrBadKey)
+}

@@ -1,0 +1,229 @@
+package kvcore
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Kind is the kind of attention a KV-cache group serves.
+type Kind string
+
+// The group kinds kvmesh knows.
+const (
+	// KindFullAttention is standard full attention: one block per block_size tokens, per TP rank.
+	KindFullAttention Kind = "full_attention"
+	// KindMLA is multi-head latent attention: like full attention, but its KV is
+	// identical on every TP rank, so it is stored once (under tp_rank 0).
+	KindMLA Kind = "mla"
+	// KindSlidingWindow keeps only the last Window tokens' KV.
+	KindSlidingWindow Kind = "sliding_window"
+	// KindMamba is Mamba / linear-attention state: one state block at the hit position.
+	KindMamba Kind = "mamba"
+)
+
+// Group is one KV-cache group of a model.
+type Group struct {
+	// Kind is the attention kind of the group.
+	Kind Kind `json:"kind" yaml:"kind"`
+	// BlockSize is the number of tokens one block of this group covers.
+	BlockSize int `json:"block_size" yaml:"block_size"`
+	// Window is the sliding window in tokens (sliding_window only).
+	Window int `json:"window,omitempty" yaml:"window,omitempty"`
+	// BytesPerBlock is the size of one block of this group on one rank.
+	BytesPerBlock int64 `json:"bytes_per_block" yaml:"bytes_per_block"`
+}
+
+// Parallel gives the sizes of the parallel dimensions whose ranks get their
+// own store-key namespace. A zero size means 1.
+type Parallel struct {
+	// TP is the tensor-parallel size.
+	TP int `json:"tp,omitempty" yaml:"tp,omitempty"`
+	// PCP is the prefill context-parallel size.
+	PCP int `json:"pcp,omitempty" yaml:"pcp,omitempty"`
+	// DCP is the decode context-parallel size.
+	DCP int `json:"dcp,omitempty" yaml:"dcp,omitempty"`
+	// PP is the pipeline-parallel size.
+	PP int `json:"pp,omitempty" yaml:"pp,omitempty"`
+}
+
+// Model is the KV-cache layout of one served model, shared by every service.
+type Model struct {
+	// Name is the model name used in store keys.
+	Name string `json:"name" yaml:"name"`
+	// HashBlockSize is the number of tokens per block hash. It divides every
+	// group's block size.
+	HashBlockSize int `json:"hash_block_size" yaml:"hash_block_size"`
+	// Groups are the model's KV-cache groups, in group-index order.
+	Groups []Group `json:"groups" yaml:"groups"`
+	// Parallel gives the rank namespaces.
+	Parallel Parallel `json:"parallel" yaml:"parallel"`
+}
+
+// Rank identifies one rank namespace of a model: the tp/pcp/dcp/pp indices
+// that appear in a store key.
+type Rank struct {
+	TP, PCP, DCP, PP int
+}
+
+// SpecError is a model-spec validation error naming the offending field.
+type SpecError struct {
+	// Field is the path of the bad field, e.g. "groups[1].block_size".
+	Field string
+	// Problem says what is wrong with it.
+	Problem string
+}
+
+func (e *SpecError) Error() string { return "model spec: " + e.Field + ": " + e.Problem }
+
+// Validate reports the first problem with the spec as a *SpecError.
+func (m *Model) Validate() error {
+	if strings.TrimSpace(m.Name) == "" {
+		return &SpecError{"name", "must not be empty"}
+	}
+	if strings.ContainsAny(m.Name, "@ \t\n") {
+		return &SpecError{"name", "must not contain '@' or whitespace (it is part of store keys)"}
+	}
+	if m.HashBlockSize <= 0 {
+		return &SpecError{"hash_block_size", "must be positive"}
+	}
+	if len(m.Groups) == 0 {
+		return &SpecError{"groups", "a model needs at least one KV-cache group"}
+	}
+	for i, g := range m.Groups {
+		if err := g.validate(i, m.HashBlockSize); err != nil {
+			return err
+		}
+	}
+	return m.Parallel.validate()
+}
+
+func (g Group) validate(i, hashBS int) error {
+	field := func(f string) string { return fmt.Sprintf("groups[%d].%s", i, f) }
+	switch g.Kind {
+	case KindFullAttention, KindMLA, KindMamba:
+		if g.Window != 0 {
+			return &SpecError{field("window"), "only sliding_window groups have a window"}
+		}
+	case KindSlidingWindow:
+		if g.Window <= 0 {
+			return &SpecError{field("window"), "sliding_window needs a positive window"}
+		}
+	default:
+		return &SpecError{field("kind"), fmt.Sprintf("unknown kind %q (want full_attention, mla, sliding_window or mamba)", g.Kind)}
+	}
+	if g.BlockSize <= 0 {
+		return &SpecError{field("block_size"), "must be positive"}
+	}
+	if g.BlockSize%hashBS != 0 {
+		return &SpecError{field("block_size"), fmt.Sprintf("%d is not a multiple of hash_block_size %d", g.BlockSize, hashBS)}
+	}
+	if g.BytesPerBlock <= 0 {
+		return &SpecError{field("bytes_per_block"), "must be positive"}
+	}
+	return nil
+}
+
+func (p Parallel) validate() error {
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"parallel.tp", p.TP}, {"parallel.pcp", p.PCP}, {"parallel.dcp", p.DCP}, {"parallel.pp", p.PP}} {
+		if d.v < 0 {
+			return &SpecError{d.name, "must not be negative"}
+		}
+	}
+	return nil
+}
+
+// SchedulerBlockSize is the lcm of every group's block size: hits and saves
+// are aligned to it.
+func (m *Model) SchedulerBlockSize() int {
+	l := 1
+	for _, g := range m.Groups {
+		l = lcm(l, g.BlockSize)
+	}
+	return l
+}
+
+// Ranks returns the rank namespaces that hold group g's blocks. Every rank
+// holds its own copy, except that MLA groups are identical across TP ranks
+// and live only under tp_rank 0.
+func (m *Model) Ranks(g int) []Rank {
+	p := m.Parallel
+	tp := size(p.TP)
+	if m.Groups[g].Kind == KindMLA {
+		tp = 1
+	}
+	var out []Rank
+	for pp := 0; pp < size(p.PP); pp++ {
+		for t := 0; t < tp; t++ {
+			for c := 0; c < size(p.PCP); c++ {
+				for d := 0; d < size(p.DCP); d++ {
+					out = append(out, Rank{TP: t, PCP: c, DCP: d, PP: pp})
+				}
+			}
+		}
+	}
+	return out
+}
+
+// StoreRank maps the rank an engine worker runs as to the namespace it reads
+// and writes for group g (an MLA group's TP ranks all share tp_rank 0).
+func (m *Model) StoreRank(g int, r Rank) Rank {
+	if m.Groups[g].Kind == KindMLA {
+		r.TP = 0
+	}
+	return r
+}
+
+// Fingerprint is a short stable digest of the layout, stored beside every
+// value so a block written under another layout is never loaded.
+func (m *Model) Fingerprint() string {
+	b, _ := json.Marshal(m) // a Model always marshals
+	h := HashTokens(nil, nil, b)
+	return h.Hex()[:16]
+}
+
+func size(n int) int {
+	if n <= 0 {
+		return 1
+	}
+	return n
+}
+
+func gcd(a, b int) int {
+	for b != 0 {
+		a, b = b, a%b
+	}
+	return a
+}
+
+func lcm(a, b int) int { return a / gcd(a, b) * b }
+
+// ParseModel decodes and validates a model spec from JSON or YAML (JSON is
+// YAML, but JSON is decoded strictly: unknown fields are errors).
+func ParseModel(data []byte) (*Model, error) {
+	var m Model
+	trimmed := bytes.TrimSpace(data)
+	if len(trimmed) > 0 && trimmed[0] == '{' {
+		dec := json.NewDecoder(bytes.NewReader(trimmed))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&m); err != nil {
+			return nil, fmt.Errorf("model spec: decode json: %w", err)
+		}
+	} else {
+		dec := yaml.NewDecoder(bytes.NewReader(trimmed))
+		dec.KnownFields(true)
+		if err := dec.Decode(&m); err != nil {
+			return nil, fmt.Errorf("model spec: decode yaml: %w", err)
+		}
+	}
+	if err := m.Validate(); err != nil {
+		return nil, err
+	}
+	return &m, nil
+}

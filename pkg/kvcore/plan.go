@@ -1,0 +1,170 @@
+package kvcore
+
+import "fmt"
+
+// TransferItem is one block a sender puts or a gpuworker gets: its store key
+// and the engine block that holds (or receives) its KV.
+type TransferItem struct {
+	// Key is the store key.
+	Key string
+	// Block is the engine block id.
+	Block BlockID
+	// Chunk is the token range of the block.
+	Chunk Chunk
+	// Group is the KV-group index.
+	Group int
+}
+
+// SaveGroups lists, for every group in index order, the chunks a save of
+// tokens [saved, end) stores (Model.SaveChunks). A group with nothing to
+// store has an empty chunk list.
+func (m *Model) SaveGroups(saved, end int) []GroupChunks {
+	return m.groupChunks(saved, end)
+}
+
+// LoadGroups lists, for every group in index order, the chunks a load of
+// tokens [start, end) reads: start is floored to the scheduler block size,
+// and each group gets the chunks it needs to resume at end (the reach rule of
+// Model.SaveChunks).
+func (m *Model) LoadGroups(start, end int) []GroupChunks {
+	sbs := m.SchedulerBlockSize()
+	return m.groupChunks(start/sbs*sbs, end)
+}
+
+// LoadRange is the token range a load for spec covers:
+// [floor(VLLMCachedTokens, scheduler block size), KVPoolCachedTokens).
+func (m *Model) LoadRange(spec LoadSpec) (start, end int) {
+	sbs := m.SchedulerBlockSize()
+	return spec.VLLMCachedTokens / sbs * sbs, spec.KVPoolCachedTokens
+}
+
+func (m *Model) groupChunks(start, end int) []GroupChunks {
+	out := make([]GroupChunks, len(m.Groups))
+	for g := range m.Groups {
+		chunks := m.SaveChunks(g, start, end)
+		if chunks == nil {
+			chunks = []Chunk{}
+		}
+		out[g] = GroupChunks{Group: g, Chunks: chunks}
+	}
+	return out
+}
+
+// PlanSend lists the blocks of one group of a save task that rank r puts:
+// the chunks the task lists for that group, keyed by each chunk's hash in
+// task.BlockHashes under the group's store namespace for r. A group the task
+// does not list has nothing to put. Validation of the task is the caller's;
+// a chunk that would index outside the task is an ErrChunkOutOfRange error,
+// never a panic.
+func PlanSend(m *Model, kb KeyBuilder, task *SaveTask, group int, r Rank) ([]TransferItem, error) {
+	for _, gc := range task.Groups {
+		if gc.Group == group {
+			return planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r)
+		}
+	}
+	return nil, nil
+}
+
+// MissingOnly keeps the items whose key the store reported absent:
+// exists[i] answers items[i]. An item without an answer is kept, since
+// putting a present key again is harmless and skipping a missing one is not.
+func MissingOnly(items []TransferItem, exists []bool) []TransferItem {
+	var out []TransferItem
+	for i, it := range items {
+		if i >= len(exists) || !exists[i] {
+			out = append(out, it)
+		}
+	}
+	return out
+}
+
+// PlanLoad lists the blocks rank r gets for a load task, group by group in
+// the order the task lists them.
+func PlanLoad(m *Model, kb KeyBuilder, task *LoadTask, r Rank) ([]TransferItem, error) {
+	var out []TransferItem
+	for _, gc := range task.Groups {
+		items, err := planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, items...)
+	}
+	return out, nil
+}
+
+// LoadErrors lists the block ids whose load failed, each once, in item
+// order: every block when the whole batch failed (batchErr != nil),
+// otherwise those whose perKeyErr[i] is set or whose answer is missing.
+func LoadErrors(items []TransferItem, perKeyErr []error, batchErr error) []BlockID {
+	var out []BlockID
+	var seen map[BlockID]bool
+	for i, it := range items {
+		failed := batchErr != nil || i >= len(perKeyErr) || perKeyErr[i] != nil
+		if !failed || seen[it.Block] {
+			continue
+		}
+		if seen == nil {
+			seen = make(map[BlockID]bool)
+		}
+		seen[it.Block] = true
+		out = append(out, it.Block)
+	}
+	return out
+}
+
+// planGroupItems keys one group's chunks for rank r.
+func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, hashes []string, r Rank) ([]TransferItem, error) {
+	g := gc.Group
+	if g < 0 || g >= len(m.Groups) {
+		return nil, fmt.Errorf("group %d of a %d-group model: %w", g, len(m.Groups), ErrChunkOutOfRange)
+	}
+	if g >= len(table) {
+		return nil, fmt.Errorf("group %d of a %d-group block table: %w", g, len(table), ErrChunkOutOfRange)
+	}
+	sr := m.StoreRank(g, r)
+	out := make([]TransferItem, 0, len(gc.Chunks))
+	for _, c := range gc.Chunks {
+		block, hashHex, err := chunkSource(m, g, c, table[g], hashes)
+		if err != nil {
+			return nil, fmt.Errorf("group %d chunk [%d,%d): %w", g, c.Start, c.End, err)
+		}
+		out = append(out, TransferItem{Key: kb.KeyHex(sr, g, hashHex), Block: block, Chunk: c, Group: g})
+	}
+	return out, nil
+}
+
+// chunkSource finds chunk c's block id and hash, checking every index.
+func chunkSource(m *Model, g int, c Chunk, blocks []BlockID, hashes []string) (BlockID, string, error) {
+	bs := m.Groups[g].BlockSize
+	if c.Start < 0 || c.Start%bs != 0 || c.End != c.Start+bs {
+		return 0, "", fmt.Errorf("not a block of size %d: %w", bs, ErrChunkOutOfRange)
+	}
+	bi, hi := c.BlockIndex(bs), c.HashIndex(m.HashBlockSize)
+	if bi >= len(blocks) {
+		return 0, "", fmt.Errorf("block index %d of %d: %w", bi, len(blocks), ErrChunkOutOfRange)
+	}
+	if blocks[bi] < 0 {
+		return 0, "", fmt.Errorf("block index %d is null: %w", bi, ErrChunkOutOfRange)
+	}
+	if hi >= len(hashes) {
+		return 0, "", fmt.Errorf("hash index %d of %d: %w", hi, len(hashes), ErrChunkOutOfRange)
+	}
+	if !isHashHex(hashes[hi]) {
+		return 0, "", fmt.Errorf("hash %d %q is not lower-case hex: %w", hi, hashes[hi], ErrChunkOutOfRange)
+	}
+	return blocks[bi], hashes[hi], nil
+}
+
+// isHashHex reports whether s is the non-empty lower-case hex of a hash, the
+// only form that keeps a store key unambiguous.
+func isHashHex(s string) bool {
+	if s == "" || len(s)%2 != 0 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,372 @@
+package kvcore
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestTrackerScenarios runs the connector-semantics scenarios owned by the
+// tracker, validation, send policy and MultiConnector (bs 16, hash 16).
+func TestTrackerScenarios(t *testing.T) {
+	cases := []struct {
+		name string
+		run  func(t *testing.T)
+	}{
+		{"S07_tracker_48_tokens_can_load_vs_not", scenario07},
+		{"S08_pending_accepted_load_one_load_no_save", scenario08},
+		{"S09_rejected_load_emits_nothing", scenario09},
+		{"S10_decode_step_no_save", scenario10},
+		{"S11_running_reaches_48_saves", scenario11},
+		{"S12_preempted_resets_finish_frees_now", scenario12},
+		{"S13_resumed", scenario13},
+		{"S16_seed_one_group_table_two_group_model", scenario16},
+		{"S17_exists_retry_dead_letter_put_failed_reported", scenario17},
+		{"S18_no_space_pressure_until_put_succeeds", scenario18},
+		{"S20_finish_waits_for_inflight_save", scenario20},
+		{"S21_multiconnector", scenario21},
+	}
+	for _, c := range cases {
+		t.Run(c.name, c.run)
+	}
+}
+
+// scenario07: tracker 48 tokens with can_load → no save, load kept, saved 0;
+// with can_load false → save 48, no load.
+func scenario07(t *testing.T) {
+	m := trkDense(t)
+	for _, accept := range []bool{true, false} {
+		tr := newTrk(m)
+		noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
+		external := 0
+		if accept {
+			external = 32
+		}
+		noErr(t, tr.OnAllocate(m, external, tbl(ids(0, 3))))
+		eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))}))
+		if accept {
+			if len(eff.Saves) != 0 || len(eff.Loads) != 1 || tr.NumSavedTokens != 0 {
+				t.Fatalf("can_load: %d saves, %d loads, saved %d; want 0, 1, 0", len(eff.Saves), len(eff.Loads), tr.NumSavedTokens)
+			}
+			if l := eff.Loads[0]; l.Start != 0 || l.End != 32 || l.Connector != "store" || !reflect.DeepEqual(l.Groups, m.LoadGroups(0, 32)) {
+				t.Fatalf("load %+v", l)
+			}
+			continue
+		}
+		if len(eff.Saves) != 1 || len(eff.Loads) != 0 || tr.NumSavedTokens != 48 {
+			t.Fatalf("no can_load: %d saves, %d loads, saved %d; want 1, 0, 48", len(eff.Saves), len(eff.Loads), tr.NumSavedTokens)
+		}
+		if s := eff.Saves[0]; s.Start != 0 || s.End != 48 {
+			t.Fatalf("save %+v", s)
+		}
+	}
+}
+
+// scenario08: pending load, can_load true, not scheduled → one load, no save.
+func scenario08(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 48}))
+	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 4))))
+	eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
+	if len(eff.Loads) != 1 || len(eff.Saves) != 0 {
+		t.Fatalf("%d loads, %d saves; want 1, 0", len(eff.Loads), len(eff.Saves))
+	}
+	l := eff.Loads[0]
+	if l.Start != 16 || l.End != 48 || !reflect.DeepEqual(l.BlockTable, tbl(ids(0, 4))) || len(l.BlockHashes) != 3 {
+		t.Fatalf("load %+v", l)
+	}
+	if eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})); counts(eff) != [3]int{} {
+		t.Fatalf("second pending step emitted %+v", eff)
+	}
+}
+
+// scenario09: pending load, can_load false, empty table, 2 groups → nothing
+// emitted; the request's later finish frees at once.
+func scenario09(t *testing.T) {
+	m := trkHybrid(t)
+	tr := newTrk(m)
+	noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 0, BlockTable{}))
+	if tr.Load.Spec == nil || tr.Load.Spec.CanLoad {
+		t.Fatalf("load spec %+v, want kept with can_load false", tr.Load.Spec)
+	}
+	assertRejectedThenFreed(t, m, tr)
+}
+
+// assertRejectedThenFreed drives a request whose load was rejected through
+// pending steps and its finish: nothing is emitted, the finish frees at once.
+func assertRejectedThenFreed(t *testing.T, m *Model, tr *Tracker) {
+	t.Helper()
+	for range 3 {
+		eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
+		if counts(eff) != [3]int{} || eff.Drop {
+			t.Fatalf("rejected pending load emitted %+v", eff)
+		}
+	}
+	if tr.NumSavedTokens != 0 || len(tr.PendingSaves) != 0 || tr.State == StateErrored {
+		t.Fatalf("tracker after rejected load: %+v", tr)
+	}
+	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	if len(eff.Saves)+len(eff.Loads) != 0 || len(eff.Feedback) != 1 {
+		t.Fatalf("finish effects %+v", eff)
+	}
+	if f := eff.Feedback[0]; f.Kind != FeedbackFinishedSending || !f.Immediate || !eff.Drop {
+		t.Fatalf("finish feedback %+v drop %v; want immediate finished_sending and drop", f, eff.Drop)
+	}
+}
+
+// scenario10: decode step, tracker 44 saved 32, new block [2] → no save,
+// table becomes [0,1,2].
+func scenario10(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 44, Table: tbl(ids(0, 2))}))
+	if tr.TokenLen != 44 || tr.NumSavedTokens != 32 {
+		t.Fatalf("tracker %d tokens saved %d, want 44 and 32", tr.TokenLen, tr.NumSavedTokens)
+	}
+	eff := noErr(t, tr.Step(m, Step{Kind: StepDecode, Tokens: 45, Table: tbl([]BlockID{2})}))
+	if len(eff.Saves) != 0 || !reflect.DeepEqual(tr.Table, tbl(ids(0, 3))) {
+		t.Fatalf("decode: %d saves, table %v", len(eff.Saves), tr.Table)
+	}
+	if eff := noErr(t, tr.Step(m, Step{Kind: StepDecode, Tokens: 49})); len(eff.Saves) != 0 || tr.NumSavedTokens != 32 {
+		t.Fatalf("decode past a block boundary saved")
+	}
+}
+
+// scenario11: a running request reaches 48 tokens → save chunk to 48, saved 48.
+func scenario11(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}))
+	eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl([]BlockID{2})}))
+	if len(eff.Saves) != 1 || tr.NumSavedTokens != 48 {
+		t.Fatalf("%d saves, saved %d", len(eff.Saves), tr.NumSavedTokens)
+	}
+	s := eff.Saves[0]
+	want := []GroupChunks{{Group: 0, Chunks: []Chunk{{Start: 32, End: 48}}}}
+	if s.Start != 32 || s.End != 48 || !reflect.DeepEqual(s.Groups, want) || len(s.BlockHashes) != 3 {
+		t.Fatalf("save %+v", s)
+	}
+}
+
+// scenario12: preempted → tracker reset; finish → free now.
+func scenario12(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 0, tbl(ids(0, 3))))
+	s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))})).Saves[0]
+	noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
+	noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+	if tr.State != StatePreempted || tr.Table != nil || tr.TokenLen != 0 || !reflect.DeepEqual(tr.Load, LoadState{}) {
+		t.Fatalf("tracker not reset: %+v", tr)
+	}
+	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	if len(eff.Feedback) != 1 || !eff.Feedback[0].Immediate || !eff.Drop {
+		t.Fatalf("finish %+v", eff)
+	}
+}
+
+// scenario13: resumed with can_load → no save; resumed without → save 48;
+// resumed replaces a stale table.
+func scenario13(t *testing.T) {
+	m := trkDense(t)
+	preempted := func(t *testing.T) *Tracker {
+		tr := newTrk(m)
+		noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 10, Table: tbl(ids(0, 1))}))
+		noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+		return tr
+	}
+	t.Run("with_can_load_no_save", func(t *testing.T) {
+		tr := preempted(t)
+		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnAllocate(m, 32, tbl(ids(7, 3))))
+		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+		if len(eff.Saves) != 0 || len(eff.Loads) != 1 || !reflect.DeepEqual(eff.Loads[0].BlockTable, tbl(ids(7, 3))) {
+			t.Fatalf("effects %+v", eff)
+		}
+	})
+	t.Run("without_can_load_save_48", func(t *testing.T) {
+		tr := preempted(t)
+		noErr(t, tr.OnLookup(m, nil))
+		noErr(t, tr.OnAllocate(m, 0, tbl(ids(7, 3))))
+		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+		if len(eff.Saves) != 1 || len(eff.Loads) != 0 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 48 {
+			t.Fatalf("effects %+v", eff)
+		}
+	})
+	t.Run("replaces_stale_table", func(t *testing.T) {
+		tr := newTrk(m)
+		noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))}))
+		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(4, 3))}))
+		if !reflect.DeepEqual(tr.Table, tbl(ids(4, 3))) {
+			t.Fatalf("table %v, want the resumed one", tr.Table)
+		}
+		if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0].BlockTable, tbl(ids(4, 3))) || eff.Saves[0].Start != 16 {
+			t.Fatalf("save %+v", eff.Saves)
+		}
+	})
+}
+
+// scenario16: a save with a 1-group table on a 2-group model → group 1
+// rejected with table_group_count and a detail, group 0 valid; the tracker
+// itself cannot build such a save, and the request still frees.
+func scenario16(t *testing.T) {
+	m := trkHybrid(t)
+	task := SaveTask{
+		Schema: SchemaSaveTask, TaskID: "e1/r1/save/1", EngineID: "e1", RequestID: "r1", Model: m.Name,
+		Start: 0, End: 32, BlockTable: tbl(ids(0, 2)), BlockHashes: trkHashes(2), Groups: m.SaveGroups(0, 32),
+	}
+	vs := ValidateSave(m, []int{64, 64}, &task)
+	if len(vs) != 2 || !vs[0].OK() || vs[1].Reason != ReasonTableGroupCount {
+		t.Fatalf("verdicts %+v", vs)
+	}
+	if !strings.Contains(vs[1].Detail, "1 group") || !strings.Contains(vs[1].Detail, "group 1") {
+		t.Fatalf("detail %q does not explain", vs[1].Detail)
+	}
+	var out SendOutcome = NewSendOutcome(&task)
+	out.Record(0, OutcomeStored, 2, ReasonOK)
+	out.Record(1, OutcomeDeadLettered, 0, vs[1].Reason)
+	if out.Status() != SaveDeadLettered || out.Groups[0].Stored != 2 || out.Groups[1].DeadLettered != 1 {
+		t.Fatalf("outcome %+v", out)
+	}
+
+	tr := newTrk(m)
+	eff := isErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}), ErrGroupCount)
+	if len(eff.Saves) != 0 || tr.State != StateErrored {
+		t.Fatalf("tracker built a save from a 1-group table: %+v", eff)
+	}
+	if eff := noErr(t, tr.Step(m, Step{Kind: StepFinished})); len(eff.Feedback) != 1 || !eff.Drop {
+		t.Fatalf("errored request not freed: %+v", eff)
+	}
+}
+
+// scenario17: existence check fails → retried, then dead-lettered; put fails
+// → counted, reported, not silent.
+func scenario17(t *testing.T) {
+	p := RetryPolicy{MaxAttempts: 3, BaseDelay: 10 * time.Millisecond, MaxDelay: time.Second}
+	want := []RetryDecision{
+		{Action: RetryAgain, Delay: 10 * time.Millisecond},
+		{Action: RetryAgain, Delay: 20 * time.Millisecond},
+		{Action: RetryDeadLetter, Reason: ReasonExistsFailed},
+	}
+	for i, w := range want {
+		if got := p.ExistsFailed(i + 1); got != w {
+			t.Fatalf("after %d failures: %+v, want %+v", i+1, got, w)
+		}
+	}
+	if got := p.PutFailed(3); got.Action != RetryFail || got.Reason != ReasonPutFailed {
+		t.Fatalf("put give-up %+v", got)
+	}
+
+	m := trkHybrid(t)
+	tr := newTrk(m)
+	task := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(5, 2))})).Saves[0]
+	out := NewSendOutcome(&task)
+	out.Record(0, OutcomeDeadLettered, 2, ReasonExistsFailed)
+	out.Record(1, OutcomeFailed, 1, ReasonPutFailed)
+	tot := out.Totals()
+	if tot.DeadLettered != 2 || tot.Failed != 1 || out.Groups[1].Reason != ReasonPutFailed || out.Status() != SaveFailed {
+		t.Fatalf("outcome %+v totals %+v", out, tot)
+	}
+	noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	eff := noErr(t, tr.OnSaveResult(task.TaskID, out.Status()))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || tr.Reports.Failed != 1 {
+		t.Fatalf("failed save not reported: %+v reports %+v", eff, tr.Reports)
+	}
+}
+
+// scenario18: put answers "no space" twice → later saves skipped (counted)
+// until a put succeeds.
+func scenario18(t *testing.T) {
+	g := PressureGate{ProbeEvery: 3, CoolDown: time.Hour}
+	now := time.Unix(1000, 0)
+	// answers the store gives to the puts that go through, in order.
+	answers := []bool{false, false, true} // no space, no space, ok
+	var got []Admission
+	for range 10 {
+		a := g.Admit(now)
+		got = append(got, a)
+		if a == AdmitSkip {
+			continue
+		}
+		if len(answers) == 0 {
+			continue
+		}
+		ok := answers[0]
+		answers = answers[1:]
+		if ok {
+			g.OnPutOK()
+		} else {
+			g.OnNoSpace(now)
+		}
+	}
+	want := []Admission{AdmitPut, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitPut}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("admissions %v, want %v", got, want)
+	}
+	if g.Skipped != 6 || g.Active || g.Episodes != 1 {
+		t.Fatalf("gate %+v, want 6 skipped, inactive, 1 episode", g)
+	}
+	// The cool-down alone also lets a probe through.
+	g.OnNoSpace(now)
+	if a := g.Admit(now.Add(time.Minute)); a != AdmitSkip {
+		t.Fatalf("before cool-down: %s", a)
+	}
+	if a := g.Admit(now.Add(time.Hour)); a != AdmitProbe {
+		t.Fatalf("after cool-down: %s", a)
+	}
+}
+
+// scenario20: a request finishes while a save is in flight → finished_sending
+// only after the save completes.
+func scenario20(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	if counts(eff) != [3]int{} || eff.Drop || tr.State != StateFinishing {
+		t.Fatalf("finish with a save in flight: %+v state %s", eff, tr.State)
+	}
+	eff = noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || eff.Feedback[0].Immediate || !eff.Drop {
+		t.Fatalf("save result %+v", eff)
+	}
+	if eff := noErr(t, tr.OnSaveResult(s.TaskID, SaveStored)); len(eff.Feedback) != 0 {
+		t.Fatalf("finished_sending reported twice")
+	}
+}
+
+// scenario21: [pd: 0, store: 32] → store chosen; [pd: 32, store: 32] → pd
+// chosen, store gets 0 → store's LoadSpec can_load false → scenario 9.
+func scenario21(t *testing.T) {
+	spec := &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}
+	a := []ChildAnswer{{Name: "pd", Tokens: 0}, {Name: "store", Tokens: 32, Spec: spec}}
+	sel := SelectChild(a)
+	if sel.Pending || sel.Name(a) != "store" || sel.Tokens != 32 {
+		t.Fatalf("selection %+v", sel)
+	}
+	if got := AllocationCounts(sel.Chosen, a, 32); !reflect.DeepEqual(got, []int{0, 32}) {
+		t.Fatalf("counts %v", got)
+	}
+
+	b := []ChildAnswer{{Name: "pd", Tokens: 32}, {Name: "store", Tokens: 32, Spec: spec}}
+	sel = SelectChild(b)
+	if sel.Name(b) != "pd" || sel.Tokens != 32 {
+		t.Fatalf("selection %+v", sel)
+	}
+	alloc := AllocationCounts(sel.Chosen, b, 32)
+	if !reflect.DeepEqual(alloc, []int{32, 0}) {
+		t.Fatalf("counts %v", alloc)
+	}
+	m := trkHybrid(t)
+	tr := newTrk(m)
+	noErr(t, tr.OnLookup(m, b[1].Spec))
+	noErr(t, tr.OnAllocate(m, alloc[1], BlockTable{}))
+	if tr.Load.Spec.CanLoad {
+		t.Fatal("the losing store child's LoadSpec can load")
+	}
+	assertRejectedThenFreed(t, m, tr)
+}

@@ -1,0 +1,293 @@
+package kvcore
+
+import (
+	"sort"
+	"time"
+)
+
+// Defaults of the sender's policies.
+const (
+	// DefaultProbeEvery is how many skipped saves pressure mode lets pass
+	// before it lets one through as a probe.
+	DefaultProbeEvery = 16
+	// DefaultPressureCoolDown is how long pressure mode waits before it lets
+	// a probe through regardless of the skip count.
+	DefaultPressureCoolDown = 5 * time.Second
+	// DefaultRetryAttempts is the number of attempts (the first included)
+	// before a failing store call is given up.
+	DefaultRetryAttempts = 4
+	// DefaultRetryBase is the delay before the first retry.
+	DefaultRetryBase = 50 * time.Millisecond
+	// DefaultRetryMax caps the delay between retries.
+	DefaultRetryMax = 2 * time.Second
+)
+
+// Admission is the pressure gate's answer for one save task.
+type Admission string
+
+// Admissions.
+const (
+	// AdmitPut: no pressure; put as usual.
+	AdmitPut Admission = "put"
+	// AdmitProbe: in pressure mode, this task goes through to test whether
+	// the store has room again.
+	AdmitProbe Admission = "probe"
+	// AdmitSkip: in pressure mode; skip the save (count and report it).
+	AdmitSkip Admission = "skip"
+)
+
+// PressureGate is the sender's pressure mode: after the store answers "no
+// space", saves are skipped (and counted) until a put succeeds. So that a
+// put can ever succeed, one task is let through as a probe every
+// ProbeEvery skipped tasks, or once CoolDown has passed since pressure began
+// or the last probe. It is a pure value: time is passed in, never read.
+type PressureGate struct {
+	// ProbeEvery is the number of skips between probes (0: DefaultProbeEvery).
+	ProbeEvery int `json:"probe_every,omitempty"`
+	// CoolDown is the longest wait between probes (0: DefaultPressureCoolDown).
+	CoolDown time.Duration `json:"cool_down,omitempty"`
+	// Active is set in pressure mode.
+	Active bool `json:"active"`
+	// SinceProbe counts the skips since pressure began or the last probe.
+	SinceProbe int `json:"since_probe"`
+	// LastProbe is when pressure began, the last probe went out or the
+	// store last answered "no space".
+	LastProbe time.Time `json:"last_probe"`
+	// Skipped counts every skipped task.
+	Skipped int64 `json:"skipped"`
+	// Episodes counts how many times pressure mode began.
+	Episodes int64 `json:"episodes"`
+}
+
+// Admit decides what to do with the next save task at time now.
+func (g *PressureGate) Admit(now time.Time) Admission {
+	if !g.Active {
+		return AdmitPut
+	}
+	every, cool := g.ProbeEvery, g.CoolDown
+	if every <= 0 {
+		every = DefaultProbeEvery
+	}
+	if cool <= 0 {
+		cool = DefaultPressureCoolDown
+	}
+	if g.SinceProbe >= every || now.Sub(g.LastProbe) >= cool {
+		g.SinceProbe = 0
+		g.LastProbe = now
+		return AdmitProbe
+	}
+	g.SinceProbe++
+	g.Skipped++
+	return AdmitSkip
+}
+
+// OnNoSpace records a "no space" answer from the store: pressure mode
+// begins (or continues, restarting the cool-down).
+func (g *PressureGate) OnNoSpace(now time.Time) {
+	if !g.Active {
+		g.Active = true
+		g.Episodes++
+		g.SinceProbe = 0
+	}
+	g.LastProbe = now
+}
+
+// OnPutOK records a successful put: pressure mode ends.
+func (g *PressureGate) OnPutOK() {
+	g.Active = false
+	g.SinceProbe = 0
+}
+
+// RetryAction is what to do after a failed store call.
+type RetryAction string
+
+// Retry actions.
+const (
+	// RetryAgain: retry after RetryDecision.Delay.
+	RetryAgain RetryAction = "retry"
+	// RetryDeadLetter: give up and dead-letter the group with the reason.
+	RetryDeadLetter RetryAction = "dead_letter"
+	// RetryFail: give up and report the group failed with the reason.
+	RetryFail RetryAction = "fail"
+)
+
+// RetryDecision is the policy's answer after a failed attempt.
+type RetryDecision struct {
+	// Action says whether to retry or how to give up.
+	Action RetryAction `json:"action"`
+	// Delay is the backoff before the retry (RetryAgain only).
+	Delay time.Duration `json:"delay,omitempty"`
+	// Reason is the reason code when giving up.
+	Reason Reason `json:"reason,omitempty"`
+}
+
+// RetryPolicy is a bounded exponential backoff: the delay before retry n
+// (n ≥ 1) is BaseDelay·2^(n−1), capped at MaxDelay; after MaxAttempts
+// attempts the call is given up. No jitter and no sleeping: values only.
+type RetryPolicy struct {
+	// MaxAttempts counts the first attempt too (0: DefaultRetryAttempts).
+	MaxAttempts int `json:"max_attempts,omitempty"`
+	// BaseDelay is the first retry's delay (0: DefaultRetryBase).
+	BaseDelay time.Duration `json:"base_delay,omitempty"`
+	// MaxDelay caps every delay (0: DefaultRetryMax).
+	MaxDelay time.Duration `json:"max_delay,omitempty"`
+}
+
+// ExistsFailed decides after attempts failed existence checks of one task:
+// retry with backoff, or dead-letter with ReasonExistsFailed.
+func (p RetryPolicy) ExistsFailed(attempts int) RetryDecision {
+	return p.decide(attempts, RetryDeadLetter, ReasonExistsFailed)
+}
+
+// PutFailed decides after attempts failed puts (other than "no space"):
+// retry with backoff, or report the group failed with ReasonPutFailed.
+func (p RetryPolicy) PutFailed(attempts int) RetryDecision {
+	return p.decide(attempts, RetryFail, ReasonPutFailed)
+}
+
+func (p RetryPolicy) decide(attempts int, giveUp RetryAction, reason Reason) RetryDecision {
+	maxAttempts := p.MaxAttempts
+	if maxAttempts <= 0 {
+		maxAttempts = DefaultRetryAttempts
+	}
+	if attempts >= maxAttempts {
+		return RetryDecision{Action: giveUp, Reason: reason}
+	}
+	return RetryDecision{Action: RetryAgain, Delay: p.Backoff(attempts)}
+}
+
+// Backoff is the delay before retry n (n < 1 counts as 1).
+func (p RetryPolicy) Backoff(n int) time.Duration {
+	base, ceil := p.BaseDelay, p.MaxDelay
+	if base <= 0 {
+		base = DefaultRetryBase
+	}
+	if ceil <= 0 {
+		ceil = DefaultRetryMax
+	}
+	d := base
+	for i := 1; i < n && d < ceil; i++ {
+		if d > ceil/2 {
+			return ceil
+		}
+		d *= 2
+	}
+	return min(d, ceil)
+}
+
+// OutcomeKind classifies what happened to some keys of one group.
+type OutcomeKind string
+
+// Outcome kinds.
+const (
+	// OutcomeStored: keys put.
+	OutcomeStored OutcomeKind = "stored"
+	// OutcomeExisted: keys already in the store, not put again.
+	OutcomeExisted OutcomeKind = "existed"
+	// OutcomeSkipped: keys skipped in pressure mode.
+	OutcomeSkipped OutcomeKind = "skipped"
+	// OutcomeDeadLettered: the group was dead-lettered.
+	OutcomeDeadLettered OutcomeKind = "dead_lettered"
+	// OutcomeFailed: keys whose put failed.
+	OutcomeFailed OutcomeKind = "failed"
+)
+
+// GroupOutcome counts one group's keys by outcome.
+type GroupOutcome struct {
+	// Group is the KV-group index (as the task named it).
+	Group int `json:"group"`
+	// Stored, Existed, Skipped, DeadLettered and Failed count keys.
+	Stored       int `json:"stored"`
+	Existed      int `json:"existed"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+	// Reason is the first reason recorded for the group.
+	Reason Reason `json:"reason,omitempty"`
+}
+
+// SendOutcome is the sender's account of one save task, reported on
+// transfer.results.
+type SendOutcome struct {
+	// TaskID, EngineID and RequestID identify the task.
+	TaskID    string `json:"task_id"`
+	EngineID  string `json:"engine_id"`
+	RequestID string `json:"request_id"`
+	// Groups holds one entry per group recorded, in group order.
+	Groups []GroupOutcome `json:"groups"`
+}
+
+// NewSendOutcome starts the account of task t.
+func NewSendOutcome(t *SaveTask) SendOutcome {
+	return SendOutcome{TaskID: t.TaskID, EngineID: t.EngineID, RequestID: t.RequestID, Groups: []GroupOutcome{}}
+}
+
+// Record adds n keys of group with outcome k. A dead-lettered or failed
+// record counts at least 1, so a fault is never counted as zero (a group
+// rejected before any key was built still shows). The first non-empty
+// reason of a group is kept.
+func (o *SendOutcome) Record(group int, k OutcomeKind, n int, reason Reason) {
+	n = max(n, 0)
+	if k == OutcomeDeadLettered || k == OutcomeFailed {
+		n = max(n, 1)
+	}
+	g := o.group(group)
+	switch k {
+	case OutcomeStored:
+		g.Stored += n
+	case OutcomeExisted:
+		g.Existed += n
+	case OutcomeSkipped:
+		g.Skipped += n
+	case OutcomeDeadLettered:
+		g.DeadLettered += n
+	case OutcomeFailed:
+		g.Failed += n
+	}
+	if g.Reason == ReasonOK {
+		g.Reason = reason
+	}
+}
+
+// group finds or inserts the entry of group, keeping group order.
+func (o *SendOutcome) group(group int) *GroupOutcome {
+	i := sort.Search(len(o.Groups), func(i int) bool { return o.Groups[i].Group >= group })
+	if i == len(o.Groups) || o.Groups[i].Group != group {
+		o.Groups = append(o.Groups, GroupOutcome{})
+		copy(o.Groups[i+1:], o.Groups[i:])
+		o.Groups[i] = GroupOutcome{Group: group}
+	}
+	return &o.Groups[i]
+}
+
+// Totals sums every group (Group is -1, Reason the first group's reason).
+func (o *SendOutcome) Totals() GroupOutcome {
+	t := GroupOutcome{Group: -1}
+	for _, g := range o.Groups {
+		t.Stored += g.Stored
+		t.Existed += g.Existed
+		t.Skipped += g.Skipped
+		t.DeadLettered += g.DeadLettered
+		t.Failed += g.Failed
+		if t.Reason == ReasonOK {
+			t.Reason = g.Reason
+		}
+	}
+	return t
+}
+
+// Status is the task's overall outcome for the tracker: failed if any key
+// failed, else dead_lettered if any group was, else skipped if any key was
+// skipped, else stored.
+func (o *SendOutcome) Status() SaveStatus {
+	t := o.Totals()
+	switch {
+	case t.Failed > 0:
+		return SaveFailed
+	case t.DeadLettered > 0:
+		return SaveDeadLettered
+	case t.Skipped > 0:
+		return SaveSkipped
+	}
+	return SaveStored
+}

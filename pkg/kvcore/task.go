@@ -1,0 +1,128 @@
+package kvcore
+
+import (
+	"bytes"
+	"strconv"
+)
+
+// Schema names carried in the "schema" field of task payloads.
+const (
+	SchemaSaveTask = "kvmesh.save_task.v1"
+	SchemaLoadTask = "kvmesh.load_task.v1"
+)
+
+// BlockID is the id of one block in an engine's paged KV pool. In JSON a
+// null block (a slot the engine freed, e.g. outside a sliding window) is
+// null; in Go it is NullBlock.
+type BlockID int64
+
+// NullBlock stands for a JSON null in a block table.
+const NullBlock BlockID = -1
+
+// MarshalJSON writes NullBlock as null.
+func (b BlockID) MarshalJSON() ([]byte, error) {
+	if b == NullBlock {
+		return []byte("null"), nil
+	}
+	return strconv.AppendInt(nil, int64(b), 10), nil
+}
+
+// UnmarshalJSON reads null as NullBlock.
+func (b *BlockID) UnmarshalJSON(data []byte) error {
+	if bytes.Equal(data, []byte("null")) {
+		*b = NullBlock
+		return nil
+	}
+	v, err := strconv.ParseInt(string(data), 10, 64)
+	if err != nil {
+		return err
+	}
+	*b = BlockID(v)
+	return nil
+}
+
+// BlockTable is a request's block ids, one list per KV group:
+// [[0,1,2],[7]] for a two-group model. An empty table has zero groups.
+type BlockTable [][]BlockID
+
+// Clone returns a deep copy, so a task's snapshot never aliases a tracker.
+func (t BlockTable) Clone() BlockTable {
+	if t == nil {
+		return nil
+	}
+	out := make(BlockTable, len(t))
+	for i, g := range t {
+		out[i] = append([]BlockID(nil), g...)
+	}
+	return out
+}
+
+// LoadSpec is what a connector's lookup found for a request.
+type LoadSpec struct {
+	// VLLMCachedTokens is the engine's own prefix-cache hit (num_computed_tokens).
+	VLLMCachedTokens int `json:"vllm_cached_tokens"`
+	// KVPoolCachedTokens is the hit in the store pool.
+	KVPoolCachedTokens int `json:"kvpool_cached_tokens"`
+	// CanLoad is set at allocation when the engine accepted the external tokens.
+	CanLoad bool `json:"can_load"`
+}
+
+// GroupChunks names the chunks of one group that a task covers.
+type GroupChunks struct {
+	// Group is the KV-group index.
+	Group int `json:"group"`
+	// Chunks are the blocks of the group the task moves.
+	Chunks []Chunk `json:"chunks"`
+}
+
+// SaveTask asks the sender to store tokens [Start, End) of one request. It
+// carries a snapshot of the block table taken when the task was emitted.
+type SaveTask struct {
+	// Schema is SchemaSaveTask.
+	Schema string `json:"schema"`
+	// TaskID is unique per task and stable across redelivery.
+	TaskID string `json:"task_id"`
+	// EngineID is the engine that owns the blocks.
+	EngineID string `json:"engine_id"`
+	// RequestID is the engine's request id.
+	RequestID string `json:"request_id"`
+	// Model is the model name (Model.Name).
+	Model string `json:"model"`
+	// Start is the saved offset: tokens already stored before this task.
+	Start int `json:"start"`
+	// End is the token count stored once the task succeeds.
+	End int `json:"end"`
+	// BlockTable is the per-group block table snapshot.
+	BlockTable BlockTable `json:"block_table"`
+	// BlockHashes is the request's hash chain (hex), at least End/hash_block_size long.
+	BlockHashes []string `json:"block_hashes"`
+	// Groups lists, per group, exactly the chunks to store.
+	Groups []GroupChunks `json:"groups"`
+}
+
+// LoadTask asks a gpuworker to load tokens [Start, End) of one request into
+// the listed blocks.
+type LoadTask struct {
+	// Schema is SchemaLoadTask.
+	Schema string `json:"schema"`
+	// TaskID is unique per task and stable across redelivery.
+	TaskID string `json:"task_id"`
+	// EngineID is the engine whose pool receives the blocks.
+	EngineID string `json:"engine_id"`
+	// RequestID is the engine's request id.
+	RequestID string `json:"request_id"`
+	// Model is the model name (Model.Name).
+	Model string `json:"model"`
+	// Connector is the chosen connector ("store" or "pd").
+	Connector string `json:"connector"`
+	// Start is floor(vllm_cached_tokens, scheduler block size).
+	Start int `json:"start"`
+	// End is the hit: kvpool_cached_tokens.
+	End int `json:"end"`
+	// BlockTable is the per-group block table snapshot.
+	BlockTable BlockTable `json:"block_table"`
+	// BlockHashes is the request's hash chain (hex), at least End/hash_block_size long.
+	BlockHashes []string `json:"block_hashes"`
+	// Groups lists, per group, exactly the chunks to load.
+	Groups []GroupChunks `json:"groups"`
+}

@@ -1,0 +1,311 @@
+package kvcore
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// TrackerState is the lifecycle state of a request tracker.
+type TrackerState string
+
+// The states of a request tracker.
+const (
+	// StateWaiting: known (looked up, allocated) but never scheduled.
+	StateWaiting TrackerState = "waiting"
+	// StateRunning: scheduled; the tracker holds the scheduled block table.
+	StateRunning TrackerState = "running"
+	// StatePreempted: preempted; the tracker was reset and holds no table.
+	StatePreempted TrackerState = "preempted"
+	// StateFinishing: finished; the free waits for outstanding saves.
+	StateFinishing TrackerState = "finishing"
+	// StateDone: finished and freed (finished_sending was reported).
+	StateDone TrackerState = "done"
+	// StateErrored: a malformed input (e.g. a block table whose group count
+	// differs from the model's) stopped the request; it emits no more tasks.
+	StateErrored TrackerState = "errored"
+)
+
+// DefaultTrackerConnector is the connector name a tracker puts on its load
+// tasks unless Tracker.Connector says otherwise.
+const DefaultTrackerConnector = "store"
+
+// SaveStatus is the outcome of one save task, as the sender reports it.
+type SaveStatus string
+
+// Save outcomes. Every one of them counts as "reported" for the free.
+const (
+	// SaveStored: every group was stored (or already present).
+	SaveStored SaveStatus = "stored"
+	// SaveSkipped: the save was skipped (store pressure).
+	SaveSkipped SaveStatus = "skipped"
+	// SaveDeadLettered: at least one group was dead-lettered.
+	SaveDeadLettered SaveStatus = "dead_lettered"
+	// SaveFailed: at least one group failed (e.g. put_failed).
+	SaveFailed SaveStatus = "failed"
+)
+
+// Valid reports whether s is one of the known save outcomes.
+func (s SaveStatus) Valid() bool {
+	switch s {
+	case SaveStored, SaveSkipped, SaveDeadLettered, SaveFailed:
+		return true
+	}
+	return false
+}
+
+// SaveCounts counts a request's reported save outcomes.
+type SaveCounts struct {
+	Stored       int `json:"stored"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+}
+
+func (c *SaveCounts) add(s SaveStatus) {
+	switch s {
+	case SaveStored:
+		c.Stored++
+	case SaveSkipped:
+		c.Skipped++
+	case SaveDeadLettered:
+		c.DeadLettered++
+	case SaveFailed:
+		c.Failed++
+	}
+}
+
+// FeedbackKind names a message the scheduler sends to an engine.
+type FeedbackKind string
+
+// Feedback kinds.
+const (
+	// FeedbackFinishedSending: the request's blocks may be freed.
+	FeedbackFinishedSending FeedbackKind = "finished_sending"
+	// FeedbackFinishedRecving: the request's load is over; LoadErrors lists
+	// the blocks the engine must recompute.
+	FeedbackFinishedRecving FeedbackKind = "finished_recving"
+)
+
+// Feedback is one message to the engine.
+type Feedback struct {
+	// Kind says what finished.
+	Kind FeedbackKind `json:"kind"`
+	// EngineID is the engine the message goes to.
+	EngineID string `json:"engine_id"`
+	// RequestID is the request it concerns.
+	RequestID string `json:"request_id"`
+	// Immediate is set on finished_sending when nothing had to be waited for
+	// (vLLM's request_finished returning "do not delay the free").
+	Immediate bool `json:"immediate,omitempty"`
+	// LoadErrors lists, on finished_recving, the block ids whose load failed.
+	LoadErrors []BlockID `json:"load_errors,omitempty"`
+}
+
+// Effects is what one tracker event asks the caller to do. The tracker does
+// nothing itself; the caller persists the tracker and publishes the effects.
+type Effects struct {
+	// Saves are save tasks to publish.
+	Saves []SaveTask
+	// Loads are load tasks to publish.
+	Loads []LoadTask
+	// Feedback are messages to the engine.
+	Feedback []Feedback
+	// Drop is set when the tracker has nothing left to do and may be deleted.
+	Drop bool
+	// Err reports a problem with the event, wrapping a sentinel error. When
+	// the problem stopped the request, the tracker is in StateErrored.
+	Err error
+}
+
+// LoadState is the tracker's view of the store connector's LoadSpec for the
+// current scheduling attempt (lookup, then allocation, in either order).
+type LoadState struct {
+	// LookedUp is set once the lookup decision arrived.
+	LookedUp bool `json:"looked_up,omitempty"`
+	// Spec is the lookup's LoadSpec (nil: the lookup kept none).
+	Spec *LoadSpec `json:"spec,omitempty"`
+	// Allocated is set once the allocation arrived.
+	Allocated bool `json:"allocated,omitempty"`
+	// External is the external-token count the allocation gave this connector.
+	External int `json:"external_tokens,omitempty"`
+	// Table is the allocation's block table, kept only while an accepted
+	// load may still be issued from it. It never feeds a save.
+	Table BlockTable `json:"block_table,omitempty"`
+	// Resolved is set once lookup and allocation were matched: Spec.CanLoad
+	// is then final.
+	Resolved bool `json:"resolved,omitempty"`
+	// Issued is set once the load was emitted (or abandoned and reported).
+	Issued bool `json:"issued,omitempty"`
+	// PendingSeen is set once a step listed the request as a pending load.
+	PendingSeen bool `json:"pending_seen,omitempty"`
+}
+
+// canIssue reports whether an accepted load is waiting to be issued.
+func (l *LoadState) canIssue() bool {
+	return l.Resolved && !l.Issued && l.Spec != nil && l.Spec.CanLoad
+}
+
+// expecting reports whether the allocation promised external tokens that no
+// load has covered yet (blocks that must not be saved before they are loaded).
+func (l *LoadState) expecting() bool {
+	return l.Allocated && l.External > 0 && !l.Issued
+}
+
+// Tracker is the scheduler-side state of one request for the store
+// connector: a plain value, persisted as JSON between events. Drive it with
+// OnAdmit, OnLookup, OnAllocate, Step, OnSaveResult and OnLoadResult; each
+// returns the Effects to carry out.
+//
+// The saved offset (NumSavedTokens) advances when a save is emitted, like
+// vLLM's num_saved_tokens, and never decreases: preemption resets the table
+// and token count but keeps the offset, because the tokens before it were
+// already handed to the sender and their store keys do not change. A failed
+// save is reported, not re-emitted.
+type Tracker struct {
+	// EngineID is the engine that owns the request.
+	EngineID string `json:"engine_id"`
+	// RequestID is the engine's request id.
+	RequestID string `json:"request_id"`
+	// Model is the model name (Model.Name); events for another model are refused.
+	Model string `json:"model"`
+	// Connector names the connector on load tasks ("" means DefaultTrackerConnector).
+	Connector string `json:"connector,omitempty"`
+	// Consumer is set for the kv_consumer role: the request never saves.
+	Consumer bool `json:"consumer,omitempty"`
+	// State is the lifecycle state.
+	State TrackerState `json:"state"`
+	// Error says why the request is in StateErrored.
+	Error string `json:"error,omitempty"`
+	// TokenLen is the number of tokens computed once the last step ran.
+	TokenLen int `json:"token_len"`
+	// PrefillEnd is the prompt length (0: unknown); tokens past it are
+	// decode tokens and are not saved.
+	PrefillEnd int `json:"prefill_end,omitempty"`
+	// Table is the scheduled block table, one list per group. It is only
+	// ever set from a table whose group count equals the model's.
+	Table BlockTable `json:"block_table"`
+	// NumSavedTokens is the saved offset: tokens covered by emitted saves.
+	NumSavedTokens int `json:"num_saved_tokens"`
+	// Hashes is the request's hash chain (hex), one per hash block.
+	Hashes []string `json:"block_hashes,omitempty"`
+	// Load is the LoadSpec state of the current scheduling attempt.
+	Load LoadState `json:"load"`
+	// Seq numbers the tasks the tracker emitted; task ids derive from it.
+	Seq int `json:"seq"`
+	// PendingSaves are the ids of emitted saves not yet reported.
+	PendingSaves []string `json:"pending_saves,omitempty"`
+	// PendingLoads are the ids of emitted loads not yet reported.
+	PendingLoads []string `json:"pending_loads,omitempty"`
+	// Reports counts the reported save outcomes.
+	Reports SaveCounts `json:"save_reports"`
+}
+
+// NewTracker starts the tracker of one request of model m.
+func NewTracker(m *Model, engineID, requestID string) *Tracker {
+	return &Tracker{EngineID: engineID, RequestID: requestID, Model: m.Name, State: StateWaiting}
+}
+
+// MarshalTracker encodes a tracker for storage.
+func MarshalTracker(t *Tracker) ([]byte, error) {
+	b, err := json.Marshal(t)
+	if err != nil {
+		return nil, fmt.Errorf("tracker %s/%s: encode: %w", t.EngineID, t.RequestID, err)
+	}
+	return b, nil
+}
+
+// UnmarshalTracker decodes a stored tracker.
+func UnmarshalTracker(b []byte) (*Tracker, error) {
+	var t Tracker
+	if err := json.Unmarshal(b, &t); err != nil {
+		return nil, fmt.Errorf("tracker: decode: %w", err)
+	}
+	return &t, nil
+}
+
+// OnAdmit records what the engine tells at admission: the request's hash
+// chain so far and its prompt length (0 if unknown).
+func (t *Tracker) OnAdmit(hashes []string, promptTokens int) {
+	t.extendHashes(hashes)
+	if promptTokens > 0 {
+		t.PrefillEnd = promptTokens
+	}
+}
+
+// Finished reports whether the request has finished (freed or waiting for
+// its saves).
+func (t *Tracker) Finished() bool { return t.State == StateFinishing || t.State == StateDone }
+
+// extendHashes adopts a longer hash chain. The chain only grows: elements
+// already held are never rewritten, so a task's copy stays consistent.
+func (t *Tracker) extendHashes(h []string) {
+	if len(h) > len(t.Hashes) {
+		t.Hashes = append(t.Hashes, h[len(t.Hashes):]...)
+	}
+}
+
+// checkModel refuses an event driven with another model than the tracker's.
+func (t *Tracker) checkModel(m *Model) error {
+	if m == nil {
+		return fmt.Errorf("request %s/%s: no model: %w", t.EngineID, t.RequestID, ErrUnknownModel)
+	}
+	if t.Model != m.Name {
+		return fmt.Errorf("request %s/%s: tracker of model %q driven with %q: %w", t.EngineID, t.RequestID, t.Model, m.Name, ErrUnknownModel)
+	}
+	return nil
+}
+
+// fail moves the request to StateErrored. An allocation that promised
+// external tokens is answered with finished_recving listing every block as
+// a load error, so the engine recomputes instead of waiting forever.
+func (t *Tracker) fail(eff *Effects, err error, table BlockTable) {
+	t.State = StateErrored
+	t.Error = err.Error()
+	eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, err)
+	if t.Load.expecting() {
+		t.abandonLoad(eff, table)
+	}
+}
+
+// abandonLoad reports an expected load as finished with every block of
+// table in error, and marks it issued so it is never emitted later.
+func (t *Tracker) abandonLoad(eff *Effects, table BlockTable) {
+	t.Load.Issued = true
+	if table == nil {
+		table = t.Load.Table
+	}
+	t.Load.Table = nil
+	eff.Feedback = append(eff.Feedback, Feedback{
+		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
+		LoadErrors: liveBlocks(table),
+	})
+}
+
+// liveBlocks lists the non-null block ids of a table, group by group.
+func liveBlocks(table BlockTable) []BlockID {
+	out := []BlockID{}
+	for _, g := range table {
+		for _, b := range g {
+			if b >= 0 {
+				out = append(out, b)
+			}
+		}
+	}
+	return out
+}
+
+// settle sets Drop when the tracker has nothing left to wait for.
+func (t *Tracker) settle(eff *Effects) Effects {
+	eff.Drop = t.State == StateDone && len(t.PendingSaves) == 0 && len(t.PendingLoads) == 0
+	return *eff
+}
+
+// removeID deletes id from ids, reporting whether it was there.
+func removeID(ids []string, id string) ([]string, bool) {
+	for i, v := range ids {
+		if v == id {
+			return append(ids[:i], ids[i+1:]...), true
+		}
+	}
+	return ids, false
+}

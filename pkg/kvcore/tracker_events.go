@@ -1,0 +1,315 @@
+package kvcore
+
+import "fmt"
+
+// StepKind says how one engine step saw a request.
+type StepKind string
+
+// Step kinds.
+const (
+	// StepNew: newly scheduled; Tokens and the full scheduled Table.
+	StepNew StepKind = "new"
+	// StepRunning: already running; Table holds the new block ids per group
+	// (nil: none) and Tokens the token count after the step.
+	StepRunning StepKind = "running"
+	// StepResumed: resumed after preemption; Table replaces the tracker's.
+	StepResumed StepKind = "resumed"
+	// StepDecode: a running request in its decode phase; like StepRunning,
+	// but a decode step never saves.
+	StepDecode StepKind = "decode"
+	// StepPendingLoad: allocated but not scheduled this step (waiting for
+	// its external KV).
+	StepPendingLoad StepKind = "pending_load"
+	// StepPreempted: preempted; the tracker is reset and load state dropped.
+	StepPreempted StepKind = "preempted"
+	// StepFinished: the request finished (vLLM's request_finished).
+	StepFinished StepKind = "finished"
+)
+
+// Step is one engine step's input for one request.
+type Step struct {
+	// Kind says how the step saw the request.
+	Kind StepKind `json:"kind"`
+	// Tokens is the request's token count once the step has run
+	// (computed plus scheduled tokens).
+	Tokens int `json:"tokens,omitempty"`
+	// Table is the scheduled block table (new, resumed) or the new block ids
+	// per group (running, decode; nil when no block was added). Its group
+	// count must equal the model's; an empty non-nil table has zero groups.
+	Table BlockTable `json:"block_table"`
+	// Hashes is the request's hash chain so far (hex); it may be omitted.
+	Hashes []string `json:"block_hashes,omitempty"`
+}
+
+// OnLookup records the store connector's lookup decision: its LoadSpec, or
+// nil when the lookup kept none. CanLoad is only ever set by allocation. A
+// lookup after a settled allocation starts a new scheduling attempt; one
+// that arrives after its own allocation settles it.
+func (t *Tracker) OnLookup(m *Model, spec *LoadSpec) Effects {
+	var eff Effects
+	if err := t.checkModel(m); err != nil {
+		eff.Err = err
+		return eff
+	}
+	if t.Finished() || t.State == StateErrored {
+		return t.settle(&eff)
+	}
+	if !t.Load.Allocated || t.Load.Resolved {
+		t.Load = LoadState{}
+	}
+	t.Load.LookedUp = true
+	t.Load.Spec = nil
+	if spec != nil {
+		c := *spec
+		c.CanLoad = false
+		t.Load.Spec = &c
+	}
+	t.resolve(m, &eff)
+	return t.settle(&eff)
+}
+
+// OnAllocate records the allocation (vLLM's update_state_after_alloc):
+// externalTokens > 0 with a LoadSpec accepts the load (CanLoad = true; the
+// count must equal hit − num_computed); 0 rejects it (CanLoad = false, and
+// the table is not kept: a rejected load emits nothing). table is the
+// request's block table after allocation.
+func (t *Tracker) OnAllocate(m *Model, externalTokens int, table BlockTable) Effects {
+	var eff Effects
+	if err := t.checkModel(m); err != nil {
+		eff.Err = err
+		return eff
+	}
+	if t.Finished() || t.State == StateErrored {
+		return t.settle(&eff)
+	}
+	switch {
+	case externalTokens < 0:
+		eff.Err = fmt.Errorf("request %s/%s: allocation of %d external tokens: %w", t.EngineID, t.RequestID, externalTokens, ErrNegativeCount)
+	case t.Load.Allocated:
+		eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, ErrAllocatedTwice)
+	default:
+		t.Load.Allocated = true
+		t.Load.External = externalTokens
+		if externalTokens > 0 {
+			t.Load.Table = table.Clone()
+		}
+		t.resolve(m, &eff)
+	}
+	return t.settle(&eff)
+}
+
+// resolve matches lookup and allocation once both are known, settling
+// Spec.CanLoad, and issues the accepted load if the request already waits
+// for it.
+func (t *Tracker) resolve(m *Model, eff *Effects) {
+	l := &t.Load
+	if !l.LookedUp || !l.Allocated || l.Resolved {
+		return
+	}
+	l.Resolved = true
+	if l.External == 0 {
+		if l.Spec != nil {
+			l.Spec.CanLoad = false
+		}
+		l.Table = nil
+		return
+	}
+	if err := t.checkExternal(); err != nil {
+		t.abandonLoad(eff, nil)
+		eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, err)
+		return
+	}
+	if t.State != StateRunning {
+		if err := checkGroups(m, l.Table, "allocation block table"); err != nil {
+			t.fail(eff, err, nil)
+			return
+		}
+	}
+	l.Spec.CanLoad = true
+	switch {
+	case t.State == StateRunning:
+		t.emitLoad(m, t.Table, eff)
+	case l.PendingSeen:
+		t.emitLoad(m, l.Table, eff)
+	}
+}
+
+// checkExternal checks an accepting allocation against the LoadSpec.
+func (t *Tracker) checkExternal() error {
+	l := &t.Load
+	if l.Spec == nil {
+		return fmt.Errorf("%d external tokens without a load spec: %w", l.External, ErrExternalTokens)
+	}
+	if need := l.Spec.KVPoolCachedTokens - l.Spec.VLLMCachedTokens; l.External != need {
+		return fmt.Errorf("%d external tokens, load spec needs %d (hit %d − cached %d): %w",
+			l.External, need, l.Spec.KVPoolCachedTokens, l.Spec.VLLMCachedTokens, ErrExternalTokens)
+	}
+	return nil
+}
+
+// Step applies one engine step to the request.
+func (t *Tracker) Step(m *Model, s Step) Effects {
+	var eff Effects
+	if err := t.checkModel(m); err != nil {
+		eff.Err = err
+		return eff
+	}
+	if !t.accepts(s.Kind, &eff) {
+		return t.settle(&eff)
+	}
+	switch s.Kind {
+	case StepFinished:
+		t.finish(&eff)
+	case StepPreempted:
+		t.preempt()
+	case StepPendingLoad:
+		t.pending(m, &eff)
+	case StepNew, StepResumed:
+		t.schedule(m, s, &eff)
+	case StepRunning, StepDecode:
+		t.advance(m, s, &eff)
+	default:
+		eff.Err = fmt.Errorf("request %s/%s: step kind %q: %w", t.EngineID, t.RequestID, s.Kind, ErrUnknownStep)
+	}
+	return t.settle(&eff)
+}
+
+// accepts filters steps by lifecycle: a finished request takes only a
+// (repeated, ignored) finish; an errored one only its finish.
+func (t *Tracker) accepts(k StepKind, eff *Effects) bool {
+	if t.Finished() {
+		if k != StepFinished {
+			eff.Err = fmt.Errorf("request %s/%s: %s step: %w", t.EngineID, t.RequestID, k, ErrRequestFinished)
+		}
+		return false
+	}
+	return t.State != StateErrored || k == StepFinished
+}
+
+// schedule handles a new or resumed request: the tracker is rebuilt from
+// the scheduled tokens and the scheduled block table. An accepted load not
+// yet issued is issued now, and then nothing is saved this step.
+func (t *Tracker) schedule(m *Model, s Step, eff *Effects) {
+	if s.Tokens < 0 {
+		t.fail(eff, fmt.Errorf("%s step with %d tokens: %w", s.Kind, s.Tokens, ErrNegativeCount), s.Table)
+		return
+	}
+	if err := checkGroups(m, s.Table, string(s.Kind)+" step block table"); err != nil {
+		t.fail(eff, err, s.Table)
+		return
+	}
+	t.State = StateRunning
+	t.Table = s.Table.Clone()
+	t.TokenLen = s.Tokens
+	t.extendHashes(s.Hashes)
+	if t.Load.canIssue() {
+		t.emitLoad(m, t.Table, eff)
+		return
+	}
+	t.maybeSave(m, eff)
+}
+
+// advance handles a running or decode step: new block ids are appended per
+// group; a running step saves, a decode step does not.
+func (t *Tracker) advance(m *Model, s Step, eff *Effects) {
+	if t.State != StateRunning {
+		t.fail(eff, fmt.Errorf("%s step for a %s request: %w", s.Kind, t.State, ErrBadStep), nil)
+		return
+	}
+	if s.Table != nil {
+		if err := checkGroups(m, s.Table, string(s.Kind)+" step new block ids"); err != nil {
+			t.fail(eff, err, nil)
+			return
+		}
+		for g := range t.Table {
+			t.Table[g] = append(t.Table[g], s.Table[g]...)
+		}
+	}
+	if s.Tokens > t.TokenLen {
+		t.TokenLen = s.Tokens
+	}
+	t.extendHashes(s.Hashes)
+	if s.Kind == StepRunning {
+		t.maybeSave(m, eff)
+	}
+}
+
+// pending handles a request allocated but not scheduled this step: the
+// load is issued only if it was accepted (CanLoad). kvmesh fix: a rejected
+// load emits nothing — in particular never a save.
+func (t *Tracker) pending(m *Model, eff *Effects) {
+	if t.State == StateRunning {
+		eff.Err = fmt.Errorf("request %s/%s: pending-load step for a running request: %w", t.EngineID, t.RequestID, ErrBadStep)
+		return
+	}
+	t.Load.PendingSeen = true
+	if t.Load.canIssue() {
+		t.emitLoad(m, t.Load.Table, eff)
+	}
+}
+
+// preempt resets the tracker and drops its load state; the saved offset
+// and the outstanding tasks are kept.
+func (t *Tracker) preempt() {
+	t.State = StatePreempted
+	t.Table = nil
+	t.TokenLen = 0
+	t.Load = LoadState{}
+}
+
+// finish is vLLM's request_finished: with no scheduled tracker, the
+// consumer role, or no save outstanding, the blocks are freed now
+// (finished_sending, Immediate); otherwise the free waits for the last
+// outstanding save to be reported.
+func (t *Tracker) finish(eff *Effects) {
+	t.Load.Table = nil
+	scheduled := t.State == StateRunning || t.State == StateErrored
+	if t.Consumer || !scheduled || len(t.PendingSaves) == 0 {
+		t.State = StateDone
+		eff.Feedback = append(eff.Feedback, t.finishedSending(true))
+		return
+	}
+	t.State = StateFinishing
+}
+
+func (t *Tracker) finishedSending(immediate bool) Feedback {
+	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate}
+}
+
+// OnSaveResult records the sender's report for one save task. Every outcome
+// counts as reported; when the last outstanding save of a finishing request
+// is reported, finished_sending is emitted. Unknown or repeated task ids
+// (redelivery) change nothing.
+func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
+	var eff Effects
+	if !status.Valid() {
+		eff.Err = fmt.Errorf("request %s/%s: save %s: status %q: %w", t.EngineID, t.RequestID, taskID, status, ErrUnknownSaveStatus)
+		return eff
+	}
+	var found bool
+	if t.PendingSaves, found = removeID(t.PendingSaves, taskID); !found {
+		return t.settle(&eff)
+	}
+	t.Reports.add(status)
+	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
+		t.State = StateDone
+		eff.Feedback = append(eff.Feedback, t.finishedSending(false))
+	}
+	return t.settle(&eff)
+}
+
+// OnLoadResult records a gpuworker's report for one load task and emits
+// finished_recving with the blocks whose load failed (the engine recomputes
+// them). Unknown or repeated task ids change nothing.
+func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects {
+	var eff Effects
+	var found bool
+	if t.PendingLoads, found = removeID(t.PendingLoads, taskID); !found {
+		return t.settle(&eff)
+	}
+	eff.Feedback = append(eff.Feedback, Feedback{
+		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
+		LoadErrors: append([]BlockID{}, loadErrorBlocks...),
+	})
+	return t.settle(&eff)
+}

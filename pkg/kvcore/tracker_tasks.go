@@ -1,0 +1,165 @@
+package kvcore
+
+import (
+	"fmt"
+	"strconv"
+)
+
+// checkGroups refuses a block table whose group count is not the model's.
+// Every table a task is built from passes through it.
+func checkGroups(m *Model, table BlockTable, what string) error {
+	if len(table) != len(m.Groups) {
+		return fmt.Errorf("%s has %d group(s), model %q has %d: %w", what, len(table), m.Name, len(m.Groups), ErrGroupCount)
+	}
+	return nil
+}
+
+// chunksFit checks that every chunk of groups lies inside table and hashes.
+func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks) error {
+	for _, gc := range groups {
+		bs := m.Groups[gc.Group].BlockSize
+		for _, c := range gc.Chunks {
+			if bi := c.BlockIndex(bs); bi >= len(table[gc.Group]) {
+				return fmt.Errorf("group %d chunk [%d,%d) needs block %d of %d: %w", gc.Group, c.Start, c.End, bi, len(table[gc.Group]), ErrChunkOutOfRange)
+			}
+			if hi := c.HashIndex(m.HashBlockSize); hi >= len(hashes) {
+				return fmt.Errorf("group %d chunk [%d,%d) needs hash %d of %d: %w", gc.Group, c.Start, c.End, hi, len(hashes), ErrChunkOutOfRange)
+			}
+		}
+	}
+	return nil
+}
+
+// maybeSave emits the save of full scheduler blocks from the saved offset
+// to the aligned end, if there is one. It never saves for the consumer
+// role, for a request not running, or while a load of the request is
+// expected or outstanding (its blocks are not filled yet).
+func (t *Tracker) maybeSave(m *Model, eff *Effects) {
+	if t.Consumer || t.State != StateRunning || t.Load.expecting() || len(t.PendingLoads) > 0 {
+		return
+	}
+	end, hashLimited := t.saveEnd(m)
+	if hashLimited {
+		eff.Err = fmt.Errorf("request %s/%s: %d tokens, %d block hashes: save held back: %w", t.EngineID, t.RequestID, t.TokenLen, len(t.Hashes), ErrShortHashChain)
+	}
+	if end <= t.NumSavedTokens {
+		return
+	}
+	task, err := t.newSaveTask(m, end)
+	if err != nil {
+		t.fail(eff, err, nil)
+		return
+	}
+	t.NumSavedTokens = end
+	t.PendingSaves = append(t.PendingSaves, task.TaskID)
+	eff.Saves = append(eff.Saves, task)
+}
+
+// saveEnd is where a save would end: floor(token_len, sbs), not past the
+// prompt (decode tokens are not saved), nor past what the hash chain and
+// every group's block table cover. hashLimited reports that the hash chain
+// alone held back tokens that could otherwise be saved now.
+func (t *Tracker) saveEnd(m *Model) (end int, hashLimited bool) {
+	if len(t.Table) != len(m.Groups) {
+		return 0, false
+	}
+	sbs := m.SchedulerBlockSize()
+	limit := t.TokenLen
+	if t.PrefillEnd > 0 && t.PrefillEnd < limit {
+		limit = t.PrefillEnd
+	}
+	end = limit / sbs * sbs
+	for g, grp := range m.Groups {
+		end = min(end, len(t.Table[g])*grp.BlockSize/sbs*sbs)
+	}
+	hashEnd := len(t.Hashes) * m.HashBlockSize / sbs * sbs
+	if hashEnd < end {
+		return hashEnd, end > t.NumSavedTokens
+	}
+	return end, false
+}
+
+// newSaveTask builds the save of [NumSavedTokens, end) from the tracker's
+// scheduled table. It is the only place a SaveTask is built, and it refuses
+// a table whose group count is not the model's: the seed crash (a save with
+// an empty table on a hybrid model) cannot be built.
+func (t *Tracker) newSaveTask(m *Model, end int) (SaveTask, error) {
+	if err := checkGroups(m, t.Table, "tracker block table"); err != nil {
+		return SaveTask{}, err
+	}
+	groups := m.SaveGroups(t.NumSavedTokens, end)
+	if err := chunksFit(m, t.Table, t.Hashes, groups); err != nil {
+		return SaveTask{}, err
+	}
+	t.Seq++
+	return SaveTask{
+		Schema:      SchemaSaveTask,
+		TaskID:      t.taskID("save"),
+		EngineID:    t.EngineID,
+		RequestID:   t.RequestID,
+		Model:       m.Name,
+		Start:       t.NumSavedTokens,
+		End:         end,
+		BlockTable:  t.Table.Clone(),
+		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
+		Groups:      groups,
+	}, nil
+}
+
+// emitLoad issues the accepted load into table's blocks. A load that cannot
+// be built is reported finished at once with every block in error.
+func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
+	task, err := t.newLoadTask(m, table)
+	if err != nil {
+		t.abandonLoad(eff, table)
+		eff.Err = fmt.Errorf("request %s/%s: load: %w", t.EngineID, t.RequestID, err)
+		return
+	}
+	t.Load.Issued = true
+	t.Load.Table = nil
+	t.PendingLoads = append(t.PendingLoads, task.TaskID)
+	eff.Loads = append(eff.Loads, task)
+}
+
+// newLoadTask builds the load of [floor(vllm_cached, sbs), hit) into table.
+func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
+	if err := checkGroups(m, table, "load block table"); err != nil {
+		return LoadTask{}, err
+	}
+	start, end := m.LoadRange(*t.Load.Spec)
+	if sbs := m.SchedulerBlockSize(); start < 0 || end <= start || end%sbs != 0 {
+		return LoadTask{}, fmt.Errorf("load range [%d,%d) with scheduler block size %d: %w", start, end, sbs, ErrChunkOutOfRange)
+	}
+	if n := end / m.HashBlockSize; n > len(t.Hashes) {
+		return LoadTask{}, fmt.Errorf("load to %d needs %d block hashes, have %d: %w", end, n, len(t.Hashes), ErrShortHashChain)
+	}
+	groups := m.LoadGroups(start, end)
+	if err := chunksFit(m, table, t.Hashes, groups); err != nil {
+		return LoadTask{}, err
+	}
+	t.Seq++
+	conn := t.Connector
+	if conn == "" {
+		conn = DefaultTrackerConnector
+	}
+	return LoadTask{
+		Schema:      SchemaLoadTask,
+		TaskID:      t.taskID("load"),
+		EngineID:    t.EngineID,
+		RequestID:   t.RequestID,
+		Model:       m.Name,
+		Connector:   conn,
+		Start:       start,
+		End:         end,
+		BlockTable:  table.Clone(),
+		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
+		Groups:      groups,
+	}, nil
+}
+
+// taskID is engine/request/kind/seq: unique per task, stable across
+// redelivery of the event that emitted it (the tracker is persisted with
+// its Seq before the task is published).
+func (t *Tracker) taskID(kind string) string {
+	return t.EngineID + "/" + t.RequestID + "/" + kind + "/" + strconv.Itoa(t.Seq)
+}

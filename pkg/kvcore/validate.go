@@ -1,0 +1,229 @@
+package kvcore
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+)
+
+// Reason is a stable reason code for a save group that cannot be stored.
+// It appears on dead letters and in transfer results.
+type Reason string
+
+// Reason codes. ReasonOK (the empty code) means valid.
+const (
+	// ReasonOK: the group is valid.
+	ReasonOK Reason = ""
+	// ReasonModelUnknown: the task names a model the sender does not serve
+	// (or the model spec is unusable). Task-wide.
+	ReasonModelUnknown Reason = "model_unknown"
+	// ReasonTokenRangeInvalid: Start/End are negative, empty, reversed or
+	// not aligned to the scheduler block size. Task-wide.
+	ReasonTokenRangeInvalid Reason = "token_range_invalid"
+	// ReasonTableGroupCount: the block table lacks this group, or has more
+	// groups than the model (then every group gets it).
+	ReasonTableGroupCount Reason = "table_group_count"
+	// ReasonGroupOutOfRange: a task entry names a group the model lacks.
+	ReasonGroupOutOfRange Reason = "group_out_of_range"
+	// ReasonGroupMissing: the task does not list a model group.
+	ReasonGroupMissing Reason = "group_missing"
+	// ReasonGroupDuplicate: a task entry repeats a group listed before.
+	ReasonGroupDuplicate Reason = "group_duplicate"
+	// ReasonHashCountMismatch: the hash chain is shorter than End needs.
+	ReasonHashCountMismatch Reason = "hash_count_mismatch"
+	// ReasonHashInvalid: a hash the group's chunks use is not lower-case hex.
+	ReasonHashInvalid Reason = "hash_invalid"
+	// ReasonChunksMismatch: the entry's chunks differ from Model.SaveChunks
+	// for the task's range.
+	ReasonChunksMismatch Reason = "chunks_mismatch"
+	// ReasonTableTooShort: the group's block list ends before a chunk.
+	ReasonTableTooShort Reason = "table_too_short"
+	// ReasonNullBlock: a chunk's block is null.
+	ReasonNullBlock Reason = "null_block"
+	// ReasonBlockOutOfRange: a chunk's block id is negative or beyond the pool.
+	ReasonBlockOutOfRange Reason = "block_out_of_range"
+	// ReasonExistsFailed: the store's existence check kept failing.
+	ReasonExistsFailed Reason = "exists_failed"
+	// ReasonPutFailed: the store refused or failed a put.
+	ReasonPutFailed Reason = "put_failed"
+	// ReasonStorePressure: the save was skipped in pressure mode (store full).
+	ReasonStorePressure Reason = "store_pressure"
+)
+
+// GroupVerdict is the validation result for one group of a save task.
+type GroupVerdict struct {
+	// Group is the KV-group index (for an out-of-range or duplicate entry,
+	// the index the entry names).
+	Group int `json:"group"`
+	// Reason is ReasonOK for a valid group, else why it cannot be stored.
+	Reason Reason `json:"reason,omitempty"`
+	// Detail explains the reason for operators.
+	Detail string `json:"detail,omitempty"`
+}
+
+// OK reports whether the group is valid.
+func (v GroupVerdict) OK() bool { return v.Reason == ReasonOK }
+
+// ValidateSave checks a save task against model m, group by group. It
+// returns exactly one verdict per model group, in group order, followed by
+// one verdict per task entry that names a group outside the model or
+// repeats one. A group is never rejected because another group is bad; only
+// task-wide faults (model_unknown, token_range_invalid, hash_count_mismatch,
+// a table with more groups than the model) reject every group. poolBlocks
+// gives the number of blocks per group in the engine's pool; nil (or a
+// missing entry) skips the upper-bound check. A nil model yields one
+// model_unknown verdict per task entry.
+func ValidateSave(m *Model, poolBlocks []int, t *SaveTask) []GroupVerdict {
+	if m == nil || m.Validate() != nil || m.Name != t.Model {
+		return modelUnknown(m, t)
+	}
+	first, extra := indexEntries(len(m.Groups), t.Groups)
+	taskFault := taskWideFault(m, t)
+	out := make([]GroupVerdict, 0, len(m.Groups)+len(extra))
+	for g := range m.Groups {
+		v := GroupVerdict{Group: g}
+		switch {
+		case taskFault.Reason != ReasonOK:
+			v.Reason, v.Detail = taskFault.Reason, taskFault.Detail
+		case g >= len(t.BlockTable):
+			v.Reason = ReasonTableGroupCount
+			v.Detail = fmt.Sprintf("block table has %d group(s), model %q has %d: no block list for group %d", len(t.BlockTable), m.Name, len(m.Groups), g)
+		case first[g] < 0:
+			v.Reason, v.Detail = ReasonGroupMissing, fmt.Sprintf("the task lists no chunks for group %d", g)
+		default:
+			v.Reason, v.Detail = checkGroup(m, poolBlocks, t, t.Groups[first[g]])
+		}
+		out = append(out, v)
+	}
+	return append(out, extra...)
+}
+
+// modelUnknown rejects every group of a task whose model is unknown.
+func modelUnknown(m *Model, t *SaveTask) []GroupVerdict {
+	detail := fmt.Sprintf("model %q is not served here", t.Model)
+	if m != nil {
+		if err := m.Validate(); err != nil {
+			detail = fmt.Sprintf("model %q is unusable: %v", m.Name, err)
+		}
+		out := make([]GroupVerdict, len(m.Groups))
+		for g := range out {
+			out[g] = GroupVerdict{Group: g, Reason: ReasonModelUnknown, Detail: detail}
+		}
+		return out
+	}
+	out := make([]GroupVerdict, 0, len(t.Groups))
+	for _, e := range t.Groups {
+		out = append(out, GroupVerdict{Group: e.Group, Reason: ReasonModelUnknown, Detail: detail})
+	}
+	return out
+}
+
+// indexEntries maps each model group to the index of the first task entry
+// that lists it (-1: none), and gives a verdict for every entry that names a
+// group outside the model or repeats one.
+func indexEntries(groups int, entries []GroupChunks) (first []int, extra []GroupVerdict) {
+	first = make([]int, groups)
+	for g := range first {
+		first[g] = -1
+	}
+	for i, e := range entries {
+		switch {
+		case e.Group < 0 || e.Group >= groups:
+			extra = append(extra, GroupVerdict{Group: e.Group, Reason: ReasonGroupOutOfRange,
+				Detail: fmt.Sprintf("entry %d names group %d of a %d-group model", i, e.Group, groups)})
+		case first[e.Group] >= 0:
+			extra = append(extra, GroupVerdict{Group: e.Group, Reason: ReasonGroupDuplicate,
+				Detail: fmt.Sprintf("entry %d repeats group %d (first listed by entry %d)", i, e.Group, first[e.Group])})
+		default:
+			first[e.Group] = i
+		}
+	}
+	return first, extra
+}
+
+// taskWideFault finds a fault of the whole task, checked before any group.
+func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
+	sbs := m.SchedulerBlockSize()
+	switch {
+	case t.Start < 0 || t.End <= t.Start || t.Start%sbs != 0 || t.End%sbs != 0:
+		return GroupVerdict{Reason: ReasonTokenRangeInvalid,
+			Detail: fmt.Sprintf("range [%d,%d) is not a non-empty range aligned to the scheduler block size %d", t.Start, t.End, sbs)}
+	case t.End/m.HashBlockSize > len(t.BlockHashes):
+		return GroupVerdict{Reason: ReasonHashCountMismatch,
+			Detail: fmt.Sprintf("end %d needs %d block hashes, the task has %d", t.End, t.End/m.HashBlockSize, len(t.BlockHashes))}
+	case len(t.BlockTable) > len(m.Groups):
+		return GroupVerdict{Reason: ReasonTableGroupCount,
+			Detail: fmt.Sprintf("block table has %d groups, model %q has %d", len(t.BlockTable), m.Name, len(m.Groups))}
+	}
+	return GroupVerdict{}
+}
+
+// checkGroup validates one listed group whose block list exists. The range
+// and hash count were checked task-wide, so SaveChunks is bounded by the
+// task's own size.
+func checkGroup(m *Model, poolBlocks []int, t *SaveTask, e GroupChunks) (Reason, string) {
+	g := e.Group
+	want := m.SaveChunks(g, t.Start, t.End)
+	if !slices.Equal(want, e.Chunks) {
+		return ReasonChunksMismatch, fmt.Sprintf("group %d lists %d chunk(s) for [%d,%d), the model needs %d", g, len(e.Chunks), t.Start, t.End, len(want))
+	}
+	blocks := t.BlockTable[g]
+	bs := m.Groups[g].BlockSize
+	limit := -1
+	if g < len(poolBlocks) {
+		limit = poolBlocks[g]
+	}
+	for _, c := range want {
+		if r, d := checkChunk(c, bs, blocks, limit); r != ReasonOK {
+			return r, fmt.Sprintf("group %d chunk [%d,%d): %s", g, c.Start, c.End, d)
+		}
+		if h := t.BlockHashes[c.HashIndex(m.HashBlockSize)]; !isHashHex(h) {
+			return ReasonHashInvalid, fmt.Sprintf("group %d chunk [%d,%d): hash %q is not lower-case hex", g, c.Start, c.End, h)
+		}
+	}
+	return ReasonOK, ""
+}
+
+// checkChunk checks the block a chunk is stored from; limit < 0 means the
+// pool size is unknown.
+func checkChunk(c Chunk, bs int, blocks []BlockID, limit int) (Reason, string) {
+	bi := c.BlockIndex(bs)
+	switch {
+	case bi >= len(blocks):
+		return ReasonTableTooShort, fmt.Sprintf("needs block index %d, the block list has %d", bi, len(blocks))
+	case blocks[bi] == NullBlock:
+		return ReasonNullBlock, fmt.Sprintf("block index %d is null", bi)
+	case blocks[bi] < 0 || (limit >= 0 && int64(blocks[bi]) >= int64(limit)):
+		return ReasonBlockOutOfRange, fmt.Sprintf("block id %d is outside the pool of %d blocks", blocks[bi], limit)
+	}
+	return ReasonOK, ""
+}
+
+// DecodeSaveTask decodes a save task strictly: one JSON object, no unknown
+// fields, the save-task schema, and every identifying field present.
+// Content is checked by ValidateSave.
+func DecodeSaveTask(b []byte) (*SaveTask, error) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	var t SaveTask
+	if err := dec.Decode(&t); err != nil {
+		return nil, fmt.Errorf("save task: %w: %w", ErrInvalidSaveTask, err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("save task: %w: trailing data after the object", ErrInvalidSaveTask)
+	}
+	if t.Schema != SchemaSaveTask {
+		return nil, fmt.Errorf("save task: %w: schema %q, want %q", ErrInvalidSaveTask, t.Schema, SchemaSaveTask)
+	}
+	for _, f := range []struct{ name, v string }{
+		{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}, {"model", t.Model},
+	} {
+		if f.v == "" {
+			return nil, fmt.Errorf("save task: %w: %s is missing", ErrInvalidSaveTask, f.name)
+		}
+	}
+	return &t, nil
+}

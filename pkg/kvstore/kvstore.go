@@ -1,0 +1,78 @@
+// Package kvstore is the store pool: it holds KV-cache block bytes keyed by
+// Mooncake-layout strings, behind a small batched interface with per-key
+// results.
+//
+// Two implementations are provided: NewMemory, an in-process store for unit
+// tests and single-process demos, and NewRedis, backed by Redis or Valkey
+// through go-redis. Both pass the same contract suite (package kvstoretest).
+// Cross-cutting concerns such as metrics are added by wrapping a Store.
+package kvstore
+
+import (
+	"context"
+	"errors"
+)
+
+// Store is a batched key-value store for KV-cache blocks.
+//
+// Every batch method answers per key, in the order of its input, and returns
+// a separate whole-batch error. When the whole-batch error is non-nil the
+// per-key results are nil and the batch must be treated as failed as a whole
+// (a failed Put or Remove may have been partly applied; both are idempotent
+// enough to retry). An empty batch succeeds with empty results and no I/O.
+//
+// Duplicate keys within a batch are handled in input order: a later Put of the
+// same key wins, and a second Remove of the same key reports ErrNotFound.
+// Implementations are safe for concurrent use and never alias callers'
+// buffers: Put copies or sends the values before returning, and Get returns
+// slices the caller owns.
+type Store interface {
+	// Exists reports, for each key, whether it is present, in one round-trip
+	// for ordinary batch sizes.
+	Exists(ctx context.Context, keys []string) ([]bool, error)
+	// Put stores each item. The per-key error is nil when the item was
+	// stored, or wraps ErrNoSpace, ErrTooLarge or another cause.
+	Put(ctx context.Context, items []Item) ([]error, error)
+	// Get returns each key's value, or a per-key error wrapping ErrNotFound
+	// (the value is then nil). A present empty value is a non-nil empty slice.
+	Get(ctx context.Context, keys []string) ([][]byte, []error, error)
+	// Remove deletes each key. The per-key error wraps ErrNotFound when the
+	// key was not present.
+	Remove(ctx context.Context, keys []string) ([]error, error)
+	// Ping checks that the store is reachable.
+	Ping(ctx context.Context) error
+	// Close releases the store's resources. Later calls return ErrClosed;
+	// closing twice is not an error.
+	Close() error
+}
+
+// Item is one key and its value for Put.
+type Item struct {
+	// Key is the store key, in Mooncake's layout.
+	Key string
+	// Value is the block bytes; nil is stored as an empty value.
+	Value []byte
+}
+
+// Sentinel errors. Implementations wrap them with context; test with errors.Is.
+var (
+	// ErrNotFound reports that a key is not present.
+	ErrNotFound = errors.New("kvstore: key not found")
+	// ErrNoSpace reports that the store is full and does not evict
+	// (Redis "OOM command not allowed", or a Memory store without eviction).
+	ErrNoSpace = errors.New("kvstore: store has no space")
+	// ErrTooLarge reports a value over the store's configured maximum size.
+	ErrTooLarge = errors.New("kvstore: value too large")
+	// ErrUnavailable reports a connection-level failure; it wraps the cause.
+	ErrUnavailable = errors.New("kvstore: store unavailable")
+	// ErrClosed reports use of a store after Close.
+	ErrClosed = errors.New("kvstore: store closed")
+)
+
+// IsTransient reports whether err may go away if the same call is retried
+// later: connection-level failures (ErrUnavailable) and deadlines
+// (context.DeadlineExceeded). ErrNoSpace is not transient in this sense: a
+// full store calls for pressure handling, not a prompt retry of the same put.
+func IsTransient(err error) bool {
+	return errors.Is(err, ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)
+}

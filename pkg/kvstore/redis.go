@@ -1,0 +1,421 @@
+package kvstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Defaults for RedisOptions fields left at zero.
+const (
+	// DefaultRedisMaxValueBytes is the default RedisOptions.MaxValueBytes.
+	DefaultRedisMaxValueBytes = 64 << 20
+	// DefaultRedisMaxBatchKeys is the default RedisOptions.MaxBatchKeys.
+	DefaultRedisMaxBatchKeys = 4096
+	// DefaultRedisMaxBatchBytes is the default RedisOptions.MaxBatchBytes.
+	DefaultRedisMaxBatchBytes = 64 << 20
+)
+
+// initialGetEstimate is the value size Get assumes before it has seen one,
+// to size its first pipeline (the top of the usual 16 KiB–2 MiB range).
+const initialGetEstimate = 2 << 20
+
+// RedisOptions configures a Redis store. Zero fields take the defaults noted;
+// the pool and timeout fields override the URL's query parameters when set.
+type RedisOptions struct {
+	// PoolSize is the connection pool size (default: go-redis's, 10 per CPU).
+	PoolSize int
+	// DialTimeout bounds connecting (default 5 s).
+	DialTimeout time.Duration
+	// ReadTimeout bounds reading one pipeline's replies (default 5 s). A
+	// context deadline bounds socket I/O too, but go-redis does not watch
+	// for cancellation: a call whose context is cancelled while it waits on
+	// the socket returns within ReadTimeout.
+	ReadTimeout time.Duration
+	// WriteTimeout bounds writing one pipeline (default: ReadTimeout).
+	WriteTimeout time.Duration
+	// MaxRetries is how often go-redis retries a pipeline after a
+	// connection error (default 3; -1 disables retries).
+	MaxRetries int
+	// DialAttempts is how often one connection dial is tried, 100 ms apart,
+	// before a call fails (default 5). Lower it to detect a down server sooner.
+	DialAttempts int
+	// TTL, when positive, expires stored values after that long.
+	TTL time.Duration
+	// MaxValueBytes rejects larger values with ErrTooLarge, without sending
+	// them (default DefaultRedisMaxValueBytes).
+	MaxValueBytes int
+	// MaxBatchKeys bounds the keys in one pipeline (default
+	// DefaultRedisMaxBatchKeys); larger batches are sent in several.
+	MaxBatchKeys int
+	// MaxBatchBytes bounds the key and value bytes in one Put pipeline and
+	// the expected reply bytes of one Get pipeline, estimated from the
+	// largest value seen so far in the call (default DefaultRedisMaxBatchBytes).
+	MaxBatchBytes int
+}
+
+func (o RedisOptions) withDefaults() RedisOptions {
+	if o.MaxValueBytes <= 0 {
+		o.MaxValueBytes = DefaultRedisMaxValueBytes
+	}
+	if o.MaxBatchKeys <= 0 {
+		o.MaxBatchKeys = DefaultRedisMaxBatchKeys
+	}
+	if o.MaxBatchBytes <= 0 {
+		o.MaxBatchBytes = DefaultRedisMaxBatchBytes
+	}
+	o.TTL = max(o.TTL, 0)
+	return o
+}
+
+// apply copies the connection settings that are set onto ro.
+func (o RedisOptions) apply(ro *redis.Options) {
+	if o.PoolSize > 0 {
+		ro.PoolSize = o.PoolSize
+	}
+	if o.DialTimeout > 0 {
+		ro.DialTimeout = o.DialTimeout
+	}
+	if o.ReadTimeout > 0 {
+		ro.ReadTimeout = o.ReadTimeout
+	}
+	if o.WriteTimeout > 0 {
+		ro.WriteTimeout = o.WriteTimeout
+	}
+	if o.MaxRetries != 0 {
+		ro.MaxRetries = o.MaxRetries
+	}
+	if o.DialAttempts > 0 {
+		ro.DialerRetries = o.DialAttempts
+	}
+	// Let the caller's deadline bound socket I/O, not only pool waits.
+	ro.ContextTimeoutEnabled = true
+}
+
+// Redis is a Store backed by Redis or Valkey. Each batch is sent as
+// pipelines bounded by RedisOptions.MaxBatchKeys and MaxBatchBytes.
+type Redis struct {
+	client *redis.Client
+	opts   RedisOptions
+	closed atomic.Bool
+}
+
+var _ Store = (*Redis)(nil)
+
+// NewRedis connects to the Redis server at url (redis://[user:pass@]host:port/db,
+// or rediss:// for TLS) and checks it with PING. A failed check wraps
+// ErrUnavailable.
+func NewRedis(ctx context.Context, url string, opts RedisOptions) (*Redis, error) {
+	ro, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("kvstore: redis url: %w", err)
+	}
+	opts.apply(ro)
+	r := &Redis{client: redis.NewClient(ro), opts: opts.withDefaults()}
+	if err := r.client.Ping(ctx).Err(); err != nil {
+		_ = r.client.Close() // the ping error is the one worth reporting
+		return nil, r.commandErr(ctx, "connect "+ro.Addr, err)
+	}
+	return r, nil
+}
+
+// Exists implements Store with one pipeline of EXISTS per MaxBatchKeys keys.
+func (r *Redis) Exists(ctx context.Context, keys []string) ([]bool, error) {
+	if err := r.usable(ctx, "exists"); err != nil {
+		return nil, err
+	}
+	found := make([]bool, len(keys))
+	err := r.perKeyInts(ctx, "exists", keys,
+		func(p redis.Pipeliner, k string) *redis.IntCmd { return p.Exists(ctx, k) },
+		func(i int, cmd *redis.IntCmd) error {
+			n, err := cmd.Result()
+			if err != nil {
+				return fmt.Errorf("kvstore: redis exists: %w", replyErr(err))
+			}
+			found[i] = n > 0
+			return nil
+		})
+	if err != nil {
+		return nil, err
+	}
+	return found, nil
+}
+
+// perKeyInts sends one integer-reply command per key, queued by queue, in
+// pipelines of at most MaxBatchKeys, and hands each reply to record with
+// the key's index. It stops at the first error from a pipeline or record.
+func (r *Redis) perKeyInts(ctx context.Context, op string, keys []string,
+	queue func(redis.Pipeliner, string) *redis.IntCmd, record func(int, *redis.IntCmd) error,
+) error {
+	for lo := 0; lo < len(keys); lo += r.opts.MaxBatchKeys {
+		chunk := keys[lo:min(len(keys), lo+r.opts.MaxBatchKeys)]
+		cmds := make([]*redis.IntCmd, len(chunk))
+		err := r.pipelined(ctx, op, func(p redis.Pipeliner) {
+			for i, k := range chunk {
+				cmds[i] = queue(p, k)
+			}
+		})
+		if err != nil {
+			return err
+		}
+		for i, cmd := range cmds {
+			if err := record(lo+i, cmd); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Put implements Store with pipelines of SET, chunked by keys and bytes.
+// Values over MaxValueBytes get ErrTooLarge and are not sent.
+func (r *Redis) Put(ctx context.Context, items []Item) ([]error, error) {
+	if err := r.usable(ctx, "put"); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(items))
+	var chunk []int
+	size := 0
+	for i, it := range items {
+		if len(it.Value) > r.opts.MaxValueBytes {
+			errs[i] = fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, len(it.Value), r.opts.MaxValueBytes)
+			continue
+		}
+		n := len(it.Key) + len(it.Value)
+		if len(chunk) > 0 && (len(chunk) == r.opts.MaxBatchKeys || size+n > r.opts.MaxBatchBytes) {
+			if err := r.putChunk(ctx, items, chunk, errs); err != nil {
+				return nil, err
+			}
+			chunk, size = chunk[:0], 0
+		}
+		chunk = append(chunk, i)
+		size += n
+	}
+	if err := r.putChunk(ctx, items, chunk, errs); err != nil {
+		return nil, err
+	}
+	return errs, nil
+}
+
+// putChunk sends the items at the indices in chunk as one pipeline and
+// records their per-key results in errs.
+func (r *Redis) putChunk(ctx context.Context, items []Item, chunk []int, errs []error) error {
+	if len(chunk) == 0 {
+		return nil
+	}
+	cmds := make([]*redis.StatusCmd, len(chunk))
+	err := r.pipelined(ctx, "put", func(p redis.Pipeliner) {
+		for j, i := range chunk {
+			cmds[j] = p.Set(ctx, items[i].Key, items[i].Value, r.opts.TTL)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	for j, i := range chunk {
+		errs[i] = replyErr(cmds[j].Err())
+	}
+	return nil
+}
+
+// Get implements Store with pipelines of GET. Each pipeline holds at most
+// MaxBatchKeys keys and, by the largest value seen so far in this call, at
+// most MaxBatchBytes of replies.
+func (r *Redis) Get(ctx context.Context, keys []string) ([][]byte, []error, error) {
+	if err := r.usable(ctx, "get"); err != nil {
+		return nil, nil, err
+	}
+	values := make([][]byte, len(keys))
+	errs := make([]error, len(keys))
+	largest := initialGetEstimate
+	for lo := 0; lo < len(keys); {
+		hi := min(len(keys), lo+r.getChunkKeys(largest))
+		seen, err := r.getChunk(ctx, keys[lo:hi], values[lo:hi], errs[lo:hi])
+		if err != nil {
+			return nil, nil, err
+		}
+		if seen > 0 {
+			largest = seen
+		}
+		lo = hi
+	}
+	return values, errs, nil
+}
+
+// getChunkKeys is how many keys the next Get pipeline may hold when values
+// are expected to be up to largest bytes.
+func (r *Redis) getChunkKeys(largest int) int {
+	return max(1, min(r.opts.MaxBatchKeys, r.opts.MaxBatchBytes/max(largest, 1)))
+}
+
+// getChunk fetches keys in one pipeline into values and errs and returns
+// the largest value size it saw.
+func (r *Redis) getChunk(ctx context.Context, keys []string, values [][]byte, errs []error) (int, error) {
+	cmds := make([]*redis.StringCmd, len(keys))
+	err := r.pipelined(ctx, "get", func(p redis.Pipeliner) {
+		for i, k := range keys {
+			cmds[i] = p.Get(ctx, k)
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	largest := 0
+	for i, cmd := range cmds {
+		// Bytes shares the reply's freshly allocated buffer, which nothing
+		// else references: the caller owns it.
+		v, err := cmd.Bytes()
+		if err != nil {
+			errs[i] = replyErr(err)
+			continue
+		}
+		if v == nil {
+			v = []byte{}
+		}
+		values[i] = v
+		largest = max(largest, len(v))
+	}
+	return largest, nil
+}
+
+// Remove implements Store with pipelines of DEL per MaxBatchKeys keys.
+func (r *Redis) Remove(ctx context.Context, keys []string) ([]error, error) {
+	if err := r.usable(ctx, "remove"); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(keys))
+	err := r.perKeyInts(ctx, "remove", keys,
+		func(p redis.Pipeliner, k string) *redis.IntCmd { return p.Del(ctx, k) },
+		func(i int, cmd *redis.IntCmd) error {
+			errs[i] = delResult(cmd)
+			return nil
+		})
+	if err != nil {
+		return nil, err
+	}
+	return errs, nil
+}
+
+func delResult(cmd *redis.IntCmd) error {
+	n, err := cmd.Result()
+	switch {
+	case err != nil:
+		return replyErr(err)
+	case n == 0:
+		return ErrNotFound
+	default:
+		return nil
+	}
+}
+
+// Ping implements Store.
+func (r *Redis) Ping(ctx context.Context) error {
+	if err := r.usable(ctx, "ping"); err != nil {
+		return err
+	}
+	if err := r.client.Ping(ctx).Err(); err != nil {
+		return r.commandErr(ctx, "ping", err)
+	}
+	return nil
+}
+
+// commandErr classifies the error of a single command outside a batch.
+func (r *Redis) commandErr(ctx context.Context, op string, err error) error {
+	if isReply(err) {
+		return fmt.Errorf("kvstore: redis %s: %w", op, replyErr(err))
+	}
+	return r.batchErr(ctx, op, err)
+}
+
+// Close implements Store: it closes the connection pool.
+func (r *Redis) Close() error {
+	if r.closed.Swap(true) {
+		return nil
+	}
+	if err := r.client.Close(); err != nil {
+		return fmt.Errorf("kvstore: redis close: %w", err)
+	}
+	return nil
+}
+
+// usable reports why op cannot start: a done ctx or a closed store.
+func (r *Redis) usable(ctx context.Context, op string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("kvstore: redis %s: %w", op, err)
+	}
+	if r.closed.Load() {
+		return fmt.Errorf("kvstore: redis %s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// pipelined runs the commands fill queues as one pipeline. It returns a
+// whole-batch error when ctx is done or any command failed without a server
+// reply; per-command reply errors are left on the commands.
+func (r *Redis) pipelined(ctx context.Context, op string, fill func(redis.Pipeliner)) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("kvstore: redis %s: %w", op, err)
+	}
+	cmds, err := r.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		fill(p)
+		return nil
+	})
+	if err != nil && !isReply(err) {
+		return r.batchErr(ctx, op, err)
+	}
+	for _, cmd := range cmds {
+		if err := cmd.Err(); err != nil && !isReply(err) {
+			return r.batchErr(ctx, op, err)
+		}
+	}
+	return nil
+}
+
+// batchErr classifies an error that is not a server reply: the caller's
+// ctx, a closed client, or a connection-level failure.
+func (r *Redis) batchErr(ctx context.Context, op string, err error) error {
+	switch {
+	case ctx.Err() != nil:
+		return fmt.Errorf("kvstore: redis %s: %w", op, ctx.Err())
+	case errors.Is(err, redis.ErrClosed):
+		return fmt.Errorf("kvstore: redis %s: %w", op, ErrClosed)
+	default:
+		return fmt.Errorf("kvstore: redis %s: %w: %w", op, ErrUnavailable, err)
+	}
+}
+
+// isReply reports whether err is a reply from the server (including the
+// nil reply), as opposed to a client-side or connection failure.
+func isReply(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re)
+}
+
+// replyErr maps one command's reply error to the package's errors.
+func replyErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, redis.Nil):
+		return ErrNotFound
+	case redis.IsOOMError(err):
+		return fmt.Errorf("%w: %w", ErrNoSpace, err)
+	case isTransientReply(err):
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
+	default:
+		return fmt.Errorf("kvstore: redis: %w", err)
+	}
+}
+
+// isTransientReply reports server replies that mean "not now": a loading,
+// read-only, failing-over or busy server.
+func isTransientReply(err error) bool {
+	return redis.IsLoadingError(err) || redis.IsReadOnlyError(err) ||
+		redis.IsMasterDownError(err) || redis.IsTryAgainError(err) ||
+		redis.IsClusterDownError(err) || redis.IsMaxClientsError(err) ||
+		redis.HasErrorPrefix(err, "BUSY ")
+}

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# devstack.sh — the local PostgreSQL and Redis that `make run`, `make up` and
+# `make test` use.
+#
+#   scripts/devstack.sh up      start (or reuse) them; writes .dev/env
+#   scripts/devstack.sh down    stop what this script started
+#   scripts/devstack.sh status  say what is running
+#
+# KVMESH_DATABASE_URL / KVMESH_REDIS_URL are used as they are when set and
+# reachable. Otherwise private instances are started under .dev/ on free
+# loopback ports, installing the Debian packages postgresql and redis-server
+# with apt-get when they are missing and this runs as root.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+dev="$root/.dev"
+mkdir -p "$dev"
+
+say() { printf 'devstack: %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# free_port START prints the first port at or above START that nothing listens on.
+free_port() {
+  local p=$1
+  while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; do p=$((p + 1)); done
+  echo "$p"
+}
+
+apt_install() {
+  if [ "$(id -u)" != 0 ]; then
+    die "$1 is not installed; install it with: sudo apt-get install -y $*"
+  fi
+  say "installing $* with apt-get"
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >"$dev/apt.log" 2>&1; then
+    apt-get update -qq >>"$dev/apt.log" 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >>"$dev/apt.log" 2>&1 ||
+      die "apt-get install $* failed; see $dev/apt.log"
+  fi
+}
+
+pg_bin() {
+  local d
+  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+  if [ -z "$d" ] || [ ! -x "$d/initdb" ]; then
+    apt_install postgresql
+    d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  fi
+  echo "$d"
+}
+
+# as_pg runs a command as the postgres user when we are root (initdb refuses root).
+as_pg() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+# pg_home is where the private cluster lives: .dev/pg, or — when running as
+# root in a checkout the postgres user cannot reach (e.g. under /root) — a
+# per-checkout folder under /var/tmp.
+pg_home() {
+  if [ "$(id -u)" != 0 ] || runuser -u postgres -- test -x "$dev" 2>/dev/null; then
+    echo "$dev/pg"
+  else
+    echo "/var/tmp/kvmesh-pg-$(printf %s "$root" | md5sum | cut -c1-12)"
+  fi
+}
+
+# pg_durability: the private dev cluster is disposable, so by default it trades
+# crash safety of the *machine* for speed (tests create a database each).
+# Process crashes (what kvmesh's own tests inject) lose nothing either way.
+# KVMESH_DEV_PG_FSYNC=on restores the PostgreSQL defaults.
+pg_durability() {
+  if [ "${KVMESH_DEV_PG_FSYNC:-off}" = on ]; then echo ""; else echo "-c fsync=off -c full_page_writes=off"; fi
+}
+
+pg_url_ok() { command -v psql >/dev/null && psql "$1" -Atqc 'select 1' >/dev/null 2>&1; }
+
+pg_up() {
+  if [ -n "${KVMESH_DATABASE_URL:-}" ] && pg_url_ok "$KVMESH_DATABASE_URL"; then
+    say "postgres: using KVMESH_DATABASE_URL"
+    echo "$KVMESH_DATABASE_URL" >"$dev/pg.url"
+    return
+  fi
+  local bin data port url home
+  bin=$(pg_bin)
+  home=$(pg_home)
+  data="$home/data"
+  mkdir -p "$home"
+  echo "$home" >"$dev/pg.home"
+  if [ -f "$home/port" ]; then
+    port=$(cat "$home/port")
+    url="postgres://kvmesh@127.0.0.1:$port/kvmesh?sslmode=disable"
+    if "$bin/pg_isready" -q -h 127.0.0.1 -p "$port"; then
+      say "postgres: already running on 127.0.0.1:$port"
+      echo "$url" >"$dev/pg.url"
+      return
+    fi
+  fi
+  mkdir -p "$home/run"
+  if [ ! -f "$data/PG_VERSION" ]; then
+    rm -rf "$data"
+    mkdir -p "$data"
+    if [ "$(id -u)" = 0 ]; then chown -R postgres:postgres "$home"; fi
+    as_pg "$bin/initdb" -D "$data" -U kvmesh --auth=trust -E UTF8 --no-locale >"$home/initdb.log" 2>&1 ||
+      die "initdb failed; see $home/initdb.log"
+  fi
+  if [ "$(id -u)" = 0 ]; then chown -R postgres:postgres "$home"; fi
+  port=$(free_port "${KVMESH_DEV_PG_PORT:-15432}")
+  echo "$port" >"$home/port"
+  as_pg "$bin/pg_ctl" -D "$data" -l "$home/postgres.log" -w -t 30 start \
+    -o "-p $port -k $home/run -c listen_addresses=127.0.0.1 -c max_connections=400 $(pg_durability)" >/dev/null ||
+    die "postgres did not start; see $home/postgres.log"
+  url="postgres://kvmesh@127.0.0.1:$port/kvmesh?sslmode=disable"
+  psql "postgres://kvmesh@127.0.0.1:$port/postgres?sslmode=disable" -Atqc \
+    "select 1 from pg_database where datname='kvmesh'" | grep -q 1 ||
+    psql "postgres://kvmesh@127.0.0.1:$port/postgres?sslmode=disable" -qc 'create database kvmesh' >/dev/null
+  echo "$url" >"$dev/pg.url"
+  say "postgres: started on 127.0.0.1:$port (data $data)"
+}
+
+redis_url_ok() { command -v redis-cli >/dev/null && redis-cli -u "$1" ping 2>/dev/null | grep -q PONG; }
+
+redis_up() {
+  if [ -n "${KVMESH_REDIS_URL:-}" ] && redis_url_ok "$KVMESH_REDIS_URL"; then
+    say "redis: using KVMESH_REDIS_URL"
+    echo "$KVMESH_REDIS_URL" >"$dev/redis.url"
+    return
+  fi
+  command -v redis-server >/dev/null || apt_install redis-server
+  mkdir -p "$dev/redis"
+  local port
+  if [ -f "$dev/redis/port" ]; then
+    port=$(cat "$dev/redis/port")
+    if redis_url_ok "redis://127.0.0.1:$port/0"; then
+      say "redis: already running on 127.0.0.1:$port"
+      echo "redis://127.0.0.1:$port/0" >"$dev/redis.url"
+      return
+    fi
+  fi
+  port=$(free_port "${KVMESH_DEV_REDIS_PORT:-16379}")
+  echo "$port" >"$dev/redis/port"
+  redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
+    --maxmemory "${KVMESH_DEV_REDIS_MAXMEMORY:-1gb}" --maxmemory-policy allkeys-lru \
+    --dir "$dev/redis" --pidfile "$dev/redis/redis.pid" --logfile "$dev/redis/redis.log" \
+    --daemonize yes >/dev/null
+  for _ in $(seq 1 100); do
+    redis_url_ok "redis://127.0.0.1:$port/0" && break
+    sleep 0.1
+  done
+  redis_url_ok "redis://127.0.0.1:$port/0" || die "redis did not start; see $dev/redis/redis.log"
+  echo "redis://127.0.0.1:$port/0" >"$dev/redis.url"
+  say "redis: started on 127.0.0.1:$port"
+}
+
+write_env() {
+  {
+    echo "export KVMESH_DATABASE_URL='$(cat "$dev/pg.url")'"
+    echo "export KVMESH_REDIS_URL='$(cat "$dev/redis.url")'"
+  } >"$dev/env"
+}
+
+down() {
+  local bin home
+  home=$(cat "$dev/pg.home" 2>/dev/null || echo "$dev/pg")
+  if [ -f "$home/data/postmaster.pid" ]; then
+    bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+    as_pg "$bin/pg_ctl" -D "$home/data" -m fast -w stop >/dev/null 2>&1 && say "postgres: stopped" || true
+  fi
+  if [ -f "$dev/redis/redis.pid" ]; then
+    kill "$(cat "$dev/redis/redis.pid")" 2>/dev/null && say "redis: stopped" || true
+    rm -f "$dev/redis/redis.pid"
+  fi
+  rm -f "$dev/env" "$dev/pg.url" "$dev/redis.url" "$dev/pg.home"
+}
+
+status() {
+  [ -f "$dev/env" ] && cat "$dev/env" || say "not up"
+}
+
+case "${1:-}" in
+  up) pg_up; redis_up; write_env; cat "$dev/env" ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# stack.sh — the embedded kvmesh stack in the background: the Kafka-protocol
+# broker (kvmesh devbroker) and the four services, built into bin/ by `make build`.
+#
+#   scripts/stack.sh up      start what is not running; wait until every /readyz is 200
+#   scripts/stack.sh down    stop them (SIGTERM, then SIGKILL after 10 s)
+#   scripts/stack.sh status  one line per service with its readiness
+#
+# PostgreSQL and Redis come from scripts/devstack.sh (.dev/env). Logs and pids
+# live in .dev/logs and .dev/pids.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+dev="$root/.dev"
+mkdir -p "$dev/logs" "$dev/pids"
+
+say() { printf 'stack: %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# name port pairs of the services (DESIGN.md ports).
+services=(lookup:8081 scheduler:8082 sender:8083 gpuworker:8084)
+
+running() { [ -f "$dev/pids/$1" ] && kill -0 "$(cat "$dev/pids/$1")" 2>/dev/null; }
+
+free_port() {
+  local p=$1
+  while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; do p=$((p + 1)); done
+  echo "$p"
+}
+
+# wait_for DESC SECONDS CMD... polls CMD until it succeeds or the deadline passes.
+wait_for() {
+  local desc=$1 secs=$2
+  shift 2
+  local end=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $end ] || return 1
+    sleep 0.2
+  done
+}
+
+broker_up() {
+  if running broker; then return; fi
+  local port
+  port=$(free_port "${KVMESH_DEV_BROKER_PORT:-9092}")
+  echo "127.0.0.1:$port" >"$dev/broker.addr"
+  nohup "$root/bin/kvmesh" devbroker --addr "127.0.0.1:$port" --data-dir "$dev/broker" \
+    >"$dev/logs/broker.log" 2>&1 &
+  echo $! >"$dev/pids/broker"
+  wait_for broker 30 grep -q '"broker ready"' "$dev/logs/broker.log" ||
+    die "broker did not become ready; see $dev/logs/broker.log"
+  say "broker ready on 127.0.0.1:$port"
+}
+
+service_up() {
+  local name=$1 port=$2
+  if running "$name"; then return; fi
+  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && die "port $port for $name is in use"
+  # shellcheck disable=SC1091
+  source "$dev/env"
+  KVMESH_HTTP_ADDR="127.0.0.1:$port" \
+    KVMESH_KAFKA_BROKERS="$(cat "$dev/broker.addr")" \
+    KVMESH_ADMIN_TOKEN="${KVMESH_ADMIN_TOKEN:-$(cat "$dev/admin-token")}" \
+    nohup "$root/bin/$name" >"$dev/logs/$name.log" 2>&1 &
+  echo $! >"$dev/pids/$name"
+}
+
+ready() { curl -fsS "http://127.0.0.1:$1/readyz" >/dev/null; }
+
+up() {
+  [ -f "$dev/env" ] || die "run scripts/devstack.sh up first (make up does)"
+  [ -f "$dev/admin-token" ] || head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/admin-token"
+  broker_up
+  local s
+  for s in "${services[@]}"; do service_up "${s%%:*}" "${s##*:}"; done
+  for s in "${services[@]}"; do
+    wait_for "${s%%:*}" 60 ready "${s##*:}" ||
+      die "${s%%:*} not ready on :${s##*:}; see $dev/logs/${s%%:*}.log"
+  done
+  say "all services ready"
+}
+
+stop_one() {
+  local name=$1 pid
+  running "$name" || { rm -f "$dev/pids/$name"; return; }
+  pid=$(cat "$dev/pids/$name")
+  kill -TERM "$pid" 2>/dev/null || true
+  wait_for "$name" 10 bash -c "! kill -0 $pid" || kill -KILL "$pid" 2>/dev/null || true
+  rm -f "$dev/pids/$name"
+  say "$name stopped"
+}
+
+down() {
+  local s
+  for s in "${services[@]}"; do stop_one "${s%%:*}"; done
+  stop_one broker
+}
+
+status() {
+  local s name port state
+  printf '%-10s %-7s %-22s %s\n' SERVICE PID ADDRESS READY
+  for s in broker:0 "${services[@]}"; do
+    name=${s%%:*} port=${s##*:}
+    pid=-
+    running "$name" && pid=$(cat "$dev/pids/$name")
+    if [ "$name" = broker ]; then
+      state=$([ "$pid" != - ] && echo up || echo down)
+      printf '%-10s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
+      continue
+    fi
+    state=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/readyz" || true)
+    printf '%-10s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
+  done
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac
