@@ -59,3 +59,7 @@ lint: ## go vet, gofmt, and staticcheck when installed.
 	$(GO) vet ./...
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	@if command -v staticcheck >/dev/null; then staticcheck ./...; else echo "staticcheck not installed; skipped"; fi
+
+.PHONY: docs
+docs: ## Regenerate the configuration tables in README.md from the services' Config structs.
+	KVMESH_UPDATE_README=1 $(GO) test -p 1 -count=1 -run TestREADMEConfig ./services/...

@@ -82,3 +82,18 @@ func missingTopics(ctx context.Context, client *kafka.Client, topics []string) (
 	}
 	return missing, nil
 }
+
+// Ping asks the cluster for its metadata: a readiness check that the brokers
+// answer the Kafka protocol, not only that a port is open.
+func Ping(ctx context.Context, brokers []string) error {
+	if len(brokers) == 0 {
+		return fmt.Errorf("%w: no brokers", ErrInvalidConfig)
+	}
+	transport := &kafka.Transport{}
+	defer transport.CloseIdleConnections()
+	client := &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport, Timeout: adminTimeout}
+	if _, err := client.Metadata(ctx, &kafka.MetadataRequest{}); err != nil {
+		return fmt.Errorf("bus: ping %v: %w", brokers, err)
+	}
+	return nil
+}

@@ -16,6 +16,8 @@ var (
 	ErrUnknownMigration = errors.New("applied migration has no file")
 	// ErrInvalidSteps reports a non-positive step count for MigrateDown.
 	ErrInvalidSteps = errors.New("steps must be positive")
+	// ErrNotMigrated reports a database that lacks migrations the binary expects.
+	ErrNotMigrated = errors.New("database is not migrated")
 	// ErrEmptyTopic reports an outbox message without a topic.
 	ErrEmptyTopic = errors.New("message has no topic")
 )

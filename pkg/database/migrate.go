@@ -235,7 +235,17 @@ func appliedVersions(ctx context.Context, conn *pgx.Conn) (map[int64]bool, error
 	if _, err := conn.Exec(ctx, createSchemaMigrations); err != nil {
 		return nil, fmt.Errorf("database: create schema_migrations: %w", err)
 	}
-	rows, _ := conn.Query(ctx, "SELECT version FROM schema_migrations")
+	return readVersions(ctx, conn)
+}
+
+// querier is what readVersions needs of a connection or a pool.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// readVersions returns the versions recorded in schema_migrations.
+func readVersions(ctx context.Context, q querier) (map[int64]bool, error) {
+	rows, _ := q.Query(ctx, "SELECT version FROM schema_migrations")
 	versions, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
 		return nil, fmt.Errorf("database: read schema_migrations: %w", err)
@@ -278,6 +288,26 @@ func recordMigration(ctx context.Context, tx pgx.Tx, m migration, up bool) error
 	}
 	if err != nil {
 		return fmt.Errorf("record version %d: %w", m.version, err)
+	}
+	return nil
+}
+
+// CheckMigrated reports ErrNotMigrated, naming the first missing version,
+// unless every migration in fsys is applied. It changes nothing: services
+// that do not own migrations use it as a readiness check.
+func CheckMigrated(ctx context.Context, pool *pgxpool.Pool, fsys fs.FS) error {
+	migs, err := loadMigrations(fsys)
+	if err != nil {
+		return err
+	}
+	done, err := readVersions(ctx, pool)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrNotMigrated, err)
+	}
+	for _, m := range migs {
+		if !done[m.version] {
+			return fmt.Errorf("%w: %s not applied", ErrNotMigrated, m.fileName())
+		}
 	}
 	return nil
 }

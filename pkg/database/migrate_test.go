@@ -253,3 +253,22 @@ func TestMigrateRejectsBadSets(t *testing.T) {
 		t.Error("invalid sets touched the database")
 	}
 }
+
+func TestCheckMigrated(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := database.Connect(ctx, dbtest.NewDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := database.CheckMigrated(ctx, pool, migrations.FS); !errors.Is(err, database.ErrNotMigrated) {
+		t.Fatalf("fresh database: got %v, want ErrNotMigrated", err)
+	}
+	if _, err := database.Migrate(ctx, pool, migrations.FS); err != nil {
+		t.Fatal(err)
+	}
+	if err := database.CheckMigrated(ctx, pool, migrations.FS); err != nil {
+		t.Fatalf("after Migrate: %v", err)
+	}
+}

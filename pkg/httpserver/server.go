@@ -43,9 +43,9 @@ const (
 var (
 	// ErrNoAddr means Options.Addr was empty.
 	ErrNoAddr = errors.New("httpserver: listen address is required")
-	// ErrRunning means Run was called on a server that is already running
-	// or has stopped.
-	ErrRunning = errors.New("httpserver: server already started")
+	// ErrRunning means Run was called on a server that is already running,
+	// has stopped or was closed.
+	ErrRunning = errors.New("httpserver: server already started or closed")
 )
 
 // ReadyCheck is one dependency probed by GET /readyz.
@@ -74,20 +74,27 @@ type Options struct {
 	AdminToken string
 	// MaxBodyBytes limits request bodies; default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
-	// ReadHeaderTimeout, ReadTimeout, WriteTimeout and IdleTimeout set the
-	// http.Server fields of the same names; defaults as the Default*
-	// constants.
+	// ReadHeaderTimeout sets http.Server.ReadHeaderTimeout; default
+	// DefaultReadHeaderTimeout.
 	ReadHeaderTimeout time.Duration
-	ReadTimeout       time.Duration
-	WriteTimeout      time.Duration
-	IdleTimeout       time.Duration
-	// ShutdownTimeout bounds the graceful stop in Run.
+	// ReadTimeout sets http.Server.ReadTimeout; default DefaultReadTimeout.
+	ReadTimeout time.Duration
+	// WriteTimeout sets http.Server.WriteTimeout; default
+	// DefaultWriteTimeout. A long streaming handler can extend its own
+	// deadline with http.NewResponseController(w).SetWriteDeadline.
+	WriteTimeout time.Duration
+	// IdleTimeout sets http.Server.IdleTimeout; default DefaultIdleTimeout.
+	IdleTimeout time.Duration
+	// ShutdownTimeout bounds the graceful stop in Run; default
+	// DefaultShutdownTimeout.
 	ShutdownTimeout time.Duration
-	// ReadyTimeout bounds each readiness check.
+	// ReadyTimeout bounds each readiness check; default DefaultReadyTimeout.
 	ReadyTimeout time.Duration
-	// TracerProvider and Propagator default to the OpenTelemetry globals.
+	// TracerProvider creates the server spans; default the global provider.
 	TracerProvider trace.TracerProvider
-	Propagator     propagation.TextMapPropagator
+	// Propagator reads trace context from request headers; default the
+	// global propagator.
+	Propagator propagation.TextMapPropagator
 }
 
 // withDefaults fills zero fields.
@@ -187,6 +194,9 @@ func (s *Server) Listen() error {
 	if s.ln != nil {
 		return nil
 	}
+	if s.started {
+		return ErrRunning
+	}
 	ln, err := net.Listen("tcp", s.opts.Addr)
 	if err != nil {
 		return fmt.Errorf("httpserver: listen %s: %w", s.opts.Addr, err)
@@ -204,6 +214,26 @@ func (s *Server) Addr() string {
 		return s.ln.Addr().String()
 	}
 	return s.opts.Addr
+}
+
+// Close releases the listener of a server that Listen bound but Run never
+// started (for example when a later start-up step failed); Run then returns
+// ErrRunning. Once Run has started it owns the listener and Close does
+// nothing: cancel Run's context to stop the server.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.started {
+		return nil
+	}
+	s.started = true
+	if s.ln == nil {
+		return nil
+	}
+	if err := s.ln.Close(); err != nil {
+		return fmt.Errorf("httpserver: close listener: %w", err)
+	}
+	return nil
 }
 
 // Run listens (unless Listen was called) and serves until ctx is cancelled,

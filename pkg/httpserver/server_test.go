@@ -357,14 +357,71 @@ func TestNewAndRunErrors(t *testing.T) {
 		t.Fatalf("New without Addr = %v, want ErrNoAddr", err)
 	}
 	ts := start(t, httpserver.Options{}, nil)
-	if err := ts.Run(context.Background()); !errors.Is(err, httpserver.ErrRunning) {
+	// A served request proves the first Run has claimed the server.
+	if res := ts.do(t, http.MethodGet, "/healthz", "", nil); res.status != http.StatusOK {
+		t.Fatalf("GET /healthz = %d", res.status)
+	}
+	// Cancelled contexts keep a wrongly successful Run from blocking the test.
+	stopped, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := ts.Run(stopped); !errors.Is(err, httpserver.ErrRunning) {
 		t.Fatalf("second Run = %v, want ErrRunning", err)
 	}
 	busy, err := httpserver.New(httpserver.Options{Addr: ts.Addr()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := busy.Run(context.Background()); err == nil || !strings.Contains(err.Error(), ts.Addr()) {
+	if err := busy.Run(stopped); err == nil || !strings.Contains(err.Error(), ts.Addr()) {
 		t.Fatalf("Run on a busy port = %v, want a listen error naming the address", err)
+	}
+}
+
+func TestResponseControllerReachesConnection(t *testing.T) {
+	ts := start(t, httpserver.Options{}, func(s *httpserver.Server) {
+		s.Router().Get("/stream", func(w http.ResponseWriter, _ *http.Request) {
+			rc := http.NewResponseController(w)
+			if err := rc.SetWriteDeadline(time.Now().Add(time.Minute)); err != nil {
+				http.Error(w, "deadline: "+err.Error(), http.StatusInternalServerError)
+				return
+			}
+			_, _ = w.Write([]byte("part"))
+			if err := rc.Flush(); err != nil {
+				return
+			}
+			_, _ = w.Write([]byte("-end"))
+		})
+	})
+	res := ts.do(t, http.MethodGet, "/stream", "", nil)
+	if res.status != http.StatusOK || string(res.body) != "part-end" {
+		t.Fatalf("GET /stream = %d %q; want 200 part-end (write deadline and flush must reach the connection)", res.status, res.body)
+	}
+}
+
+func TestCloseReleasesUnstartedListener(t *testing.T) {
+	srv, err := httpserver.New(httpserver.Options{Addr: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	addr := srv.Addr()
+	if err := srv.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	again, err := httpserver.New(httpserver.Options{Addr: addr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := again.Listen(); err != nil {
+		t.Fatalf("Listen on the released address: %v", err)
+	}
+	if err := again.Close(); err != nil {
+		t.Fatal(err)
+	}
+	stopped, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := srv.Run(stopped); !errors.Is(err, httpserver.ErrRunning) {
+		t.Fatalf("Run after Close = %v, want ErrRunning", err)
 	}
 }

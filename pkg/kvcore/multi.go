@@ -103,6 +103,7 @@ func (g *FinishGate) Report(child string) bool {
 	return false
 }
 
+// waitingFor reports whether child has yet to report.
 func (g *FinishGate) waitingFor(child string) bool {
 	for _, c := range g.Waiting {
 		if c == child {

@@ -145,6 +145,7 @@ func (p RetryPolicy) PutFailed(attempts int) RetryDecision {
 	return p.decide(attempts, RetryFail, ReasonPutFailed)
 }
 
+// decide retries until MaxAttempts, then gives up with giveUp and reason.
 func (p RetryPolicy) decide(attempts int, giveUp RetryAction, reason Reason) RetryDecision {
 	maxAttempts := p.MaxAttempts
 	if maxAttempts <= 0 {
@@ -196,12 +197,16 @@ const (
 type GroupOutcome struct {
 	// Group is the KV-group index (as the task named it).
 	Group int `json:"group"`
-	// Stored, Existed, Skipped, DeadLettered and Failed count keys.
-	Stored       int `json:"stored"`
-	Existed      int `json:"existed"`
-	Skipped      int `json:"skipped"`
+	// Stored counts keys put.
+	Stored int `json:"stored"`
+	// Existed counts keys already in the store.
+	Existed int `json:"existed"`
+	// Skipped counts keys skipped in pressure mode.
+	Skipped int `json:"skipped"`
+	// DeadLettered counts dead-lettered keys (at least 1 per dead-lettered group).
 	DeadLettered int `json:"dead_lettered"`
-	Failed       int `json:"failed"`
+	// Failed counts keys whose put failed (at least 1 per failure recorded).
+	Failed int `json:"failed"`
 	// Reason is the first reason recorded for the group.
 	Reason Reason `json:"reason,omitempty"`
 }
@@ -209,9 +214,11 @@ type GroupOutcome struct {
 // SendOutcome is the sender's account of one save task, reported on
 // transfer.results.
 type SendOutcome struct {
-	// TaskID, EngineID and RequestID identify the task.
-	TaskID    string `json:"task_id"`
-	EngineID  string `json:"engine_id"`
+	// TaskID is the save task's id.
+	TaskID string `json:"task_id"`
+	// EngineID is the engine that owns the request.
+	EngineID string `json:"engine_id"`
+	// RequestID is the request the task saves.
 	RequestID string `json:"request_id"`
 	// Groups holds one entry per group recorded, in group order.
 	Groups []GroupOutcome `json:"groups"`

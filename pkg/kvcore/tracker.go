@@ -55,12 +55,17 @@ func (s SaveStatus) Valid() bool {
 
 // SaveCounts counts a request's reported save outcomes.
 type SaveCounts struct {
-	Stored       int `json:"stored"`
-	Skipped      int `json:"skipped"`
+	// Stored counts saves reported stored.
+	Stored int `json:"stored"`
+	// Skipped counts saves reported skipped.
+	Skipped int `json:"skipped"`
+	// DeadLettered counts saves reported dead-lettered.
 	DeadLettered int `json:"dead_lettered"`
-	Failed       int `json:"failed"`
+	// Failed counts saves reported failed.
+	Failed int `json:"failed"`
 }
 
+// add counts one report.
 func (c *SaveCounts) add(s SaveStatus) {
 	switch s {
 	case SaveStored:

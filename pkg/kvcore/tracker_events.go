@@ -141,7 +141,7 @@ func (t *Tracker) checkExternal() error {
 		return fmt.Errorf("%d external tokens without a load spec: %w", l.External, ErrExternalTokens)
 	}
 	if need := l.Spec.KVPoolCachedTokens - l.Spec.VLLMCachedTokens; l.External != need {
-		return fmt.Errorf("%d external tokens, load spec needs %d (hit %d − cached %d): %w",
+		return fmt.Errorf("%d external tokens, load spec needs %d (hit %d - cached %d): %w",
 			l.External, need, l.Spec.KVPoolCachedTokens, l.Spec.VLLMCachedTokens, ErrExternalTokens)
 	}
 	return nil
@@ -272,6 +272,7 @@ func (t *Tracker) finish(eff *Effects) {
 	t.State = StateFinishing
 }
 
+// finishedSending is the feedback that frees the request's blocks.
 func (t *Tracker) finishedSending(immediate bool) Feedback {
 	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate}
 }

@@ -75,12 +75,18 @@ func (v GroupVerdict) OK() bool { return v.Reason == ReasonOK }
 // a table with more groups than the model) reject every group. poolBlocks
 // gives the number of blocks per group in the engine's pool; nil (or a
 // missing entry) skips the upper-bound check. A nil model yields one
-// model_unknown verdict per task entry.
+// model_unknown verdict per task entry; a nil task is an empty one.
 func ValidateSave(m *Model, poolBlocks []int, t *SaveTask) []GroupVerdict {
-	if m == nil || m.Validate() != nil || m.Name != t.Model {
+	if t == nil {
+		t = &SaveTask{}
+	}
+	if m == nil {
 		return modelUnknown(m, t)
 	}
 	first, extra := indexEntries(len(m.Groups), t.Groups)
+	if m.Validate() != nil || m.Name != t.Model {
+		return append(modelUnknown(m, t), extra...)
+	}
 	taskFault := taskWideFault(m, t)
 	out := make([]GroupVerdict, 0, len(m.Groups)+len(extra))
 	for g := range m.Groups {

@@ -40,6 +40,10 @@ func TestValidateSaveReasons(t *testing.T) {
 		{"valid without pool size", func(*SaveTask) {}, nil, verdicts{}, nil},
 		{"model_unknown", func(s *SaveTask) { s.Model = "other" }, pool,
 			verdicts{0: ReasonModelUnknown, 1: ReasonModelUnknown}, nil},
+		{"model_unknown keeps entry verdicts", func(s *SaveTask) {
+			s.Model = "other"
+			s.Groups = append(s.Groups, GroupChunks{Group: 7})
+		}, pool, verdicts{0: ReasonModelUnknown, 1: ReasonModelUnknown}, []GroupVerdict{{Group: 7, Reason: ReasonGroupOutOfRange}}},
 		{"token_range_invalid unaligned", func(s *SaveTask) { s.Start = 8 }, pool,
 			verdicts{0: ReasonTokenRangeInvalid, 1: ReasonTokenRangeInvalid}, nil},
 		{"token_range_invalid reversed", func(s *SaveTask) { s.End = s.Start }, pool,
@@ -100,6 +104,10 @@ func TestValidateSaveNilModel(t *testing.T) {
 	vs := ValidateSave(nil, nil, task)
 	if len(vs) != 2 || vs[0].Reason != ReasonModelUnknown || vs[1].Reason != ReasonModelUnknown {
 		t.Fatalf("verdicts %+v", vs)
+	}
+	vs = ValidateSave(trkHybrid(t), nil, nil)
+	if len(vs) != 2 || vs[0].Reason != ReasonModelUnknown || vs[1].Reason != ReasonModelUnknown {
+		t.Fatalf("nil task verdicts %+v", vs)
 	}
 }
 

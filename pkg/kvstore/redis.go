@@ -378,9 +378,14 @@ func (r *Redis) pipelined(ctx context.Context, op string, fill func(redis.Pipeli
 // batchErr classifies an error that is not a server reply: the caller's
 // ctx, a closed client, or a connection-level failure.
 func (r *Redis) batchErr(ctx context.Context, op string, err error) error {
+	cerr := ctx.Err()
+	if dl, ok := ctx.Deadline(); ok && cerr == nil && !time.Now().Before(dl) {
+		// The socket deadline, set from ctx's, can fire before ctx's timer.
+		cerr = context.DeadlineExceeded
+	}
 	switch {
-	case ctx.Err() != nil:
-		return fmt.Errorf("kvstore: redis %s: %w", op, ctx.Err())
+	case cerr != nil:
+		return fmt.Errorf("kvstore: redis %s: %w", op, cerr)
 	case errors.Is(err, redis.ErrClosed):
 		return fmt.Errorf("kvstore: redis %s: %w", op, ErrClosed)
 	default:

@@ -1,0 +1,126 @@
+package service
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/migrations"
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+)
+
+// Deps are the connections a service opens at start, each registering its
+// readiness check; Close releases them in reverse order. Services open them
+// in a fixed order in their New: database, store, bus, then HTTP.
+type Deps struct {
+	// Log is the service's logger.
+	Log *slog.Logger
+	// Registry receives the service's Prometheus metrics.
+	Registry *prometheus.Registry
+	// Pool is the PostgreSQL pool, after OpenDatabase.
+	Pool *pgxpool.Pool
+	// Store is the store pool, after OpenStore.
+	Store kvstore.Store
+	// Producer publishes to Kafka, after OpenBus.
+	Producer *bus.Producer
+
+	checks  []httpserver.ReadyCheck
+	closers []func()
+}
+
+// NewDeps returns an empty set with a fresh metrics registry.
+func NewDeps(log *slog.Logger) *Deps {
+	return &Deps{Log: log, Registry: prometheus.NewRegistry()}
+}
+
+// OpenDatabase connects to PostgreSQL. With migrate set it applies the
+// pending migrations (the scheduler owns them); either way readiness
+// requires every migration to be applied.
+func (d *Deps) OpenDatabase(ctx context.Context, url, appName string, migrate bool) error {
+	pool, err := database.Connect(ctx, url, database.WithApplicationName(appName))
+	if err != nil {
+		return err
+	}
+	d.Pool = pool
+	d.closers = append(d.closers, pool.Close)
+	if migrate {
+		applied, err := database.Migrate(ctx, pool, migrations.FS)
+		if err != nil {
+			return err
+		}
+		d.Log.Info("migrations applied", "applied", applied)
+	}
+	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "postgres", Check: func(ctx context.Context) error {
+		if err := pool.Ping(ctx); err != nil {
+			return err
+		}
+		return database.CheckMigrated(ctx, pool, migrations.FS)
+	}})
+	return nil
+}
+
+// OpenStore connects to the Redis store pool.
+func (d *Deps) OpenStore(ctx context.Context, url string) error {
+	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{})
+	if err != nil {
+		return fmt.Errorf("store: %w", err)
+	}
+	d.Store = st
+	d.closers = append(d.closers, func() { _ = st.Close() })
+	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "store", Check: st.Ping})
+	return nil
+}
+
+// OpenBus makes sure every contract topic exists and creates the producer.
+func (d *Deps) OpenBus(ctx context.Context, c *Common) error {
+	if err := bus.EnsureTopics(ctx, c.Brokers, contract.Topics, c.Partitions); err != nil {
+		return err
+	}
+	p, err := bus.NewProducer(c.Brokers)
+	if err != nil {
+		return err
+	}
+	d.Producer = p
+	d.closers = append(d.closers, func() { _ = p.Close() })
+	brokers := c.Brokers
+	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "kafka", Check: func(ctx context.Context) error {
+		return bus.Ping(ctx, brokers)
+	}})
+	return nil
+}
+
+// HTTPServer creates the service's HTTP server with every readiness check
+// registered so far and binds its address, so Addr is known before Run.
+func (d *Deps) HTTPServer(addr, name string, c *Common) (*httpserver.Server, error) {
+	srv, err := httpserver.New(httpserver.Options{
+		Addr:            addr,
+		Service:         name,
+		Logger:          d.Log,
+		Ready:           d.checks,
+		Registry:        d.Registry,
+		AdminToken:      c.AdminToken,
+		ShutdownTimeout: c.ShutdownTimeout,
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := srv.Listen(); err != nil {
+		return nil, err
+	}
+	return srv, nil
+}
+
+// Close releases everything opened, newest first.
+func (d *Deps) Close() {
+	for i := len(d.closers) - 1; i >= 0; i-- {
+		d.closers[i]()
+	}
+	d.closers = nil
+}

@@ -1,0 +1,167 @@
+// Package service is the runtime every kvmesh service runs in: the settings
+// they share, the one Main that turns configuration into a logger, traces
+// and a signal-aware context, and Run, which runs a service's named tasks
+// together and stops them all when one fails.
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/logging"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+)
+
+// Common holds the settings every kvmesh service shares. Each service's
+// Config embeds it.
+type Common struct {
+	// LogLevel is the minimum level logged.
+	LogLevel string `env:"KVMESH_LOG_LEVEL" default:"info" doc:"log level: debug, info, warn or error"`
+	// Brokers are the Kafka bootstrap brokers.
+	Brokers []string `env:"KVMESH_KAFKA_BROKERS" default:"127.0.0.1:9092" doc:"Kafka bootstrap brokers, comma-separated"`
+	// Partitions is the partition count used when a service creates a missing topic.
+	Partitions int `env:"KVMESH_KAFKA_PARTITIONS" default:"4" doc:"partitions for topics a service creates when they are missing"`
+	// AdminToken guards mutating admin routes.
+	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"bearer token for mutating admin routes; when unset they are refused"`
+	// ShutdownTimeout bounds the graceful stop.
+	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" default:"5s" doc:"how long a service waits for in-flight work when stopping"`
+	// Model is a preset name or the path of a YAML/JSON model spec.
+	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, full-swa-mamba) or a YAML/JSON file"`
+	// OTLPEndpoint is the OTLP/HTTP collector base URL.
+	OTLPEndpoint string `env:"OTEL_EXPORTER_OTLP_ENDPOINT" doc:"OTLP/HTTP collector base URL (e.g. http://collector:4318); unset exports no traces"`
+	// OTLPTracesEndpoint is a full OTLP/HTTP traces URL that wins over OTLPEndpoint.
+	OTLPTracesEndpoint string `env:"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" doc:"full OTLP/HTTP traces URL; wins over OTEL_EXPORTER_OTLP_ENDPOINT"`
+}
+
+// Validate checks the shared settings.
+func (c *Common) Validate() error {
+	var errs []error
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("KVMESH_KAFKA_BROKERS: at least one broker is required"))
+	}
+	if c.Partitions < 1 {
+		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_PARTITIONS: %d is not positive", c.Partitions))
+	}
+	if c.ShutdownTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_SHUTDOWN_TIMEOUT: %s is not positive", c.ShutdownTimeout))
+	}
+	if _, err := logging.ParseLevel(c.LogLevel); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_LOG_LEVEL: %w", err))
+	}
+	if strings.TrimSpace(c.Model) == "" {
+		errs = append(errs, errors.New("KVMESH_MODEL: a preset name or a spec file is required"))
+	}
+	return errors.Join(errs...)
+}
+
+// Configurable is a service's Config: a struct pointer that config.Load
+// fills and that exposes its Common part.
+type Configurable interface {
+	// Shared returns the embedded Common settings.
+	Shared() *Common
+}
+
+// Shared returns c itself, so that a Config embedding Common is Configurable.
+func (c *Common) Shared() *Common { return c }
+
+// LoadModel resolves a KVMESH_MODEL value: a preset name, else a file path.
+func LoadModel(spec string) (*kvcore.Model, error) {
+	if m, err := kvcore.Preset(spec); err == nil {
+		return m, nil
+	}
+	data, err := os.ReadFile(spec)
+	if err != nil {
+		return nil, fmt.Errorf("model %q is neither a preset (%s) nor a readable file: %w",
+			spec, strings.Join(kvcore.PresetNames(), ", "), err)
+	}
+	return kvcore.ParseModel(data)
+}
+
+// Main is the whole body of a service's main function: it loads cfg from
+// the environment, builds the JSON logger, logs the resolved settings with
+// secrets masked, sets up tracing, runs run under a context cancelled by
+// SIGINT or SIGTERM, flushes traces, and returns the process exit code
+// (0 on a clean stop, 1 when run failed, 2 for bad configuration).
+func Main(name string, cfg Configurable, run func(ctx context.Context, log *slog.Logger) error) int {
+	return runMain(name, cfg, os.LookupEnv, os.Stderr, run)
+}
+
+func runMain(name string, cfg Configurable, lookup func(string) (string, bool), stderr io.Writer,
+	run func(ctx context.Context, log *slog.Logger) error) int {
+	if err := config.Load(cfg, lookup); err != nil {
+		fmt.Fprintf(stderr, "%s: configuration: %v\n", name, err)
+		return 2
+	}
+	common := cfg.Shared()
+	log, err := logging.New(stderr, common.LogLevel, name)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", name, err)
+		return 2
+	}
+	log.Info("starting", "config", config.LogValue(cfg))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	shutdownTraces, err := telemetry.Setup(ctx, telemetry.Options{
+		ServiceName:        "kvmesh-" + name,
+		OTLPEndpoint:       common.OTLPEndpoint,
+		OTLPTracesEndpoint: common.OTLPTracesEndpoint,
+		Logger:             log,
+	})
+	if err != nil {
+		log.Error("telemetry setup failed", "err", err)
+		return 1
+	}
+	code := 0
+	if err := run(ctx, log); err != nil {
+		log.Error("stopped with error", "err", err)
+		code = 1
+	} else {
+		log.Info("stopped")
+	}
+	flushCtx, cancel := context.WithTimeout(context.Background(), common.ShutdownTimeout)
+	defer cancel()
+	if err := shutdownTraces(flushCtx); err != nil {
+		log.Warn("flushing traces failed", "err", err)
+	}
+	return code
+}
+
+// Task is one named long-running part of a service: an HTTP server, a
+// consumer, a relay.
+type Task struct {
+	// Name appears in logs and in the error of a failed task.
+	Name string
+	// Run works until ctx is cancelled and then returns nil, or returns an
+	// error when it cannot go on.
+	Run func(ctx context.Context) error
+}
+
+// Run runs tasks together until ctx is cancelled or one of them fails; a
+// failure cancels the others. It returns once every task has returned, with
+// the first failure wrapped with its task's name, or nil.
+func Run(ctx context.Context, log *slog.Logger, tasks ...Task) error {
+	g, gctx := errgroup.WithContext(ctx)
+	for _, t := range tasks {
+		g.Go(func() error {
+			log.Debug("task started", "task", t.Name)
+			if err := t.Run(gctx); err != nil {
+				return fmt.Errorf("%s: %w", t.Name, err)
+			}
+			log.Debug("task stopped", "task", t.Name)
+			return nil
+		})
+	}
+	return g.Wait()
+}
