@@ -87,14 +87,23 @@ func MarkdownTable(v any) string {
 		}
 		desc := f.Doc
 		if f.Required {
-			desc = strings.TrimSpace(desc + " Required.")
+			desc = sentence(desc, "Required.")
 		}
 		if f.Secret {
-			desc = strings.TrimSpace(desc + " Secret: never logged.")
+			desc = sentence(desc, "Secret: never logged.")
 		}
 		fmt.Fprintf(&b, "| `%s` | %s | %s | %s |\n", f.Env, f.Type, escapeCell(def), escapeCell(desc))
 	}
 	return b.String()
+}
+
+// sentence appends note to desc as a new sentence.
+func sentence(desc, note string) string {
+	desc = strings.TrimSpace(desc)
+	if desc != "" && !strings.HasSuffix(desc, ".") {
+		desc += "."
+	}
+	return strings.TrimSpace(desc + " " + note)
 }
 
 func escapeCell(s string) string {

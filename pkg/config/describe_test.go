@@ -116,7 +116,7 @@ func TestMarkdownTable(t *testing.T) {
 	want := "| Variable | Type | Default | Description |\n" +
 		"|---|---|---|---|\n" +
 		"| `T_ADDR` | string | `:8082` | listen address |\n" +
-		"| `T_TOKEN` | string |  | admin \\| token Required. Secret: never logged. |\n"
+		"| `T_TOKEN` | string |  | admin \\| token. Required. Secret: never logged. |\n"
 	if got := config.MarkdownTable(doc{Token: "x"}); got != want {
 		t.Fatalf("MarkdownTable:\n%s\nwant:\n%s", got, want)
 	}

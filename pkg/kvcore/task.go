@@ -125,4 +125,16 @@ type LoadTask struct {
 	BlockHashes []string `json:"block_hashes"`
 	// Groups lists, per group, exactly the chunks to load.
 	Groups []GroupChunks `json:"groups"`
+	// Remote is set for a pd load: the blocks come from another engine's
+	// gpuworker instead of the store pool.
+	Remote *RemoteSource `json:"remote,omitempty"`
+}
+
+// RemoteSource is a disaggregated-prefill source: the engine whose pool
+// holds the request's KV and that engine's block table for it.
+type RemoteSource struct {
+	// EngineID is the prefill engine.
+	EngineID string `json:"engine_id"`
+	// BlockTable is the prefill engine's per-group block table.
+	BlockTable BlockTable `json:"block_table"`
 }

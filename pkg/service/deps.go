@@ -114,6 +114,7 @@ func (d *Deps) HTTPServer(addr, name string, c *Common) (*httpserver.Server, err
 	if err := srv.Listen(); err != nil {
 		return nil, err
 	}
+	d.closers = append(d.closers, func() { _ = srv.Close() })
 	return srv, nil
 }
 

@@ -1,0 +1,2 @@
+-- placeholder: replaced by the issue that owns this table
+SELECT 1;
