@@ -1,2 +1,3 @@
--- placeholder: replaced by the issue that owns this table
-SELECT 1;
+DROP TABLE IF EXISTS scheduler_dead_letters;
+DROP TABLE IF EXISTS processed_records;
+DROP TABLE IF EXISTS trackers;

@@ -1,2 +1,2 @@
--- placeholder: replaced by the issue that owns this table
-SELECT 1;
+DROP TABLE IF EXISTS save_outcomes;
+DROP TABLE IF EXISTS dead_letters;

@@ -1,2 +1,1 @@
--- placeholder: replaced by the issue that owns this table
-SELECT 1;
+DROP TABLE IF EXISTS workers;

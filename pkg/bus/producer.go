@@ -70,6 +70,12 @@ func WithTracerProvider(tp trace.TracerProvider) ProducerOption {
 	return func(c *producerConfig) { c.tp = tp }
 }
 
+// Writer limits: a failed write is given up after about two seconds.
+const (
+	producerMaxAttempts = 3
+	producerDialTimeout = 2 * time.Second
+)
+
 // NewProducer returns a producer for the brokers. It connects lazily, on the
 // first publish.
 func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
@@ -83,12 +89,19 @@ func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
 	if cfg.batchTimeout <= 0 || cfg.balancer == nil {
 		return nil, fmt.Errorf("%w: batch timeout must be positive and balancer set", ErrInvalidConfig)
 	}
-	transport := &kafka.Transport{ClientID: cfg.clientID}
+	transport := &kafka.Transport{ClientID: cfg.clientID, DialTimeout: producerDialTimeout}
 	w := &kafka.Writer{
-		Addr:                   kafka.TCP(brokers...),
-		Balancer:               cfg.balancer,
-		BatchTimeout:           cfg.batchTimeout,
-		RequiredAcks:           kafka.RequireAll,
+		Addr:         kafka.TCP(brokers...),
+		Balancer:     cfg.balancer,
+		BatchTimeout: cfg.batchTimeout,
+		RequiredAcks: kafka.RequireAll,
+		// Every caller retries a failed publish itself (the outbox relay, the
+		// consumer loop, an engine answered 503), so the writer gives up
+		// quickly instead of retrying in the background for ~10 s, which
+		// also kept Close from returning within a service's stop limit.
+		MaxAttempts:            producerMaxAttempts,
+		WriteBackoffMin:        50 * time.Millisecond,
+		WriteBackoffMax:        500 * time.Millisecond,
 		AllowAutoTopicCreation: cfg.autoCreate,
 		Transport:              transport,
 	}

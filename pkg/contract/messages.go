@@ -52,6 +52,11 @@ type EngineEvent struct {
 	// ExternalTokens and BlockTable come with allocated.
 	ExternalTokens int               `json:"external_tokens,omitempty"`
 	BlockTable     kvcore.BlockTable `json:"block_table,omitempty"`
+	// DecisionID comes with allocated: the LookupDecision.DecisionID the
+	// engine allocated for (the lookup answer it acted on). It binds the
+	// allocation to its lookup even when the decision is consumed after a
+	// later preemption; without it the scheduler uses the newest decision.
+	DecisionID string `json:"decision_id,omitempty"`
 	// Step comes with scheduled.
 	Step *kvcore.Step `json:"step,omitempty"`
 }
@@ -126,6 +131,12 @@ type TransferResult struct {
 	LoadErrors []kvcore.BlockID `json:"load_errors,omitempty"`
 	Bytes      int64            `json:"bytes"`
 }
+
+// FeedbackRequestError is the EngineFeedback kind that tells an engine a
+// request stopped with an error (EngineFeedback.Error says why): the
+// scheduler emits no more tasks for it, and its finished_sending still
+// follows the request's finish so its blocks are freed.
+const FeedbackRequestError kvcore.FeedbackKind = "request_error"
 
 // EngineFeedback tells an engine what finished, on TopicEngineFeedback,
 // keyed by engine id.

@@ -174,7 +174,14 @@ type Tracker struct {
 	// Model is the model name (Model.Name); events for another model are refused.
 	Model string `json:"model"`
 	// Connector names the connector on load tasks ("" means DefaultTrackerConnector).
+	// A tracker of another connector prefixes its task ids' kind with the
+	// connector's name ("pd-load"), so two trackers of one request never
+	// emit the same task id.
 	Connector string `json:"connector,omitempty"`
+	// Remote, when set, is copied into every load task the tracker emits:
+	// the blocks come from another engine's pool (a disaggregated-prefill
+	// source) instead of the store pool.
+	Remote *RemoteSource `json:"remote,omitempty"`
 	// Consumer is set for the kv_consumer role: the request never saves.
 	Consumer bool `json:"consumer,omitempty"`
 	// State is the lifecycle state.

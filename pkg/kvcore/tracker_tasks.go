@@ -154,12 +154,26 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		BlockTable:  table.Clone(),
 		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
 		Groups:      groups,
+		Remote:      t.Remote.clone(),
 	}, nil
 }
 
-// taskID is engine/request/kind/seq: unique per task, stable across
+// clone returns a deep copy of r (nil for nil), so a task's snapshot never
+// aliases a tracker.
+func (r *RemoteSource) clone() *RemoteSource {
+	if r == nil {
+		return nil
+	}
+	return &RemoteSource{EngineID: r.EngineID, BlockTable: r.BlockTable.Clone()}
+}
+
+// taskID is engine/request/kind/seq (kind prefixed by a non-default
+// connector's name, e.g. "pd-load"): unique per task, stable across
 // redelivery of the event that emitted it (the tracker is persisted with
 // its Seq before the task is published).
 func (t *Tracker) taskID(kind string) string {
+	if t.Connector != "" && t.Connector != DefaultTrackerConnector {
+		kind = t.Connector + "-" + kind
+	}
 	return t.EngineID + "/" + t.RequestID + "/" + kind + "/" + strconv.Itoa(t.Seq)
 }

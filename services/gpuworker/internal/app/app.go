@@ -3,41 +3,124 @@ package app
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
+	"net"
+	"strings"
+	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/dataplaneapi"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/load"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
 
 // Config is the gpuworker's configuration.
 type Config struct {
 	service.Common
 	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8084" doc:"listen address of the service's HTTP API"`
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8084" doc:"listen address of the service's HTTP API and data plane"`
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
+	// EngineID is the engine whose pool this worker holds.
+	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
+	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
+	RankTP  int `env:"KVMESH_RANK_TP" default:"0" doc:"tensor-parallel rank of this worker"`
+	RankPCP int `env:"KVMESH_RANK_PCP" default:"0" doc:"prefill context-parallel rank of this worker"`
+	RankDCP int `env:"KVMESH_RANK_DCP" default:"0" doc:"decode context-parallel rank of this worker"`
+	RankPP  int `env:"KVMESH_RANK_PP" default:"0" doc:"pipeline-parallel rank of this worker"`
+	// PoolBlocks is the number of blocks per KV group.
+	PoolBlocks int `env:"KVMESH_POOL_BLOCKS" default:"1024" doc:"blocks per KV group; the pool takes blocks × bytes_per_block per group (hybrid-mla-linear: 1024 × (72 KiB + 256 KiB) = 328 MiB; dense: 1024 × 2 MiB = 2 GiB), committed only as blocks are written"`
+	// DataplaneURL is the base URL others reach this worker's data plane at.
+	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address>, with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
+	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
+	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
+	// KeyPrefix is the store-key deployment prefix.
+	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key deployment prefix (must match the lookup service's); empty for none"`
+	// HeartbeatInterval is how often the worker heartbeats in the registry.
+	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" default:"5s" doc:"how often the worker refreshes its registration in PostgreSQL"`
+	// WorkerStaleAfter is how old a heartbeat may be for a pd source worker.
+	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" default:"30s" doc:"a worker whose heartbeat is older is not used as a pd load source"`
+	// SessionTimeout is the Kafka consumer-group session timeout.
+	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"consumer-group session timeout: how soon a crashed worker's load tasks go to its replacement"`
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	errs := []error{c.Common.Validate()}
+	if strings.TrimSpace(c.EngineID) == "" {
+		errs = append(errs, errors.New("KVMESH_ENGINE_ID: required"))
+	}
+	if c.RankTP < 0 || c.RankPCP < 0 || c.RankDCP < 0 || c.RankPP < 0 {
+		errs = append(errs, errors.New("KVMESH_RANK_*: ranks must not be negative"))
+	}
+	if c.PoolBlocks < 1 {
+		errs = append(errs, fmt.Errorf("KVMESH_POOL_BLOCKS: %d is not positive", c.PoolBlocks))
+	}
+	if c.MaxBatchBytes < 1<<20 {
+		errs = append(errs, fmt.Errorf("KVMESH_MAX_BATCH_BYTES: %d is below 1 MiB", c.MaxBatchBytes))
+	}
+	if c.HeartbeatInterval <= 0 || c.WorkerStaleAfter <= c.HeartbeatInterval {
+		errs = append(errs, errors.New("KVMESH_HEARTBEAT_INTERVAL must be positive and below KVMESH_WORKER_STALE_AFTER"))
+	}
+	if c.SessionTimeout <= 0 {
+		errs = append(errs, errors.New("KVMESH_KAFKA_SESSION_TIMEOUT: must be positive"))
+	}
+	return errors.Join(errs...)
+}
+
+// Rank is the configured rank.
+func (c *Config) Rank() kvcore.Rank {
+	return kvcore.Rank{TP: c.RankTP, PCP: c.RankPCP, DCP: c.RankDCP, PP: c.RankPP}
 }
 
 // App is a wired gpuworker, ready to Run.
 type App struct {
-	deps  *service.Deps
-	model *kvcore.Model
-	srv   *httpserver.Server
+	cfg      Config
+	deps     *service.Deps
+	model    *kvcore.Model
+	srv      *httpserver.Server
+	pool     *pool.Pool
+	gpus     *devices.Source
+	consumer *bus.Consumer
+	worker   dataplane.Worker
 }
 
 // New opens the service's connections and binds the HTTP address, in a
-// fixed order.
+// fixed order, then allocates the pool and mounts the routes.
 func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) {
-	a := &App{deps: service.NewDeps(log)}
+	return NewWithDevices(ctx, cfg, log, devices.NewSystemSource())
+}
+
+// NewWithDevices is New with the GPU inventory read from gpus (tests pass
+// an NVML mock).
+func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *devices.Source) (_ *App, err error) {
+	a := &App{cfg: cfg, deps: service.NewDeps(log), gpus: gpus}
 	defer func() {
 		if err != nil {
 			a.deps.Close()
 		}
 	}()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
 	if a.model, err = service.LoadModel(cfg.Model); err != nil {
+		return nil, err
+	}
+	keys, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	if err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-gpuworker", false); err != nil {
@@ -52,16 +135,136 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "gpuworker", &cfg.Common); err != nil {
 		return nil, err
 	}
+	if a.pool, err = pool.New(a.model, cfg.PoolBlocks); err != nil {
+		return nil, err
+	}
+	m, err := metrics.New(a.deps.Registry, func() []pool.GroupStats { return a.pool.Stats(a.model) }, gpus)
+	if err != nil {
+		return nil, err
+	}
+	sm, err := kvstore.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	loadStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Get: metrics.OpLoadGet})
+	if a.consumer, err = a.newConsumer(keys, loadStore, m); err != nil {
+		return nil, err
+	}
+	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut})
+	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).Mount(a.srv.Router())
+	a.mountAPI()
+	a.worker = dataplane.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}
 	return a, nil
+}
+
+// newConsumer builds the load-task consumer of this engine rank.
+func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.Metrics) (*bus.Consumer, error) {
+	hc := dataplane.DefaultHTTPClient()
+	loader := load.New(load.Config{
+		Model: a.model, Keys: keys, EngineID: a.cfg.EngineID, Rank: a.cfg.Rank(),
+		Pool: a.pool, Store: st, Publisher: a.deps.Producer,
+		Remote: func(ctx context.Context, engineID string, r kvcore.Rank) (*dataplane.Client, error) {
+			w, err := dataplane.FindRank(ctx, a.deps.Pool, engineID, r, a.cfg.WorkerStaleAfter)
+			if err != nil {
+				return nil, err
+			}
+			return dataplane.NewClient(w.Addr, hc), nil
+		},
+		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log,
+	})
+	r := a.cfg.Rank()
+	return bus.NewConsumer(bus.ConsumerConfig{
+		Brokers: a.cfg.Brokers,
+		GroupID: fmt.Sprintf("kvmesh-gpuworker-%s-tp%d-pcp%d-dcp%d-pp%d", a.cfg.EngineID, r.TP, r.PCP, r.DCP, r.PP),
+		Topics:  []string{contract.TopicLoadTasks},
+		OnDeadLetter: func(ctx context.Context, rec bus.Received, reason string, cause error) error {
+			m.Load(load.OutcomeDeadLettered, 0, 0)
+			a.deps.Log.ErrorContext(ctx, "load task dead-lettered: no result can be published",
+				"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
+			return nil
+		},
+		Logger:            a.deps.Log,
+		SessionTimeout:    a.cfg.SessionTimeout,
+		HeartbeatInterval: min(bus.DefaultHeartbeatInterval, a.cfg.SessionTimeout/3),
+		RebalanceTimeout:  min(bus.DefaultRebalanceTimeout, max(a.cfg.SessionTimeout, time.Second)),
+	}, loader.Handle)
+}
+
+// dataplaneURL is the configured URL, or http:// plus the bound address
+// with a wildcard host replaced by 127.0.0.1.
+func dataplaneURL(configured, bound string) string {
+	if configured != "" {
+		return strings.TrimRight(configured, "/")
+	}
+	host, port, err := net.SplitHostPort(bound)
+	if err != nil {
+		return "http://" + bound
+	}
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		host = "127.0.0.1"
+	}
+	return "http://" + net.JoinHostPort(host, port)
 }
 
 // Addr is the bound HTTP address.
 func (a *App) Addr() string { return a.srv.Addr() }
 
+// Worker is the registration this worker keeps in the registry.
+func (a *App) Worker() dataplane.Worker { return a.worker }
+
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
+	defer a.gpus.Close()
 	return service.Run(ctx, a.deps.Log,
 		service.Task{Name: "http", Run: a.srv.Run},
+		service.Task{Name: "load-consumer", Run: a.consumer.Run},
+		service.Task{Name: "registry", Run: a.keepRegistered},
 	)
+}
+
+// keepRegistered registers the worker with its device inventory, heartbeats
+// until ctx ends, and then removes the registration. A failed registration
+// or heartbeat is logged and retried at the next tick; a registration that
+// went missing is renewed.
+func (a *App) keepRegistered(ctx context.Context) error {
+	devs, err := json.Marshal(a.gpus.Inventory())
+	if err != nil {
+		return fmt.Errorf("encode devices: %w", err)
+	}
+	a.worker.Devices = devs
+	tick := time.NewTicker(a.cfg.HeartbeatInterval)
+	defer tick.Stop()
+	registered := false
+	for {
+		if registered {
+			err = dataplane.Heartbeat(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank)
+			registered = !errors.Is(err, dataplane.ErrNoWorker)
+		}
+		if !registered {
+			if err = dataplane.Register(ctx, a.deps.Pool, a.worker); err == nil {
+				registered = true
+				a.deps.Log.Info("registered", "engine_id", a.worker.EngineID, "rank", a.worker.Rank, "addr", a.worker.Addr)
+			}
+		}
+		if err != nil && ctx.Err() == nil {
+			a.deps.Log.Warn("worker registry update failed; retrying at the next tick", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return a.deregister()
+		case <-tick.C:
+		}
+	}
+}
+
+// deregister removes the registration on a clean stop, so no sender picks
+// a stopped worker.
+func (a *App) deregister() error {
+	ctx, cancel := context.WithTimeout(context.Background(), a.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := dataplane.Deregister(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank); err != nil {
+		a.deps.Log.Warn("deregister failed; the registration goes stale", "err", err)
+	}
+	return nil
 }

@@ -3,12 +3,22 @@ package app
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
 )
+
+// StoreOp is the op label of the lookup's existence checks in the store
+// metrics (kvmesh_store_op_duration_seconds and friends).
+const StoreOp = "lookup_exists"
 
 // Config is the lookup's configuration.
 type Config struct {
@@ -17,6 +27,44 @@ type Config struct {
 	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8081" doc:"listen address of the service's HTTP API"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
+	// Enabled turns lookups on; disabled, every lookup is answered 0.
+	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
+	// Connectors is the MultiConnector chain, in order.
+	Connectors []string `env:"KVMESH_LOOKUP_CONNECTORS" default:"store" doc:"connector chain, in order, comma-separated: store, pd (e.g. pd,store); the first child with a positive count is chosen"`
+	// KeyPrefix separates deployments that share one store pool.
+	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store key prefix separating deployments that share a store pool (no '@' or spaces); empty for none"`
+	// LoadAsync is the default load_async of a positive answer.
+	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" default:"true" doc:"load external tokens asynchronously unless a lookup says otherwise"`
+	// Timeout bounds one lookup's store check and decision publish.
+	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" default:"2s" doc:"bound on one lookup's store check plus decision publish; past it the lookup answers 503"`
+	// MaxBodyBytes limits a lookup request body.
+	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" default:"4194304" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
+}
+
+// Validate checks the shared and the lookup settings.
+func (c *Config) Validate() error {
+	return errors.Join(c.Common.Validate(), c.validateLookup())
+}
+
+// validateLookup checks the lookup's own settings (zero durations and
+// sizes are allowed: New applies the defaults).
+func (c *Config) validateLookup() error {
+	var errs []error
+	if len(c.Connectors) > 0 {
+		if err := connector.CheckNames(c.Connectors); err != nil {
+			errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_CONNECTORS: %w", err))
+		}
+	}
+	if _, err := kvcore.NewKeyBuilder(c.KeyPrefix, "model"); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_KEY_PREFIX: %w", err))
+	}
+	if c.Timeout < 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_TIMEOUT: %s is negative", c.Timeout))
+	}
+	if c.MaxBodyBytes < 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_MAX_BODY_BYTES: %d is negative", c.MaxBodyBytes))
+	}
+	return errors.Join(errs...)
 }
 
 // App is a wired lookup, ready to Run.
@@ -29,6 +77,9 @@ type App struct {
 // New opens the service's connections and binds the HTTP address, in a
 // fixed order.
 func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) {
+	if err := cfg.validateLookup(); err != nil {
+		return nil, err
+	}
 	a := &App{deps: service.NewDeps(log)}
 	defer func() {
 		if err != nil {
@@ -44,10 +95,51 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
 	}
+	h, err := a.handler(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "lookup", &cfg.Common); err != nil {
 		return nil, err
 	}
+	h.Mount(a.srv.Router())
 	return a, nil
+}
+
+// handler builds the connector chain over the instrumented store and the
+// lookup API.
+func (a *App) handler(cfg Config) (*api.Handler, error) {
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	if err != nil {
+		return nil, err
+	}
+	sm, err := kvstore.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	names := cfg.Connectors
+	if len(names) == 0 {
+		names = []string{connector.NameStore}
+	}
+	chain, err := connector.Build(names, connector.Deps{
+		Model: a.model,
+		Keys:  kb,
+		Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}),
+	})
+	if err != nil {
+		return nil, err
+	}
+	return api.New(api.Options{
+		Model:        a.model,
+		Chain:        chain,
+		Publisher:    a.deps.Producer,
+		Enabled:      cfg.Enabled,
+		LoadAsync:    cfg.LoadAsync,
+		Timeout:      cfg.Timeout,
+		MaxBodyBytes: cfg.MaxBodyBytes,
+		Registry:     a.deps.Registry,
+		Log:          a.deps.Log,
+	})
 }
 
 // Addr is the bound HTTP address.

@@ -3,10 +3,13 @@ package app_test
 import (
 	"context"
 	"log/slog"
+	"reflect"
+	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
@@ -30,4 +33,49 @@ func TestStartsReadyAndStops(t *testing.T) {
 
 func TestREADMEConfig(t *testing.T) {
 	servicetest.CheckREADMEConfig(t, "lookup", &app.Config{})
+}
+
+func TestConfigValidation(t *testing.T) {
+	base := map[string]string{"KVMESH_REDIS_URL": "redis://127.0.0.1:1/0"}
+	cases := []struct {
+		name string
+		vars map[string]string
+		want string // "" for a valid configuration
+	}{
+		{"defaults", nil, ""},
+		{"pd then store", map[string]string{"KVMESH_LOOKUP_CONNECTORS": "pd, store"}, ""},
+		{"unknown connector", map[string]string{"KVMESH_LOOKUP_CONNECTORS": "pd,lmcache"}, "KVMESH_LOOKUP_CONNECTORS"},
+		{"connector twice", map[string]string{"KVMESH_LOOKUP_CONNECTORS": "store,store"}, "KVMESH_LOOKUP_CONNECTORS"},
+		{"prefix with @", map[string]string{"KVMESH_KEY_PREFIX": "dep@A"}, "KVMESH_KEY_PREFIX"},
+		{"bad bool", map[string]string{"KVMESH_LOOKUP_ENABLED": "maybe"}, "KVMESH_LOOKUP_ENABLED"},
+		{"negative timeout", map[string]string{"KVMESH_LOOKUP_TIMEOUT": "-1s"}, "KVMESH_LOOKUP_TIMEOUT"},
+		{"shared settings still checked", map[string]string{"KVMESH_KAFKA_PARTITIONS": "0"}, "KVMESH_KAFKA_PARTITIONS"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			vars := map[string]string{}
+			for k, v := range base {
+				vars[k] = v
+			}
+			for k, v := range tc.vars {
+				vars[k] = v
+			}
+			var cfg app.Config
+			err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok })
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("Load: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("Load = %v, want an error naming %s", err, tc.want)
+			}
+		})
+	}
+	var cfg app.Config
+	if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := base[k]; return v, ok }); err != nil {
+		t.Fatal(err)
+	}
+	if !cfg.Enabled || !cfg.LoadAsync || !reflect.DeepEqual(cfg.Connectors, []string{"store"}) || cfg.KeyPrefix != "" {
+		t.Errorf("defaults: enabled %v load_async %v connectors %q prefix %q; want true, true, [store], empty",
+			cfg.Enabled, cfg.LoadAsync, cfg.Connectors, cfg.KeyPrefix)
+	}
 }

@@ -5,13 +5,29 @@ package app
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
+	"math"
+	"strconv"
+	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/intake"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
 )
+
+// GroupID is the scheduler's consumer group.
+const GroupID = "kvmesh-scheduler"
+
+// MaxConsumers bounds KVMESH_SCHEDULER_CONSUMERS: each member holds a
+// database connection while it applies a record, and the pool has 10.
+const MaxConsumers = 8
 
 // Config is the scheduler's configuration.
 type Config struct {
@@ -22,20 +38,74 @@ type Config struct {
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// Migrate applies migrations at start.
 	Migrate bool `env:"KVMESH_MIGRATE" default:"true" doc:"scheduler only: apply database migrations at start"`
+	// TrackerRetention is how long finished trackers are kept.
+	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" default:"1h" doc:"how long trackers of finished requests, processed-record ids and sent outbox rows are kept before the purge deletes them"`
+	// NoOutboxRelay stops this process from running the outbox relay (the
+	// zero value runs it).
+	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" default:"false" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
+	// Consumers is the number of consumer-group members in this process.
+	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" default:"4" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
+	// SessionTimeout is the consumer-group session timeout.
+	SessionTimeout time.Duration `env:"KVMESH_CONSUMER_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: a member silent this long loses its partitions"`
+	// MaintenanceInterval paces the gauges and the purge.
+	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
+}
+
+// Validate checks the settings.
+func (c *Config) Validate() error {
+	errs := []error{c.Common.Validate()}
+	if c.TrackerRetention <= 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_TRACKER_RETENTION: %s is not positive", c.TrackerRetention))
+	}
+	if c.Consumers < 1 || c.Consumers > MaxConsumers {
+		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_CONSUMERS: %d is not from 1 to %d", c.Consumers, MaxConsumers))
+	}
+	if c.SessionTimeout < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("KVMESH_CONSUMER_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
+	}
+	if c.MaintenanceInterval <= 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_MAINTENANCE_INTERVAL: %s is not positive", c.MaintenanceInterval))
+	}
+	return errors.Join(errs...)
+}
+
+// fillDefaults gives the scheduler's own zero-valued settings their
+// defaults, for a Config built in code rather than loaded.
+func (c *Config) fillDefaults() {
+	if c.TrackerRetention == 0 {
+		c.TrackerRetention = time.Hour
+	}
+	if c.Consumers == 0 {
+		c.Consumers = 4
+	}
+	if c.SessionTimeout == 0 {
+		c.SessionTimeout = 10 * time.Second
+	}
+	if c.MaintenanceInterval == 0 {
+		c.MaintenanceInterval = 15 * time.Second
+	}
 }
 
 // App is a wired scheduler, ready to Run.
 type App struct {
-	deps  *service.Deps
-	model *kvcore.Model
-	srv   *httpserver.Server
-	relay *database.Relay
+	cfg       Config
+	deps      *service.Deps
+	model     *kvcore.Model
+	srv       *httpserver.Server
+	relay     *database.Relay
+	ledger    *ledger.Ledger
+	consumers []*bus.Consumer
+	gauges    *gauges
 }
 
 // New connects to PostgreSQL (applying migrations), Kafka and binds the HTTP
-// address, in that order.
+// address, in that order, and builds the consumers.
 func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) {
-	a := &App{deps: service.NewDeps(log)}
+	cfg.fillDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	a := &App{cfg: cfg, deps: service.NewDeps(log)}
 	defer func() {
 		if err != nil {
 			a.deps.Close()
@@ -51,10 +121,47 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log))
+	a.ledger = ledger.New(a.deps.Pool, a.model)
+	if err = a.buildConsumers(); err != nil {
+		return nil, err
+	}
+	if a.gauges, err = newGauges(a.deps.Registry); err != nil {
+		return nil, err
+	}
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "scheduler", &cfg.Common); err != nil {
 		return nil, err
 	}
+	api.New(a.ledger, a.model, log).Mount(a.srv.Router())
 	return a, nil
+}
+
+// buildConsumers creates the consumer-group members over the three topics.
+func (a *App) buildConsumers() error {
+	metrics, err := intake.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return err
+	}
+	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log)
+	session := a.cfg.SessionTimeout
+	for range a.cfg.Consumers {
+		c, err := bus.NewConsumer(bus.ConsumerConfig{
+			Brokers:      a.cfg.Brokers,
+			GroupID:      GroupID,
+			Topics:       intake.Topics,
+			OnDeadLetter: h.DeadLetter,
+			// A database outage must not dead-letter records: retry until it ends.
+			Retry:             bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: 5 * time.Second},
+			Logger:            a.deps.Log,
+			SessionTimeout:    session,
+			HeartbeatInterval: min(time.Second, session/5),
+			RebalanceTimeout:  session,
+		}, h.Handle)
+		if err != nil {
+			return err
+		}
+		a.consumers = append(a.consumers, c)
+	}
+	return nil
 }
 
 // Addr is the bound HTTP address.
@@ -63,8 +170,17 @@ func (a *App) Addr() string { return a.srv.Addr() }
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
-	return service.Run(ctx, a.deps.Log,
-		service.Task{Name: "http", Run: a.srv.Run},
-		service.Task{Name: "outbox-relay", Run: a.relay.Run},
-	)
+	tasks := []service.Task{
+		{Name: "http", Run: a.srv.Run},
+		{Name: "maintenance", Run: a.maintain},
+	}
+	if a.cfg.NoOutboxRelay {
+		a.deps.Log.Warn("outbox relay disabled (KVMESH_OUTBOX_RELAY_DISABLED): committed tasks stay in the outbox")
+	} else {
+		tasks = append(tasks, service.Task{Name: "outbox-relay", Run: a.relay.Run})
+	}
+	for i, c := range a.consumers {
+		tasks = append(tasks, service.Task{Name: "consumer-" + strconv.Itoa(i), Run: c.Run})
+	}
+	return service.Run(ctx, a.deps.Log, tasks...)
 }

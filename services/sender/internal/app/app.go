@@ -3,12 +3,25 @@ package app
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
+	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/services/sender/internal/api"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
+
+// ConsumerGroup is the sender's Kafka consumer group on kvmesh.save.tasks.
+const ConsumerGroup = "kvmesh-sender"
 
 // Config is the sender's configuration.
 type Config struct {
@@ -18,14 +31,68 @@ type Config struct {
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
+	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db); the sender checks which keys exist there"`
+	// KeyPrefix separates deployments sharing one store.
+	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store key prefix separating deployments that share a store (must match the lookup service's)"`
+	// Consumers is the number of consumer-group members in this process.
+	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles its partitions one task at a time)"`
+	// SessionTimeout is the consumer-group session timeout.
+	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"consumer-group session timeout: how soon the save tasks of a crashed sender go to another"`
+	// RetryAttempts bounds the attempts of an existence check or a put.
+	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" default:"4" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
+	// RetryBase is the first retry's delay.
+	RetryBase time.Duration `env:"KVMESH_SENDER_RETRY_BASE" default:"50ms" doc:"delay before the first retry; doubles per retry"`
+	// RetryMax caps the retry delay.
+	RetryMax time.Duration `env:"KVMESH_SENDER_RETRY_MAX" default:"2s" doc:"longest delay between retries"`
+	// ProbeEvery is the skips between pressure-mode probes.
+	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" default:"16" doc:"in pressure mode, let one task through as a probe after this many skipped tasks"`
+	// PressureCoolDown is the longest wait between probes.
+	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" default:"5s" doc:"in pressure mode, let a probe through at least this often"`
+	// WorkerStaleAfter is how old a gpuworker heartbeat may be.
+	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" default:"30s" doc:"a gpuworker whose last heartbeat is older is treated as gone"`
+	// StoreTimeout bounds one existence check.
+	StoreTimeout time.Duration `env:"KVMESH_SENDER_STORE_TIMEOUT" default:"5s" doc:"time limit of one batched existence check"`
+	// PutTimeout bounds one put request to a gpuworker.
+	PutTimeout time.Duration `env:"KVMESH_SENDER_PUT_TIMEOUT" default:"30s" doc:"time limit of one put request to a gpuworker"`
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	var errs []error
+	if err := c.Common.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Consumers < 1 {
+		errs = append(errs, fmt.Errorf("KVMESH_SENDER_CONSUMERS: %d is not positive", c.Consumers))
+	}
+	if c.RetryAttempts < 1 {
+		errs = append(errs, fmt.Errorf("KVMESH_SENDER_RETRY_ATTEMPTS: %d is not positive", c.RetryAttempts))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"KVMESH_KAFKA_SESSION_TIMEOUT", c.SessionTimeout}, {"KVMESH_SENDER_RETRY_BASE", c.RetryBase},
+		{"KVMESH_SENDER_RETRY_MAX", c.RetryMax}, {"KVMESH_SENDER_PRESSURE_COOLDOWN", c.PressureCoolDown},
+		{"KVMESH_WORKER_STALE_AFTER", c.WorkerStaleAfter}, {"KVMESH_SENDER_STORE_TIMEOUT", c.StoreTimeout},
+		{"KVMESH_SENDER_PUT_TIMEOUT", c.PutTimeout},
+	} {
+		if d.v <= 0 {
+			errs = append(errs, fmt.Errorf("%s: %s is not positive", d.name, d.v))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // App is a wired sender, ready to Run.
 type App struct {
-	deps  *service.Deps
-	model *kvcore.Model
-	srv   *httpserver.Server
+	deps      *service.Deps
+	model     *kvcore.Model
+	srv       *httpserver.Server
+	processor *sending.Processor
+	consumers []*bus.Consumer
+	relay     *database.Relay
+	workers   *sending.Registry
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -37,6 +104,9 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 			a.deps.Close()
 		}
 	}()
+	if err = cfg.Validate(); err != nil {
+		return nil, err
+	}
 	if a.model, err = service.LoadModel(cfg.Model); err != nil {
 		return nil, err
 	}
@@ -52,7 +122,59 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "sender", &cfg.Common); err != nil {
 		return nil, err
 	}
+	if err = a.wire(cfg); err != nil {
+		return nil, err
+	}
 	return a, nil
+}
+
+// wire builds the processor, the consumers, the relay and the API.
+func (a *App) wire(cfg Config) error {
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	if err != nil {
+		return err
+	}
+	storeMetrics, err := kvstore.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return err
+	}
+	metrics, err := sending.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return err
+	}
+	l := ledger.New(a.deps.Pool)
+	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, nil)
+	a.processor, err = sending.New(sending.Options{
+		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
+		Store:      kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}),
+		Workers:    sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, nil),
+		Retry:      kvcore.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
+		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
+		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout,
+	})
+	if err != nil {
+		return err
+	}
+	for range cfg.Consumers {
+		c, err := bus.NewConsumer(bus.ConsumerConfig{
+			Brokers: cfg.Brokers, GroupID: ConsumerGroup, Topics: []string{contract.TopicSaveTasks},
+			OnDeadLetter: a.processor.DeadLetter, Logger: a.deps.Log,
+			SessionTimeout: cfg.SessionTimeout, HeartbeatInterval: heartbeat(cfg.SessionTimeout),
+			RebalanceTimeout: cfg.SessionTimeout,
+		}, a.processor.Handle)
+		if err != nil {
+			return err
+		}
+		a.consumers = append(a.consumers, c)
+	}
+	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log))
+	api.New(a.processor, l, a.deps.Log).Mount(a.srv.Router(), a.srv.RequireAdmin())
+	return nil
+}
+
+// heartbeat is a tenth of the session timeout, at most bus's default.
+func heartbeat(session time.Duration) time.Duration {
+	return min(session/10, bus.DefaultHeartbeatInterval)
 }
 
 // Addr is the bound HTTP address.
@@ -61,7 +183,13 @@ func (a *App) Addr() string { return a.srv.Addr() }
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
-	return service.Run(ctx, a.deps.Log,
-		service.Task{Name: "http", Run: a.srv.Run},
-	)
+	defer a.workers.Close()
+	tasks := []service.Task{
+		{Name: "http", Run: a.srv.Run},
+		{Name: "outbox-relay", Run: a.relay.Run},
+	}
+	for i, c := range a.consumers {
+		tasks = append(tasks, service.Task{Name: fmt.Sprintf("consumer-%d", i), Run: c.Run})
+	}
+	return service.Run(ctx, a.deps.Log, tasks...)
 }

@@ -2,24 +2,42 @@ package app_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"os"
+	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		_ = os.RemoveAll(binDir)
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
 
 func TestStartsReadyAndStops(t *testing.T) {
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{
-		Common:      env.Common(),
-		HTTPAddr:    "127.0.0.1:0",
-		DatabaseURL: env.DatabaseURL,
-		RedisURL:    env.RedisURL,
+	vars := map[string]string{
+		"KVMESH_HTTP_ADDR": "127.0.0.1:0", "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": env.RedisURL,
+		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","),
+	}
+	var cfg app.Config
+	if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil {
+		t.Fatal(err)
 	}
 	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -31,4 +49,20 @@ func TestStartsReadyAndStops(t *testing.T) {
 
 func TestREADMEConfig(t *testing.T) {
 	servicetest.CheckREADMEConfig(t, "sender", &app.Config{})
+}
+
+func TestConfigRejectsBadValues(t *testing.T) {
+	cases := map[string]string{
+		"KVMESH_SENDER_CONSUMERS":      "0",
+		"KVMESH_SENDER_RETRY_ATTEMPTS": "0",
+		"KVMESH_SENDER_PUT_TIMEOUT":    "-1s",
+	}
+	for name, value := range cases {
+		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", name: value}
+		var cfg app.Config
+		err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok })
+		if err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("%s=%s: error %v, want one naming the variable", name, value, err)
+		}
+	}
 }

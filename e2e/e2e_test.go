@@ -1,0 +1,462 @@
+// Package e2e runs the whole mesh: the four services as real processes
+// (built from ./services/*), the embedded Kafka-protocol broker, a fresh
+// PostgreSQL database and the shared Redis under a key prefix of their own,
+// driven by the engine simulator (pkg/sim).
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/sim"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+)
+
+func TestMain(m *testing.M) {
+	// Real trace ids (no exporter), so trace context travels as it does in
+	// production and the tests can check it.
+	shutdown, err := telemetry.Setup(context.Background(), telemetry.Options{ServiceName: "kvmesh-e2e"})
+	if err != nil {
+		os.Stderr.WriteString("telemetry: " + err.Error() + "\n")
+		os.Exit(1)
+	}
+	code := m.Run()
+	_ = shutdown(context.Background())
+	if binaries.dir != "" {
+		_ = os.RemoveAll(binaries.dir)
+	}
+	http.DefaultClient.CloseIdleConnections()
+	if code == 0 {
+		if err := goleak.Find(goleak.IgnoreCurrent()); err != nil {
+			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+const model = "hybrid-mla-linear"
+
+// smallWorkload is a short multi-turn chat workload; with a pool of 48
+// blocks per group prefixes are evicted and reloaded, and requests are
+// preempted.
+func smallWorkload(requests int, rate float64) sim.Workload {
+	return sim.Workload{
+		Requests: requests, Turns: sim.Range{Min: 2, Max: 4}, SystemPrompts: 2,
+		SystemTokens: sim.Range{Min: 64, Max: 192}, UserTokens: sim.Range{Min: 16, Max: 64},
+		OutputTokens: sim.Range{Min: 4, Max: 20}, Rate: rate, ThinkTime: 20 * time.Millisecond,
+		Seed: 54643, Vocab: 32000,
+	}
+}
+
+// simConfig points the simulator at the stack.
+func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
+	t.Helper()
+	m, err := kvcore.Preset(model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag := sim.NewRunTag()
+	return sim.Config{
+		Model: m, Workload: w, PD: pd,
+		Engine:    sim.EngineConfig{PoolBlocks: 48, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
+		Decode:    sim.Endpoint{WorkerURL: s.url("gpuworker")},
+		Prefill:   sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")},
+		LookupURL: s.url("lookup"), SchedulerURL: s.url("scheduler"), SenderURL: s.url("sender"),
+		Brokers: s.brokers, RunTag: tag, Salt: tag,
+		RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
+	}
+}
+
+// requireOK fails the test unless the report is clean: every request ok,
+// every loaded byte right, the save ledger balanced, every tracker done.
+func requireOK(t *testing.T, rep *sim.Report) {
+	t.Helper()
+	var b strings.Builder
+	_ = rep.WriteText(&b)
+	t.Logf("report:\n%s", b.String())
+	if !rep.OK || rep.Requests.Failed != 0 || rep.Requests.OK != rep.Requests.Total ||
+		rep.Verification.Mismatched != 0 || !rep.Ledger.Balanced || rep.Trackers == nil || !rep.Trackers.OK {
+		b, _ := json.MarshalIndent(rep, "", "  ")
+		t.Fatalf("simulation not clean:\n%s", b)
+	}
+	if rep.Verification.VerifiedBlocks == 0 || rep.Ledger.Stored == 0 {
+		t.Fatalf("the run moved nothing: %d blocks verified, %d keys stored", rep.Verification.VerifiedBlocks, rep.Ledger.Stored)
+	}
+}
+
+// TestSeedPreset plays the seed's configuration (2-group hybrid, 1P1D with
+// the pd,store chain, small pool) and checks the report and every save task
+// ever published: none has an empty or short block table.
+func TestSeedPreset(t *testing.T) {
+	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := sim.Run(ctx, simConfig(t, s, true, smallWorkload(36, 6)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	requireOK(t, rep)
+	if rep.Tokens.Loaded["pd"] == 0 || rep.Tokens.Loaded["store"] == 0 {
+		t.Fatalf("loaded tokens %v: want both pd and store loads", rep.Tokens.Loaded)
+	}
+	m, _ := kvcore.Preset(model)
+	tasks, err := sim.ReadAll(ctx, s.brokers, contract.TopicSaveTasks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tasks) < rep.Ledger.SaveTasks || len(tasks) == 0 {
+		t.Fatalf("%d records on %s, the ledger counted %d tasks", len(tasks), contract.TopicSaveTasks, rep.Ledger.SaveTasks)
+	}
+	for _, rec := range tasks {
+		task, err := kvcore.DecodeSaveTask(rec.Value)
+		if err != nil {
+			t.Fatalf("offset %d/%d: %v", rec.Partition, rec.Offset, err)
+		}
+		checkTable(t, m, task)
+	}
+	if n := seedDecisions(ctx, t, s); n == 0 {
+		t.Fatal("no lookup chose pd while the store child also kept a LoadSpec: the seed's condition was not exercised")
+	}
+	checkOneTracePerRequest(ctx, t, s)
+}
+
+// checkOneTracePerRequest: every engine event and lookup decision of one
+// request (both engines of a turn) carries the same trace id.
+func checkOneTracePerRequest(ctx context.Context, t *testing.T, s *stack) {
+	t.Helper()
+	traces := map[string]map[string]bool{}
+	for _, topic := range []string{contract.TopicEngineEvents, contract.TopicLookupDecisions} {
+		recs, err := sim.ReadAll(ctx, s.brokers, topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, rec := range recs {
+			parts := strings.Split(rec.Headers[contract.HeaderTraceparent], "-")
+			if len(parts) != 4 || strings.Trim(parts[1], "0") == "" {
+				t.Fatalf("%s record of %s has traceparent %q", topic, rec.Key, rec.Headers[contract.HeaderTraceparent])
+			}
+			if traces[rec.Key] == nil {
+				traces[rec.Key] = map[string]bool{}
+			}
+			traces[rec.Key][parts[1]] = true
+		}
+	}
+	for key, ids := range traces {
+		if len(ids) != 1 {
+			t.Fatalf("request %s spans %d traces", key, len(ids))
+		}
+	}
+}
+
+// checkTable fails unless the task's table has one list per model group and
+// covers every chunk it names.
+func checkTable(t *testing.T, m *kvcore.Model, task *kvcore.SaveTask) {
+	t.Helper()
+	if len(task.BlockTable) != len(m.Groups) {
+		t.Fatalf("save %s has a %d-group table for a %d-group model", task.TaskID, len(task.BlockTable), len(m.Groups))
+	}
+	for _, gc := range task.Groups {
+		bs := m.Groups[gc.Group].BlockSize
+		for _, c := range gc.Chunks {
+			if c.BlockIndex(bs) >= len(task.BlockTable[gc.Group]) || task.BlockTable[gc.Group][c.BlockIndex(bs)] == kvcore.NullBlock {
+				t.Fatalf("save %s: group %d chunk [%d,%d) outside its table %v", task.TaskID, gc.Group, c.Start, c.End, task.BlockTable[gc.Group])
+			}
+		}
+	}
+}
+
+// seedDecisions counts lookup decisions where pd was chosen while the store
+// child kept a LoadSpec: the losing child's spec ends with can_load false,
+// which the in-process connector turned into an empty-table save.
+func seedDecisions(ctx context.Context, t *testing.T, s *stack) int {
+	t.Helper()
+	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicLookupDecisions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, rec := range recs {
+		var d contract.LookupDecision
+		if err := json.Unmarshal(rec.Value, &d); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range d.Children {
+			if d.Chosen == "pd" && c.Name == "store" && c.Spec != nil {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// TestMalformedSavesDeadLettered injects a save task whose table lacks a
+// group and a record of garbage bytes into kvmesh.save.tasks during a run:
+// both are dead-lettered with reasons and listed by GET /v1/dlq, the sender
+// stays healthy, and the simulation's own saves are all stored.
+func TestMalformedSavesDeadLettered(t *testing.T) {
+	s := newStack(t, stackOptions{model: model, connectors: "store", poolBlocks: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cfg := simConfig(t, s, false, smallWorkload(24, 8))
+	started := make(chan struct{})
+	var once bool
+	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
+		if p.Done > 0 && !once {
+			once = true
+			close(started)
+		}
+	}, 50*time.Millisecond
+	type result struct {
+		rep *sim.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := sim.Run(ctx, cfg)
+		done <- result{rep, err}
+	}()
+	select {
+	case <-started:
+	case r := <-done:
+		t.Fatalf("the run ended before it was under way: %v", r.err)
+	}
+	wrong := injectMalformed(ctx, t, s)
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	requireOK(t, r.rep)
+	l := r.rep.Ledger
+	if l.DeadLettered != 0 || l.Skipped != 0 || l.Failed != 0 || l.Stored+l.Existing != l.ExpectedChunks {
+		t.Fatalf("the run's own saves: %+v; want every key stored or existing", l)
+	}
+	checkWrongGroups(ctx, t, s, wrong)
+	checkGarbage(ctx, t, s)
+	if err := s.alive("sender"); err != nil {
+		t.Fatalf("sender after the malformed records: %v", err)
+	}
+}
+
+const garbageKey = "inject-garbage"
+
+// injectMalformed publishes the seed's crash input (a save whose table has
+// one group for the 2-group model) and a record of garbage bytes. It returns
+// the malformed task.
+func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTask {
+	t.Helper()
+	m, _ := kvcore.Preset(model)
+	hashes := kvcore.HashChain(make([]uint32, 32), m.HashBlockSize, []byte(sim.NewRunTag()))
+	task := kvcore.SaveTask{
+		Schema: kvcore.SchemaSaveTask, TaskID: decodeEngine + "/inject-wrong-groups/save/1", EngineID: decodeEngine,
+		RequestID: "inject-wrong-groups", Model: m.Name, Start: 0, End: 32,
+		BlockTable: kvcore.BlockTable{{0, 1}}, BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()},
+		Groups: m.SaveGroups(0, 32),
+	}
+	value, err := json.Marshal(task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := bus.NewProducer(s.brokers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	err = pub.Publish(ctx,
+		bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: value},
+		bus.Message{Topic: contract.TopicSaveTasks, Key: garbageKey, Value: []byte("\x00\xffnot a save task{")},
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return task
+}
+
+// dlqEntry is the part of a GET /v1/dlq item the test reads.
+type dlqEntry struct {
+	Reason    string `json:"reason"`
+	Group     *int   `json:"group"`
+	TaskID    string `json:"task_id"`
+	Topic     string `json:"topic"`
+	Partition int    `json:"partition"`
+	Offset    int64  `json:"offset"`
+}
+
+// dlq lists the sender's dead letters matching q.
+func dlq(t *testing.T, s *stack, q url.Values) []dlqEntry {
+	t.Helper()
+	q.Set("limit", "1000")
+	resp, err := http.Get(s.url("sender") + "/v1/dlq?" + q.Encode())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /v1/dlq: %d", resp.StatusCode)
+	}
+	var page struct {
+		Items []dlqEntry `json:"items"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&page); err != nil {
+		t.Fatal(err)
+	}
+	return page.Items
+}
+
+// eventually polls cond until it holds, failing the test after 30 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		<-tick.C
+	}
+}
+
+// checkWrongGroups: group 1 of the malformed task is dead-lettered with
+// table_group_count, group 0 is stored, and the result says so.
+func checkWrongGroups(ctx context.Context, t *testing.T, s *stack, task kvcore.SaveTask) {
+	t.Helper()
+	var entries []dlqEntry
+	eventually(t, "the malformed save in GET /v1/dlq", func() bool {
+		entries = dlq(t, s, url.Values{"request_id": {task.RequestID}})
+		return len(entries) > 0
+	})
+	for _, e := range entries {
+		if e.Group == nil || *e.Group != 1 || e.Reason != string(kvcore.ReasonTableGroupCount) || e.TaskID != task.TaskID {
+			t.Fatalf("dead letter %+v: want group 1 with reason %s", e, kvcore.ReasonTableGroupCount)
+		}
+	}
+	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicTransferResults)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rec := range recs {
+		var r contract.TransferResult
+		if json.Unmarshal(rec.Value, &r) != nil || r.TaskID != task.TaskID {
+			continue
+		}
+		var g0, g1 contract.GroupOutcome
+		for _, g := range r.Groups {
+			switch g.Group {
+			case 0:
+				g0 = g
+			case 1:
+				g1 = g
+			}
+		}
+		if g0.Stored+g0.Existing != 2 || g1.DeadLettered == 0 || r.Status != string(kvcore.SaveDeadLettered) {
+			t.Fatalf("result of the malformed save: %+v", r)
+		}
+		return
+	}
+	t.Fatalf("no transfer result for %s", task.TaskID)
+}
+
+// checkGarbage: the garbage record is dead-lettered, with a reason, at its
+// own partition and offset.
+func checkGarbage(ctx context.Context, t *testing.T, s *stack) {
+	t.Helper()
+	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicSaveTasks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var at *sim.Record
+	for i := range recs {
+		if recs[i].Key == garbageKey {
+			at = &recs[i]
+		}
+	}
+	if at == nil {
+		t.Fatal("the garbage record is not on the topic")
+	}
+	eventually(t, "the garbage record in GET /v1/dlq", func() bool {
+		for _, e := range dlq(t, s, url.Values{}) {
+			if e.Topic == contract.TopicSaveTasks && e.Partition == at.Partition && e.Offset == at.Offset {
+				if e.Reason == "" {
+					t.Fatalf("dead letter of the garbage record has no reason: %+v", e)
+				}
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestServiceKillsMidRun kills the sender and then the scheduler with
+// SIGKILL in the middle of a 1P1D run and restarts each: the run completes
+// with every request ok, every byte right, the ledger balanced and every
+// tracker done.
+func TestServiceKillsMidRun(t *testing.T) {
+	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	cfg := simConfig(t, s, true, smallWorkload(48, 2))
+	progress := make(chan sim.Progress, 1)
+	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
+		select {
+		case <-progress:
+		default:
+		}
+		progress <- p
+	}, 50*time.Millisecond
+	type result struct {
+		rep *sim.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := sim.Run(ctx, cfg)
+		done <- result{rep, err}
+	}()
+	for _, step := range []struct {
+		name string
+		at   int // requests done
+	}{{"sender", 8}, {"scheduler", 20}} {
+		waitProgress(t, progress, done, step.at)
+		s.kill(step.name)
+		t.Logf("killed %s", step.name)
+		s.start(step.name)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	requireOK(t, r.rep)
+	for _, name := range []string{"sender", "scheduler"} {
+		if err := s.alive(name); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// waitProgress waits until at least n requests are done; it fails the test
+// when the run ends first.
+func waitProgress[T any](t *testing.T, progress <-chan sim.Progress, done <-chan T, n int) {
+	t.Helper()
+	for {
+		select {
+		case p := <-progress:
+			if p.Done >= n {
+				return
+			}
+		case <-done:
+			t.Fatalf("the run ended before %d requests were done", n)
+		}
+	}
+}

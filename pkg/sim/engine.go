@@ -1,0 +1,444 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// Role is what an engine does in the deployment.
+type Role string
+
+// Engine roles.
+const (
+	// RoleBoth is a standalone engine: it prefills and decodes.
+	RoleBoth Role = "both"
+	// RolePrefill computes prompts and hands them to a decode engine
+	// (max_tokens 1), keeping their blocks until the decode engine read them.
+	RolePrefill Role = "prefill"
+	// RoleDecode gets prompts with kv_transfer_params naming the prefill
+	// engine, pulls their KV through the pd connector, and decodes.
+	RoleDecode Role = "decode"
+)
+
+// EngineConfig sizes one simulated engine.
+type EngineConfig struct {
+	// PoolBlocks is the number of KV blocks per group the engine's block
+	// manager hands out; it must not exceed the gpuworker's pool.
+	PoolBlocks int `json:"pool_blocks"`
+	// MaxBatchTokens is the token budget of one step (chunked prefill).
+	MaxBatchTokens int `json:"max_batch_tokens"`
+	// MaxRunning is the most requests running at once.
+	MaxRunning int `json:"max_running"`
+	// Watermark is the number of free blocks per group that admission keeps
+	// for running requests to grow into.
+	Watermark int `json:"watermark"`
+}
+
+// engineDeps are the parts an engine talks to.
+type engineDeps struct {
+	model   *kvcore.Model
+	rank    kvcore.Rank
+	worker  *dataplane.Client
+	lookup  *lookupClient
+	pub     *bus.Producer
+	ledger  *ledger
+	stats   *stats
+	log     *slog.Logger
+	timeout time.Duration // longest wait for a feedback message
+}
+
+// engine is one simulated inference engine (one rank): vLLM's scheduler with
+// its KV-cache manager and the kvmesh connector, driving the real mesh.
+type engine struct {
+	engineDeps
+	id    string
+	role  Role
+	cfg   EngineConfig
+	sbs   int
+	cont  contents
+	pool  *blockPool
+	box   *mailbox
+	hooks engineHooks
+
+	live    map[string]*request
+	waiting []*request
+	running []*request
+	pins    map[pinKey][]blockRef
+
+	head      *request // the head of the queue when it was last looked at
+	headSince time.Time
+}
+
+// engineHooks connect an engine to the driver and its peer engine.
+type engineHooks struct {
+	// generated is called when a request generated its last token.
+	generated func(r *request)
+	// abandoned is called when the engine gave up on a request before it
+	// generated its last token.
+	abandoned func(r *request)
+	// finalized is called when a request is freed (or given up).
+	finalized func(r *request)
+	// peerRead tells a prefill engine that the decode engine no longer
+	// needs a request's blocks (decode engine only).
+	peerRead func(requestID string)
+}
+
+// blockRef is one block of one group.
+type blockRef struct {
+	group int
+	block kvcore.BlockID
+}
+
+// pinKey names one save whose blocks are pinned until the sender reports it.
+type pinKey struct {
+	request string
+	span    span
+}
+
+// Mailbox messages.
+type (
+	// peerReleased: the decode engine is done with a prefill request's blocks.
+	peerReleased struct{ requestID string }
+	// saveReported: the sender reported one of the engine's saves.
+	saveReported struct {
+		requestID string
+		span      span
+	}
+)
+
+func newEngine(id string, role Role, cfg EngineConfig, deps engineDeps, hooks engineHooks) *engine {
+	return &engine{
+		engineDeps: deps, id: id, role: role, cfg: cfg, sbs: deps.model.SchedulerBlockSize(),
+		cont: newContents(deps.model), pool: newBlockPool(len(deps.model.Groups), cfg.PoolBlocks),
+		box: newMailbox(), hooks: hooks, live: map[string]*request{}, pins: map[pinKey][]blockRef{},
+	}
+}
+
+// submit hands a new request to the engine (safe from any goroutine).
+func (e *engine) submit(r *request) { e.box.put(r) }
+
+// run is the engine loop: apply what arrived, run a step, and wait when
+// there is nothing to do, until ctx ends or a step fails for good.
+func (e *engine) run(ctx context.Context) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if err := e.applyMail(ctx); err != nil {
+			return stopped(ctx, err)
+		}
+		if err := e.checkTimeouts(ctx, time.Now()); err != nil {
+			return stopped(ctx, err)
+		}
+		worked, err := e.step(ctx)
+		if err != nil {
+			return stopped(ctx, err)
+		}
+		if worked {
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-e.box.ready():
+		case <-tick.C:
+		}
+	}
+}
+
+// stopped is nil when ctx ended (the run is over; an interrupted step is
+// expected), else err.
+func stopped(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+// applyMail applies every message that arrived.
+func (e *engine) applyMail(ctx context.Context) error {
+	for _, m := range e.box.take() {
+		switch m := m.(type) {
+		case *request:
+			m.phase, m.arrived, m.since = phaseWaiting, time.Now(), time.Now()
+			m.shadow = kvcore.NewTracker(e.model, e.id, m.id)
+			e.live[m.id] = m
+			e.waiting = append(e.waiting, m)
+		case contract.EngineFeedback:
+			if err := e.feedback(ctx, m); err != nil {
+				return err
+			}
+		case peerReleased:
+			if r := e.live[m.requestID]; r != nil && r.holdForPeer {
+				r.holdForPeer = false
+				e.maybeFinalize(r)
+			}
+		case saveReported:
+			e.unpinSave(pinKey{m.requestID, m.span})
+		}
+	}
+	return nil
+}
+
+// feedback applies one message from the scheduler.
+func (e *engine) feedback(ctx context.Context, f contract.EngineFeedback) error {
+	r := e.live[f.RequestID]
+	if r == nil {
+		return nil // a redelivered message for a request already gone
+	}
+	switch f.Kind {
+	case kvcore.FeedbackFinishedRecving:
+		if r.phase != phaseLoading {
+			return nil // redelivered
+		}
+		return e.loaded(ctx, r, f.LoadErrors)
+	case kvcore.FeedbackFinishedSending:
+		if r.phase != phaseFinishing || r.sent {
+			return nil
+		}
+		r.sent = true
+		e.maybeFinalize(r)
+	case contract.FeedbackRequestError:
+		r.fail("scheduler reported a request error: " + f.Error)
+	}
+	return nil
+}
+
+// checkTimeouts gives up on requests whose feedback never came, and on a
+// request that stayed at the head of the queue, unable to get blocks, for
+// the whole timeout.
+func (e *engine) checkTimeouts(ctx context.Context, now time.Time) error {
+	out := newOutbox()
+	for _, r := range e.live {
+		if now.Sub(r.since) < e.timeout {
+			continue
+		}
+		switch {
+		case r.phase == phaseLoading:
+			e.abandonLoad(out, r)
+		case r.phase == phaseFinishing && !r.sent:
+			r.fail(fmt.Sprintf("no finished_sending within %v (blocks left allocated)", e.timeout))
+			r.sent, r.leak = true, true
+			e.maybeFinalize(r)
+		}
+	}
+	if len(e.waiting) > 0 && e.waiting[0] != e.head {
+		e.head, e.headSince = e.waiting[0], now
+	}
+	if h := e.head; h != nil && len(e.waiting) > 0 && e.waiting[0] == h && h.phase == phaseWaiting && now.Sub(e.headSince) >= e.timeout {
+		e.giveUp(out, h, fmt.Sprintf("not admitted within %v (%s)", e.timeout, e.poolState()))
+	}
+	return e.publish(ctx, out)
+}
+
+// abandonLoad gives up on a load that never reported: the request is
+// finished (its blocks stay allocated, since the load may still write them)
+// and its turn goes on.
+func (e *engine) abandonLoad(out *outbox, r *request) {
+	r.fail(fmt.Sprintf("no finished_recving within %v", e.timeout))
+	if r.load.connector == "pd" {
+		e.hooks.peerRead(r.id)
+	}
+	r.load, r.leak, r.holdForPeer = nil, true, false
+	e.finish(r, out)
+	e.hooks.abandoned(r)
+}
+
+// giveUp ends a request that cannot go on: one the scheduler knows is
+// finished (so its tracker is released), the prefill engine's blocks it
+// would have read are released, and its turn goes on.
+func (e *engine) giveUp(out *outbox, r *request, reason string) {
+	r.fail(reason)
+	e.waiting = remove(e.waiting, r)
+	e.running = remove(e.running, r)
+	if r.pd != nil {
+		e.hooks.peerRead(r.id)
+		r.pd = nil
+	}
+	r.holdForPeer = false
+	if r.admitted {
+		e.finish(r, out)
+	} else {
+		e.free(r)
+		r.phase, r.sent = phaseFinishing, true
+	}
+	e.hooks.abandoned(r)
+	e.maybeFinalize(r)
+}
+
+// poolState describes the block pool for a diagnostic.
+func (e *engine) poolState() string {
+	var parts []string
+	for g := range e.model.Groups {
+		parts = append(parts, fmt.Sprintf("group %d: %d of %d blocks free", g, e.pool.available(g), e.cfg.PoolBlocks))
+	}
+	return fmt.Sprintf("%s; %d saves pin blocks", strings.Join(parts, ", "), len(e.pins))
+}
+
+// maybeFinalize frees and retires a finishing request once finished_sending
+// arrived and no peer still reads its blocks.
+func (e *engine) maybeFinalize(r *request) {
+	if r.phase != phaseFinishing || !r.sent || r.holdForPeer {
+		return
+	}
+	if !r.leak {
+		e.free(r)
+	}
+	r.phase = phaseDone
+	delete(e.live, r.id)
+	e.hooks.finalized(r)
+}
+
+// free releases a request's blocks (valid ones stay in the prefix cache).
+func (e *engine) free(r *request) {
+	for g, ids := range r.table {
+		for _, b := range ids {
+			if b != kvcore.NullBlock {
+				e.pool.release(g, b)
+			}
+		}
+	}
+	r.table = nil
+}
+
+// pinSave pins the blocks a save task will read until it is reported.
+func (e *engine) pinSave(r *request, t kvcore.SaveTask) {
+	var refs []blockRef
+	for _, gc := range t.Groups {
+		bs := e.model.Groups[gc.Group].BlockSize
+		for _, c := range gc.Chunks {
+			b := t.BlockTable[gc.Group][c.BlockIndex(bs)]
+			e.pool.pin(gc.Group, b)
+			refs = append(refs, blockRef{gc.Group, b})
+		}
+	}
+	k := pinKey{r.id, span{t.Start, t.End}}
+	e.pins[k] = append(e.pins[k], refs...)
+	e.ledger.expectSave(e.id, r.id, k.span)
+}
+
+func (e *engine) unpinSave(k pinKey) {
+	for _, ref := range e.pins[k] {
+		e.pool.unpin(ref.group, ref.block)
+	}
+	delete(e.pins, k)
+}
+
+// shadowEffects applies the shadow tracker's effects: its saves pin blocks
+// and are expected in the ledger. A shadow error means the engine drove the
+// connector in a way kvcore refuses: the request is marked failed.
+func (e *engine) shadowEffects(r *request, eff kvcore.Effects) {
+	for _, t := range eff.Saves {
+		e.pinSave(r, t)
+	}
+	if eff.Err != nil {
+		r.fail("engine-side tracker refused a step: " + eff.Err.Error())
+	}
+}
+
+// outbox collects one step's events, per request, in order.
+type outbox struct {
+	order []*request
+	msgs  map[*request][]bus.Message
+}
+
+func newOutbox() *outbox { return &outbox{msgs: map[*request][]bus.Message{}} }
+
+func (o *outbox) empty() bool { return len(o.order) == 0 }
+
+// event appends the request's next engine event.
+func (e *engine) event(o *outbox, r *request, ev contract.EngineEvent) {
+	r.seq++
+	ev.Schema, ev.EventID, ev.EngineID, ev.RequestID, ev.Seq, ev.Model =
+		contract.SchemaEngineEvent, fmt.Sprintf("%s/%s/%d", e.id, r.id, r.seq), e.id, r.id, r.seq, e.model.Name
+	if _, ok := o.msgs[r]; !ok {
+		o.order = append(o.order, r)
+	}
+	o.msgs[r] = append(o.msgs[r], bus.Message{Topic: contract.TopicEngineEvents, Key: r.id, Value: mustJSON(ev)})
+}
+
+// publish sends the step's events, one publish per request (each in its
+// request's trace), concurrently; a request's events keep their order.
+func (e *engine) publish(ctx context.Context, o *outbox) error {
+	if o.empty() {
+		return nil
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(o.order))
+	for i, r := range o.order {
+		wg.Go(func() {
+			errs[i] = retry(ctx, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return fmt.Errorf("engine %s: publish events: %w", e.id, err)
+		}
+	}
+	return nil
+}
+
+// retry runs f until it succeeds, ctx ends or about 20 s passed.
+func retry(ctx context.Context, f func() error) error {
+	delay := 50 * time.Millisecond
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		err := f()
+		if err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, time.Second)
+	}
+}
+
+// mailbox is an unbounded queue with a wake-up signal.
+type mailbox struct {
+	mu     sync.Mutex
+	items  []any
+	signal chan struct{}
+}
+
+func newMailbox() *mailbox { return &mailbox{signal: make(chan struct{}, 1)} }
+
+func (m *mailbox) put(v any) {
+	m.mu.Lock()
+	m.items = append(m.items, v)
+	m.mu.Unlock()
+	select {
+	case m.signal <- struct{}{}:
+	default:
+	}
+}
+
+func (m *mailbox) take() []any {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := m.items
+	m.items = nil
+	return out
+}
+
+func (m *mailbox) ready() <-chan struct{} { return m.signal }
+
+// remove deletes r from list.
+func remove(list []*request, r *request) []*request {
+	if i := slices.Index(list, r); i >= 0 {
+		return slices.Delete(list, i, i+1)
+	}
+	return list
+}

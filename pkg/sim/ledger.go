@@ -1,0 +1,375 @@
+package sim
+
+import (
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// ledger accounts for every save of the run: the save tasks the scheduler
+// published (kvmesh.save.tasks), the sender's result for each
+// (kvmesh.transfer.results), and the saves the engines expected from their
+// own steps (a shadow kvcore.Tracker per request). Safe for concurrent use.
+type ledger struct {
+	mu      sync.Mutex
+	model   *kvcore.Model
+	prefix  string // request-id prefix of the run
+	tasks   map[string]*ledgerTask
+	results map[string]contract.TransferResult // save results by task id
+	loads   map[string]contract.TransferResult // load results by task id
+	expect  map[string][]span                  // engine/request → saves the engine expects
+
+	dupTasks, dupResults, undecodable int
+	badTables                         []string
+	onSaved                           func(engine, request string, s span)
+}
+
+// span is one save's token range.
+type span struct{ Start, End int }
+
+type ledgerTask struct {
+	engine, request string
+	span            span
+	keys            int
+}
+
+func newLedger(m *kvcore.Model, prefix string) *ledger {
+	return &ledger{
+		model: m, prefix: prefix, tasks: map[string]*ledgerTask{},
+		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
+		expect: map[string][]span{},
+	}
+}
+
+func (l *ledger) ours(requestID string) bool { return strings.HasPrefix(requestID, l.prefix) }
+
+// expectSave records a save the engine's own steps imply.
+func (l *ledger) expectSave(engine, request string, s span) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	k := engine + "/" + request
+	l.expect[k] = append(l.expect[k], s)
+}
+
+// saveTask records one record of kvmesh.save.tasks.
+func (l *ledger) saveTask(rec Record) {
+	task, err := kvcore.DecodeSaveTask(rec.Value)
+	if err != nil {
+		if l.ours(rec.Key) {
+			l.mu.Lock()
+			l.undecodable++
+			l.mu.Unlock()
+		}
+		return
+	}
+	if !l.ours(task.RequestID) {
+		return
+	}
+	lt := &ledgerTask{engine: task.EngineID, request: task.RequestID, span: span{task.Start, task.End}, keys: l.taskKeys(task)}
+	l.mu.Lock()
+	if _, dup := l.tasks[task.TaskID]; dup {
+		l.dupTasks++
+		l.mu.Unlock()
+		return
+	}
+	l.tasks[task.TaskID] = lt
+	if !tableCovers(l.model, task) {
+		l.badTables = append(l.badTables, task.TaskID)
+	}
+	_, reported := l.results[task.TaskID]
+	l.mu.Unlock()
+	if reported {
+		l.saved(lt)
+	}
+}
+
+// taskKeys is the number of store keys a task asks for: its chunks, in every
+// rank namespace of their group.
+func (l *ledger) taskKeys(t *kvcore.SaveTask) int {
+	n := 0
+	for _, gc := range t.Groups {
+		ranks := 1
+		if gc.Group >= 0 && gc.Group < len(l.model.Groups) {
+			ranks = len(l.model.Ranks(gc.Group))
+		}
+		n += len(gc.Chunks) * ranks
+	}
+	return n
+}
+
+// tableCovers reports whether a task's block table has one list per model
+// group and every listed chunk's block inside it: the seed bug published
+// saves whose table was empty.
+func tableCovers(m *kvcore.Model, t *kvcore.SaveTask) bool {
+	if len(t.BlockTable) != len(m.Groups) {
+		return false
+	}
+	for _, gc := range t.Groups {
+		if gc.Group < 0 || gc.Group >= len(m.Groups) {
+			return false
+		}
+		for _, c := range gc.Chunks {
+			if c.BlockIndex(m.Groups[gc.Group].BlockSize) >= len(t.BlockTable[gc.Group]) {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// transferResult records one record of kvmesh.transfer.results.
+func (l *ledger) transferResult(rec Record) {
+	var r contract.TransferResult
+	if err := json.Unmarshal(rec.Value, &r); err != nil || !l.ours(r.RequestID) {
+		return
+	}
+	l.mu.Lock()
+	if r.Kind == contract.TransferLoad {
+		if _, dup := l.loads[r.TaskID]; !dup {
+			l.loads[r.TaskID] = r
+		}
+		l.mu.Unlock()
+		return
+	}
+	if _, dup := l.results[r.TaskID]; dup {
+		l.dupResults++
+		l.mu.Unlock()
+		return
+	}
+	l.results[r.TaskID] = r
+	lt := l.tasks[r.TaskID]
+	l.mu.Unlock()
+	if lt != nil {
+		l.saved(lt)
+	}
+}
+
+func (l *ledger) saved(lt *ledgerTask) {
+	if l.onSaved != nil {
+		l.onSaved(lt.engine, lt.request, lt.span)
+	}
+}
+
+// deadLettered lists engine/request of the run's saves whose results report
+// dead-lettered keys.
+func (l *ledger) deadLettered() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	seen := map[string]bool{}
+	var out []string
+	for id, res := range l.results {
+		t := l.tasks[id]
+		if t == nil {
+			continue
+		}
+		for _, g := range res.Groups {
+			if k := t.engine + "/" + t.request; g.DeadLettered > 0 && !seen[k] {
+				seen[k] = true
+				out = append(out, k)
+			}
+		}
+	}
+	return out
+}
+
+// outstanding counts what the ledger still waits for: published saves
+// without a result and expected saves not published.
+func (l *ledger) outstanding() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for id := range l.tasks {
+		if _, ok := l.results[id]; !ok {
+			n++
+		}
+	}
+	published := l.publishedSpans()
+	for k, spans := range l.expect {
+		got := countSpans(published[k])
+		for s, want := range countSpans(spans) {
+			n += max(0, want-got[s])
+		}
+	}
+	return n
+}
+
+func (l *ledger) publishedSpans() map[string][]span {
+	out := map[string][]span{}
+	for _, t := range l.tasks {
+		k := t.engine + "/" + t.request
+		out[k] = append(out[k], t.span)
+	}
+	return out
+}
+
+// LedgerReport is the save ledger of a run, in store keys (chunks × rank
+// namespaces): every key the published save tasks asked for must be
+// accounted for by the sender as stored, already existing, skipped (store
+// pressure) or dead-lettered; and every save the engines' own steps imply
+// must have been published.
+type LedgerReport struct {
+	// SaveTasks counts the distinct save tasks published for the run.
+	SaveTasks int `json:"save_tasks"`
+	// Reported counts those with a result.
+	Reported int `json:"reported"`
+	// ExpectedChunks is the number of keys the tasks asked for.
+	ExpectedChunks int `json:"expected_chunks"`
+	// Stored, Existing, Skipped, DeadLettered and Failed are the sender's
+	// per-key outcomes summed over the results.
+	Stored       int `json:"stored"`
+	Existing     int `json:"existing"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+	// Statuses counts the results by task status.
+	Statuses map[string]int `json:"statuses"`
+	// EngineExpectedSaves counts the saves the engines' steps imply.
+	EngineExpectedSaves int `json:"engine_expected_saves"`
+	// DuplicateTasks and DuplicateResults count redelivered records (harmless).
+	DuplicateTasks   int `json:"duplicate_tasks"`
+	DuplicateResults int `json:"duplicate_results"`
+	// MalformedTables lists run save tasks whose block table has the wrong
+	// group count or is shorter than its chunks (the seed bug).
+	MalformedTables []string `json:"malformed_tables"`
+	// Undecodable counts run records on kvmesh.save.tasks that did not decode.
+	Undecodable int `json:"undecodable"`
+	// Balanced is set when every expected key is accounted for as stored,
+	// existing, skipped or dead-lettered, every task has its result, and the
+	// published saves are exactly the engines' expected saves.
+	Balanced bool `json:"balanced"`
+	// Differences lists every imbalance by request.
+	Differences []LedgerDifference `json:"differences"`
+	// SaveBytes and LoadBytes sum the bytes the results report.
+	SaveBytes int64 `json:"save_bytes"`
+	LoadBytes int64 `json:"load_bytes"`
+	// LoadTasks counts load results; LoadErrorBlocks their load errors.
+	LoadTasks       int `json:"load_tasks"`
+	LoadErrorBlocks int `json:"load_error_blocks"`
+}
+
+// LedgerDifference is one imbalance of the save ledger.
+type LedgerDifference struct {
+	// EngineID and RequestID name the request (empty for a run-wide problem).
+	EngineID  string `json:"engine_id"`
+	RequestID string `json:"request_id"`
+	// TaskID is the save task concerned, when there is one.
+	TaskID string `json:"task_id,omitempty"`
+	// Problem says what does not add up.
+	Problem string `json:"problem"`
+}
+
+// report builds the ledger report.
+func (l *ledger) report() LedgerReport {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	r := LedgerReport{
+		SaveTasks: len(l.tasks), Statuses: map[string]int{}, DuplicateTasks: l.dupTasks,
+		DuplicateResults: l.dupResults, MalformedTables: slices.Clone(l.badTables), Undecodable: l.undecodable,
+	}
+	for id, t := range l.tasks {
+		r.ExpectedChunks += t.keys
+		res, ok := l.results[id]
+		if !ok {
+			r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id, "no result reported"})
+			continue
+		}
+		r.Reported++
+		r.add(t, id, res)
+	}
+	for _, res := range l.loads {
+		r.LoadTasks++
+		r.LoadBytes += res.Bytes
+		r.LoadErrorBlocks += len(res.LoadErrors)
+	}
+	r.Differences = append(r.Differences, l.spanDifferences(&r)...)
+	for _, id := range l.badTables {
+		t := l.tasks[id]
+		r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id, "block table does not cover the model's groups"})
+	}
+	if l.undecodable > 0 {
+		r.Differences = append(r.Differences, LedgerDifference{Problem: fmt.Sprintf("%d undecodable save records keyed by run requests", l.undecodable)})
+	}
+	slices.SortFunc(r.Differences, func(a, b LedgerDifference) int {
+		return cmp.Or(cmp.Compare(a.RequestID, b.RequestID), cmp.Compare(a.EngineID, b.EngineID), cmp.Compare(a.TaskID, b.TaskID))
+	})
+	r.Balanced = len(r.Differences) == 0
+	return r
+}
+
+// add accounts one task's result.
+func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult) {
+	r.Statuses[res.Status]++
+	r.SaveBytes += res.Bytes
+	got := 0
+	for _, g := range res.Groups {
+		r.Stored += g.Stored
+		r.Existing += g.Existing
+		r.Skipped += g.Skipped
+		r.DeadLettered += g.DeadLettered
+		r.Failed += g.Failed
+		got += g.Stored + g.Existing + g.Skipped + g.DeadLettered
+		if g.Failed > 0 {
+			r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id,
+				fmt.Sprintf("group %d: %d keys failed (%s)", g.Group, g.Failed, g.Reason)})
+		}
+	}
+	if failed := sumFailed(res); got+failed != t.keys {
+		r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id,
+			fmt.Sprintf("task asked for %d keys, result accounts for %d", t.keys, got+failed)})
+	}
+}
+
+func sumFailed(res contract.TransferResult) int {
+	n := 0
+	for _, g := range res.Groups {
+		n += g.Failed
+	}
+	return n
+}
+
+// spanDifferences compares the saves the engines expected with those
+// published, per request, counting repeats: a save published twice under two
+// task ids is a difference too.
+func (l *ledger) spanDifferences(r *LedgerReport) []LedgerDifference {
+	var out []LedgerDifference
+	published := l.publishedSpans()
+	keys := map[string]bool{}
+	for k, spans := range l.expect {
+		r.EngineExpectedSaves += len(spans)
+		keys[k] = true
+	}
+	for k := range published {
+		keys[k] = true
+	}
+	for k := range keys {
+		engine, request, _ := strings.Cut(k, "/")
+		want, got := countSpans(l.expect[k]), countSpans(published[k])
+		for s, n := range want {
+			if got[s] < n {
+				out = append(out, LedgerDifference{EngineID: engine, RequestID: request,
+					Problem: fmt.Sprintf("save of tokens [%d,%d) implied by the engine's steps was published %d time(s), expected %d", s.Start, s.End, got[s], n)})
+			}
+		}
+		for s, n := range got {
+			if n > want[s] {
+				out = append(out, LedgerDifference{EngineID: engine, RequestID: request,
+					Problem: fmt.Sprintf("save of tokens [%d,%d) published %d time(s), the engine's steps imply %d", s.Start, s.End, n, want[s])})
+			}
+		}
+	}
+	return out
+}
+
+func countSpans(spans []span) map[span]int {
+	out := map[span]int{}
+	for _, s := range spans {
+		out[s]++
+	}
+	return out
+}

@@ -1,0 +1,159 @@
+package sim
+
+import (
+	"encoding/json"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// ledgerFixture builds save tasks and results for the hybrid model.
+type ledgerFixture struct {
+	t      *testing.T
+	m      *kvcore.Model
+	l      *ledger
+	mu     sync.Mutex
+	saved  []span
+	hashes []string
+}
+
+func newLedgerFixture(t *testing.T) *ledgerFixture {
+	f := &ledgerFixture{t: t, m: preset(t, "hybrid-mla-linear")}
+	f.l = newLedger(f.m, "run-")
+	f.l.onSaved = func(_, _ string, s span) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.saved = append(f.saved, s)
+	}
+	for _, h := range kvcore.HashChain(make([]uint32, 128), 16, nil) {
+		f.hashes = append(f.hashes, h.Hex())
+	}
+	return f
+}
+
+// task publishes a save of [start, end) for request req (a 2-group table
+// covering end).
+func (f *ledgerFixture) task(id, req string, start, end int) kvcore.SaveTask {
+	n := end / 16
+	table := kvcore.BlockTable{make([]kvcore.BlockID, n), make([]kvcore.BlockID, n)}
+	t := kvcore.SaveTask{
+		Schema: kvcore.SchemaSaveTask, TaskID: id, EngineID: "e", RequestID: req, Model: f.m.Name,
+		Start: start, End: end, BlockTable: table, BlockHashes: f.hashes[:n], Groups: f.m.SaveGroups(start, end),
+	}
+	f.l.saveTask(Record{Key: req, Value: mustJSON(t)})
+	return t
+}
+
+func (f *ledgerFixture) result(taskID, req string, groups ...contract.GroupOutcome) {
+	r := contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "r-" + taskID, Kind: contract.TransferSave,
+		TaskID: taskID, EngineID: "e", RequestID: req, Status: "stored", Groups: groups, Bytes: 10}
+	f.l.transferResult(Record{Key: req, Value: mustJSON(r)})
+}
+
+func TestLedgerBalanced(t *testing.T) {
+	f := newLedgerFixture(t)
+	f.l.expectSave("e", "run-1", span{0, 48})
+	f.l.expectSave("e", "run-1", span{48, 64})
+	// [0,48): 3 MLA chunks + 1 Mamba state; [48,64): 1 + 1.
+	f.result("t2", "run-1", contract.GroupOutcome{Group: 0, Stored: 1}, contract.GroupOutcome{Group: 1, Skipped: 1})
+	f.task("t1", "run-1", 0, 48)
+	f.task("t2", "run-1", 48, 64) // its result came first
+	if n := f.l.outstanding(); n != 1 {
+		t.Fatalf("outstanding %d, want 1 (t1's result)", n)
+	}
+	f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 2, Existing: 1}, contract.GroupOutcome{Group: 1, DeadLettered: 1})
+	f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 3}) // a redelivered duplicate
+	f.task("t1", "run-1", 0, 48)                                        // a republished duplicate
+	f.l.saveTask(Record{Key: "other", Value: []byte("{not json")})      // not the run's: ignored
+	f.task("x1", "other-run", 0, 16)                                    // not the run's: ignored
+	rep := f.l.report()
+	if !rep.Balanced || len(rep.Differences) != 0 {
+		t.Fatalf("not balanced: %+v", rep)
+	}
+	want := LedgerReport{SaveTasks: 2, Reported: 2, ExpectedChunks: 6, Stored: 3, Existing: 1, Skipped: 1, DeadLettered: 1,
+		EngineExpectedSaves: 2, DuplicateTasks: 1, DuplicateResults: 1, SaveBytes: 20}
+	if rep.SaveTasks != want.SaveTasks || rep.Reported != want.Reported || rep.ExpectedChunks != want.ExpectedChunks ||
+		rep.Stored != want.Stored || rep.Existing != want.Existing || rep.Skipped != want.Skipped ||
+		rep.DeadLettered != want.DeadLettered || rep.EngineExpectedSaves != want.EngineExpectedSaves ||
+		rep.DuplicateTasks != want.DuplicateTasks || rep.DuplicateResults != want.DuplicateResults || rep.SaveBytes != want.SaveBytes {
+		t.Fatalf("report %+v\nwant %+v", rep, want)
+	}
+	if len(f.saved) != 2 {
+		t.Fatalf("onSaved fired %d times, want once per task: %v", len(f.saved), f.saved)
+	}
+	if got := f.l.deadLettered(); len(got) != 1 || got[0] != "e/run-1" {
+		t.Fatalf("deadLettered = %v", got)
+	}
+}
+
+func TestLedgerDifferences(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		setup func(f *ledgerFixture)
+		want  string
+	}{
+		{"no result", func(f *ledgerFixture) {
+			f.l.expectSave("e", "run-1", span{0, 16})
+			f.task("t1", "run-1", 0, 16)
+		}, "no result reported"},
+		{"keys unaccounted", func(f *ledgerFixture) {
+			f.l.expectSave("e", "run-1", span{0, 32})
+			f.task("t1", "run-1", 0, 32)
+			f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 1}, contract.GroupOutcome{Group: 1, Stored: 1})
+		}, "asked for 3 keys, result accounts for 2"},
+		{"failed keys", func(f *ledgerFixture) {
+			f.l.expectSave("e", "run-1", span{0, 16})
+			f.task("t1", "run-1", 0, 16)
+			f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Failed: 1, Reason: "put_failed"}, contract.GroupOutcome{Group: 1, Stored: 1})
+		}, "1 keys failed (put_failed)"},
+		{"save never published", func(f *ledgerFixture) {
+			f.l.expectSave("e", "run-1", span{0, 16})
+		}, "implied by the engine's steps was published 0 time(s)"},
+		{"save not expected", func(f *ledgerFixture) {
+			f.task("t1", "run-1", 0, 16)
+			f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 1}, contract.GroupOutcome{Group: 1, Stored: 1})
+		}, "published 1 time(s), the engine's steps imply 0"},
+		{"malformed table", func(f *ledgerFixture) {
+			f.l.expectSave("e", "run-1", span{0, 16})
+			task := f.task("t1", "run-1", 0, 16)
+			task.TaskID, task.BlockTable = "t2", kvcore.BlockTable{}
+			f.l.saveTask(Record{Key: "run-1", Value: mustJSON(task)})
+			f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 1}, contract.GroupOutcome{Group: 1, Stored: 1})
+			f.result("t2", "run-1", contract.GroupOutcome{Group: 0, DeadLettered: 1}, contract.GroupOutcome{Group: 1, DeadLettered: 1})
+		}, "block table does not cover"},
+		{"undecodable run record", func(f *ledgerFixture) {
+			f.l.saveTask(Record{Key: "run-9", Value: []byte("garbage")})
+		}, "undecodable save records"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newLedgerFixture(t)
+			tc.setup(f)
+			rep := f.l.report()
+			if rep.Balanced {
+				t.Fatalf("balanced: %+v", rep)
+			}
+			var all []string
+			for _, d := range rep.Differences {
+				all = append(all, d.Problem)
+			}
+			if !strings.Contains(strings.Join(all, "\n"), tc.want) {
+				t.Fatalf("differences %q lack %q", all, tc.want)
+			}
+		})
+	}
+}
+
+func TestLedgerLoadResults(t *testing.T) {
+	f := newLedgerFixture(t)
+	r := contract.TransferResult{Kind: contract.TransferLoad, TaskID: "l1", RequestID: "run-1", Bytes: 100, LoadErrors: []kvcore.BlockID{3, 4}}
+	b, _ := json.Marshal(r)
+	f.l.transferResult(Record{Value: b})
+	f.l.transferResult(Record{Value: b})
+	rep := f.l.report()
+	if rep.LoadTasks != 1 || rep.LoadBytes != 100 || rep.LoadErrorBlocks != 2 || !rep.Balanced {
+		t.Fatalf("load accounting %+v", rep)
+	}
+}

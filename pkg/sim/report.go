@@ -1,0 +1,313 @@
+package sim
+
+import (
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Report is the outcome of a run.
+type Report struct {
+	// RunTag prefixes the run's request ids.
+	RunTag string `json:"run_tag"`
+	// Model is the model name.
+	Model string `json:"model"`
+	// PD is set for a 1P1D run.
+	PD bool `json:"pd"`
+	// Engines lists the engines played.
+	Engines []EngineSummary `json:"engines"`
+	// Workload is what was played.
+	Workload Workload `json:"workload"`
+	// ElapsedSeconds is the run's wall time.
+	ElapsedSeconds float64 `json:"elapsed_seconds"`
+	// Requests counts the user requests (turns).
+	Requests RequestCounts `json:"requests"`
+	// Preemptions counts preemptions over all engines.
+	Preemptions int `json:"preemptions"`
+	// Tokens counts prompt tokens by where their KV came from.
+	Tokens TokenCounts `json:"tokens"`
+	// PrefixHitRate is the share of prompt tokens not computed: local
+	// prefix-cache hits plus loaded tokens, over every admission's tokens.
+	PrefixHitRate float64 `json:"prefix_hit_rate"`
+	// Lookups describes the calls to the lookup service.
+	Lookups LookupCounts `json:"lookups"`
+	// TTFT is the time from a turn's arrival to its first token (the decode
+	// engine's, in 1P1D): the time-to-first-token proxy.
+	TTFT Percentiles `json:"ttft"`
+	// Verification is the byte-for-byte check of every loaded block.
+	Verification Verification `json:"verification"`
+	// Bytes counts the bytes moved.
+	Bytes ByteCounts `json:"bytes"`
+	// Ledger is the save ledger.
+	Ledger LedgerReport `json:"ledger"`
+	// Trackers is the scheduler's view of the run (with Config.SchedulerURL).
+	Trackers *TrackerCheck `json:"trackers,omitempty"`
+	// DLQ is the sender's dead-letter queue for the run (with Config.SenderURL).
+	DLQ *DLQCheck `json:"dlq,omitempty"`
+	// OK is set when every request succeeded, no byte mismatched, the
+	// ledger balanced and the configured checks passed: the run's exit
+	// status.
+	OK bool `json:"ok"`
+}
+
+// EngineSummary describes one engine of the run.
+type EngineSummary struct {
+	// ID is the engine id.
+	ID string `json:"id"`
+	// Role is what the engine did.
+	Role Role `json:"role"`
+	// PoolBlocks is the blocks per group its block manager handed out.
+	PoolBlocks int `json:"pool_blocks"`
+}
+
+// RequestCounts counts the turns.
+type RequestCounts struct {
+	// Total is the workload's turns; OK and Failed split the finished ones
+	// (a turn not finished counts as failed).
+	Total  int `json:"total"`
+	OK     int `json:"ok"`
+	Failed int `json:"failed"`
+	// Failures lists why engine requests failed (the first few).
+	Failures []RequestFailure `json:"failures"`
+}
+
+// TokenCounts counts tokens.
+type TokenCounts struct {
+	// Prompt sums the tokens of every admission (a preempted request is
+	// admitted again).
+	Prompt int `json:"prompt"`
+	// LocalHit are prompt tokens found in the engine's own prefix cache.
+	LocalHit int `json:"local_hit"`
+	// Loaded are external tokens loaded, by connector.
+	Loaded map[string]int `json:"loaded"`
+	// Computed are tokens the engines computed (prefill and decode).
+	Computed int `json:"computed"`
+	// Recomputed are loaded tokens recomputed after a load error or a mismatch.
+	Recomputed int `json:"recomputed"`
+}
+
+// LookupCounts describes the lookups.
+type LookupCounts struct {
+	// Count is the lookups answered with a decision.
+	Count int `json:"count"`
+	// Retries counts lookups that failed (503 or unreachable) and were retried.
+	Retries int `json:"retries"`
+	// Pending counts "not yet" answers.
+	Pending int `json:"pending"`
+	// Anomalies counts decisions that did not fit the engine's state.
+	Anomalies int `json:"anomalies"`
+	// Latency is the answered lookups' latency.
+	Latency Percentiles `json:"latency"`
+}
+
+// Verification is the byte check of loaded blocks.
+type Verification struct {
+	// Loads counts finished loads.
+	Loads int `json:"loads"`
+	// VerifiedBlocks counts loaded blocks read back and compared.
+	VerifiedBlocks int `json:"verified_blocks"`
+	// Mismatched counts blocks whose bytes were wrong.
+	Mismatched int `json:"mismatched_blocks"`
+	// LoadErrorBlocks counts blocks reported as load errors (recomputed).
+	LoadErrorBlocks int `json:"load_error_blocks"`
+	// Mismatches lists the first mismatched blocks.
+	Mismatches []Mismatch `json:"mismatches"`
+	// OK is set when no block mismatched.
+	OK bool `json:"ok"`
+}
+
+// ByteCounts counts the bytes moved by the engines and the mesh.
+type ByteCounts struct {
+	// Computed is what the engines wrote into their pools.
+	Computed int64 `json:"computed"`
+	// Verified is what they read back to check loads.
+	Verified int64 `json:"verified"`
+	// Saved is what the sender's results report stored.
+	Saved int64 `json:"saved"`
+	// Loaded is what the gpuworkers' load results report.
+	Loaded int64 `json:"loaded"`
+	// Total sums them; GiBPerSecond is Total over the run's wall time.
+	Total        int64   `json:"total"`
+	GiBPerSecond float64 `json:"gib_per_second"`
+}
+
+// report assembles the report once the run stopped (the engine goroutines
+// have returned, so their state may be read).
+func (r *run) report(elapsed time.Duration) *Report {
+	st := r.stats
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	rep := &Report{
+		RunTag: r.cfg.RunTag, Model: r.cfg.Model.Name, PD: r.cfg.PD, Workload: r.cfg.Workload,
+		ElapsedSeconds: elapsed.Seconds(), Preemptions: st.preemptions,
+		Tokens: TokenCounts{Prompt: st.promptTokens, LocalHit: st.localHitTokens, Loaded: maps.Clone(st.loadedTokens),
+			Computed: st.computedTokens, Recomputed: st.recomputedTokens},
+		PrefixHitRate: st.hitRateLocked(),
+		Lookups: LookupCounts{Count: st.lookups, Retries: st.lookupRetries, Pending: st.lookupPending,
+			Anomalies: st.lookupAnomalies, Latency: percentiles(st.lookupLatency)},
+		TTFT: percentiles(st.ttft),
+		Verification: Verification{Loads: st.loads, VerifiedBlocks: st.verifiedBlocks, Mismatched: st.mismatchedBlocks,
+			LoadErrorBlocks: st.loadErrorBlocks, Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0},
+		Ledger: r.ledger.report(),
+	}
+	failures := slices.Clone(st.failures)
+	for _, id := range slices.Sorted(maps.Keys(r.engines)) {
+		e := r.engines[id]
+		rep.Engines = append(rep.Engines, EngineSummary{ID: e.id, Role: e.role, PoolBlocks: e.cfg.PoolBlocks})
+		for _, req := range e.live {
+			if len(failures) < maxListed {
+				failures = append(failures, RequestFailure{EngineID: e.id, RequestID: req.id, Reason: "did not finish: " + req.phase.String()})
+			}
+		}
+	}
+	rep.Requests = RequestCounts{Total: st.requests, OK: st.done - st.failed, Failed: st.failed + st.requests - st.done, Failures: failures}
+	rep.Bytes = ByteCounts{Computed: st.bytesWritten, Verified: st.bytesRead, Saved: rep.Ledger.SaveBytes, Loaded: rep.Ledger.LoadBytes}
+	rep.Bytes.Total = rep.Bytes.Computed + rep.Bytes.Verified + rep.Bytes.Saved + rep.Bytes.Loaded
+	if elapsed > 0 {
+		rep.Bytes.GiBPerSecond = float64(rep.Bytes.Total) / (1 << 30) / elapsed.Seconds()
+	}
+	rep.OK = rep.Requests.Failed == 0 && rep.Requests.OK == rep.Requests.Total && rep.Verification.OK && rep.Ledger.Balanced
+	rep.emptyLists()
+	return rep
+}
+
+// emptyLists makes empty lists [] rather than null in JSON.
+func (rep *Report) emptyLists() {
+	if rep.Requests.Failures == nil {
+		rep.Requests.Failures = []RequestFailure{}
+	}
+	if rep.Verification.Mismatches == nil {
+		rep.Verification.Mismatches = []Mismatch{}
+	}
+	if rep.Ledger.Differences == nil {
+		rep.Ledger.Differences = []LedgerDifference{}
+	}
+	if rep.Ledger.MalformedTables == nil {
+		rep.Ledger.MalformedTables = []string{}
+	}
+}
+
+func (p phase) String() string {
+	switch p {
+	case phaseWaiting:
+		return "waiting"
+	case phaseLoading:
+		return "waiting for finished_recving"
+	case phaseAllocated:
+		return "allocated"
+	case phaseRunning:
+		return "running"
+	case phaseFinishing:
+		return "waiting for finished_sending"
+	default:
+		return "done"
+	}
+}
+
+// WriteText writes the report as a table.
+func (rep *Report) WriteText(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	row := func(k, format string, a ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, a...)) }
+	var engines []string
+	for _, e := range rep.Engines {
+		engines = append(engines, fmt.Sprintf("%s (%s, %d blocks/group)", e.ID, e.Role, e.PoolBlocks))
+	}
+	l := rep.Ledger
+	row("run", "%s  model %s  %s  %.1f s", rep.RunTag, rep.Model, map[bool]string{true: "1P1D (pd,store)", false: "single engine"}[rep.PD], rep.ElapsedSeconds)
+	row("engines", "%s", strings.Join(engines, ", "))
+	row("requests", "%d total  %d ok  %d failed  (%d preemptions)", rep.Requests.Total, rep.Requests.OK, rep.Requests.Failed, rep.Preemptions)
+	row("prefix hit rate", "%.1f%%  (local %d, loaded %s of %d prompt tokens)", 100*rep.PrefixHitRate, rep.Tokens.LocalHit, loadedText(rep.Tokens.Loaded), rep.Tokens.Prompt)
+	row("tokens", "computed %d  recomputed after load errors %d", rep.Tokens.Computed, rep.Tokens.Recomputed)
+	row("saves", "%d tasks: stored %d  existing %d  skipped %d  dead-lettered %d  failed %d (keys)", l.SaveTasks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed)
+	row("bytes", "%s computed, %s verified, %s saved, %s loaded: %.2f GiB/s", size(rep.Bytes.Computed), size(rep.Bytes.Verified), size(rep.Bytes.Saved), size(rep.Bytes.Loaded), rep.Bytes.GiBPerSecond)
+	row("lookup latency", "%s", rep.Lookups.Latency)
+	row("TTFT proxy", "%s", rep.TTFT)
+	row("verification", "%s: %d loads, %d blocks checked, %d mismatched, %d load-error blocks recomputed",
+		okText(rep.Verification.OK), rep.Verification.Loads, rep.Verification.VerifiedBlocks, rep.Verification.Mismatched, rep.Verification.LoadErrorBlocks)
+	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
+		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
+	if c := rep.Trackers; c != nil {
+		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing %s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, c.Error)
+	}
+	if c := rep.DLQ; c != nil {
+		row("dead letters", "%s: %d entries for the run %v, %d dead-lettered saves not listed %s", okText(c.OK), c.Entries, c.Reasons, len(c.Unlisted), c.Error)
+	}
+	row("result", "%s", okText(rep.OK))
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return rep.writeLists(w)
+}
+
+func (rep *Report) writeLists(w io.Writer) error {
+	var b strings.Builder
+	for _, f := range rep.Requests.Failures {
+		fmt.Fprintf(&b, "  failed   %s %s: %s\n", f.EngineID, f.RequestID, f.Reason)
+	}
+	for _, m := range rep.Verification.Mismatches {
+		fmt.Fprintf(&b, "  mismatch %s %s: group %d block %d chunk %s (loaded by %s)\n", m.EngineID, m.RequestID, m.Group, m.Block, m.Chunk, m.Connector)
+	}
+	if rep.Trackers != nil {
+		for _, s := range first(rep.Trackers.NotDone) {
+			fmt.Fprintf(&b, "  tracker  %s\n", s)
+		}
+	}
+	if rep.DLQ != nil {
+		for _, s := range first(rep.DLQ.Unlisted) {
+			fmt.Fprintf(&b, "  dlq      %s: dead-lettered keys reported, no entry in GET /v1/dlq\n", s)
+		}
+	}
+	for i, d := range rep.Ledger.Differences {
+		if i == maxListed {
+			fmt.Fprintf(&b, "  ... %d more ledger differences\n", len(rep.Ledger.Differences)-maxListed)
+			break
+		}
+		fmt.Fprintf(&b, "  ledger   %s %s %s: %s\n", d.EngineID, d.RequestID, d.TaskID, d.Problem)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func first(s []string) []string { return s[:min(len(s), maxListed)] }
+
+func loadedText(m map[string]int) string {
+	if len(m) == 0 {
+		return "0"
+	}
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		parts = append(parts, fmt.Sprintf("%s %d", k, m[k]))
+	}
+	return strings.Join(parts, ", ")
+}
+
+func okText(ok bool) string {
+	if ok {
+		return "OK"
+	}
+	return "FAILED"
+}
+
+func balancedText(ok bool) string {
+	if ok {
+		return "balanced"
+	}
+	return "NOT BALANCED"
+}
+
+// size formats a byte count.
+func size(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}

@@ -1,0 +1,119 @@
+package sim
+
+import (
+	"context"
+	"time"
+
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// phase is where a request is in its engine.
+type phase int
+
+const (
+	// phaseWaiting: queued; needs a lookup and an allocation.
+	phaseWaiting phase = iota
+	// phaseLoading: allocated with external tokens; waiting for finished_recving.
+	phaseLoading
+	// phaseAllocated: allocated (and loaded, if it had to be); queued to be scheduled.
+	phaseAllocated
+	// phaseRunning: scheduled; computes a chunk of prefill or one decode token per step.
+	phaseRunning
+	// phaseFinishing: finished generating; its blocks wait for finished_sending.
+	phaseFinishing
+	// phaseDone: freed; nothing left.
+	phaseDone
+)
+
+// request is one request as the simulated engine sees it.
+type request struct {
+	id     string
+	engine string
+	turn   *turnState
+	ctx    context.Context
+	span   trace.Span
+
+	prompt    []uint32
+	output    []uint32 // the reply; output[:generated] are generated
+	maxOut    int      // tokens to generate (1 on a prefill engine)
+	generated int
+	salt      []byte // extra bytes of every block hash
+	hashes    []kvcore.BlockHash
+	hexes     []string
+
+	seq       int64
+	phase     phase
+	admitted  bool // the admitted event was published
+	scheduled bool // a new step was published (later schedulings are resumed)
+	decoding  bool // the current attempt sampled its first token
+	table     kvcore.BlockTable
+	computed  int
+	load      *expectedLoad
+	pd        *contract.PDSource // kv_transfer_params (decode engine, first attempt)
+	shadow    *kvcore.Tracker
+
+	arrived, since time.Time // since: entered the current phase
+	firstToken     time.Time
+	lookupRetries  int
+	failure        string
+	holdForPeer    bool // prefill engine: keep the blocks until the decode engine read them
+	sent           bool // finished_sending arrived
+	leak           bool // given up: its blocks stay allocated, since a late transfer may still use them
+}
+
+// expectedLoad is the load the engine accepted and waits for.
+type expectedLoad struct {
+	connector  string
+	start, end int
+	groups     []kvcore.GroupChunks
+}
+
+func (r *request) numTokens() int { return len(r.prompt) + r.generated }
+
+func (r *request) token(i int) uint32 {
+	if i < len(r.prompt) {
+		return r.prompt[i]
+	}
+	return r.output[i-len(r.prompt)]
+}
+
+// extendHashes hashes every full hash block of the tokens so far.
+func (r *request) extendHashes(hbs int) {
+	buf := make([]uint32, hbs)
+	for n := r.numTokens() / hbs; len(r.hashes) < n; {
+		i := len(r.hashes)
+		for j := range buf {
+			buf[j] = r.token(i*hbs + j)
+		}
+		var parent kvcore.BlockHash
+		if i > 0 {
+			parent = r.hashes[i-1]
+		}
+		h := kvcore.HashTokens(parent, buf, r.salt)
+		r.hashes = append(r.hashes, h)
+		r.hexes = append(r.hexes, h.Hex())
+	}
+}
+
+// fail records the request's first failure; the request still runs to its end.
+func (r *request) fail(reason string) {
+	if r.failure == "" {
+		r.failure = reason
+	}
+}
+
+// turnState is one user request (a conversation turn) across the engines
+// that serve it: one engine, or a prefill and a decode engine.
+type turnState struct {
+	ctx     context.Context
+	span    trace.Span
+	conv    *Conversation
+	index   int
+	id      string
+	parts   int // engine requests not finalized yet
+	arrived time.Time
+	failed  []string
+}

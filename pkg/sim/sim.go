@@ -1,0 +1,516 @@
+// Package sim is kvmesh's engine simulator: it plays one inference engine,
+// or a prefill and a decode engine (1P1D), against the real mesh. Each engine
+// has vLLM's shape: a block manager over a small pool with prefix caching,
+// per-step scheduling with chunked prefill, and preemption under pressure.
+// For every request it hashes the tokens, asks the lookup service, allocates,
+// publishes its scheduler events, "computes" the KV it does not load by
+// writing deterministic bytes into its gpuworker, waits for finished_recving
+// before computing past a load, checks every loaded block byte for byte, and
+// frees its blocks on finished_sending. A save ledger built from the save
+// tasks, the transfer results and the engines' own expectations shows that
+// no save was lost.
+package sim
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// tracerName names the simulator's spans.
+const tracerName = "kvmesh/sim"
+
+// Endpoint is one engine and its gpuworker.
+type Endpoint struct {
+	// EngineID is the engine id the gpuworker was started with; empty takes
+	// the worker's (GET /v1/pool).
+	EngineID string `json:"engine_id"`
+	// WorkerURL is the gpuworker's base URL.
+	WorkerURL string `json:"worker_url"`
+}
+
+// Config configures one simulation run.
+type Config struct {
+	// Model is the served model (the services' KVMESH_MODEL).
+	Model *kvcore.Model
+	// Workload is what the engines are asked.
+	Workload Workload
+	// Engine sizes every engine.
+	Engine EngineConfig
+	// PD runs 1P1D: Prefill computes prompts, Engine pulls them through the
+	// pd connector and decodes. The lookup's chain must include pd.
+	PD bool
+	// Engine is the (decode) engine; Prefill the prefill engine with PD.
+	Decode, Prefill Endpoint
+	// LookupURL is the lookup service's base URL.
+	LookupURL string
+	// SchedulerURL, when set, is asked after the run for the run's
+	// trackers: each must be done with no task outstanding.
+	SchedulerURL string
+	// SenderURL, when set, is asked after the run for its dead letters:
+	// every dead-lettered save of the run must be listed.
+	SenderURL string
+	// Brokers are the Kafka bootstrap brokers.
+	Brokers []string
+	// RunTag prefixes every request id; default a random "sim-xxxxxx".
+	RunTag string
+	// Salt is mixed into every block hash (as vLLM's cache_salt is): runs
+	// with different salts share no store keys. Empty shares the store with
+	// every unsalted run of the same workload.
+	Salt string
+	// RequestTimeout is the longest wait for a finished_recving or
+	// finished_sending; default 60 s.
+	RequestTimeout time.Duration
+	// SettleTimeout bounds the wait for the last save results once every
+	// request finished; default 30 s.
+	SettleTimeout time.Duration
+	// Progress, when set, receives a snapshot every ProgressEvery (default 1 s).
+	Progress      func(Progress)
+	ProgressEvery time.Duration
+	// Log receives warnings; default discards.
+	Log *slog.Logger
+	// HTTPClient talks to lookup and the gpuworkers; default one with trace
+	// propagation.
+	HTTPClient *http.Client
+	ownClient  bool // HTTPClient was made here; Run closes its connections
+}
+
+func (c *Config) defaults() error {
+	switch {
+	case c.Model == nil:
+		return fmt.Errorf("no model: %w", ErrConfig)
+	case c.LookupURL == "" || c.Decode.WorkerURL == "":
+		return fmt.Errorf("lookup and gpuworker URLs are required: %w", ErrConfig)
+	case c.PD && c.Prefill.WorkerURL == "":
+		return fmt.Errorf("1P1D needs the prefill engine's gpuworker URL: %w", ErrConfig)
+	case len(c.Brokers) == 0:
+		return fmt.Errorf("no brokers: %w", ErrConfig)
+	case c.Engine.MaxBatchTokens < 1 || c.Engine.MaxRunning < 1 || c.Engine.PoolBlocks < 0 || c.Engine.Watermark < 0:
+		return fmt.Errorf("engine %+v: %w", c.Engine, ErrConfig)
+	}
+	for g := range c.Model.Groups {
+		if len(c.Model.Ranks(g)) != 1 {
+			return fmt.Errorf("model %s has several rank namespaces; the simulator plays single-rank engines: %w", c.Model.Name, ErrConfig)
+		}
+	}
+	if c.RunTag == "" {
+		c.RunTag = NewRunTag()
+	}
+	if c.RequestTimeout <= 0 {
+		c.RequestTimeout = 60 * time.Second
+	}
+	if c.SettleTimeout <= 0 {
+		c.SettleTimeout = 30 * time.Second
+	}
+	if c.ProgressEvery <= 0 {
+		c.ProgressEvery = time.Second
+	}
+	if c.Log == nil {
+		c.Log = slog.New(slog.DiscardHandler)
+	}
+	if c.HTTPClient == nil {
+		c.HTTPClient = dataplane.DefaultHTTPClient()
+		c.HTTPClient.Timeout = 30 * time.Second
+		c.ownClient = true
+	}
+	return c.Workload.Validate()
+}
+
+// NewRunTag returns a random run tag, "sim-" and six hex digits.
+func NewRunTag() string {
+	var b [3]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return "sim-" + hex.EncodeToString(b[:])
+}
+
+// run is one simulation in progress.
+type run struct {
+	cfg     Config
+	convs   []*Conversation
+	stats   *stats
+	ledger  *ledger
+	engines map[string]*engine
+	front   *engine // receives new turns
+	decode  *engine // generates the replies
+	ctx     context.Context
+
+	mu      sync.Mutex
+	turns   int
+	left    int
+	allDone chan struct{}
+}
+
+// Run plays the workload against the mesh and returns the report. It
+// returns an error only when the run could not be carried out (bad config,
+// a broker or worker that stays unreachable); failed requests, mismatches
+// and an unbalanced ledger are in the report (Report.OK).
+func Run(ctx context.Context, cfg Config) (*Report, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	if cfg.ownClient {
+		defer cfg.HTTPClient.CloseIdleConnections()
+	}
+	convs, err := Generate(cfg.Workload)
+	if err != nil {
+		return nil, err
+	}
+	if err := cfg.workers(ctx); err != nil {
+		return nil, err
+	}
+	pub, err := bus.NewProducer(cfg.Brokers)
+	if err != nil {
+		return nil, fmt.Errorf("producer: %w", err)
+	}
+	defer pub.Close()
+	from, err := startOffsets(ctx, cfg.Brokers)
+	if err != nil {
+		return nil, err
+	}
+	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-"),
+		engines: map[string]*engine{}, allDone: make(chan struct{})}
+	r.build(pub)
+	start := time.Now()
+	if err := r.play(ctx, from); err != nil {
+		return nil, err
+	}
+	elapsed := time.Since(start)
+	rep := r.report(elapsed)
+	r.check(ctx, rep)
+	return rep, nil
+}
+
+// workers asks every gpuworker for its pool: it fills in engine ids left
+// empty, checks the model layout, and caps the engines' pools at the
+// workers' smallest group pool.
+func (c *Config) workers(ctx context.Context) error {
+	eps := []*Endpoint{&c.Decode}
+	if c.PD {
+		eps = append(eps, &c.Prefill)
+	}
+	for _, ep := range eps {
+		info, err := workerPool(ctx, c.HTTPClient, ep.WorkerURL)
+		if err != nil {
+			return err
+		}
+		switch {
+		case ep.EngineID == "":
+			ep.EngineID = info.EngineID
+		case ep.EngineID != info.EngineID:
+			return fmt.Errorf("gpuworker %s holds engine %q, not %q: %w", ep.WorkerURL, info.EngineID, ep.EngineID, ErrConfig)
+		}
+		if fp := c.Model.Fingerprint(); info.Fingerprint != fp || info.Model != c.Model.Name {
+			return fmt.Errorf("gpuworker %s serves model %s (%s), the simulator %s (%s): %w", ep.WorkerURL, info.Model, info.Fingerprint, c.Model.Name, fp, ErrConfig)
+		}
+		if rank := (kvcore.Rank{TP: info.Rank.TP, PCP: info.Rank.PCP, DCP: info.Rank.DCP, PP: info.Rank.PP}); rank != (kvcore.Rank{}) {
+			return fmt.Errorf("gpuworker %s is rank %+v; the simulator plays rank 0 engines: %w", ep.WorkerURL, rank, ErrConfig)
+		}
+		n := info.blocks()
+		if n < 1 {
+			return fmt.Errorf("gpuworker %s has an empty pool: %w", ep.WorkerURL, ErrHTTP)
+		}
+		if c.Engine.PoolBlocks == 0 || c.Engine.PoolBlocks > n {
+			c.Engine.PoolBlocks = n
+		}
+	}
+	if c.PD && c.Prefill.EngineID == c.Decode.EngineID {
+		return fmt.Errorf("prefill and decode workers both hold engine %q: %w", c.Decode.EngineID, ErrConfig)
+	}
+	if c.Engine.Watermark >= c.Engine.PoolBlocks {
+		return fmt.Errorf("watermark %d with a pool of %d blocks: %w", c.Engine.Watermark, c.Engine.PoolBlocks, ErrConfig)
+	}
+	return nil
+}
+
+// poolInfo is the part of a gpuworker's GET /v1/pool the simulator uses.
+type poolInfo struct {
+	EngineID    string `json:"engine_id"`
+	Model       string `json:"model"`
+	Fingerprint string `json:"fingerprint"`
+	Rank        struct {
+		TP  int `json:"tp"`
+		PCP int `json:"pcp"`
+		DCP int `json:"dcp"`
+		PP  int `json:"pp"`
+	} `json:"rank"`
+	Groups []struct {
+		Blocks int `json:"blocks"`
+	} `json:"groups"`
+}
+
+// blocks is the smallest group pool.
+func (p poolInfo) blocks() int {
+	n := 0
+	for i, g := range p.Groups {
+		if i == 0 || g.Blocks < n {
+			n = g.Blocks
+		}
+	}
+	return n
+}
+
+func workerPool(ctx context.Context, hc *http.Client, base string) (poolInfo, error) {
+	var info poolInfo
+	if err := getJSON(ctx, hc, base+"/v1/pool", &info); err != nil {
+		return info, fmt.Errorf("gpuworker pool: %w", err)
+	}
+	return info, nil
+}
+
+// startOffsets records where the topics the simulator reads end now, before
+// it publishes anything, so nothing of the run is missed.
+func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int64, error) {
+	out := map[string]map[int]int64{}
+	for _, t := range []string{contract.TopicEngineFeedback, contract.TopicSaveTasks, contract.TopicTransferResults} {
+		off, err := topicOffsets(ctx, brokers, t, false)
+		if err != nil {
+			return nil, err
+		}
+		out[t] = off
+	}
+	return out, nil
+}
+
+// build creates the engines and wires them to the driver.
+func (r *run) build(pub *bus.Producer) {
+	deps := func(url string) engineDeps {
+		return engineDeps{
+			model: r.cfg.Model, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
+			lookup: &lookupClient{base: r.cfg.LookupURL, hc: r.cfg.HTTPClient}, pub: pub,
+			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout,
+		}
+	}
+	hooks := engineHooks{generated: r.generated, abandoned: r.generated, finalized: r.finalized, peerRead: func(string) {}}
+	role := RoleBoth
+	if r.cfg.PD {
+		role = RoleDecode
+		hooks.peerRead = func(id string) { r.front.box.put(peerReleased{requestID: id}) }
+	}
+	r.decode = newEngine(r.cfg.Decode.EngineID, role, r.cfg.Engine, deps(r.cfg.Decode.WorkerURL), hooks)
+	r.front = r.decode
+	r.engines[r.decode.id] = r.decode
+	if r.cfg.PD {
+		ph := engineHooks{generated: r.prefilled, abandoned: r.prefillAbandoned, finalized: r.finalized, peerRead: func(string) {}}
+		r.front = newEngine(r.cfg.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(r.cfg.Prefill.WorkerURL), ph)
+		r.engines[r.front.id] = r.front
+	}
+	r.ledger.onSaved = func(engine, request string, s span) {
+		if e := r.engines[engine]; e != nil {
+			e.box.put(saveReported{requestID: request, span: s})
+		}
+	}
+	r.turns = 0
+	for _, c := range r.convs {
+		r.turns += len(c.Turns)
+	}
+	r.left = r.turns
+	r.stats.requests = r.turns
+}
+
+// play runs the engines, the topic readers and the arrivals until every
+// turn is finalized and the ledger settled, or ctx ends.
+func (r *run) play(parent context.Context, from map[string]map[int]int64) error {
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	r.ctx = ctx
+	g, gctx := errgroup.WithContext(ctx)
+	brokers := r.cfg.Brokers
+	g.Go(func() error {
+		return tailTopic(gctx, brokers, contract.TopicEngineFeedback, from[contract.TopicEngineFeedback], r.routeFeedback)
+	})
+	g.Go(func() error {
+		return tailTopic(gctx, brokers, contract.TopicSaveTasks, from[contract.TopicSaveTasks], r.ledger.saveTask)
+	})
+	g.Go(func() error {
+		return tailTopic(gctx, brokers, contract.TopicTransferResults, from[contract.TopicTransferResults], r.ledger.transferResult)
+	})
+	for _, e := range r.engines {
+		g.Go(func() error { return e.run(gctx) })
+	}
+	if r.cfg.Progress != nil {
+		g.Go(func() error { r.progress(gctx); return nil })
+	}
+	var timers []*time.Timer
+	for _, c := range r.convs {
+		timers = append(timers, time.AfterFunc(c.Start, func() { r.submitTurn(c, 0) }))
+	}
+	defer func() {
+		for _, t := range timers {
+			t.Stop()
+		}
+	}()
+	g.Go(func() error {
+		defer cancel()
+		select {
+		case <-r.allDone:
+			r.settle(gctx)
+		case <-gctx.Done():
+		}
+		return nil
+	})
+	err := g.Wait()
+	if err != nil && parent.Err() == nil {
+		return err
+	}
+	return nil
+}
+
+// check asks the scheduler and the sender about the run, when configured.
+func (r *run) check(ctx context.Context, rep *Report) {
+	engines := make([]string, 0, len(r.engines))
+	for id := range r.engines {
+		engines = append(engines, id)
+	}
+	prefix := r.cfg.RunTag + "-"
+	if r.cfg.SchedulerURL != "" {
+		c := checkTrackers(ctx, r.cfg.HTTPClient, r.cfg.SchedulerURL, engines, prefix, r.turns*len(r.engines))
+		rep.Trackers = &c
+		rep.OK = rep.OK && c.OK
+	}
+	if r.cfg.SenderURL != "" {
+		c := checkDLQ(ctx, r.cfg.HTTPClient, r.cfg.SenderURL, engines, prefix, r.ledger.deadLettered())
+		rep.DLQ = &c
+		rep.OK = rep.OK && c.OK
+	}
+}
+
+// settle waits until every save of the run is published and reported, or
+// the settle timeout passes.
+func (r *run) settle(ctx context.Context) {
+	deadline := time.Now().Add(r.cfg.SettleTimeout)
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for r.ledger.outstanding() > 0 && time.Now().Before(deadline) {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// routeFeedback hands engine feedback to its engine.
+func (r *run) routeFeedback(rec Record) {
+	var f contract.EngineFeedback
+	if err := json.Unmarshal(rec.Value, &f); err != nil {
+		return
+	}
+	if e := r.engines[f.EngineID]; e != nil {
+		e.box.put(f)
+	}
+}
+
+func (r *run) progress(ctx context.Context) {
+	tick := time.NewTicker(r.cfg.ProgressEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			r.cfg.Progress(r.stats.progress())
+			return
+		case <-tick.C:
+			r.cfg.Progress(r.stats.progress())
+		}
+	}
+}
+
+// submitTurn sends turn t of conversation c to the front engine.
+func (r *run) submitTurn(c *Conversation, t int) {
+	if r.ctx.Err() != nil {
+		return
+	}
+	ts := &turnState{conv: c, index: t, id: fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t), parts: 1, arrived: time.Now()}
+	if r.cfg.PD {
+		ts.parts = 2
+	}
+	ts.ctx, ts.span = otel.Tracer(tracerName).Start(r.ctx, "sim.turn", trace.WithAttributes(
+		attribute.String("kvmesh.request_id", ts.id), attribute.Int("kvmesh.conversation", c.Index), attribute.Int("kvmesh.turn", t),
+	))
+	maxOut := len(c.Turns[t].Output)
+	if r.cfg.PD {
+		maxOut = 1
+	}
+	req := r.newRequest(ts, r.front, maxOut)
+	req.holdForPeer = r.cfg.PD
+	r.front.submit(req)
+}
+
+// newRequest starts one engine's request of a turn, in its own span.
+func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
+	ctx, span := otel.Tracer(tracerName).Start(ts.ctx, "sim.request", trace.WithAttributes(
+		attribute.String("kvmesh.engine_id", e.id), attribute.String("kvmesh.request_id", ts.id),
+		attribute.String("kvmesh.role", string(e.role)),
+	))
+	turn := ts.conv.Turns[ts.index]
+	return &request{salt: []byte(r.cfg.Salt), id: ts.id, engine: e.id, turn: ts, ctx: ctx, span: span, prompt: ts.conv.Prompt(ts.index), output: turn.Output, maxOut: maxOut}
+}
+
+// prefilled hands a request the prefill engine computed to the decode
+// engine, with kv_transfer_params naming the prefill engine's blocks.
+func (r *run) prefilled(p *request) {
+	d := r.newRequest(p.turn, r.decode, len(p.output))
+	d.pd = &contract.PDSource{EngineID: r.front.id, BlockTable: p.table.Clone(), Tokens: len(p.prompt)}
+	r.decode.submit(d)
+}
+
+// generated starts the conversation's next turn after the think time.
+func (r *run) generated(req *request) {
+	c, next := req.turn.conv, req.turn.index+1
+	if next < len(c.Turns) {
+		time.AfterFunc(r.cfg.Workload.ThinkTime, func() { r.submitTurn(c, next) })
+	}
+}
+
+// prefillAbandoned books the decode part of a turn whose prefill the
+// prefill engine gave up on, and starts the conversation's next turn.
+func (r *run) prefillAbandoned(p *request) {
+	r.partDone(p.turn, r.decode.id, p.id, "not decoded: the prefill engine gave up on it")
+	r.generated(p)
+}
+
+// finalized books an engine request that is over.
+func (r *run) finalized(req *request) {
+	req.span.End()
+	r.partDone(req.turn, req.engine, req.id, req.failure)
+}
+
+// partDone books one engine's part of a turn.
+func (r *run) partDone(ts *turnState, engine, id, failure string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if failure != "" {
+		ts.failed = append(ts.failed, failure)
+		r.stats.failure(engine, id, failure)
+	}
+	ts.parts--
+	if ts.parts > 0 {
+		return
+	}
+	ts.span.End()
+	r.stats.update(func(st *stats) {
+		st.done++
+		if len(ts.failed) > 0 {
+			st.failed++
+		}
+	})
+	r.left--
+	if r.left == 0 {
+		close(r.allDone)
+	}
+}

@@ -1,0 +1,152 @@
+package sim
+
+import (
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+)
+
+// maxListed bounds the failures and mismatches a report lists one by one.
+const maxListed = 50
+
+// stats are the counters the engines update while they run. Safe for
+// concurrent use.
+type stats struct {
+	mu sync.Mutex
+
+	requests, done, failed int // turns: total, finalized, finalized with a failure
+	failures               []RequestFailure
+	preemptions            int
+
+	promptTokens, localHitTokens, computedTokens, recomputedTokens int
+	loadedTokens                                                   map[string]int // by connector
+	loads, loadErrorBlocks                                         int
+
+	lookups, lookupRetries, lookupPending, lookupAnomalies int
+	lookupLatency, ttft                                    []time.Duration
+
+	verifiedBlocks, mismatchedBlocks int
+	mismatches                       []Mismatch
+	bytesWritten, bytesRead          int64
+}
+
+// RequestFailure is one request that did not complete cleanly.
+type RequestFailure struct {
+	// EngineID is the engine that served the request.
+	EngineID string `json:"engine_id"`
+	// RequestID is the request.
+	RequestID string `json:"request_id"`
+	// Reason says what went wrong.
+	Reason string `json:"reason"`
+}
+
+// Mismatch is one loaded block whose bytes were not what its hash implies.
+type Mismatch struct {
+	// EngineID is the engine whose pool holds the block.
+	EngineID string `json:"engine_id"`
+	// RequestID is the request that loaded it.
+	RequestID string `json:"request_id"`
+	// Group is the KV group.
+	Group int `json:"group"`
+	// Block is the block id in the group's pool.
+	Block int64 `json:"block"`
+	// Chunk is the token range the block holds.
+	Chunk string `json:"chunk"`
+	// Connector is the connector that loaded it.
+	Connector string `json:"connector"`
+}
+
+func newStats() *stats { return &stats{loadedTokens: map[string]int{}} }
+
+func (s *stats) update(f func(s *stats)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f(s)
+}
+
+// failure lists why an engine request failed (the turn is counted failed
+// when it is finalized).
+func (s *stats) failure(engine, req, reason string) {
+	s.update(func(s *stats) {
+		if len(s.failures) < maxListed {
+			s.failures = append(s.failures, RequestFailure{EngineID: engine, RequestID: req, Reason: reason})
+		}
+	})
+}
+
+func (s *stats) mismatch(m Mismatch) {
+	s.update(func(s *stats) {
+		s.mismatchedBlocks++
+		if len(s.mismatches) < maxListed {
+			s.mismatches = append(s.mismatches, m)
+		}
+	})
+}
+
+// Progress is a snapshot of a running simulation.
+type Progress struct {
+	// Requests is the total the workload holds.
+	Requests int
+	// Done and Failed count finished requests.
+	Done, Failed int
+	// HitRate is the share of prompt tokens not computed so far.
+	HitRate float64
+	// Mismatches counts byte mismatches so far.
+	Mismatches int
+	// Preemptions counts preemptions so far.
+	Preemptions int
+}
+
+func (s *stats) progress() Progress {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return Progress{
+		Requests: s.requests, Done: s.done, Failed: s.failed,
+		HitRate: s.hitRateLocked(), Mismatches: s.mismatchedBlocks, Preemptions: s.preemptions,
+	}
+}
+
+func (s *stats) hitRateLocked() float64 {
+	if s.promptTokens == 0 {
+		return 0
+	}
+	hit := s.localHitTokens
+	for _, n := range s.loadedTokens {
+		hit += n
+	}
+	return float64(hit) / float64(s.promptTokens)
+}
+
+// Percentiles are latency percentiles in milliseconds.
+type Percentiles struct {
+	// Count is the number of samples.
+	Count int `json:"count"`
+	// P50, P90 and P99 are the percentiles, Max the largest sample.
+	P50 float64 `json:"p50_ms"`
+	P90 float64 `json:"p90_ms"`
+	P99 float64 `json:"p99_ms"`
+	Max float64 `json:"max_ms"`
+}
+
+func percentiles(d []time.Duration) Percentiles {
+	if len(d) == 0 {
+		return Percentiles{}
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	at := func(q float64) float64 {
+		i := int(q*float64(len(s))+0.5) - 1
+		i = max(0, min(i, len(s)-1))
+		return float64(s[i].Microseconds()) / 1000
+	}
+	return Percentiles{Count: len(s), P50: at(0.50), P90: at(0.90), P99: at(0.99), Max: float64(s[len(s)-1].Microseconds()) / 1000}
+}
+
+// String writes the percentiles for the report's table.
+func (p Percentiles) String() string {
+	if p.Count == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("p50 %.1f  p90 %.1f  p99 %.1f  max %.1f ms (n=%d)", p.P50, p.P90, p.P99, p.Max, p.Count)
+}

@@ -1,0 +1,161 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"golang.org/x/sync/errgroup"
+)
+
+// Record is one Kafka record read by the simulator.
+type Record struct {
+	// Topic, Partition and Offset locate the record.
+	Topic     string
+	Partition int
+	Offset    int64
+	// Key is the record key.
+	Key string
+	// Value is the record value.
+	Value []byte
+	// Headers are the record headers.
+	Headers map[string]string
+}
+
+// readerMaxWait bounds one fetch, and so how late the simulator sees a record.
+const readerMaxWait = 50 * time.Millisecond
+
+// topicOffsets returns, per partition of topic, its first offset (first) or
+// the offset the next record will get.
+func topicOffsets(ctx context.Context, brokers []string, topic string, first bool) (map[int]int64, error) {
+	tr := &kafka.Transport{}
+	defer tr.CloseIdleConnections()
+	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 10 * time.Second, Transport: tr}
+	meta, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+	if err != nil {
+		return nil, fmt.Errorf("metadata of %s: %w", topic, err)
+	}
+	if len(meta.Topics) != 1 || meta.Topics[0].Error != nil {
+		return nil, fmt.Errorf("metadata of %s: %v: %w", topic, meta.Topics, errNoTopic)
+	}
+	var reqs []kafka.OffsetRequest
+	for _, p := range meta.Topics[0].Partitions {
+		if first {
+			reqs = append(reqs, kafka.FirstOffsetOf(p.ID))
+		} else {
+			reqs = append(reqs, kafka.LastOffsetOf(p.ID))
+		}
+	}
+	res, err := c.ListOffsets(ctx, &kafka.ListOffsetsRequest{Topics: map[string][]kafka.OffsetRequest{topic: reqs}})
+	if err != nil {
+		return nil, fmt.Errorf("offsets of %s: %w", topic, err)
+	}
+	out := map[int]int64{}
+	for _, po := range res.Topics[topic] {
+		if po.Error != nil {
+			return nil, fmt.Errorf("offsets of %s/%d: %w", topic, po.Partition, po.Error)
+		}
+		if first {
+			out[po.Partition] = po.FirstOffset
+		} else {
+			out[po.Partition] = po.LastOffset
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s has no partitions: %w", topic, errNoTopic)
+	}
+	return out, nil
+}
+
+func newPartitionReader(brokers []string, topic string, partition int, offset int64) (*kafka.Reader, error) {
+	r := kafka.NewReader(kafka.ReaderConfig{
+		Brokers: brokers, Topic: topic, Partition: partition,
+		MinBytes: 1, MaxBytes: 16 << 20, MaxWait: readerMaxWait, ReadLagInterval: -1,
+	})
+	if err := r.SetOffset(offset); err != nil {
+		_ = r.Close()
+		return nil, fmt.Errorf("%s/%d offset %d: %w", topic, partition, offset, err)
+	}
+	return r, nil
+}
+
+func toRecord(m kafka.Message) Record {
+	h := make(map[string]string, len(m.Headers))
+	for _, kv := range m.Headers {
+		h[kv.Key] = string(kv.Value)
+	}
+	return Record{Topic: m.Topic, Partition: m.Partition, Offset: m.Offset, Key: string(m.Key), Value: m.Value, Headers: h}
+}
+
+// tailTopic delivers the records of topic from the given offsets to fn, one
+// goroutine per partition (fn must be safe for concurrent use), until ctx
+// ends. It returns nil when ctx ended and an error when a reader failed.
+func tailTopic(ctx context.Context, brokers []string, topic string, from map[int]int64, fn func(Record)) error {
+	g, ctx := errgroup.WithContext(ctx)
+	for p, off := range from {
+		r, err := newPartitionReader(brokers, topic, p, off)
+		if err != nil {
+			return err
+		}
+		g.Go(func() error {
+			defer r.Close()
+			for {
+				m, err := r.ReadMessage(ctx)
+				if err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return fmt.Errorf("read %s/%d: %w", topic, p, err)
+				}
+				fn(toRecord(m))
+			}
+		})
+	}
+	return g.Wait()
+}
+
+// ReadAll returns every record of topic that the brokers hold when it is
+// called, partition by partition in offset order.
+func ReadAll(ctx context.Context, brokers []string, topic string) ([]Record, error) {
+	first, err := topicOffsets(ctx, brokers, topic, true)
+	if err != nil {
+		return nil, err
+	}
+	last, err := topicOffsets(ctx, brokers, topic, false)
+	if err != nil {
+		return nil, err
+	}
+	var out []Record
+	for p, start := range first {
+		recs, err := readRange(ctx, brokers, topic, p, start, last[p])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, recs...)
+	}
+	return out, nil
+}
+
+// readRange reads the records of one partition in [start, end).
+func readRange(ctx context.Context, brokers []string, topic string, p int, start, end int64) ([]Record, error) {
+	if end <= start {
+		return nil, nil
+	}
+	r, err := newPartitionReader(brokers, topic, p, start)
+	if err != nil {
+		return nil, err
+	}
+	defer r.Close()
+	var out []Record
+	for {
+		m, err := r.ReadMessage(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("read %s/%d: %w", topic, p, err)
+		}
+		out = append(out, toRecord(m))
+		if m.Offset >= end-1 {
+			return out, nil
+		}
+	}
+}

@@ -1,0 +1,333 @@
+package app_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
+)
+
+// waitFor bounds every poll in these tests.
+const waitFor = 30 * time.Second
+
+// worker is one running gpuworker under test.
+type worker struct {
+	app    *app.App
+	cfg    app.Config
+	model  *kvcore.Model
+	keys   kvcore.KeyBuilder
+	client *dataplane.Client
+}
+
+// testConfig is a worker configuration for env with a small pool and a
+// per-test key prefix, so tests sharing the Redis server never collide.
+func testConfig(env *servicetest.Env, engine string) app.Config {
+	return app.Config{
+		Common:            env.Common(),
+		HTTPAddr:          "127.0.0.1:0",
+		DatabaseURL:       env.DatabaseURL,
+		RedisURL:          env.RedisURL,
+		EngineID:          engine,
+		PoolBlocks:        16,
+		MaxBatchBytes:     4 << 20,
+		KeyPrefix:         "t" + randomHex(6),
+		HeartbeatInterval: 200 * time.Millisecond,
+		WorkerStaleAfter:  10 * time.Second,
+		SessionTimeout:    10 * time.Second,
+	}
+}
+
+// startWorker starts a gpuworker with cfg (and an NVML source, nil for the
+// machine's) and waits until it is ready.
+func startWorker(t testing.TB, cfg app.Config, gpus *devices.Source) *worker {
+	t.Helper()
+	if gpus == nil {
+		gpus = devices.NewSystemSource()
+	}
+	a, err := app.NewWithDevices(context.Background(), cfg, slog.New(slog.DiscardHandler), gpus)
+	if err != nil {
+		t.Fatal(err)
+	}
+	servicetest.Start(t, a.Run)
+	servicetest.WaitReady(t, a.Addr())
+	m, err := service.LoadModel(cfg.Model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, m.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleanPrefix(t, cfg.RedisURL, cfg.KeyPrefix)
+	return &worker{app: a, cfg: cfg, model: m, keys: kb, client: dataplane.NewClient("http://"+a.Addr(), nil)}
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// randomBlock is bytes_per_block random bytes of group g.
+func (w *worker) randomBlock(g int) []byte {
+	b := make([]byte, w.model.Groups[g].BytesPerBlock)
+	_, _ = rand.Read(b)
+	return b
+}
+
+// readBlock reads one pool block through the data plane.
+func (w *worker) readBlock(t *testing.T, g int, b kvcore.BlockID) []byte {
+	t.Helper()
+	got, err := w.client.Read(context.Background(), []dataplane.BlockRef{{Group: g, Block: b}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got[0].Data
+}
+
+// redisClient opens a go-redis client for url, closed at cleanup.
+func redisClient(t testing.TB, url string) *redis.Client {
+	t.Helper()
+	o, err := redis.ParseURL(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewClient(o)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// cleanPrefix deletes every key under prefix when the test ends.
+func cleanPrefix(t testing.TB, url, prefix string) {
+	c := redisClient(t, url)
+	t.Cleanup(func() {
+		ctx := context.Background()
+		iter := c.Scan(ctx, 0, prefix+"@*", 1000).Iterator()
+		var keys []string
+		for iter.Next(ctx) {
+			keys = append(keys, iter.Val())
+		}
+		if len(keys) > 0 {
+			_ = c.Del(ctx, keys...).Err() // best effort: the prefix is random
+		}
+	})
+}
+
+// results collects transfer results from the broker.
+type results struct {
+	mu   sync.Mutex
+	seen []contract.TransferResult
+	ch   chan struct{}
+}
+
+// watchResults consumes kvmesh.transfer.results from the start in a group
+// of its own until the test ends.
+func watchResults(t testing.TB, env *servicetest.Env) *results {
+	t.Helper()
+	rs := &results{ch: make(chan struct{}, 1)}
+	c, err := bus.NewConsumer(bus.ConsumerConfig{
+		Brokers: env.Brokers, GroupID: "test-results-" + randomHex(4),
+		Topics:       []string{contract.TopicTransferResults},
+		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		Logger:       slog.New(slog.DiscardHandler),
+	}, func(_ context.Context, m bus.Received) error {
+		var r contract.TransferResult
+		if err := json.Unmarshal(m.Value, &r); err != nil {
+			return bus.Permanent(bus.ReasonUndecodable, err)
+		}
+		rs.mu.Lock()
+		rs.seen = append(rs.seen, r)
+		rs.mu.Unlock()
+		select {
+		case rs.ch <- struct{}{}:
+		default:
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	servicetest.Start(t, c.Run)
+	return rs
+}
+
+// find returns the results of a task.
+func (rs *results) find(taskID string) []contract.TransferResult {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	var out []contract.TransferResult
+	for _, r := range rs.seen {
+		if r.TaskID == taskID {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// wait returns the first result of a task, failing the test after waitFor.
+func (rs *results) wait(t testing.TB, taskID string) contract.TransferResult {
+	t.Helper()
+	deadline := time.After(waitFor)
+	for {
+		if got := rs.find(taskID); len(got) > 0 {
+			return got[0]
+		}
+		select {
+		case <-rs.ch:
+		case <-time.After(100 * time.Millisecond):
+		case <-deadline:
+			t.Fatalf("no transfer result for task %s within %s", taskID, waitFor)
+		}
+	}
+}
+
+// publisher publishes load tasks to env's broker.
+func publisher(t testing.TB, env *servicetest.Env) *bus.Producer {
+	t.Helper()
+	p, err := bus.NewProducer(env.Brokers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+// publishTask publishes a load task keyed by its engine id.
+func publishTask(t testing.TB, p *bus.Producer, task *kvcore.LoadTask) {
+	t.Helper()
+	v, err := json.Marshal(task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Publish(context.Background(), bus.Message{Topic: contract.TopicLoadTasks, Key: task.EngineID, Value: v}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// tokens returns n deterministic tokens starting at seed.
+func tokens(n int, seed uint32) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = seed + uint32(i)
+	}
+	return out
+}
+
+// hexChain is the hex hash chain of toks.
+func hexChain(m *kvcore.Model, toks []uint32) []string {
+	var out []string
+	for _, h := range kvcore.HashChain(toks, m.HashBlockSize, nil) {
+		out = append(out, h.Hex())
+	}
+	return out
+}
+
+// loadTask builds a store load of tokens [0, end) into table for w's engine.
+func (w *worker) loadTask(hashes []string, end int, table kvcore.BlockTable) *kvcore.LoadTask {
+	return &kvcore.LoadTask{
+		Schema: kvcore.SchemaLoadTask, TaskID: "task-" + randomHex(6), EngineID: w.cfg.EngineID,
+		RequestID: "req-" + randomHex(6), Model: w.model.Name, Connector: "store",
+		Start: 0, End: end, BlockTable: table, BlockHashes: hashes,
+		Groups: w.model.LoadGroups(0, end),
+	}
+}
+
+// getJSON GETs url and decodes the JSON answer into v.
+func getJSON(t *testing.T, url string, v any) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s %s", url, resp.Status, body)
+	}
+	if err := json.Unmarshal(body, v); err != nil {
+		t.Fatalf("GET %s: %v in %s", url, err, body)
+	}
+}
+
+// redisServer is a throwaway redis-server owned by one test.
+type redisServer struct {
+	URL    string
+	cmd    *exec.Cmd
+	output bytes.Buffer
+	once   sync.Once
+}
+
+// startRedisServer starts a private redis-server with no persistence and
+// extra arguments and waits until it answers PING; it is killed at cleanup.
+func startRedisServer(t *testing.T, args ...string) *redisServer {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		if os.Getenv("KVMESH_REQUIRE_SERVICES") == "1" {
+			t.Fatalf("redis-server not on PATH: %v", err)
+		}
+		t.Skipf("redis-server not on PATH: %v", err)
+	}
+	port := freePort(t)
+	base := []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir()}
+	s := &redisServer{URL: fmt.Sprintf("redis://127.0.0.1:%s/0", port)}
+	s.cmd = exec.Command(bin, append(base, args...)...)
+	s.cmd.Stdout, s.cmd.Stderr = &s.output, &s.output
+	if err := s.cmd.Start(); err != nil {
+		t.Fatalf("start redis-server: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	c := redisClient(t, s.URL)
+	deadline := time.Now().Add(waitFor)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for c.Ping(context.Background()).Err() != nil {
+		if time.Now().After(deadline) {
+			t.Fatalf("redis-server on %s not answering:\n%s", port, s.output.String())
+		}
+		<-tick.C
+	}
+	return s
+}
+
+// Stop kills the server and reaps it; later calls do nothing.
+func (s *redisServer) Stop() {
+	s.once.Do(func() {
+		_ = s.cmd.Process.Kill() // fails only if it already exited
+		_ = s.cmd.Wait()         // a killed process exits with an error by design
+	})
+}
+
+// freePort returns a TCP port that was free a moment ago on 127.0.0.1.
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	return port
+}

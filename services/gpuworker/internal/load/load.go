@@ -1,0 +1,366 @@
+// Package load is the gpuworker's receiving side: it consumes load tasks for
+// its engine, gets each listed block from the store pool (or, for a pd load,
+// from the prefill engine's worker), verifies it and writes it into the pool,
+// and always publishes the load's result with the blocks that failed.
+package load
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
+)
+
+// Outcomes of a load task, as counted in kvmesh_gpuworker_loads_total.
+const (
+	OutcomeOK           = "ok"
+	OutcomeLoadErrors   = "load_errors"
+	OutcomeUnplanned    = "unplanned"
+	OutcomeIgnored      = "ignored"
+	OutcomeDeadLettered = "dead_lettered"
+)
+
+// ConnectorPD is the connector name of a disaggregated-prefill load.
+const ConnectorPD = "pd"
+
+// Sentinel errors.
+var (
+	// ErrInvalidTask reports a load-task payload that does not decode
+	// strictly or lacks its schema or identifying fields.
+	ErrInvalidTask = errors.New("invalid load task")
+	// ErrNotPlanned reports a task whose blocks cannot be mapped.
+	ErrNotPlanned = errors.New("load task cannot be planned")
+)
+
+// Publisher publishes records (bus.Producer).
+type Publisher interface {
+	Publish(ctx context.Context, msgs ...bus.Message) error
+}
+
+// RemoteFinder returns a data-plane client for a rank of another engine.
+type RemoteFinder func(ctx context.Context, engineID string, r kvcore.Rank) (*dataplane.Client, error)
+
+// Config wires a Loader.
+type Config struct {
+	// Model is the served model.
+	Model *kvcore.Model
+	// Keys builds store keys.
+	Keys kvcore.KeyBuilder
+	// EngineID and Rank name the pool this worker holds.
+	EngineID string
+	Rank     kvcore.Rank
+	// Pool receives the blocks.
+	Pool *pool.Pool
+	// Store is the store pool (instrumented with the load_get op name).
+	Store kvstore.Store
+	// Publisher publishes transfer results.
+	Publisher Publisher
+	// Remote finds another engine's worker, for pd loads.
+	Remote RemoteFinder
+	// MaxBatchBytes bounds the value bytes one store Get (or remote read)
+	// brings into memory.
+	MaxBatchBytes int
+	// Metrics counts loads and store operations.
+	Metrics *metrics.Metrics
+	// Log receives one line per load.
+	Log *slog.Logger
+}
+
+// Loader handles load tasks.
+type Loader struct {
+	cfg    Config
+	fp     string
+	tracer trace.Tracer
+}
+
+// New returns a loader.
+func New(cfg Config) *Loader {
+	return &Loader{cfg: cfg, fp: cfg.Model.Fingerprint(), tracer: otel.Tracer("kvmesh/gpuworker")}
+}
+
+// Handle is the bus handler for kvmesh.load.tasks: tasks of other engines
+// are skipped before decoding when the record key tells, after otherwise;
+// an undecodable task is dead-lettered; every other task is loaded and its
+// result published (a publish failure is transient: the redelivered task is
+// loaded again and republished with the same result id).
+func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
+	if m.Key != "" && m.Key != l.cfg.EngineID {
+		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)
+		return nil
+	}
+	task, err := DecodeTask(m.Value)
+	if err != nil {
+		return bus.Permanent(bus.ReasonUndecodable, err)
+	}
+	if task.EngineID != l.cfg.EngineID {
+		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)
+		return nil
+	}
+	res := l.Load(ctx, task)
+	if err := ctx.Err(); err != nil {
+		return err // stopping: the task is not committed and will be redelivered
+	}
+	value, err := json.Marshal(res)
+	if err != nil {
+		return bus.Permanent("unencodable_result", err)
+	}
+	if err := l.cfg.Publisher.Publish(ctx, bus.Message{
+		Topic: contract.TopicTransferResults, Key: task.RequestID, Value: value,
+	}); err != nil {
+		return bus.Transient(fmt.Errorf("publish load result of task %s: %w", task.TaskID, err))
+	}
+	return nil
+}
+
+// DecodeTask decodes a load-task payload strictly.
+func DecodeTask(value []byte) (*kvcore.LoadTask, error) {
+	dec := json.NewDecoder(bytes.NewReader(value))
+	dec.DisallowUnknownFields()
+	var t kvcore.LoadTask
+	if err := dec.Decode(&t); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidTask, err)
+	}
+	if dec.More() {
+		return nil, fmt.Errorf("%w: data after the task", ErrInvalidTask)
+	}
+	switch {
+	case t.Schema != kvcore.SchemaLoadTask:
+		return nil, fmt.Errorf("%w: schema %q, want %q", ErrInvalidTask, t.Schema, kvcore.SchemaLoadTask)
+	case t.TaskID == "" || t.RequestID == "" || t.EngineID == "":
+		return nil, fmt.Errorf("%w: task_id, request_id and engine_id are required", ErrInvalidTask)
+	}
+	return &t, nil
+}
+
+// ResultID is the result id of rank r's load of a task: the same on every
+// redelivery, different per rank.
+func ResultID(taskID string, r kvcore.Rank) string {
+	return fmt.Sprintf("load:%s:tp%d-pcp%d-dcp%d-pp%d", taskID, r.TP, r.PCP, r.DCP, r.PP)
+}
+
+// Load moves the task's blocks into the pool and returns its result; it
+// never fails as a whole: whatever could not be loaded is a load error.
+func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.TransferResult {
+	ctx, span := l.tracer.Start(ctx, "gpuworker.load", trace.WithAttributes(
+		attribute.String("kvmesh.engine_id", task.EngineID),
+		attribute.String("kvmesh.request_id", task.RequestID),
+		attribute.String("kvmesh.task_id", task.TaskID),
+		attribute.String("kvmesh.connector", task.Connector),
+	))
+	defer span.End()
+	start := time.Now()
+	var res outcome
+	if task.Connector == ConnectorPD && task.Remote != nil {
+		res = l.loadRemote(ctx, task)
+	} else {
+		res = l.loadStore(ctx, task)
+	}
+	l.record(ctx, span, task, res, time.Since(start))
+	return contract.TransferResult{
+		Schema:     contract.SchemaTransferResult,
+		ResultID:   ResultID(task.TaskID, l.cfg.Rank),
+		Kind:       contract.TransferLoad,
+		TaskID:     task.TaskID,
+		EngineID:   task.EngineID,
+		RequestID:  task.RequestID,
+		Status:     "done",
+		LoadErrors: res.failed.list,
+		Bytes:      res.bytes,
+	}
+}
+
+// record puts a load's outcome on its span, in the metrics and in the log
+// (debug when clean, warn with the first cause otherwise).
+func (l *Loader) record(ctx context.Context, span trace.Span, task *kvcore.LoadTask, res outcome, took time.Duration) {
+	kind := OutcomeOK
+	switch {
+	case res.planErr != nil:
+		kind = OutcomeUnplanned
+		span.SetAttributes(attribute.String("kvmesh.reason", res.planErr.Error()))
+	case len(res.failed.list) > 0:
+		kind = OutcomeLoadErrors
+	}
+	span.SetAttributes(attribute.Int("kvmesh.load_errors", len(res.failed.list)), attribute.Int64("kvmesh.bytes", res.bytes))
+	l.cfg.Metrics.Load(kind, len(res.failed.list), res.bytes)
+	level := slog.LevelDebug
+	if kind != OutcomeOK {
+		level = slog.LevelWarn
+	}
+	l.cfg.Log.Log(ctx, level, "load done", "task_id", task.TaskID, "request_id", task.RequestID,
+		"connector", task.Connector, "outcome", kind, "load_errors", len(res.failed.list), "bytes", res.bytes,
+		"duration_ms", took.Milliseconds(), "plan_error", errString(res.planErr), "first_error", errString(res.firstErr))
+}
+
+// outcome is what one load did.
+type outcome struct {
+	// failed are the load errors, in order.
+	failed *blockSet
+	// bytes counts the block bytes written.
+	bytes int64
+	// planErr is set when the task could not be planned.
+	planErr error
+	// firstErr is the first per-block or batch failure, for the log.
+	firstErr error
+}
+
+// fail records block b as a load error caused by err.
+func (o *outcome) fail(b kvcore.BlockID, err error) {
+	o.failed.add(b)
+	if o.firstErr == nil {
+		o.firstErr = err
+	}
+}
+
+// unplanned is the outcome of a task that cannot be planned.
+func unplanned(m *kvcore.Model, task *kvcore.LoadTask, err error) outcome {
+	return outcome{failed: newBlockSet(ListedBlocks(m, task)), planErr: err}
+}
+
+// loadStore gets the task's keys from the store into the pool.
+func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
+	if task.Model != l.cfg.Model.Name {
+		return unplanned(l.cfg.Model, task, fmt.Errorf("model %q, worker serves %q: %w", task.Model, l.cfg.Model.Name, ErrNotPlanned))
+	}
+	items, err := kvcore.PlanLoad(l.cfg.Model, l.cfg.Keys, task, l.cfg.Rank)
+	if err != nil {
+		return unplanned(l.cfg.Model, task, fmt.Errorf("%w: %w", ErrNotPlanned, err))
+	}
+	res := outcome{failed: newBlockSet(nil)}
+	errs := make([]error, len(items))
+	for lo := 0; lo < len(items); {
+		hi := l.batchEnd(items, lo)
+		res.bytes += l.getBatch(ctx, items[lo:hi], errs[lo:hi])
+		lo = hi
+	}
+	for i, it := range items {
+		if errs[i] != nil {
+			res.fail(it.Block, errs[i])
+		}
+	}
+	return res
+}
+
+// batchEnd is the end of the batch of items starting at lo: at least one
+// item, at most MaxBatchBytes of expected values.
+func (l *Loader) batchEnd(items []kvcore.TransferItem, lo int) int {
+	overhead := int64(dataplane.ValueOverhead(len(l.fp)))
+	var size int64
+	hi := lo
+	for hi < len(items) {
+		n := l.cfg.Model.Groups[items[hi].Group].BytesPerBlock + overhead
+		if hi > lo && size+n > int64(l.cfg.MaxBatchBytes) {
+			break
+		}
+		size += n
+		hi++
+	}
+	return hi
+}
+
+// getBatch gets one batch of keys with one store Get, verifies each value
+// and writes it into its block; errs[i] records why item i failed. It
+// returns the payload bytes written.
+func (l *Loader) getBatch(ctx context.Context, items []kvcore.TransferItem, errs []error) int64 {
+	keys := make([]string, len(items))
+	for i, it := range items {
+		keys[i] = it.Key
+	}
+	values, keyErrs, err := l.cfg.Store.Get(ctx, keys)
+	var got int64
+	for _, v := range values {
+		got += int64(len(v))
+	}
+	l.cfg.Metrics.StoreBytes(metrics.OpLoadGet, got)
+	if err != nil {
+		for i := range errs {
+			errs[i] = err
+		}
+		return 0
+	}
+	var written int64
+	for i, it := range items {
+		if errs[i] = keyErrs[i]; errs[i] != nil {
+			continue
+		}
+		if errs[i] = l.place(it, values[i]); errs[i] != nil {
+			l.cfg.Metrics.Rejected(errs[i])
+			continue
+		}
+		written += l.cfg.Model.Groups[it.Group].BytesPerBlock
+	}
+	return written
+}
+
+// place verifies a stored value completely, then writes its payload into
+// the item's block; a value that fails any check writes nothing.
+func (l *Loader) place(it kvcore.TransferItem, value []byte) error {
+	payload, err := dataplane.DecodeValue(l.fp, value)
+	if err != nil {
+		return fmt.Errorf("key %s: %w", it.Key, err)
+	}
+	return l.cfg.Pool.WriteBytes(it.Group, it.Block, payload)
+}
+
+// ListedBlocks is every block a task names for the chunks it loads, each
+// once: the block of each chunk where the table has it, and every non-null
+// block of a group whose chunks cannot be mapped. It is the load-error list
+// of a task that cannot be planned, so the engine recomputes them all.
+func ListedBlocks(m *kvcore.Model, task *kvcore.LoadTask) []kvcore.BlockID {
+	var out []kvcore.BlockID
+	seen := map[kvcore.BlockID]bool{}
+	add := func(b kvcore.BlockID) {
+		if b != kvcore.NullBlock && !seen[b] {
+			seen[b] = true
+			out = append(out, b)
+		}
+	}
+	for _, gc := range task.Groups {
+		g := gc.Group
+		if g < 0 || g >= len(task.BlockTable) {
+			continue
+		}
+		blocks := task.BlockTable[g]
+		mapped := g < len(m.Groups)
+		var picked []kvcore.BlockID
+		for _, c := range gc.Chunks {
+			if !mapped {
+				break
+			}
+			bi := c.BlockIndex(m.Groups[g].BlockSize)
+			if c.Start < 0 || bi < 0 || bi >= len(blocks) {
+				mapped = false
+				break
+			}
+			picked = append(picked, blocks[bi])
+		}
+		if !mapped {
+			picked = blocks
+		}
+		for _, b := range picked {
+			add(b)
+		}
+	}
+	return out
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}

@@ -1,0 +1,131 @@
+package load
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// pdItem is one block of a pd load: where it is read on the prefill
+// engine's worker and where it goes in this pool.
+type pdItem struct {
+	group  int
+	local  kvcore.BlockID
+	remote kvcore.BlockID
+}
+
+// planRemote maps each chunk of the task to its local and remote block.
+// Chunks whose local block cannot be named are left out (there is nothing
+// to report for them); chunks without a remote block are returned as
+// errors.
+func planRemote(m *kvcore.Model, task *kvcore.LoadTask) (items []pdItem, unmapped []kvcore.BlockID, err error) {
+	if task.Model != m.Name {
+		return nil, nil, fmt.Errorf("model %q, worker serves %q: %w", task.Model, m.Name, ErrNotPlanned)
+	}
+	for _, gc := range task.Groups {
+		g := gc.Group
+		if g < 0 || g >= len(m.Groups) || g >= len(task.BlockTable) {
+			return nil, nil, fmt.Errorf("group %d outside the model or table: %w", g, ErrNotPlanned)
+		}
+		bs := m.Groups[g].BlockSize
+		for _, c := range gc.Chunks {
+			bi := c.BlockIndex(bs)
+			if c.Start < 0 || c.Start%bs != 0 || c.End != c.Start+bs || bi >= len(task.BlockTable[g]) || task.BlockTable[g][bi] < 0 {
+				return nil, nil, fmt.Errorf("group %d chunk [%d,%d) has no local block: %w", g, c.Start, c.End, ErrNotPlanned)
+			}
+			local := task.BlockTable[g][bi]
+			remote := remoteBlock(task.Remote.BlockTable, g, bi)
+			if remote < 0 {
+				unmapped = append(unmapped, local)
+				continue
+			}
+			items = append(items, pdItem{group: g, local: local, remote: remote})
+		}
+	}
+	return items, unmapped, nil
+}
+
+// remoteBlock is the remote table's block at (g, bi), or NullBlock.
+func remoteBlock(t kvcore.BlockTable, g, bi int) kvcore.BlockID {
+	if g >= len(t) || bi >= len(t[g]) {
+		return kvcore.NullBlock
+	}
+	return t[g][bi]
+}
+
+// loadRemote reads the task's blocks from the prefill engine's worker of
+// the same rank, batch by batch, into the pool.
+func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome {
+	items, unmapped, err := planRemote(l.cfg.Model, task)
+	if err != nil {
+		return unplanned(l.cfg.Model, task, err)
+	}
+	res := outcome{failed: newBlockSet(nil)}
+	for _, b := range unmapped {
+		res.fail(b, fmt.Errorf("block %d has no block in the remote table: %w", b, ErrNotPlanned))
+	}
+	client, err := l.cfg.Remote(ctx, task.Remote.EngineID, l.cfg.Rank)
+	if err != nil {
+		for _, it := range items {
+			res.fail(it.local, err)
+		}
+		return res
+	}
+	for lo := 0; lo < len(items); {
+		hi := lo
+		var size int64
+		for hi < len(items) && (hi == lo || size+l.cfg.Model.Groups[items[hi].group].BytesPerBlock <= int64(l.cfg.MaxBatchBytes)) {
+			size += l.cfg.Model.Groups[items[hi].group].BytesPerBlock
+			hi++
+		}
+		l.readBatch(ctx, client, items[lo:hi], &res)
+		lo = hi
+	}
+	return res
+}
+
+// readBatch reads one batch from the remote worker (checksums verified by
+// the client) and writes each block; failures are recorded in res.
+func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, items []pdItem, res *outcome) {
+	refs := make([]dataplane.BlockRef, len(items))
+	for i, it := range items {
+		refs[i] = dataplane.BlockRef{Group: it.group, Block: it.remote}
+	}
+	blocks, err := c.Read(ctx, refs)
+	if err != nil {
+		for _, it := range items {
+			res.fail(it.local, err)
+		}
+		return
+	}
+	for i, it := range items {
+		if err := l.cfg.Pool.WriteBytes(it.group, it.local, blocks[i].Data); err != nil {
+			res.fail(it.local, err)
+			continue
+		}
+		res.bytes += int64(len(blocks[i].Data))
+	}
+}
+
+// blockSet is an ordered set of block ids.
+type blockSet struct {
+	list []kvcore.BlockID
+	seen map[kvcore.BlockID]bool
+}
+
+func newBlockSet(init []kvcore.BlockID) *blockSet {
+	s := &blockSet{seen: map[kvcore.BlockID]bool{}}
+	for _, b := range init {
+		s.add(b)
+	}
+	return s
+}
+
+func (s *blockSet) add(b kvcore.BlockID) {
+	if !s.seen[b] {
+		s.seen[b] = true
+		s.list = append(s.list, b)
+	}
+}

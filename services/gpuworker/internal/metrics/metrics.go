@@ -1,0 +1,152 @@
+// Package metrics holds the gpuworker's Prometheus metrics: pool occupancy,
+// GPU memory and utilisation (read at scrape time), store operations and
+// loads.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
+)
+
+// Store operation labels.
+const (
+	// OpLoadGet is a load's batched Get.
+	OpLoadGet = "load_get"
+	// OpSavePut is a data-plane put's batched Put.
+	OpSavePut = "save_put"
+)
+
+// Metrics are the gpuworker's own metric families. Store latency, keys and
+// failed keys come from kvstore.Instrument (kvmesh_store_op_duration_seconds,
+// kvmesh_store_keys_total, kvmesh_store_failed_keys_total); this adds the
+// bytes moved and the values a load rejected after the store returned them.
+type Metrics struct {
+	storeBytes *prometheus.CounterVec
+	rejected   *prometheus.CounterVec
+	loads      *prometheus.CounterVec
+	loadErrors prometheus.Counter
+	loadBytes  prometheus.Counter
+}
+
+// New registers the metrics on reg, with collectors that read the pool and
+// the GPU inventory at scrape time.
+func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *devices.Source) (*Metrics, error) {
+	m := &Metrics{
+		storeBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_store_bytes_total", Help: "Value bytes moved to or from the store, by operation.",
+		}, []string{"op"}),
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_rejected_values_total",
+			Help: "Stored values a load refused to write into the pool, by reason (fingerprint, checksum, malformed, size).",
+		}, []string{"reason"}),
+		loads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_loads_total", Help: "Load tasks handled, by outcome (ok, load_errors, unplanned, ignored, dead_lettered).",
+		}, []string{"outcome"}),
+		loadErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_load_error_blocks_total", Help: "Blocks reported as load errors.",
+		}),
+		loadBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_load_bytes_total", Help: "Block bytes written into the pool by loads.",
+		}),
+	}
+	for _, c := range []prometheus.Collector{m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes,
+		&poolCollector{stats: stats}, &gpuCollector{src: gpus}} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("gpuworker metrics: %w", err)
+		}
+	}
+	return m, nil
+}
+
+// StoreBytes counts value bytes moved by one store operation.
+func (m *Metrics) StoreBytes(op string, n int64) {
+	m.storeBytes.WithLabelValues(op).Add(float64(n))
+}
+
+// Rejected counts a stored value a load refused, by the reason in err.
+func (m *Metrics) Rejected(err error) {
+	m.rejected.WithLabelValues(RejectReason(err)).Inc()
+}
+
+// Load counts one handled load task by outcome, with its error blocks and
+// the bytes written.
+func (m *Metrics) Load(outcome string, errorBlocks int, bytes int64) {
+	m.loads.WithLabelValues(outcome).Inc()
+	m.loadErrors.Add(float64(errorBlocks))
+	m.loadBytes.Add(float64(bytes))
+}
+
+// RejectReason is the reason label of a refused value.
+func RejectReason(err error) string {
+	switch {
+	case errors.Is(err, dataplane.ErrFingerprint):
+		return "fingerprint"
+	case errors.Is(err, dataplane.ErrChecksum):
+		return "checksum"
+	case errors.Is(err, dataplane.ErrFrame):
+		return "malformed"
+	case errors.Is(err, pool.ErrSize):
+		return "size"
+	}
+	return "other"
+}
+
+// poolCollector reports kvmesh_gpuworker_pool_blocks{group,state}.
+type poolCollector struct {
+	stats func() []pool.GroupStats
+}
+
+var poolBlocksDesc = prometheus.NewDesc("kvmesh_gpuworker_pool_blocks",
+	"Pool blocks per KV group, by state (in_use: written since start or reset; free).",
+	[]string{"group", "state"}, nil)
+
+func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolBlocksDesc }
+
+func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, g := range c.stats() {
+		group := strconv.Itoa(g.Group)
+		ch <- prometheus.MustNewConstMetric(poolBlocksDesc, prometheus.GaugeValue, float64(g.InUse), group, "in_use")
+		ch <- prometheus.MustNewConstMetric(poolBlocksDesc, prometheus.GaugeValue, float64(g.Blocks-g.InUse), group, "free")
+	}
+}
+
+// gpuCollector reports the GPU inventory at scrape time.
+type gpuCollector struct {
+	src *devices.Source
+}
+
+var (
+	gpuMemUsedDesc = prometheus.NewDesc("kvmesh_gpu_memory_used_bytes",
+		"GPU memory in use, by GPU UUID.", []string{"gpu"}, nil)
+	gpuMemTotalDesc = prometheus.NewDesc("kvmesh_gpu_memory_total_bytes",
+		"GPU memory, by GPU UUID.", []string{"gpu"}, nil)
+	gpuUtilDesc = prometheus.NewDesc("kvmesh_gpu_utilization_ratio",
+		"GPU busy fraction over NVML's last sample period, by GPU UUID.", []string{"gpu"}, nil)
+)
+
+func (c *gpuCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- gpuMemUsedDesc
+	ch <- gpuMemTotalDesc
+	ch <- gpuUtilDesc
+}
+
+func (c *gpuCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, d := range c.src.Inventory().Devices {
+		gpu := d.UUID
+		if gpu == "" {
+			gpu = strconv.Itoa(d.Index)
+		}
+		ch <- prometheus.MustNewConstMetric(gpuMemUsedDesc, prometheus.GaugeValue, float64(d.MemoryUsedBytes), gpu)
+		ch <- prometheus.MustNewConstMetric(gpuMemTotalDesc, prometheus.GaugeValue, float64(d.MemoryTotalBytes), gpu)
+		if d.Utilization != nil {
+			ch <- prometheus.MustNewConstMetric(gpuUtilDesc, prometheus.GaugeValue, *d.Utilization, gpu)
+		}
+	}
+}

@@ -1,0 +1,285 @@
+// Package api is the lookup service's HTTP API: POST /v1/lookup validates
+// an engine's lookup, runs the connector chain, publishes the decision to
+// kvmesh.lookup.decisions and answers with it. API.md (next to the
+// service's main) describes the route for engine authors.
+package api
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
+)
+
+// Route is the lookup route.
+const Route = "/v1/lookup"
+
+// RetryAfter is the Retry-After a 503 carries, in seconds.
+const RetryAfter = 1
+
+// Defaults for zero Options fields.
+const (
+	DefaultTimeout      = 2 * time.Second
+	DefaultMaxBodyBytes = 4 << 20
+)
+
+// tracerName names the tracer of lookup spans.
+const tracerName = "kvmesh/lookup"
+
+// Errors returned by New.
+var (
+	// ErrOptions is returned for Options without a model, chain or publisher.
+	ErrOptions = errors.New("lookup api: model, chain and publisher are required")
+)
+
+// Publisher publishes decisions; *bus.Producer is one.
+type Publisher interface {
+	// Publish writes msgs and returns once the brokers acknowledged them.
+	Publish(ctx context.Context, msgs ...bus.Message) error
+}
+
+// Options configures the handler.
+type Options struct {
+	// Model is the served model.
+	Model *kvcore.Model
+	// Chain is the connector chain.
+	Chain *connector.Chain
+	// Publisher publishes decisions to kvmesh.lookup.decisions.
+	Publisher Publisher
+	// Enabled is false when lookups are disabled: every lookup is then
+	// answered 0 with no LoadSpec and no child is asked.
+	Enabled bool
+	// LoadAsync is the default load_async.
+	LoadAsync bool
+	// Timeout bounds the chain and the publish of one lookup; default
+	// DefaultTimeout.
+	Timeout time.Duration
+	// MaxBodyBytes limits the request body; default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// Registry receives the lookup metrics.
+	Registry prometheus.Registerer
+	// Log receives store and publish failures; default discards.
+	Log *slog.Logger
+}
+
+// Handler serves POST /v1/lookup.
+type Handler struct {
+	opts      Options
+	validator Validator
+	metrics   *metrics
+}
+
+// New returns the handler, registering its metrics on opts.Registry.
+func New(opts Options) (*Handler, error) {
+	if opts.Model == nil || opts.Chain == nil || opts.Publisher == nil {
+		return nil, ErrOptions
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = DefaultTimeout
+	}
+	if opts.MaxBodyBytes <= 0 {
+		opts.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.DiscardHandler)
+	}
+	if opts.Registry == nil {
+		opts.Registry = prometheus.NewRegistry()
+	}
+	m, err := newMetrics(opts.Registry)
+	if err != nil {
+		return nil, err
+	}
+	return &Handler{opts: opts, validator: Validator{Model: opts.Model, LoadAsync: opts.LoadAsync}, metrics: m}, nil
+}
+
+// Mount adds POST /v1/lookup, with its body limit, to r.
+func (h *Handler) Mount(r chi.Router) {
+	r.With(httpserver.BodyLimit(h.opts.MaxBodyBytes)).Post(Route, h.ServeHTTP)
+}
+
+// ServeHTTP answers one lookup: 200 with the decision; 4xx problem naming
+// the bad field; 503 with Retry-After when the store or the broker fails
+// (no count is ever guessed, and no decision is answered that the
+// scheduler did not receive).
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	ctx, span := otel.GetTracerProvider().Tracer(tracerName).Start(r.Context(), "lookup")
+	defer span.End()
+	r = r.WithContext(ctx)
+	var req Request
+	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
+		h.refuse(span, "", err)
+		return
+	}
+	span.SetAttributes(
+		attribute.String("kvmesh.engine_id", req.EngineID),
+		attribute.String("kvmesh.request_id", req.RequestID),
+		attribute.String("kvmesh.model", req.Model),
+	)
+	q, err := h.validator.Query(&req)
+	if err != nil {
+		fe := &FieldError{Detail: err.Error()}
+		errors.As(err, &fe)
+		httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fe.Error(), map[string]any{"field": fe.Field})
+		h.refuse(span, fe.Field, err)
+		return
+	}
+	span.SetAttributes(attribute.Int("kvmesh.tokens", q.NumTokens))
+	d, result, err := h.lookup(ctx, q, req.Model)
+	if err != nil {
+		h.fail(w, r, span, result, err)
+		return
+	}
+	h.answered(span, d, result, time.Since(start))
+	_ = httpserver.WriteJSON(w, http.StatusOK, d) // a failed write is the client's loss; nothing to undo
+}
+
+// lookup runs the chain and publishes the decision. On failure it returns
+// the result label of the failure.
+func (h *Handler) lookup(ctx context.Context, q *connector.Query, model string) (*contract.LookupDecision, string, error) {
+	ctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
+	defer cancel()
+	var res connector.Result
+	if h.opts.Enabled {
+		var err error
+		if res, err = h.opts.Chain.Lookup(ctx, q); err != nil {
+			if errors.Is(err, connector.ErrStore) {
+				return nil, ResultStoreUnavailable, err
+			}
+			return nil, ResultError, err
+		}
+	} else {
+		res.Selection = kvcore.Selection{Chosen: kvcore.NoChild}
+	}
+	d := buildDecision(newDecisionID(), model, q, res)
+	value, err := json.Marshal(d)
+	if err != nil {
+		return nil, ResultError, fmt.Errorf("encode decision: %w", err)
+	}
+	msg := bus.Message{Topic: contract.TopicLookupDecisions, Key: q.RequestID, Value: value}
+	if err := h.opts.Publisher.Publish(ctx, msg); err != nil {
+		return nil, ResultPublishFailed, err
+	}
+	return d, h.resultOf(d), nil
+}
+
+// resultOf labels an answered decision.
+func (h *Handler) resultOf(d *contract.LookupDecision) string {
+	switch {
+	case !h.opts.Enabled:
+		return ResultDisabled
+	case d.Pending:
+		return ResultPending
+	case d.ExternalTokens > 0:
+		return ResultHit
+	default:
+		return ResultMiss
+	}
+}
+
+// buildDecision turns the chain's result into the decision the scheduler
+// receives and the engine is answered with.
+func buildDecision(id, model string, q *connector.Query, res connector.Result) *contract.LookupDecision {
+	d := &contract.LookupDecision{
+		Schema:            contract.SchemaLookupDecision,
+		DecisionID:        id,
+		EngineID:          q.EngineID,
+		RequestID:         q.RequestID,
+		Model:             model,
+		NumTokens:         q.NumTokens,
+		NumComputedTokens: q.NumComputedTokens,
+		Pending:           res.Selection.Pending,
+		Children:          make([]contract.ChildDecision, len(res.Answers)),
+	}
+	for i, a := range res.Answers {
+		d.Children[i] = contract.ChildDecision{Name: res.Names[i], Tokens: a.Tokens, Pending: a.Pending, Spec: a.Spec}
+	}
+	if chosen, ok := res.Chosen(); ok && !d.Pending {
+		d.Chosen = res.Names[res.Selection.Chosen]
+		d.ExternalTokens = res.Selection.Tokens
+		d.LoadAsync = chosen.Async
+		if d.Chosen == connector.NamePD {
+			d.PD = chosen.PD
+		}
+	}
+	return d
+}
+
+// newDecisionID returns 16 random bytes in hex.
+func newDecisionID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails (it panics instead)
+	return hex.EncodeToString(b[:])
+}
+
+// answered records a served lookup.
+func (h *Handler) answered(span trace.Span, d *contract.LookupDecision, result string, elapsed time.Duration) {
+	h.metrics.requests.WithLabelValues(result).Inc()
+	h.metrics.hitTokens.Add(float64(d.ExternalTokens))
+	h.metrics.duration.Observe(elapsed.Seconds())
+	hit := 0
+	for _, c := range d.Children {
+		if c.Name == d.Chosen && c.Spec != nil {
+			hit = c.Spec.KVPoolCachedTokens
+		}
+	}
+	span.SetAttributes(
+		attribute.Int("kvmesh.hit_tokens", hit),
+		attribute.Int("kvmesh.external_tokens", d.ExternalTokens),
+		attribute.String("kvmesh.chosen", d.Chosen),
+		attribute.Bool("kvmesh.pending", d.Pending),
+		attribute.String("kvmesh.decision_id", d.DecisionID),
+	)
+}
+
+// refuse records a request refused with a 4xx (the response is written).
+func (h *Handler) refuse(span trace.Span, field string, err error) {
+	h.metrics.requests.WithLabelValues(ResultInvalid).Inc()
+	if field != "" {
+		span.SetAttributes(attribute.String("kvmesh.invalid_field", field))
+	}
+	span.AddEvent("invalid request", trace.WithAttributes(attribute.String("error", err.Error())))
+}
+
+// fail answers a lookup that could not be decided: 503 with Retry-After
+// when the store or the broker failed, 500 otherwise.
+func (h *Handler) fail(w http.ResponseWriter, r *http.Request, span trace.Span, result string, err error) {
+	h.metrics.requests.WithLabelValues(result).Inc()
+	span.RecordError(err)
+	span.SetStatus(codes.Error, result)
+	h.opts.Log.WarnContext(r.Context(), "lookup failed", "result", result, "err", err)
+	var detail string
+	status := http.StatusServiceUnavailable
+	switch result {
+	case ResultStoreUnavailable:
+		detail = "the store pool did not answer the existence check; retry later (no count is guessed)"
+	case ResultPublishFailed:
+		detail = "the decision could not be published to " + contract.TopicLookupDecisions + "; do not act on this lookup, retry later"
+	default:
+		status, detail = http.StatusInternalServerError, "the lookup failed unexpectedly"
+	}
+	if status == http.StatusServiceUnavailable {
+		w.Header().Set("Retry-After", strconv.Itoa(RetryAfter))
+	}
+	httpserver.WriteProblem(w, r, status, "", detail, map[string]any{"result": result})
+}

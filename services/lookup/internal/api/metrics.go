@@ -1,0 +1,66 @@
+package api
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Values of the result label of kvmesh_lookup_requests_total.
+const (
+	// ResultHit: answered with external tokens > 0.
+	ResultHit = "hit"
+	// ResultMiss: answered with 0 external tokens.
+	ResultMiss = "miss"
+	// ResultPending: answered "not yet".
+	ResultPending = "pending"
+	// ResultDisabled: lookup is disabled; answered 0.
+	ResultDisabled = "disabled"
+	// ResultInvalid: the request was refused with a 4xx.
+	ResultInvalid = "invalid"
+	// ResultStoreUnavailable: the store check failed; 503.
+	ResultStoreUnavailable = "store_unavailable"
+	// ResultPublishFailed: the decision could not be published; 503.
+	ResultPublishFailed = "publish_failed"
+	// ResultError: an unexpected failure; 500.
+	ResultError = "error"
+)
+
+var allResults = []string{
+	ResultHit, ResultMiss, ResultPending, ResultDisabled, ResultInvalid,
+	ResultStoreUnavailable, ResultPublishFailed, ResultError,
+}
+
+// metrics are the lookup service's own families.
+type metrics struct {
+	requests  *prometheus.CounterVec
+	hitTokens prometheus.Counter
+	duration  prometheus.Histogram
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_lookup_requests_total",
+			Help: "Lookup requests, by result (hit, miss, pending, disabled, invalid, store_unavailable, publish_failed, error).",
+		}, []string{"result"}),
+		hitTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_lookup_hit_tokens_total",
+			Help: "External tokens answered by lookups (the chosen connector's counts).",
+		}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvmesh_lookup_duration_seconds",
+			Help:    "Latency of answered lookups (200 responses) in seconds, from request to published decision.",
+			Buckets: prometheus.ExponentialBucketsRange(0.0001, 10, 16),
+		}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.hitTokens, m.duration} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("lookup metrics: %w", err)
+		}
+	}
+	for _, r := range allResults {
+		m.requests.WithLabelValues(r)
+	}
+	return m, nil
+}

@@ -1,0 +1,188 @@
+package connector_test
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
+)
+
+// scripted is a child with a fixed answer that counts its calls.
+type scripted struct {
+	name  string
+	ans   connector.Answer
+	err   error
+	calls int
+}
+
+func (s *scripted) Name() string { return s.name }
+
+func (s *scripted) Lookup(context.Context, *connector.Query) (connector.Answer, error) {
+	s.calls++
+	return s.ans, s.err
+}
+
+func TestChainAsksEveryChildAndSelects(t *testing.T) {
+	cases := []struct {
+		name        string
+		answers     []connector.Answer
+		wantChosen  int
+		wantTokens  int
+		wantPending bool
+	}{
+		{"first positive wins", []connector.Answer{{Tokens: 0}, {Tokens: 32}, {Tokens: 48}}, 1, 32, false},
+		{"earlier positive wins over a larger later one", []connector.Answer{{Tokens: 16}, {Tokens: 48}}, 0, 16, false},
+		{"none positive", []connector.Answer{{}, {}}, kvcore.NoChild, 0, false},
+		{"a pending child makes it not yet", []connector.Answer{{Tokens: 32}, {Pending: true}}, kvcore.NoChild, 0, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var children []connector.Connector
+			var fakes []*scripted
+			for i, a := range tc.answers {
+				f := &scripted{name: string(rune('a' + i)), ans: a}
+				fakes, children = append(fakes, f), append(children, f)
+			}
+			chain, err := connector.NewChain(children...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := chain.Lookup(context.Background(), &connector.Query{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, f := range fakes {
+				if f.calls != 1 {
+					t.Errorf("child %s asked %d times, want 1 (no short-circuit)", f.name, f.calls)
+				}
+			}
+			sel := res.Selection
+			if sel.Chosen != tc.wantChosen || sel.Tokens != tc.wantTokens || sel.Pending != tc.wantPending {
+				t.Errorf("selection %+v, want chosen %d tokens %d pending %v", sel, tc.wantChosen, tc.wantTokens, tc.wantPending)
+			}
+			if _, ok := res.Chosen(); ok != (tc.wantChosen >= 0) {
+				t.Errorf("Chosen() ok = %v", ok)
+			}
+		})
+	}
+}
+
+func TestChainChildErrorFailsTheLookup(t *testing.T) {
+	boom := errors.New("boom")
+	first := &scripted{name: "a", ans: connector.Answer{Tokens: 16}}
+	broken := &scripted{name: "b", err: boom}
+	chain, err := connector.NewChain(first, broken)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chain.Lookup(context.Background(), &connector.Query{}); !errors.Is(err, boom) {
+		t.Fatalf("Lookup = %v, want the child's error", err)
+	}
+}
+
+func TestCheckNames(t *testing.T) {
+	cases := []struct {
+		names []string
+		want  error
+	}{
+		{[]string{"store"}, nil},
+		{[]string{"pd", "store"}, nil},
+		{nil, connector.ErrEmptyChain},
+		{[]string{"store", "lmcache"}, connector.ErrUnknownConnector},
+		{[]string{"store", "store"}, connector.ErrDuplicateConnector},
+	}
+	for _, tc := range cases {
+		if err := connector.CheckNames(tc.names); !errors.Is(err, tc.want) {
+			t.Errorf("CheckNames(%q) = %v, want %v", tc.names, err, tc.want)
+		}
+	}
+	if _, err := connector.NewChain(&scripted{name: "x"}, &scripted{name: "x"}); !errors.Is(err, connector.ErrDuplicateConnector) {
+		t.Errorf("NewChain(x, x) = %v, want ErrDuplicateConnector", err)
+	}
+}
+
+func TestPDHit(t *testing.T) {
+	cases := []struct {
+		remote, tokens, sbs, want int
+	}{
+		{48, 48, 16, 32},  // whole prompt minus the last token, aligned down
+		{48, 49, 16, 48},  // the last token lies past the prefill
+		{100, 49, 16, 48}, // never more than num_tokens - 1
+		{20, 64, 16, 16},  // partial remote block is not loaded
+		{15, 64, 16, 0},
+		{0, 64, 16, 0},
+		{48, 0, 16, 0},
+		{64, 65, 32, 64},
+	}
+	for _, tc := range cases {
+		if got := connector.PDHit(tc.remote, tc.tokens, tc.sbs); got != tc.want {
+			t.Errorf("PDHit(remote %d, tokens %d, sbs %d) = %d, want %d", tc.remote, tc.tokens, tc.sbs, got, tc.want)
+		}
+	}
+}
+
+func denseModel() *kvcore.Model {
+	return &kvcore.Model{Name: "test-model", HashBlockSize: 16,
+		Groups: []kvcore.Group{{Kind: kvcore.KindFullAttention, BlockSize: 16, BytesPerBlock: 1024}}}
+}
+
+func TestPDChild(t *testing.T) {
+	src := &contract.PDSource{EngineID: "prefill-0", BlockTable: kvcore.BlockTable{{4, 5, 6}}, Tokens: 48}
+	pd := connector.NewPD(denseModel())
+	cases := []struct {
+		name string
+		q    connector.Query
+		want connector.Answer
+	}{
+		{"no params", connector.Query{NumTokens: 48, LoadAsync: true}, connector.Answer{}},
+		{"params", connector.Query{NumTokens: 48, LoadAsync: true, Transfer: src},
+			connector.Answer{Tokens: 32, Spec: &kvcore.LoadSpec{KVPoolCachedTokens: 32}, Async: true, PD: src}},
+		{"computed covers the hit", connector.Query{NumTokens: 48, NumComputedTokens: 32, Transfer: src}, connector.Answer{}},
+		{"sync", connector.Query{NumTokens: 48, NumComputedTokens: 16, Transfer: src},
+			connector.Answer{Tokens: 16, Spec: &kvcore.LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 32}, PD: src}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := pd.Lookup(context.Background(), &tc.q)
+			if err != nil || !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("Lookup = %+v, %v; want %+v", got, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestStoreChild(t *testing.T) {
+	ctx := context.Background()
+	m := denseModel()
+	kb := kvcore.KeyBuilder{Prefix: "unit", Model: m.Name}
+	tokens := make([]uint32, 48)
+	for i := range tokens {
+		tokens[i] = uint32(i * 7)
+	}
+	hashes := kvcore.HashChain(tokens, 16, nil)
+	mem := kvstore.NewMemory(kvstore.MemoryOptions{})
+	if _, err := mem.Put(ctx, []kvstore.Item{{Key: kb.Key(kvcore.Rank{}, 0, hashes[0])}, {Key: kb.Key(kvcore.Rank{}, 0, hashes[1])}}); err != nil {
+		t.Fatal(err)
+	}
+	s := connector.NewStore(m, kb, mem)
+	got, err := s.Lookup(ctx, &connector.Query{NumTokens: 48, NumComputedTokens: 16, Hashes: hashes, LoadAsync: true})
+	want := connector.Answer{Tokens: 16, Spec: &kvcore.LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 32}, Async: true}
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("Lookup = %+v, %v; want %+v", got, err, want)
+	}
+	if err := mem.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Lookup(ctx, &connector.Query{NumTokens: 48, Hashes: hashes}); !errors.Is(err, connector.ErrStore) || !errors.Is(err, kvstore.ErrClosed) {
+		t.Fatalf("Lookup on a closed store = %v, want ErrStore wrapping ErrClosed", err)
+	}
+	// A prompt shorter than a block needs no store call, even a closed one.
+	if got, err := s.Lookup(ctx, &connector.Query{NumTokens: 12}); err != nil || got.Tokens != 0 || got.Spec != nil {
+		t.Fatalf("12 tokens = %+v, %v; want 0, no spec, no error", got, err)
+	}
+}

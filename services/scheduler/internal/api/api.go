@@ -1,0 +1,230 @@
+// Package api is the scheduler's admin HTTP API: GET /v1/requests (a
+// filtered, paginated list of request trackers) and
+// GET /v1/requests/{engine_id}/{request_id} (one request in full: tracker,
+// per-group saved coverage, outstanding tasks, errors).
+package api
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strconv"
+
+	"github.com/go-chi/chi/v5"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+)
+
+// Page sizes of GET /v1/requests.
+const (
+	DefaultLimit = 100
+	MaxLimit     = 1000
+)
+
+// States are the values the state filter accepts.
+var States = []kvcore.TrackerState{
+	kvcore.StateWaiting, kvcore.StateRunning, kvcore.StatePreempted,
+	kvcore.StateFinishing, kvcore.StateDone, kvcore.StateErrored,
+}
+
+// API serves the admin routes.
+type API struct {
+	ledger *ledger.Ledger
+	model  *kvcore.Model
+	log    *slog.Logger
+}
+
+// New returns the API over l for model m.
+func New(l *ledger.Ledger, m *kvcore.Model, log *slog.Logger) *API {
+	return &API{ledger: l, model: m, log: log}
+}
+
+// Mount adds the routes to r.
+func (a *API) Mount(r chi.Router) {
+	r.Get("/v1/requests", a.list)
+	r.Get("/v1/requests/{engine_id}/{request_id}", a.show)
+}
+
+// Page is one page of GET /v1/requests.
+type Page struct {
+	// Items are the requests in (engine id, request id) order.
+	Items []ledger.Summary `json:"items"`
+	// NextCursor fetches the next page; absent on the last one.
+	NextCursor string `json:"next_cursor,omitempty"`
+}
+
+func (a *API) list(w http.ResponseWriter, r *http.Request) {
+	f, ok := parseFilter(w, r)
+	if !ok {
+		return
+	}
+	want := f.Limit
+	f.Limit++ // one more tells whether a next page exists
+	rows, err := a.ledger.List(r.Context(), f)
+	if err != nil {
+		a.internal(w, r, err)
+		return
+	}
+	page := Page{Items: rows}
+	if len(rows) > want {
+		page.Items = rows[:want]
+		last := rows[want-1]
+		page.NextCursor = encodeCursor(ledger.Key{EngineID: last.EngineID, RequestID: last.RequestID})
+	}
+	a.write(w, page)
+}
+
+// parseFilter reads the query parameters, answering 400 naming a bad one.
+func parseFilter(w http.ResponseWriter, r *http.Request) (ledger.Filter, bool) {
+	q := r.URL.Query()
+	f := ledger.Filter{EngineID: q.Get("engine_id"), State: q.Get("state"), Limit: DefaultLimit}
+	if f.State != "" && !slices.Contains(States, kvcore.TrackerState(f.State)) {
+		badParam(w, r, "state", fmt.Sprintf("state %q is not one of %v", f.State, States))
+		return f, false
+	}
+	if v := q.Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > MaxLimit {
+			badParam(w, r, "limit", fmt.Sprintf("limit %q must be an integer from 1 to %d", v, MaxLimit))
+			return f, false
+		}
+		f.Limit = n
+	}
+	if v := q.Get("cursor"); v != "" {
+		k, err := decodeCursor(v)
+		if err != nil {
+			badParam(w, r, "cursor", fmt.Sprintf("cursor %q is not a cursor this API returned", v))
+			return f, false
+		}
+		f.After = &k
+	}
+	return f, true
+}
+
+// encodeCursor makes the opaque cursor of a page ending at k.
+func encodeCursor(k ledger.Key) string {
+	b, _ := json.Marshal(k) // two strings always encode
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+// decodeCursor reads a cursor made by encodeCursor.
+func decodeCursor(s string) (ledger.Key, error) {
+	var k ledger.Key
+	b, err := base64.RawURLEncoding.DecodeString(s)
+	if err != nil {
+		return k, err
+	}
+	if err := json.Unmarshal(b, &k); err != nil {
+		return k, err
+	}
+	if k.EngineID == "" {
+		return k, errors.New("cursor without an engine id")
+	}
+	return k, nil
+}
+
+// Detail is GET /v1/requests/{engine_id}/{request_id}.
+type Detail struct {
+	ledger.Summary
+	// Tracker is the store connector's tracker.
+	Tracker *kvcore.Tracker `json:"tracker"`
+	// PDTracker is the pd child's tracker, once pd was chosen.
+	PDTracker *kvcore.Tracker `json:"pd_tracker,omitempty"`
+	// Coverage is the saved coverage of each group.
+	Coverage []Coverage `json:"coverage"`
+	// Tasks are the emitted tasks not reported yet.
+	Tasks []tracking.TaskRef `json:"tasks"`
+	// Errors are the request's error (source "request") then its warnings.
+	Errors []tracking.Warning `json:"errors"`
+	// Held is an allocation waiting for its lookup decision.
+	Held *tracking.Held `json:"held,omitempty"`
+	// Decisions are lookup decisions not bound to an allocation yet.
+	Decisions []contract.LookupDecision `json:"decisions,omitempty"`
+	// AwaitingDecision is the decision id an applied allocation waits for.
+	AwaitingDecision string `json:"awaiting_decision,omitempty"`
+}
+
+// Coverage is one group's saved coverage.
+type Coverage struct {
+	tracking.GroupCoverage
+	// Kind is the group's attention kind.
+	Kind kvcore.Kind `json:"kind"`
+	// EmittedTokens is the prefix covered by emitted saves (the tracker's
+	// saved offset); SavedTokens is what the sender reported.
+	EmittedTokens int `json:"emitted_tokens"`
+}
+
+func (a *API) show(w http.ResponseWriter, r *http.Request) {
+	k := ledger.Key{EngineID: chi.URLParam(r, "engine_id"), RequestID: chi.URLParam(r, "request_id")}
+	row, err := a.ledger.Get(r.Context(), k)
+	if errors.Is(err, ledger.ErrNotFound) {
+		httpserver.WriteProblem(w, r, http.StatusNotFound, "", fmt.Sprintf("no tracker for request %q of engine %q", k.RequestID, k.EngineID), nil)
+		return
+	}
+	if err != nil {
+		a.internal(w, r, err)
+		return
+	}
+	d, err := a.detail(row)
+	if err != nil {
+		a.internal(w, r, err)
+		return
+	}
+	a.write(w, d)
+}
+
+// detail builds the full view of a row.
+func (a *API) detail(row *ledger.Row) (*Detail, error) {
+	t, err := kvcore.UnmarshalTracker(row.Tracker)
+	if err != nil {
+		return nil, err
+	}
+	var x tracking.Extras
+	if err := json.Unmarshal(row.Extras, &x); err != nil {
+		return nil, fmt.Errorf("decode extras: %w", err)
+	}
+	d := &Detail{Summary: row.Summary, Tracker: t, PDTracker: x.PD, Tasks: x.Tasks, Held: x.Held,
+		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []tracking.Warning{}}
+	if d.Tasks == nil {
+		d.Tasks = []tracking.TaskRef{}
+	}
+	if t.Error != "" {
+		d.Errors = append(d.Errors, tracking.Warning{Source: "request", Error: t.Error})
+	}
+	d.Errors = append(d.Errors, x.Warnings...)
+	d.Coverage = make([]Coverage, 0, len(x.Coverage))
+	for _, c := range x.Coverage {
+		v := Coverage{GroupCoverage: c, EmittedTokens: t.NumSavedTokens}
+		if c.Group < len(a.model.Groups) {
+			v.Kind = a.model.Groups[c.Group].Kind
+		}
+		d.Coverage = append(d.Coverage, v)
+	}
+	return d, nil
+}
+
+// badParam answers 400 naming the bad query parameter.
+func badParam(w http.ResponseWriter, r *http.Request, name, detail string) {
+	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", detail, map[string]any{"parameter": name})
+}
+
+// internal answers 500 and logs the cause (the client sees no internals).
+func (a *API) internal(w http.ResponseWriter, r *http.Request, err error) {
+	a.log.ErrorContext(r.Context(), "admin API failed", "path", r.URL.Path, "err", err)
+	httpserver.WriteProblem(w, r, http.StatusInternalServerError, "", "the request could not be served", nil)
+}
+
+// write answers 200 with v; an encoding failure was already answered.
+func (a *API) write(w http.ResponseWriter, v any) {
+	if err := httpserver.WriteJSON(w, http.StatusOK, v); err != nil {
+		a.log.Error("admin API: encode response", "err", err)
+	}
+}

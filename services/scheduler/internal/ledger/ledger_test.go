@@ -1,0 +1,151 @@
+package ledger_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+)
+
+func model(t testing.TB) *kvcore.Model {
+	t.Helper()
+	m, err := kvcore.Preset("hybrid-mla-linear")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// admit applies an admitted event with seq to (e1, id).
+func admit(l *ledger.Ledger, m *kvcore.Model, id, eventID string, seq int64, msgs ...bus.Message) (ledger.Status, error) {
+	rec := ledger.Record{Kind: ledger.KindEvent, ID: eventID, EngineID: "e1", RequestID: id, Create: true}
+	return l.Apply(context.Background(), rec, func(req *tracking.Request) ([]bus.Message, error) {
+		req.Engine(m, contract.EngineEvent{Seq: seq, Kind: contract.EventAdmitted, Model: m.Name, PromptTokens: 48})
+		return msgs, nil
+	})
+}
+
+func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestApplyIsIdempotentAndTransactional(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m := model(t)
+	l := ledger.New(pool, m)
+	msg := bus.Message{Topic: contract.TopicEngineFeedback, Key: "e1", Value: []byte(`{}`)}
+	if s, err := admit(l, m, "r1", "ev1", 1, msg); err != nil || s != ledger.Applied {
+		t.Fatalf("first apply: %s %v", s, err)
+	}
+	if s, err := admit(l, m, "r1", "ev1", 1, msg); err != nil || s != ledger.Duplicate {
+		t.Fatalf("repeat: %s %v, want duplicate", s, err)
+	}
+	boom := errors.New("boom")
+	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindEvent, ID: "ev2", EngineID: "e1", RequestID: "r1", Create: true},
+		func(*tracking.Request) ([]bus.Message, error) { return []bus.Message{msg}, boom })
+	if !errors.Is(err, boom) {
+		t.Fatalf("failing apply: %v", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox`); n != 1 {
+		t.Fatalf("%d outbox rows, want 1 (the failed apply rolled back)", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM processed_records`); n != 1 {
+		t.Fatalf("%d processed ids, want 1", n)
+	}
+	row, err := l.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "r1"})
+	if err != nil || row.LastSeq != 1 || row.State != string(kvcore.StateWaiting) {
+		t.Fatalf("row %+v, %v", row, err)
+	}
+	res := ledger.Record{Kind: ledger.KindResult, ID: "x", EngineID: "e1", RequestID: "nope"}
+	s, err := l.Apply(context.Background(), res, func(*tracking.Request) ([]bus.Message, error) {
+		t.Fatal("ran on a missing request")
+		return nil, nil
+	})
+	if err != nil || s != ledger.NoRequest {
+		t.Fatalf("result for a missing request: %s %v", s, err)
+	}
+	if _, err := l.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "nope"}); !errors.Is(err, ledger.ErrNotFound) {
+		t.Fatalf("missing request: %v", err)
+	}
+}
+
+func TestPurgeKeepsRecentAndUnfinished(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m := model(t)
+	l := ledger.New(pool, m)
+	for _, id := range []string{"old", "recent", "running"} {
+		if _, err := admit(l, m, id, "ev-"+id, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `UPDATE trackers SET state = 'done', finished_at = now() - interval '2 hours' WHERE request_id = 'old'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE trackers SET state = 'done', finished_at = now() WHERE request_id = 'recent'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE processed_records SET processed_at = now() - interval '2 hours' WHERE request_id = 'old'`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := l.Purge(ctx, time.Hour)
+	if err != nil || p.Trackers != 1 || p.Records != 1 {
+		t.Fatalf("purged %+v, %v; want 1 tracker and 1 record", p, err)
+	}
+	counts, err := l.CountByState(ctx)
+	if err != nil || counts["done"] != 1 || counts["waiting"] != 1 {
+		t.Fatalf("counts %v, %v", counts, err)
+	}
+}
+
+func TestListPagesInKeyOrder(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m := model(t)
+	l := ledger.New(pool, m)
+	for _, id := range []string{"c", "a", "b"} {
+		if _, err := admit(l, m, id, "ev", 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	page, err := l.List(context.Background(), ledger.Filter{Limit: 2})
+	if err != nil || len(page) != 2 || page[0].RequestID != "a" || page[1].RequestID != "b" {
+		t.Fatalf("first page %+v %v", page, err)
+	}
+	page, err = l.List(context.Background(), ledger.Filter{Limit: 2, After: &ledger.Key{EngineID: "e1", RequestID: "b"}})
+	if err != nil || len(page) != 1 || page[0].RequestID != "c" {
+		t.Fatalf("second page %+v %v", page, err)
+	}
+	if page, err = l.List(context.Background(), ledger.Filter{Limit: 5, State: "running"}); err != nil || len(page) != 0 {
+		t.Fatalf("state filter %+v %v", page, err)
+	}
+}
+
+// BenchmarkApply measures one record's transaction: idempotency check,
+// row lock, update and one outbox row.
+func BenchmarkApply(b *testing.B) {
+	pool := dbtest.NewPool(b)
+	m := model(b)
+	l := ledger.New(pool, m)
+	msg := bus.Message{Topic: contract.TopicEngineFeedback, Key: "e1", Value: []byte(`{}`)}
+	i := int64(0)
+	for b.Loop() {
+		i++
+		if _, err := admit(l, m, "r", "ev"+time.Duration(i).String(), i, msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,168 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Key names one request.
+type Key struct {
+	// EngineID is the engine.
+	EngineID string `json:"e"`
+	// RequestID is the engine's request id.
+	RequestID string `json:"r"`
+}
+
+// Filter selects requests for List.
+type Filter struct {
+	// EngineID, when set, keeps one engine's requests.
+	EngineID string
+	// State, when set, keeps requests in that state.
+	State string
+	// After, when set, starts after this key (key order).
+	After *Key
+	// Limit is the page size (at least 1).
+	Limit int
+}
+
+// Summary is one request in a list.
+type Summary struct {
+	EngineID       string     `json:"engine_id"`
+	RequestID      string     `json:"request_id"`
+	Model          string     `json:"model"`
+	State          string     `json:"state"`
+	Error          string     `json:"error,omitempty"`
+	LastSeq        int64      `json:"last_seq"`
+	TokenLen       int        `json:"token_len"`
+	NumSavedTokens int        `json:"num_saved_tokens"`
+	TasksPending   int        `json:"tasks_outstanding"`
+	CreatedAt      time.Time  `json:"created_at"`
+	UpdatedAt      time.Time  `json:"updated_at"`
+	FinishedAt     *time.Time `json:"finished_at,omitempty"`
+}
+
+// Row is one request's full row.
+type Row struct {
+	Summary
+	// Tracker and Extras are the raw JSON columns.
+	Tracker, Extras []byte
+}
+
+const listColumns = `engine_id, request_id, model, state, coalesce(error, ''), last_seq,
+	coalesce((tracker->>'token_len')::int, 0), coalesce((tracker->>'num_saved_tokens')::int, 0),
+	coalesce(jsonb_array_length(extras->'tasks'), 0), created_at, updated_at, finished_at`
+
+// List returns up to f.Limit requests in (engine id, request id) order.
+func (l *Ledger) List(ctx context.Context, f Filter) ([]Summary, error) {
+	var after Key
+	if f.After != nil {
+		after = *f.After
+	}
+	rows, err := l.pool.Query(ctx, `SELECT `+listColumns+` FROM trackers
+		WHERE ($1 = '' OR engine_id = $1) AND ($2 = '' OR state = $2)
+		  AND (NOT $3 OR (engine_id, request_id) > ($4, $5))
+		ORDER BY engine_id, request_id LIMIT $6`,
+		f.EngineID, f.State, f.After != nil, after.EngineID, after.RequestID, max(f.Limit, 1))
+	if err != nil {
+		return nil, fmt.Errorf("ledger: list: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Summary, error) {
+		var s Summary
+		err := row.Scan(&s.EngineID, &s.RequestID, &s.Model, &s.State, &s.Error, &s.LastSeq,
+			&s.TokenLen, &s.NumSavedTokens, &s.TasksPending, &s.CreatedAt, &s.UpdatedAt, &s.FinishedAt)
+		return s, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ledger: list: %w", err)
+	}
+	return out, nil
+}
+
+// Get returns one request's row, or ErrNotFound.
+func (l *Ledger) Get(ctx context.Context, k Key) (*Row, error) {
+	var r Row
+	s := &r.Summary
+	err := l.pool.QueryRow(ctx, `SELECT `+listColumns+`, tracker, extras FROM trackers
+		WHERE engine_id = $1 AND request_id = $2`, k.EngineID, k.RequestID).
+		Scan(&s.EngineID, &s.RequestID, &s.Model, &s.State, &s.Error, &s.LastSeq, &s.TokenLen,
+			&s.NumSavedTokens, &s.TasksPending, &s.CreatedAt, &s.UpdatedAt, &s.FinishedAt, &r.Tracker, &r.Extras)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%s/%s: %w", k.EngineID, k.RequestID, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ledger: get %s/%s: %w", k.EngineID, k.RequestID, err)
+	}
+	return &r, nil
+}
+
+// Purged counts what Purge deleted.
+type Purged struct {
+	// Trackers is the number of finished requests deleted.
+	Trackers int64
+	// Records is the number of processed-record ids deleted.
+	Records int64
+}
+
+// Purge deletes requests finished more than retention ago and the ids of
+// records processed more than retention ago (by the database clock).
+func (l *Ledger) Purge(ctx context.Context, retention time.Duration) (Purged, error) {
+	var p Purged
+	tag, err := l.pool.Exec(ctx, `DELETE FROM trackers
+		WHERE finished_at < now() - $1 * interval '1 microsecond'`, interval(retention))
+	if err != nil {
+		return p, fmt.Errorf("ledger: purge trackers: %w", err)
+	}
+	p.Trackers = tag.RowsAffected()
+	tag, err = l.pool.Exec(ctx, `DELETE FROM processed_records
+		WHERE processed_at < now() - $1 * interval '1 microsecond'`, interval(retention))
+	if err != nil {
+		return p, fmt.Errorf("ledger: purge processed records: %w", err)
+	}
+	p.Records = tag.RowsAffected()
+	return p, nil
+}
+
+// CountByState returns the number of requests in each state.
+func (l *Ledger) CountByState(ctx context.Context) (map[string]int64, error) {
+	rows, err := l.pool.Query(ctx, `SELECT state, count(*) FROM trackers GROUP BY state`)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: count trackers: %w", err)
+	}
+	out := map[string]int64{}
+	var state string
+	var n int64
+	_, err = pgx.ForEachRow(rows, []any{&state, &n}, func() error {
+		out[state] = n
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ledger: count trackers: %w", err)
+	}
+	return out, nil
+}
+
+// DeadLetter is one record the scheduler could not apply.
+type DeadLetter struct {
+	Topic     string
+	Partition int
+	Offset    int64
+	Key       string
+	Reason    string
+	Detail    string
+	Payload   []byte
+}
+
+// AddDeadLetter records d; recording the same record twice keeps one row.
+func (l *Ledger) AddDeadLetter(ctx context.Context, d DeadLetter) error {
+	_, err := l.pool.Exec(ctx, `INSERT INTO scheduler_dead_letters
+		(topic, partition, "offset", key, reason, detail, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)
+		ON CONFLICT DO NOTHING`, d.Topic, d.Partition, d.Offset, d.Key, d.Reason, d.Detail, d.Payload)
+	if err != nil {
+		return fmt.Errorf("ledger: dead letter %s/%d/%d: %w", d.Topic, d.Partition, d.Offset, err)
+	}
+	return nil
+}

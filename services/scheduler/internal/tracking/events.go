@@ -1,0 +1,170 @@
+package tracking
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// Engine applies one engine event. An event whose seq is not above the
+// last one applied is stale and changes nothing. An allocation with
+// external tokens whose lookup decision has not arrived is held, with the
+// events after it, until the decision comes; a finish is never held.
+func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
+	var out Outcome
+	if ev.Seq <= r.LastSeq {
+		out.Stale = true
+		out.Ignored = "stale"
+		return out
+	}
+	r.LastSeq = ev.Seq
+	if ev.Model != m.Name {
+		r.fail(&out, fmt.Errorf("event %d names model %q, this scheduler serves %q: %w", ev.Seq, ev.Model, m.Name, ErrWrongModel))
+		if ev.Kind == contract.EventFinished {
+			r.release(m, &out, ev)
+		}
+		return out
+	}
+	r.dispatch(m, &out, ev)
+	return out
+}
+
+// source names an engine event in warnings.
+func source(ev contract.EngineEvent) string { return "event " + strconv.FormatInt(ev.Seq, 10) }
+
+// dispatch routes one in-order engine event.
+func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+	switch {
+	case ev.Kind == contract.EventAdmitted:
+		r.admit(ev)
+	case r.Held != nil && ev.Kind == contract.EventFinished:
+		r.warn(out, source(ev), fmt.Errorf("finished while its allocation waited for lookup decision %q", r.Held.Alloc.DecisionID))
+		r.Held = nil
+		r.release(m, out, ev)
+	case r.Held != nil:
+		r.hold(out, ev)
+	case ev.Kind == contract.EventAllocated:
+		r.allocate(m, out, ev)
+	default:
+		r.release(m, out, ev)
+	}
+}
+
+// admit records the hash chain, prompt length and role.
+func (r *Request) admit(ev contract.EngineEvent) {
+	r.Store.OnAdmit(ev.BlockHashes, ev.PromptTokens)
+	if ev.Consumer {
+		r.Store.Consumer = true
+	}
+	if r.PD != nil {
+		r.PD.OnAdmit(ev.BlockHashes, ev.PromptTokens)
+	}
+}
+
+// hold queues ev behind a held allocation.
+func (r *Request) hold(out *Outcome, ev contract.EngineEvent) {
+	out.Held = true
+	if len(r.Held.Events) >= maxHeld {
+		r.fail(out, fmt.Errorf("%s: %d events held for lookup decision %q: %w", source(ev), maxHeld, r.Held.Alloc.DecisionID, ErrHeldOverflow))
+		r.Held = nil
+		return
+	}
+	r.Held.Events = append(r.Held.Events, ev)
+}
+
+// release applies a step, a preemption or a finish to the trackers.
+func (r *Request) release(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+	var s kvcore.Step
+	switch ev.Kind {
+	case contract.EventScheduled:
+		s = *ev.Step
+	case contract.EventPreempted:
+		s = kvcore.Step{Kind: kvcore.StepPreempted}
+	case contract.EventFinished:
+		s = kvcore.Step{Kind: kvcore.StepFinished}
+	}
+	r.step(m, out, source(ev), s)
+}
+
+// step drives both trackers with one step.
+func (r *Request) step(m *kvcore.Model, out *Outcome, src string, s kvcore.Step) {
+	errored := r.Store.State == kvcore.StateErrored
+	effStore := r.Store.Step(m, s)
+	r.storeEffects(out, src, errored, effStore)
+	if r.PD != nil {
+		r.pdEffects(out, src, r.PD.Step(m, s), effStore.Err != nil)
+	}
+	switch s.Kind {
+	case kvcore.StepPreempted:
+		r.Awaiting = ""
+	case kvcore.StepFinished:
+		r.Awaiting = ""
+		r.Decisions = nil
+	}
+}
+
+// allocate binds the allocation to its lookup decision and applies both,
+// or holds it when the decision is missing and external tokens are
+// promised (which child they belong to is not known yet).
+func (r *Request) allocate(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+	d := r.bind(ev.DecisionID)
+	if d == nil && ev.ExternalTokens > 0 {
+		r.Held = &Held{Alloc: ev}
+		out.Held = true
+		return
+	}
+	r.attempt(m, out, d, ev)
+}
+
+// bind takes the allocation's decision out of the unbound ones: the one
+// named id, or the newest when id is empty. Older decisions are dropped:
+// they belong to attempts the engine has moved past.
+func (r *Request) bind(id string) *contract.LookupDecision {
+	i := len(r.Decisions) - 1
+	if id != "" {
+		i = slices.IndexFunc(r.Decisions, func(d contract.LookupDecision) bool { return d.DecisionID == id })
+	}
+	if i < 0 {
+		return nil
+	}
+	d := r.Decisions[i]
+	r.Decisions = append([]contract.LookupDecision(nil), r.Decisions[i+1:]...)
+	return &d
+}
+
+// Decision applies one lookup decision: it completes a held allocation
+// waiting for it (and replays the events held behind it), records the
+// LoadSpec of an allocation applied without it, or is kept until its
+// allocation arrives. A pending ("not yet") decision changes nothing.
+func (r *Request) Decision(m *kvcore.Model, d contract.LookupDecision) Outcome {
+	var out Outcome
+	switch {
+	case d.Pending:
+		out.Ignored = "pending"
+	case d.Model != m.Name:
+		out.Ignored = "wrong_model"
+		r.warn(&out, "decision "+d.DecisionID, fmt.Errorf("decision names model %q, this scheduler serves %q: %w", d.Model, m.Name, ErrWrongModel))
+	case r.Store.Finished():
+		out.Ignored = "finished"
+	case r.Held != nil && (r.Held.Alloc.DecisionID == "" || r.Held.Alloc.DecisionID == d.DecisionID):
+		held := r.Held
+		r.Held = nil
+		r.attempt(m, &out, &d, held.Alloc)
+		for _, ev := range held.Events {
+			r.dispatch(m, &out, ev)
+		}
+	case r.Awaiting != "" && r.Awaiting == d.DecisionID:
+		r.Awaiting = ""
+		errored := r.Store.State == kvcore.StateErrored
+		r.storeEffects(&out, "decision "+d.DecisionID, errored, r.Store.OnLookup(m, childSpec(&d, ConnectorStore)))
+	default:
+		r.Decisions = append(r.Decisions, d)
+		if n := len(r.Decisions); n > maxDecisions {
+			r.Decisions = append([]contract.LookupDecision(nil), r.Decisions[n-maxDecisions:]...)
+		}
+	}
+	return out
+}

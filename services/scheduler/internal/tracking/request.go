@@ -1,0 +1,249 @@
+// Package tracking is the scheduler's per-request state machine around the
+// domain core: the store connector's kvcore.Tracker, plus what the
+// MultiConnector level needs at service level — lookup decisions waiting to
+// be bound to an allocation, engine events held until that decision
+// arrives, the pd child's tracker, outstanding task ranges, per-group saved
+// coverage and warnings. It is pure: no I/O, no clock, no goroutines.
+package tracking
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// Connector names the scheduler serves as MultiConnector children.
+const (
+	// ConnectorStore is the store-pool connector: it loads and saves.
+	ConnectorStore = kvcore.DefaultTrackerConnector
+	// ConnectorPD is the disaggregated-prefill connector: it only loads,
+	// from the prefill engine's pool.
+	ConnectorPD = "pd"
+)
+
+// Bounds on the lists a request keeps, so a misbehaving producer cannot
+// grow a row without limit.
+const (
+	maxDecisions = 4
+	maxHeld      = 64
+	maxWarnings  = 16
+)
+
+// Sentinel errors of the request state machine.
+var (
+	// ErrUnservedConnector: an allocation promised external tokens to a
+	// connector the scheduler cannot load from.
+	ErrUnservedConnector = errors.New("external tokens promised by a connector the scheduler does not serve")
+	// ErrWrongModel: an event names another model than the scheduler's.
+	ErrWrongModel = errors.New("model not served by this scheduler")
+	// ErrHeldOverflow: too many events arrived while an allocation waited
+	// for its lookup decision.
+	ErrHeldOverflow = errors.New("too many events held for a lookup decision")
+)
+
+// Request is the scheduler's state of one request.
+type Request struct {
+	// Store is the store connector's tracker (persisted on its own).
+	Store *kvcore.Tracker `json:"-"`
+	// LastSeq is the highest engine-event sequence number applied.
+	LastSeq int64 `json:"-"`
+	// Extras is the state around the tracker (persisted on its own).
+	Extras
+}
+
+// Extras is the service-level state kept beside the store tracker.
+type Extras struct {
+	// PD is the pd child's tracker, created the first time pd is chosen.
+	PD *kvcore.Tracker `json:"pd,omitempty"`
+	// Decisions are lookup decisions not bound to an allocation yet,
+	// oldest first.
+	Decisions []contract.LookupDecision `json:"decisions,omitempty"`
+	// Held is an allocation waiting for its lookup decision, with the
+	// engine events that came after it.
+	Held *Held `json:"held,omitempty"`
+	// Awaiting is the id of the decision of an allocation applied without
+	// it (0 external tokens); when it arrives its LoadSpec is recorded.
+	Awaiting string `json:"awaiting_decision,omitempty"`
+	// Tasks are the emitted tasks not reported yet.
+	Tasks []TaskRef `json:"tasks,omitempty"`
+	// Coverage is the saved coverage of each group, as the sender reported it.
+	Coverage []GroupCoverage `json:"coverage,omitempty"`
+	// Warnings are the latest problems that did not stop the request.
+	Warnings []Warning `json:"warnings,omitempty"`
+}
+
+// Held is an allocation whose lookup decision has not arrived, and the
+// engine events received after it, in order.
+type Held struct {
+	// Alloc is the allocated event.
+	Alloc contract.EngineEvent `json:"allocation"`
+	// Events are the later events, applied once the decision arrives.
+	Events []contract.EngineEvent `json:"events,omitempty"`
+}
+
+// TaskRef is one emitted task awaiting its result.
+type TaskRef struct {
+	// ID is the task id.
+	ID string `json:"task_id"`
+	// Kind is "save" or "load".
+	Kind string `json:"kind"`
+	// Connector is the loading connector (loads only).
+	Connector string `json:"connector,omitempty"`
+	// Start and End are the task's token range.
+	Start int `json:"start"`
+	End   int `json:"end"`
+}
+
+// GroupCoverage is what the sender reported for one KV group.
+type GroupCoverage struct {
+	// Group is the group index.
+	Group int `json:"group"`
+	// SavedTokens is the prefix [0, SavedTokens) reported stored (or
+	// already present) for this group.
+	SavedTokens int `json:"saved_tokens"`
+	// Stored, Existing, Skipped, DeadLettered and Failed count blocks.
+	Stored       int `json:"stored"`
+	Existing     int `json:"existing"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+	// LastReason is the last reason code reported for the group.
+	LastReason string `json:"last_reason,omitempty"`
+}
+
+// Warning is a problem with one record that did not stop the request.
+type Warning struct {
+	// Source names the record: "event 7", "decision d1", "result r1".
+	Source string `json:"source"`
+	// Error is the problem.
+	Error string `json:"error"`
+}
+
+// Outcome is what applying one record asks the caller to do.
+type Outcome struct {
+	// Saves, Loads and Feedback are to be published.
+	Saves    []kvcore.SaveTask
+	Loads    []kvcore.LoadTask
+	Feedback []contract.EngineFeedback
+	// Errors are the problems the record caused (also kept as warnings or
+	// as the request's error).
+	Errors []error
+	// Errored is set when this record stopped the request.
+	Errored bool
+	// Stale is set for an engine event whose seq was already applied.
+	Stale bool
+	// Held is set when the record was held for a lookup decision.
+	Held bool
+	// Ignored says why a record changed nothing ("" when it did).
+	Ignored string
+}
+
+// New starts the state of a request of model m.
+func New(m *kvcore.Model, engineID, requestID string) *Request {
+	r := &Request{Store: kvcore.NewTracker(m, engineID, requestID)}
+	r.Coverage = make([]GroupCoverage, len(m.Groups))
+	for g := range r.Coverage {
+		r.Coverage[g].Group = g
+	}
+	return r
+}
+
+// State is the request's lifecycle state: its store tracker's.
+func (r *Request) State() kvcore.TrackerState { return r.Store.State }
+
+// Done reports whether the request finished and was freed.
+func (r *Request) Done() bool { return r.Store.State == kvcore.StateDone }
+
+// warn records a problem with source, keeping the latest maxWarnings.
+func (r *Request) warn(out *Outcome, source string, err error) {
+	out.Errors = append(out.Errors, err)
+	r.Warnings = append(r.Warnings, Warning{Source: source, Error: err.Error()})
+	if n := len(r.Warnings); n > maxWarnings {
+		r.Warnings = append([]Warning(nil), r.Warnings[n-maxWarnings:]...)
+	}
+}
+
+// fail stops the request with err (e.g. a wrong model) outside the tracker.
+func (r *Request) fail(out *Outcome, err error) {
+	if r.Store.State == kvcore.StateErrored || r.Store.Finished() {
+		out.Errors = append(out.Errors, err)
+		return
+	}
+	r.Store.State = kvcore.StateErrored
+	r.Store.Error = err.Error()
+	out.Errors = append(out.Errors, err)
+	r.erroredFeedback(out)
+}
+
+// erroredFeedback tells the engine the request stopped, and why.
+func (r *Request) erroredFeedback(out *Outcome) {
+	out.Errored = true
+	out.Feedback = append(out.Feedback, contract.EngineFeedback{
+		Schema: contract.SchemaEngineFeedback,
+		Feedback: kvcore.Feedback{
+			Kind: contract.FeedbackRequestError, EngineID: r.Store.EngineID, RequestID: r.Store.RequestID,
+		},
+		Error: r.Store.Error,
+	})
+}
+
+// feedback wraps a tracker's feedback for the engine.
+func feedback(f kvcore.Feedback) contract.EngineFeedback {
+	return contract.EngineFeedback{Schema: contract.SchemaEngineFeedback, Feedback: f}
+}
+
+// storeEffects collects the store tracker's effects of one call.
+func (r *Request) storeEffects(out *Outcome, source string, wasErrored bool, eff kvcore.Effects) {
+	r.taskEffects(out, eff)
+	for _, f := range eff.Feedback {
+		out.Feedback = append(out.Feedback, feedback(f))
+	}
+	if !wasErrored && r.Store.State == kvcore.StateErrored {
+		out.Errors = append(out.Errors, eff.Err)
+		r.erroredFeedback(out)
+		return
+	}
+	if eff.Err != nil {
+		r.warn(out, source, eff.Err)
+	}
+}
+
+// pdEffects collects the pd tracker's effects: its loads and
+// finished_recving, never its finished_sending (the pd child never saves;
+// the store child decides when the blocks are freed).
+func (r *Request) pdEffects(out *Outcome, source string, eff kvcore.Effects, quiet bool) {
+	r.taskEffects(out, eff)
+	for _, f := range eff.Feedback {
+		if f.Kind != kvcore.FeedbackFinishedSending {
+			out.Feedback = append(out.Feedback, feedback(f))
+		}
+	}
+	if eff.Err != nil && !quiet {
+		r.warn(out, source, fmt.Errorf("pd: %w", eff.Err))
+	}
+}
+
+// taskEffects records the emitted tasks as outstanding.
+func (r *Request) taskEffects(out *Outcome, eff kvcore.Effects) {
+	for _, s := range eff.Saves {
+		r.Tasks = append(r.Tasks, TaskRef{ID: s.TaskID, Kind: "save", Start: s.Start, End: s.End})
+	}
+	for _, l := range eff.Loads {
+		r.Tasks = append(r.Tasks, TaskRef{ID: l.TaskID, Kind: "load", Connector: l.Connector, Start: l.Start, End: l.End})
+	}
+	out.Saves = append(out.Saves, eff.Saves...)
+	out.Loads = append(out.Loads, eff.Loads...)
+}
+
+// takeTask removes and returns the outstanding task id, if any.
+func (r *Request) takeTask(id string) (TaskRef, bool) {
+	for i, t := range r.Tasks {
+		if t.ID == id {
+			r.Tasks = append(r.Tasks[:i], r.Tasks[i+1:]...)
+			return t, true
+		}
+	}
+	return TaskRef{}, false
+}

@@ -1,0 +1,220 @@
+// Package api is the sender's HTTP API: the dead-letter queue (list, show,
+// replay) and the accounting (stats). services/sender/API.md describes it
+// for operators.
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+)
+
+// Pagination bounds of GET /v1/dlq.
+const (
+	DefaultLimit = 100
+	MaxLimit     = 1000
+)
+
+// Sender is what the API needs from the sending side.
+type Sender interface {
+	// Replay replays one dead letter (see sending.Processor.Replay).
+	Replay(ctx context.Context, id int64) (sending.Replayed, error)
+	// Pressure returns the pressure gate's state.
+	Pressure() sending.PressureState
+}
+
+// API serves the sender's routes.
+type API struct {
+	sender Sender
+	ledger *ledger.Ledger
+	log    *slog.Logger
+}
+
+// New returns the API.
+func New(s Sender, l *ledger.Ledger, log *slog.Logger) *API {
+	return &API{sender: s, ledger: l, log: log}
+}
+
+// Mount adds the routes to r; admin guards the mutating ones.
+func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
+	r.Get("/v1/dlq", a.list)
+	r.Get("/v1/dlq/{id}", a.show)
+	r.With(admin).Post("/v1/dlq/{id}/replay", a.replay)
+	r.Get("/v1/stats", a.stats)
+}
+
+// Entry is a dead letter as the API shows it.
+type Entry struct {
+	ledger.DeadLetter
+	// PayloadJSON is the payload itself when it is JSON (show only).
+	PayloadJSON json.RawMessage `json:"payload_json,omitempty"`
+	// PayloadBytes is the payload's size.
+	PayloadBytes int `json:"payload_bytes"`
+}
+
+// Page is one page of GET /v1/dlq.
+type Page struct {
+	// Items are the dead letters, newest first (payload omitted).
+	Items []Entry `json:"items"`
+	// NextCursor fetches the next page; empty on the last one.
+	NextCursor string `json:"next_cursor,omitempty"`
+}
+
+func (a *API) list(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	f := ledger.Filter{Reason: q.Get("reason"), EngineID: q.Get("engine_id"), RequestID: q.Get("request_id"), Limit: DefaultLimit}
+	if v := q.Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > MaxLimit {
+			badParam(w, r, "limit", fmt.Sprintf("limit %q must be an integer from 1 to %d", v, MaxLimit))
+			return
+		}
+		f.Limit = n
+	}
+	if v := q.Get("cursor"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 1 {
+			badParam(w, r, "cursor", fmt.Sprintf("cursor %q is not a cursor this API returned", v))
+			return
+		}
+		f.Before = n
+	}
+	rows, err := a.ledger.List(r.Context(), f)
+	if err != nil {
+		a.internal(w, r, err)
+		return
+	}
+	page := Page{Items: make([]Entry, 0, len(rows))}
+	for _, d := range rows {
+		n := len(d.Payload)
+		d.Payload = nil
+		page.Items = append(page.Items, Entry{DeadLetter: d, PayloadBytes: n})
+	}
+	if len(rows) == f.Limit {
+		page.NextCursor = strconv.FormatInt(rows[len(rows)-1].ID, 10)
+	}
+	a.write(w, http.StatusOK, page)
+}
+
+func (a *API) show(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	d, err := a.ledger.Get(r.Context(), id)
+	if err != nil {
+		a.fail(w, r, err)
+		return
+	}
+	e := Entry{DeadLetter: d, PayloadBytes: len(d.Payload)}
+	if json.Valid(d.Payload) {
+		e.PayloadJSON = d.Payload
+	}
+	a.write(w, http.StatusOK, e)
+}
+
+// ReplayAnswer is the answer of POST /v1/dlq/{id}/replay.
+type ReplayAnswer struct {
+	// ID is the dead letter's id.
+	ID int64 `json:"id"`
+	// ReplayStatus is the entry's replay status after this call.
+	ReplayStatus string `json:"replay_status"`
+	// ReplayCount counts the replay attempts recorded.
+	ReplayCount int `json:"replay_count"`
+	// AlreadyReplayed is set when the entry had been replayed before and
+	// this call did nothing.
+	AlreadyReplayed bool `json:"already_replayed"`
+	// Result is the replay's (or the recorded) result.
+	Result sending.ReplayResult `json:"result"`
+}
+
+func (a *API) replay(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	out, err := a.sender.Replay(r.Context(), id)
+	var invalid *sending.InvalidError
+	switch {
+	case errors.As(err, &invalid):
+		httpserver.WriteProblem(w, r, http.StatusUnprocessableEntity, "Dead letter still invalid", invalid.Detail,
+			map[string]any{"reason": invalid.Reason, "group": invalid.Group, "dead_letter_id": id})
+		return
+	case errors.Is(err, sending.ErrReplayFailed):
+		httpserver.WriteProblem(w, r, http.StatusServiceUnavailable, "Replay did not complete", err.Error(),
+			map[string]any{"reason": out.Result.Reason, "result": out.Result, "dead_letter_id": id})
+		return
+	case err != nil:
+		a.fail(w, r, err)
+		return
+	}
+	a.write(w, http.StatusOK, ReplayAnswer{ID: id, ReplayStatus: out.DeadLetter.ReplayStatus,
+		ReplayCount: out.DeadLetter.ReplayCount, AlreadyReplayed: out.Already, Result: out.Result})
+}
+
+// Stats is the answer of GET /v1/stats.
+type Stats struct {
+	ledger.Stats
+	// Pressure is the pressure gate of this process.
+	Pressure sending.PressureState `json:"pressure"`
+	// At is when the stats were read.
+	At time.Time `json:"at"`
+}
+
+func (a *API) stats(w http.ResponseWriter, r *http.Request) {
+	s, err := a.ledger.Stats(r.Context())
+	if err != nil {
+		a.internal(w, r, err)
+		return
+	}
+	a.write(w, http.StatusOK, Stats{Stats: s, Pressure: a.sender.Pressure(), At: time.Now().UTC()})
+}
+
+func pathID(w http.ResponseWriter, r *http.Request) (int64, bool) {
+	v := chi.URLParam(r, "id")
+	id, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || id < 1 {
+		badParam(w, r, "id", fmt.Sprintf("dead letter id %q is not a positive integer", v))
+		return 0, false
+	}
+	return id, true
+}
+
+func badParam(w http.ResponseWriter, r *http.Request, name, detail string) {
+	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", detail, map[string]any{"parameter": name})
+}
+
+// fail answers err: 404 for an unknown dead letter, else 500.
+func (a *API) fail(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(err, ledger.ErrNotFound) {
+		httpserver.WriteProblem(w, r, http.StatusNotFound, "", err.Error(), nil)
+		return
+	}
+	a.internal(w, r, err)
+}
+
+func (a *API) internal(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Context().Err() != nil {
+		httpserver.WriteProblem(w, r, http.StatusServiceUnavailable, "", "the request was cancelled", nil)
+		return
+	}
+	a.log.ErrorContext(r.Context(), "sender api failed", "path", r.URL.Path, "err", err)
+	httpserver.WriteProblem(w, r, http.StatusInternalServerError, "", "the sender could not answer; see its log", nil)
+}
+
+func (a *API) write(w http.ResponseWriter, status int, v any) {
+	if err := httpserver.WriteJSON(w, status, v); err != nil {
+		a.log.Error("sender api: encode answer", "err", err)
+	}
+}

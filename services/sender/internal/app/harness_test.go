@@ -1,0 +1,665 @@
+package app_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/services/sender/internal/app"
+)
+
+// waitFor bounds every poll of the service tests.
+const waitFor = 30 * time.Second
+
+// binaries are built once per test process into binDir.
+var (
+	binDir   string
+	binMu    sync.Mutex
+	binBuilt = map[string]string{}
+)
+
+// binary builds ./services/<name> once per test process and returns its path.
+func binary(t testing.TB, name string) string {
+	t.Helper()
+	binMu.Lock()
+	defer binMu.Unlock()
+	if p, ok := binBuilt[name]; ok {
+		return p
+	}
+	if binDir == "" {
+		dir, err := os.MkdirTemp("", "kvmesh-sender-test-bin-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		binDir = dir
+	}
+	out := filepath.Join(binDir, name)
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		goTool = "/usr/local/go/bin/go"
+	}
+	cmd := exec.Command(goTool, "build", "-o", out, "./services/"+name)
+	cmd.Dir = moduleRoot(t)
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./services/%s: %v\n%s", name, err, msg)
+	}
+	binBuilt[name] = out
+	return out
+}
+
+func moduleRoot(t testing.TB) string {
+	t.Helper()
+	dir, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			t.Fatal("go.mod not found")
+		}
+		dir = parent
+	}
+}
+
+// process is a service binary running as a subprocess.
+type process struct {
+	cmd  *exec.Cmd
+	log  string
+	done chan error
+}
+
+// startProcess runs bin with env; the test's cleanup stops it (SIGTERM,
+// then SIGKILL) and shows its log when the test failed.
+func startProcess(t testing.TB, bin string, env map[string]string) *process {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), filepath.Base(bin)+".log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin)
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	for k, v := range env {
+		cmd.Env = append(cmd.Env, k+"="+v)
+	}
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &process{cmd: cmd, log: logPath, done: make(chan error, 1)}
+	go func() {
+		p.done <- cmd.Wait()
+		_ = logFile.Close()
+	}()
+	t.Cleanup(func() {
+		p.stop()
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			if len(b) > 8000 {
+				b = b[len(b)-8000:]
+			}
+			t.Logf("%s log (tail):\n%s", filepath.Base(bin), b)
+		}
+	})
+	return p
+}
+
+// stop ends the process gracefully, or kills it after 5 s.
+func (p *process) stop() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+// kill ends the process with SIGKILL and waits for it.
+func (p *process) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// throwawayRedis starts a private redis-server with extra arguments and
+// returns its URL; stop shuts it down (also at cleanup).
+func throwawayRedis(t testing.TB, args ...string) (url string, stop func()) {
+	t.Helper()
+	port := freePort(t)
+	all := append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"}, args...)
+	cmd := exec.Command(mustLookPath(t, "redis-server"), all...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			_ = cmd.Process.Kill()
+			<-done
+		})
+	}
+	t.Cleanup(stop)
+	url = fmt.Sprintf("redis://127.0.0.1:%d/0", port)
+	poll(t, "throwaway redis up", func() bool {
+		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err == nil {
+			_ = c.Close()
+		}
+		return err == nil
+	})
+	return url, stop
+}
+
+func mustLookPath(t testing.TB, name string) string {
+	t.Helper()
+	p, err := exec.LookPath(name)
+	if err != nil {
+		t.Skipf("%s not installed", name)
+	}
+	return p
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// poll calls cond until it holds, failing the test after waitFor.
+func poll(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(waitFor)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
+	}
+}
+
+// collector gathers what the sender publishes.
+type collector struct {
+	mu      sync.Mutex
+	results []contract.TransferResult
+	dlq     []contract.DeadLetter
+	events  []contract.KVEvent
+}
+
+func (c *collector) handle(_ context.Context, m bus.Received) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var err error
+	switch m.Topic {
+	case contract.TopicTransferResults:
+		var r contract.TransferResult
+		if err = json.Unmarshal(m.Value, &r); err == nil {
+			c.results = append(c.results, r)
+		}
+	case contract.TopicSaveDLQ:
+		var d contract.DeadLetter
+		if err = json.Unmarshal(m.Value, &d); err == nil {
+			c.dlq = append(c.dlq, d)
+		}
+	case contract.TopicKVEvents:
+		var e contract.KVEvent
+		if err = json.Unmarshal(m.Value, &e); err == nil {
+			c.events = append(c.events, e)
+		}
+	}
+	return err
+}
+
+// result waits for the TransferResult of taskID.
+func (c *collector) result(t testing.TB, taskID string) contract.TransferResult {
+	t.Helper()
+	var out contract.TransferResult
+	poll(t, "the transfer result of "+taskID, func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for _, r := range c.results {
+			if r.TaskID == taskID {
+				out = r
+				return true
+			}
+		}
+		return false
+	})
+	return out
+}
+
+// deadLetters waits for n DLQ records of taskID.
+func (c *collector) deadLetters(t testing.TB, taskID string, n int) []contract.DeadLetter {
+	t.Helper()
+	var out []contract.DeadLetter
+	poll(t, fmt.Sprintf("%d dlq records of %s", n, taskID), func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		out = out[:0]
+		for _, d := range c.dlq {
+			if d.TaskID == taskID {
+				out = append(out, d)
+			}
+		}
+		return len(out) >= n
+	})
+	return out
+}
+
+// stack is one test's running mesh part: broker, database, a gpuworker
+// subprocess per engine and the sender in process.
+type stack struct {
+	env      *servicetest.Env
+	model    *kvcore.Model
+	prefix   string
+	db       *pgxpool.Pool
+	producer *bus.Producer
+	got      *collector
+	sender   string // HTTP address
+	workers  map[string]*dataplane.Client
+	redis    string // the store both use unless a test says otherwise
+	store    kvstore.Store
+	written  map[string][]byte // "engine/group/block" → bytes written into the pool
+	noWrites bool              // task() leaves the pool as it is
+	mu       sync.Mutex
+}
+
+type stackOptions struct {
+	senderRedis string // default: the shared Redis
+	workerRedis string // default: the shared Redis
+	engines     []string
+	config      func(*app.Config)
+	noSender    bool // the test runs the sender itself
+}
+
+func newStack(t testing.TB, o stackOptions) *stack {
+	t.Helper()
+	env := servicetest.NewEnv(t)
+	m, err := kvcore.Preset("hybrid-mla-linear")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &stack{env: env, model: m, prefix: "t" + randHex(6), redis: env.RedisURL, got: &collector{},
+		workers: map[string]*dataplane.Client{}, written: map[string][]byte{}}
+	if o.workerRedis != "" {
+		s.redis = o.workerRedis
+	}
+	if s.db, err = database.Connect(context.Background(), env.DatabaseURL); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.db.Close)
+	if s.store, err = kvstore.NewRedis(context.Background(), s.redis, kvstore.RedisOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.store.Close() })
+	if s.producer, err = bus.NewProducer(env.Brokers); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.producer.Close() })
+	s.startCollector(t)
+	for _, e := range o.engines {
+		s.startWorker(t, e)
+	}
+	senderRedis := o.senderRedis
+	if senderRedis == "" {
+		senderRedis = s.redis
+	}
+	if !o.noSender {
+		s.sender = s.startSender(t, senderRedis, o.config)
+	}
+	return s
+}
+
+func (s *stack) startCollector(t testing.TB) {
+	c, err := bus.NewConsumer(bus.ConsumerConfig{
+		Brokers: s.env.Brokers, GroupID: "test-collector-" + randHex(4),
+		Topics:       []string{contract.TopicTransferResults, contract.TopicSaveDLQ, contract.TopicKVEvents},
+		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		Logger:       slog.New(slog.DiscardHandler), SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond,
+	}, s.got.handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	servicetest.Start(t, c.Run)
+}
+
+// senderConfig is the sender's configuration for tests.
+func (s *stack) senderConfig(redisURL string) app.Config {
+	return app.Config{
+		Common: s.env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: s.env.DatabaseURL, RedisURL: redisURL,
+		KeyPrefix: s.prefix, Consumers: 1, SessionTimeout: time.Second,
+		RetryAttempts: 3, RetryBase: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+		ProbeEvery: 2, PressureCoolDown: time.Hour, WorkerStaleAfter: 30 * time.Second,
+		StoreTimeout: time.Second, PutTimeout: 10 * time.Second,
+	}
+}
+
+func (s *stack) startSender(t testing.TB, redisURL string, mod func(*app.Config)) string {
+	t.Helper()
+	cfg := s.senderConfig(redisURL)
+	if mod != nil {
+		mod(&cfg)
+	}
+	a, err := app.New(context.Background(), cfg, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	servicetest.Start(t, a.Run)
+	servicetest.WaitReady(t, a.Addr())
+	return a.Addr()
+}
+
+// testLogger keeps the service log and prints it when the test fails.
+func testLogger(t testing.TB) *slog.Logger {
+	var mu sync.Mutex
+	var buf bytes.Buffer
+	t.Cleanup(func() {
+		if t.Failed() {
+			mu.Lock()
+			defer mu.Unlock()
+			b := buf.Bytes()
+			if len(b) > 8000 {
+				b = b[len(b)-8000:]
+			}
+			t.Logf("sender log (tail):\n%s", b)
+		}
+	})
+	return slog.New(slog.NewJSONHandler(lockedWriter{&mu, &buf}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// workerEnv is the environment of a gpuworker subprocess for engine.
+func (s *stack) workerEnv(engine string) map[string]string {
+	return map[string]string{
+		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
+		"KVMESH_REDIS_URL": s.redis, "KVMESH_ENGINE_ID": engine, "KVMESH_HTTP_ADDR": "127.0.0.1:0",
+		"KVMESH_MODEL": s.model.Name, "KVMESH_POOL_BLOCKS": "64", "KVMESH_KEY_PREFIX": s.prefix,
+		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
+	}
+}
+
+// startWorker runs the real gpuworker binary for engine and waits until it
+// is registered and ready.
+func (s *stack) startWorker(t testing.TB, engine string) *dataplane.Client {
+	t.Helper()
+	startProcess(t, binary(t, "gpuworker"), s.workerEnv(engine))
+	var addr string
+	poll(t, "gpuworker "+engine+" registered", func() bool {
+		ws, err := dataplane.Find(context.Background(), s.db, engine, time.Minute)
+		if err == nil {
+			addr = ws[0].Addr
+		}
+		return err == nil
+	})
+	servicetest.WaitReady(t, strings.TrimPrefix(addr, "http://"))
+	hc := dataplane.DefaultHTTPClient()
+	t.Cleanup(hc.CloseIdleConnections)
+	c := dataplane.NewClient(addr, hc)
+	s.mu.Lock()
+	s.workers[engine] = c
+	s.mu.Unlock()
+	return c
+}
+
+// task builds a save task of tokens [start, end) for request id of engine,
+// with block ids base+i in every group, and writes fresh random bytes
+// into those pool blocks (when the engine has a worker).
+func (s *stack) task(t testing.TB, engine, id string, start, end int, base kvcore.BlockID) *kvcore.SaveTask {
+	t.Helper()
+	return s.taskWithTokens(t, engine, id, tokensFor(s.prefix+id, end), start, end, base)
+}
+
+func tokensFor(seed string, n int) []uint32 {
+	tokens := make([]uint32, n)
+	h := uint32(2166136261)
+	for _, c := range []byte(seed) {
+		h = (h ^ uint32(c)) * 16777619
+	}
+	for i := range tokens {
+		tokens[i] = h + uint32(i)
+	}
+	return tokens
+}
+
+func (s *stack) taskWithTokens(t testing.TB, engine, id string, tokens []uint32, start, end int, base kvcore.BlockID) *kvcore.SaveTask {
+	t.Helper()
+	m := s.model
+	var hashes []string
+	for _, h := range kvcore.HashChain(tokens[:end], m.HashBlockSize, nil) {
+		hashes = append(hashes, h.Hex())
+	}
+	table := make(kvcore.BlockTable, len(m.Groups))
+	for g := range table {
+		for i := 0; i < end/m.Groups[g].BlockSize; i++ {
+			table[g] = append(table[g], base+kvcore.BlockID(i))
+		}
+	}
+	task := &kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: "task-" + id + "-" + randHex(3), EngineID: engine,
+		RequestID: id, Model: m.Name, Start: start, End: end, BlockTable: table, BlockHashes: hashes,
+		Groups: m.SaveGroups(start, end)}
+	s.mu.Lock()
+	_, hasWorker := s.workers[engine]
+	s.mu.Unlock()
+	if hasWorker && !s.noWrites {
+		s.writeBlocks(t, task)
+	}
+	return task
+}
+
+// writeBlocks writes fresh random bytes into every block of the task's
+// table in its engine's pool, and remembers them for checkStored.
+func (s *stack) writeBlocks(t testing.TB, task *kvcore.SaveTask) {
+	t.Helper()
+	var blocks []dataplane.Block
+	for g, ids := range task.BlockTable {
+		for _, b := range ids {
+			data := make([]byte, s.model.Groups[g].BytesPerBlock)
+			_, _ = rand.Read(data)
+			blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: b}, Data: data})
+		}
+	}
+	s.mu.Lock()
+	w := s.workers[task.EngineID]
+	s.mu.Unlock()
+	if err := w.Write(context.Background(), blocks); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range blocks {
+		s.written[blockKey(task.EngineID, b.Group, b.Block)] = b.Data
+	}
+}
+
+func blockKey(engine string, g int, b kvcore.BlockID) string {
+	return fmt.Sprintf("%s/%d/%d", engine, g, b)
+}
+
+// publish sends tasks to kvmesh.save.tasks, keyed by request id.
+func (s *stack) publish(t testing.TB, tasks ...*kvcore.SaveTask) {
+	t.Helper()
+	msgs := make([]bus.Message, len(tasks))
+	for i, task := range tasks {
+		v, err := json.Marshal(task)
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs[i] = bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: v}
+	}
+	s.publishRaw(t, msgs...)
+}
+
+func (s *stack) publishRaw(t testing.TB, msgs ...bus.Message) {
+	t.Helper()
+	if err := s.producer.Publish(context.Background(), msgs...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// keys lists the store keys of one group of a task (rank 0), in chunk order.
+func (s *stack) keys(t testing.TB, task *kvcore.SaveTask, g int) []string {
+	t.Helper()
+	items, err := kvcore.PlanSend(s.model, kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}, task, g, kvcore.Rank{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]string, len(items))
+	for i, it := range items {
+		out[i] = it.Key
+	}
+	return out
+}
+
+// checkStored fails unless every key of group g of task holds, in the
+// store, exactly the bytes written into its pool block.
+func (s *stack) checkStored(t testing.TB, task *kvcore.SaveTask, g int) {
+	t.Helper()
+	s.checkStoredFrom(t, task, g, 0)
+}
+
+// checkStoredFrom is checkStored for the group's chunks from index from.
+func (s *stack) checkStoredFrom(t testing.TB, task *kvcore.SaveTask, g, from int) {
+	t.Helper()
+	items, err := kvcore.PlanSend(s.model, kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}, task, g, kvcore.Rank{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, it := range items[from:] {
+		vals, errs, err := s.store.Get(context.Background(), []string{it.Key})
+		if err != nil || errs[0] != nil {
+			t.Fatalf("group %d key %s: %v %v", g, it.Key, err, errs)
+		}
+		payload, err := dataplane.DecodeValue(s.model.Fingerprint(), vals[0])
+		if err != nil {
+			t.Fatalf("group %d key %s: %v", g, it.Key, err)
+		}
+		s.mu.Lock()
+		want := s.written[blockKey(task.EngineID, g, it.Block)]
+		s.mu.Unlock()
+		if !bytes.Equal(payload, want) {
+			t.Fatalf("group %d block %d: the store holds other bytes than the pool's", g, it.Block)
+		}
+	}
+}
+
+// missing reports how many of keys are absent from the store.
+func (s *stack) missing(t testing.TB, keys []string) int {
+	t.Helper()
+	found, err := s.store.Exists(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, f := range found {
+		if !f {
+			n++
+		}
+	}
+	return n
+}
+
+// get does an HTTP request to the sender and decodes the JSON answer.
+func (s *stack) do(t testing.TB, method, path, token string, out any) int {
+	t.Helper()
+	req, err := http.NewRequest(method, "http://"+s.sender+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Close = true
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if out != nil {
+		if err := json.Unmarshal(body, out); err != nil {
+			t.Fatalf("%s %s: %d %s: %v", method, path, resp.StatusCode, body, err)
+		}
+	}
+	return resp.StatusCode
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func groupOf(r contract.TransferResult, g int) contract.GroupOutcome {
+	for _, o := range r.Groups {
+		if o.Group == g {
+			return o
+		}
+	}
+	return contract.GroupOutcome{Group: -1}
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// redisFlush empties the Redis server at url.
+func redisFlush(t testing.TB, url string) error {
+	t.Helper()
+	opts, err := redis.ParseURL(url)
+	if err != nil {
+		return err
+	}
+	c := redis.NewClient(opts)
+	defer c.Close()
+	return c.FlushAll(context.Background()).Err()
+}

@@ -1,0 +1,88 @@
+package sending
+
+import (
+	"context"
+	"encoding/json"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+)
+
+// maxDetail bounds the error text kept with a whole-record dead letter.
+const maxDetail = 2000
+
+// DeadLetter is the consumer's bus.DeadLetterFunc: a record whose handler
+// panicked (handler_panic) or kept failing (retries_exhausted) is
+// dead-lettered whole, and its task, when its ids can be read, is reported
+// dead_lettered so the request's blocks are freed.
+func (p *Processor) DeadLetter(ctx context.Context, m bus.Received, reason string, cause error) error {
+	return p.recordBroken(ctx, sourceOf(m), reason, cause)
+}
+
+// taskIDs are the identifying fields of a save task, read leniently from a
+// record that may not decode as a task.
+type taskIDs struct {
+	TaskID    string `json:"task_id"`
+	EngineID  string `json:"engine_id"`
+	RequestID string `json:"request_id"`
+}
+
+// recordBroken writes one whole-record dead letter for src. When the
+// record names a task, engine and request, the task also gets an outcome:
+// every model group dead-lettered with reason, reported on
+// transfer.results, unless an outcome is already recorded.
+func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason string, cause error) error {
+	var ids taskIDs
+	_ = json.Unmarshal(src.Payload, &ids) // best effort: a record need not be JSON
+	t := &kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID}
+	r := newRun(t)
+	detail := ""
+	if cause != nil {
+		detail = truncate(cause.Error(), maxDetail)
+	}
+	r.addDeadLetter(nil, reason, detail)
+	entry := ledger.Entry{Source: src, DeadLetters: r.deadLetters}
+	complete := usableID(ids.TaskID) && usableID(ids.EngineID) && usableID(ids.RequestID)
+	var groups map[string]int
+	if complete {
+		for g := range p.model.Groups {
+			r.outcome.Record(g, kvcore.OutcomeDeadLettered, 1, kvcore.Reason(reason))
+		}
+		res := r.result()
+		msgs, err := resultMessages(res, nil)
+		if err != nil {
+			return err
+		}
+		groups = r.groupCounts()
+		entry.Outcome, entry.Messages = &ledger.Outcome{Result: res, Groups: groups}, msgs
+	}
+	c, err := p.ledger.Commit(ctx, entry)
+	if err != nil {
+		return err
+	}
+	p.countDeadLetters(c.DeadLetters)
+	switch {
+	case !complete:
+		if len(c.DeadLetters) > 0 {
+			p.metrics.tasks.WithLabelValues(bus.ReasonUndecodable).Inc()
+		}
+	case !c.Done:
+		p.metrics.tasks.WithLabelValues(string(r.outcome.Status())).Inc()
+		for name, n := range groups {
+			p.metrics.groups.WithLabelValues(name).Add(float64(n))
+		}
+	}
+	return nil
+}
+
+// usableID reports whether a salvaged id can name a task.
+func usableID(s string) bool { return s != "" && ledger.Storable(s) }
+
+// truncate shortens s to at most n bytes.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}

@@ -1,0 +1,54 @@
+package sending
+
+import (
+	"sync"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// gate is kvcore.PressureGate shared by the consumers and replays of one
+// process, with the pressure-mode gauge kept in step.
+type gate struct {
+	mu      sync.Mutex
+	g       kvcore.PressureGate
+	metrics *Metrics
+}
+
+// PressureState is the pressure gate as GET /v1/stats shows it.
+type PressureState struct {
+	// Active is set in pressure mode.
+	Active bool `json:"active"`
+	// SkippedTasks counts tasks skipped by the gate since start.
+	SkippedTasks int64 `json:"skipped_tasks"`
+	// SkippedKeys counts keys not saved because of store pressure since start.
+	SkippedKeys int64 `json:"skipped_keys"`
+	// Episodes counts how often pressure mode began since start.
+	Episodes int64 `json:"episodes"`
+}
+
+func (g *gate) admit(now time.Time) kvcore.Admission {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.g.Admit(now)
+}
+
+func (g *gate) onNoSpace(now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.g.OnNoSpace(now)
+	g.metrics.pressure.Set(1)
+}
+
+func (g *gate) onPutOK() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.g.OnPutOK()
+	g.metrics.pressure.Set(0)
+}
+
+func (g *gate) state() kvcore.PressureGate {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.g
+}

@@ -1,0 +1,278 @@
+package sending_test
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+)
+
+// smallModel is hybrid-mla-linear's shape (MLA + Mamba, bs 16) with tiny
+// blocks, so tests and the fuzzer move little memory.
+const smallModel = `
+name: small-hybrid
+hash_block_size: 16
+groups:
+  - {kind: mla, block_size: 16, bytes_per_block: 64}
+  - {kind: mamba, block_size: 16, bytes_per_block: 96}
+`
+
+func mustModel(t testing.TB) *kvcore.Model {
+	t.Helper()
+	m, err := kvcore.ParseModel([]byte(smallModel))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// blockBytes is the deterministic content of one pool block.
+func blockBytes(m *kvcore.Model, g int, b kvcore.BlockID) []byte {
+	out := make([]byte, m.Groups[g].BytesPerBlock)
+	for i := 0; i+8 <= len(out); i += 8 {
+		binary.BigEndian.PutUint64(out[i:], uint64(g)<<56|uint64(b)<<16|uint64(i))
+	}
+	return out
+}
+
+// poolWorker is a gpuworker's put path over a synthetic pool (block bytes
+// from blockBytes) and a real kvstore.Store: unit tests of the handler use
+// it; the service tests run the real gpuworker binary.
+type poolWorker struct {
+	model  *kvcore.Model
+	store  kvstore.Store
+	blocks int
+
+	mu   sync.Mutex
+	down int // whole requests to fail before answering again
+	puts int // put requests answered
+}
+
+func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]dataplane.PutResult, int64, error) {
+	w.mu.Lock()
+	if w.down > 0 {
+		w.down--
+		w.mu.Unlock()
+		return nil, 0, fmt.Errorf("test worker down: %w", dataplane.ErrUnavailable)
+	}
+	w.puts++
+	w.mu.Unlock()
+	results := make([]dataplane.PutResult, len(items))
+	var batch []kvstore.Item
+	var idx []int
+	for i, it := range items {
+		if it.Group < 0 || it.Group >= len(w.model.Groups) || it.Block < 0 || int64(it.Block) >= int64(w.blocks) {
+			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: "block outside the pool"}
+			continue
+		}
+		batch = append(batch, kvstore.Item{Key: it.Key, Value: dataplane.EncodeValue(w.model.Fingerprint(), blockBytes(w.model, it.Group, it.Block))})
+		idx = append(idx, i)
+	}
+	errs, err := w.store.Put(ctx, batch)
+	if err != nil {
+		return nil, 0, fmt.Errorf("test worker store: %w: %w", dataplane.ErrUnavailable, err)
+	}
+	var n int64
+	for j, i := range idx {
+		switch {
+		case errs[j] == nil:
+			results[i] = dataplane.PutResult{Status: dataplane.PutStored}
+			n += int64(len(batch[j].Value))
+		case errors.Is(errs[j], kvstore.ErrNoSpace):
+			results[i] = dataplane.PutResult{Status: dataplane.PutNoSpace, Error: errs[j].Error()}
+		default:
+			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: errs[j].Error()}
+		}
+	}
+	return results, n, nil
+}
+
+func (w *poolWorker) setDown(n int) {
+	w.mu.Lock()
+	w.down = n
+	w.mu.Unlock()
+}
+
+// engines is Workers with one poolWorker (rank 0) per known engine.
+type engines map[string]*poolWorker
+
+func (e engines) Engine(_ context.Context, id string) (map[kvcore.Rank]sending.Putter, error) {
+	w, ok := e[id]
+	if !ok {
+		return nil, fmt.Errorf("engine %q: %w", id, dataplane.ErrNoWorker)
+	}
+	return map[kvcore.Rank]sending.Putter{{}: w}, nil
+}
+
+func (engines) Forget(string) {}
+
+type fixture struct {
+	model  *kvcore.Model
+	keys   kvcore.KeyBuilder
+	store  kvstore.Store
+	worker *poolWorker
+	pool   *pgxpool.Pool
+	ledger *ledger.Ledger
+	p      *sending.Processor
+	now    time.Time
+	offset int64
+}
+
+type fixtureOption func(*sending.Options)
+
+func newFixture(t testing.TB, pool *pgxpool.Pool, store kvstore.Store, opts ...fixtureOption) *fixture {
+	t.Helper()
+	m := mustModel(t)
+	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
+		worker: &poolWorker{model: m, store: store, blocks: 64}, now: time.Unix(1_800_000_000, 0)}
+	metrics, err := sending.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := sending.Options{
+		Model: m, Keys: f.keys, Store: store, Workers: engines{"e1": f.worker}, Ledger: f.ledger, Metrics: metrics,
+		Retry: kvcore.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
+		Now:   func() time.Time { return f.now },
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if f.p, err = sending.New(o); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// record wraps a value as the next record of kvmesh.save.tasks.
+func (f *fixture) record(value []byte) bus.Received {
+	f.offset++
+	return bus.Received{Message: bus.Message{Topic: contract.TopicSaveTasks, Key: "r", Value: value},
+		Partition: 0, Offset: f.offset, Time: time.Unix(1_800_000_000, 0)}
+}
+
+// handle runs one record through the handler as the consumer would.
+func (f *fixture) handle(t testing.TB, value []byte) bus.Received {
+	t.Helper()
+	rec := f.record(value)
+	if err := f.p.Handle(context.Background(), rec); err != nil {
+		t.Fatalf("Handle: %v", err)
+	}
+	return rec
+}
+
+// saveTask builds a valid save task of tokens [start, end) for request id,
+// with block ids base+i in every group.
+func saveTask(m *kvcore.Model, id string, start, end int, base kvcore.BlockID) *kvcore.SaveTask {
+	tokens := make([]uint32, end)
+	for i := range tokens {
+		tokens[i] = uint32(len(id)*7919 + int(id[len(id)-1])*31 + i)
+	}
+	var hashes []string
+	for _, h := range kvcore.HashChain(tokens, m.HashBlockSize, nil) {
+		hashes = append(hashes, h.Hex())
+	}
+	table := make(kvcore.BlockTable, len(m.Groups))
+	for g := range table {
+		for i := 0; i < end/m.Groups[g].BlockSize; i++ {
+			table[g] = append(table[g], base+kvcore.BlockID(i))
+		}
+	}
+	return &kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: "task-" + id, EngineID: "e1", RequestID: id,
+		Model: m.Name, Start: start, End: end, BlockTable: table, BlockHashes: hashes, Groups: m.SaveGroups(start, end)}
+}
+
+func encode(t testing.TB, v any) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// outcome reads the TransferResult recorded for a task.
+func (f *fixture) outcome(t testing.TB, taskID string) (contract.TransferResult, bool) {
+	t.Helper()
+	var body []byte
+	err := f.pool.QueryRow(context.Background(), "SELECT result FROM save_outcomes WHERE task_id = $1", taskID).Scan(&body)
+	if err != nil {
+		return contract.TransferResult{}, false
+	}
+	var r contract.TransferResult
+	if err := json.Unmarshal(body, &r); err != nil {
+		t.Fatal(err)
+	}
+	return r, true
+}
+
+// outbox returns the values enqueued on topic, oldest first.
+func (f *fixture) outbox(t testing.TB, topic string) [][]byte {
+	t.Helper()
+	rows, err := f.pool.Query(context.Background(), "SELECT value FROM outbox WHERE topic = $1 ORDER BY id", topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out [][]byte
+	for rows.Next() {
+		var v []byte
+		if err := rows.Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, v)
+	}
+	return out
+}
+
+// deadLetters returns the dead letters of one record offset.
+func (f *fixture) deadLetters(t testing.TB, offset int64) []ledger.DeadLetter {
+	t.Helper()
+	ctx := context.Background()
+	rows, err := f.pool.Query(ctx, `SELECT id FROM dead_letters WHERE "offset" = $1 ORDER BY id`, offset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]ledger.DeadLetter, 0, len(ids))
+	for _, id := range ids {
+		d, err := f.ledger.Get(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, d)
+	}
+	return out
+}
+
+// keysOf lists the store keys of a task's group, in chunk order.
+func (f *fixture) keysOf(t testing.TB, task *kvcore.SaveTask, g int) []string {
+	t.Helper()
+	items, err := kvcore.PlanSend(f.model, f.keys, task, g, kvcore.Rank{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]string, len(items))
+	for i, it := range items {
+		out[i] = it.Key
+	}
+	return out
+}

@@ -1,0 +1,258 @@
+// Package sending is the sender's sending thread as a Kafka handler: it
+// validates each save task per group, dead-letters what cannot be stored,
+// checks which keys the store already holds, has the owning gpuworker put
+// only the missing ones, and records every outcome durably with the
+// messages it publishes, in one transaction.
+package sending
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+)
+
+// Defaults of Options.
+const (
+	// DefaultStoreTimeout bounds one existence check.
+	DefaultStoreTimeout = 5 * time.Second
+	// DefaultPutTimeout bounds one put request to a gpuworker.
+	DefaultPutTimeout = 30 * time.Second
+)
+
+// Sentinel errors.
+var (
+	// ErrOptions reports Options that cannot work.
+	ErrOptions = errors.New("sending: invalid options")
+)
+
+// Options configures a Processor.
+type Options struct {
+	// Model is the served model; tasks for another model are dead-lettered.
+	Model *kvcore.Model
+	// Keys builds the store keys (deployment prefix and model name).
+	Keys kvcore.KeyBuilder
+	// Store answers the existence checks.
+	Store kvstore.Store
+	// Workers finds the gpuworkers that put blocks.
+	Workers Workers
+	// Ledger records outcomes, dead letters and outgoing messages.
+	Ledger *ledger.Ledger
+	// Metrics receives the sender's counters.
+	Metrics *Metrics
+	// Retry bounds the retries of existence checks and puts.
+	Retry kvcore.RetryPolicy
+	// ProbeEvery and CoolDown tune pressure mode (kvcore.PressureGate).
+	ProbeEvery int
+	CoolDown   time.Duration
+	// StoreTimeout bounds one existence check (default DefaultStoreTimeout).
+	StoreTimeout time.Duration
+	// PutTimeout bounds one put request (default DefaultPutTimeout).
+	PutTimeout time.Duration
+	// Logger receives dead-letter notices.
+	Logger *slog.Logger
+	// Now is the clock of the pressure gate (default time.Now).
+	Now func() time.Time
+}
+
+// Processor handles save tasks. It is safe for concurrent use by several
+// consumers of one process; they share one pressure gate.
+type Processor struct {
+	model        *kvcore.Model
+	keys         kvcore.KeyBuilder
+	store        kvstore.Store
+	workers      Workers
+	ledger       *ledger.Ledger
+	metrics      *Metrics
+	retry        kvcore.RetryPolicy
+	storeTimeout time.Duration
+	putTimeout   time.Duration
+	log          *slog.Logger
+	now          func() time.Time
+	tracer       trace.Tracer
+	gate         *gate
+	skippedKeys  atomic.Int64
+}
+
+// New checks o and returns a Processor.
+func New(o Options) (*Processor, error) {
+	if o.Model == nil || o.Store == nil || o.Workers == nil || o.Ledger == nil || o.Metrics == nil {
+		return nil, fmt.Errorf("%w: model, store, workers, ledger and metrics are required", ErrOptions)
+	}
+	if err := o.Model.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+	}
+	if err := o.Keys.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+	}
+	p := &Processor{
+		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
+		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
+		log: o.Logger, now: o.Now, tracer: otel.Tracer("kvmesh/sender"),
+		gate: &gate{g: kvcore.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
+	}
+	if p.storeTimeout <= 0 {
+		p.storeTimeout = DefaultStoreTimeout
+	}
+	if p.putTimeout <= 0 {
+		p.putTimeout = DefaultPutTimeout
+	}
+	if p.log == nil {
+		p.log = slog.New(slog.DiscardHandler)
+	}
+	if p.now == nil {
+		p.now = time.Now
+	}
+	return p, nil
+}
+
+// Pressure returns the pressure gate's state.
+func (p *Processor) Pressure() PressureState {
+	g := p.gate.state()
+	return PressureState{Active: g.Active, SkippedTasks: g.Skipped, SkippedKeys: p.skippedKeys.Load(), Episodes: g.Episodes}
+}
+
+// Handle is the bus.Handler of kvmesh.save.tasks. It returns nil once the
+// task's outcome, its dead letters and its messages are committed (or were
+// already, for a redelivered task); a database failure is transient.
+func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
+	src := sourceOf(m)
+	task, err := decodeTask(m.Value)
+	if err != nil {
+		return bus.Transient(p.recordBroken(ctx, src, bus.ReasonUndecodable, err))
+	}
+	done, err := p.ledger.Done(ctx, task.TaskID)
+	if err != nil {
+		return bus.Transient(err)
+	}
+	if done {
+		p.metrics.duplicates.Inc()
+		return nil
+	}
+	r := newRun(task)
+	p.saveTask(ctx, r)
+	if err := ctx.Err(); err != nil {
+		return err // interrupted: the record is delivered again
+	}
+	return bus.Transient(p.commit(ctx, src, r, true))
+}
+
+// decodeTask decodes a save task and checks that its ids can be stored
+// and published as they are.
+func decodeTask(b []byte) (*kvcore.SaveTask, error) {
+	t, err := kvcore.DecodeSaveTask(b)
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}} {
+		if !ledger.Storable(f.v) {
+			return nil, fmt.Errorf("save task: %w: %s %q contains a NUL character", kvcore.ErrInvalidSaveTask, f.name, f.v)
+		}
+	}
+	return t, nil
+}
+
+// saveTask validates every group and saves the valid ones.
+func (p *Processor) saveTask(ctx context.Context, r *run) {
+	valid := p.validate(ctx, r)
+	p.save(ctx, r, valid, true)
+}
+
+// validate dead-letters the task's invalid groups and returns the valid ones.
+func (p *Processor) validate(ctx context.Context, r *run) []int {
+	_, span := p.tracer.Start(ctx, "sender.validate", trace.WithAttributes(taskAttrs(r.task)...))
+	defer span.End()
+	var valid []int
+	for _, v := range kvcore.ValidateSave(p.model, nil, r.task) {
+		if v.OK() {
+			valid = append(valid, v.Group)
+			continue
+		}
+		span.AddEvent("group_invalid", trace.WithAttributes(
+			attribute.Int("kvmesh.group", v.Group), attribute.String("reason", string(v.Reason))))
+		r.deadLetter(v.Group, v.Reason, v.Detail, listedChunks(r.task, v.Group))
+	}
+	span.SetAttributes(attribute.Int("groups_valid", len(valid)))
+	return valid
+}
+
+// listedChunks counts the chunks the task lists for group.
+func listedChunks(t *kvcore.SaveTask, group int) int {
+	for _, gc := range t.Groups {
+		if gc.Group == group {
+			return len(gc.Chunks)
+		}
+	}
+	return 0
+}
+
+// commit writes the run's outcome, dead letters and messages in one
+// transaction and counts them once committed.
+func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropIfDone bool) error {
+	res := r.result()
+	msgs, err := resultMessages(res, r.kvEvents(p.model.Name))
+	if err != nil {
+		return err
+	}
+	groups := r.groupCounts()
+	c, err := p.ledger.Commit(ctx, ledger.Entry{
+		Source: src, Outcome: &ledger.Outcome{Result: res, Groups: groups},
+		DropIfDone: dropIfDone, DeadLetters: r.deadLetters, Messages: msgs,
+	})
+	if err != nil {
+		return err
+	}
+	p.countDeadLetters(c.DeadLetters)
+	if c.Done {
+		p.metrics.duplicates.Inc()
+		return nil
+	}
+	p.metrics.tasks.WithLabelValues(res.Status).Inc()
+	for name, n := range groups {
+		p.metrics.groups.WithLabelValues(name).Add(float64(n))
+	}
+	return nil
+}
+
+func (p *Processor) countDeadLetters(dls []ledger.DeadLetter) {
+	for _, d := range dls {
+		p.metrics.deadLetters.WithLabelValues(d.Reason).Inc()
+		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
+			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)
+	}
+}
+
+// resultMessages encodes the TransferResult and the KV events.
+func resultMessages(res contract.TransferResult, events []contract.KVEvent) ([]bus.Message, error) {
+	v, err := json.Marshal(res)
+	if err != nil {
+		return nil, fmt.Errorf("encode transfer result: %w", err)
+	}
+	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
+	for _, e := range events {
+		ev, err := json.Marshal(e)
+		if err != nil {
+			return nil, fmt.Errorf("encode kv event: %w", err)
+		}
+		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: e.RequestID, Value: ev})
+	}
+	return msgs, nil
+}
+
+// sourceOf describes the record m for the ledger.
+func sourceOf(m bus.Received) ledger.Source {
+	return ledger.Source{Topic: m.Topic, Partition: m.Partition, Offset: m.Offset, Time: m.Time, Key: m.Key, Payload: m.Value}
+}

@@ -1,0 +1,179 @@
+package sending
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+)
+
+// Replay errors; see Replay.
+var (
+	// ErrStillInvalid: the stored payload is still invalid for the current
+	// model. It is wrapped in an *InvalidError.
+	ErrStillInvalid = errors.New("dead letter is still invalid")
+	// ErrReplayFailed: the payload is valid now but the save did not
+	// complete (store or worker unavailable, store full).
+	ErrReplayFailed = errors.New("replay did not store every key")
+)
+
+// InvalidError says why a replayed dead letter is still invalid.
+type InvalidError struct {
+	// Group is the group found invalid (nil: the record as a whole).
+	Group *int
+	// Reason is the reason code found now.
+	Reason string
+	// Detail explains it.
+	Detail string
+}
+
+// Error describes the fault.
+func (e *InvalidError) Error() string {
+	return fmt.Sprintf("%s: %s: %s", ErrStillInvalid, e.Reason, e.Detail)
+}
+
+// Unwrap returns ErrStillInvalid.
+func (e *InvalidError) Unwrap() error { return ErrStillInvalid }
+
+// ReplayResult is the recorded result of a replay attempt.
+type ReplayResult struct {
+	// Status is the save status of the replayed groups (stored, skipped,
+	// dead_lettered, failed), or "invalid".
+	Status string `json:"status"`
+	// Groups are the replayed groups' outcomes.
+	Groups []contract.GroupOutcome `json:"groups,omitempty"`
+	// Bytes counts the value bytes stored.
+	Bytes int64 `json:"bytes"`
+	// Reason and Detail explain an invalid or failed replay.
+	Reason string `json:"reason,omitempty"`
+	Detail string `json:"detail,omitempty"`
+}
+
+// Replayed is what Replay answers.
+type Replayed struct {
+	// DeadLetter is the entry after the replay was recorded.
+	DeadLetter ledger.DeadLetter
+	// Result is the replay's result (the recorded one for an entry replayed
+	// before).
+	Result ReplayResult
+	// Already is set when the entry had been replayed successfully before
+	// and nothing was done now.
+	Already bool
+}
+
+// replayMu serialises replays within the process, so two concurrent
+// replays of one entry do not both save it.
+var replayMu sync.Mutex
+
+// Replay re-validates dead letter id's stored payload against the current
+// model, for the entry's group (every group for a whole-record entry), and
+// when it is valid now saves those groups and records the result. An entry
+// already replayed successfully is a no-op that answers its recorded
+// result. Errors: ledger.ErrNotFound; an *InvalidError (ErrStillInvalid)
+// when the payload is still invalid; ErrReplayFailed (with the result
+// recorded) when the save did not complete.
+func (p *Processor) Replay(ctx context.Context, id int64) (Replayed, error) {
+	replayMu.Lock()
+	defer replayMu.Unlock()
+	d, err := p.ledger.Get(ctx, id)
+	if err != nil {
+		return Replayed{}, err
+	}
+	if d.ReplayStatus == ledger.ReplayDone {
+		return recorded(d)
+	}
+	task, groups, invalid := p.replayPlan(d)
+	if invalid != nil {
+		res := ReplayResult{Status: ledger.ReplayInvalid, Reason: invalid.Reason, Detail: invalid.Detail}
+		if _, _, err := p.ledger.RecordReplay(ctx, id, ledger.ReplayInvalid, res); err != nil {
+			return Replayed{}, err
+		}
+		return Replayed{}, invalid
+	}
+	r := newRun(task)
+	p.save(ctx, r, groups, false)
+	if err := ctx.Err(); err != nil {
+		return Replayed{}, err
+	}
+	return p.recordReplay(ctx, d, r)
+}
+
+// recorded answers the recorded result of an entry replayed before.
+func recorded(d ledger.DeadLetter) (Replayed, error) {
+	out := Replayed{DeadLetter: d, Already: true}
+	if err := json.Unmarshal(d.ReplayResult, &out.Result); err != nil {
+		return Replayed{}, fmt.Errorf("dead letter %d: replay result: %w", d.ID, err)
+	}
+	return out, nil
+}
+
+// replayPlan decodes the entry's payload and picks the groups to save, or
+// says why the entry is still invalid.
+func (p *Processor) replayPlan(d ledger.DeadLetter) (*kvcore.SaveTask, []int, *InvalidError) {
+	task, err := decodeTask(d.Payload)
+	if err != nil {
+		return nil, nil, &InvalidError{Group: d.Group, Reason: bus.ReasonUndecodable, Detail: err.Error()}
+	}
+	var groups []int
+	for _, v := range kvcore.ValidateSave(p.model, nil, task) {
+		if d.Group != nil && v.Group != *d.Group {
+			continue
+		}
+		if !v.OK() {
+			g := v.Group
+			return nil, nil, &InvalidError{Group: &g, Reason: string(v.Reason), Detail: v.Detail}
+		}
+		groups = append(groups, v.Group)
+	}
+	if len(groups) == 0 {
+		return nil, nil, &InvalidError{Group: d.Group, Reason: string(kvcore.ReasonGroupOutOfRange),
+			Detail: fmt.Sprintf("model %q has no group %v", p.model.Name, derefGroup(d.Group))}
+	}
+	return task, groups, nil
+}
+
+func derefGroup(g *int) any {
+	if g == nil {
+		return "(none)"
+	}
+	return *g
+}
+
+// recordReplay records the replay's result: replayed (with the BlockStored
+// events of the keys put) when every key is stored or present, else failed.
+func (p *Processor) recordReplay(ctx context.Context, d ledger.DeadLetter, r *run) (Replayed, error) {
+	tr := r.result()
+	res := ReplayResult{Status: tr.Status, Groups: tr.Groups, Bytes: tr.Bytes}
+	status := ledger.ReplayDone
+	var msgs []bus.Message
+	if t := r.outcome.Totals(); t.Failed+t.DeadLettered+t.Skipped > 0 {
+		status, res.Reason = ledger.ReplayFailed, string(t.Reason)
+		for _, dl := range r.deadLetters {
+			res.Detail = dl.Detail
+		}
+	} else {
+		var err error
+		if msgs, err = resultMessages(tr, r.kvEvents(p.model.Name)); err != nil {
+			return Replayed{}, err
+		}
+		msgs = msgs[1:] // the task's result was reported when it was dead-lettered
+	}
+	row, applied, err := p.ledger.RecordReplay(ctx, d.ID, status, res, msgs...)
+	if err != nil {
+		return Replayed{}, err
+	}
+	if !applied {
+		return recorded(row)
+	}
+	out := Replayed{DeadLetter: row, Result: res}
+	if status == ledger.ReplayFailed {
+		return out, fmt.Errorf("dead letter %d: %w: %s", d.ID, ErrReplayFailed, res.Reason)
+	}
+	return out, nil
+}

@@ -1,0 +1,293 @@
+package sending
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// ReasonPlanFailed marks a group that passed validation but could not be
+// planned (a disagreement between kvcore.ValidateSave and kvcore.PlanSend);
+// it should never appear.
+const ReasonPlanFailed kvcore.Reason = "plan_failed"
+
+// item is one block of the task to move, on the rank whose worker puts it.
+type item struct {
+	kvcore.TransferItem
+	rank kvcore.Rank
+}
+
+// save stores the valid groups of r's task: keys for every rank namespace,
+// one batched existence check, then only the missing keys through the
+// owning gpuworkers. With gated set the pressure gate may skip the puts.
+func (p *Processor) save(ctx context.Context, r *run, groups []int, gated bool) {
+	items := p.plan(r, groups)
+	if len(items) == 0 {
+		return
+	}
+	exists, err := p.exists(ctx, r, items)
+	if err != nil {
+		if ctx.Err() == nil {
+			p.deadLetterItems(r, items, kvcore.ReasonExistsFailed, fmt.Sprintf("existence check failed %d times: %v", p.attempts(), err))
+		}
+		return
+	}
+	var missing []item
+	for i, it := range items {
+		if exists[i] {
+			r.outcome.Record(it.Group, kvcore.OutcomeExisted, 1, kvcore.ReasonOK)
+		} else {
+			missing = append(missing, it)
+		}
+	}
+	if len(missing) == 0 {
+		return
+	}
+	if gated && p.gate.admit(p.now()) == kvcore.AdmitSkip {
+		p.skipItems(r, missing)
+		return
+	}
+	p.put(ctx, r, missing)
+}
+
+// plan lists the blocks of each group for every rank namespace holding it.
+func (p *Processor) plan(r *run, groups []int) []item {
+	var out []item
+	for _, g := range groups {
+		r.outcome.Record(g, kvcore.OutcomeStored, 0, kvcore.ReasonOK) // the group shows even with no keys
+		var gItems []item
+		for _, rank := range p.model.Ranks(g) {
+			tis, err := kvcore.PlanSend(p.model, p.keys, r.task, g, rank)
+			if err != nil {
+				gItems = nil
+				r.deadLetter(g, ReasonPlanFailed, err.Error(), 0)
+				break
+			}
+			for _, ti := range tis {
+				gItems = append(gItems, item{TransferItem: ti, rank: rank})
+			}
+		}
+		out = append(out, gItems...)
+	}
+	return out
+}
+
+// exists asks the store which keys are present, in one batched call,
+// retried per the retry policy.
+func (p *Processor) exists(ctx context.Context, r *run, items []item) ([]bool, error) {
+	ctx, span := p.tracer.Start(ctx, "sender.exists", trace.WithAttributes(taskAttrs(r.task)...),
+		trace.WithAttributes(attribute.Int("keys", len(items))))
+	defer span.End()
+	keys := make([]string, len(items))
+	for i, it := range items {
+		keys[i] = it.Key
+	}
+	for attempt := 1; ; attempt++ {
+		found, err := p.existsOnce(ctx, keys)
+		if err == nil {
+			return found, nil
+		}
+		span.RecordError(err)
+		d := p.retry.ExistsFailed(attempt)
+		if ctx.Err() != nil || d.Action != kvcore.RetryAgain || !sleep(ctx, d.Delay) {
+			span.SetStatus(codes.Error, string(kvcore.ReasonExistsFailed))
+			span.SetAttributes(attribute.String("reason", string(kvcore.ReasonExistsFailed)))
+			return nil, err
+		}
+	}
+}
+
+func (p *Processor) existsOnce(ctx context.Context, keys []string) ([]bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.storeTimeout)
+	defer cancel()
+	found, err := p.store.Exists(ctx, keys)
+	if err == nil && len(found) != len(keys) {
+		err = fmt.Errorf("store answered %d of %d keys", len(found), len(keys))
+	}
+	return found, err
+}
+
+// skipItems records items skipped in pressure mode.
+func (p *Processor) skipItems(r *run, items []item) {
+	for _, it := range items {
+		r.outcome.Record(it.Group, kvcore.OutcomeSkipped, 1, kvcore.ReasonStorePressure)
+	}
+	p.skippedKeys.Add(int64(len(items)))
+	p.metrics.skipped.Add(float64(len(items)))
+}
+
+// deadLetterItems dead-letters every group of items, counting its items.
+func (p *Processor) deadLetterItems(r *run, items []item, reason kvcore.Reason, detail string) {
+	for _, g := range itemGroups(items) {
+		r.deadLetter(g.group, reason, detail, g.n)
+	}
+}
+
+type groupCount struct{ group, n int }
+
+// itemGroups counts items per group, in group order.
+func itemGroups(items []item) []groupCount {
+	var out []groupCount
+	for _, it := range items {
+		i := slices.IndexFunc(out, func(c groupCount) bool { return c.group == it.Group })
+		if i < 0 {
+			out = append(out, groupCount{group: it.Group})
+			i = len(out) - 1
+		}
+		out[i].n++
+	}
+	slices.SortFunc(out, func(a, b groupCount) int { return a.group - b.group })
+	return out
+}
+
+// put sends the missing items to each rank's worker and records the
+// per-item answers; it drives the pressure gate.
+func (p *Processor) put(ctx context.Context, r *run, items []item) {
+	var stored, noSpace bool
+	for _, batch := range byRank(items) {
+		results, n, err := p.putRank(ctx, r, batch)
+		if err != nil {
+			if ctx.Err() == nil {
+				p.putFailed(r, batch, err)
+			}
+			continue
+		}
+		r.bytes += n
+		p.metrics.bytes.Add(float64(n))
+		for i, res := range results {
+			it := batch[i]
+			switch res.Status {
+			case dataplane.PutStored:
+				stored = true
+				r.outcome.Record(it.Group, kvcore.OutcomeStored, 1, kvcore.ReasonOK)
+				r.stored[it.Group] = append(r.stored[it.Group], it.Key)
+			case dataplane.PutNoSpace:
+				noSpace = true
+				p.skipItems(r, batch[i:i+1])
+			default:
+				r.outcome.Record(it.Group, kvcore.OutcomeFailed, 1, kvcore.ReasonPutFailed)
+			}
+		}
+	}
+	switch {
+	case noSpace:
+		p.gate.onNoSpace(p.now())
+	case stored:
+		p.gate.onPutOK()
+	}
+}
+
+// putFailed records a batch whose whole request failed. A rejected request
+// (the worker refused it as invalid) is counted failed; a worker that stayed
+// unavailable through every retry is counted failed and dead-lettered with
+// put_failed, so the group can be replayed.
+func (p *Processor) putFailed(r *run, batch []item, err error) {
+	for _, g := range itemGroups(batch) {
+		r.outcome.Record(g.group, kvcore.OutcomeFailed, g.n, kvcore.ReasonPutFailed)
+		if !errors.Is(err, dataplane.ErrRejected) {
+			group := g.group
+			r.addDeadLetter(&group, string(kvcore.ReasonPutFailed),
+				fmt.Sprintf("put of %d key(s) through the gpuworker failed %d times: %v", g.n, p.attempts(), err))
+		}
+	}
+}
+
+// byRank splits items by rank, keeping their order within each rank.
+func byRank(items []item) [][]item {
+	var ranks []kvcore.Rank
+	batches := map[kvcore.Rank][]item{}
+	for _, it := range items {
+		if _, ok := batches[it.rank]; !ok {
+			ranks = append(ranks, it.rank)
+		}
+		batches[it.rank] = append(batches[it.rank], it)
+	}
+	out := make([][]item, 0, len(ranks))
+	for _, rk := range ranks {
+		out = append(out, batches[rk])
+	}
+	return out
+}
+
+// putRank puts one rank's batch, retrying a missing or unreachable worker
+// per the retry policy. A rejected request is not retried.
+func (p *Processor) putRank(ctx context.Context, r *run, batch []item) ([]dataplane.PutResult, int64, error) {
+	rank := batch[0].rank
+	ctx, span := p.tracer.Start(ctx, "sender.put", trace.WithAttributes(taskAttrs(r.task)...),
+		trace.WithAttributes(attribute.Int("keys", len(batch)), attribute.String("rank", fmt.Sprintf("%+v", rank))))
+	defer span.End()
+	req := make([]dataplane.PutItem, len(batch))
+	for i, it := range batch {
+		req[i] = dataplane.PutItem{BlockRef: dataplane.BlockRef{Group: it.Group, Block: it.Block}, Key: it.Key}
+	}
+	for attempt := 1; ; attempt++ {
+		results, n, err := p.putOnce(ctx, r.task.EngineID, rank, req)
+		if err == nil {
+			return results, n, nil
+		}
+		span.RecordError(err)
+		p.workers.Forget(r.task.EngineID)
+		d := p.retry.PutFailed(attempt)
+		if errors.Is(err, dataplane.ErrRejected) || ctx.Err() != nil || d.Action != kvcore.RetryAgain || !sleep(ctx, d.Delay) {
+			span.SetStatus(codes.Error, string(kvcore.ReasonPutFailed))
+			span.SetAttributes(attribute.String("reason", string(kvcore.ReasonPutFailed)))
+			return nil, 0, err
+		}
+	}
+}
+
+func (p *Processor) putOnce(ctx context.Context, engineID string, rank kvcore.Rank, req []dataplane.PutItem) ([]dataplane.PutResult, int64, error) {
+	putters, err := p.workers.Engine(ctx, engineID)
+	if err != nil {
+		return nil, 0, err
+	}
+	putter, ok := putters[rank]
+	if !ok {
+		return nil, 0, fmt.Errorf("engine %q rank %+v: %w", engineID, rank, dataplane.ErrNoWorker)
+	}
+	ctx, cancel := context.WithTimeout(ctx, p.putTimeout)
+	defer cancel()
+	results, n, err := putter.Put(ctx, req)
+	if err == nil && len(results) != len(req) {
+		err = fmt.Errorf("worker answered %d of %d items: %w", len(results), len(req), dataplane.ErrFrame)
+	}
+	return results, n, err
+}
+
+// attempts is the number of attempts the retry policy allows.
+func (p *Processor) attempts() int {
+	if p.retry.MaxAttempts > 0 {
+		return p.retry.MaxAttempts
+	}
+	return kvcore.DefaultRetryAttempts
+}
+
+// sleep waits d or until ctx ends, and reports whether d elapsed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// taskAttrs are the span attributes naming a task.
+func taskAttrs(t *kvcore.SaveTask) []attribute.KeyValue {
+	return []attribute.KeyValue{
+		attribute.String("kvmesh.engine_id", t.EngineID),
+		attribute.String("kvmesh.request_id", t.RequestID),
+		attribute.String("kvmesh.task_id", t.TaskID),
+	}
+}

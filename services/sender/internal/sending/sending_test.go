@@ -1,0 +1,384 @@
+package sending_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestValidTaskStoredOnceAndReported(t *testing.T) {
+	f := newFixture(t, dbtest.NewPool(t), kvstore.NewMemory(kvstore.MemoryOptions{}))
+	task := saveTask(f.model, "r1", 0, 64, 3)
+	value := encode(t, task)
+	f.handle(t, value)
+
+	res, ok := f.outcome(t, task.TaskID)
+	if !ok {
+		t.Fatal("no outcome recorded")
+	}
+	want := []contract.GroupOutcome{{Group: 0, Stored: 4}, {Group: 1, Stored: 1}}
+	if res.Status != "stored" || !equalGroups(res.Groups, want) || res.ResultID != "save/"+task.TaskID {
+		t.Fatalf("result = %+v, want stored %+v", res, want)
+	}
+	// Group 0 (MLA) stores every chunk; group 1 (Mamba) only the state at 64.
+	for g, blocks := range map[int][]kvcore.BlockID{0: {3, 4, 5, 6}, 1: {6}} {
+		keys := f.keysOf(t, task, g)
+		values, errs, err := f.store.Get(context.Background(), keys)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range values {
+			if errs[i] != nil {
+				t.Fatalf("group %d key %s: %v", g, keys[i], errs[i])
+			}
+			payload, err := dataplane.DecodeValue(f.model.Fingerprint(), v)
+			if err != nil || !bytes.Equal(payload, blockBytes(f.model, g, blocks[i])) {
+				t.Fatalf("group %d key %d holds the wrong block (err %v)", g, i, err)
+			}
+		}
+	}
+	events := f.outbox(t, contract.TopicKVEvents)
+	if len(events) != 2 {
+		t.Fatalf("%d kv events, want one per group", len(events))
+	}
+	var ev contract.KVEvent
+	if err := json.Unmarshal(events[0], &ev); err != nil || ev.Kind != contract.BlockStored || len(ev.Keys) != 4 || ev.Group != 0 {
+		t.Fatalf("kv event %s (%v)", events[0], err)
+	}
+
+	// Redelivered (same or another record): nothing new is published.
+	f.handle(t, value)
+	f.handle(t, value)
+	if n := len(f.outbox(t, contract.TopicTransferResults)); n != 1 {
+		t.Fatalf("%d transfer results after redelivery, want 1", n)
+	}
+	if n := len(f.outbox(t, contract.TopicKVEvents)); n != 2 {
+		t.Fatalf("%d kv events after redelivery, want 2", n)
+	}
+}
+
+func equalGroups(a, b []contract.GroupOutcome) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// The seed's crash input: a 1-group table for the 2-group model.
+func TestSeedCrashInputDeadLettersGroupOneAndStoresGroupZero(t *testing.T) {
+	f := newFixture(t, dbtest.NewPool(t), kvstore.NewMemory(kvstore.MemoryOptions{}))
+	task := saveTask(f.model, "seed", 0, 32, 0)
+	task.BlockTable = task.BlockTable[:1]
+	rec := f.handle(t, encode(t, task))
+
+	res, _ := f.outcome(t, task.TaskID)
+	if res.Status != "dead_lettered" || len(res.Groups) != 2 || res.Groups[0].Stored != 2 ||
+		res.Groups[1].DeadLettered != 1 || res.Groups[1].Reason != "table_group_count" {
+		t.Fatalf("result = %+v", res)
+	}
+	dls := f.deadLetters(t, rec.Offset)
+	if len(dls) != 1 || dls[0].Reason != "table_group_count" || dls[0].Group == nil || *dls[0].Group != 1 ||
+		!bytes.Equal(dls[0].Payload, rec.Value) || dls[0].TaskID != task.TaskID {
+		t.Fatalf("dead letters = %+v", dls)
+	}
+	if n := len(f.outbox(t, contract.TopicSaveDLQ)); n != 1 {
+		t.Fatalf("%d dlq messages, want 1", n)
+	}
+	next := saveTask(f.model, "next", 0, 32, 8)
+	f.handle(t, encode(t, next))
+	if res, _ := f.outcome(t, next.TaskID); res.Status != "stored" {
+		t.Fatalf("next task %+v, want stored", res)
+	}
+}
+
+func TestPartialSaves(t *testing.T) {
+	cases := []struct {
+		name       string
+		start, end int
+		present    int // group-0 keys stored beforehand
+		want       []contract.GroupOutcome
+	}{
+		{"saved offset 32 of 64 puts hash blocks 2 and 3 only", 32, 64, 0,
+			[]contract.GroupOutcome{{Group: 0, Stored: 2}, {Group: 1, Stored: 1}}},
+		{"present keys are not put again", 0, 64, 3,
+			[]contract.GroupOutcome{{Group: 0, Stored: 1, Existing: 3}, {Group: 1, Stored: 1}}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, dbtest.NewPool(t), kvstore.NewMemory(kvstore.MemoryOptions{}))
+			task := saveTask(f.model, "r", tc.start, tc.end, 0)
+			full := saveTask(f.model, "r", 0, tc.end, 0)
+			for _, k := range f.keysOf(t, full, 0)[:tc.present] {
+				if _, err := f.store.Put(context.Background(), []kvstore.Item{{Key: k, Value: []byte("x")}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			f.handle(t, encode(t, task))
+			res, _ := f.outcome(t, task.TaskID)
+			if !equalGroups(res.Groups, tc.want) {
+				t.Fatalf("groups %+v, want %+v", res.Groups, tc.want)
+			}
+			if tc.start == 32 {
+				keys := f.keysOf(t, task, 0)
+				if len(keys) != 2 || keys[0] != f.keys.KeyHex(kvcore.Rank{}, 0, task.BlockHashes[2]) ||
+					keys[1] != f.keys.KeyHex(kvcore.Rank{}, 0, task.BlockHashes[3]) {
+					t.Fatalf("keys %v, want hash blocks 2 and 3", keys)
+				}
+			}
+		})
+	}
+}
+
+func TestStoreAndWorkerFailures(t *testing.T) {
+	cases := []struct {
+		name        string
+		closedStore bool
+		workerDown  int
+		wantStatus  string
+		wantReason  string
+		wantDL      int // dead-letter rows
+	}{
+		{"existence check keeps failing: dead-lettered", true, 0, "dead_lettered", "exists_failed", 2},
+		{"worker down twice: retried, stored", false, 2, "stored", "", 0},
+		{"worker down for every retry: failed and dead-lettered", false, 10, "failed", "put_failed", 2},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			store := kvstore.NewMemory(kvstore.MemoryOptions{})
+			f := newFixture(t, dbtest.NewPool(t), store)
+			if tc.closedStore {
+				_ = store.Close()
+			}
+			f.worker.setDown(tc.workerDown)
+			task := saveTask(f.model, "r", 0, 32, 0)
+			rec := f.handle(t, encode(t, task))
+			res, _ := f.outcome(t, task.TaskID)
+			if res.Status != tc.wantStatus || res.Groups[0].Reason != tc.wantReason {
+				t.Fatalf("result %+v, want %s/%s", res, tc.wantStatus, tc.wantReason)
+			}
+			dls := f.deadLetters(t, rec.Offset)
+			if len(dls) != tc.wantDL {
+				t.Fatalf("%d dead letters, want %d: %+v", len(dls), tc.wantDL, dls)
+			}
+			for _, d := range dls {
+				if d.Reason != tc.wantReason || d.Group == nil {
+					t.Errorf("dead letter %+v, want reason %s with a group", d, tc.wantReason)
+				}
+			}
+		})
+	}
+}
+
+func TestPressureModeSkipsUntilAPutSucceeds(t *testing.T) {
+	// Room for one task's values and a half.
+	m := mustModel(t)
+	var taskBytes int
+	for g, grp := range m.Groups {
+		n := len(m.SaveChunks(g, 0, 32))
+		key := kvcore.KeyBuilder{Model: m.Name}.KeyHex(kvcore.Rank{}, g, saveTask(m, "a", 0, 32, 0).BlockHashes[0])
+		taskBytes += n * (len(key) + int(grp.BytesPerBlock) + dataplane.ValueOverhead(len(m.Fingerprint())))
+	}
+	store := kvstore.NewMemory(kvstore.MemoryOptions{CapacityBytes: int64(taskBytes * 3 / 2), NoEviction: true})
+	f := newFixture(t, dbtest.NewPool(t), store, func(o *sending.Options) { o.ProbeEvery = 2 })
+	fill := saveTask(f.model, "fill", 0, 32, 50)
+	f.handle(t, encode(t, fill))
+	if res, _ := f.outcome(t, fill.TaskID); res.Status != "stored" {
+		t.Fatalf("first task %+v, want stored", res)
+	}
+	status := func(id string, base kvcore.BlockID) contract.TransferResult {
+		task := saveTask(f.model, id, 0, 32, base)
+		f.handle(t, encode(t, task))
+		res, _ := f.outcome(t, task.TaskID)
+		return res
+	}
+	first := status("a", 0)
+	if first.Status != "skipped" || f.p.Pressure().Active != true {
+		t.Fatalf("second task %+v, pressure %+v: want skipped (no space) and pressure on", first, f.p.Pressure())
+	}
+	for i, id := range []string{"b", "c"} {
+		if res := status(id, kvcore.BlockID(10*(i+1))); res.Status != "skipped" || res.Groups[0].Stored != 0 {
+			t.Fatalf("task %s in pressure mode: %+v, want skipped", id, res)
+		}
+	}
+	if p := f.p.Pressure(); p.SkippedTasks != 2 || !p.Active {
+		t.Fatalf("pressure %+v, want two tasks skipped by the gate", p)
+	}
+	// Free the store: the next probe stores and ends pressure mode.
+	if _, err := store.Remove(context.Background(), append(f.keysOf(t, fill, 0), f.keysOf(t, fill, 1)...)); err != nil {
+		t.Fatal(err)
+	}
+	var res contract.TransferResult
+	for i := 0; i < 3 && res.Status != "stored"; i++ {
+		res = status("probe"+string(rune('a'+i)), kvcore.BlockID(40+i))
+	}
+	if res.Status != "stored" || f.p.Pressure().Active {
+		t.Fatalf("after space returned: %+v, pressure %+v", res, f.p.Pressure())
+	}
+}
+
+func TestBrokenRecords(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	f := newFixture(t, pool, kvstore.NewMemory(kvstore.MemoryOptions{}))
+	valid := encode(t, saveTask(f.model, "p", 0, 32, 0))
+	cases := []struct {
+		name        string
+		value       []byte
+		hook        string // "" runs Handle; else the bus dead-letter hook with this reason
+		wantReason  string
+		wantOutcome bool
+	}{
+		{"garbage", []byte{0xff, 0x00, 'x'}, "", "undecodable", false},
+		{"unknown field, ids readable", []byte(`{"task_id":"u1","engine_id":"e1","request_id":"r9","junk":1}`), "", "undecodable", true},
+		{"NUL in request id", []byte(`{"schema":"kvmesh.save_task.v1","task_id":"u2","engine_id":"e1","request_id":"r\u0000","model":"m"}`), "", "undecodable", false},
+		{"handler panicked", valid, bus.ReasonHandlerPanic, bus.ReasonHandlerPanic, true},
+		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), bus.ReasonRetriesExhausted, bus.ReasonRetriesExhausted, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := f.record(tc.value)
+			run := func() {
+				var err error
+				if tc.hook == "" {
+					err = f.p.Handle(context.Background(), rec)
+				} else {
+					err = f.p.DeadLetter(context.Background(), rec, tc.hook, errors.New("boom"))
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			run()
+			run() // a redelivery adds nothing
+			dls := f.deadLetters(t, rec.Offset)
+			if len(dls) != 1 || dls[0].Reason != tc.wantReason || dls[0].Group != nil || !bytes.Equal(dls[0].Payload, tc.value) {
+				t.Fatalf("dead letters %+v, want one whole-record %s", dls, tc.wantReason)
+			}
+			var ids struct {
+				TaskID string `json:"task_id"`
+			}
+			_ = json.Unmarshal(tc.value, &ids)
+			res, ok := f.outcome(t, ids.TaskID)
+			if ok != tc.wantOutcome {
+				t.Fatalf("outcome recorded %v, want %v", ok, tc.wantOutcome)
+			}
+			if ok && (res.Status != "dead_lettered" || len(res.Groups) != len(f.model.Groups)) {
+				t.Fatalf("outcome %+v, want every group dead-lettered", res)
+			}
+		})
+	}
+}
+
+func TestEveryInvalidGroupDeadLetteredWithItsReason(t *testing.T) {
+	f := newFixture(t, dbtest.NewPool(t), kvstore.NewMemory(kvstore.MemoryOptions{}))
+	cases := []struct {
+		name   string
+		mutate func(*kvcore.SaveTask)
+		want   map[int]kvcore.Reason // group → reason; absent groups are stored
+	}{
+		{"null block in group 1", func(t *kvcore.SaveTask) { t.BlockTable[1][1] = kvcore.NullBlock },
+			map[int]kvcore.Reason{1: kvcore.ReasonNullBlock}},
+		{"group 0 table too short", func(t *kvcore.SaveTask) { t.BlockTable[0] = t.BlockTable[0][:1] },
+			map[int]kvcore.Reason{0: kvcore.ReasonTableTooShort}},
+		{"another model", func(t *kvcore.SaveTask) { t.Model = "other" },
+			map[int]kvcore.Reason{0: kvcore.ReasonModelUnknown, 1: kvcore.ReasonModelUnknown}},
+		{"empty table", func(t *kvcore.SaveTask) { t.BlockTable = kvcore.BlockTable{} },
+			map[int]kvcore.Reason{0: kvcore.ReasonTableGroupCount, 1: kvcore.ReasonTableGroupCount}},
+		{"entry for group 5", func(t *kvcore.SaveTask) { t.Groups = append(t.Groups, kvcore.GroupChunks{Group: 5}) },
+			map[int]kvcore.Reason{5: kvcore.ReasonGroupOutOfRange}},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			task := saveTask(f.model, "inv"+string(rune('a'+i)), 0, 32, 0)
+			tc.mutate(task)
+			rec := f.handle(t, encode(t, task))
+			res, _ := f.outcome(t, task.TaskID)
+			for _, g := range res.Groups {
+				reason, bad := tc.want[g.Group]
+				if bad && (g.DeadLettered == 0 || g.Reason != string(reason)) || !bad && g.DeadLettered != 0 {
+					t.Errorf("group %+v, want reason %q", g, reason)
+				}
+			}
+			if n := len(f.deadLetters(t, rec.Offset)); n != len(tc.want) {
+				t.Errorf("%d dead letters, want %d", n, len(tc.want))
+			}
+		})
+	}
+}
+
+func TestReplay(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	broken := kvstore.NewMemory(kvstore.MemoryOptions{})
+	_ = broken.Close()
+	down := newFixture(t, pool, broken)
+	ctx := context.Background()
+
+	seed := saveTask(down.model, "seed", 0, 32, 0)
+	seed.BlockTable = seed.BlockTable[:1]
+	seedRec := down.handle(t, encode(t, seed))
+	failed := saveTask(down.model, "flaky", 0, 32, 4)
+	failedRec := down.handle(t, encode(t, failed))
+
+	// A sender whose store works again replays the entries.
+	up := newFixture(t, pool, kvstore.NewMemory(kvstore.MemoryOptions{}))
+	seedDL := down.deadLetters(t, seedRec.Offset)
+	if len(seedDL) != 2 || seedDL[0].Reason != "table_group_count" || seedDL[1].Reason != "exists_failed" {
+		t.Fatalf("seed dead letters %+v, want group 1 invalid and group 0 exists_failed", seedDL)
+	}
+	_, err := up.p.Replay(ctx, seedDL[0].ID)
+	var invalid *sending.InvalidError
+	if !errors.As(err, &invalid) || invalid.Reason != "table_group_count" || *invalid.Group != 1 {
+		t.Fatalf("replay of the seed's group 1 = %v, want still invalid (table_group_count)", err)
+	}
+	if _, err := up.p.Replay(ctx, 999999); !errors.Is(err, ledger.ErrNotFound) {
+		t.Fatalf("replay of an unknown id = %v", err)
+	}
+
+	dls := down.deadLetters(t, failedRec.Offset)
+	var group1 ledger.DeadLetter
+	for _, d := range dls {
+		if d.Reason == "exists_failed" && *d.Group == 1 {
+			group1 = d
+		}
+	}
+	first, err := up.p.Replay(ctx, group1.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Already || first.Result.Status != "stored" || first.DeadLetter.ReplayStatus != ledger.ReplayDone ||
+		len(first.Result.Groups) != 1 || first.Result.Groups[0].Stored != 1 {
+		t.Fatalf("first replay %+v", first)
+	}
+	if _, errs, _ := up.store.Get(ctx, up.keysOf(t, failed, 1)); errs[0] != nil {
+		t.Fatalf("replayed key not in the store: %v", errs[0])
+	}
+	if _, errs, _ := up.store.Get(ctx, up.keysOf(t, failed, 0)); errs[0] == nil {
+		t.Fatal("group 0 was stored by a replay of group 1")
+	}
+	again, err := up.p.Replay(ctx, group1.ID)
+	if err != nil || !again.Already || again.DeadLetter.ReplayCount != 1 || again.Result.Groups[0].Stored != 1 {
+		t.Fatalf("second replay %+v, %v: want a no-op answering the recorded result", again, err)
+	}
+	if puts := up.worker.puts; puts != 1 {
+		t.Fatalf("%d put requests, want 1", puts)
+	}
+}
