@@ -37,8 +37,8 @@ down: ## Stop everything `make up` / `make run` / `make test` started.
 	@scripts/devstack.sh down
 
 .PHONY: run
-run: up ## The main job: the stack plus the demo workload and its report.
-	@scripts/stack.sh status
+run: up ## The main job: the stack, the demo workload (seed preset) and its report; the stack stays up.
+	@scripts/run.sh $(RUN_ARGS)
 
 .PHONY: test
 test: deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, plus bounded fuzzing.

@@ -16,6 +16,8 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -111,21 +113,7 @@ func TestSeedPreset(t *testing.T) {
 	if rep.Tokens.Loaded["pd"] == 0 || rep.Tokens.Loaded["store"] == 0 {
 		t.Fatalf("loaded tokens %v: want both pd and store loads", rep.Tokens.Loaded)
 	}
-	m, _ := kvcore.Preset(model)
-	tasks, err := sim.ReadAll(ctx, s.brokers, contract.TopicSaveTasks)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(tasks) < rep.Ledger.SaveTasks || len(tasks) == 0 {
-		t.Fatalf("%d records on %s, the ledger counted %d tasks", len(tasks), contract.TopicSaveTasks, rep.Ledger.SaveTasks)
-	}
-	for _, rec := range tasks {
-		task, err := kvcore.DecodeSaveTask(rec.Value)
-		if err != nil {
-			t.Fatalf("offset %d/%d: %v", rec.Partition, rec.Offset, err)
-		}
-		checkTable(t, m, task)
-	}
+	checkAllSaveTables(ctx, t, s, rep)
 	if n := seedDecisions(ctx, t, s); n == 0 {
 		t.Fatal("no lookup chose pd while the store child also kept a LoadSpec: the seed's condition was not exercised")
 	}
@@ -157,6 +145,27 @@ func checkOneTracePerRequest(ctx context.Context, t *testing.T, s *stack) {
 		if len(ids) != 1 {
 			t.Fatalf("request %s spans %d traces", key, len(ids))
 		}
+	}
+}
+
+// checkAllSaveTables reads every record ever published on kvmesh.save.tasks:
+// each decodes, and none has an empty or short block table.
+func checkAllSaveTables(ctx context.Context, t *testing.T, s *stack, rep *sim.Report) {
+	t.Helper()
+	m, _ := kvcore.Preset(model)
+	tasks, err := sim.ReadAll(ctx, s.brokers, contract.TopicSaveTasks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tasks) < rep.Ledger.SaveTasks || len(tasks) == 0 {
+		t.Fatalf("%d records on %s, the ledger counted %d tasks", len(tasks), contract.TopicSaveTasks, rep.Ledger.SaveTasks)
+	}
+	for _, rec := range tasks {
+		task, err := kvcore.DecodeSaveTask(rec.Value)
+		if err != nil {
+			t.Fatalf("offset %d/%d: %v", rec.Partition, rec.Offset, err)
+		}
+		checkTable(t, m, task)
 	}
 }
 
@@ -211,10 +220,10 @@ func TestMalformedSavesDeadLettered(t *testing.T) {
 	defer cancel()
 	cfg := simConfig(t, s, false, smallWorkload(24, 8))
 	started := make(chan struct{})
-	var once bool
+	fired := false // only the progress goroutine reads and writes it
 	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
-		if p.Done > 0 && !once {
-			once = true
+		if p.Done > 0 && !fired {
+			fired = true
 			close(started)
 		}
 	}, 50*time.Millisecond
@@ -398,6 +407,48 @@ func checkGarbage(ctx context.Context, t *testing.T, s *stack) {
 	})
 }
 
+// TestCorruptedValuesAreRecomputed overwrites every value in the store with
+// garbage in the middle of a run (the keys stay, so lookups still find
+// them): the gpuworker reports the loads of those blocks as load errors
+// instead of putting wrong bytes in the pool, and the engine recomputes them,
+// as vLLM does. No byte mismatches, no failed request.
+func TestCorruptedValuesAreRecomputed(t *testing.T) {
+	s := newStack(t, stackOptions{model: model, connectors: "store", poolBlocks: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cfg := simConfig(t, s, false, smallWorkload(30, 8))
+	corrupted := make(chan error, 1)
+	fired := false // only the progress goroutine reads and writes it
+	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
+		if p.Done >= 6 && !fired {
+			fired = true
+			corrupted <- eachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
+				pairs := make([]any, 0, 2*len(keys))
+				for _, k := range keys {
+					pairs = append(pairs, k, "garbage")
+				}
+				return c.MSet(ctx, pairs...).Err()
+			})
+		}
+	}, 50*time.Millisecond
+	rep, err := sim.Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-corrupted:
+		if err != nil {
+			t.Fatalf("corrupting the store: %v", err)
+		}
+	default:
+		t.Fatal("the run ended before the store was corrupted")
+	}
+	requireOK(t, rep)
+	if rep.Verification.LoadErrorBlocks == 0 || rep.Tokens.Recomputed == 0 || rep.Ledger.LoadErrorBlocks == 0 {
+		t.Fatalf("no load errors after corrupting the store: %+v, %d tokens recomputed", rep.Verification, rep.Tokens.Recomputed)
+	}
+}
+
 // TestServiceKillsMidRun kills the sender and then the scheduler with
 // SIGKILL in the middle of a 1P1D run and restarts each: the run completes
 // with every request ok, every byte right, the ledger balanced and every
@@ -438,6 +489,7 @@ func TestServiceKillsMidRun(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	requireOK(t, r.rep)
+	checkAllSaveTables(ctx, t, s, r.rep)
 	for _, name := range []string{"sender", "scheduler"} {
 		if err := s.alive(name); err != nil {
 			t.Fatal(err)

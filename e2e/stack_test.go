@@ -75,10 +75,12 @@ type stackOptions struct {
 // shared Redis under a key prefix of its own, and the services as
 // subprocesses (lookup, scheduler, sender, and a gpuworker per engine).
 type stack struct {
-	t       *testing.T
-	brokers []string
-	procs   map[string]*proc
-	logDir  string
+	t        *testing.T
+	brokers  []string
+	redisURL string
+	prefix   string // KVMESH_KEY_PREFIX
+	procs    map[string]*proc
+	logDir   string
 }
 
 // proc is one service process, restartable on the same address.
@@ -109,6 +111,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	t.Cleanup(b.Close)
 	s := &stack{t: t, brokers: b.Addrs(), procs: map[string]*proc{}, logDir: t.TempDir()}
 	prefix := randomPrefix()
+	s.redisURL, s.prefix = redisURL, prefix
 	t.Cleanup(func() { dropKeys(t, redisURL, prefix) })
 	common := []string{
 		"KVMESH_KAFKA_BROKERS=" + strings.Join(s.brokers, ","),
@@ -141,10 +144,20 @@ func newStack(t *testing.T, o stackOptions) *stack {
 
 // dropKeys deletes the test's keys from the shared Redis.
 func dropKeys(t *testing.T, redisURL, prefix string) {
+	err := eachKeyBatch(redisURL, prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
+		return c.Del(ctx, keys...).Err()
+	})
+	if err != nil {
+		t.Errorf("delete the test's keys: %v", err)
+	}
+}
+
+// eachKeyBatch calls f with every key under prefix in the shared Redis, in
+// batches.
+func eachKeyBatch(redisURL, prefix string, f func(ctx context.Context, c *redis.Client, keys []string) error) error {
 	ro, err := redis.ParseURL(redisURL)
 	if err != nil {
-		t.Errorf("redis URL: %v", err)
-		return
+		return err
 	}
 	c := redis.NewClient(ro)
 	defer c.Close()
@@ -156,17 +169,16 @@ func dropKeys(t *testing.T, redisURL, prefix string) {
 		keys = append(keys, it.Val())
 	}
 	if err := it.Err(); err != nil {
-		t.Errorf("scan the test's keys: %v", err)
-		return
+		return err
 	}
 	for len(keys) > 0 {
 		n := min(len(keys), 1000)
-		if err := c.Del(ctx, keys[:n]...).Err(); err != nil {
-			t.Errorf("delete the test's keys: %v", err)
-			return
+		if err := f(ctx, c, keys[:n]); err != nil {
+			return err
 		}
 		keys = keys[n:]
 	}
+	return nil
 }
 
 func randomPrefix() string {

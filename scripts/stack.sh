@@ -17,8 +17,24 @@ mkdir -p "$dev/logs" "$dev/pids"
 say() { printf 'stack: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
-# name port pairs of the services (DESIGN.md ports).
-services=(lookup:8081 scheduler:8082 sender:8083 gpuworker:8084)
+# name:port of each process (DESIGN.md ports). The demo is the seed's
+# setup: a 1P1D pair of engines, so two gpuworkers — decode-0 (the engine
+# kvmesh serves, :8084) and prefill-0 (the engine whose KV decode-0 pulls
+# through the pd connector, :8085) — and lookup's chain is pd,store.
+services=(lookup:8081 scheduler:8082 sender:8083 gpuworker:8084 gpuworker-prefill:8085)
+
+# binary NAME: the program a process runs.
+binary() { echo "${1%-prefill}"; }
+
+# service_env NAME: the settings that differ per process (KVMESH_LOOKUP_CONNECTORS,
+# KVMESH_DEV_DECODE_ENGINE and KVMESH_DEV_PREFILL_ENGINE override them).
+service_env() {
+  case $1 in
+    lookup) echo "KVMESH_LOOKUP_CONNECTORS=${KVMESH_LOOKUP_CONNECTORS:-pd,store}" ;;
+    gpuworker) echo "KVMESH_ENGINE_ID=${KVMESH_DEV_DECODE_ENGINE:-decode-0}" ;;
+    gpuworker-prefill) echo "KVMESH_ENGINE_ID=${KVMESH_DEV_PREFILL_ENGINE:-prefill-0}" ;;
+  esac
+}
 
 running() { [ -f "$dev/pids/$1" ] && kill -0 "$(cat "$dev/pids/$1")" 2>/dev/null; }
 
@@ -58,10 +74,12 @@ service_up() {
   (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && die "port $port for $name is in use"
   # shellcheck disable=SC1091
   source "$dev/env"
-  KVMESH_HTTP_ADDR="127.0.0.1:$port" \
+  # shellcheck disable=SC2046
+  env KVMESH_HTTP_ADDR="127.0.0.1:$port" \
     KVMESH_KAFKA_BROKERS="$(cat "$dev/broker.addr")" \
     KVMESH_ADMIN_TOKEN="${KVMESH_ADMIN_TOKEN:-$(cat "$dev/admin-token")}" \
-    nohup "$root/bin/$name" >"$dev/logs/$name.log" 2>&1 &
+    $(service_env "$name") \
+    nohup "$root/bin/$(binary "$name")" >"$dev/logs/$name.log" 2>&1 &
   echo $! >"$dev/pids/$name"
 }
 
@@ -98,18 +116,18 @@ down() {
 
 status() {
   local s name port state
-  printf '%-10s %-7s %-22s %s\n' SERVICE PID ADDRESS READY
+  printf '%-18s %-7s %-22s %s\n' SERVICE PID ADDRESS READY
   for s in broker:0 "${services[@]}"; do
     name=${s%%:*} port=${s##*:}
     pid=-
     running "$name" && pid=$(cat "$dev/pids/$name")
     if [ "$name" = broker ]; then
       state=$([ "$pid" != - ] && echo up || echo down)
-      printf '%-10s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
+      printf '%-18s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
       continue
     fi
     state=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/readyz" || true)
-    printf '%-10s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
+    printf '%-18s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
   done
 }
 

@@ -40,6 +40,9 @@ type Config struct {
 	Migrate bool `env:"KVMESH_MIGRATE" default:"true" doc:"scheduler only: apply database migrations at start"`
 	// TrackerRetention is how long finished trackers are kept.
 	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" default:"1h" doc:"how long trackers of finished requests, processed-record ids and sent outbox rows are kept before the purge deletes them"`
+	// TrackerIdleTimeout is how long an unfinished tracker may go without
+	// an update before it is purged.
+	TrackerIdleTimeout time.Duration `env:"KVMESH_TRACKER_IDLE_TIMEOUT" default:"24h" doc:"unfinished trackers not updated for this long (their engine is gone) are purged"`
 	// NoOutboxRelay stops this process from running the outbox relay (the
 	// zero value runs it).
 	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" default:"false" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
@@ -56,6 +59,9 @@ func (c *Config) Validate() error {
 	errs := []error{c.Common.Validate()}
 	if c.TrackerRetention <= 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_TRACKER_RETENTION: %s is not positive", c.TrackerRetention))
+	}
+	if c.TrackerIdleTimeout < c.TrackerRetention {
+		errs = append(errs, fmt.Errorf("KVMESH_TRACKER_IDLE_TIMEOUT: %s is below the retention %s", c.TrackerIdleTimeout, c.TrackerRetention))
 	}
 	if c.Consumers < 1 || c.Consumers > MaxConsumers {
 		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_CONSUMERS: %d is not from 1 to %d", c.Consumers, MaxConsumers))
@@ -74,6 +80,9 @@ func (c *Config) Validate() error {
 func (c *Config) fillDefaults() {
 	if c.TrackerRetention == 0 {
 		c.TrackerRetention = time.Hour
+	}
+	if c.TrackerIdleTimeout == 0 {
+		c.TrackerIdleTimeout = 24 * time.Hour
 	}
 	if c.Consumers == 0 {
 		c.Consumers = 4

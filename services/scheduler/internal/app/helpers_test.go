@@ -480,6 +480,20 @@ func values[T any](c *collector, topic, requestID string) []T {
 	return out
 }
 
+// allValues decodes every record of topic.
+func allValues[T any](c *collector, topic string) []T {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]T, 0, len(c.records[topic]))
+	for _, m := range c.records[topic] {
+		var v T
+		if err := json.Unmarshal(m.Value, &v); err == nil {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
 func (c *collector) saves(requestID string) []kvcore.SaveTask {
 	return values[kvcore.SaveTask](c, contract.TopicSaveTasks, requestID)
 }

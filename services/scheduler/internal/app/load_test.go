@@ -58,8 +58,12 @@ func TestThousandConcurrentRequests(t *testing.T) {
 		defer h.out.mu.Unlock()
 		return len(h.out.records[contract.TopicSaveTasks]) >= n
 	})
+	saves := map[string][]kvcore.SaveTask{}
+	for _, s := range allValues[kvcore.SaveTask](h.out, contract.TopicSaveTasks) {
+		saves[s.RequestID] = append(saves[s.RequestID], s)
+	}
 	for _, r := range reqs {
-		s := r.saves()
+		s := saves[r.id]
 		if len(s) != 1 {
 			t.Fatalf("request %s: %d save tasks", r.id, len(s))
 		}
@@ -79,8 +83,12 @@ func TestThousandConcurrentRequests(t *testing.T) {
 		defer h.out.mu.Unlock()
 		return len(h.out.records[contract.TopicEngineFeedback]) >= n
 	})
-	for _, r := range reqs[:50] {
-		if f := r.feedback(); len(f) != 1 || f[0].Kind != kvcore.FeedbackFinishedSending || f[0].Immediate {
+	feedback := map[string][]contract.EngineFeedback{}
+	for _, f := range allValues[contract.EngineFeedback](h.out, contract.TopicEngineFeedback) {
+		feedback[f.RequestID] = append(feedback[f.RequestID], f)
+	}
+	for _, r := range reqs {
+		if f := feedback[r.id]; len(f) != 1 || f[0].Kind != kvcore.FeedbackFinishedSending || f[0].Immediate {
 			t.Fatalf("request %s feedback %+v", r.id, f)
 		}
 	}

@@ -29,7 +29,7 @@ func newGauges(reg prometheus.Registerer) (*gauges, error) {
 		}),
 		purged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_scheduler_purged_total",
-			Help: "Rows deleted by the retention purge (trackers, processed_records, outbox).",
+			Help: "Rows deleted by the retention purge, by table (trackers, idle_trackers, processed_records, outbox).",
 		}, []string{"table"}),
 	}
 	for _, c := range []prometheus.Collector{g.trackers, g.backlog, g.purged} {
@@ -72,7 +72,7 @@ func (a *App) maintainOnce(ctx context.Context) error {
 		return err
 	}
 	a.gauges.backlog.Set(float64(backlog))
-	p, err := a.ledger.Purge(ctx, a.cfg.TrackerRetention)
+	p, err := a.ledger.Purge(ctx, a.cfg.TrackerRetention, a.cfg.TrackerIdleTimeout)
 	if err != nil {
 		return err
 	}
@@ -81,10 +81,12 @@ func (a *App) maintainOnce(ctx context.Context) error {
 		return err
 	}
 	a.gauges.purged.WithLabelValues("trackers").Add(float64(p.Trackers))
+	a.gauges.purged.WithLabelValues("idle_trackers").Add(float64(p.Idle))
 	a.gauges.purged.WithLabelValues("processed_records").Add(float64(p.Records))
 	a.gauges.purged.WithLabelValues("outbox").Add(float64(sent))
-	if p.Trackers+p.Records+sent > 0 {
-		a.deps.Log.InfoContext(ctx, "retention purge", "trackers", p.Trackers, "processed_records", p.Records, "outbox", sent)
+	if p.Trackers+p.Idle+p.Records+sent > 0 {
+		a.deps.Log.InfoContext(ctx, "retention purge", "trackers", p.Trackers, "idle_trackers", p.Idle,
+			"processed_records", p.Records, "outbox", sent)
 	}
 	return nil
 }

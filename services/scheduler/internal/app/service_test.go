@@ -7,11 +7,13 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
 // TestService covers the scheduler's own guarantees on one running
@@ -276,4 +278,31 @@ func grepLines(text, substr string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// TestRetentionPurge: a finished tracker is kept for the retention, then
+// purged with its processed-record ids and its sent outbox rows; an
+// unfinished one stays.
+func TestRetentionPurge(t *testing.T) {
+	h := newMesh(t, meshOptions{config: func(c *app.Config) { c.TrackerRetention = 1500 * time.Millisecond }})
+	done := h.request("purged")
+	done.admit(16)
+	done.finish()
+	done.waitFeedback(kvcore.FeedbackFinishedSending)
+	kept := h.request("kept")
+	kept.admit(16)
+	kept.applied()
+	if _, ok := done.detail(); !ok {
+		t.Fatal("finished tracker gone before its retention")
+	}
+	eventually(t, "the finished tracker purged", func() bool { _, ok := done.detail(); return !ok })
+	var records, sent int
+	eventually(t, "its processed ids and sent outbox rows purged", func() bool {
+		err := h.pool.QueryRow(h.ctx, `SELECT (SELECT count(*) FROM processed_records WHERE request_id = $1),
+			(SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL)`, done.id).Scan(&records, &sent)
+		return err == nil && records == 0 && sent == 0
+	})
+	if _, ok := kept.detail(); !ok {
+		t.Fatal("an unfinished tracker was purged")
+	}
 }

@@ -102,13 +102,19 @@ func TestPurgeKeepsRecentAndUnfinished(t *testing.T) {
 	if _, err := pool.Exec(ctx, `UPDATE processed_records SET processed_at = now() - interval '2 hours' WHERE request_id = 'old'`); err != nil {
 		t.Fatal(err)
 	}
-	p, err := l.Purge(ctx, time.Hour)
-	if err != nil || p.Trackers != 1 || p.Records != 1 {
-		t.Fatalf("purged %+v, %v; want 1 tracker and 1 record", p, err)
+	if _, err := admit(l, m, "abandoned", "ev", 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE trackers SET updated_at = now() - interval '3 days' WHERE request_id = 'abandoned'`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := l.Purge(ctx, time.Hour, 24*time.Hour)
+	if err != nil || p.Trackers != 1 || p.Records != 1 || p.Idle != 1 {
+		t.Fatalf("purged %+v, %v; want 1 tracker, 1 idle tracker and 1 record", p, err)
 	}
 	counts, err := l.CountByState(ctx)
 	if err != nil || counts["done"] != 1 || counts["waiting"] != 1 {
-		t.Fatalf("counts %v, %v", counts, err)
+		t.Fatalf("counts %v, %v; want the recent and the running request", counts, err)
 	}
 }
 

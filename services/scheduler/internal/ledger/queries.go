@@ -103,13 +103,16 @@ func (l *Ledger) Get(ctx context.Context, k Key) (*Row, error) {
 type Purged struct {
 	// Trackers is the number of finished requests deleted.
 	Trackers int64
+	// Idle is the number of unfinished requests deleted for inactivity.
+	Idle int64
 	// Records is the number of processed-record ids deleted.
 	Records int64
 }
 
-// Purge deletes requests finished more than retention ago and the ids of
+// Purge deletes requests finished more than retention ago, unfinished
+// requests not updated for idle (their engine is gone), and the ids of
 // records processed more than retention ago (by the database clock).
-func (l *Ledger) Purge(ctx context.Context, retention time.Duration) (Purged, error) {
+func (l *Ledger) Purge(ctx context.Context, retention, idle time.Duration) (Purged, error) {
 	var p Purged
 	tag, err := l.pool.Exec(ctx, `DELETE FROM trackers
 		WHERE finished_at < now() - $1 * interval '1 microsecond'`, interval(retention))
@@ -117,6 +120,12 @@ func (l *Ledger) Purge(ctx context.Context, retention time.Duration) (Purged, er
 		return p, fmt.Errorf("ledger: purge trackers: %w", err)
 	}
 	p.Trackers = tag.RowsAffected()
+	tag, err = l.pool.Exec(ctx, `DELETE FROM trackers
+		WHERE finished_at IS NULL AND updated_at < now() - $1 * interval '1 microsecond'`, interval(idle))
+	if err != nil {
+		return p, fmt.Errorf("ledger: purge idle trackers: %w", err)
+	}
+	p.Idle = tag.RowsAffected()
 	tag, err = l.pool.Exec(ctx, `DELETE FROM processed_records
 		WHERE processed_at < now() - $1 * interval '1 microsecond'`, interval(retention))
 	if err != nil {

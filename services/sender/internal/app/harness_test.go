@@ -30,6 +30,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
@@ -95,7 +96,7 @@ func moduleRoot(t testing.TB) string {
 type process struct {
 	cmd  *exec.Cmd
 	log  string
-	done chan error
+	done chan struct{} // closed once the process exited
 }
 
 // startProcess runs bin with env; the test's cleanup stops it (SIGTERM,
@@ -116,10 +117,11 @@ func startProcess(t testing.TB, bin string, env map[string]string) *process {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &process{cmd: cmd, log: logPath, done: make(chan error, 1)}
+	p := &process{cmd: cmd, log: logPath, done: make(chan struct{})}
 	go func() {
-		p.done <- cmd.Wait()
+		_ = cmd.Wait() // a killed process exits with an error by design
 		_ = logFile.Close()
+		close(p.done)
 	}()
 	t.Cleanup(func() {
 		p.stop()
@@ -291,19 +293,20 @@ func (c *collector) deadLetters(t testing.TB, taskID string, n int) []contract.D
 // stack is one test's running mesh part: broker, database, a gpuworker
 // subprocess per engine and the sender in process.
 type stack struct {
-	env      *servicetest.Env
-	model    *kvcore.Model
-	prefix   string
-	db       *pgxpool.Pool
-	producer *bus.Producer
-	got      *collector
-	sender   string // HTTP address
-	workers  map[string]*dataplane.Client
-	redis    string // the store both use unless a test says otherwise
-	store    kvstore.Store
-	written  map[string][]byte // "engine/group/block" → bytes written into the pool
-	noWrites bool              // task() leaves the pool as it is
-	mu       sync.Mutex
+	env       *servicetest.Env
+	model     *kvcore.Model
+	prefix    string
+	db        *pgxpool.Pool
+	producer  *bus.Producer
+	got       *collector
+	sender    string // HTTP address
+	workers   map[string]*dataplane.Client
+	redis     string // the store both use unless a test says otherwise
+	store     kvstore.Store
+	written   map[string][]byte // "engine/group/block" → bytes written into the pool
+	noWrites  bool              // task() leaves the pool as it is
+	modelSpec string            // KVMESH_MODEL of both services
+	mu        sync.Mutex
 }
 
 type stackOptions struct {
@@ -311,17 +314,22 @@ type stackOptions struct {
 	workerRedis string // default: the shared Redis
 	engines     []string
 	config      func(*app.Config)
-	noSender    bool // the test runs the sender itself
+	noSender    bool   // the test runs the sender itself
+	modelFile   string // a model spec file for both services (default hybrid-mla-linear)
 }
 
 func newStack(t testing.TB, o stackOptions) *stack {
 	t.Helper()
 	env := servicetest.NewEnv(t)
-	m, err := kvcore.Preset("hybrid-mla-linear")
+	modelSpec := "hybrid-mla-linear"
+	if o.modelFile != "" {
+		modelSpec = o.modelFile
+	}
+	m, err := service.LoadModel(modelSpec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &stack{env: env, model: m, prefix: "t" + randHex(6), redis: env.RedisURL, got: &collector{},
+	s := &stack{env: env, model: m, modelSpec: modelSpec, prefix: "t" + randHex(6), redis: env.RedisURL, got: &collector{},
 		workers: map[string]*dataplane.Client{}, written: map[string][]byte{}}
 	if o.workerRedis != "" {
 		s.redis = o.workerRedis
@@ -379,6 +387,7 @@ func (s *stack) senderConfig(redisURL string) app.Config {
 func (s *stack) startSender(t testing.TB, redisURL string, mod func(*app.Config)) string {
 	t.Helper()
 	cfg := s.senderConfig(redisURL)
+	cfg.Model = s.modelSpec
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -425,7 +434,7 @@ func (s *stack) workerEnv(engine string) map[string]string {
 	return map[string]string{
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_ENGINE_ID": engine, "KVMESH_HTTP_ADDR": "127.0.0.1:0",
-		"KVMESH_MODEL": s.model.Name, "KVMESH_POOL_BLOCKS": "64", "KVMESH_KEY_PREFIX": s.prefix,
+		"KVMESH_MODEL": s.modelSpec, "KVMESH_POOL_BLOCKS": "64", "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
 	}
 }

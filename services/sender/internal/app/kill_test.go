@@ -39,7 +39,7 @@ func TestSenderKilledMidBatch(t *testing.T) {
 	var atKill int
 	poll(t, "the first saves", func() bool {
 		atKill = s.outcomes(t)
-		return atKill > 0
+		return atKill >= 5
 	})
 	sender.kill()
 	if atKill >= tasks {
@@ -112,4 +112,3 @@ func (s *stack) outcomes(t testing.TB) int {
 	}
 	return n
 }
-

@@ -61,7 +61,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	if err != nil {
 		return err
 	}
-	p.countDeadLetters(c.DeadLetters)
+	p.countDeadLetters(ctx, c.DeadLetters)
 	switch {
 	case !complete:
 		if len(c.DeadLetters) > 0 {

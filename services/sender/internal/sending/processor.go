@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -85,6 +86,9 @@ type Processor struct {
 	tracer       trace.Tracer
 	gate         *gate
 	skippedKeys  atomic.Int64
+	// replayMu serialises replays, so two concurrent replays of one entry
+	// do not both save it.
+	replayMu sync.Mutex
 }
 
 // New checks o and returns a Processor.
@@ -215,7 +219,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropI
 	if err != nil {
 		return err
 	}
-	p.countDeadLetters(c.DeadLetters)
+	p.countDeadLetters(ctx, c.DeadLetters)
 	if c.Done {
 		p.metrics.duplicates.Inc()
 		return nil
@@ -227,8 +231,16 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropI
 	return nil
 }
 
-func (p *Processor) countDeadLetters(dls []ledger.DeadLetter) {
+// countDeadLetters counts, logs and marks on the current span the dead
+// letters just written.
+func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLetter) {
+	span := trace.SpanFromContext(ctx)
 	for _, d := range dls {
+		attrs := []attribute.KeyValue{attribute.String("reason", d.Reason), attribute.Int64("kvmesh.dead_letter_id", d.ID)}
+		if d.Group != nil {
+			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))
+		}
+		span.AddEvent("dead_lettered", trace.WithAttributes(attrs...))
 		p.metrics.deadLetters.WithLabelValues(d.Reason).Inc()
 		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
 			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sync"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -67,10 +66,6 @@ type Replayed struct {
 	Already bool
 }
 
-// replayMu serialises replays within the process, so two concurrent
-// replays of one entry do not both save it.
-var replayMu sync.Mutex
-
 // Replay re-validates dead letter id's stored payload against the current
 // model, for the entry's group (every group for a whole-record entry), and
 // when it is valid now saves those groups and records the result. An entry
@@ -79,8 +74,8 @@ var replayMu sync.Mutex
 // when the payload is still invalid; ErrReplayFailed (with the result
 // recorded) when the save did not complete.
 func (p *Processor) Replay(ctx context.Context, id int64) (Replayed, error) {
-	replayMu.Lock()
-	defer replayMu.Unlock()
+	p.replayMu.Lock()
+	defer p.replayMu.Unlock()
 	d, err := p.ledger.Get(ctx, id)
 	if err != nil {
 		return Replayed{}, err

@@ -85,7 +85,7 @@ func (p *Processor) plan(r *run, groups []int) []item {
 // retried per the retry policy.
 func (p *Processor) exists(ctx context.Context, r *run, items []item) ([]bool, error) {
 	ctx, span := p.tracer.Start(ctx, "sender.exists", trace.WithAttributes(taskAttrs(r.task)...),
-		trace.WithAttributes(attribute.Int("keys", len(items))))
+		trace.WithAttributes(attribute.Int("keys", len(items)), groupsAttr(items)))
 	defer span.End()
 	keys := make([]string, len(items))
 	for i, it := range items {
@@ -223,7 +223,7 @@ func byRank(items []item) [][]item {
 func (p *Processor) putRank(ctx context.Context, r *run, batch []item) ([]dataplane.PutResult, int64, error) {
 	rank := batch[0].rank
 	ctx, span := p.tracer.Start(ctx, "sender.put", trace.WithAttributes(taskAttrs(r.task)...),
-		trace.WithAttributes(attribute.Int("keys", len(batch)), attribute.String("rank", fmt.Sprintf("%+v", rank))))
+		trace.WithAttributes(attribute.Int("keys", len(batch)), groupsAttr(batch), attribute.String("kvmesh.rank", fmt.Sprintf("%+v", rank))))
 	defer span.End()
 	req := make([]dataplane.PutItem, len(batch))
 	for i, it := range batch {
@@ -281,6 +281,15 @@ func sleep(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// groupsAttr names the groups of items, in order.
+func groupsAttr(items []item) attribute.KeyValue {
+	var gs []int
+	for _, g := range itemGroups(items) {
+		gs = append(gs, g.group)
+	}
+	return attribute.IntSlice("kvmesh.groups", gs)
 }
 
 // taskAttrs are the span attributes naming a task.

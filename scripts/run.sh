@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# run.sh — what `make run` does once `make up` has the stack running: the
+# demo workload (scripts/demo.sh: kvmesh sim, seed preset) and its report,
+# the stack's status, then — on a terminal — it keeps the stack up until
+# Ctrl-C and stops it. Without a terminal (CI, pipes) it returns at once and
+# leaves the stack up for `make down`. Exits with the demo's status.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+"$root/scripts/demo.sh" "$@"
+status=$?
+echo >&2
+"$root/scripts/stack.sh" status >&2
+if [ -t 0 ] && [ -t 1 ]; then
+  echo >&2
+  echo "The stack stays up: press Ctrl-C to stop it (or run 'make down' from another terminal)." >&2
+  trap 'echo >&2; "$root/scripts/stack.sh" down; "$root/scripts/devstack.sh" down; exit $status' INT TERM
+  while :; do sleep 3600 & wait $!; done
+fi
+echo "The stack is still up; 'make down' stops it." >&2
+exit $status
