@@ -46,8 +46,8 @@ test: deps ## All tests against real PostgreSQL, Redis and the embedded broker, 
 	@$(MAKE) --no-print-directory fuzz FUZZTIME=$(FUZZTIME)
 
 .PHONY: fuzz
-fuzz: ## Run every fuzz target for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
-	@scripts/fuzz.sh $(FUZZTIME)
+fuzz: deps ## Run every fuzz target for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
+	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME)
 
 .PHONY: bench
 bench: deps ## Go benchmarks; the report goes to .dev/bench.txt.

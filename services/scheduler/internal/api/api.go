@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 
@@ -163,7 +164,10 @@ type Coverage struct {
 }
 
 func (a *API) show(w http.ResponseWriter, r *http.Request) {
-	k := ledger.Key{EngineID: chi.URLParam(r, "engine_id"), RequestID: chi.URLParam(r, "request_id")}
+	k, ok := pathKey(w, r)
+	if !ok {
+		return
+	}
 	row, err := a.ledger.Get(r.Context(), k)
 	if errors.Is(err, ledger.ErrNotFound) {
 		httpserver.WriteProblem(w, r, http.StatusNotFound, "", fmt.Sprintf("no tracker for request %q of engine %q", k.RequestID, k.EngineID), nil)
@@ -179,6 +183,22 @@ func (a *API) show(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	a.write(w, d)
+}
+
+// pathKey reads the request's key from the path; ids may be
+// percent-encoded (a request id containing "/").
+func pathKey(w http.ResponseWriter, r *http.Request) (ledger.Key, bool) {
+	var k ledger.Key
+	for name, dst := range map[string]*string{"engine_id": &k.EngineID, "request_id": &k.RequestID} {
+		v, err := url.PathUnescape(chi.URLParam(r, name))
+		if err != nil || v == "" {
+			httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fmt.Sprintf("%s is not a valid path segment", name),
+				map[string]any{"parameter": name})
+			return k, false
+		}
+		*dst = v
+	}
+	return k, true
 }
 
 // detail builds the full view of a row.

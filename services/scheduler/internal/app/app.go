@@ -49,7 +49,7 @@ type Config struct {
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" default:"4" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
 	// SessionTimeout is the consumer-group session timeout.
-	SessionTimeout time.Duration `env:"KVMESH_CONSUMER_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: a member silent this long loses its partitions"`
+	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: a member silent this long loses its partitions"`
 	// MaintenanceInterval paces the gauges and the purge.
 	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
 }
@@ -67,7 +67,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_CONSUMERS: %d is not from 1 to %d", c.Consumers, MaxConsumers))
 	}
 	if c.SessionTimeout < 100*time.Millisecond {
-		errs = append(errs, fmt.Errorf("KVMESH_CONSUMER_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
+		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
 	}
 	if c.MaintenanceInterval <= 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAINTENANCE_INTERVAL: %s is not positive", c.MaintenanceInterval))

@@ -3,7 +3,9 @@ package app_test
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 
@@ -31,4 +33,41 @@ func TestStartsReadyAndStops(t *testing.T) {
 
 func TestREADMEConfig(t *testing.T) {
 	servicetest.CheckREADMEConfig(t, "scheduler", &app.Config{})
+}
+
+func TestConfigValidate(t *testing.T) {
+	valid := func() app.Config {
+		return app.Config{Common: (&servicetest.Env{Brokers: []string{"127.0.0.1:1"}}).Common(), TrackerRetention: time.Hour,
+			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, SessionTimeout: 10 * time.Second, MaintenanceInterval: time.Second}
+	}
+	tests := []struct {
+		name   string
+		mutate func(*app.Config)
+		want   string // substring of the error; "" = valid
+	}{
+		{"valid", func(*app.Config) {}, ""},
+		{"no retention", func(c *app.Config) { c.TrackerRetention = 0 }, "KVMESH_TRACKER_RETENTION"},
+		{"idle below retention", func(c *app.Config) { c.TrackerIdleTimeout = time.Minute }, "KVMESH_TRACKER_IDLE_TIMEOUT"},
+		{"no consumers", func(c *app.Config) { c.Consumers = 0 }, "KVMESH_SCHEDULER_CONSUMERS"},
+		{"too many consumers", func(c *app.Config) { c.Consumers = app.MaxConsumers + 1 }, "KVMESH_SCHEDULER_CONSUMERS"},
+		{"tiny session", func(c *app.Config) { c.SessionTimeout = time.Millisecond }, "KVMESH_KAFKA_SESSION_TIMEOUT"},
+		{"no maintenance interval", func(c *app.Config) { c.MaintenanceInterval = 0 }, "KVMESH_MAINTENANCE_INTERVAL"},
+		{"common settings too", func(c *app.Config) { c.Brokers = nil }, "KVMESH_KAFKA_BROKERS"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := valid()
+			tt.mutate(&c)
+			err := c.Validate()
+			if tt.want == "" {
+				if err != nil {
+					t.Fatalf("unexpected error: %v", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error %v, want one naming %s", err, tt.want)
+			}
+		})
+	}
 }

@@ -71,7 +71,7 @@ func startProcess(t *testing.T, bin string, env *servicetest.Env, extra ...strin
 		"KVMESH_DATABASE_URL="+env.DatabaseURL,
 		"KVMESH_HTTP_ADDR="+p.addr,
 		"KVMESH_SCHEDULER_CONSUMERS=1",
-		"KVMESH_CONSUMER_SESSION_TIMEOUT=1s",
+		"KVMESH_KAFKA_SESSION_TIMEOUT=1s",
 		"KVMESH_LOG_LEVEL=info",
 	)
 	p.cmd.Env = append(p.cmd.Env, extra...)

@@ -71,11 +71,13 @@ func testLogger() *slog.Logger {
 func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(waitLimit)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out after %s waiting for %s", waitLimit, what)
 		}
-		time.Sleep(20 * time.Millisecond) // polling interval, not synchronisation
+		<-tick.C
 	}
 }
 
@@ -380,10 +382,12 @@ type collector struct {
 	transport *kafka.Transport
 }
 
-// received is one record read, with the time it was read.
+// received is one record read, with the time it was read and the ids its
+// JSON value names (decoded once, when read).
 type received struct {
 	kafka.Message
-	at time.Time
+	at                  time.Time
+	engineID, requestID string
 }
 
 func newCollector(t testing.TB, brokers []string, topics []string) *collector {
@@ -424,8 +428,16 @@ func (c *collector) read(ctx context.Context, r *kafka.Reader) {
 		if err != nil {
 			return
 		}
+		rec := received{Message: m, at: time.Now()}
+		var ids struct {
+			EngineID  string `json:"engine_id"`
+			RequestID string `json:"request_id"`
+		}
+		if json.Unmarshal(m.Value, &ids) == nil {
+			rec.engineID, rec.requestID = ids.EngineID, ids.RequestID
+		}
 		c.mu.Lock()
-		c.records[m.Topic] = append(c.records[m.Topic], received{Message: m, at: time.Now()})
+		c.records[m.Topic] = append(c.records[m.Topic], rec)
 		c.next[m.Topic][m.Partition] = m.Offset + 1
 		c.mu.Unlock()
 	}
@@ -466,10 +478,7 @@ func values[T any](c *collector, topic, requestID string) []T {
 	defer c.mu.Unlock()
 	var out []T
 	for _, m := range c.records[topic] {
-		var probe struct {
-			RequestID string `json:"request_id"`
-		}
-		if json.Unmarshal(m.Value, &probe) != nil || probe.RequestID != requestID {
+		if m.requestID != requestID {
 			continue
 		}
 		var v T
@@ -512,10 +521,7 @@ func (c *collector) keys(topic, requestID string) []string {
 	defer c.mu.Unlock()
 	var out []string
 	for _, m := range c.records[topic] {
-		var probe struct {
-			RequestID string `json:"request_id"`
-		}
-		if json.Unmarshal(m.Value, &probe) == nil && probe.RequestID == requestID {
+		if m.requestID == requestID {
 			out = append(out, string(m.Key))
 		}
 	}
@@ -523,5 +529,3 @@ func (c *collector) keys(topic, requestID string) []string {
 }
 
 func jsonValue(v any) ([]byte, error) { return json.Marshal(v) }
-
-func jsonUnmarshal(b []byte, v any) error { return json.Unmarshal(b, v) }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"testing"
@@ -217,6 +218,13 @@ func adminList(t *testing.T, h *mesh) {
 	if code := h.get("/v1/requests/"+engine+"/nope", &p); code != http.StatusNotFound || p.Status != http.StatusNotFound {
 		t.Fatalf("unknown request: %d %+v", code, p)
 	}
+	slashed := h.request("admin")
+	slashed.engine, slashed.id = engine, "chat/42"
+	slashed.admit(16)
+	eventually(t, "a request id with a slash", func() bool {
+		var d api.Detail
+		return h.get("/v1/requests/"+engine+"/"+url.PathEscape(slashed.id), &d) == http.StatusOK && d.RequestID == slashed.id
+	})
 }
 
 // metrics: the record, task, duplicate and gauge metrics are exposed.

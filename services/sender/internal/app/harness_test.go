@@ -272,6 +272,24 @@ func (c *collector) result(t testing.TB, taskID string) contract.TransferResult 
 	return out
 }
 
+// blockStored waits for the KV event of one request's group.
+func (c *collector) blockStored(t testing.TB, requestID string, group int) contract.KVEvent {
+	t.Helper()
+	var out contract.KVEvent
+	poll(t, "the kv event of "+requestID, func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for _, e := range c.events {
+			if e.RequestID == requestID && e.Group == group {
+				out = e
+				return true
+			}
+		}
+		return false
+	})
+	return out
+}
+
 // deadLetters waits for n DLQ records of taskID.
 func (c *collector) deadLetters(t testing.TB, taskID string, n int) []contract.DeadLetter {
 	t.Helper()
@@ -671,4 +689,31 @@ func redisFlush(t testing.TB, url string) error {
 	c := redis.NewClient(opts)
 	defer c.Close()
 	return c.FlushAll(context.Background()).Err()
+}
+
+// checkMetrics fails unless the sender's /metrics has a line starting with
+// each of want.
+func (s *stack) checkMetrics(t testing.TB, want ...string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://"+s.sender+"/metrics", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Close = true
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	lines := strings.Split(string(body), "\n")
+	for _, w := range want {
+		found := false
+		for _, l := range lines {
+			found = found || strings.HasPrefix(l, w)
+		}
+		if !found {
+			t.Errorf("/metrics has no line starting with %s", w)
+		}
+	}
 }

@@ -34,6 +34,10 @@ func TestSendingScenarios(t *testing.T) {
 		}
 		s.checkStored(t, task, 0)
 		s.checkStored(t, task, 1)
+		ev := s.got.blockStored(t, "s14", 0)
+		if ev.Kind != contract.BlockStored || ev.Model != s.model.Name || strings.Join(ev.Keys, ",") != strings.Join(keys0[2:], ",") {
+			t.Fatalf("BlockStored event %+v, want the keys of hash blocks 2 and 3", ev)
+		}
 	})
 
 	t.Run("S15_TwoGroupsSomeKeysExist_OnlyMissingPutPerGroup", func(t *testing.T) {
@@ -86,6 +90,9 @@ func TestSendingScenarios(t *testing.T) {
 		if code := s.do(t, http.MethodGet, "/readyz", "", nil); code != http.StatusOK {
 			t.Fatalf("sender /readyz = %d after the crash input", code)
 		}
+		s.checkMetrics(t, `kvmesh_dead_letters_total{reason="table_group_count"} 1`,
+			`kvmesh_sender_groups_total{outcome="dead_lettered"}`, `kvmesh_sender_tasks_total{status="dead_lettered"}`,
+			`kvmesh_store_op_duration_seconds_count{op="save_exists"}`)
 		next := s.task(t, "e1", "s16-next", 0, 32, 20)
 		s.publish(t, next)
 		if res := s.got.result(t, next.TaskID); res.Status != "stored" {
@@ -174,6 +181,7 @@ func TestS18_NoSpace_SkippedUntilAPutSucceeds(t *testing.T) {
 	if st := stats(); !st.Pressure.Active {
 		t.Fatalf("pressure mode off after no space: %+v", st.Pressure)
 	}
+	s.checkMetrics(t, "kvmesh_sender_pressure_mode 1")
 	// In pressure mode the next saves are skipped without a put.
 	skipped := s.task(t, "e1", "s18-skip", 0, 32, 40)
 	s.publish(t, skipped)
@@ -201,6 +209,7 @@ func TestS18_NoSpace_SkippedUntilAPutSucceeds(t *testing.T) {
 	if st.Pressure.Active || st.Pressure.SkippedTasks < 1 || st.Pressure.SkippedKeys < 3 || st.Tasks["skipped"] < 2 {
 		t.Fatalf("after a put succeeded: pressure %+v, tasks %v", st.Pressure, st.Tasks)
 	}
+	s.checkMetrics(t, "kvmesh_sender_pressure_mode 0", `kvmesh_sender_tasks_total{status="skipped"}`)
 	after := s.task(t, "e1", "s18-after", 0, 32, 56)
 	s.publish(t, after)
 	if r := s.got.result(t, after.TaskID); r.Status != "stored" {

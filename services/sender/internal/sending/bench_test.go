@@ -11,7 +11,7 @@ import (
 )
 
 // BenchmarkHandleMalformedTask is the handler's cost for one malformed task
-// (both groups dead-lettered: two dead_letters rows, the outcome and four
+// (both groups dead-lettered: two dead_letters rows, the outcome and three
 // outbox messages in one transaction), without the broker.
 func BenchmarkHandleMalformedTask(b *testing.B) {
 	f := newFixture(b, dbtest.NewPool(b), kvstore.NewMemory(kvstore.MemoryOptions{}))

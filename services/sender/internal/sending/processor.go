@@ -67,6 +67,8 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock of the pressure gate (default time.Now).
 	Now func() time.Time
+	// TracerProvider makes the sender's spans (default the global one).
+	TracerProvider trace.TracerProvider
 }
 
 // Processor handles save tasks. It is safe for concurrent use by several
@@ -105,7 +107,7 @@ func New(o Options) (*Processor, error) {
 	p := &Processor{
 		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
-		log: o.Logger, now: o.Now, tracer: otel.Tracer("kvmesh/sender"),
+		log: o.Logger, now: o.Now,
 		gate: &gate{g: kvcore.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
 	}
 	if p.storeTimeout <= 0 {
@@ -120,6 +122,11 @@ func New(o Options) (*Processor, error) {
 	if p.now == nil {
 		p.now = time.Now
 	}
+	tp := o.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	p.tracer = tp.Tracer("kvmesh/sender")
 	return p, nil
 }
 
@@ -151,7 +158,7 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 	if err := ctx.Err(); err != nil {
 		return err // interrupted: the record is delivered again
 	}
-	return bus.Transient(p.commit(ctx, src, r, true))
+	return bus.Transient(p.commit(ctx, src, r))
 }
 
 // decodeTask decodes a save task and checks that its ids can be stored
@@ -163,7 +170,7 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 	}
 	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}} {
 		if !ledger.Storable(f.v) {
-			return nil, fmt.Errorf("save task: %w: %s %q contains a NUL character", kvcore.ErrInvalidSaveTask, f.name, f.v)
+			return nil, fmt.Errorf("save task: %w: %s %q is not storable text (it contains NUL)", kvcore.ErrInvalidSaveTask, f.name, f.v)
 		}
 	}
 	return t, nil
@@ -186,7 +193,7 @@ func (p *Processor) validate(ctx context.Context, r *run) []int {
 			continue
 		}
 		span.AddEvent("group_invalid", trace.WithAttributes(
-			attribute.Int("kvmesh.group", v.Group), attribute.String("reason", string(v.Reason))))
+			attribute.Int("kvmesh.group", v.Group), attribute.String("kvmesh.reason", string(v.Reason))))
 		r.deadLetter(v.Group, v.Reason, v.Detail, listedChunks(r.task, v.Group))
 	}
 	span.SetAttributes(attribute.Int("groups_valid", len(valid)))
@@ -204,8 +211,9 @@ func listedChunks(t *kvcore.SaveTask, group int) int {
 }
 
 // commit writes the run's outcome, dead letters and messages in one
-// transaction and counts them once committed.
-func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropIfDone bool) error {
+// transaction, unless another delivery of the task got there first, and
+// counts them once committed.
+func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run) error {
 	res := r.result()
 	msgs, err := resultMessages(res, r.kvEvents(p.model.Name))
 	if err != nil {
@@ -214,7 +222,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropI
 	groups := r.groupCounts()
 	c, err := p.ledger.Commit(ctx, ledger.Entry{
 		Source: src, Outcome: &ledger.Outcome{Result: res, Groups: groups},
-		DropIfDone: dropIfDone, DeadLetters: r.deadLetters, Messages: msgs,
+		DropIfDone: true, DeadLetters: r.deadLetters, Messages: msgs,
 	})
 	if err != nil {
 		return err
@@ -236,7 +244,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run, dropI
 func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLetter) {
 	span := trace.SpanFromContext(ctx)
 	for _, d := range dls {
-		attrs := []attribute.KeyValue{attribute.String("reason", d.Reason), attribute.Int64("kvmesh.dead_letter_id", d.ID)}
+		attrs := []attribute.KeyValue{attribute.String("kvmesh.reason", d.Reason), attribute.Int64("kvmesh.dead_letter_id", d.ID)}
 		if d.Group != nil {
 			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))
 		}

@@ -100,7 +100,7 @@ func (p *Processor) exists(ctx context.Context, r *run, items []item) ([]bool, e
 		d := p.retry.ExistsFailed(attempt)
 		if ctx.Err() != nil || d.Action != kvcore.RetryAgain || !sleep(ctx, d.Delay) {
 			span.SetStatus(codes.Error, string(kvcore.ReasonExistsFailed))
-			span.SetAttributes(attribute.String("reason", string(kvcore.ReasonExistsFailed)))
+			span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonExistsFailed)))
 			return nil, err
 		}
 	}
@@ -239,7 +239,7 @@ func (p *Processor) putRank(ctx context.Context, r *run, batch []item) ([]datapl
 		d := p.retry.PutFailed(attempt)
 		if errors.Is(err, dataplane.ErrRejected) || ctx.Err() != nil || d.Action != kvcore.RetryAgain || !sleep(ctx, d.Delay) {
 			span.SetStatus(codes.Error, string(kvcore.ReasonPutFailed))
-			span.SetAttributes(attribute.String("reason", string(kvcore.ReasonPutFailed)))
+			span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonPutFailed)))
 			return nil, 0, err
 		}
 	}

@@ -5,8 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"testing"
 
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.uber.org/goleak"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -380,5 +384,42 @@ func TestReplay(t *testing.T) {
 	}
 	if puts := up.worker.puts; puts != 1 {
 		t.Fatalf("%d put requests, want 1", puts)
+	}
+}
+
+func TestSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	f := newFixture(t, dbtest.NewPool(t), kvstore.NewMemory(kvstore.MemoryOptions{}),
+		func(o *sending.Options) { o.TracerProvider = tp })
+	task := saveTask(f.model, "traced", 0, 32, 0)
+	task.BlockTable = task.BlockTable[:1]
+	f.handle(t, encode(t, task))
+
+	spans := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		spans[s.Name()] = s
+	}
+	for _, name := range []string{"sender.validate", "sender.exists", "sender.put"} {
+		s, ok := spans[name]
+		if !ok {
+			t.Fatalf("no %s span; got %v", name, spans)
+		}
+		attrs := map[attribute.Key]attribute.Value{}
+		for _, a := range s.Attributes() {
+			attrs[a.Key] = a.Value
+		}
+		if attrs["kvmesh.engine_id"].AsString() != "e1" || attrs["kvmesh.request_id"].AsString() != "traced" {
+			t.Errorf("%s attributes %v", name, attrs)
+		}
+		if name != "sender.validate" && fmt.Sprint(attrs["kvmesh.groups"].AsInt64Slice()) != "[0]" {
+			t.Errorf("%s groups %v, want [0]", name, attrs["kvmesh.groups"])
+		}
+	}
+	events := spans["sender.validate"].Events()
+	if len(events) != 1 || events[0].Name != "group_invalid" ||
+		fmt.Sprint(events[0].Attributes) != fmt.Sprint([]attribute.KeyValue{attribute.Int("kvmesh.group", 1), attribute.String("kvmesh.reason", "table_group_count")}) {
+		t.Fatalf("validate events %+v", events)
 	}
 }
