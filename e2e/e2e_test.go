@@ -23,6 +23,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/sim"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestMain(m *testing.M) {
@@ -35,8 +36,8 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	_ = shutdown(context.Background())
-	if binaries.dir != "" {
-		_ = os.RemoveAll(binaries.dir)
+	if err := testenv.RemoveBinaries(); err != nil {
+		os.Stderr.WriteString("remove test binaries: " + err.Error() + "\n")
 	}
 	http.DefaultClient.CloseIdleConnections()
 	if code == 0 {

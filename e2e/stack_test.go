@@ -31,34 +31,22 @@ const (
 	adminToken    = "e2e-admin-token"
 )
 
-// binaries are the service binaries, built once per test binary run.
-var binaries struct {
-	once sync.Once
-	dir  string
-	err  error
-}
+// services are the service binaries every stack runs.
+var services = []string{"lookup", "scheduler", "sender", "gpuworker"}
 
-// serviceBinaries builds ./services/* into a temporary directory (once) and
-// returns it. The directory is removed by TestMain.
-func serviceBinaries(t *testing.T) string {
+// serviceBinaries builds ./services/* (once per test process, see
+// testenv.BuildBinary) and returns each binary's path by service name.
+func serviceBinaries(t *testing.T) map[string]string {
 	t.Helper()
-	binaries.once.Do(func() {
-		binaries.dir, binaries.err = os.MkdirTemp("", "kvmesh-e2e-bin-")
-		if binaries.err != nil {
-			return
-		}
-		cmd := exec.Command("go", "build", "-o", binaries.dir+string(filepath.Separator),
-			"./services/lookup", "./services/scheduler", "./services/sender", "./services/gpuworker")
-		cmd.Dir = ".."
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			binaries.err = fmt.Errorf("go build: %w\n%s", err, out)
-		}
-	})
-	if binaries.err != nil {
-		t.Fatal(binaries.err)
+	pkgs := make([]string, len(services))
+	for i, name := range services {
+		pkgs[i] = "./services/" + name
 	}
-	return binaries.dir
+	bins := map[string]string{}
+	for i, bin := range testenv.BuildBinaries(t, pkgs...) {
+		bins[services[i]] = bin
+	}
+	return bins
 }
 
 // stackOptions shape one test's stack.
@@ -187,17 +175,17 @@ func randomPrefix() string {
 	return "e2e" + hex.EncodeToString(b[:])
 }
 
-func (s *stack) add(name, bins string, common []string, extra ...string) {
+func (s *stack) add(name string, bins map[string]string, common []string, extra ...string) {
 	s.addAs(name, name, bins, common, extra...)
 }
 
 // addAs registers a process named name running binary bin on a free port.
-func (s *stack) addAs(name, bin, bins string, common []string, extra ...string) {
+func (s *stack) addAs(name, bin string, bins map[string]string, common []string, extra ...string) {
 	addr := freeAddr(s.t)
 	env := append(os.Environ(), common...)
 	env = append(env, extra...)
 	env = append(env, "KVMESH_HTTP_ADDR="+addr)
-	s.procs[name] = &proc{name: name, bin: filepath.Join(bins, bin), env: env, addr: addr, log: filepath.Join(s.logDir, name+".log")}
+	s.procs[name] = &proc{name: name, bin: bins[bin], env: env, addr: addr, log: filepath.Join(s.logDir, name+".log")}
 }
 
 // url is a service's base URL.

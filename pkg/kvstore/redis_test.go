@@ -280,8 +280,8 @@ func rawClient(t *testing.T, url string) *redis.Client {
 }
 
 func TestRedisNoSpace(t *testing.T) {
-	srv := startRedisServer(t, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
-	r := newRedis(t, srv.URL, kvstore.RedisOptions{})
+	srv := testenv.StartRedis(t, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+	r := newRedis(t, srv.URL(), kvstore.RedisOptions{})
 	ctx := context.Background()
 	const n = 64 // 64 × 64 KiB is twice maxmemory
 	keys := testKeys(t, r, n)
@@ -327,8 +327,8 @@ func TestRedisNoSpace(t *testing.T) {
 }
 
 func TestRedisStoppedServer(t *testing.T) {
-	srv := startRedisServer(t)
-	r := newRedis(t, srv.URL, kvstore.RedisOptions{MaxRetries: -1, DialAttempts: 1, DialTimeout: time.Second})
+	srv := testenv.StartRedis(t)
+	r := newRedis(t, srv.URL(), kvstore.RedisOptions{MaxRetries: -1, DialAttempts: 1, DialTimeout: time.Second})
 	ctx := context.Background()
 	keys := testKeys(t, r, 2)
 	if err := putAll(r, kvstore.Item{Key: keys[0], Value: []byte("v")}); err != nil {
@@ -347,14 +347,14 @@ func TestRedisStoppedServer(t *testing.T) {
 			t.Errorf("%s on a stopped server: %v, want transient ErrUnavailable", name, err)
 		}
 	}
-	_, err := kvstore.NewRedis(ctx, srv.URL, kvstore.RedisOptions{MaxRetries: -1, DialAttempts: 1, DialTimeout: time.Second})
+	_, err := kvstore.NewRedis(ctx, srv.URL(), kvstore.RedisOptions{MaxRetries: -1, DialAttempts: 1, DialTimeout: time.Second})
 	if !errors.Is(err, kvstore.ErrUnavailable) {
 		t.Errorf("NewRedis to a stopped server: %v, want ErrUnavailable", err)
 	}
 }
 
 func TestRedisContextEndsWhileServerPaused(t *testing.T) {
-	srv := startRedisServer(t)
+	srv := testenv.StartRedis(t)
 	tests := []struct {
 		name        string
 		readTimeout time.Duration
@@ -374,10 +374,10 @@ func TestRedisContextEndsWhileServerPaused(t *testing.T) {
 	}
 	stores := make([]*kvstore.Redis, len(tests))
 	for i, tc := range tests {
-		stores[i] = newRedis(t, srv.URL, kvstore.RedisOptions{ReadTimeout: tc.readTimeout, MaxRetries: -1})
+		stores[i] = newRedis(t, srv.URL(), kvstore.RedisOptions{ReadTimeout: tc.readTimeout, MaxRetries: -1})
 	}
 	// Every client's commands now wait 20 s unanswered.
-	if err := rawClient(t, srv.URL).Do(context.Background(), "CLIENT", "PAUSE", "20000", "ALL").Err(); err != nil {
+	if err := rawClient(t, srv.URL()).Do(context.Background(), "CLIENT", "PAUSE", "20000", "ALL").Err(); err != nil {
 		t.Fatalf("CLIENT PAUSE: %v", err)
 	}
 	for i, tc := range tests {

@@ -96,6 +96,12 @@ func (d *Deps) OpenBus(ctx context.Context, c *Common) error {
 	return nil
 }
 
+// AddCheck registers a service's own readiness check; call it before
+// HTTPServer.
+func (d *Deps) AddCheck(c httpserver.ReadyCheck) {
+	d.checks = append(d.checks, c)
+}
+
 // HTTPServer creates the service's HTTP server with every readiness check
 // registered so far and binds its address, so Addr is known before Run.
 func (d *Deps) HTTPServer(addr, name string, c *Common) (*httpserver.Server, error) {

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/logging"
@@ -39,6 +40,10 @@ type Common struct {
 	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" default:"5s" doc:"how long a service waits for in-flight work when stopping"`
 	// Model is a preset name or the path of a YAML/JSON model spec.
 	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, full-swa-mamba) or a YAML/JSON file"`
+	// KeyPrefix separates deployments that share one store pool.
+	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key prefix separating deployments that share a store pool (no '@' or whitespace; must be the same in every service); empty for none"`
+	// SessionTimeout is the Kafka consumer-group session timeout.
+	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: how soon a crashed member's partitions go to another"`
 	// OTLPEndpoint is the OTLP/HTTP collector base URL.
 	OTLPEndpoint string `env:"OTEL_EXPORTER_OTLP_ENDPOINT" doc:"OTLP/HTTP collector base URL (e.g. http://collector:4318); unset exports no traces"`
 	// OTLPTracesEndpoint is a full OTLP/HTTP traces URL that wins over OTLPEndpoint.
@@ -60,11 +65,41 @@ func (c *Common) Validate() error {
 	if _, err := logging.ParseLevel(c.LogLevel); err != nil {
 		errs = append(errs, fmt.Errorf("KVMESH_LOG_LEVEL: %w", err))
 	}
+	if _, err := kvcore.NewKeyBuilder(c.KeyPrefix, "model"); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_KEY_PREFIX: %w", err))
+	}
+	if c.SessionTimeout < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
+	}
 	if strings.TrimSpace(c.Model) == "" {
 		errs = append(errs, errors.New("KVMESH_MODEL: a preset name or a spec file is required"))
 	}
 	return errors.Join(errs...)
 }
+
+// ConsumerConfig is the base of a service's consumer-group settings: the
+// brokers, the group and its topics, the logger, and session, heartbeat
+// and rebalance timeouts derived from SessionTimeout. Callers add their
+// dead-letter hook and retry policy.
+func (c *Common) ConsumerConfig(group string, topics []string, log *slog.Logger) bus.ConsumerConfig {
+	session := c.SessionTimeout
+	return bus.ConsumerConfig{
+		Brokers:           c.Brokers,
+		GroupID:           group,
+		Topics:            topics,
+		Logger:            log,
+		SessionTimeout:    session,
+		HeartbeatInterval: min(bus.DefaultHeartbeatInterval, session/5),
+		// A member that stops while its group is rebalancing waits in
+		// JoinGroup for up to the rebalance timeout, so it is kept well
+		// under the 5 s a service has to stop.
+		RebalanceTimeout: min(maxRebalanceTimeout, max(session, time.Second)),
+	}
+}
+
+// maxRebalanceTimeout bounds how long a stopping member can be held in a
+// rebalance; heartbeats (at most 1 s apart) let members rejoin well within it.
+const maxRebalanceTimeout = 2 * time.Second
 
 // Configurable is a service's Config: a struct pointer that config.Load
 // fills and that exposes its Common part.

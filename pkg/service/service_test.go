@@ -19,7 +19,7 @@ import (
 
 func validCommon() Common {
 	return Common{LogLevel: "info", Brokers: []string{"127.0.0.1:9092"}, Partitions: 4,
-		ShutdownTimeout: 5 * time.Second, Model: "dense"}
+		ShutdownTimeout: 5 * time.Second, SessionTimeout: 10 * time.Second, Model: "dense"}
 }
 
 func TestCommonValidate(t *testing.T) {
@@ -34,6 +34,8 @@ func TestCommonValidate(t *testing.T) {
 		{"zero shutdown", func(c *Common) { c.ShutdownTimeout = 0 }, "KVMESH_SHUTDOWN_TIMEOUT"},
 		{"bad level", func(c *Common) { c.LogLevel = "loud" }, "KVMESH_LOG_LEVEL"},
 		{"no model", func(c *Common) { c.Model = " " }, "KVMESH_MODEL"},
+		{"bad key prefix", func(c *Common) { c.KeyPrefix = "a@b" }, "KVMESH_KEY_PREFIX"},
+		{"tiny session", func(c *Common) { c.SessionTimeout = time.Millisecond }, "KVMESH_KAFKA_SESSION_TIMEOUT"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -68,6 +70,18 @@ func TestLoadModel(t *testing.T) {
 	}
 	if _, err := LoadModel("no-such-model"); err == nil || !strings.Contains(err.Error(), "hybrid-mla-linear") {
 		t.Fatalf("unknown model: error %v should list the presets", err)
+	}
+}
+
+func TestConsumerConfigTimings(t *testing.T) {
+	c := validCommon()
+	c.SessionTimeout = 2 * time.Second
+	cc := c.ConsumerConfig("g", []string{"t"}, slog.New(slog.DiscardHandler))
+	if cc.GroupID != "g" || len(cc.Topics) != 1 || len(cc.Brokers) != 1 {
+		t.Fatalf("identity fields not carried: %+v", cc)
+	}
+	if cc.SessionTimeout != 2*time.Second || cc.HeartbeatInterval >= cc.SessionTimeout/3 || cc.RebalanceTimeout < time.Second {
+		t.Fatalf("timings session %s heartbeat %s rebalance %s", cc.SessionTimeout, cc.HeartbeatInterval, cc.RebalanceTimeout)
 	}
 }
 

@@ -231,10 +231,10 @@ func (rep *Report) WriteText(w io.Writer) error {
 	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
 	if c := rep.Trackers; c != nil {
-		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing %s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, c.Error)
+		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing%s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, suffix(c.Error))
 	}
 	if c := rep.DLQ; c != nil {
-		row("dead letters", "%s: %d entries for the run %v, %d dead-lettered saves not listed %s", okText(c.OK), c.Entries, c.Reasons, len(c.Unlisted), c.Error)
+		row("dead letters", "%s: %d entries for the run%s, %d dead-lettered saves not listed%s", okText(c.OK), c.Entries, reasonList(c.Reasons), len(c.Unlisted), suffix(c.Error))
 	}
 	row("result", "%s", okText(rep.OK))
 	if err := tw.Flush(); err != nil {
@@ -310,4 +310,26 @@ func size(n int64) string {
 		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
 	}
 	return fmt.Sprintf("%d B", n)
+}
+
+// suffix is " (text)" for a non-empty text, else "".
+func suffix(text string) string {
+	if text == "" {
+		return ""
+	}
+	return " (" + text + ")"
+}
+
+// reasonList renders dead-letter counts by reason as " (reason n, …)", in
+// reason order, or "" when there are none.
+func reasonList(reasons map[string]int) string {
+	if len(reasons) == 0 {
+		return ""
+	}
+	keys := slices.Sorted(maps.Keys(reasons))
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, reasons[k])
+	}
+	return " (" + strings.Join(parts, ", ") + ")"
 }

@@ -1,12 +1,17 @@
-// Package testenv gives tests the addresses of the real servers that
-// `make test` starts (PostgreSQL and Redis, via scripts/devstack.sh).
+// Package testenv gives tests the real parts they run against: the addresses
+// of the servers that `make test` starts (PostgreSQL and Redis, via
+// scripts/devstack.sh), private redis-servers a test may stop (StartRedis),
+// and the service binaries for tests that run and kill them (BuildBinary).
 //
-// When a variable is missing a test is skipped, unless KVMESH_REQUIRE_SERVICES=1
-// (set by `make test` and CI), in which case it fails: CI never passes by
-// skipping the tests that need real parts.
+// When a variable or program is missing a test is skipped, unless
+// KVMESH_REQUIRE_SERVICES=1 (set by `make test` and CI), in which case it
+// fails: CI never passes by skipping the tests that need real parts.
+//
+// Only tests import this package; it depends on the standard library alone.
 package testenv
 
 import (
+	"fmt"
 	"os"
 	"testing"
 )
@@ -34,4 +39,15 @@ func need(t testing.TB, name string) string {
 	}
 	t.Skipf("%s is not set; run `make test` to start PostgreSQL and Redis", name)
 	return ""
+}
+
+// unavailable skips the test because a real part is missing, or fails it
+// when KVMESH_REQUIRE_SERVICES=1.
+func unavailable(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if os.Getenv("KVMESH_REQUIRE_SERVICES") == "1" {
+		t.Fatal(msg)
+	}
+	t.Skip(msg)
 }

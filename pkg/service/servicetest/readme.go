@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // CheckREADMEConfig fails the test unless README.md carries, between the
@@ -16,7 +17,7 @@ import (
 // section instead (make docs).
 func CheckREADMEConfig(t *testing.T, name string, cfg any) {
 	t.Helper()
-	path := filepath.Join(moduleRoot(t), "README.md")
+	path := filepath.Join(testenv.ModuleRoot(t), "README.md")
 	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
@@ -40,22 +41,4 @@ func CheckREADMEConfig(t *testing.T, name string, cfg any) {
 		return
 	}
 	t.Fatalf("README.md configuration table for %s is stale; run `make docs`.\nwant:\n%s\ngot:\n%s", name, want, got)
-}
-
-func moduleRoot(t *testing.T) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("go.mod not found above the test's directory")
-		}
-		dir = parent
-	}
 }

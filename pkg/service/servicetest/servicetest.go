@@ -61,6 +61,7 @@ func (e *Env) Common() service.Common {
 		Partitions:      2,
 		AdminToken:      "test-token",
 		ShutdownTimeout: 2 * time.Second,
+		SessionTimeout:  2 * time.Second,
 		Model:           "hybrid-mla-linear",
 	}
 }

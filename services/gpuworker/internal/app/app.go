@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -24,6 +25,10 @@ import (
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
+
+// errNotRegistered is the readiness answer until the worker registry holds
+// this worker.
+var errNotRegistered = errors.New("not registered in the worker registry yet")
 
 // Config is the gpuworker's configuration.
 type Config struct {
@@ -47,14 +52,10 @@ type Config struct {
 	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address>, with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
 	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
 	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
-	// KeyPrefix is the store-key deployment prefix.
-	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key deployment prefix (must match the lookup service's); empty for none"`
 	// HeartbeatInterval is how often the worker heartbeats in the registry.
 	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" default:"5s" doc:"how often the worker refreshes its registration in PostgreSQL"`
 	// WorkerStaleAfter is how old a heartbeat may be for a pd source worker.
 	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" default:"30s" doc:"a worker whose heartbeat is older is not used as a pd load source"`
-	// SessionTimeout is the Kafka consumer-group session timeout.
-	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"consumer-group session timeout: how soon a crashed worker's load tasks go to its replacement"`
 }
 
 // Validate checks the configuration.
@@ -75,9 +76,6 @@ func (c *Config) Validate() error {
 	if c.HeartbeatInterval <= 0 || c.WorkerStaleAfter <= c.HeartbeatInterval {
 		errs = append(errs, errors.New("KVMESH_HEARTBEAT_INTERVAL must be positive and below KVMESH_WORKER_STALE_AFTER"))
 	}
-	if c.SessionTimeout <= 0 {
-		errs = append(errs, errors.New("KVMESH_KAFKA_SESSION_TIMEOUT: must be positive"))
-	}
 	return errors.Join(errs...)
 }
 
@@ -96,6 +94,8 @@ type App struct {
 	gpus     *devices.Source
 	consumer *bus.Consumer
 	worker   dataplane.Worker
+	// registered is set while the registry holds this worker.
+	registered atomic.Bool
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -132,6 +132,8 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
 	}
+	// Not ready until registered: a sender finds workers in the registry.
+	a.deps.AddCheck(httpserver.ReadyCheck{Name: "registry", Check: a.registeredCheck})
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "gpuworker", &cfg.Common); err != nil {
 		return nil, err
 	}
@@ -173,21 +175,15 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log,
 	})
 	r := a.cfg.Rank()
-	return bus.NewConsumer(bus.ConsumerConfig{
-		Brokers: a.cfg.Brokers,
-		GroupID: fmt.Sprintf("kvmesh-gpuworker-%s-tp%d-pcp%d-dcp%d-pp%d", a.cfg.EngineID, r.TP, r.PCP, r.DCP, r.PP),
-		Topics:  []string{contract.TopicLoadTasks},
-		OnDeadLetter: func(ctx context.Context, rec bus.Received, reason string, cause error) error {
-			m.Load(load.OutcomeDeadLettered, 0, 0)
-			a.deps.Log.ErrorContext(ctx, "load task dead-lettered: no result can be published",
-				"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
-			return nil
-		},
-		Logger:            a.deps.Log,
-		SessionTimeout:    a.cfg.SessionTimeout,
-		HeartbeatInterval: min(bus.DefaultHeartbeatInterval, a.cfg.SessionTimeout/3),
-		RebalanceTimeout:  min(bus.DefaultRebalanceTimeout, max(a.cfg.SessionTimeout, time.Second)),
-	}, loader.Handle)
+	group := fmt.Sprintf("kvmesh-gpuworker-%s-tp%d-pcp%d-dcp%d-pp%d", a.cfg.EngineID, r.TP, r.PCP, r.DCP, r.PP)
+	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
+	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
+		m.Load(load.OutcomeDeadLettered, 0, 0)
+		a.deps.Log.ErrorContext(ctx, "load task dead-lettered: no result can be published",
+			"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
+		return nil
+	}
+	return bus.NewConsumer(cc, loader.Handle)
 }
 
 // dataplaneURL is the configured URL, or http:// plus the bound address
@@ -247,6 +243,7 @@ func (a *App) keepRegistered(ctx context.Context) error {
 				a.deps.Log.Info("registered", "engine_id", a.worker.EngineID, "rank", a.worker.Rank, "addr", a.worker.Addr)
 			}
 		}
+		a.registered.Store(registered)
 		if err != nil && ctx.Err() == nil {
 			a.deps.Log.Warn("worker registry update failed; retrying at the next tick", "err", err)
 		}
@@ -256,6 +253,14 @@ func (a *App) keepRegistered(ctx context.Context) error {
 		case <-tick.C:
 		}
 	}
+}
+
+// registeredCheck is the readiness check of the registration.
+func (a *App) registeredCheck(context.Context) error {
+	if !a.registered.Load() {
+		return errNotRegistered
+	}
+	return nil
 }
 
 // deregister removes the registration on a clean stop, so no sender picks

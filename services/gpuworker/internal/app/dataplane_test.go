@@ -11,6 +11,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestClientWriteReadByteExact(t *testing.T) {
@@ -147,10 +148,10 @@ func TestClientPutStoresFramedValues(t *testing.T) {
 
 func TestClientPutReportsNoSpace(t *testing.T) {
 	t.Parallel()
-	tiny := startRedisServer(t, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+	tiny := testenv.StartRedis(t, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
 	env := servicetest.NewEnv(t)
 	cfg := testConfig(env, "engine-full")
-	cfg.RedisURL = tiny.URL
+	cfg.RedisURL = tiny.URL()
 	cfg.PoolBlocks = 24
 	w := startWorker(t, cfg, nil)
 	ctx := context.Background()
@@ -187,7 +188,7 @@ func TestClientPutReportsNoSpace(t *testing.T) {
 		t.Fatalf("bytes = %d, want %d for %d stored values", n, want, stored)
 	}
 	waitMetric(t, w, fmt.Sprintf(`kvmesh_store_failed_keys_total{op="save_put",status="no_space"} %d`, full))
-	rdb := redisClient(t, tiny.URL)
+	rdb := redisClient(t, tiny.URL())
 	for i, r := range res {
 		exists, _ := rdb.Exists(ctx, items[i].Key).Result()
 		if (exists == 1) != (r.Status == dataplane.PutStored) {

@@ -1,18 +1,14 @@
 package app_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
-	"os/exec"
 	"sync"
 	"testing"
 	"time"
@@ -44,18 +40,19 @@ type worker struct {
 // testConfig is a worker configuration for env with a small pool and a
 // per-test key prefix, so tests sharing the Redis server never collide.
 func testConfig(env *servicetest.Env, engine string) app.Config {
+	common := env.Common()
+	common.KeyPrefix = "t" + randomHex(6)
+	common.SessionTimeout = 10 * time.Second
 	return app.Config{
-		Common:            env.Common(),
+		Common:            common,
 		HTTPAddr:          "127.0.0.1:0",
 		DatabaseURL:       env.DatabaseURL,
 		RedisURL:          env.RedisURL,
 		EngineID:          engine,
 		PoolBlocks:        16,
 		MaxBatchBytes:     4 << 20,
-		KeyPrefix:         "t" + randomHex(6),
 		HeartbeatInterval: 200 * time.Millisecond,
 		WorkerStaleAfter:  10 * time.Second,
-		SessionTimeout:    10 * time.Second,
 	}
 }
 
@@ -269,55 +266,6 @@ func getJSON(t *testing.T, url string, v any) {
 	if err := json.Unmarshal(body, v); err != nil {
 		t.Fatalf("GET %s: %v in %s", url, err, body)
 	}
-}
-
-// redisServer is a throwaway redis-server owned by one test.
-type redisServer struct {
-	URL    string
-	cmd    *exec.Cmd
-	output bytes.Buffer
-	once   sync.Once
-}
-
-// startRedisServer starts a private redis-server with no persistence and
-// extra arguments and waits until it answers PING; it is killed at cleanup.
-func startRedisServer(t *testing.T, args ...string) *redisServer {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		if os.Getenv("KVMESH_REQUIRE_SERVICES") == "1" {
-			t.Fatalf("redis-server not on PATH: %v", err)
-		}
-		t.Skipf("redis-server not on PATH: %v", err)
-	}
-	port := freePort(t)
-	base := []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", t.TempDir()}
-	s := &redisServer{URL: fmt.Sprintf("redis://127.0.0.1:%s/0", port)}
-	s.cmd = exec.Command(bin, append(base, args...)...)
-	s.cmd.Stdout, s.cmd.Stderr = &s.output, &s.output
-	if err := s.cmd.Start(); err != nil {
-		t.Fatalf("start redis-server: %v", err)
-	}
-	t.Cleanup(s.Stop)
-	c := redisClient(t, s.URL)
-	deadline := time.Now().Add(waitFor)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for c.Ping(context.Background()).Err() != nil {
-		if time.Now().After(deadline) {
-			t.Fatalf("redis-server on %s not answering:\n%s", port, s.output.String())
-		}
-		<-tick.C
-	}
-	return s
-}
-
-// Stop kills the server and reaps it; later calls do nothing.
-func (s *redisServer) Stop() {
-	s.once.Do(func() {
-		_ = s.cmd.Process.Kill() // fails only if it already exited
-		_ = s.cmd.Wait()         // a killed process exits with an error by design
-	})
 }
 
 // freePort returns a TCP port that was free a moment ago on 127.0.0.1.

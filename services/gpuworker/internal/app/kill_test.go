@@ -7,7 +7,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // stallProxy forwards TCP connections to a Redis server. Once armed, the
@@ -113,18 +113,6 @@ func (p *stallProxy) holds(chunk []byte) bool {
 	return true
 }
 
-// buildWorker builds the gpuworker binary once per test.
-func buildWorker(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "gpuworker")
-	cmd := exec.Command("go", "build", "-ldflags=-s -w", "-o", bin, "github.com/kvmesh/kvmesh/services/gpuworker")
-	cmd.Env = append(os.Environ(), "CGO_CFLAGS=-O2 -g -Wno-deprecated-declarations")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build gpuworker: %v\n%s", err, out)
-	}
-	return bin
-}
-
 // process is a gpuworker running as a subprocess.
 type process struct {
 	cmd  *exec.Cmd
@@ -165,7 +153,7 @@ func (p *process) kill() {
 // a load error) within the deadline: the request does not hang.
 func TestKilledMidLoadIsRedeliveredAndReported(t *testing.T) {
 	t.Parallel()
-	bin := buildWorker(t)
+	bin := testenv.BuildBinary(t, "./services/gpuworker")
 	env := servicetest.NewEnv(t)
 	ru, err := url.Parse(env.RedisURL)
 	if err != nil {

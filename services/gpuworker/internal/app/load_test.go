@@ -15,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/load"
 )
 
@@ -239,10 +240,10 @@ func TestPDLoadReadsTheRemoteWorker(t *testing.T) {
 // whole batch fails, every block is a load error, and the result still comes.
 func TestLoadWithStoreDownReportsEveryBlock(t *testing.T) {
 	t.Parallel()
-	rds := startRedisServer(t)
+	rds := testenv.StartRedis(t)
 	env := servicetest.NewEnv(t)
 	cfg := testConfig(env, "engine-nostore")
-	cfg.RedisURL = rds.URL
+	cfg.RedisURL = rds.URL()
 	w := startWorker(t, cfg, nil)
 	rs := watchResults(t, env)
 	rds.Stop()

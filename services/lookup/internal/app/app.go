@@ -31,8 +31,6 @@ type Config struct {
 	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
 	Connectors []string `env:"KVMESH_LOOKUP_CONNECTORS" default:"store" doc:"connector chain, in order, comma-separated: store, pd (e.g. pd,store); the first child with a positive count is chosen"`
-	// KeyPrefix separates deployments that share one store pool.
-	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store key prefix separating deployments that share a store pool (no '@' or spaces); empty for none"`
 	// LoadAsync is the default load_async of a positive answer.
 	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" default:"true" doc:"load external tokens asynchronously unless a lookup says otherwise"`
 	// Timeout bounds one lookup's store check and decision publish.
@@ -54,9 +52,6 @@ func (c *Config) validateLookup() error {
 		if err := connector.CheckNames(c.Connectors); err != nil {
 			errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_CONNECTORS: %w", err))
 		}
-	}
-	if _, err := kvcore.NewKeyBuilder(c.KeyPrefix, "model"); err != nil {
-		errs = append(errs, fmt.Errorf("KVMESH_KEY_PREFIX: %w", err))
 	}
 	if c.Timeout < 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_TIMEOUT: %s is negative", c.Timeout))

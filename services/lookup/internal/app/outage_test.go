@@ -1,19 +1,11 @@
 package app_test
 
 import (
-	"bytes"
 	"context"
-	"fmt"
-	"net"
 	"net/http"
-	"os"
-	"os/exec"
-	"strconv"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kvmesh/kvmesh/pkg/devbroker"
@@ -21,66 +13,6 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
-
-// redisServer is a throwaway redis-server owned by one test.
-type redisServer struct {
-	url    string
-	cmd    *exec.Cmd
-	output bytes.Buffer
-	once   sync.Once
-}
-
-// startRedisServer starts a private redis-server without persistence and
-// waits until it answers PING; it is stopped at cleanup. Without
-// redis-server the test is skipped, or fails under KVMESH_REQUIRE_SERVICES=1.
-func startRedisServer(t *testing.T) *redisServer {
-	t.Helper()
-	bin, err := exec.LookPath("redis-server")
-	if err != nil {
-		if os.Getenv("KVMESH_REQUIRE_SERVICES") == "1" {
-			t.Fatalf("redis-server not on PATH: %v", err)
-		}
-		t.Skipf("redis-server not on PATH: %v", err)
-	}
-	port := freePort(t)
-	s := &redisServer{url: fmt.Sprintf("redis://127.0.0.1:%d/0", port)}
-	s.cmd = exec.Command(bin, "--port", strconv.Itoa(port), "--bind", "127.0.0.1",
-		"--save", "", "--appendonly", "no", "--dir", t.TempDir())
-	s.cmd.Stdout, s.cmd.Stderr = &s.output, &s.output
-	if err := s.cmd.Start(); err != nil {
-		t.Fatalf("start redis-server: %v", err)
-	}
-	t.Cleanup(s.stop)
-	ro, err := redis.ParseURL(s.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ro.MaxRetries = -1
-	c := redis.NewClient(ro)
-	defer c.Close()
-	eventually(t, "redis-server on port "+strconv.Itoa(port)+" answers PING", func() bool {
-		return c.Ping(context.Background()).Err() == nil
-	})
-	return s
-}
-
-// stop kills the server and waits for it; later calls do nothing.
-func (s *redisServer) stop() {
-	s.once.Do(func() {
-		_ = s.cmd.Process.Kill() // fails only if it already exited, which Wait reports
-		_ = s.cmd.Wait()         // a killed process exits with an error by design
-	})
-}
-
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
 
 // brokerEnv is an env with a broker of the test's own (which the test may
 // stop) and the given Redis; these tests need no database.
@@ -98,11 +30,11 @@ func brokerEnv(t *testing.T, redisURL string) (*servicetest.Env, *devbroker.Brok
 // lookups that need it answer 503 with Retry-After and never a count, and
 // publish no decision.
 func TestStoreOutageAnswers503(t *testing.T) {
-	rs := startRedisServer(t)
-	env, _ := brokerEnv(t, rs.url)
+	rs := testenv.StartRedis(t)
+	env, _ := brokerEnv(t, rs.URL())
 	s := startLookup(t, env, map[string]string{"KVMESH_MODEL": writeSpec(t, specDense), "KVMESH_LOOKUP_TIMEOUT": "500ms"})
 	decisions := readDecisions(t, env.Brokers)
-	seed := newSeeder(t, rs.url)
+	seed := newSeeder(t, rs.URL())
 	toks := tokens(48, 301)
 	seed.put(t, groupKeys(s.keys(), 0, kvcore.HashChain(toks, 16, nil), 0, 1)...)
 	if d := s.lookup(t, body("before", toks, 0)); d.ExternalTokens != 32 {
@@ -110,7 +42,7 @@ func TestStoreOutageAnswers503(t *testing.T) {
 	}
 
 	seed.forget()
-	rs.stop()
+	rs.Stop()
 	for i := range 2 {
 		res := s.post(t, body("during", toks, 0), nil)
 		p := res.problem(t, http.StatusServiceUnavailable)

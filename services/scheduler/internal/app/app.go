@@ -48,8 +48,6 @@ type Config struct {
 	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" default:"false" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" default:"4" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
-	// SessionTimeout is the consumer-group session timeout.
-	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: a member silent this long loses its partitions"`
 	// MaintenanceInterval paces the gauges and the purge.
 	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
 }
@@ -65,9 +63,6 @@ func (c *Config) Validate() error {
 	}
 	if c.Consumers < 1 || c.Consumers > MaxConsumers {
 		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_CONSUMERS: %d is not from 1 to %d", c.Consumers, MaxConsumers))
-	}
-	if c.SessionTimeout < 100*time.Millisecond {
-		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
 	}
 	if c.MaintenanceInterval <= 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAINTENANCE_INTERVAL: %s is not positive", c.MaintenanceInterval))
@@ -86,9 +81,6 @@ func (c *Config) fillDefaults() {
 	}
 	if c.Consumers == 0 {
 		c.Consumers = 4
-	}
-	if c.SessionTimeout == 0 {
-		c.SessionTimeout = 10 * time.Second
 	}
 	if c.MaintenanceInterval == 0 {
 		c.MaintenanceInterval = 15 * time.Second
@@ -151,20 +143,12 @@ func (a *App) buildConsumers() error {
 		return err
 	}
 	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log)
-	session := a.cfg.SessionTimeout
+	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
+	cc.OnDeadLetter = h.DeadLetter
+	// A database outage must not dead-letter records: retry until it ends.
+	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: 5 * time.Second}
 	for range a.cfg.Consumers {
-		c, err := bus.NewConsumer(bus.ConsumerConfig{
-			Brokers:      a.cfg.Brokers,
-			GroupID:      GroupID,
-			Topics:       intake.Topics,
-			OnDeadLetter: h.DeadLetter,
-			// A database outage must not dead-letter records: retry until it ends.
-			Retry:             bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: 5 * time.Second},
-			Logger:            a.deps.Log,
-			SessionTimeout:    session,
-			HeartbeatInterval: min(time.Second, session/5),
-			RebalanceTimeout:  session,
-		}, h.Handle)
+		c, err := bus.NewConsumer(cc, h.Handle)
 		if err != nil {
 			return err
 		}

@@ -38,7 +38,7 @@ func TestREADMEConfig(t *testing.T) {
 func TestConfigValidate(t *testing.T) {
 	valid := func() app.Config {
 		return app.Config{Common: (&servicetest.Env{Brokers: []string{"127.0.0.1:1"}}).Common(), TrackerRetention: time.Hour,
-			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, SessionTimeout: 10 * time.Second, MaintenanceInterval: time.Second}
+			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, MaintenanceInterval: time.Second}
 	}
 	tests := []struct {
 		name   string

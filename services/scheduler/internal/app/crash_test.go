@@ -19,23 +19,9 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
-
-// buildScheduler builds the scheduler binary into the test's temp dir.
-func buildScheduler(t *testing.T) string {
-	t.Helper()
-	gotool, err := exec.LookPath("go")
-	if err != nil {
-		gotool = filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	}
-	bin := filepath.Join(t.TempDir(), "scheduler")
-	out, err := exec.Command(gotool, "build", "-o", bin, "github.com/kvmesh/kvmesh/services/scheduler").CombinedOutput()
-	if err != nil {
-		t.Fatalf("build scheduler: %v\n%s", err, out)
-	}
-	return bin
-}
 
 // freeAddr returns a loopback address with a port free at the time of the call.
 func freeAddr(t *testing.T) string {
@@ -103,7 +89,7 @@ func startProcess(t *testing.T, bin string, env *servicetest.Env, extra ...strin
 // published exactly once, and the ledger holds each exactly once.
 func TestKilledAfterCommitBeforePublish(t *testing.T) {
 	env := servicetest.NewEnv(t)
-	bin := buildScheduler(t)
+	bin := testenv.BuildBinary(t, "./services/scheduler")
 	h := &mesh{t: t, ctx: context.Background(), brokers: env.Brokers, dbURL: env.DatabaseURL,
 		out: newCollector(t, env.Brokers, outputs)}
 	var err error

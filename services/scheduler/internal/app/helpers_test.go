@@ -129,7 +129,7 @@ func startMesh(t testing.TB, brokers []string, dbURL string, o meshOptions) *mes
 	common := servicetest.Env{Brokers: brokers}
 	cfg := app.Config{
 		Common: common.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: dbURL, Migrate: true,
-		Consumers: max(o.consumers, 2), SessionTimeout: 2 * time.Second, MaintenanceInterval: 100 * time.Millisecond,
+		Consumers: max(o.consumers, 2), MaintenanceInterval: 100 * time.Millisecond,
 	}
 	cfg.Model = path
 	cfg.LogLevel = "warn"

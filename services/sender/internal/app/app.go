@@ -32,12 +32,8 @@ type Config struct {
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db); the sender checks which keys exist there"`
-	// KeyPrefix separates deployments sharing one store.
-	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store key prefix separating deployments that share a store (must match the lookup service's)"`
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles its partitions one task at a time)"`
-	// SessionTimeout is the consumer-group session timeout.
-	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"consumer-group session timeout: how soon the save tasks of a crashed sender go to another"`
 	// RetryAttempts bounds the attempts of an existence check or a put.
 	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" default:"4" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
 	// RetryBase is the first retry's delay.
@@ -72,7 +68,7 @@ func (c *Config) Validate() error {
 		name string
 		v    time.Duration
 	}{
-		{"KVMESH_KAFKA_SESSION_TIMEOUT", c.SessionTimeout}, {"KVMESH_SENDER_RETRY_BASE", c.RetryBase},
+		{"KVMESH_SENDER_RETRY_BASE", c.RetryBase},
 		{"KVMESH_SENDER_RETRY_MAX", c.RetryMax}, {"KVMESH_SENDER_PRESSURE_COOLDOWN", c.PressureCoolDown},
 		{"KVMESH_WORKER_STALE_AFTER", c.WorkerStaleAfter}, {"KVMESH_SENDER_STORE_TIMEOUT", c.StoreTimeout},
 		{"KVMESH_SENDER_PUT_TIMEOUT", c.PutTimeout},
@@ -155,13 +151,10 @@ func (a *App) wire(cfg Config) error {
 	if err != nil {
 		return err
 	}
+	cc := cfg.ConsumerConfig(ConsumerGroup, []string{contract.TopicSaveTasks}, a.deps.Log)
+	cc.OnDeadLetter = a.processor.DeadLetter
 	for range cfg.Consumers {
-		c, err := bus.NewConsumer(bus.ConsumerConfig{
-			Brokers: cfg.Brokers, GroupID: ConsumerGroup, Topics: []string{contract.TopicSaveTasks},
-			OnDeadLetter: a.processor.DeadLetter, Logger: a.deps.Log,
-			SessionTimeout: cfg.SessionTimeout, HeartbeatInterval: heartbeat(cfg.SessionTimeout),
-			RebalanceTimeout: cfg.SessionTimeout,
-		}, a.processor.Handle)
+		c, err := bus.NewConsumer(cc, a.processor.Handle)
 		if err != nil {
 			return err
 		}
@@ -170,11 +163,6 @@ func (a *App) wire(cfg Config) error {
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log))
 	api.New(a.processor, l, a.deps.Log).Mount(a.srv.Router(), a.srv.RequireAdmin())
 	return nil
-}
-
-// heartbeat is a tenth of the session timeout, at most bus's default.
-func heartbeat(session time.Duration) time.Duration {
-	return min(session/10, bus.DefaultHeartbeatInterval)
 }
 
 // Addr is the bound HTTP address.

@@ -12,13 +12,14 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if binDir != "" {
-		_ = os.RemoveAll(binDir)
+	if err := testenv.RemoveBinaries(); err != nil {
+		fmt.Fprintln(os.Stderr, "remove test binaries:", err)
 	}
 	if code == 0 {
 		if err := goleak.Find(); err != nil {

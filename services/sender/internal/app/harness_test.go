@@ -32,65 +32,12 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 
 // waitFor bounds every poll of the service tests.
 const waitFor = 30 * time.Second
-
-// binaries are built once per test process into binDir.
-var (
-	binDir   string
-	binMu    sync.Mutex
-	binBuilt = map[string]string{}
-)
-
-// binary builds ./services/<name> once per test process and returns its path.
-func binary(t testing.TB, name string) string {
-	t.Helper()
-	binMu.Lock()
-	defer binMu.Unlock()
-	if p, ok := binBuilt[name]; ok {
-		return p
-	}
-	if binDir == "" {
-		dir, err := os.MkdirTemp("", "kvmesh-sender-test-bin-")
-		if err != nil {
-			t.Fatal(err)
-		}
-		binDir = dir
-	}
-	out := filepath.Join(binDir, name)
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		goTool = "/usr/local/go/bin/go"
-	}
-	cmd := exec.Command(goTool, "build", "-o", out, "./services/"+name)
-	cmd.Dir = moduleRoot(t)
-	if msg, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./services/%s: %v\n%s", name, err, msg)
-	}
-	binBuilt[name] = out
-	return out
-}
-
-func moduleRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("go.mod not found")
-		}
-		dir = parent
-	}
-}
 
 // process is a service binary running as a subprocess.
 type process struct {
@@ -156,48 +103,6 @@ func (p *process) stop() {
 func (p *process) kill() {
 	_ = p.cmd.Process.Kill()
 	<-p.done
-}
-
-// throwawayRedis starts a private redis-server with extra arguments and
-// returns its URL; stop shuts it down (also at cleanup).
-func throwawayRedis(t testing.TB, args ...string) (url string, stop func()) {
-	t.Helper()
-	port := freePort(t)
-	all := append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"}, args...)
-	cmd := exec.Command(mustLookPath(t, "redis-server"), all...)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			_ = cmd.Process.Kill()
-			<-done
-		})
-	}
-	t.Cleanup(stop)
-	url = fmt.Sprintf("redis://127.0.0.1:%d/0", port)
-	poll(t, "throwaway redis up", func() bool {
-		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
-		if err == nil {
-			_ = c.Close()
-		}
-		return err == nil
-	})
-	return url, stop
-}
-
-func mustLookPath(t testing.TB, name string) string {
-	t.Helper()
-	p, err := exec.LookPath(name)
-	if err != nil {
-		t.Skipf("%s not installed", name)
-	}
-	return p
 }
 
 func freePort(t testing.TB) int {
@@ -393,9 +298,11 @@ func (s *stack) startCollector(t testing.TB) {
 
 // senderConfig is the sender's configuration for tests.
 func (s *stack) senderConfig(redisURL string) app.Config {
+	common := s.env.Common()
+	common.KeyPrefix, common.SessionTimeout = s.prefix, time.Second
 	return app.Config{
-		Common: s.env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: s.env.DatabaseURL, RedisURL: redisURL,
-		KeyPrefix: s.prefix, Consumers: 1, SessionTimeout: time.Second,
+		Common: common, HTTPAddr: "127.0.0.1:0", DatabaseURL: s.env.DatabaseURL, RedisURL: redisURL,
+		Consumers:     1,
 		RetryAttempts: 3, RetryBase: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 		ProbeEvery: 2, PressureCoolDown: time.Hour, WorkerStaleAfter: 30 * time.Second,
 		StoreTimeout: time.Second, PutTimeout: 10 * time.Second,
@@ -461,7 +368,7 @@ func (s *stack) workerEnv(engine string) map[string]string {
 // is registered and ready.
 func (s *stack) startWorker(t testing.TB, engine string) *dataplane.Client {
 	t.Helper()
-	startProcess(t, binary(t, "gpuworker"), s.workerEnv(engine))
+	startProcess(t, testenv.BuildBinary(t, "./services/gpuworker"), s.workerEnv(engine))
 	var addr string
 	poll(t, "gpuworker "+engine+" registered", func() bool {
 		ws, err := dataplane.Find(context.Background(), s.db, engine, time.Minute)

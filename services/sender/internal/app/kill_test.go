@@ -11,6 +11,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // The sender binary is SIGKILLed while it works through a batch of tasks;
@@ -34,7 +35,7 @@ func TestSenderKilledMidBatch(t *testing.T) {
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_HTTP_ADDR": fmt.Sprintf("127.0.0.1:%d", port), "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
 	}
-	bin := binary(t, "sender")
+	bin := testenv.BuildBinary(t, "./services/sender")
 	sender := startProcess(t, bin, env)
 	var atKill int
 	poll(t, "the first saves", func() bool {

@@ -9,6 +9,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
@@ -126,9 +127,9 @@ func TestSendingScenarios(t *testing.T) {
 // Scenario 17: the existence check fails (the sender's store is down) →
 // retried, then dead-lettered with exists_failed; the sender keeps going.
 func TestS17_ExistenceCheckFails_RetriedThenDeadLettered(t *testing.T) {
-	down, stop := throwawayRedis(t)
-	s := newStack(t, stackOptions{engines: []string{"e1"}, senderRedis: down})
-	stop()
+	down := testenv.StartRedis(t)
+	s := newStack(t, stackOptions{engines: []string{"e1"}, senderRedis: down.URL()})
+	down.Stop()
 	task := s.task(t, "e1", "s17-exists", 0, 32, 0)
 	s.publish(t, task)
 	res := s.got.result(t, task.TaskID)
@@ -155,7 +156,7 @@ func TestS17_ExistenceCheckFails_RetriedThenDeadLettered(t *testing.T) {
 // Scenario 18: the store answers "no space" → later saves are skipped
 // (counted) until a put succeeds; probes go through.
 func TestS18_NoSpace_SkippedUntilAPutSucceeds(t *testing.T) {
-	tiny, _ := throwawayRedis(t, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+	tiny := testenv.StartRedis(t, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction").URL()
 	s := newStack(t, stackOptions{engines: []string{"e1"}, workerRedis: tiny, senderRedis: tiny,
 		config: func(c *app.Config) { c.ProbeEvery = 2 }})
 	// Fill the store until a put answers no space.
