@@ -83,7 +83,19 @@ service_up() {
   echo $! >"$dev/pids/$name"
 }
 
-ready() { curl -fsS "http://127.0.0.1:$1/readyz" >/dev/null; }
+# readyz PORT prints the HTTP status of GET /readyz on 127.0.0.1:PORT (000
+# when nothing answers), with bash's /dev/tcp so that curl is not needed.
+readyz() {
+  local code=000
+  if exec 3<>"/dev/tcp/127.0.0.1/$1" 2>/dev/null; then
+    printf 'GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    read -r _ code _ <&3 || code=000
+    exec 3<&-
+  fi
+  echo "${code:-000}"
+}
+
+ready() { [ "$(readyz "$1")" = 200 ]; }
 
 up() {
   [ -f "$dev/env" ] || die "run scripts/devstack.sh up first (make up does)"
@@ -126,7 +138,7 @@ status() {
       printf '%-18s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
       continue
     fi
-    state=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/readyz" || true)
+    state=$(readyz "$port")
     printf '%-18s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
   done
 }

@@ -18,6 +18,9 @@ import (
 // os.TempDir()/kvmesh-testbin-<pid>.
 const binDirPrefix = "kvmesh-testbin-"
 
+// binDirEnv names a directory of prebuilt binaries (see goBuild).
+const binDirEnv = "KVMESH_TEST_BIN_DIR"
+
 // cgoCFlags silences go-nvml's C warnings (stack-notes); it applies only
 // when the environment sets no CGO_CFLAGS of its own.
 const cgoCFlags = "-O2 -g -Wno-deprecated-declarations"
@@ -108,7 +111,18 @@ func buildOf(pkg string) *build {
 
 // goBuild runs `go build` for pkg in the module root and returns the binary,
 // named after the package's last element in a folder of its own.
+//
+// When KVMESH_TEST_BIN_DIR names a directory holding a binary of that name
+// (`make test` points it at bin/, which `make build` has just refreshed),
+// that binary is used instead: test packages running in parallel then do
+// not each compile the services again.
 func goBuild(pkg string) (string, error) {
+	if dir := os.Getenv(binDirEnv); dir != "" {
+		prebuilt := filepath.Join(dir, path.Base(pkg))
+		if _, err := os.Stat(prebuilt); err == nil {
+			return prebuilt, nil
+		}
+	}
 	root, err := moduleRoot()
 	if err != nil {
 		return "", err
