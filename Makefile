@@ -43,13 +43,21 @@ run: up ## The main job: the stack, the demo workload (seed preset) and its repo
 	@scripts/run.sh $(RUN_ARGS)
 
 .PHONY: test
-test: deps build ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, plus bounded fuzzing.
-	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(BIN) \
+# The service binaries that the kill and end-to-end tests run are built
+# once, with -race (so they share the compiled dependencies with the test
+# binaries, and a data race in a service process stops it: GORACE below).
+TESTBIN   := $(DEV)/testbin
+# Fuzz targets that `make test` runs for FUZZTIME; `make fuzz` runs them all.
+TESTFUZZ  := ./pkg/kvcore
+
+test: deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, plus bounded fuzzing of the domain core.
+	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ ./cmd/kvmesh $(addprefix ./services/,$(SERVICES))
+	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
 		$(GO) test -race -count=1 -timeout 9m $(PKGS)
-	@$(MAKE) --no-print-directory fuzz FUZZTIME=$(FUZZTIME)
+	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
 
 .PHONY: fuzz
-fuzz: deps ## Run every fuzz target for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
+fuzz: deps ## Run every fuzz target (kvcore's and the sender's) for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME)
 
 .PHONY: bench

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# fuzz.sh DURATION — runs every Go fuzz target in the module for DURATION each.
+# fuzz.sh DURATION [DIR...] — runs every Go fuzz target in the module (or
+# only those under the given directories) for DURATION each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t=${1:-10s}
-mapfile -t targets < <(grep -rl --include='*_test.go' -E '^func Fuzz[A-Za-z0-9_]+\(f \*testing\.F\)' . |
+shift || true
+dirs=("$@")
+[ ${#dirs[@]} -gt 0 ] || dirs=(.)
+mapfile -t targets < <(grep -rl --include='*_test.go' -E '^func Fuzz[A-Za-z0-9_]+\(f \*testing\.F\)' "${dirs[@]}" |
   while read -r f; do
     pkg=./$(dirname "${f#./}")
     grep -oE '^func Fuzz[A-Za-z0-9_]+' "$f" | sed "s|^func |$pkg |"
