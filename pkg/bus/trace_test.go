@@ -5,33 +5,13 @@ import (
 	"testing"
 
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
-
-// installTracing sets a global tracer provider that records spans and the
-// W3C propagator, restoring the previous ones at cleanup.
-func installTracing(t *testing.T) *tracetest.SpanRecorder {
-	t.Helper()
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	prevTP, prevProp := otel.GetTracerProvider(), otel.GetTextMapPropagator()
-	otel.SetTracerProvider(tp)
-	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
-	t.Cleanup(func() {
-		otel.SetTracerProvider(prevTP)
-		otel.SetTextMapPropagator(prevProp)
-		if err := tp.Shutdown(context.Background()); err != nil {
-			t.Errorf("TracerProvider.Shutdown: %v", err)
-		}
-	})
-	return rec
-}
 
 func spanOfKind(spans []sdktrace.ReadOnlySpan, kind trace.SpanKind) sdktrace.ReadOnlySpan {
 	for _, s := range spans {
@@ -44,7 +24,7 @@ func spanOfKind(spans []sdktrace.ReadOnlySpan, kind trace.SpanKind) sdktrace.Rea
 
 func TestTraceContextFlowsFromProducerToConsumer(t *testing.T) {
 	const topic, group = "bus.test.trace", "trace"
-	rec := installTracing(t)
+	rec := testenv.RecordSpans(t)
 	e := newEnv(t)
 	e.topics(topic)
 
@@ -81,7 +61,7 @@ func TestTraceContextFlowsFromProducerToConsumer(t *testing.T) {
 
 func TestPublishContinuesTheCallersTrace(t *testing.T) {
 	const topic = "bus.test.trace-parent"
-	rec := installTracing(t)
+	rec := testenv.RecordSpans(t)
 	e := newEnv(t)
 	e.topics(topic)
 

@@ -5,7 +5,6 @@ import (
 	"reflect"
 	"testing"
 
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -15,34 +14,15 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
-
-// installTracing sets a global tracer provider that records spans and the
-// W3C propagator (what telemetry.Setup installs in a service), restoring
-// the previous ones at cleanup.
-func installTracing(t *testing.T) *tracetest.SpanRecorder {
-	t.Helper()
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	prevTP, prevProp := otel.GetTracerProvider(), otel.GetTextMapPropagator()
-	otel.SetTracerProvider(tp)
-	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
-	t.Cleanup(func() {
-		otel.SetTracerProvider(prevTP)
-		otel.SetTextMapPropagator(prevProp)
-		if err := tp.Shutdown(context.Background()); err != nil {
-			t.Errorf("TracerProvider.Shutdown: %v", err)
-		}
-	})
-	return rec
-}
 
 // TestDecisionPublishedWithTraceContext checks that an answered lookup's
 // decision is on kvmesh.lookup.decisions, keyed by request id, equal to
 // the answer, with a traceparent continuing the engine's trace, and that
 // the lookup span carries the request's attributes.
 func TestDecisionPublishedWithTraceContext(t *testing.T) {
-	rec := installTracing(t)
+	rec := testenv.RecordSpans(t)
 	env := servicetest.NewEnv(t)
 	seed := newSeeder(t, env.RedisURL)
 	s := startLookup(t, env, map[string]string{
