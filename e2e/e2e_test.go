@@ -66,7 +66,7 @@ func smallWorkload(requests int, rate float64) sim.Workload {
 // simConfig points the simulator at the stack.
 func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 	t.Helper()
-	m, err := kvcore.Preset(model)
+	m, err := kvcore.Preset(s.model)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,12 +118,12 @@ func TestSeedPreset(t *testing.T) {
 	if n := seedDecisions(ctx, t, s); n == 0 {
 		t.Fatal("no lookup chose pd while the store child also kept a LoadSpec: the seed's condition was not exercised")
 	}
-	checkOneTracePerRequest(ctx, t, s)
+	checkTraceHeaders(ctx, t, s)
 }
 
-// checkOneTracePerRequest: every engine event and lookup decision of one
+// checkTraceHeaders: every engine event and lookup decision of one
 // request (both engines of a turn) carries the same trace id.
-func checkOneTracePerRequest(ctx context.Context, t *testing.T, s *stack) {
+func checkTraceHeaders(ctx context.Context, t *testing.T, s *stack) {
 	t.Helper()
 	traces := map[string]map[string]bool{}
 	for _, topic := range []string{contract.TopicEngineEvents, contract.TopicLookupDecisions} {
@@ -278,19 +278,29 @@ func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTas
 	if err != nil {
 		t.Fatal(err)
 	}
+	publishSaveTasks(ctx, t, s,
+		bus.Message{Key: task.RequestID, Value: value},
+		bus.Message{Key: garbageKey, Value: []byte("\x00\xffnot a save task{")},
+	)
+	return task
+}
+
+// publishSaveTasks publishes msgs to kvmesh.save.tasks (it sets their
+// Topic) through a producer of its own; a span in ctx travels in their
+// trace headers.
+func publishSaveTasks(ctx context.Context, t *testing.T, s *stack, msgs ...bus.Message) {
+	t.Helper()
 	pub, err := bus.NewProducer(s.brokers)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pub.Close()
-	err = pub.Publish(ctx,
-		bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: value},
-		bus.Message{Topic: contract.TopicSaveTasks, Key: garbageKey, Value: []byte("\x00\xffnot a save task{")},
-	)
-	if err != nil {
+	for i := range msgs {
+		msgs[i].Topic = contract.TopicSaveTasks
+	}
+	if err := pub.Publish(ctx, msgs...); err != nil {
 		t.Fatal(err)
 	}
-	return task
 }
 
 // dlqEntry is the part of a GET /v1/dlq item the test reads.
@@ -423,7 +433,7 @@ func TestCorruptedValuesAreRecomputed(t *testing.T) {
 	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
 		if p.Done >= 6 && !fired {
 			fired = true
-			corrupted <- eachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
+			corrupted <- testenv.EachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
 				pairs := make([]any, 0, 2*len(keys))
 				for _, k := range keys {
 					pairs = append(pairs, k, "garbage")

@@ -22,6 +22,7 @@ admin:
              http://127.0.0.1:8083/v1/dlq             (dead letters)
   gpuworker  http://127.0.0.1:8084/v1/pool            (decode-0 pool; /v1/devices for GPUs)
              http://127.0.0.1:8085/v1/pool            (prefill-0 pool)
-  lookup     http://127.0.0.1:8081/metrics            (every service serves /metrics, /healthz, /readyz)
+  lookup     http://127.0.0.1:8081/metrics            (every service serves /metrics, /healthz, /readyz, /openapi.yaml)
+  CLI        bin/kvmesh status | dlq list | requests list | workers   (bin/kvmesh help)
 URLS
 exit $status

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh — what `make run` does once `make up` has the stack running: the
 # demo workload (scripts/demo.sh: kvmesh sim, seed preset) and its report,
-# the stack's status, then — on a terminal — it keeps the stack up until
+# the stack's status and `kvmesh status` (readiness and key counters of
+# every service, from /readyz and /metrics), then — on a terminal — it keeps the stack up until
 # Ctrl-C and stops it. Without a terminal (CI, pipes) it returns at once and
 # leaves the stack up for `make down`. Exits with the demo's status.
 set -uo pipefail
@@ -11,6 +12,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 status=$?
 echo >&2
 "$root/scripts/stack.sh" status >&2
+echo >&2
+# Every service's readiness and key counters, read from /readyz and /metrics.
+"$root/bin/kvmesh" status --gpuworker-url http://127.0.0.1:8084,http://127.0.0.1:8085 >&2
 if [ -t 0 ] && [ -t 1 ]; then
   echo >&2
   echo "The stack stays up: press Ctrl-C to stop it (or run 'make down' from another terminal)." >&2

@@ -2,6 +2,10 @@
 // file and registers itself in commands from an init func:
 //
 //	kvmesh devbroker [flags]   run the embedded Kafka-protocol broker
+//	kvmesh dlq list|show|replay   the sender's dead letters (replay by id or reason, --dry-run)
+//	kvmesh requests list|show  the scheduler's request trackers
+//	kvmesh workers             the gpuworker registry and each worker's pool
+//	kvmesh status              every service's readiness and key counters
 //	kvmesh help                list the subcommands
 //
 // Subcommands run until they finish or until SIGINT/SIGTERM.

@@ -58,10 +58,14 @@ func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason stri
 // DeadLetterMessage returns the dead letter of rec for topic dlq: the
 // original key, value and headers, plus the reason code, the error text and
 // the record's original topic, partition and offset (contract.HeaderReason,
-// HeaderReasonText, HeaderOrigTopic, HeaderOrigPart, HeaderOrigOffset).
+// HeaderReasonText, HeaderOrigTopic, HeaderOrigPart, HeaderOrigOffset). The
+// original trace headers are dropped: the dead letter continues the trace
+// of the context it is published with (the consumer span that gave up).
 func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Message {
 	headers := make(map[string]string, len(rec.Headers)+5)
 	maps.Copy(headers, rec.Headers)
+	delete(headers, contract.HeaderTraceparent)
+	delete(headers, contract.HeaderTracestate)
 	headers[contract.HeaderReason] = reason
 	if cause != nil {
 		headers[contract.HeaderReasonText] = truncate(cause.Error(), maxReasonText)

@@ -72,7 +72,7 @@ func TestDeadLetterMessage(t *testing.T) {
 	long := strings.Repeat("é", 1000) // 2000 bytes
 	m := bus.DeadLetterMessage("dlq", rec, "bad_group", errors.New(long))
 	want := map[string]string{
-		"traceparent": "tp", "x": "y",
+		"x":                   "y",
 		contract.HeaderReason: "bad_group", contract.HeaderOrigTopic: "orig",
 		contract.HeaderOrigPart: "3", contract.HeaderOrigOffset: "41",
 	}
@@ -87,6 +87,9 @@ func TestDeadLetterMessage(t *testing.T) {
 	}
 	if m.Topic != "dlq" || m.Key != "req-9" || string(m.Value) != "v" {
 		t.Errorf("dead letter %+v, want topic dlq with the original key and value", m)
+	}
+	if tp, ok := m.Headers[contract.HeaderTraceparent]; ok {
+		t.Errorf("dead letter keeps the original traceparent %q; it must continue the consumer's trace", tp)
 	}
 	if _, ok := rec.Headers[contract.HeaderReason]; ok {
 		t.Errorf("DeadLetterMessage modified the record's headers")

@@ -8,6 +8,9 @@ import (
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
 )
 
 // InjectHeaders writes the trace context of ctx (W3C traceparent and
@@ -24,6 +27,26 @@ func ExtractContext(ctx context.Context, headers map[string]string) context.Cont
 		return ctx
 	}
 	return otel.GetTextMapPropagator().Extract(ctx, propagation.MapCarrier(headers))
+}
+
+// CarriesTrace reports whether headers already carry a W3C trace context.
+func CarriesTrace(headers map[string]string) bool {
+	_, ok := headers[contract.HeaderTraceparent]
+	return ok
+}
+
+// carriedSpanContexts returns the valid span contexts carried by msgs.
+func carriedSpanContexts(msgs []Message) []trace.Link {
+	var links []trace.Link
+	for _, m := range msgs {
+		if !CarriesTrace(m.Headers) {
+			continue
+		}
+		if sc := trace.SpanContextFromContext(ExtractContext(context.Background(), m.Headers)); sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
+	}
+	return links
 }
 
 // toKafkaHeaders converts headers to kafka-go's form, sorted by key so that

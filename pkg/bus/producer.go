@@ -110,9 +110,13 @@ func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
 
 // Publish writes msgs and returns once the brokers acknowledged all of them.
 // It starts one producer span per call, a child of the span in ctx, and
-// writes that span's trace context into every message's headers (the
-// caller's header maps are not modified). A record that should not start a
-// new trace must be published with a ctx that carries its trace.
+// writes that span's trace context into the headers of every message that
+// does not carry one already (the caller's header maps are not modified).
+// A message that carries its own trace context (the outbox relay's, whose
+// messages belong to the requests that enqueued them) keeps it, and the
+// call's span links to it, so a batch joining several requests is
+// reachable from each of their traces. A record that should not start a new
+// trace must be published with a ctx or headers that carry its trace.
 func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 	if len(msgs) == 0 {
 		return nil
@@ -123,7 +127,7 @@ func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 		}
 	}
 	ctx, span := p.tracer.get().Start(ctx, publishSpanName(msgs), trace.WithSpanKind(trace.SpanKindProducer),
-		trace.WithAttributes(publishAttributes(msgs)...))
+		trace.WithAttributes(publishAttributes(msgs)...), trace.WithLinks(carriedSpanContexts(msgs)...))
 	defer span.End()
 
 	records := make([]kafka.Message, len(msgs))
@@ -138,11 +142,14 @@ func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 	return nil
 }
 
-// toRecord converts m to a kafka-go message carrying ctx's trace context.
+// toRecord converts m to a kafka-go message carrying ctx's trace context,
+// unless m carries a trace context of its own.
 func toRecord(ctx context.Context, m Message) kafka.Message {
 	headers := make(map[string]string, len(m.Headers)+2)
 	maps.Copy(headers, m.Headers)
-	InjectHeaders(ctx, headers)
+	if !CarriesTrace(headers) {
+		InjectHeaders(ctx, headers)
+	}
 	var key []byte
 	if m.Key != "" {
 		key = []byte(m.Key)

@@ -86,3 +86,43 @@ func TestPublishContinuesTheCallersTrace(t *testing.T) {
 		t.Fatalf("extracted span context %v, want the producer span", sc)
 	}
 }
+
+func TestPublishKeepsACarriedTraceAndLinksIt(t *testing.T) {
+	const topic = "bus.test.trace-carried"
+	rec := testenv.RecordSpans(t)
+	e := newEnv(t)
+	e.topics(topic)
+
+	_, request := otel.Tracer("test").Start(e.ctx, "request")
+	request.End()
+	carried := map[string]string{}
+	bus.InjectHeaders(trace.ContextWithSpan(e.ctx, request), carried)
+	ctx, relay := otel.Tracer("test").Start(e.ctx, "relay")
+	err := e.producer().Publish(ctx,
+		bus.Message{Topic: topic, Key: "a", Value: []byte("carried"), Headers: carried},
+		bus.Message{Topic: topic, Key: "b", Value: []byte("plain")})
+	relay.End()
+	if err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+
+	producer := spanOfKind(rec.Ended(), trace.SpanKindProducer)
+	if producer == nil {
+		t.Fatal("no producer span")
+	}
+	links := producer.Links()
+	if len(links) != 1 || links[0].SpanContext.SpanID() != request.SpanContext().SpanID() {
+		t.Errorf("producer span links %v, want one link to the carried span", links)
+	}
+	want := map[string]trace.SpanID{"a": request.SpanContext().SpanID(), "b": producer.SpanContext().SpanID()}
+	for _, got := range e.readAll(topic, 2) {
+		h := map[string]string{}
+		for _, kv := range got.Headers {
+			h[kv.Key] = string(kv.Value)
+		}
+		sc := trace.SpanContextFromContext(bus.ExtractContext(context.Background(), h))
+		if sc.SpanID() != want[string(got.Key)] {
+			t.Errorf("record %s carries span %s, want %s", got.Key, sc.SpanID(), want[string(got.Key)])
+		}
+	}
+}

@@ -41,7 +41,9 @@ func WithApplicationName(name string) Option {
 }
 
 // Connect opens a pgx pool for url (a postgres:// URL or a keyword/value
-// string) and pings the server before returning it. Errors never contain the
+// string) and pings the server before returning it. Every query, batch and
+// COPY made with a context that carries a span gets a client span of its
+// own (see queryTracer). Errors never contain the
 // password: it is replaced with "***" as in MaskURL.
 func Connect(ctx context.Context, url string, opts ...Option) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
@@ -51,6 +53,7 @@ func Connect(ctx context.Context, url string, opts ...Option) (*pgxpool.Pool, er
 	cfg.MaxConns = DefaultMaxConns
 	cfg.ConnConfig.ConnectTimeout = DefaultConnectTimeout
 	cfg.HealthCheckPeriod = DefaultHealthCheckPeriod
+	cfg.ConnConfig.Tracer = queryTracer{}
 	for _, opt := range opts {
 		opt(cfg)
 	}

@@ -30,7 +30,7 @@ const relayLockKey int64 = 0x6b766d6573682e6f
 const maxErrorText = 2000
 
 const (
-	claimBatch = `SELECT id, topic, key, value, headers FROM outbox
+	claimBatch = `SELECT id, topic, key, value, headers, created_at FROM outbox
 		WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED`
 	markSent   = `UPDATE outbox SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)`
 	markFailed = `UPDATE outbox SET attempts = attempts + 1, last_error = $2
@@ -149,11 +149,14 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 		return 0, fmt.Errorf("begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	ids, msgs, err := r.claim(ctx, tx)
+	ids, rows, err := r.claim(ctx, tx)
 	if err != nil || len(ids) == 0 {
 		return 0, err
 	}
-	if err := r.pub.Publish(ctx, msgs...); err != nil {
+	msgs, spans := startPublishSpans(ctx, ids, rows)
+	err = r.pub.Publish(ctx, msgs...)
+	endPublishSpans(spans, err)
+	if err != nil {
 		_ = tx.Rollback(ctx) // release the rows before recording the failure
 		return 0, r.recordFailure(ctx, ids, fmt.Errorf("publish %d messages: %w", len(msgs), err))
 	}
@@ -166,8 +169,14 @@ func (r *Relay) relayBatch(ctx context.Context) (int, error) {
 	return len(ids), nil
 }
 
+// claimedRow is one outbox row claimed for publishing.
+type claimedRow struct {
+	msg     bus.Message
+	created time.Time
+}
+
 // claim takes the batch lock and locks the oldest unsent rows in tx.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]int64, []bus.Message, error) {
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]int64, []claimedRow, error) {
 	var locked bool
 	if err := tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", relayLockKey).Scan(&locked); err != nil {
 		return nil, nil, fmt.Errorf("take relay lock: %w", err)
@@ -177,19 +186,19 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]int64, []bus.Message, e
 	}
 	rows, _ := tx.Query(ctx, claimBatch, r.batchSize)
 	var ids []int64
-	var msgs []bus.Message
+	var out []claimedRow
 	var id int64
-	var m bus.Message
-	_, err := pgx.ForEachRow(rows, []any{&id, &m.Topic, &m.Key, &m.Value, &m.Headers}, func() error {
+	var c claimedRow
+	_, err := pgx.ForEachRow(rows, []any{&id, &c.msg.Topic, &c.msg.Key, &c.msg.Value, &c.msg.Headers, &c.created}, func() error {
 		ids = append(ids, id)
-		msgs = append(msgs, m)
-		m = bus.Message{}
+		out = append(out, c)
+		c = claimedRow{}
 		return nil
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("claim rows: %w", err)
 	}
-	return ids, msgs, nil
+	return ids, out, nil
 }
 
 // recordFailure stores cause on the rows in a short transaction of its own

@@ -7,7 +7,14 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 )
+
+// tracerName is the instrumentation scope of the store spans.
+const tracerName = "github.com/kvmesh/kvmesh/pkg/kvstore"
 
 // Names of the store metric families, after the store connector's own
 // (operation latency, keys per operation, failed keys by status).
@@ -112,8 +119,10 @@ func (o OpNames) withDefaults() OpNames {
 
 // Instrumented is a Store that records every batch call of the Store it
 // wraps: one latency observation per call (whole round-trip, failed or
-// not), the number of keys, and the failed keys by status. Ping and Close
-// pass through unrecorded. An Exists answer of "absent" is not a failure; a
+// not), the number of keys, and the failed keys by status, and one client
+// span per call named "store <op>" (child of the span in the call's
+// context) carrying the op, key count, value bytes and failed keys. Ping and
+// Close pass through unrecorded. An Exists answer of "absent" is not a failure; a
 // Get or Remove of a missing key counts as failed with status not_found.
 type Instrumented struct {
 	next Store
@@ -123,40 +132,67 @@ type Instrumented struct {
 
 var _ Store = (*Instrumented)(nil)
 
-// Instrument wraps s so that its calls are recorded in m under ops.
+// Instrument wraps s so that its calls are recorded in m under ops. The
+// key and failed-key series of every op named in ops (the service's own
+// operations, such as save_put) exist from the start, at 0, so that
+// dashboards and alerts see them before the first failure.
 func Instrument(s Store, m *Metrics, ops OpNames) *Instrumented {
+	for _, op := range []string{ops.Exists, ops.Put, ops.Get, ops.Remove} {
+		if op == "" {
+			continue
+		}
+		m.keys.WithLabelValues(op)
+		for _, status := range failureStatuses {
+			m.failed.WithLabelValues(op, status)
+		}
+	}
 	return &Instrumented{next: s, m: m, ops: ops.withDefaults()}
 }
 
+// failureStatuses are the values of FailureStatus.
+var failureStatuses = []string{StatusNotFound, StatusNoSpace, StatusTooLarge, StatusUnavailable,
+	StatusTimeout, StatusCanceled, StatusClosed, StatusError}
+
 // Exists implements Store.
 func (s *Instrumented) Exists(ctx context.Context, keys []string) ([]bool, error) {
-	start := time.Now()
-	found, err := s.next.Exists(ctx, keys)
-	s.record(s.ops.Exists, start, len(keys), err, nil)
+	c := s.begin(ctx, s.ops.Exists, len(keys))
+	found, err := s.next.Exists(c.ctx, keys)
+	if err == nil {
+		c.span.SetAttributes(attribute.Int("kvmesh.store.found", countTrue(found)))
+	}
+	s.end(c, 0, err, nil)
 	return found, err
 }
 
 // Put implements Store.
 func (s *Instrumented) Put(ctx context.Context, items []Item) ([]error, error) {
-	start := time.Now()
-	errs, err := s.next.Put(ctx, items)
-	s.record(s.ops.Put, start, len(items), err, errs)
+	c := s.begin(ctx, s.ops.Put, len(items))
+	errs, err := s.next.Put(c.ctx, items)
+	var n int64
+	for _, it := range items {
+		n += int64(len(it.Value))
+	}
+	s.end(c, n, err, errs)
 	return errs, err
 }
 
 // Get implements Store.
 func (s *Instrumented) Get(ctx context.Context, keys []string) ([][]byte, []error, error) {
-	start := time.Now()
-	values, errs, err := s.next.Get(ctx, keys)
-	s.record(s.ops.Get, start, len(keys), err, errs)
+	c := s.begin(ctx, s.ops.Get, len(keys))
+	values, errs, err := s.next.Get(c.ctx, keys)
+	var n int64
+	for _, v := range values {
+		n += int64(len(v))
+	}
+	s.end(c, n, err, errs)
 	return values, errs, err
 }
 
 // Remove implements Store.
 func (s *Instrumented) Remove(ctx context.Context, keys []string) ([]error, error) {
-	start := time.Now()
-	errs, err := s.next.Remove(ctx, keys)
-	s.record(s.ops.Remove, start, len(keys), err, errs)
+	c := s.begin(ctx, s.ops.Remove, len(keys))
+	errs, err := s.next.Remove(c.ctx, keys)
+	s.end(c, 0, err, errs)
 	return errs, err
 }
 
@@ -166,21 +202,62 @@ func (s *Instrumented) Ping(ctx context.Context) error { return s.next.Ping(ctx)
 // Close implements Store.
 func (s *Instrumented) Close() error { return s.next.Close() }
 
-// record observes one call of op over n keys that started at start.
-func (s *Instrumented) record(op string, start time.Time, n int, batchErr error, keyErrs []error) {
-	s.m.duration.WithLabelValues(op).Observe(time.Since(start).Seconds())
-	s.m.keys.WithLabelValues(op).Add(float64(n))
+// call is one recorded store call in progress.
+type call struct {
+	ctx   context.Context
+	span  trace.Span
+	op    string
+	n     int
+	start time.Time
+}
+
+// begin starts the span of one call of op over n keys.
+func (s *Instrumented) begin(ctx context.Context, op string, n int) call {
+	ctx, span := otel.Tracer(tracerName).Start(ctx, "store "+op, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("db.system.name", "redis"),
+			attribute.String("kvmesh.store.op", op), attribute.Int("kvmesh.store.keys", n)))
+	return call{ctx: ctx, span: span, op: op, n: n, start: time.Now()}
+}
+
+// end records c's metrics and ends its span; bytes is the value bytes the
+// call moved.
+func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error) {
+	defer c.span.End()
+	s.m.duration.WithLabelValues(c.op).Observe(time.Since(c.start).Seconds())
+	s.m.keys.WithLabelValues(c.op).Add(float64(c.n))
+	if bytes > 0 {
+		c.span.SetAttributes(attribute.Int64("kvmesh.bytes", bytes))
+	}
 	if batchErr != nil {
-		if n > 0 {
-			s.m.failed.WithLabelValues(op, FailureStatus(batchErr)).Add(float64(n))
+		status := FailureStatus(batchErr)
+		if c.n > 0 {
+			s.m.failed.WithLabelValues(c.op, status).Add(float64(c.n))
 		}
+		c.span.RecordError(batchErr)
+		c.span.SetStatus(codes.Error, status)
 		return
 	}
+	failed := 0
 	for _, err := range keyErrs {
 		if err != nil {
-			s.m.failed.WithLabelValues(op, FailureStatus(err)).Inc()
+			failed++
+			s.m.failed.WithLabelValues(c.op, FailureStatus(err)).Inc()
 		}
 	}
+	if failed > 0 {
+		c.span.SetAttributes(attribute.Int("kvmesh.store.failed_keys", failed))
+	}
+}
+
+// countTrue counts the true answers of an Exists call.
+func countTrue(found []bool) int {
+	n := 0
+	for _, f := range found {
+		if f {
+			n++
+		}
+	}
+	return n
 }
 
 // FailureStatus names the status label of a store error: one of the

@@ -8,8 +8,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // metricValue reads a counter's value or a histogram's sample count from
@@ -134,6 +138,62 @@ func TestFailureStatus(t *testing.T) {
 	for _, tc := range cases {
 		if got := kvstore.FailureStatus(tc.err); got != tc.want {
 			t.Errorf("FailureStatus(%v) = %q, want %q", tc.err, got, tc.want)
+		}
+	}
+}
+
+func TestInstrumentedSpans(t *testing.T) {
+	rec := testenv.RecordSpans(t)
+	ctx := context.Background()
+	m, err := kvstore.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := kvstore.NewMemory(kvstore.MemoryOptions{MaxValueBytes: 4})
+	s := kvstore.Instrument(mem, m, kvstore.OpNames{Put: "save_put", Get: "load_get"})
+	if _, err := s.Put(ctx, []kvstore.Item{{Key: "a", Value: []byte("12")}, {Key: "b", Value: []byte("too big")}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.Get(ctx, []string{"a", "zz"}); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close()
+	if _, err := s.Exists(ctx, []string{"a"}); err == nil {
+		t.Fatal("Exists after Close succeeded")
+	}
+
+	type want struct {
+		name   string
+		ints   map[string]int64
+		failed bool
+	}
+	wants := []want{
+		{"store save_put", map[string]int64{"kvmesh.store.keys": 2, "kvmesh.bytes": 9, "kvmesh.store.failed_keys": 1}, false},
+		{"store load_get", map[string]int64{"kvmesh.store.keys": 2, "kvmesh.bytes": 2, "kvmesh.store.failed_keys": 1}, false},
+		{"store exists", map[string]int64{"kvmesh.store.keys": 1}, true},
+	}
+	spans := rec.Ended()
+	if len(spans) != len(wants) {
+		t.Fatalf("%d spans, want %d", len(spans), len(wants))
+	}
+	for i, w := range wants {
+		sp := spans[i]
+		if sp.Name() != w.name || sp.SpanKind() != trace.SpanKindClient {
+			t.Errorf("span %d = %q kind %v, want %q client", i, sp.Name(), sp.SpanKind(), w.name)
+		}
+		got := map[string]int64{}
+		for _, kv := range sp.Attributes() {
+			if kv.Value.Type() == attribute.INT64 {
+				got[string(kv.Key)] = kv.Value.AsInt64()
+			}
+		}
+		for k, v := range w.ints {
+			if got[k] != v {
+				t.Errorf("%s: %s = %d, want %d", w.name, k, got[k], v)
+			}
+		}
+		if failed := sp.Status().Code == codes.Error; failed != w.failed {
+			t.Errorf("%s: error status %v, want %v", w.name, failed, w.failed)
 		}
 	}
 }

@@ -33,6 +33,7 @@ type Deps struct {
 
 	checks  []httpserver.ReadyCheck
 	closers []func()
+	lag     *bus.LagCollector
 }
 
 // NewDeps returns an empty set with a fresh metrics registry.
@@ -93,6 +94,23 @@ func (d *Deps) OpenBus(ctx context.Context, c *Common) error {
 	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "kafka", Check: func(ctx context.Context) error {
 		return bus.Ping(ctx, brokers)
 	}})
+	return nil
+}
+
+// WatchConsumerLag reports the lag of cc's consumer group on cc's topics as
+// kvmesh_consumer_lag on the service's registry (read from the brokers at
+// scrape time). Watching one group several times is harmless.
+func (d *Deps) WatchConsumerLag(cc bus.ConsumerConfig) error {
+	if d.lag == nil {
+		lag := bus.NewLagCollector(cc.Brokers)
+		if err := d.Registry.Register(lag); err != nil {
+			lag.Close()
+			return fmt.Errorf("register consumer lag: %w", err)
+		}
+		d.lag = lag
+		d.closers = append(d.closers, lag.Close)
+	}
+	d.lag.Watch(cc.GroupID, cc.Topics...)
 	return nil
 }
 

@@ -1,14 +1,8 @@
 package telemetry_test
 
 import (
-	"bytes"
-	"compress/gzip"
 	"context"
 	"errors"
-	"io"
-	"net/http"
-	"net/http/httptest"
-	"sync"
 	"testing"
 
 	"go.opentelemetry.io/otel"
@@ -16,77 +10,14 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
-	collectortrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"go.uber.org/goleak"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
-}
-
-// receivedSpan is one span decoded by the in-test OTLP receiver.
-type receivedSpan struct {
-	path, service, name string
-	traceID             []byte
-}
-
-// otlpReceiver is an in-test OTLP/HTTP traces endpoint that decodes the
-// protobuf export requests it receives.
-type otlpReceiver struct {
-	mu    sync.Mutex
-	spans []receivedSpan
-	errs  []error
-}
-
-func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	body, err := readBody(r)
-	var req collectortrace.ExportTraceServiceRequest
-	if err == nil {
-		err = proto.Unmarshal(body, &req)
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if err != nil || r.Method != http.MethodPost {
-		o.errs = append(o.errs, errors.Join(err, errors.New(r.Method+" "+r.URL.Path)))
-		http.Error(w, "bad request", http.StatusBadRequest)
-		return
-	}
-	for _, rs := range req.GetResourceSpans() {
-		service := ""
-		for _, kv := range rs.GetResource().GetAttributes() {
-			if kv.GetKey() == "service.name" {
-				service = kv.GetValue().GetStringValue()
-			}
-		}
-		for _, ss := range rs.GetScopeSpans() {
-			for _, s := range ss.GetSpans() {
-				o.spans = append(o.spans, receivedSpan{r.URL.Path, service, s.GetName(), s.GetTraceId()})
-			}
-		}
-	}
-	w.Header().Set("Content-Type", "application/x-protobuf")
-	w.WriteHeader(http.StatusOK)
-}
-
-func readBody(r *http.Request) ([]byte, error) {
-	var rd io.Reader = r.Body
-	if r.Header.Get("Content-Encoding") == "gzip" {
-		gz, err := gzip.NewReader(r.Body)
-		if err != nil {
-			return nil, err
-		}
-		rd = gz
-	}
-	return io.ReadAll(rd)
-}
-
-func (o *otlpReceiver) snapshot() ([]receivedSpan, []error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return append([]receivedSpan(nil), o.spans...), append([]error(nil), o.errs...)
 }
 
 func TestSetupExportsSpansOnShutdown(t *testing.T) {
@@ -105,12 +36,10 @@ func TestSetupExportsSpansOnShutdown(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			recv := &otlpReceiver{}
-			srv := httptest.NewServer(recv)
-			defer srv.Close()
+			recv := testenv.StartOTLPReceiver(t)
 
 			ctx := context.Background()
-			shutdown, err := telemetry.Setup(ctx, tt.opts(srv.URL))
+			shutdown, err := telemetry.Setup(ctx, tt.opts(recv.URL()))
 			if err != nil {
 				t.Fatalf("Setup: %v", err)
 			}
@@ -121,7 +50,7 @@ func TestSetupExportsSpansOnShutdown(t *testing.T) {
 				t.Fatalf("shutdown: %v", err)
 			}
 
-			spans, errs := recv.snapshot()
+			spans, errs := recv.Spans()
 			if len(errs) > 0 {
 				t.Fatalf("receiver errors: %v", errs)
 			}
@@ -129,8 +58,8 @@ func TestSetupExportsSpansOnShutdown(t *testing.T) {
 				t.Fatalf("receiver got %d spans, want 1: %+v", len(spans), spans)
 			}
 			got := spans[0]
-			if got.path != tt.wantPath || got.service != "kvmesh-test" || got.name != "save-task" ||
-				!bytes.Equal(got.traceID, traceID[:]) {
+			if got.Path != tt.wantPath || got.Service != "kvmesh-test" || got.Name != "save-task" ||
+				got.TraceID != traceID.String() {
 				t.Fatalf("received %+v, want path %s service kvmesh-test span save-task trace %s",
 					got, tt.wantPath, traceID)
 			}

@@ -220,3 +220,18 @@ func moduleRoot() (string, error) {
 		dir = parent
 	}
 }
+
+// ServiceBinaries builds the services named (./services/<name> each, see
+// BuildBinaries) and returns each binary's path by service name.
+func ServiceBinaries(t testing.TB, names ...string) map[string]string {
+	t.Helper()
+	pkgs := make([]string, len(names))
+	for i, name := range names {
+		pkgs[i] = "./services/" + name
+	}
+	bins := make(map[string]string, len(names))
+	for i, bin := range BuildBinaries(t, pkgs...) {
+		bins[names[i]] = bin
+	}
+	return bins
+}

@@ -20,9 +20,6 @@ const redisReadyWithin = 30 * time.Second
 // redis-server exits before answering (another process took the port).
 const redisStartAttempts = 3
 
-// errRedisExited says that redis-server exited before it answered PING.
-var errRedisExited = errors.New("redis-server exited")
-
 // RedisServer is a private redis-server that StartRedis started for one
 // test: no persistence, bound to 127.0.0.1 on a port of its own.
 type RedisServer struct {
@@ -157,13 +154,22 @@ func ping(addr string) error {
 
 // freePort returns a TCP port that was free a moment ago on 127.0.0.1.
 func freePort() (string, error) {
+	addr, err := freeAddr()
+	if err != nil {
+		return "", err
+	}
+	_, port, err := net.SplitHostPort(addr)
+	return port, err
+}
+
+// freeAddr returns a loopback address whose port was free a moment ago.
+func freeAddr() (string, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return "", fmt.Errorf("find a free port: %w", err)
 	}
 	defer l.Close()
-	_, port, err := net.SplitHostPort(l.Addr().String())
-	return port, err
+	return l.Addr().String(), nil
 }
 
 // syncBuffer is a bytes.Buffer that a process may write while a test reads.

@@ -1,19 +1,40 @@
 // Package testenv gives tests the real parts they run against: the addresses
 // of the servers that `make test` starts (PostgreSQL and Redis, via
 // scripts/devstack.sh), private redis-servers a test may stop (StartRedis),
-// and the service binaries for tests that run and kill them (BuildBinary).
+// the service binaries for tests that run and kill them (BuildBinary,
+// ServiceBinaries), a harness that runs those binaries as processes (Procs),
+// per-test key prefixes in the shared Redis (KeyPrefix, DropKeys), and span
+// collection (RecordSpans, StartOTLPReceiver).
 //
 // When a variable or program is missing a test is skipped, unless
 // KVMESH_REQUIRE_SERVICES=1 (set by `make test` and CI), in which case it
 // fails: CI never passes by skipping the tests that need real parts.
 //
-// Only tests import this package; it depends on the standard library alone.
+// Only tests import this package. Besides the standard library it depends
+// on the Redis client and OpenTelemetry (with the OTLP protobuf types) only,
+// never on kvmesh packages, so that any package's tests may import it.
 package testenv
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"testing"
+)
+
+// Errors of the package.
+var (
+	// errRedisExited says that redis-server exited before it answered PING.
+	errRedisExited = errors.New("redis-server exited")
+	// ErrExited reports a process of a Procs that exited while it was
+	// expected to run.
+	ErrExited = errors.New("process exited")
+	// errRunning reports a Start of a process that is already running.
+	errRunning = errors.New("already running")
+	// errNotStarted reports a process that was never started.
+	errNotStarted = errors.New("not started")
+	// errDuplicate reports an Add under a name already taken.
+	errDuplicate = errors.New("name already registered")
 )
 
 // DatabaseURL returns KVMESH_DATABASE_URL or skips/fails the test.

@@ -183,6 +183,9 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 			"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
 		return nil
 	}
+	if err := a.deps.WatchConsumerLag(cc); err != nil {
+		return nil, err
+	}
 	return bus.NewConsumer(cc, loader.Handle)
 }
 

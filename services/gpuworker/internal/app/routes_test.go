@@ -54,8 +54,8 @@ func TestDevicesWithoutNVML(t *testing.T) {
 	if inv.Devices == nil || len(inv.Devices) != 0 || !strings.Contains(inv.Reason, "NVML unavailable") {
 		t.Fatalf("inventory = %+v, want no devices and a reason", inv)
 	}
-	if m := metricsText(t, w); strings.Contains(m, "kvmesh_gpu_memory_used_bytes{") {
-		t.Fatal("GPU metrics reported without GPUs")
+	if m := metricsText(t, w); strings.Contains(m, "kvmesh_gpu_memory_used_bytes{") || !strings.Contains(m, "\nkvmesh_gpu_devices 0\n") {
+		t.Fatal("without GPUs: want kvmesh_gpu_devices 0 and no per-GPU metrics")
 	}
 }
 
@@ -82,6 +82,7 @@ func TestDevicesAndPoolWithMockH200(t *testing.T) {
 		`kvmesh_gpu_memory_total_bytes{gpu="` + uuid + `"} 1.51397597184e+11`,
 		`kvmesh_gpu_memory_used_bytes{gpu="` + uuid + `"} 0`,
 		`kvmesh_gpu_utilization_ratio{gpu="` + uuid + `"} 0.25`,
+		"\nkvmesh_gpu_devices 8\n",
 		`kvmesh_gpuworker_pool_blocks{group="1",state="free"} 16`,
 	} {
 		if !strings.Contains(m, want) {

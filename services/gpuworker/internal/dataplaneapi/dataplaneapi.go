@@ -8,9 +8,14 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 
 	"github.com/go-chi/chi/v5"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
@@ -34,6 +39,9 @@ type Handler struct {
 	// faulted in is several times faster than into fresh pages.
 	bufs chan *[]byte
 }
+
+// tracerName is the instrumentation scope of the data-plane spans.
+const tracerName = "kvmesh/gpuworker"
 
 // keptBuffers is how many put buffers of up to maxBatch bytes stay
 // allocated between requests.
@@ -134,6 +142,9 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 		bpb, _ := h.pool.BlockSize(ref.Group) // checked above
 		total += int64(dataplane.FrameHeaderSize + bpb)
 	}
+	_, span := otel.Tracer(tracerName).Start(r.Context(), "gpuworker.read", trace.WithAttributes(
+		attribute.Int("kvmesh.blocks", len(req.Blocks)), attribute.Int64("kvmesh.bytes", total)))
+	defer span.End()
 	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
 	w.Header().Set("Content-Length", strconv.FormatInt(total, 10))
 	w.WriteHeader(http.StatusOK)
@@ -174,18 +185,47 @@ func (h *Handler) put(w http.ResponseWriter, r *http.Request) {
 			valid = append(valid, i)
 		}
 	}
+	ctx, span := otel.Tracer(tracerName).Start(r.Context(), "gpuworker.put", trace.WithAttributes(
+		attribute.Int("kvmesh.items", len(req.Items)), attribute.IntSlice("kvmesh.groups", putGroups(req.Items))))
+	defer span.End()
+	r = r.WithContext(ctx)
 	var stored int64
 	for len(valid) > 0 {
 		n, size := h.nextBatch(req.Items, valid)
 		bytes, err := h.putBatch(r, req.Items, valid[:n], size, results)
 		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, "store unavailable")
 			httpserver.WriteProblem(w, r, http.StatusServiceUnavailable, "store unavailable", err.Error(), nil)
 			return
 		}
 		stored += bytes
 		valid = valid[n:]
 	}
+	span.SetAttributes(attribute.Int64("kvmesh.bytes", stored), attribute.Int("kvmesh.failed_items", failedItems(results)))
 	_ = httpserver.WriteJSON(w, http.StatusOK, dataplane.PutResponse{Results: results, Bytes: stored})
+}
+
+// putGroups lists the distinct groups of items, in first-seen order.
+func putGroups(items []dataplane.PutItem) []int {
+	var out []int
+	for _, it := range items {
+		if !slices.Contains(out, it.Group) {
+			out = append(out, it.Group)
+		}
+	}
+	return out
+}
+
+// failedItems counts the results that are not stored (failed or no space).
+func failedItems(results []dataplane.PutResult) int {
+	n := 0
+	for _, r := range results {
+		if r.Status != dataplane.PutStored {
+			n++
+		}
+	}
+	return n
 }
 
 // nextBatch is how many of the valid items the next Put carries (at least

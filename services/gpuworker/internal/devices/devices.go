@@ -31,7 +31,7 @@ type Device struct {
 	Errors []string `json:"errors,omitempty"`
 }
 
-// Inventory is what GET /v1/devices answers.
+// Inventory is the inventory part of what GET /v1/devices answers (app.DevicesPage).
 type Inventory struct {
 	// Devices lists the GPUs, by index; empty (never null) without NVML.
 	Devices []Device `json:"devices"`

@@ -62,8 +62,25 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 			return nil, fmt.Errorf("gpuworker metrics: %w", err)
 		}
 	}
+	// Every series dashboards key on exists from the start, at 0.
+	for _, reason := range rejectReasons {
+		m.rejected.WithLabelValues(reason)
+	}
+	for _, op := range []string{OpSavePut, OpLoadGet} {
+		m.storeBytes.WithLabelValues(op)
+	}
+	for _, outcome := range loadOutcomes {
+		m.loads.WithLabelValues(outcome)
+	}
 	return m, nil
 }
+
+// loadOutcomes are the outcome label values of kvmesh_gpuworker_loads_total
+// (the load package's Outcome constants).
+var loadOutcomes = []string{"ok", "load_errors", "unplanned", "ignored", "dead_lettered"}
+
+// rejectReasons are the values of RejectReason.
+var rejectReasons = []string{"fingerprint", "checksum", "malformed", "size", "other"}
 
 // StoreBytes counts value bytes moved by one store operation.
 func (m *Metrics) StoreBytes(op string, n int64) {
@@ -123,6 +140,8 @@ type gpuCollector struct {
 }
 
 var (
+	gpuDevicesDesc = prometheus.NewDesc("kvmesh_gpu_devices",
+		"GPUs NVML reports on this worker's host (0 when NVML is unavailable: the per-GPU families are then absent).", nil, nil)
 	gpuMemUsedDesc = prometheus.NewDesc("kvmesh_gpu_memory_used_bytes",
 		"GPU memory in use, by GPU UUID.", []string{"gpu"}, nil)
 	gpuMemTotalDesc = prometheus.NewDesc("kvmesh_gpu_memory_total_bytes",
@@ -132,13 +151,16 @@ var (
 )
 
 func (c *gpuCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- gpuDevicesDesc
 	ch <- gpuMemUsedDesc
 	ch <- gpuMemTotalDesc
 	ch <- gpuUtilDesc
 }
 
 func (c *gpuCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, d := range c.src.Inventory().Devices {
+	inv := c.src.Inventory()
+	ch <- prometheus.MustNewConstMetric(gpuDevicesDesc, prometheus.GaugeValue, float64(len(inv.Devices)))
+	for _, d := range inv.Devices {
 		gpu := d.UUID
 		if gpu == "" {
 			gpu = strconv.Itoa(d.Index)

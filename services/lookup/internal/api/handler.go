@@ -236,6 +236,7 @@ func newDecisionID() string {
 func (h *Handler) answered(span trace.Span, d *contract.LookupDecision, result string, elapsed time.Duration) {
 	h.metrics.requests.WithLabelValues(result).Inc()
 	h.metrics.hitTokens.Add(float64(d.ExternalTokens))
+	h.metrics.asked.Add(float64(max(0, d.NumTokens-d.NumComputedTokens)))
 	h.metrics.duration.Observe(elapsed.Seconds())
 	hit := 0
 	for _, c := range d.Children {

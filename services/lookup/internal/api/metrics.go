@@ -35,6 +35,7 @@ var allResults = []string{
 type metrics struct {
 	requests  *prometheus.CounterVec
 	hitTokens prometheus.Counter
+	asked     prometheus.Counter
 	duration  prometheus.Histogram
 }
 
@@ -48,13 +49,17 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "kvmesh_lookup_hit_tokens_total",
 			Help: "External tokens answered by lookups (the chosen connector's counts).",
 		}),
+		asked: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_lookup_prompt_tokens_total",
+			Help: "Prompt tokens answered lookups asked about beyond the engine's own computed tokens (the denominator of the external hit rate).",
+		}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvmesh_lookup_duration_seconds",
 			Help:    "Latency of answered lookups (200 responses) in seconds, from request to published decision.",
 			Buckets: prometheus.ExponentialBucketsRange(0.0001, 10, 16),
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.hitTokens, m.duration} {
+	for _, c := range []prometheus.Collector{m.requests, m.hitTokens, m.asked, m.duration} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("lookup metrics: %w", err)
 		}

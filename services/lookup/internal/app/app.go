@@ -98,6 +98,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	h.Mount(a.srv.Router())
+	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }
 

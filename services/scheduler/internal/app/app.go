@@ -133,6 +133,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	api.New(a.ledger, a.model, log).Mount(a.srv.Router())
+	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }
 
@@ -147,6 +148,9 @@ func (a *App) buildConsumers() error {
 	cc.OnDeadLetter = h.DeadLetter
 	// A database outage must not dead-letter records: retry until it ends.
 	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: 5 * time.Second}
+	if err := a.deps.WatchConsumerLag(cc); err != nil {
+		return err
+	}
 	for range a.cfg.Consumers {
 		c, err := bus.NewConsumer(cc, h.Handle)
 		if err != nil {

@@ -57,6 +57,7 @@ func (h *Handler) Handle(ctx context.Context, rec bus.Received) error {
 		attribute.String("kvmesh.engine_id", it.record.EngineID),
 		attribute.String("kvmesh.request_id", it.record.RequestID),
 		attribute.String("kvmesh.record", it.label),
+		attribute.String("kvmesh.model", h.model.Name),
 	))
 	defer span.End()
 	var out tracking.Outcome

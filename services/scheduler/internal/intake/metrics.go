@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
 )
 
 // Metrics are the scheduler's record-handling metrics.
@@ -59,6 +61,17 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("scheduler metrics: %w", err)
 		}
+	}
+	// Every dead-letter series exists from the start, at 0, for dashboards
+	// and alerts.
+	for _, topic := range Topics {
+		for _, reason := range []string{bus.ReasonUndecodable, ReasonInvalidRecord, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted} {
+			m.deadLetters.WithLabelValues(topic, reason)
+		}
+		m.records.WithLabelValues(topic, "applied")
+	}
+	for _, kind := range []string{"save", "load"} {
+		m.tasks.WithLabelValues(kind)
 	}
 	return m, nil
 }

@@ -1,6 +1,7 @@
 // Package api is the sender's HTTP API: the dead-letter queue (list, show,
-// replay) and the accounting (stats). services/sender/API.md describes it
-// for operators.
+// replay and its dry run), the accounting (stats) and the gpuworker
+// registry it routes puts through (workers). services/sender/API.md and
+// the service's OpenAPI document describe it for operators.
 package api
 
 import (
@@ -30,20 +31,24 @@ const (
 type Sender interface {
 	// Replay replays one dead letter (see sending.Processor.Replay).
 	Replay(ctx context.Context, id int64) (sending.Replayed, error)
+	// DryRun says what Replay would do now (see sending.Processor.DryRun).
+	DryRun(ctx context.Context, id int64) (sending.DryRun, error)
 	// Pressure returns the pressure gate's state.
 	Pressure() sending.PressureState
 }
 
 // API serves the sender's routes.
 type API struct {
-	sender Sender
-	ledger *ledger.Ledger
-	log    *slog.Logger
+	sender  Sender
+	ledger  *ledger.Ledger
+	workers *WorkerRegistry
+	log     *slog.Logger
 }
 
-// New returns the API.
-func New(s Sender, l *ledger.Ledger, log *slog.Logger) *API {
-	return &API{sender: s, ledger: l, log: log}
+// New returns the API over the sending side s, the ledger l and the worker
+// registry w.
+func New(s Sender, l *ledger.Ledger, w *WorkerRegistry, log *slog.Logger) *API {
+	return &API{sender: s, ledger: l, workers: w, log: log}
 }
 
 // Mount adds the routes to r; admin guards the mutating ones.
@@ -52,6 +57,7 @@ func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 	r.Get("/v1/dlq/{id}", a.show)
 	r.With(admin).Post("/v1/dlq/{id}/replay", a.replay)
 	r.Get("/v1/stats", a.stats)
+	r.Get("/v1/workers", a.listWorkers)
 }
 
 // Entry is a dead letter as the API shows it.
@@ -139,9 +145,30 @@ type ReplayAnswer struct {
 	Result sending.ReplayResult `json:"result"`
 }
 
+// DryRunAnswer is the answer of POST /v1/dlq/{id}/replay?dry_run=true.
+type DryRunAnswer struct {
+	// ID is the dead letter's id.
+	ID int64 `json:"id"`
+	// Simulated is always true (member dry_run): nothing was saved,
+	// recorded or published.
+	Simulated bool `json:"dry_run"`
+	// ReplayStatus and ReplayCount are the entry's, unchanged.
+	ReplayStatus string `json:"replay_status"`
+	ReplayCount  int    `json:"replay_count"`
+	sending.DryRun
+}
+
 func (a *API) replay(w http.ResponseWriter, r *http.Request) {
 	id, ok := pathID(w, r)
 	if !ok {
+		return
+	}
+	dry, ok := dryRunParam(w, r)
+	if !ok {
+		return
+	}
+	if dry {
+		a.dryRun(w, r, id)
 		return
 	}
 	out, err := a.sender.Replay(r.Context(), id)
@@ -161,6 +188,31 @@ func (a *API) replay(w http.ResponseWriter, r *http.Request) {
 	}
 	a.write(w, http.StatusOK, ReplayAnswer{ID: id, ReplayStatus: out.DeadLetter.ReplayStatus,
 		ReplayCount: out.DeadLetter.ReplayCount, AlreadyReplayed: out.Already, Result: out.Result})
+}
+
+// dryRunParam reads the dry_run query parameter (a boolean, default false).
+func dryRunParam(w http.ResponseWriter, r *http.Request) (bool, bool) {
+	v := r.URL.Query().Get("dry_run")
+	if v == "" {
+		return false, true
+	}
+	dry, err := strconv.ParseBool(v)
+	if err != nil {
+		badParam(w, r, "dry_run", fmt.Sprintf("dry_run %q is not true or false", v))
+		return false, false
+	}
+	return dry, true
+}
+
+// dryRun answers what a replay of id would do, changing nothing.
+func (a *API) dryRun(w http.ResponseWriter, r *http.Request, id int64) {
+	d, err := a.sender.DryRun(r.Context(), id)
+	if err != nil {
+		a.fail(w, r, err)
+		return
+	}
+	a.write(w, http.StatusOK, DryRunAnswer{ID: id, Simulated: true, ReplayStatus: d.DeadLetter.ReplayStatus,
+		ReplayCount: d.DeadLetter.ReplayCount, DryRun: d})
 }
 
 // Stats is the answer of GET /v1/stats.

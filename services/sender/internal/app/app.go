@@ -153,6 +153,9 @@ func (a *App) wire(cfg Config) error {
 	}
 	cc := cfg.ConsumerConfig(ConsumerGroup, []string{contract.TopicSaveTasks}, a.deps.Log)
 	cc.OnDeadLetter = a.processor.DeadLetter
+	if err := a.deps.WatchConsumerLag(cc); err != nil {
+		return err
+	}
 	for range cfg.Consumers {
 		c, err := bus.NewConsumer(cc, a.processor.Handle)
 		if err != nil {
@@ -161,7 +164,9 @@ func (a *App) wire(cfg Config) error {
 		a.consumers = append(a.consumers, c)
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log))
-	api.New(a.processor, l, a.deps.Log).Mount(a.srv.Router(), a.srv.RequireAdmin())
+	api.New(a.processor, l, api.NewWorkerRegistry(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
+		Mount(a.srv.Router(), a.srv.RequireAdmin())
+	a.srv.ServeOpenAPI(OpenAPI)
 	return nil
 }
 

@@ -176,6 +176,8 @@ func TestDLQAdmin(t *testing.T) {
 		if s.missing(t, s.keys(t, late, 1-g)) == 0 {
 			t.Fatalf("group %d was stored by a replay of group %d", 1-g, g)
 		}
+		s.checkMetrics(t, `kvmesh_dlq_replays_total{result="replayed"} 1`, `kvmesh_dlq_replays_total{result="already"} 1`,
+			`kvmesh_dlq_replays_total{result="failed"} 0`)
 	})
 
 	t.Run("stats", func(t *testing.T) {

@@ -4,7 +4,43 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
+
+// Results of a dead-letter replay, the result label of
+// kvmesh_dlq_replays_total.
+const (
+	// ReplayReplayed: the entry was valid now and every key was saved.
+	ReplayReplayed = "replayed"
+	// ReplayAlready: the entry had been replayed before; nothing was done.
+	ReplayAlready = "already"
+	// ReplayInvalid: the entry is still invalid for the current model.
+	ReplayInvalid = "invalid"
+	// ReplayFailed: the entry was valid but the save did not complete.
+	ReplayFailed = "failed"
+	// ReplayDryRun: a dry run answered what a replay would do.
+	ReplayDryRun = "dry_run"
+	// ReplayError: the replay could not be attempted (entry missing,
+	// database unavailable).
+	ReplayError = "error"
+)
+
+// replayResults are the result label values, exported from the start.
+var replayResults = []string{ReplayReplayed, ReplayAlready, ReplayInvalid, ReplayFailed, ReplayDryRun, ReplayError}
+
+// deadLetterReasons are the reason codes the sender dead-letters with,
+// exported at 0 from the start so that dashboards and alerts see every
+// series before the first dead letter.
+var deadLetterReasons = []string{
+	bus.ReasonUndecodable, bus.ReasonHandlerPanic,
+	string(kvcore.ReasonModelUnknown), string(kvcore.ReasonTokenRangeInvalid), string(kvcore.ReasonTableGroupCount),
+	string(kvcore.ReasonGroupOutOfRange), string(kvcore.ReasonGroupMissing), string(kvcore.ReasonGroupDuplicate),
+	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
+	string(kvcore.ReasonTableTooShort), string(kvcore.ReasonNullBlock), string(kvcore.ReasonBlockOutOfRange),
+	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed), string(kvcore.ReasonStorePressure),
+}
 
 // Metrics are the sender's Prometheus families.
 type Metrics struct {
@@ -15,6 +51,7 @@ type Metrics struct {
 	skipped     prometheus.Counter
 	duplicates  prometheus.Counter
 	bytes       prometheus.Counter
+	replays     *prometheus.CounterVec
 }
 
 // NewMetrics registers the sender's families on reg.
@@ -48,11 +85,32 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvmesh_sender_stored_bytes_total",
 			Help: "Framed value bytes the gpuworkers stored for the sender.",
 		}),
+		replays: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_dlq_replays_total",
+			Help: "Dead-letter replay requests, by result (replayed, already, invalid, failed, dry_run, error).",
+		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.tasks, m.groups, m.deadLetters, m.pressure, m.skipped, m.duplicates, m.bytes} {
+	for _, c := range []prometheus.Collector{m.tasks, m.groups, m.deadLetters, m.pressure, m.skipped, m.duplicates, m.bytes, m.replays} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("sender metrics: %w", err)
 		}
 	}
+	for _, r := range deadLetterReasons {
+		m.deadLetters.WithLabelValues(r)
+	}
+	for _, r := range replayResults {
+		m.replays.WithLabelValues(r)
+	}
+	for _, st := range []string{"stored", "skipped", "dead_lettered", "failed", bus.ReasonUndecodable} {
+		m.tasks.WithLabelValues(st)
+	}
+	for _, o := range []string{"stored", "existing", "skipped", "dead_lettered", "failed"} {
+		m.groups.WithLabelValues(o)
+	}
 	return m, nil
+}
+
+// countReplay counts one replay request with result.
+func (m *Metrics) countReplay(result string) {
+	m.replays.WithLabelValues(result).Inc()
 }

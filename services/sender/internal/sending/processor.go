@@ -17,6 +17,7 @@ import (
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -239,16 +240,23 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run) error
 	return nil
 }
 
-// countDeadLetters counts, logs and marks on the current span the dead
-// letters just written.
+// countDeadLetters counts and logs the dead letters just written, and
+// records each as a span of its own ("sender.dead_letter", status error,
+// with its reason code, group and id) under the current span, so a trace
+// shows which group was dead-lettered and why.
 func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLetter) {
-	span := trace.SpanFromContext(ctx)
 	for _, d := range dls {
-		attrs := []attribute.KeyValue{attribute.String("kvmesh.reason", d.Reason), attribute.Int64("kvmesh.dead_letter_id", d.ID)}
+		attrs := []attribute.KeyValue{
+			attribute.String("kvmesh.reason", d.Reason), attribute.String("kvmesh.detail", d.Detail),
+			attribute.Int64("kvmesh.dead_letter_id", d.ID), attribute.String("kvmesh.task_id", d.TaskID),
+			attribute.String("kvmesh.engine_id", d.EngineID), attribute.String("kvmesh.request_id", d.RequestID),
+		}
 		if d.Group != nil {
 			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))
 		}
-		span.AddEvent("dead_lettered", trace.WithAttributes(attrs...))
+		_, span := p.tracer.Start(ctx, "sender.dead_letter", trace.WithAttributes(attrs...))
+		span.SetStatus(codes.Error, d.Reason)
+		span.End()
 		p.metrics.deadLetters.WithLabelValues(d.Reason).Inc()
 		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
 			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)

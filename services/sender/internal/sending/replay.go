@@ -74,6 +74,29 @@ type Replayed struct {
 // when the payload is still invalid; ErrReplayFailed (with the result
 // recorded) when the save did not complete.
 func (p *Processor) Replay(ctx context.Context, id int64) (Replayed, error) {
+	out, err := p.replay(ctx, id)
+	p.metrics.countReplay(replayResult(out, err))
+	return out, err
+}
+
+// replayResult classifies a replay's outcome for kvmesh_dlq_replays_total.
+func replayResult(out Replayed, err error) string {
+	switch {
+	case errors.Is(err, ErrStillInvalid):
+		return ReplayInvalid
+	case errors.Is(err, ErrReplayFailed):
+		return ReplayFailed
+	case err != nil:
+		return ReplayError
+	case out.Already:
+		return ReplayAlready
+	default:
+		return ReplayReplayed
+	}
+}
+
+// replay is Replay without the counting.
+func (p *Processor) replay(ctx context.Context, id int64) (Replayed, error) {
 	p.replayMu.Lock()
 	defer p.replayMu.Unlock()
 	d, err := p.ledger.Get(ctx, id)

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.uber.org/goleak"
@@ -421,5 +422,17 @@ func TestSpans(t *testing.T) {
 	if len(events) != 1 || events[0].Name != "group_invalid" ||
 		fmt.Sprint(events[0].Attributes) != fmt.Sprint([]attribute.KeyValue{attribute.Int("kvmesh.group", 1), attribute.String("kvmesh.reason", "table_group_count")}) {
 		t.Fatalf("validate events %+v", events)
+	}
+	dl, ok := spans["sender.dead_letter"]
+	if !ok {
+		t.Fatal("no sender.dead_letter span")
+	}
+	attrs := map[attribute.Key]attribute.Value{}
+	for _, a := range dl.Attributes() {
+		attrs[a.Key] = a.Value
+	}
+	if attrs["kvmesh.reason"].AsString() != "table_group_count" || attrs["kvmesh.group"].AsInt64() != 1 ||
+		attrs["kvmesh.dead_letter_id"].AsInt64() == 0 || dl.Status().Code != codes.Error {
+		t.Errorf("dead-letter span attributes %v status %v", attrs, dl.Status())
 	}
 }

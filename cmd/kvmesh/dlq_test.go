@@ -1,0 +1,222 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// dlqIDs are the seeded dead letters' ids by reason.
+type dlqIDs map[string][]int64
+
+// seedDeadLetters publishes three saves whose block table lacks group 1
+// (the seed bug: group 1 dead-lettered table_group_count, group 0 stored),
+// two valid saves of an engine without a worker (both groups dead-lettered
+// put_failed once the retries run out) and one garbage record
+// (undecodable), and waits until the sender lists the 8 dead letters.
+func seedDeadLetters(t *testing.T, s *cliStack) dlqIDs {
+	t.Helper()
+	m, err := kvcore.Preset("hybrid-mla-linear")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var msgs []bus.Message
+	add := func(engine, req string, table kvcore.BlockTable) {
+		hashes := kvcore.HashChain(make([]uint32, 32), m.HashBlockSize, []byte(s.prefix+req))
+		task := kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: engine + "/" + req + "/save/1", EngineID: engine,
+			RequestID: req, Model: m.Name, Start: 0, End: 32, BlockTable: table,
+			BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()}, Groups: m.SaveGroups(0, 32)}
+		v, err := json.Marshal(task)
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: req, Value: v})
+	}
+	for i := range 3 {
+		add(cliEngine, fmt.Sprintf("seed-%d", i), kvcore.BlockTable{{kvcore.BlockID(2 * i), kvcore.BlockID(2*i + 1)}})
+	}
+	for i := range 2 {
+		b := kvcore.BlockID(2 * i)
+		add(cliLateEngine, fmt.Sprintf("late-%d", i), kvcore.BlockTable{{b, b + 1}, {b, b + 1}})
+	}
+	msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: "garbage", Value: []byte("\x00not a save task")})
+	s.publish(msgs...)
+
+	ids := dlqIDs{}
+	eventually(t, "8 dead letters", func() bool {
+		var p page[deadLetter]
+		s.getJSON(s.url("sender")+"/v1/dlq?limit=1000", &p)
+		clear(ids)
+		for _, d := range p.Items {
+			ids[d.Reason] = append(ids[d.Reason], d.ID)
+		}
+		return len(p.Items) == 8
+	})
+	if len(ids["table_group_count"]) != 3 || len(ids["put_failed"]) != 4 || len(ids["undecodable"]) != 1 {
+		t.Fatalf("dead letters by reason %v, want 3 table_group_count, 4 put_failed, 1 undecodable", ids)
+	}
+	return ids
+}
+
+func (r cliRun) ids(t *testing.T) []int64 {
+	t.Helper()
+	var out []int64
+	for _, f := range r.rows() {
+		id, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			t.Fatalf("row %q does not start with an id", f)
+		}
+		out = append(out, id)
+	}
+	return out
+}
+
+func testDLQList(t *testing.T, s *cliStack, ids dlqIDs) {
+	flags := s.flags()
+	all := runCLI(t, append([]string{"dlq", "list"}, flags...)...).ok(t)
+	if !strings.HasPrefix(all.stdout, "ID") || len(all.ids(t)) != 8 || strings.Contains(all.stdout, "next cursor") {
+		t.Fatalf("dlq list: want a table of 8 rows and no cursor")
+	}
+	for _, want := range []string{"table_group_count", "put_failed", "undecodable", cliEngine + "/seed-0/save/1", "record"} {
+		if !strings.Contains(all.stdout, want) {
+			t.Errorf("dlq list lacks %q", want)
+		}
+	}
+
+	first := runCLI(t, append([]string{"dlq", "list", "--limit", "3"}, flags...)...).ok(t)
+	_, cursor, found := strings.Cut(strings.TrimSpace(first.stdout), "next cursor: ")
+	if len(first.ids(t)) != 3 || !found {
+		t.Fatalf("--limit 3: want 3 rows and a next cursor")
+	}
+	second := runCLI(t, append([]string{"dlq", "list", "--limit", "3", "--cursor", cursor}, flags...)...).ok(t)
+	if got := append(first.ids(t), second.ids(t)...); !slices.Equal(got, all.ids(t)[:6]) {
+		t.Fatalf("two pages gave %v, want %v", got, all.ids(t)[:6])
+	}
+
+	paged := runCLI(t, append([]string{"dlq", "list", "--all", "--limit", "3"}, flags...)...).ok(t)
+	if !slices.Equal(paged.ids(t), all.ids(t)) || !strings.Contains(paged.stderr, "page 1, 3 dead letters so far") ||
+		!strings.Contains(paged.stderr, "3 pages, 8 dead letters") {
+		t.Fatalf("--all: want every row and a progress line per page")
+	}
+
+	js := runCLI(t, append([]string{"dlq", "list", "--reason", "undecodable", "--json"}, flags...)...).ok(t)
+	var p page[deadLetter]
+	if err := json.Unmarshal([]byte(js.stdout), &p); err != nil || len(p.Items) != 1 || p.Items[0].ID != ids["undecodable"][0] {
+		t.Fatalf("--json --reason undecodable: %v %+v", err, p)
+	}
+
+	runCLI(t, append([]string{"dlq", "list", "--limit", "1001"}, flags...)...).fails(t, `Bad Request: limit "1001" must be an integer from 1 to 1000`)
+	runCLI(t, "dlq", "list", "--sender-url", "http://127.0.0.1:1").fails(t, "sender at http://127.0.0.1:1 is not reachable",
+		"set --sender-url or KVMESH_SENDER_URL")
+}
+
+func testDLQShow(t *testing.T, s *cliStack, ids dlqIDs) {
+	id := strconv.FormatInt(ids["table_group_count"][0], 10)
+	r := runCLI(t, append([]string{"dlq", "show", id}, s.flags()...)...).ok(t)
+	for _, want := range []string{"table_group_count", "block table has 1 group", "payload (JSON):", `"schema": "kvmesh.save_task.v1"`, "none (0 attempts)"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("dlq show lacks %q", want)
+		}
+	}
+	garbage := runCLI(t, append([]string{"dlq", "show", strconv.FormatInt(ids["undecodable"][0], 10)}, s.flags()...)...).ok(t)
+	if !strings.Contains(garbage.stdout, `not JSON): "\x00not a save task"`) {
+		t.Errorf("show of the garbage record does not quote its payload")
+	}
+	js := runCLI(t, append([]string{"dlq", "show", id, "--json"}, s.flags()...)...).ok(t)
+	var d deadLetter
+	if err := json.Unmarshal([]byte(js.stdout), &d); err != nil || strconv.FormatInt(d.ID, 10) != id || len(d.Payload) == 0 {
+		t.Fatalf("show --json: %v %+v", err, d)
+	}
+	runCLI(t, append([]string{"dlq", "show", "999999"}, s.flags()...)...).fails(t, "Not Found: ")
+}
+
+func testTokenErrors(t *testing.T, s *cliStack, ids dlqIDs) {
+	id := strconv.FormatInt(ids["put_failed"][0], 10)
+	runCLI(t, append([]string{"dlq", "replay", id}, s.flags()...)...).
+		fails(t, "Unauthorized: this route needs an Authorization: Bearer", "pass --token or set KVMESH_ADMIN_TOKEN")
+	runCLI(t, append([]string{"dlq", "replay", id, "--dry-run", "--token", "guess"}, s.flags()...)...).
+		fails(t, "Forbidden: the admin token is not valid", "pass --token or set KVMESH_ADMIN_TOKEN")
+	var d deadLetter
+	s.getJSON(s.url("sender")+"/v1/dlq/"+id, &d)
+	if d.ReplayCount != 0 {
+		t.Fatalf("a refused replay was recorded: %+v", d)
+	}
+}
+
+func testReplayInvalid(t *testing.T, s *cliStack, ids dlqIDs) {
+	admin := append(s.flags(), "--token", cliToken)
+	dry := runCLI(t, append([]string{"dlq", "replay", "--reason", "table_group_count", "--dry-run"}, admin...)...).ok(t)
+	if strings.Count(dry.stdout, "not replayable") != 4 || // three rows and the summary
+		!strings.Contains(dry.stdout, "dry run: 3 dead letter(s), 0 would replay, 0 would fail, 3 not replayable") {
+		t.Fatalf("dry run of the invalid entries")
+	}
+	id := strconv.FormatInt(ids["table_group_count"][0], 10)
+	r := runCLI(t, append([]string{"dlq", "replay", id}, admin...)...).fails(t, "some replays failed: 1 of 1 dead letters not replayed")
+	if !strings.Contains(r.stdout, "still invalid") || !strings.Contains(r.stdout, "Dead letter still invalid") {
+		t.Fatalf("replay of an invalid entry: want its outcome on stdout")
+	}
+	js := runCLI(t, append([]string{"dlq", "replay", id, "999999", "--json"}, admin...)...).fails(t)
+	var out struct {
+		Results []replayOutcome `json:"results"`
+		Summary map[string]int  `json:"summary"`
+	}
+	if err := json.Unmarshal([]byte(js.stdout), &out); err != nil || len(out.Results) != 2 ||
+		out.Summary["still invalid"] != 1 || out.Summary["not found"] != 1 {
+		t.Fatalf("--json replay: %v %+v", err, out)
+	}
+}
+
+func testReplayByReason(t *testing.T, s *cliStack, ids dlqIDs) {
+	admin := append(s.flags(), "--token", cliToken)
+	before := runCLI(t, append([]string{"dlq", "replay", "--reason", "put_failed", "--dry-run"}, admin...)...).ok(t)
+	if !strings.Contains(before.stdout, "dry run: 4 dead letter(s), 0 would replay, 4 would fail") ||
+		!strings.Contains(before.stdout, "put_failed: no worker to put the missing keys") {
+		t.Fatalf("dry run without the engine's worker: want 4 that would fail for want of a worker")
+	}
+	s.start("gpuworker-late", "gpuworker", "KVMESH_ENGINE_ID="+cliLateEngine)
+	if t.Failed() {
+		t.FailNow()
+	}
+	after := runCLI(t, append([]string{"dlq", "replay", "--reason", "put_failed", "--dry-run"}, admin...)...).ok(t)
+	if !strings.Contains(after.stdout, "dry run: 4 dead letter(s), 4 would replay") ||
+		strings.Count(after.stdout, "key(s) to put, 0 already present") != 4 {
+		t.Fatalf("dry run with the worker up: want 4 that would replay, one key each")
+	}
+	var d deadLetter
+	s.getJSON(fmt.Sprintf("%s/v1/dlq/%d", s.url("sender"), ids["put_failed"][0]), &d)
+	if d.ReplayStatus != "none" || d.ReplayCount != 0 {
+		t.Fatalf("dry runs changed the entry: %+v", d)
+	}
+
+	r := runCLI(t, append([]string{"dlq", "replay", "--reason", "put_failed"}, admin...)...).ok(t)
+	replayed := 0
+	for _, f := range r.rows() {
+		if f[1] == "put_failed" && f[2] == "replayed" && f[3] == "status" && f[4] == "stored:" {
+			replayed++
+		}
+	}
+	if replayed != 4 || !strings.Contains(r.stdout, "replay: 4 dead letter(s), 4 replayed, 0 already replayed, 0 still invalid, 0 failed") {
+		t.Fatalf("replay by reason: want 4 replayed entries and the summary")
+	}
+	again := runCLI(t, append([]string{"dlq", "replay", strconv.FormatInt(ids["put_failed"][1], 10)}, admin...)...).ok(t)
+	if !strings.Contains(again.stdout, "already replayed") {
+		t.Fatalf("second replay: want already replayed")
+	}
+	js := runCLI(t, append([]string{"dlq", "list", "--reason", "put_failed", "--json"}, s.flags()...)...).ok(t)
+	var p page[deadLetter]
+	if err := json.Unmarshal([]byte(js.stdout), &p); err != nil || len(p.Items) != 4 {
+		t.Fatalf("list after replay: %v %+v", err, p)
+	}
+	for _, d := range p.Items {
+		if d.ReplayStatus != "replayed" || d.ReplayCount != 1 {
+			t.Errorf("entry %d after replay: %s, %d attempts", d.ID, d.ReplayStatus, d.ReplayCount)
+		}
+	}
+}

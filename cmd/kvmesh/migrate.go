@@ -1,0 +1,83 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/kvmesh/kvmesh/migrations"
+	"github.com/kvmesh/kvmesh/pkg/database"
+)
+
+func init() {
+	register("migrate", "apply the pending PostgreSQL migrations (KVMESH_DATABASE_URL) and exit", runMigrate)
+}
+
+// runMigrate applies the pending migrations and reports them on stdout.
+func runMigrate(ctx context.Context, args []string) error {
+	return migrateDatabase(ctx, args, os.Stdout)
+}
+
+// migrateOptions is what the migrate command line says.
+type migrateOptions struct {
+	url     string
+	timeout time.Duration
+}
+
+// migrateDatabase connects to the database, applies every migration it has
+// not seen under the runner's advisory lock, and writes one line per
+// applied file and a summary to out.
+func migrateDatabase(ctx context.Context, args []string, out io.Writer) error {
+	o, err := migrateFlags(args)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.timeout)
+	defer cancel()
+	pool, err := database.Connect(ctx, o.url, database.WithApplicationName("kvmesh-migrate"))
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	applied, err := database.Migrate(ctx, pool, migrations.FS)
+	if err != nil {
+		return err
+	}
+	for _, name := range applied {
+		fmt.Fprintf(out, "applied %s\n", name)
+	}
+	fmt.Fprintf(out, "%d migrations applied; database %s is up to date\n", len(applied), database.MaskURL(o.url))
+	return nil
+}
+
+// migrateFlags reads the flags; the database URL defaults to
+// KVMESH_DATABASE_URL.
+func migrateFlags(args []string) (migrateOptions, error) {
+	var o migrateOptions
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.url, "database-url", os.Getenv("KVMESH_DATABASE_URL"),
+		"PostgreSQL URL, postgres://user:pass@host:port/db (env KVMESH_DATABASE_URL)")
+	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute,
+		"give up when connecting and migrating take longer (the advisory lock may be held by another runner)")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return o, err
+		}
+		return o, fmt.Errorf("%w: %w", errUsage, err)
+	}
+	switch {
+	case fs.NArg() > 0:
+		return o, fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+	case strings.TrimSpace(o.url) == "":
+		return o, fmt.Errorf("%w: no database: set KVMESH_DATABASE_URL or -database-url", errUsage)
+	case o.timeout <= 0:
+		return o, fmt.Errorf("%w: -timeout %s is not positive", errUsage, o.timeout)
+	}
+	return o, nil
+}

@@ -1,0 +1,116 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"maps"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/deploy"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
+)
+
+// gpuFamilies are the per-GPU families: served only where NVML sees GPUs,
+// which kvmesh_gpu_devices (always served by a gpuworker) says.
+const gpuFamilyPrefix = "kvmesh_gpu_"
+
+// checkDashboardMetrics scrapes every service of the stack and checks that
+// every metric family a Grafana dashboard under deploy/ queries is served
+// by at least one of them. Per-GPU families may only be missing when every
+// gpuworker reports kvmesh_gpu_devices 0 (no NVML here); they are covered
+// with go-nvml's mock in the gpuworker's own tests.
+func checkDashboardMetrics(t *testing.T, s *stack) {
+	want, err := deploy.DashboardMetrics(testenv.ModuleRoot(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(want) == 0 {
+		t.Fatal("the dashboards query no metric")
+	}
+	served := map[string][]string{} // family → services serving it
+	help := map[string]string{}     // family → "# HELP" and "# TYPE" lines
+	gpus := 0.0
+	for _, name := range []string{"lookup", "scheduler", "sender", "gpuworker", "gpuworker-prefill"} {
+		families, devices := scrape(t, s.url(name)+"/metrics", help)
+		for _, f := range families {
+			served[f] = append(served[f], name)
+		}
+		gpus += devices
+	}
+	writeCatalogue(t, served, help)
+	if _, ok := served["kvmesh_gpu_devices"]; !ok {
+		t.Error("no gpuworker serves kvmesh_gpu_devices")
+	}
+	for _, f := range want {
+		if _, ok := served[f]; ok {
+			continue
+		}
+		if strings.HasPrefix(f, gpuFamilyPrefix) && gpus == 0 {
+			t.Logf("%s: not served (no GPU visible to NVML on this host)", f)
+			continue
+		}
+		t.Errorf("dashboards query %s, which no service serves", f)
+	}
+	t.Logf("%d dashboard families checked against %d served families", len(want), len(served))
+}
+
+// scrape returns the metric families a /metrics page declares (its
+// "# TYPE" lines; a family without series declares none) and the value of
+// kvmesh_gpu_devices when present. It adds each family's HELP and TYPE
+// lines to help.
+func scrape(t *testing.T, url string, help map[string]string) (families []string, gpuDevices float64) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape %s: %s", url, resp.Status)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if f, ok := strings.CutPrefix(line, "# TYPE "); ok {
+			families = append(families, strings.Fields(f)[0])
+		}
+		if f, ok := strings.CutPrefix(line, "# "); ok && len(strings.Fields(f)) > 2 {
+			name := strings.Fields(f)[1]
+			if !strings.Contains(help[name], line) {
+				help[name] += line + "\n"
+			}
+		}
+		if v, ok := strings.CutPrefix(line, "kvmesh_gpu_devices "); ok && v != "0" {
+			gpuDevices++
+		}
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatalf("scrape %s: %v", url, err)
+	}
+	return slices.Compact(slices.Sorted(slices.Values(families))), gpuDevices
+}
+
+// writeCatalogue writes, with KVMESH_METRICS_OUT set, every kvmesh_ family
+// served, with the services serving it and its HELP and TYPE lines (the
+// metrics catalogue of docs/observability.md is made from it).
+func writeCatalogue(t *testing.T, served map[string][]string, help map[string]string) {
+	t.Helper()
+	out := os.Getenv("KVMESH_METRICS_OUT")
+	if out == "" {
+		return
+	}
+	var b strings.Builder
+	for _, f := range slices.Sorted(maps.Keys(served)) {
+		if strings.HasPrefix(f, "kvmesh_") {
+			fmt.Fprintf(&b, "%s [%s]\n%s", f, strings.Join(slices.Compact(served[f]), ","), help[f])
+		}
+	}
+	if err := os.WriteFile(out, []byte(b.String()), 0o644); err != nil {
+		t.Errorf("write %s: %v", out, err)
+	}
+}

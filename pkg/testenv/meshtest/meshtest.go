@@ -1,0 +1,114 @@
+// Package meshtest gives a test the infrastructure to run kvmesh's services
+// as real processes: the embedded Kafka-protocol broker over TCP, a fresh
+// PostgreSQL database, the shared Redis under a key prefix of the test's own,
+// the service binaries, and a testenv.Procs whose processes are pointed at
+// all of them. The e2e tests and the CLI's tests build their meshes on it.
+//
+// It lives apart from testenv because it needs dbtest, which imports
+// testenv, and devbroker, which testenv's many users need not build.
+package meshtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
+	"github.com/kvmesh/kvmesh/pkg/devbroker"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
+)
+
+// Settings of the infrastructure.
+const (
+	// brokerStartWithin bounds the broker's start.
+	brokerStartWithin = 30 * time.Second
+	// groupMinSession lets the services run consumer group sessions of a
+	// few seconds, so that a killed consumer's partitions move quickly.
+	groupMinSession = time.Second
+)
+
+// errUnknownService reports a process of a service that is not in Services.
+var errUnknownService = errors.New("no such service")
+
+// Services are the service binaries a mesh builds, by name (./services/<name>).
+var Services = []string{"lookup", "scheduler", "sender", "gpuworker"}
+
+// Mesh is one test's infrastructure; everything in it goes away when the
+// test ends, processes first.
+type Mesh struct {
+	// Brokers are the broker's addresses.
+	Brokers []string
+	// DatabaseURL is a fresh, empty database of the test's own; a service
+	// started with KVMESH_MIGRATE=true migrates it.
+	DatabaseURL string
+	// RedisURL is the shared Redis.
+	RedisURL string
+	// Prefix is the test's store key prefix; its keys are deleted when the
+	// test ends.
+	Prefix string
+	// Env is what every process gets besides the test process's own
+	// environment: KVMESH_KAFKA_BROKERS, KVMESH_DATABASE_URL,
+	// KVMESH_REDIS_URL and KVMESH_KEY_PREFIX, then New's env.
+	Env []string
+	// Procs runs the services with Env.
+	Procs *testenv.Procs
+
+	bins map[string]string
+}
+
+// New builds the services, starts the broker, creates the database and
+// picks a key prefix starting with tag; env is added to every process's
+// settings. Without PostgreSQL or Redis the test is skipped, or fails when
+// KVMESH_REQUIRE_SERVICES=1.
+func New(t *testing.T, tag string, env ...string) *Mesh {
+	t.Helper()
+	redisURL := testenv.RedisURL(t) // skips (or fails) before anything is built
+	m := &Mesh{
+		DatabaseURL: dbtest.NewDatabase(t),
+		RedisURL:    redisURL,
+		Prefix:      testenv.KeyPrefix(tag),
+		bins:        testenv.ServiceBinaries(t, Services...),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), brokerStartWithin)
+	defer cancel()
+	b, err := devbroker.Start(ctx, devbroker.Config{Addr: "127.0.0.1:0", GroupMinSessionTimeout: groupMinSession})
+	if err != nil {
+		t.Fatalf("broker: %v", err)
+	}
+	t.Cleanup(b.Close)
+	m.Brokers = b.Addrs()
+	t.Cleanup(func() { testenv.DropKeys(t, redisURL, m.Prefix) })
+	m.Env = append([]string{
+		"KVMESH_KAFKA_BROKERS=" + strings.Join(m.Brokers, ","),
+		"KVMESH_DATABASE_URL=" + m.DatabaseURL,
+		"KVMESH_REDIS_URL=" + redisURL,
+		"KVMESH_KEY_PREFIX=" + m.Prefix,
+	}, env...)
+	m.Procs = testenv.NewProcs(t, m.Env...)
+	return m
+}
+
+// Add registers process name running service (one of Services) with Env
+// plus env; see testenv.Procs.Add.
+func (m *Mesh) Add(name, service string, env ...string) (*testenv.Process, error) {
+	bin, ok := m.bins[service]
+	if !ok {
+		return nil, fmt.Errorf("add %s: %w: %q (want one of %v)", name, errUnknownService, service, Services)
+	}
+	return m.Procs.Add(name, bin, env...)
+}
+
+// Start adds process name as Add does and starts it, waiting until it is
+// ready (see testenv.Process.Start); it returns the process once added,
+// even when it then fails to become ready. It may be called from any
+// goroutine.
+func (m *Mesh) Start(name, service string, env ...string) (*testenv.Process, error) {
+	p, err := m.Add(name, service, env...)
+	if err != nil {
+		return nil, err
+	}
+	return p, p.Start()
+}

@@ -1,0 +1,91 @@
+package meshtest_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/pkg/testenv/meshtest"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if err := testenv.RemoveBinaries(); err != nil {
+		fmt.Fprintln(os.Stderr, "remove test binaries:", err)
+	}
+	os.Exit(code)
+}
+
+// TestMeshRunsAServiceAndCleansUp starts a mesh and the scheduler in a
+// subtest: the scheduler is ready on the mesh's broker and migrates the
+// mesh's database; once the subtest ends the process is gone, the keys
+// under the mesh's prefix are deleted and no goroutine is left behind.
+func TestMeshRunsAServiceAndCleansUp(t *testing.T) {
+	before := goleak.IgnoreCurrent()
+	o, err := redis.ParseURL(testenv.RedisURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rdb := redis.NewClient(o)
+	t.Cleanup(func() { _ = rdb.Close() })
+	var (
+		p      *testenv.Process
+		prefix string
+	)
+	t.Run("mesh", func(t *testing.T) {
+		m := meshtest.New(t, "mesh", "KVMESH_MODEL=hybrid-mla-linear", "KVMESH_SHUTDOWN_TIMEOUT=3s")
+		prefix = m.Prefix
+		want := []string{
+			"KVMESH_KAFKA_BROKERS=" + strings.Join(m.Brokers, ","), "KVMESH_DATABASE_URL=" + m.DatabaseURL,
+			"KVMESH_REDIS_URL=" + m.RedisURL, "KVMESH_KEY_PREFIX=" + m.Prefix,
+			"KVMESH_MODEL=hybrid-mla-linear", "KVMESH_SHUTDOWN_TIMEOUT=3s",
+		}
+		if !slices.Equal(m.Env, want) || !strings.HasPrefix(m.Prefix, "mesh") {
+			t.Fatalf("Env %q, Prefix %q; want %q and a prefix starting with mesh", m.Env, m.Prefix, want)
+		}
+		if _, err := m.Add("x", "no-such-service"); err == nil {
+			t.Fatal("Add of an unknown service: nil error")
+		}
+		var err error
+		if p, err = m.Start("scheduler", "scheduler", "KVMESH_MIGRATE=true"); err != nil {
+			t.Fatal(err)
+		}
+		checkMigrated(t, m.DatabaseURL)
+		if err := rdb.Set(t.Context(), prefix+"@block", "v", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if p == nil {
+		t.Fatal("the mesh subtest did not get as far as the checks below need")
+	}
+	if err := p.Alive(); !errors.Is(err, testenv.ErrExited) {
+		t.Errorf("scheduler after its test ended: %v, want ErrExited", err)
+	}
+	if n, err := rdb.Exists(context.Background(), prefix+"@block").Result(); err != nil || n != 0 {
+		t.Errorf("the mesh's key is still there after its test (%d, %v)", n, err)
+	}
+	goleak.VerifyNone(t, before)
+}
+
+// checkMigrated fails the test unless the database has the workers table.
+func checkMigrated(t *testing.T, url string) {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var table *string
+	if err := conn.QueryRow(t.Context(), "SELECT to_regclass('workers')::text").Scan(&table); err != nil || table == nil {
+		t.Fatalf("the mesh's database has no workers table after the scheduler's migration (%v)", err)
+	}
+}

@@ -1,0 +1,17 @@
+package app_test
+
+import (
+	"testing"
+
+	"github.com/kvmesh/kvmesh/deploy/composetest"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
+)
+
+// TestComposeEnvMatchesConfig holds docker-compose.yml's scheduler service(s) to
+// Config: only settings Config reads, required ones set, a configuration
+// that loads and validates, the contract port published and health-checked,
+// and endpoints that lead to services it depends on.
+func TestComposeEnvMatchesConfig(t *testing.T) {
+	composetest.CheckServiceEnv(t, testenv.ModuleRoot(t), "scheduler", &app.Config{})
+}
