@@ -110,3 +110,21 @@ func WaitReady(t testing.TB, addr string) {
 	}
 	t.Fatalf("%s not ready after 30 s: %s", url, last)
 }
+
+// App is a service's application as its New returns it.
+type App interface {
+	Run(ctx context.Context) error
+	Addr() string
+}
+
+// StartReady fails the test when New failed (err), else runs a with Start
+// and waits until its /readyz answers 200; it returns a.
+func StartReady[A App](t testing.TB, a A, err error) A {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("new service: %v", err)
+	}
+	Start(t, a.Run)
+	WaitReady(t, a.Addr())
+	return a
+}

@@ -16,19 +16,18 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func TestStartsReadyAndStops(t *testing.T) {
+// startApp runs the service on a fresh env and waits until it is ready.
+func startApp(t *testing.T) *app.App {
+	t.Helper()
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{
-		Common:   env.Common(),
-		HTTPAddr: "127.0.0.1:0",
-		RedisURL: env.RedisURL,
-	}
+	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", RedisURL: env.RedisURL, Enabled: true}
+	cfg.KeyPrefix = randomID("openapi-")
 	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	servicetest.Start(t, a.Run)
-	servicetest.WaitReady(t, a.Addr())
+	return servicetest.StartReady(t, a, err)
+}
+
+func TestStartsReadyAndStops(t *testing.T) {
+	startApp(t) // fails unless ready, and unless it stops in time at cleanup
 }
 
 func TestREADMEConfig(t *testing.T) {

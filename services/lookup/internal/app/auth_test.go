@@ -13,7 +13,7 @@ import (
 // not 401 or 403). A mutating route added without being secured or marked
 // open fails this test.
 func TestAdminRoutesRequireToken(t *testing.T) {
-	a := startForAPI(t)
+	a := startApp(t)
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, "http://"+a.Addr(), "test-token", a.Routes(), d, nil)
 }

@@ -12,7 +12,7 @@ import (
 // deliberately open) fails this test, and a secured one is probed for
 // 401/403.
 func TestAdminRoutesRequireToken(t *testing.T) {
-	a := startForAPI(t)
+	a := startApp(t)
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, "http://"+a.Addr(), "test-token", a.Routes(), d, nil)
 }

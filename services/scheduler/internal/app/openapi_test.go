@@ -1,31 +1,15 @@
 package app_test
 
 import (
-	"context"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
-// startForAPI runs a scheduler on a fresh env for the route tests.
-func startForAPI(t *testing.T) *app.App {
-	t.Helper()
-	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Consumers: 1}
-	cfg.LogLevel = "warn"
-	a, err := app.New(context.Background(), cfg, testLogger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	servicetest.Start(t, a.Run)
-	servicetest.WaitReady(t, a.Addr())
-	return a
-}
-
 // TestOpenAPIMatchesRoutes: the document served at /openapi.yaml is the
 // embedded one and documents exactly the routes the router serves.
 func TestOpenAPIMatchesRoutes(t *testing.T) {
-	a := startForAPI(t)
+	a := startApp(t)
 	servicetest.CheckServedOpenAPI(t, a.Addr(), a.Routes(), app.OpenAPI)
 }

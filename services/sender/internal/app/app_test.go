@@ -30,22 +30,26 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func TestStartsReadyAndStops(t *testing.T) {
+// startApp runs the service on a fresh env, its settings loaded the way
+// main loads them (defaults for everything the env does not set), and
+// waits until it is ready.
+func startApp(t *testing.T) *app.App {
+	t.Helper()
 	env := servicetest.NewEnv(t)
 	vars := map[string]string{
 		"KVMESH_HTTP_ADDR": "127.0.0.1:0", "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": env.RedisURL,
-		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","),
+		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_ADMIN_TOKEN": env.Common().AdminToken,
 	}
 	var cfg app.Config
 	if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil {
 		t.Fatal(err)
 	}
 	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	servicetest.Start(t, a.Run)
-	servicetest.WaitReady(t, a.Addr())
+	return servicetest.StartReady(t, a, err)
+}
+
+func TestStartsReadyAndStops(t *testing.T) {
+	startApp(t) // fails unless ready, and unless it stops in time at cleanup
 }
 
 func TestREADMEConfig(t *testing.T) {

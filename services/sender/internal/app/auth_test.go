@@ -14,7 +14,7 @@ import (
 // wrong one; the right token reaches the handler (404 for an unknown id).
 // The dry run of a replay is the same route and is guarded the same way.
 func TestAdminRoutesRequireToken(t *testing.T) {
-	a := startForAPI(t)
+	a := startApp(t)
 	base := "http://" + a.Addr()
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, base, adminToken, a.Routes(), d, map[string]string{"id": "999999"})
