@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -30,6 +32,20 @@ func BenchmarkScheduler(b *testing.B) {
 		fsyncOn = 1
 	}
 	b.Run("events", func(b *testing.B) {
+		benchEvents(b, h.onB(b))
+		b.ReportMetric(fsyncOn, "fsync_on")
+	})
+	// The same with the SDK tracer provider a service installs when no
+	// exporter is configured: every span (consumer, apply, database,
+	// outbox publish) is recorded, none exported.
+	b.Run("events_traced", func(b *testing.B) {
+		tp := sdktrace.NewTracerProvider()
+		prev := otel.GetTracerProvider()
+		otel.SetTracerProvider(tp)
+		defer func() {
+			otel.SetTracerProvider(prev)
+			_ = tp.Shutdown(context.Background())
+		}()
 		benchEvents(b, h.onB(b))
 		b.ReportMetric(fsyncOn, "fsync_on")
 	})
