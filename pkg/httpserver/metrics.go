@@ -1,12 +1,12 @@
 package httpserver
 
 import (
-	"errors"
-	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
@@ -37,34 +37,19 @@ func newHTTPMetrics(reg *prometheus.Registry) (*httpMetrics, error) {
 		Buckets: prometheus.DefBuckets,
 	}, labels)
 	var err error
-	if requests, err = register(reg, requests); err != nil {
+	if requests, err = telemetry.RegisterOnce(reg, requests); err != nil {
 		return nil, err
 	}
-	if duration, err = register(reg, duration); err != nil {
+	if duration, err = telemetry.RegisterOnce(reg, duration); err != nil {
 		return nil, err
 	}
-	if _, err = register(reg, collectors.NewGoCollector()); err != nil {
+	if _, err = telemetry.RegisterOnce(reg, collectors.NewGoCollector()); err != nil {
 		return nil, err
 	}
-	if _, err = register(reg, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})); err != nil {
+	if _, err = telemetry.RegisterOnce(reg, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})); err != nil {
 		return nil, err
 	}
 	return &httpMetrics{requests: requests, duration: duration}, nil
-}
-
-// register adds c to reg, or returns the equal collector already there.
-func register[C prometheus.Collector](reg *prometheus.Registry, c C) (C, error) {
-	err := reg.Register(c)
-	if err == nil {
-		return c, nil
-	}
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(C); ok {
-			return existing, nil
-		}
-	}
-	return c, fmt.Errorf("httpserver: register metrics: %w", err)
 }
 
 // observe records one request.

@@ -3,7 +3,6 @@ package kvstore
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,6 +10,8 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // tracerName is the instrumentation scope of the store spans.
@@ -62,31 +63,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Help: "Keys whose store operation failed, by operation and status.",
 	}, []string{"op", "status"})
 	var err error
-	if duration, err = registerOnce(reg, duration); err != nil {
+	if duration, err = telemetry.RegisterOnce(reg, duration); err != nil {
 		return nil, err
 	}
-	if keys, err = registerOnce(reg, keys); err != nil {
+	if keys, err = telemetry.RegisterOnce(reg, keys); err != nil {
 		return nil, err
 	}
-	if failed, err = registerOnce(reg, failed); err != nil {
+	if failed, err = telemetry.RegisterOnce(reg, failed); err != nil {
 		return nil, err
 	}
 	return &Metrics{duration: duration, keys: keys, failed: failed}, nil
-}
-
-// registerOnce adds c to reg, or returns the equal collector already there.
-func registerOnce[C prometheus.Collector](reg prometheus.Registerer, c C) (C, error) {
-	err := reg.Register(c)
-	if err == nil {
-		return c, nil
-	}
-	var are prometheus.AlreadyRegisteredError
-	if errors.As(err, &are) {
-		if existing, ok := are.ExistingCollector.(C); ok {
-			return existing, nil
-		}
-	}
-	return c, fmt.Errorf("kvstore: register metrics: %w", err)
 }
 
 // OpNames are the op label values under which an instrumented store records

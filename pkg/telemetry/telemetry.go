@@ -1,4 +1,5 @@
-// Package telemetry sets up OpenTelemetry tracing for a kvmesh service.
+// Package telemetry sets up OpenTelemetry tracing for a kvmesh service, and
+// registers Prometheus collectors (RegisterOnce, RegisterAll).
 //
 // Setup always installs an SDK tracer provider, so every request and message
 // gets real trace and span ids that propagate across hops (W3C traceparent in

@@ -10,6 +10,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
@@ -56,11 +58,9 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 			Name: "kvmesh_gpuworker_load_bytes_total", Help: "Block bytes written into the pool by loads.",
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes,
-		&poolCollector{stats: stats}, &gpuCollector{src: gpus}} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("gpuworker metrics: %w", err)
-		}
+	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes,
+		&poolCollector{stats: stats}, &gpuCollector{src: gpus}); err != nil {
+		return nil, fmt.Errorf("gpuworker metrics: %w", err)
 	}
 	// Every series dashboards key on exists from the start, at 0.
 	for _, reason := range rejectReasons {

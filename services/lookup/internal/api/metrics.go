@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // Values of the result label of kvmesh_lookup_requests_total.
@@ -59,10 +61,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Buckets: prometheus.ExponentialBucketsRange(0.0001, 10, 16),
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.hitTokens, m.asked, m.duration} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("lookup metrics: %w", err)
-		}
+	if err := telemetry.RegisterAll(reg, m.requests, m.hitTokens, m.asked, m.duration); err != nil {
+		return nil, fmt.Errorf("lookup metrics: %w", err)
 	}
 	for _, r := range allResults {
 		m.requests.WithLabelValues(r)

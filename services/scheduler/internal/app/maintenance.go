@@ -7,6 +7,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
 )
 
@@ -32,10 +34,8 @@ func newGauges(reg prometheus.Registerer) (*gauges, error) {
 			Help: "Rows deleted by the retention purge, by table (trackers, idle_trackers, processed_records, outbox).",
 		}, []string{"table"}),
 	}
-	for _, c := range []prometheus.Collector{g.trackers, g.backlog, g.purged} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("scheduler metrics: %w", err)
-		}
+	if err := telemetry.RegisterAll(reg, g.trackers, g.backlog, g.purged); err != nil {
+		return nil, fmt.Errorf("scheduler metrics: %w", err)
 	}
 	return g, nil
 }

@@ -5,6 +5,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
 
@@ -57,10 +59,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}, []string{"topic"}),
 	}
-	for _, c := range []prometheus.Collector{m.records, m.duplicates, m.tasks, m.feedback, m.errored, m.warnings, m.deadLetters, m.applySeconds} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("scheduler metrics: %w", err)
-		}
+	if err := telemetry.RegisterAll(reg, m.records, m.duplicates, m.tasks, m.feedback, m.errored, m.warnings, m.deadLetters, m.applySeconds); err != nil {
+		return nil, fmt.Errorf("scheduler metrics: %w", err)
 	}
 	// Every dead-letter series exists from the start, at 0, for dashboards
 	// and alerts.

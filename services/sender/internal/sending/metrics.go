@@ -5,6 +5,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -90,10 +92,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Dead-letter replay requests, by result (replayed, already, invalid, failed, dry_run, error).",
 		}, []string{"result"}),
 	}
-	for _, c := range []prometheus.Collector{m.tasks, m.groups, m.deadLetters, m.pressure, m.skipped, m.duplicates, m.bytes, m.replays} {
-		if err := reg.Register(c); err != nil {
-			return nil, fmt.Errorf("sender metrics: %w", err)
-		}
+	if err := telemetry.RegisterAll(reg, m.tasks, m.groups, m.deadLetters, m.pressure, m.skipped, m.duplicates, m.bytes, m.replays); err != nil {
+		return nil, fmt.Errorf("sender metrics: %w", err)
 	}
 	for _, r := range deadLetterReasons {
 		m.deadLetters.WithLabelValues(r)
