@@ -120,6 +120,9 @@ type Effects struct {
 	// Err reports a problem with the event, wrapping a sentinel error. When
 	// the problem stopped the request, the tracker is in StateErrored.
 	Err error
+	// Failed is set when this call moved the request to StateErrored (Err
+	// says why); a request errored before keeps it unset.
+	Failed bool
 }
 
 // LoadState is the tracker's view of the store connector's LoadSpec for the
@@ -271,6 +274,7 @@ func (t *Tracker) checkModel(m *Model) error {
 // external tokens is answered with finished_recving listing every block as
 // a load error, so the engine recomputes instead of waiting forever.
 func (t *Tracker) fail(eff *Effects, err error, table BlockTable) {
+	eff.Failed = t.State != StateErrored
 	t.State = StateErrored
 	t.Error = err.Error()
 	eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, err)

@@ -91,9 +91,8 @@ func (r *Request) release(m *kvcore.Model, out *Outcome, ev contract.EngineEvent
 
 // step drives both trackers with one step.
 func (r *Request) step(m *kvcore.Model, out *Outcome, src string, s kvcore.Step) {
-	errored := r.Store.State == kvcore.StateErrored
 	effStore := r.Store.Step(m, s)
-	r.storeEffects(out, src, errored, effStore)
+	r.storeEffects(out, src, effStore)
 	if r.PD != nil {
 		r.pdEffects(out, src, r.PD.Step(m, s), effStore.Err != nil)
 	}
@@ -158,8 +157,7 @@ func (r *Request) Decision(m *kvcore.Model, d contract.LookupDecision) Outcome {
 		}
 	case r.Awaiting != "" && r.Awaiting == d.DecisionID:
 		r.Awaiting = ""
-		errored := r.Store.State == kvcore.StateErrored
-		r.storeEffects(&out, "decision "+d.DecisionID, errored, r.Store.OnLookup(m, childSpec(&d, ConnectorStore)))
+		r.storeEffects(&out, "decision "+d.DecisionID, r.Store.OnLookup(m, childSpec(&d, ConnectorStore)))
 	default:
 		r.Decisions = append(r.Decisions, d)
 		if n := len(r.Decisions); n > maxDecisions {

@@ -19,15 +19,15 @@ func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecis
 	chosen := chosenChild(d)
 	if d == nil {
 		r.Awaiting = alloc.DecisionID
-		r.storeEffects(out, src, r.Store.State == kvcore.StateErrored, r.Store.OnAllocate(m, 0, alloc.BlockTable))
+		r.storeEffects(out, src, r.Store.OnAllocate(m, 0, alloc.BlockTable))
 	} else {
 		r.Awaiting = ""
 		count := 0
 		if chosen == ConnectorStore {
 			count = alloc.ExternalTokens
 		}
-		r.storeEffects(out, src, r.Store.State == kvcore.StateErrored, r.Store.OnLookup(m, childSpec(d, ConnectorStore)))
-		r.storeEffects(out, src, r.Store.State == kvcore.StateErrored, r.Store.OnAllocate(m, count, alloc.BlockTable))
+		r.storeEffects(out, src, r.Store.OnLookup(m, childSpec(d, ConnectorStore)))
+		r.storeEffects(out, src, r.Store.OnAllocate(m, count, alloc.BlockTable))
 	}
 	served := r.allocatePD(m, out, src, d, chosen, alloc)
 	if alloc.ExternalTokens > 0 && chosen != ConnectorStore && !served && !r.Store.Finished() {

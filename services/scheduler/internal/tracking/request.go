@@ -194,13 +194,14 @@ func feedback(f kvcore.Feedback) contract.EngineFeedback {
 	return contract.EngineFeedback{Schema: contract.SchemaEngineFeedback, Feedback: f}
 }
 
-// storeEffects collects the store tracker's effects of one call.
-func (r *Request) storeEffects(out *Outcome, source string, wasErrored bool, eff kvcore.Effects) {
+// storeEffects collects the store tracker's effects of one call; the call
+// that errored the request (eff.Failed) stops it with request_error.
+func (r *Request) storeEffects(out *Outcome, source string, eff kvcore.Effects) {
 	r.taskEffects(out, eff)
 	for _, f := range eff.Feedback {
 		out.Feedback = append(out.Feedback, feedback(f))
 	}
-	if !wasErrored && r.Store.State == kvcore.StateErrored {
+	if eff.Failed {
 		out.Errors = append(out.Errors, eff.Err)
 		r.erroredFeedback(out)
 		return

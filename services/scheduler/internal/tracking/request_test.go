@@ -197,6 +197,12 @@ func TestErroredRequests(t *testing.T) {
 		{"group_count", func(h *harness) Outcome {
 			return h.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: kvcore.BlockTable{{0, 1}}})
 		}, kvcore.ErrGroupCount},
+		// The seed's input on the allocation path: a 1-group table for
+		// the 2-group model, after the store child's lookup decision.
+		{"group_count_on_allocation", func(h *harness) Outcome {
+			h.r.Decision(h.m, decision("d1", ConnectorStore, 32, 0))
+			return h.alloc(32, kvcore.BlockTable{{0, 1, 2}}, "d1")
+		}, kvcore.ErrGroupCount},
 		{"wrong_model", func(h *harness) Outcome {
 			h.seq++
 			return h.r.Engine(h.m, contract.EngineEvent{Seq: h.seq, Kind: contract.EventAdmitted, Model: "other"})

@@ -42,7 +42,7 @@ func (r *Request) saveResult(m *kvcore.Model, out *Outcome, src string, res cont
 	if ok {
 		r.cover(m, ref, status, res.Groups)
 	}
-	r.storeEffects(out, src, r.Store.State == kvcore.StateErrored, r.Store.OnSaveResult(res.TaskID, status))
+	r.storeEffects(out, src, r.Store.OnSaveResult(res.TaskID, status))
 }
 
 // loadResult routes a load report to the tracker that issued the load.
@@ -50,7 +50,7 @@ func (r *Request) loadResult(out *Outcome, src string, res contract.TransferResu
 	r.takeTask(res.TaskID)
 	switch {
 	case slices.Contains(r.Store.PendingLoads, res.TaskID):
-		r.storeEffects(out, src, r.Store.State == kvcore.StateErrored, r.Store.OnLoadResult(res.TaskID, res.LoadErrors))
+		r.storeEffects(out, src, r.Store.OnLoadResult(res.TaskID, res.LoadErrors))
 	case r.PD != nil && slices.Contains(r.PD.PendingLoads, res.TaskID):
 		r.pdEffects(out, src, r.PD.OnLoadResult(res.TaskID, res.LoadErrors), false)
 	default:
