@@ -143,7 +143,7 @@ func (a *App) wire(cfg Config) error {
 	a.processor, err = sending.New(sending.Options{
 		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
 		Store:      kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}),
-		Workers:    sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, nil),
+		Workers:    a.workers,
 		Retry:      kvcore.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
 		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
 		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout,

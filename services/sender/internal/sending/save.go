@@ -87,10 +87,7 @@ func (p *Processor) exists(ctx context.Context, r *run, items []item) ([]bool, e
 	ctx, span := p.tracer.Start(ctx, "sender.exists", trace.WithAttributes(taskAttrs(r.task)...),
 		trace.WithAttributes(attribute.Int("keys", len(items)), groupsAttr(items)))
 	defer span.End()
-	keys := make([]string, len(items))
-	for i, it := range items {
-		keys[i] = it.Key
-	}
+	keys := itemKeys(items)
 	for attempt := 1; ; attempt++ {
 		found, err := p.existsOnce(ctx, keys)
 		if err == nil {
