@@ -51,7 +51,7 @@ TESTBIN   := $(DEV)/testbin
 TESTFUZZ  := ./pkg/kvcore
 
 test: deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, plus bounded fuzzing of the domain core.
-	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ ./cmd/kvmesh $(addprefix ./services/,$(SERVICES))
+	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ $(addprefix ./services/,$(SERVICES))
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
 		$(GO) test -race -count=1 -timeout 9m $(PKGS)
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)

@@ -50,7 +50,6 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		// Short group sessions, so that a killed consumer's partitions move
 		// to its replacement quickly.
 		"KVMESH_KAFKA_SESSION_TIMEOUT=3s",
-		"KVMESH_CONSUMER_SESSION_TIMEOUT=3s",
 	}, o.env...)...)
 	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m}
 	pool := fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -56,14 +55,12 @@ func devbrokerConfig(args []string) (devbroker.Config, error) {
 	fs.IntVar(&cfg.Partitions, "partitions", partitions, "partitions per topic (env KVMESH_BROKER_PARTITIONS)")
 	fs.StringVar(&cfg.DataDir, "data-dir", os.Getenv("KVMESH_BROKER_DATA_DIR"),
 		"directory persisting topics, records and offsets; empty keeps them in memory (env KVMESH_BROKER_DATA_DIR)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return cfg, err
-		}
-		return cfg, fmt.Errorf("%w: %w", errUsage, err)
+	rest, err := parseFlags(fs, args)
+	if err != nil {
+		return cfg, err
 	}
-	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+	if len(rest) > 0 {
+		return cfg, fmt.Errorf("%w: unexpected arguments %q", errUsage, rest)
 	}
 	if cfg.Partitions < 1 {
 		return cfg, fmt.Errorf("%w: partitions must be at least 1", errUsage)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -65,15 +64,13 @@ func migrateFlags(args []string) (migrateOptions, error) {
 		"PostgreSQL URL, postgres://user:pass@host:port/db (env KVMESH_DATABASE_URL)")
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute,
 		"give up when connecting and migrating take longer (the advisory lock may be held by another runner)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return o, err
-		}
-		return o, fmt.Errorf("%w: %w", errUsage, err)
+	rest, err := parseFlags(fs, args)
+	if err != nil {
+		return o, err
 	}
 	switch {
-	case fs.NArg() > 0:
-		return o, fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+	case len(rest) > 0:
+		return o, fmt.Errorf("%w: unexpected arguments %q", errUsage, rest)
 	case strings.TrimSpace(o.url) == "":
 		return o, fmt.Errorf("%w: no database: set KVMESH_DATABASE_URL or -database-url", errUsage)
 	case o.timeout <= 0:

@@ -52,16 +52,14 @@ func probeFlags(args []string) (string, time.Duration, error) {
 	fs := flag.NewFlagSet("probe", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	timeout := fs.Duration("timeout", 3*time.Second, "longest wait for the answer")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return "", 0, err
-		}
-		return "", 0, fmt.Errorf("%w: %w", errUsage, err)
+	rest, err := parseFlags(fs, args)
+	if err != nil {
+		return "", 0, err
 	}
-	if fs.NArg() != 1 {
-		return "", 0, fmt.Errorf("%w: want exactly one URL, got %q", errUsage, fs.Args())
+	if len(rest) != 1 {
+		return "", 0, fmt.Errorf("%w: want exactly one URL, got %q", errUsage, rest)
 	}
-	target := fs.Arg(0)
+	target := rest[0]
 	if u, err := url.Parse(target); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return "", 0, fmt.Errorf("%w: %q is not an http(s) URL", errUsage, target)
 	}

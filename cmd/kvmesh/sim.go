@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -70,9 +69,7 @@ func writeSimReport(w io.Writer, rep *sim.Report, asJSON bool) error {
 	if !asJSON {
 		return rep.WriteText(w)
 	}
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(rep)
+	return writeValue(w, rep)
 }
 
 // simOptions is what the sim command line says.
@@ -152,14 +149,12 @@ func simFlags(args []string) (*simOptions, error) {
 	var v simValues
 	defineWorkloadFlags(fs, &v)
 	defineMeshFlags(fs, &o, &v)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("%w: %w", errUsage, err)
+	rest, err := parseFlags(fs, args)
+	if err != nil {
+		return nil, err
 	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+	if len(rest) > 0 {
+		return nil, fmt.Errorf("%w: unexpected arguments %q", errUsage, rest)
 	}
 	if err := applyPreset(fs, &o, &v); err != nil {
 		return nil, err

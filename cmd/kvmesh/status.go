@@ -18,15 +18,13 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 )
 
 func init() {
 	register("status", "one table of every service's readiness and key counters", runStatus)
 }
-
-// metricConsumerLag is the consumer-lag gauge every consumer service exports.
-const metricConsumerLag = "kvmesh_consumer_lag"
 
 // counterSpec derives one named counter from a service's metric families.
 type counterSpec struct {
@@ -145,7 +143,7 @@ func statusOf(ctx context.Context, c *client, ep endpoint) serviceStatus {
 		s.MetricsError = err.Error()
 		return s
 	}
-	s.ConsumerLag = sumFamily(fams[metricConsumerLag], "", "")
+	s.ConsumerLag = sumFamily(fams[bus.MetricConsumerLag], "", "")
 	s.Counters = deriveCounters(fams, serviceCounters[ep.name])
 	return s
 }

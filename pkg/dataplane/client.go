@@ -50,9 +50,6 @@ func DefaultHTTPClient() *http.Client {
 	return &http.Client{Transport: otelhttp.NewTransport(tr)}
 }
 
-// BaseURL is the worker's base URL.
-func (c *Client) BaseURL() string { return c.base }
-
 // Put reads the listed pool blocks, frames each value (model fingerprint +
 // checksum + bytes) and stores them in the store pool in one batch; results
 // are per item, in order, and bytes counts the framed bytes stored. err is a

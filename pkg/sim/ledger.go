@@ -306,31 +306,24 @@ func (l *ledger) report() LedgerReport {
 func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult) {
 	r.Statuses[res.Status]++
 	r.SaveBytes += res.Bytes
-	got := 0
+	got, failed := 0, 0
 	for _, g := range res.Groups {
 		r.Stored += g.Stored
 		r.Existing += g.Existing
 		r.Skipped += g.Skipped
 		r.DeadLettered += g.DeadLettered
 		r.Failed += g.Failed
+		failed += g.Failed
 		got += g.Stored + g.Existing + g.Skipped + g.DeadLettered
 		if g.Failed > 0 {
 			r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id,
 				fmt.Sprintf("group %d: %d keys failed (%s)", g.Group, g.Failed, g.Reason)})
 		}
 	}
-	if failed := sumFailed(res); got+failed != t.keys {
+	if got+failed != t.keys {
 		r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id,
 			fmt.Sprintf("task asked for %d keys, result accounts for %d", t.keys, got+failed)})
 	}
-}
-
-func sumFailed(res contract.TransferResult) int {
-	n := 0
-	for _, g := range res.Groups {
-		n += g.Failed
-	}
-	return n
 }
 
 // spanDifferences compares the saves the engines expected with those

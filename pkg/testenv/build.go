@@ -113,9 +113,9 @@ func buildOf(pkg string) *build {
 // named after the package's last element in a folder of its own.
 //
 // When KVMESH_TEST_BIN_DIR names a directory holding a binary of that name
-// (`make test` points it at bin/, which `make build` has just refreshed),
-// that binary is used instead: test packages running in parallel then do
-// not each compile the services again.
+// (`make test` points it at .dev/testbin, where it has just built the
+// services with -race), that binary is used instead: test packages running
+// in parallel then do not each compile the services again.
 func goBuild(pkg string) (string, error) {
 	if dir := os.Getenv(binDirEnv); dir != "" {
 		prebuilt := filepath.Join(dir, path.Base(pkg))
