@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -14,8 +15,8 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
-// gpuFamilies are the per-GPU families: served only where NVML sees GPUs,
-// which kvmesh_gpu_devices (always served by a gpuworker) says.
+// gpuFamilyPrefix starts the per-GPU families: served only where NVML sees
+// GPUs, which kvmesh_gpu_devices (always served by a gpuworker) says.
 const gpuFamilyPrefix = "kvmesh_gpu_"
 
 // checkDashboardMetrics scrapes every service of the stack and checks that
@@ -85,8 +86,12 @@ func scrape(t *testing.T, url string, help map[string]string) (families []string
 				help[name] += line + "\n"
 			}
 		}
-		if v, ok := strings.CutPrefix(line, "kvmesh_gpu_devices "); ok && v != "0" {
-			gpuDevices++
+		if v, ok := strings.CutPrefix(line, "kvmesh_gpu_devices "); ok {
+			n, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("scrape %s: %q: %v", url, line, err)
+			}
+			gpuDevices = n
 		}
 	}
 	if err := sc.Err(); err != nil {

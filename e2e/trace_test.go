@@ -58,7 +58,7 @@ func TestObservability(t *testing.T) {
 // on a span of that trace.
 //
 // With KVMESH_TRACE_TREE_OUT set, the traces are also written there as
-// indented span trees (docs/tracing.md shows one).
+// indented span trees (docs/observability.md shows them).
 func checkOneTracePerRequest(t *testing.T, s *stack, rec *tracetest.SpanRecorder, recv *testenv.OTLPReceiver) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

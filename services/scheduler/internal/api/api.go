@@ -5,7 +5,6 @@
 package api
 
 import (
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,7 +12,6 @@ import (
 	"net/http"
 	"net/url"
 	"slices"
-	"strconv"
 
 	"github.com/go-chi/chi/v5"
 
@@ -22,12 +20,6 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
-)
-
-// Page sizes of GET /v1/requests.
-const (
-	DefaultLimit = 100
-	MaxLimit     = 1000
 )
 
 // States are the values the state filter accepts.
@@ -78,7 +70,7 @@ func (a *API) list(w http.ResponseWriter, r *http.Request) {
 	if len(rows) > want {
 		page.Items = rows[:want]
 		last := rows[want-1]
-		page.NextCursor = encodeCursor(ledger.Key{EngineID: last.EngineID, RequestID: last.RequestID})
+		page.NextCursor = httpserver.EncodeCursor(ledger.Key{EngineID: last.EngineID, RequestID: last.RequestID})
 	}
 	a.write(w, page)
 }
@@ -86,50 +78,29 @@ func (a *API) list(w http.ResponseWriter, r *http.Request) {
 // parseFilter reads the query parameters, answering 400 naming a bad one.
 func parseFilter(w http.ResponseWriter, r *http.Request) (ledger.Filter, bool) {
 	q := r.URL.Query()
-	f := ledger.Filter{EngineID: q.Get("engine_id"), State: q.Get("state"), Limit: DefaultLimit}
+	f := ledger.Filter{EngineID: q.Get("engine_id"), State: q.Get("state")}
 	if f.State != "" && !slices.Contains(States, kvcore.TrackerState(f.State)) {
-		badParam(w, r, "state", fmt.Sprintf("state %q is not one of %v", f.State, States))
+		httpserver.BadParameter(w, r, "state", fmt.Sprintf("state %q is not one of %v", f.State, States))
 		return f, false
 	}
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > MaxLimit {
-			badParam(w, r, "limit", fmt.Sprintf("limit %q must be an integer from 1 to %d", v, MaxLimit))
-			return f, false
-		}
-		f.Limit = n
+	var ok bool
+	if f.Limit, ok = httpserver.PageLimit(w, r); !ok {
+		return f, false
 	}
-	if v := q.Get("cursor"); v != "" {
-		k, err := decodeCursor(v)
-		if err != nil {
-			badParam(w, r, "cursor", fmt.Sprintf("cursor %q is not a cursor this API returned", v))
+	var k ledger.Key
+	present, ok := httpserver.PageCursor(w, r, &k)
+	if !ok {
+		return f, false
+	}
+	if present {
+		if k.EngineID == "" {
+			v := q.Get(httpserver.ParamCursor)
+			httpserver.BadParameter(w, r, httpserver.ParamCursor, fmt.Sprintf("cursor %q is %s", v, httpserver.ErrBadCursor))
 			return f, false
 		}
 		f.After = &k
 	}
 	return f, true
-}
-
-// encodeCursor makes the opaque cursor of a page ending at k.
-func encodeCursor(k ledger.Key) string {
-	b, _ := json.Marshal(k) // two strings always encode
-	return base64.RawURLEncoding.EncodeToString(b)
-}
-
-// decodeCursor reads a cursor made by encodeCursor.
-func decodeCursor(s string) (ledger.Key, error) {
-	var k ledger.Key
-	b, err := base64.RawURLEncoding.DecodeString(s)
-	if err != nil {
-		return k, err
-	}
-	if err := json.Unmarshal(b, &k); err != nil {
-		return k, err
-	}
-	if k.EngineID == "" {
-		return k, errors.New("cursor without an engine id")
-	}
-	return k, nil
 }
 
 // Detail is GET /v1/requests/{engine_id}/{request_id}.
@@ -229,11 +200,6 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		d.Coverage = append(d.Coverage, v)
 	}
 	return d, nil
-}
-
-// badParam answers 400 naming the bad query parameter.
-func badParam(w http.ResponseWriter, r *http.Request, name, detail string) {
-	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", detail, map[string]any{"parameter": name})
 }
 
 // internal answers 500 and logs the cause (the client sees no internals).

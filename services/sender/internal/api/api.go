@@ -21,12 +21,6 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
-// Pagination bounds of GET /v1/dlq.
-const (
-	DefaultLimit = 100
-	MaxLimit     = 1000
-)
-
 // Sender is what the API needs from the sending side.
 type Sender interface {
 	// Replay replays one dead letter (see sending.Processor.Replay).
@@ -79,35 +73,35 @@ type Page struct {
 
 func (a *API) list(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	f := ledger.Filter{Reason: q.Get("reason"), EngineID: q.Get("engine_id"), RequestID: q.Get("request_id"), Limit: DefaultLimit}
-	if v := q.Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > MaxLimit {
-			badParam(w, r, "limit", fmt.Sprintf("limit %q must be an integer from 1 to %d", v, MaxLimit))
-			return
-		}
-		f.Limit = n
+	f := ledger.Filter{Reason: q.Get("reason"), EngineID: q.Get("engine_id"), RequestID: q.Get("request_id")}
+	var ok bool
+	if f.Limit, ok = httpserver.PageLimit(w, r); !ok {
+		return
 	}
-	if v := q.Get("cursor"); v != "" {
+	if v := q.Get(httpserver.ParamCursor); v != "" {
 		n, err := strconv.ParseInt(v, 10, 64)
 		if err != nil || n < 1 {
-			badParam(w, r, "cursor", fmt.Sprintf("cursor %q is not a cursor this API returned", v))
+			httpserver.BadParameter(w, r, httpserver.ParamCursor, fmt.Sprintf("cursor %q is %s", v, httpserver.ErrBadCursor))
 			return
 		}
 		f.Before = n
 	}
+	want := f.Limit
+	f.Limit++ // one more tells whether a next page exists
 	rows, err := a.ledger.List(r.Context(), f)
 	if err != nil {
 		a.internal(w, r, err)
 		return
 	}
+	next := len(rows) > want
+	rows = rows[:min(len(rows), want)]
 	page := Page{Items: make([]Entry, 0, len(rows))}
 	for _, d := range rows {
 		n := len(d.Payload)
 		d.Payload = nil
 		page.Items = append(page.Items, Entry{DeadLetter: d, PayloadBytes: n})
 	}
-	if len(rows) == f.Limit {
+	if next {
 		page.NextCursor = strconv.FormatInt(rows[len(rows)-1].ID, 10)
 	}
 	a.write(w, http.StatusOK, page)
@@ -198,7 +192,7 @@ func dryRunParam(w http.ResponseWriter, r *http.Request) (bool, bool) {
 	}
 	dry, err := strconv.ParseBool(v)
 	if err != nil {
-		badParam(w, r, "dry_run", fmt.Sprintf("dry_run %q is not true or false", v))
+		httpserver.BadParameter(w, r, "dry_run", fmt.Sprintf("dry_run %q is not true or false", v))
 		return false, false
 	}
 	return dry, true
@@ -237,14 +231,10 @@ func pathID(w http.ResponseWriter, r *http.Request) (int64, bool) {
 	v := chi.URLParam(r, "id")
 	id, err := strconv.ParseInt(v, 10, 64)
 	if err != nil || id < 1 {
-		badParam(w, r, "id", fmt.Sprintf("dead letter id %q is not a positive integer", v))
+		httpserver.BadParameter(w, r, "id", fmt.Sprintf("dead letter id %q is not a positive integer", v))
 		return 0, false
 	}
 	return id, true
-}
-
-func badParam(w http.ResponseWriter, r *http.Request, name, detail string) {
-	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", detail, map[string]any{"parameter": name})
 }
 
 // fail answers err: 404 for an unknown dead letter, else 500.

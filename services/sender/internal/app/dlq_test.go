@@ -100,6 +100,12 @@ func TestDLQAdmin(t *testing.T) {
 		if !slices.Equal(seen, ids(all)) {
 			t.Fatalf("pages gave %v, want %v", seen, ids(all))
 		}
+		// A last page that is exactly full has no cursor either.
+		var full api.Page
+		if code := s.do(t, http.MethodGet, fmt.Sprintf("/v1/dlq?limit=%d", len(all.Items)), "", &full); code != http.StatusOK ||
+			len(full.Items) != len(all.Items) || full.NextCursor != "" {
+			t.Fatalf("exactly full page: %d, %d items, cursor %q; want every item and no cursor", code, len(full.Items), full.NextCursor)
+		}
 		for _, q := range []string{"limit=0", "limit=1001", "limit=x", "cursor=abc"} {
 			var prob httpserver.Problem
 			code := s.do(t, http.MethodGet, "/v1/dlq?"+q, "", &prob)

@@ -36,12 +36,12 @@ var replayResults = []string{ReplayReplayed, ReplayAlready, ReplayInvalid, Repla
 // exported at 0 from the start so that dashboards and alerts see every
 // series before the first dead letter.
 var deadLetterReasons = []string{
-	bus.ReasonUndecodable, bus.ReasonHandlerPanic,
+	bus.ReasonUndecodable, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted, string(ReasonPlanFailed),
 	string(kvcore.ReasonModelUnknown), string(kvcore.ReasonTokenRangeInvalid), string(kvcore.ReasonTableGroupCount),
 	string(kvcore.ReasonGroupOutOfRange), string(kvcore.ReasonGroupMissing), string(kvcore.ReasonGroupDuplicate),
 	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
 	string(kvcore.ReasonTableTooShort), string(kvcore.ReasonNullBlock), string(kvcore.ReasonBlockOutOfRange),
-	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed), string(kvcore.ReasonStorePressure),
+	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed),
 }
 
 // Metrics are the sender's Prometheus families.
