@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func init() {
@@ -15,27 +17,17 @@ func init() {
 // worker is one entry of the sender's GET /v1/workers, with the pool
 // summary the CLI adds.
 type worker struct {
-	EngineID string `json:"engine_id"`
-	Rank     struct {
-		TP  int `json:"tp"`
-		PCP int `json:"pcp"`
-		DCP int `json:"dcp"`
-		PP  int `json:"pp"`
-	} `json:"rank"`
-	Addr                string    `json:"addr"`
-	HeartbeatAt         time.Time `json:"heartbeat_at"`
-	HeartbeatAgeSeconds float64   `json:"heartbeat_age_seconds"`
-	State               string    `json:"state"`
-	Alive               bool      `json:"alive"`
+	EngineID            string      `json:"engine_id"`
+	Rank                kvcore.Rank `json:"rank"`
+	Addr                string      `json:"addr"`
+	HeartbeatAt         time.Time   `json:"heartbeat_at"`
+	HeartbeatAgeSeconds float64     `json:"heartbeat_age_seconds"`
+	State               string      `json:"state"`
+	Alive               bool        `json:"alive"`
 	// Pool is read from the worker itself (alive workers only).
 	Pool *poolSummary `json:"pool,omitempty"`
 	// PoolError says why the pool could not be read.
 	PoolError string `json:"pool_error,omitempty"`
-}
-
-// rankText formats the worker's rank.
-func (w worker) rankText() string {
-	return fmt.Sprintf("tp%d-pcp%d-dcp%d-pp%d", w.Rank.TP, w.Rank.PCP, w.Rank.DCP, w.Rank.PP)
 }
 
 // poolSummary sums a gpuworker's GET /v1/pool over its groups.
@@ -100,7 +92,7 @@ func workersTable(w io.Writer, items []worker) error {
 		case wk.PoolError != "":
 			pool = "unreachable"
 		}
-		row(tw, wk.EngineID, wk.rankText(), wk.Addr, wk.State, fmt.Sprintf("%.1fs ago", wk.HeartbeatAgeSeconds), pool)
+		row(tw, wk.EngineID, wk.Rank.String(), wk.Addr, wk.State, fmt.Sprintf("%.1fs ago", wk.HeartbeatAgeSeconds), pool)
 	}
 	return tw.Flush()
 }

@@ -66,7 +66,16 @@ type Model struct {
 // Rank identifies one rank namespace of a model: the tp/pcp/dcp/pp indices
 // that appear in a store key.
 type Rank struct {
-	TP, PCP, DCP, PP int
+	TP  int `json:"tp"`
+	PCP int `json:"pcp"`
+	DCP int `json:"dcp"`
+	PP  int `json:"pp"`
+}
+
+// String names the rank as tp<t>-pcp<c>-dcp<d>-pp<p>, the form logs,
+// consumer groups and task ids use.
+func (r Rank) String() string {
+	return fmt.Sprintf("tp%d-pcp%d-dcp%d-pp%d", r.TP, r.PCP, r.DCP, r.PP)
 }
 
 // SpecError is a model-spec validation error naming the offending field.

@@ -1,6 +1,7 @@
 package kvcore
 
 import (
+	"encoding/json"
 	"errors"
 	"reflect"
 	"slices"
@@ -213,5 +214,16 @@ func TestFingerprint(t *testing.T) {
 	b.Groups[0].BytesPerBlock++
 	if a.Fingerprint() == b.Fingerprint() {
 		t.Fatal("models differing in bytes_per_block share a fingerprint")
+	}
+}
+
+func TestRankStringAndJSON(t *testing.T) {
+	r := Rank{TP: 1, PCP: 2, DCP: 3, PP: 4}
+	if got := r.String(); got != "tp1-pcp2-dcp3-pp4" {
+		t.Errorf("String() = %q", got)
+	}
+	b, err := json.Marshal(r)
+	if err != nil || string(b) != `{"tp":1,"pcp":2,"dcp":3,"pp":4}` {
+		t.Errorf("json = %s, %v", b, err)
 	}
 }

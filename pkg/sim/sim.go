@@ -218,8 +218,8 @@ func (c *Config) workers(ctx context.Context) error {
 		if fp := c.Model.Fingerprint(); info.Fingerprint != fp || info.Model != c.Model.Name {
 			return fmt.Errorf("gpuworker %s serves model %s (%s), the simulator %s (%s): %w", ep.WorkerURL, info.Model, info.Fingerprint, c.Model.Name, fp, ErrConfig)
 		}
-		if rank := (kvcore.Rank{TP: info.Rank.TP, PCP: info.Rank.PCP, DCP: info.Rank.DCP, PP: info.Rank.PP}); rank != (kvcore.Rank{}) {
-			return fmt.Errorf("gpuworker %s is rank %+v; the simulator plays rank 0 engines: %w", ep.WorkerURL, rank, ErrConfig)
+		if info.Rank != (kvcore.Rank{}) {
+			return fmt.Errorf("gpuworker %s is rank %s; the simulator plays rank 0 engines: %w", ep.WorkerURL, info.Rank, ErrConfig)
 		}
 		n := info.blocks()
 		if n < 1 {
@@ -240,16 +240,11 @@ func (c *Config) workers(ctx context.Context) error {
 
 // poolInfo is the part of a gpuworker's GET /v1/pool the simulator uses.
 type poolInfo struct {
-	EngineID    string `json:"engine_id"`
-	Model       string `json:"model"`
-	Fingerprint string `json:"fingerprint"`
-	Rank        struct {
-		TP  int `json:"tp"`
-		PCP int `json:"pcp"`
-		DCP int `json:"dcp"`
-		PP  int `json:"pp"`
-	} `json:"rank"`
-	Groups []struct {
+	EngineID    string      `json:"engine_id"`
+	Model       string      `json:"model"`
+	Fingerprint string      `json:"fingerprint"`
+	Rank        kvcore.Rank `json:"rank"`
+	Groups      []struct {
 		Blocks int `json:"blocks"`
 	} `json:"groups"`
 }

@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
@@ -11,13 +12,8 @@ import (
 // PoolAnswer is the body of GET /v1/pool.
 type PoolAnswer struct {
 	// EngineID and Rank name the pool.
-	EngineID string `json:"engine_id"`
-	Rank     struct {
-		TP  int `json:"tp"`
-		PCP int `json:"pcp"`
-		DCP int `json:"dcp"`
-		PP  int `json:"pp"`
-	} `json:"rank"`
+	EngineID string      `json:"engine_id"`
+	Rank     kvcore.Rank `json:"rank"`
 	// Model is the model name and Fingerprint its layout digest.
 	Model       string `json:"model"`
 	Fingerprint string `json:"fingerprint"`
@@ -91,6 +87,6 @@ func (a *App) getPool(w http.ResponseWriter, _ *http.Request) {
 		EngineID: a.cfg.EngineID, Model: a.model.Name, Fingerprint: a.model.Fingerprint(),
 		DataplaneURL: a.worker.Addr, Groups: a.pool.Stats(a.model),
 	}
-	ans.Rank.TP, ans.Rank.PCP, ans.Rank.DCP, ans.Rank.PP = a.cfg.RankTP, a.cfg.RankPCP, a.cfg.RankDCP, a.cfg.RankPP
+	ans.Rank = a.cfg.Rank()
 	_ = httpserver.WriteJSON(w, http.StatusOK, ans) // a failed write means the client left
 }

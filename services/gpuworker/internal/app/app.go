@@ -174,8 +174,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 		},
 		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log,
 	})
-	r := a.cfg.Rank()
-	group := fmt.Sprintf("kvmesh-gpuworker-%s-tp%d-pcp%d-dcp%d-pp%d", a.cfg.EngineID, r.TP, r.PCP, r.DCP, r.PP)
+	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
 	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
 		m.Load(load.OutcomeDeadLettered, 0, 0)

@@ -150,7 +150,7 @@ func DecodeTask(value []byte) (*kvcore.LoadTask, error) {
 // ResultID is the result id of rank r's load of a task: the same on every
 // redelivery, different per rank.
 func ResultID(taskID string, r kvcore.Rank) string {
-	return fmt.Sprintf("load:%s:tp%d-pcp%d-dcp%d-pp%d", taskID, r.TP, r.PCP, r.DCP, r.PP)
+	return "load:" + taskID + ":" + r.String()
 }
 
 // Load moves the task's blocks into the pool and returns its result; it

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // Worker states of GET /v1/workers.
@@ -36,19 +37,11 @@ func NewWorkerRegistry(pool *pgxpool.Pool, staleAfter time.Duration) *WorkerRegi
 	return &WorkerRegistry{pool: pool, staleAfter: staleAfter}
 }
 
-// WorkerRank is a worker's rank within its engine.
-type WorkerRank struct {
-	TP  int `json:"tp"`
-	PCP int `json:"pcp"`
-	DCP int `json:"dcp"`
-	PP  int `json:"pp"`
-}
-
 // Worker is one registered gpuworker as GET /v1/workers shows it.
 type Worker struct {
 	// EngineID and Rank identify the worker.
-	EngineID string     `json:"engine_id"`
-	Rank     WorkerRank `json:"rank"`
+	EngineID string      `json:"engine_id"`
+	Rank     kvcore.Rank `json:"rank"`
 	// Addr is the base URL of its HTTP API and data plane.
 	Addr string `json:"addr"`
 	// RegisteredAt and HeartbeatAt are the registration and the last

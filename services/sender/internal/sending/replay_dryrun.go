@@ -140,7 +140,7 @@ func (p *Processor) checkWorkers(ctx context.Context, engineID string, items []i
 	}
 	for _, rk := range need {
 		if _, ok := putters[rk]; !ok {
-			out.fail(string(kvcore.ReasonPutFailed), fmt.Sprintf("engine %q has no live worker for rank %s", engineID, rankName(rk)))
+			out.fail(string(kvcore.ReasonPutFailed), fmt.Sprintf("engine %q has no live worker for rank %s", engineID, rk))
 			return
 		}
 	}
@@ -154,7 +154,7 @@ func dryRunGroups(items []item, exists []bool) []DryRunGroup {
 			out = append(out, DryRunGroup{Group: it.Group})
 		}
 		g := &out[len(out)-1]
-		k := DryRunKey{Key: it.Key, Rank: rankName(it.rank), Block: it.Block}
+		k := DryRunKey{Key: it.Key, Rank: it.rank.String(), Block: it.Block}
 		if exists != nil {
 			present := exists[i]
 			k.Exists = &present
@@ -176,9 +176,4 @@ func itemKeys(items []item) []string {
 		keys[i] = it.Key
 	}
 	return keys
-}
-
-// rankName formats a rank as tp<t>-pcp<c>-dcp<d>-pp<p>.
-func rankName(r kvcore.Rank) string {
-	return fmt.Sprintf("tp%d-pcp%d-dcp%d-pp%d", r.TP, r.PCP, r.DCP, r.PP)
 }
