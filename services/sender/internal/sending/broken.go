@@ -12,9 +12,9 @@ import (
 // maxDetail bounds the error text kept with a whole-record dead letter.
 const maxDetail = 2000
 
-// DeadLetter is the consumer's bus.DeadLetterFunc: a record whose handler
-// panicked (handler_panic) or kept failing (retries_exhausted) is
-// dead-lettered whole, and its task, when its ids can be read, is reported
+// DeadLetter is the consumer's bus.DeadLetterFunc: a record that is not a
+// save task (undecodable), whose handler panicked (handler_panic) or kept
+// failing (retries_exhausted) is dead-lettered whole, and its task, when its ids can be read, is reported
 // dead_lettered so the request's blocks are freed.
 func (p *Processor) DeadLetter(ctx context.Context, m bus.Received, reason string, cause error) error {
 	return p.recordBroken(ctx, sourceOf(m), reason, cause)

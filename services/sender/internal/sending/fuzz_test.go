@@ -80,9 +80,7 @@ func FuzzSenderHandler(f *testing.F) {
 			value = encode(t, task)
 		}
 		rec := fx.record(value)
-		if err := fx.p.Handle(context.Background(), rec); err != nil {
-			t.Fatalf("Handle: %v", err)
-		}
+		fx.deliver(t, rec)
 		checkAccounted(t, fx, rec)
 	})
 }

@@ -170,10 +170,23 @@ func (f *fixture) record(value []byte) bus.Received {
 func (f *fixture) handle(t testing.TB, value []byte) bus.Received {
 	t.Helper()
 	rec := f.record(value)
-	if err := f.p.Handle(context.Background(), rec); err != nil {
+	f.deliver(t, rec)
+	return rec
+}
+
+// deliver runs rec through Handle as the consumer loop does: a permanent
+// failure goes to the dead-letter hook with its reason. Any other error
+// fails the test.
+func (f *fixture) deliver(t testing.TB, rec bus.Received) {
+	t.Helper()
+	err := f.p.Handle(context.Background(), rec)
+	var pe *bus.PermanentError
+	if errors.As(err, &pe) {
+		err = f.p.DeadLetter(context.Background(), rec, pe.Reason, pe.Err)
+	}
+	if err != nil {
 		t.Fatalf("Handle: %v", err)
 	}
-	return rec
 }
 
 // saveTask builds a valid save task of tokens [start, end) for request id,

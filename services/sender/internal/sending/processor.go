@@ -139,12 +139,14 @@ func (p *Processor) Pressure() PressureState {
 
 // Handle is the bus.Handler of kvmesh.save.tasks. It returns nil once the
 // task's outcome, its dead letters and its messages are committed (or were
-// already, for a redelivered task); a database failure is transient.
+// already, for a redelivered task); a database failure is transient. A
+// record that is not a save task fails permanently (undecodable): the
+// consumer loop hands it to DeadLetter, retrying that until it is recorded.
 func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 	src := sourceOf(m)
 	task, err := decodeTask(m.Value)
 	if err != nil {
-		return bus.Transient(p.recordBroken(ctx, src, bus.ReasonUndecodable, err))
+		return bus.Permanent(bus.ReasonUndecodable, err)
 	}
 	done, err := p.ledger.Done(ctx, task.TaskID)
 	if err != nil {

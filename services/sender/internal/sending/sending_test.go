@@ -248,7 +248,7 @@ func TestBrokenRecords(t *testing.T) {
 	cases := []struct {
 		name        string
 		value       []byte
-		hook        string // "" runs Handle; else the bus dead-letter hook with this reason
+		hook        string // "" delivers as the consumer does; else the bus dead-letter hook with this reason
 		wantReason  string
 		wantOutcome bool
 	}{
@@ -258,17 +258,19 @@ func TestBrokenRecords(t *testing.T) {
 		{"handler panicked", valid, bus.ReasonHandlerPanic, bus.ReasonHandlerPanic, true},
 		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), bus.ReasonRetriesExhausted, bus.ReasonRetriesExhausted, true},
 	}
+	var pe *bus.PermanentError
+	if err := f.p.Handle(context.Background(), f.record([]byte("not json"))); !errors.As(err, &pe) || pe.Reason != bus.ReasonUndecodable {
+		t.Fatalf("Handle of an undecodable record = %v, want a permanent %s failure for the consumer to dead-letter", err, bus.ReasonUndecodable)
+	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			rec := f.record(tc.value)
 			run := func() {
-				var err error
 				if tc.hook == "" {
-					err = f.p.Handle(context.Background(), rec)
-				} else {
-					err = f.p.DeadLetter(context.Background(), rec, tc.hook, errors.New("boom"))
+					f.deliver(t, rec)
+					return
 				}
-				if err != nil {
+				if err := f.p.DeadLetter(context.Background(), rec, tc.hook, errors.New("boom")); err != nil {
 					t.Fatal(err)
 				}
 			}
