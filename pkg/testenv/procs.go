@@ -192,21 +192,28 @@ func (p *Process) launch() (<-chan struct{}, error) {
 // waitReady polls /readyz until it answers 200, the process exits (done
 // closes) or readyWithin passes.
 func (p *Process) waitReady(done <-chan struct{}) error {
+	return WaitReady(p.URL()+"/readyz", readyWithin, done)
+}
+
+// WaitReady polls GET url (each request bounded to 2 s) until it answers
+// 200, within passes, or stop closes (nil: never), which is reported as
+// ErrExited: stop is meant to be a process's exit.
+func WaitReady(url string, within time.Duration, stop <-chan struct{}) error {
 	hc := probeClient()
 	defer hc.CloseIdleConnections()
-	deadline := time.Now().Add(readyWithin)
+	deadline := time.Now().Add(within)
 	tick := time.NewTicker(readyPoll)
 	defer tick.Stop()
 	for {
-		err := probe(hc, p.URL()+"/readyz")
+		err := probe(hc, url)
 		if err == nil {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("not ready after %v: %w", readyWithin, err)
+			return fmt.Errorf("not ready after %v: %w", within, err)
 		}
 		select {
-		case <-done:
+		case <-stop:
 			return fmt.Errorf("%w before it was ready (last answer: %w)", ErrExited, err)
 		case <-tick.C:
 		}

@@ -5,7 +5,6 @@ package servicetest
 
 import (
 	"context"
-	"net/http"
 	"testing"
 	"time"
 
@@ -90,25 +89,9 @@ func Start(t testing.TB, run func(ctx context.Context) error) {
 // test after 30 s.
 func WaitReady(t testing.TB, addr string) {
 	t.Helper()
-	url := "http://" + addr + "/readyz"
-	deadline := time.Now().Add(30 * time.Second)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	last := "no answer"
-	for time.Now().Before(deadline) {
-		resp, err := http.Get(url)
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-			last = resp.Status
-		} else {
-			last = err.Error()
-		}
-		<-tick.C
+	if err := testenv.WaitReady("http://"+addr+"/readyz", 30*time.Second, nil); err != nil {
+		t.Fatalf("%s: %v", addr, err)
 	}
-	t.Fatalf("%s not ready after 30 s: %s", url, last)
 }
 
 // App is a service's application as its New returns it.
