@@ -5,7 +5,6 @@
 package api
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -174,14 +173,11 @@ func pathKey(w http.ResponseWriter, r *http.Request) (ledger.Key, bool) {
 
 // detail builds the full view of a row.
 func (a *API) detail(row *ledger.Row) (*Detail, error) {
-	t, err := kvcore.UnmarshalTracker(row.Tracker)
+	req, err := row.Request()
 	if err != nil {
 		return nil, err
 	}
-	var x tracking.Extras
-	if err := json.Unmarshal(row.Extras, &x); err != nil {
-		return nil, fmt.Errorf("decode extras: %w", err)
-	}
+	t, x := req.Store, req.Extras
 	d := &Detail{Summary: row.Summary, Tracker: t, PDTracker: x.PD, Tasks: x.Tasks, Held: x.Held,
 		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []tracking.Warning{}}
 	if d.Tasks == nil {

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
 // Key names one request.
@@ -50,6 +52,11 @@ type Row struct {
 	Summary
 	// Tracker and Extras are the raw JSON columns.
 	Tracker, Extras []byte
+}
+
+// Request decodes the row's tracker and extras, as Apply does.
+func (r *Row) Request() (*tracking.Request, error) {
+	return decode(r.Tracker, r.Extras, r.LastSeq)
 }
 
 const listColumns = `engine_id, request_id, model, state, coalesce(error, ''), last_seq,
