@@ -295,6 +295,11 @@ func s13(t *testing.T, h *mesh) {
 		r.allocate(0, table(0, 1), "")
 		r.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 10, Table: table(0, 1)})
 		r.preempt()
+		// The first attempt's allocation names no decision, so it binds
+		// the newest one it finds: decision d2 (another topic) must not be
+		// published before that attempt is applied, or it could overtake
+		// the events and be taken by the wrong attempt.
+		r.applied()
 		return r
 	}
 	t.Run("with_can_load_no_save", func(t *testing.T) {
