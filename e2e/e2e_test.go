@@ -460,15 +460,18 @@ func TestCorruptedValuesAreRecomputed(t *testing.T) {
 	}
 }
 
-// TestServiceKillsMidRun kills the sender and then the scheduler with
-// SIGKILL in the middle of a 1P1D run and restarts each: the run completes
-// with every request ok, every byte right, the ledger balanced and every
-// tracker done.
+// TestServiceKillsMidRun SIGKILLs every service of a 1P1D run in turn —
+// sender, scheduler, lookup, the decode engine's gpuworker and the prefill
+// engine's — and restarts each: the run completes with every request ok, no
+// wrong byte loaded or stored, the ledger balanced and every tracker done.
+// A killed gpuworker loses its pool: the blocks it held must come back as
+// load errors (recomputed) or block_not_held dead letters, never as
+// success.
 func TestServiceKillsMidRun(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	cfg := simConfig(t, s, true, smallWorkload(48, 2))
+	cfg := simConfig(t, s, true, smallWorkload(72, 2))
 	progress := make(chan sim.Progress, 1)
 	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
 		select {
@@ -486,10 +489,11 @@ func TestServiceKillsMidRun(t *testing.T) {
 		rep, err := sim.Run(ctx, cfg)
 		done <- result{rep, err}
 	}()
-	for _, step := range []struct {
+	kills := []struct {
 		name string
 		at   int // requests done
-	}{{"sender", 8}, {"scheduler", 20}} {
+	}{{"sender", 6}, {"scheduler", 16}, {"lookup", 26}, {"gpuworker-prefill", 36}, {"gpuworker", 46}}
+	for _, step := range kills {
 		waitProgress(t, progress, done, step.at)
 		s.kill(step.name)
 		t.Logf("killed %s", step.name)
@@ -501,8 +505,8 @@ func TestServiceKillsMidRun(t *testing.T) {
 	}
 	requireOK(t, r.rep)
 	checkAllSaveTables(ctx, t, s, r.rep)
-	for _, name := range []string{"sender", "scheduler"} {
-		if err := s.alive(name); err != nil {
+	for _, step := range kills {
+		if err := s.alive(step.name); err != nil {
 			t.Fatal(err)
 		}
 	}

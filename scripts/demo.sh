@@ -4,12 +4,20 @@
 # chain, a small GPU pool) against the stack scripts/stack.sh started, prints
 # its report, then the admin URLs. Extra arguments go to `kvmesh sim`
 # (e.g. scripts/demo.sh --requests 50 --json). Exits with the simulator's
-# status: non-zero when a request failed, a byte mismatched or the save
-# ledger did not balance.
+# status: non-zero when a request failed, a loaded block or a stored value
+# mismatched, or the save ledger did not balance.
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+
+# The store pool's URL (devstack's .dev/env), so that the simulator reads
+# back and checks every value the run's saves stored.
+if [ -z "${KVMESH_REDIS_URL:-}" ] && [ -f "$root/.dev/env" ]; then
+  # shellcheck disable=SC1091
+  KVMESH_REDIS_URL=$(source "$root/.dev/env" && echo "${KVMESH_REDIS_URL:-}")
+  export KVMESH_REDIS_URL
+fi
 
 "$root/bin/kvmesh" sim --preset seed "$@"
 status=$?

@@ -22,7 +22,7 @@ import (
 // stdout receives command output; tests replace it.
 var stdout io.Writer = os.Stdout
 
-// Errors of the admin commands (dlq, requests, workers, status).
+// Errors of the admin commands (dlq, outbox, requests, workers, status).
 var (
 	// errUnreachable reports a service that could not be reached.
 	errUnreachable = errors.New("not reachable")
@@ -32,6 +32,9 @@ var (
 	// errReplayFailed reports a replay run in which some entry was not
 	// replayed (or a dry run was not answered).
 	errReplayFailed = errors.New("some replays failed")
+	// errRetryFailed reports an outbox retry run in which some row was not
+	// put back on the relay path.
+	errRetryFailed = errors.New("some outbox retries failed")
 	// errNotReady reports a status run in which some service was not ready.
 	errNotReady = errors.New("not every service is ready")
 )

@@ -3,6 +3,7 @@
 //
 //	kvmesh devbroker [flags]   run the embedded Kafka-protocol broker
 //	kvmesh dlq list|show|replay   the sender's dead letters (replay by id or reason, --dry-run)
+//	kvmesh outbox failed|retry the outbox rows that could not be published
 //	kvmesh requests list|show  the scheduler's request trackers
 //	kvmesh workers             the gpuworker registry and each worker's pool
 //	kvmesh status              every service's readiness and key counters

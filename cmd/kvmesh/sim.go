@@ -22,7 +22,7 @@ func init() {
 }
 
 // errSimFailed reports a run whose report is not OK (failed requests, byte
-// mismatches or an unbalanced save ledger).
+// mismatches, wrong stored values or an unbalanced save ledger).
 var errSimFailed = errors.New("simulation failed")
 
 // runSim parses the flags, runs the simulation, prints the report and fails
@@ -59,8 +59,12 @@ func runSim(ctx context.Context, args []string) error {
 		return err
 	}
 	if !rep.OK {
-		return fmt.Errorf("%w: %d of %d requests failed, %d blocks mismatched, ledger %s",
-			errSimFailed, rep.Requests.Failed, rep.Requests.Total, rep.Verification.Mismatched, map[bool]string{true: "balanced", false: "not balanced"}[rep.Ledger.Balanced])
+		wrong := 0
+		if rep.Stored != nil {
+			wrong = rep.Stored.Wrong
+		}
+		return fmt.Errorf("%w: %d of %d requests failed, %d blocks mismatched, %d stored values wrong, ledger %s",
+			errSimFailed, rep.Requests.Failed, rep.Requests.Total, rep.Verification.Mismatched, wrong, map[bool]string{true: "balanced", false: "not balanced"}[rep.Ledger.Balanced])
 	}
 	return nil
 }
@@ -87,20 +91,26 @@ type simPreset struct {
 	pd       bool
 	workload sim.Workload
 	engine   sim.EngineConfig
+	// reusePreempted frees preempted requests' blocks at once, even with
+	// saves in flight (sim.Config.ReusePreempted).
+	reusePreempted bool
 }
 
 // simPresets are the shipped workloads. "seed" is the configuration of the
 // seed bug report: a 2-group hybrid model (MLA + linear attention), 1P1D
 // with the pd,store connector chain, and a deliberately small GPU pool so
-// prefixes are evicted and must be reloaded.
+// prefixes are evicted and must be reloaded, and requests are preempted
+// with their blocks reused at once while saves of them are in flight (8
+// conversations a second keep the decode engine's pool under pressure).
 var simPresets = map[string]simPreset{
 	"seed": {
 		summary: "hybrid-mla-linear, 1P1D (pd,store), small pool, 300 requests",
 		model:   "hybrid-mla-linear", pd: true,
 		workload: sim.Workload{Requests: 300, Turns: sim.Range{Min: 2, Max: 5}, SystemPrompts: 4,
 			SystemTokens: sim.Range{Min: 128, Max: 512}, UserTokens: sim.Range{Min: 16, Max: 160},
-			OutputTokens: sim.Range{Min: 8, Max: 48}, Rate: 4, ThinkTime: 20 * time.Millisecond, Seed: 54643, Vocab: 32000},
-		engine: sim.EngineConfig{PoolBlocks: 192, MaxBatchTokens: 512, MaxRunning: 16, Watermark: 2},
+			OutputTokens: sim.Range{Min: 8, Max: 48}, Rate: 8, ThinkTime: 20 * time.Millisecond, Seed: 54643, Vocab: 32000},
+		engine:         sim.EngineConfig{PoolBlocks: 192, MaxBatchTokens: 512, MaxRunning: 16, Watermark: 2},
+		reusePreempted: true,
 	},
 	"smoke": {
 		summary: "hybrid-mla-linear, one engine, 16 requests",
@@ -136,7 +146,7 @@ type simValues struct {
 	rate                                                       float64
 	think, reqTimeout, settle                                  time.Duration
 	seed                                                       uint64
-	pd, fresh                                                  bool
+	pd, fresh, reusePreempted                                  bool
 }
 
 // simFlags reads the command line: a preset gives every default, explicit
@@ -180,12 +190,14 @@ func defineWorkloadFlags(fs *flag.FlagSet, v *simValues) {
 	fs.IntVar(&v.batch, "max-batch-tokens", 0, "token budget of one engine step (chunked prefill)")
 	fs.IntVar(&v.running, "max-running", 0, "most requests running at once per engine")
 	fs.IntVar(&v.watermark, "watermark", 0, "free blocks per group admission keeps for running requests")
+	fs.BoolVar(&v.reusePreempted, "reuse-preempted", false, "free a preempted request's blocks at once, even while saves of them are in flight, as vLLM does (default: the preset's; on for seed)")
 }
 
 // defineMeshFlags defines the addresses and the run's own settings.
 func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.StringVar(&o.cfg.LookupURL, "lookup", envOr("KVMESH_LOOKUP_URL", "http://127.0.0.1:8081"), "lookup service base URL (env KVMESH_LOOKUP_URL)")
 	fs.StringVar(&o.cfg.SchedulerURL, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
+	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
 	fs.StringVar(&o.cfg.SenderURL, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
 	fs.StringVar(&o.cfg.Decode.WorkerURL, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the (decode) engine's gpuworker base URL (env KVMESH_WORKER_URL)")
 	fs.StringVar(&o.cfg.Prefill.WorkerURL, "prefill-worker", envOr("KVMESH_PREFILL_WORKER_URL", "http://127.0.0.1:8085"), "the prefill engine's gpuworker base URL, with -pd (env KVMESH_PREFILL_WORKER_URL)")
@@ -194,7 +206,7 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr)")
 	fs.StringVar(&o.cfg.RunTag, "run-tag", "", "prefix of every request id (default a random sim-xxxxxx)")
 	fs.BoolVar(&v.fresh, "fresh", true, "salt the block hashes with the run tag, so the run starts with a cold store; false shares store keys with earlier runs of the same workload")
-	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, or for blocks at the head of the queue")
+	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, for blocks at the head of the queue, and for a failing lookup, broker or gpuworker to come back")
 	fs.DurationVar(&v.settle, "settle-timeout", 30*time.Second, "longest wait for the last save results after the last request")
 	fs.BoolVar(&o.json, "json", false, "print the report as JSON")
 	fs.StringVar(&o.progress, "progress", "auto", "progress on stderr: auto (a bar on a terminal, log lines otherwise), bar, log, off")
@@ -207,13 +219,14 @@ func applyPreset(fs *flag.FlagSet, o *simOptions, v *simValues) error {
 	if !ok {
 		return fmt.Errorf("%w: unknown preset %q (have %s)", errUsage, v.preset, presetList())
 	}
-	o.cfg.Workload, o.cfg.Engine, o.cfg.PD = p.workload, p.engine, p.pd
+	o.cfg.Workload, o.cfg.Engine, o.cfg.PD, o.cfg.ReusePreempted = p.workload, p.engine, p.pd, p.reusePreempted
 	if v.model == "" {
 		v.model = p.model
 	}
 	w, e := &o.cfg.Workload, &o.cfg.Engine
 	overrides := map[string]func() error{
 		"pd":               func() error { o.cfg.PD = v.pd; return nil },
+		"reuse-preempted":  func() error { o.cfg.ReusePreempted = v.reusePreempted; return nil },
 		"requests":         func() error { w.Requests = v.requests; return nil },
 		"system-prompts":   func() error { w.SystemPrompts = v.sysPrompts; return nil },
 		"rate":             func() error { w.Rate = v.rate; return nil },

@@ -101,3 +101,29 @@ func TestProgressBar(t *testing.T) {
 		t.Fatalf("off wrote %q", b.String())
 	}
 }
+
+// TestSimFlagsReuseAndStore: the seed preset reuses preempted blocks at
+// once, other presets pin them, -reuse-preempted overrides either way, and
+// the store URL comes from -redis or KVMESH_REDIS_URL.
+func TestSimFlagsReuseAndStore(t *testing.T) {
+	quiet(t)
+	t.Setenv("KVMESH_REDIS_URL", "redis://127.0.0.1:1/0")
+	for _, tc := range []struct {
+		args     []string
+		reuse    bool
+		redisURL string
+	}{
+		{args: nil, reuse: true, redisURL: "redis://127.0.0.1:1/0"},
+		{args: []string{"-reuse-preempted=false"}, reuse: false, redisURL: "redis://127.0.0.1:1/0"},
+		{args: []string{"-preset", "smoke"}, reuse: false, redisURL: "redis://127.0.0.1:1/0"},
+		{args: []string{"-preset", "smoke", "-reuse-preempted", "-redis", ""}, reuse: true, redisURL: ""},
+	} {
+		o, err := simFlags(tc.args)
+		if err != nil {
+			t.Fatalf("%q: %v", tc.args, err)
+		}
+		if o.cfg.ReusePreempted != tc.reuse || o.cfg.RedisURL != tc.redisURL {
+			t.Errorf("%q: reuse %v, redis %q; want %v, %q", tc.args, o.cfg.ReusePreempted, o.cfg.RedisURL, tc.reuse, tc.redisURL)
+		}
+	}
+}

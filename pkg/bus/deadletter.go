@@ -61,8 +61,14 @@ func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason stri
 // HeaderReasonText, HeaderOrigTopic, HeaderOrigPart, HeaderOrigOffset). The
 // original trace headers are dropped: the dead letter continues the trace
 // of the context it is published with (the consumer span that gave up).
+//
+// The value is bounded, so that the dead letter of any record can be
+// published: a value over contract.MaxDeadLetterPayload bytes is cut to its
+// first MaxDeadLetterPayload bytes and contract.HeaderPayloadTruncated is
+// set. contract.HeaderPayloadBytes always gives the original value's size;
+// the original headers name the full record.
 func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Message {
-	headers := make(map[string]string, len(rec.Headers)+5)
+	headers := make(map[string]string, len(rec.Headers)+7)
 	maps.Copy(headers, rec.Headers)
 	delete(headers, contract.HeaderTraceparent)
 	delete(headers, contract.HeaderTracestate)
@@ -73,7 +79,12 @@ func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Mes
 	headers[contract.HeaderOrigTopic] = rec.Topic
 	headers[contract.HeaderOrigPart] = strconv.Itoa(rec.Partition)
 	headers[contract.HeaderOrigOffset] = strconv.FormatInt(rec.Offset, 10)
-	return Message{Topic: dlq, Key: rec.Key, Value: rec.Value, Headers: headers}
+	headers[contract.HeaderPayloadBytes] = strconv.Itoa(len(rec.Value))
+	value, truncated := contract.BoundDeadLetterPayload(rec.Value)
+	if truncated {
+		headers[contract.HeaderPayloadTruncated] = "true"
+	}
+	return Message{Topic: dlq, Key: rec.Key, Value: value, Headers: headers}
 }
 
 // truncate shortens s to at most n bytes without splitting a UTF-8 sequence.

@@ -1,8 +1,10 @@
 package bus_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -75,6 +77,7 @@ func TestDeadLetterMessage(t *testing.T) {
 		"x":                   "y",
 		contract.HeaderReason: "bad_group", contract.HeaderOrigTopic: "orig",
 		contract.HeaderOrigPart: "3", contract.HeaderOrigOffset: "41",
+		contract.HeaderPayloadBytes: "1",
 	}
 	for k, v := range want {
 		if m.Headers[k] != v {
@@ -88,10 +91,48 @@ func TestDeadLetterMessage(t *testing.T) {
 	if m.Topic != "dlq" || m.Key != "req-9" || string(m.Value) != "v" {
 		t.Errorf("dead letter %+v, want topic dlq with the original key and value", m)
 	}
+	if v, ok := m.Headers[contract.HeaderPayloadTruncated]; ok {
+		t.Errorf("a 1-byte value is marked truncated (%q)", v)
+	}
 	if tp, ok := m.Headers[contract.HeaderTraceparent]; ok {
 		t.Errorf("dead letter keeps the original traceparent %q; it must continue the consumer's trace", tp)
 	}
 	if _, ok := rec.Headers[contract.HeaderReason]; ok {
 		t.Errorf("DeadLetterMessage modified the record's headers")
+	}
+}
+
+// TestDeadLetterOfHugeRecordIsBounded: a ~900 KiB record dead-lettered by
+// the consumer yields a dead letter whose value is the record's first
+// contract.MaxDeadLetterPayload bytes, with headers giving the original size
+// and saying it was truncated.
+func TestDeadLetterOfHugeRecordIsBounded(t *testing.T) {
+	const topic, group = "bus.test.huge", "huge"
+	e := newEnv(t)
+	e.topics(topic)
+	huge := []byte(strings.Repeat("0123456789abcdef", 900<<10/16))
+	poison := func(context.Context, bus.Received) error {
+		return bus.Permanent(bus.ReasonUndecodable, errors.New("junk"))
+	}
+	e.run(e.consumerConfig(group, topic), poison)
+	e.publish(e.producer(), bus.Message{Topic: topic, Key: "k", Value: huge})
+
+	dead := e.readAll(dlqTopic, 1)[0]
+	if len(dead.Value) != contract.MaxDeadLetterPayload || !bytes.HasPrefix(huge, dead.Value) {
+		t.Errorf("dead letter value of %d bytes, want the first %d bytes of the record",
+			len(dead.Value), contract.MaxDeadLetterPayload)
+	}
+	headers := map[string]string{}
+	for _, h := range dead.Headers {
+		headers[h.Key] = string(h.Value)
+	}
+	if got, want := headers[contract.HeaderPayloadBytes], strconv.Itoa(len(huge)); got != want {
+		t.Errorf("header %s = %q, want %q", contract.HeaderPayloadBytes, got, want)
+	}
+	if got := headers[contract.HeaderPayloadTruncated]; got != "true" {
+		t.Errorf("header %s = %q, want true", contract.HeaderPayloadTruncated, got)
+	}
+	if headers[contract.HeaderOrigTopic] != topic || headers[contract.HeaderReason] != bus.ReasonUndecodable {
+		t.Errorf("dead letter headers %v do not name the original record and reason", headers)
 	}
 }

@@ -15,6 +15,10 @@ const (
 	TopicSaveDLQ = "kvmesh.save.dlq"
 	// TopicLoadTasks carries load tasks from the scheduler to gpuworkers, keyed by engine id.
 	TopicLoadTasks = "kvmesh.load.tasks"
+	// TopicLoadDLQ carries load-task records a gpuworker could not handle
+	// (undecodable, wrong schema) to operators: the original key and a
+	// bounded value, with the reason in the headers.
+	TopicLoadDLQ = "kvmesh.load.dlq"
 	// TopicTransferResults carries save and load outcomes to the scheduler.
 	TopicTransferResults = "kvmesh.transfer.results"
 	// TopicEngineFeedback carries finished_sending / finished_recving to engines, keyed by engine id.
@@ -30,6 +34,7 @@ var Topics = []string{
 	TopicSaveTasks,
 	TopicSaveDLQ,
 	TopicLoadTasks,
+	TopicLoadDLQ,
 	TopicTransferResults,
 	TopicEngineFeedback,
 	TopicKVEvents,

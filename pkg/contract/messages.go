@@ -27,15 +27,29 @@ const (
 	EventAllocated EventKind = "allocated"
 	// EventScheduled: one engine step's view of the request (build_connector_meta).
 	EventScheduled EventKind = "scheduled"
-	// EventPreempted: the engine preempted the request and freed its blocks.
+	// EventPreempted: the engine preempted the request and freed its blocks,
+	// which it may reuse at once; the scheduler advances the request's
+	// allocation epoch, so a result of a task emitted before it only settles
+	// that task.
 	EventPreempted EventKind = "preempted"
 	// EventFinished: the request finished (request_finished).
 	EventFinished EventKind = "finished"
 )
 
 // EngineEvent is one scheduler event of one request, on TopicEngineEvents,
-// keyed by request id. EventID makes redelivery harmless; Seq orders a
-// request's events (1, 2, 3, …) and lets the scheduler refuse stale ones.
+// keyed by request id. EventID makes redelivery harmless. Seq numbers a
+// request's events 1, 2, 3, … with no gap: an event with a seq at or below
+// the last one applied is stale and ignored, and one that skips a seq fails
+// the request closed (request_error; no more tasks; only its finish is
+// applied), since the missing event may have changed its block table.
+//
+// Block lifetime (services/scheduler/API.md, docs/contract.md): a block an
+// allocated or scheduled event names holds, when the event is published,
+// the bytes of the chunk the table says, written through the rank's
+// gpuworker, which records the block's identity. The engine may reuse a
+// preempted request's blocks at once and a finished one's at its
+// finished_sending, but never a load's destination blocks before that
+// load's finished_recving.
 type EngineEvent struct {
 	Schema    string    `json:"schema"`
 	EventID   string    `json:"event_id"`
@@ -168,11 +182,40 @@ type KVEvent struct {
 	Keys      []string    `json:"keys"`
 }
 
+// MaxDeadLetterPayload bounds the original record bytes a dead-letter
+// message carries (64 KiB): in DeadLetter.Payload on TopicSaveDLQ (about
+// 88 KiB once base64-encoded) and as the record value of a bus-level dead
+// letter (bus.DeadLetterMessage). A dead letter must stay publishable
+// whatever record caused it, far below the broker's 1 MiB message limit; a
+// longer original is cut to its first MaxDeadLetterPayload bytes and the
+// message says so (DeadLetter.PayloadTruncated, HeaderPayloadTruncated),
+// gives the original size (DeadLetter.PayloadBytes, HeaderPayloadBytes) and
+// where the full original is kept.
+const MaxDeadLetterPayload = 64 << 10
+
+// Headers of a bus-level dead letter (bus.DeadLetterMessage) about its
+// payload, the record value.
+const (
+	// HeaderPayloadBytes is the size in bytes of the original record
+	// value, in decimal; always set.
+	HeaderPayloadBytes = "kvmesh-payload-bytes"
+	// HeaderPayloadTruncated is "true" when the dead letter's value is the
+	// first MaxDeadLetterPayload bytes of a longer original; absent
+	// otherwise. The full original is the record named by
+	// HeaderOrigTopic, HeaderOrigPart and HeaderOrigOffset (while the topic
+	// retains it) and whatever the consumer's dead-letter hook stored.
+	HeaderPayloadTruncated = "kvmesh-payload-truncated"
+)
+
 // DeadLetter is one dead-lettered save group or record, on TopicSaveDLQ,
-// keyed by request id (or the original key). Payload is the original record value
-// (base64 in JSON, since an undecodable record need not be JSON).
+// keyed by request id (or the original key). The sender keeps the full
+// original record in PostgreSQL (its dead_letters row, numbered ID) and
+// serves it at GET /v1/dlq/{ID} of its admin API; the message carries at
+// most MaxDeadLetterPayload bytes of it.
 type DeadLetter struct {
-	Schema    string `json:"schema"`
+	Schema string `json:"schema"`
+	// ID is the sender's dead-letter id (the dead_letters row), the
+	// reference to the full original.
 	ID        string `json:"id"`
 	Reason    string `json:"reason"`
 	Detail    string `json:"detail"`
@@ -183,5 +226,24 @@ type DeadLetter struct {
 	Topic     string `json:"topic"`
 	Partition int    `json:"partition"`
 	Offset    int64  `json:"offset"`
-	Payload   []byte `json:"payload,omitempty"`
+	// Payload is the original record value (base64 in JSON, since an
+	// undecodable record need not be JSON), cut to its first
+	// MaxDeadLetterPayload bytes when longer.
+	Payload []byte `json:"payload,omitempty"`
+	// PayloadBytes is the size of the original record value.
+	PayloadBytes int `json:"payload_bytes"`
+	// PayloadTruncated is set when Payload is shorter than the original.
+	PayloadTruncated bool `json:"payload_truncated,omitempty"`
+	// PayloadRef locates the full original: the sender's admin path
+	// /v1/dlq/{ID}.
+	PayloadRef string `json:"payload_ref,omitempty"`
+}
+
+// BoundDeadLetterPayload returns payload cut to MaxDeadLetterPayload bytes
+// (sharing its storage) and whether it was cut.
+func BoundDeadLetterPayload(payload []byte) ([]byte, bool) {
+	if len(payload) <= MaxDeadLetterPayload {
+		return payload, false
+	}
+	return payload[:MaxDeadLetterPayload], true
 }

@@ -20,4 +20,8 @@ var (
 	ErrNotMigrated = errors.New("database is not migrated")
 	// ErrEmptyTopic reports an outbox message without a topic.
 	ErrEmptyTopic = errors.New("message has no topic")
+	// ErrOutboxRowNotFound reports an outbox id with no row.
+	ErrOutboxRowNotFound = errors.New("no such outbox row")
+	// ErrOutboxRowNotFailed reports a retry of an outbox row that is not failed.
+	ErrOutboxRowNotFailed = errors.New("outbox row is not failed")
 )

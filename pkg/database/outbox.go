@@ -18,7 +18,12 @@ const OutboxChannel = "kvmesh_outbox"
 
 // Publisher sends messages to the bus; bus.Producer satisfies it. Publish
 // returns nil only once every message is acknowledged, and must keep the
-// order of messages that share a key.
+// order of messages that share a key. An error that wraps a
+// kafka.WriteErrors with one entry per message (as kafka-go's Writer
+// returns, and bus.Producer wraps) gives each message its own outcome; any
+// other error fails every message of the call. Errors are classified by
+// their kafka-go error code (see the Reason constants): message-size and
+// invalid-topic errors are permanent, all others transient.
 type Publisher interface {
 	Publish(ctx context.Context, msgs ...bus.Message) error
 }

@@ -1,17 +1,21 @@
 package database
 
 import (
+	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/segmentio/kafka-go"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // Relay defaults, overridable with RelayOptions.
@@ -20,6 +24,10 @@ const (
 	DefaultPollInterval = 500 * time.Millisecond
 	DefaultBackoffMin   = 100 * time.Millisecond
 	DefaultBackoffMax   = 10 * time.Second
+	// DefaultMaxMessageBytes is the largest message the relay hands to the
+	// publisher: kafka-go's Writer default BatchBytes (1 MiB), which
+	// bus.Producer keeps, and about the broker's default message.max.bytes.
+	DefaultMaxMessageBytes = 1 << 20
 )
 
 // relayLockKey is the transaction-scoped advisory lock that lets one relay
@@ -29,12 +37,38 @@ const relayLockKey int64 = 0x6b766d6573682e6f
 // maxErrorText bounds the last_error text stored per row.
 const maxErrorText = 2000
 
+// Outbox row states, as the relay's queries see them:
+//
+//   - pending: sent_at IS NULL AND failed_at IS NULL; claimed in id order
+//     unless the row, or an earlier pending row of the same (topic, key),
+//     backs off (next_attempt_at in the future);
+//   - sent: sent_at set (and purged by PurgeSent later);
+//   - failed: failed_at set, with fail_reason and last_error; skipped by
+//     the relay until RetryFailed puts it back.
 const (
-	claimBatch = `SELECT id, topic, key, value, headers, created_at FROM outbox
-		WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED`
-	markSent   = `UPDATE outbox SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY($1)`
-	markFailed = `UPDATE outbox SET attempts = attempts + 1, last_error = $2
-		WHERE id = ANY($1) AND sent_at IS NULL`
+	claimBatch = `SELECT o.id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts
+		FROM outbox o
+		WHERE o.sent_at IS NULL AND o.failed_at IS NULL
+		  AND NOT EXISTS (
+		      SELECT 1 FROM outbox b
+		      WHERE b.topic = o.topic AND b.key = o.key AND b.id <= o.id
+		        AND b.sent_at IS NULL AND b.failed_at IS NULL
+		        AND b.next_attempt_at > now())
+		ORDER BY o.id LIMIT $1
+		FOR UPDATE OF o SKIP LOCKED`
+	markSent = `UPDATE outbox SET sent_at = now(), attempts = attempts + 1, next_attempt_at = NULL
+		WHERE id = ANY($1)`
+	markBackoff = `UPDATE outbox o SET attempts = o.attempts + 1, last_error = d.err,
+		    next_attempt_at = now() + d.delay_us * interval '1 microsecond'
+		FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS d(id, delay_us, err)
+		WHERE o.id = d.id AND o.sent_at IS NULL`
+	markHeld = `UPDATE outbox o SET attempts = o.attempts + 1, last_error = d.err
+		FROM unnest($1::bigint[], $2::text[]) AS d(id, err)
+		WHERE o.id = d.id AND o.sent_at IS NULL`
+	markPermanent = `UPDATE outbox o SET attempts = o.attempts + 1, last_error = d.err,
+		    failed_at = now(), fail_reason = d.reason, next_attempt_at = NULL
+		FROM unnest($1::bigint[], $2::text[], $3::text[]) AS d(id, reason, err)
+		WHERE o.id = d.id AND o.sent_at IS NULL`
 )
 
 // Relay moves committed outbox rows to the bus. Run it in every service that
@@ -47,12 +81,26 @@ const (
 // rows sharing a key are published in the order they were enqueued: batches
 // are serialised across relays by a transaction-scoped advisory lock, so a
 // standby relay never overtakes an active one.
+//
+// No message blocks the others. A row the broker can never accept (larger
+// than the maximum message size, an invalid topic: see classify) is marked
+// failed with a reason and leaves the relay path; later rows, of its key
+// too, keep flowing, and the row waits for an operator (FailedRows,
+// RetryFailed). A row whose publish failed transiently backs off on its own
+// (next_attempt_at, doubling per attempt from the backoff minimum to its
+// maximum); rows of the same topic and key behind it wait, so the order per
+// key holds, while rows of other keys keep flowing. When a batch fails
+// because of one message (kafka-go fails a whole partition batch, or the
+// whole call, for one oversized message), the relay republishes the
+// suspects one at a time, so good rows of the batch still go out.
 type Relay struct {
 	pool                   *pgxpool.Pool
 	pub                    Publisher
 	batchSize              int
 	poll                   time.Duration
 	backoffMin, backoffMax time.Duration
+	maxMessageBytes        int64
+	onFailure              func(reason string)
 	log                    *slog.Logger
 }
 
@@ -70,9 +118,27 @@ func WithPollInterval(d time.Duration) RelayOption {
 	return func(r *Relay) { r.poll = d }
 }
 
-// WithBackoff bounds the exponential delay between retries after a failure.
+// WithBackoff bounds the exponential delay between retries after a failure:
+// of a whole batch after a database error, and of one row after a transient
+// publish error.
 func WithBackoff(minDelay, maxDelay time.Duration) RelayOption {
 	return func(r *Relay) { r.backoffMin, r.backoffMax = minDelay, maxDelay }
+}
+
+// WithMaxMessageBytes sets the largest message (key, value and headers) the
+// relay hands to the publisher (default DefaultMaxMessageBytes); a larger
+// row is marked failed (ReasonMessageTooLarge) without asking the broker.
+// Keep it at most the producer's batch bytes and the broker's
+// message.max.bytes.
+func WithMaxMessageBytes(n int64) RelayOption {
+	return func(r *Relay) { r.maxMessageBytes = n }
+}
+
+// WithFailureHook calls fn once per row and failed publish attempt with the
+// failure's reason: ReasonTransient, or the permanent reason the row is
+// marked failed with. Services count them in a metric; fn must not block.
+func WithFailureHook(fn func(reason string)) RelayOption {
+	return func(r *Relay) { r.onFailure = fn }
 }
 
 // WithLogger sets the logger for failures the relay retries.
@@ -83,13 +149,14 @@ func WithLogger(l *slog.Logger) RelayOption {
 // NewRelay returns a relay that publishes pool's outbox through pub.
 func NewRelay(pool *pgxpool.Pool, pub Publisher, opts ...RelayOption) *Relay {
 	r := &Relay{
-		pool:       pool,
-		pub:        pub,
-		batchSize:  DefaultBatchSize,
-		poll:       DefaultPollInterval,
-		backoffMin: DefaultBackoffMin,
-		backoffMax: DefaultBackoffMax,
-		log:        slog.Default(),
+		pool:            pool,
+		pub:             pub,
+		batchSize:       DefaultBatchSize,
+		poll:            DefaultPollInterval,
+		backoffMin:      DefaultBackoffMin,
+		backoffMax:      DefaultBackoffMax,
+		maxMessageBytes: DefaultMaxMessageBytes,
+		log:             slog.Default(),
 	}
 	for _, opt := range opts {
 		opt(r)
@@ -100,30 +167,37 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, opts ...RelayOption) *Relay {
 	if r.poll <= 0 {
 		r.poll = DefaultPollInterval
 	}
+	if r.maxMessageBytes <= 0 {
+		r.maxMessageBytes = DefaultMaxMessageBytes
+	}
 	return r
 }
 
-// Run publishes outbox rows until ctx is done, then returns nil. Failures
-// (database or publisher) are logged and retried with bounded exponential
-// backoff; they never end Run.
+// Run publishes outbox rows until ctx is done, then returns nil. Database
+// failures are logged and retried with bounded exponential backoff; publish
+// failures are recorded per row (see Relay). Neither ends Run.
 func (r *Relay) Run(ctx context.Context) error {
 	l := &listener{pool: r.pool, log: r.log, retry: r.backoffMin}
 	defer l.close()
 	failures := 0
 	for ctx.Err() == nil {
 		l.ensure(ctx)
-		n, err := r.relayBatch(ctx)
+		res, err := r.relayBatch(ctx)
 		switch {
 		case ctx.Err() != nil:
 		case err != nil:
 			failures++
 			r.log.WarnContext(ctx, "outbox relay: batch failed; retrying", "err", err, "failures", failures)
 			sleepCtx(ctx, r.backoff(failures))
-		case n == r.batchSize:
+		case res.claimed == r.batchSize:
 			failures = 0 // more rows are likely waiting
 		default:
 			failures = 0
-			l.wait(ctx, r.poll)
+			wait := r.poll
+			if res.retryIn > 0 {
+				wait = min(wait, res.retryIn)
+			}
+			l.wait(ctx, wait)
 		}
 	}
 	return nil
@@ -140,84 +214,213 @@ func (r *Relay) backoff(failures int) time.Duration {
 	return d - time.Duration(rand.Int64N(int64(d)/5+1))
 }
 
-// relayBatch publishes one batch of unsent rows and returns how many it
-// published. It returns 0 and no error when another relay holds the batch
-// lock.
-func (r *Relay) relayBatch(ctx context.Context) (int, error) {
-	tx, err := r.pool.Begin(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	ids, rows, err := r.claim(ctx, tx)
-	if err != nil || len(ids) == 0 {
-		return 0, err
-	}
-	msgs, spans := startPublishSpans(ctx, ids, rows)
-	err = r.pub.Publish(ctx, msgs...)
-	endPublishSpans(spans, err)
-	if err != nil {
-		_ = tx.Rollback(ctx) // release the rows before recording the failure
-		return 0, r.recordFailure(ctx, ids, fmt.Errorf("publish %d messages: %w", len(msgs), err))
-	}
-	if _, err := tx.Exec(ctx, markSent, ids); err != nil {
-		return 0, fmt.Errorf("mark sent: %w", err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("commit sent: %w", err)
-	}
-	return len(ids), nil
+// batchResult is what one relay batch did.
+type batchResult struct {
+	// claimed counts the rows the batch claimed, whatever became of them.
+	claimed int
+	// retryIn is the shortest backoff the batch gave a row (0: none).
+	retryIn time.Duration
 }
 
 // claimedRow is one outbox row claimed for publishing.
 type claimedRow struct {
-	msg     bus.Message
-	created time.Time
+	id       int64
+	msg      bus.Message
+	created  time.Time
+	attempts int
 }
 
-// claim takes the batch lock and locks the oldest unsent rows in tx.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]int64, []claimedRow, error) {
+// topicKey is the unit of ordering: rows of one topic and key.
+type topicKey struct{ topic, key string }
+
+// outcome is what became of one claimed row.
+type outcome struct {
+	err    error  // nil: published
+	reason string // for a failed row: the reason; ReasonTransient: back off
+	// held: an earlier row of its key (heldBy) backs off, so this one stays
+	// pending, published or not, to be published after that row.
+	held   bool
+	heldBy int64
+}
+
+// relayBatch publishes one batch of pending rows and records every row's
+// outcome in the batch's transaction. It claims nothing, and returns no
+// error, when another relay holds the batch lock.
+func (r *Relay) relayBatch(ctx context.Context) (batchResult, error) {
+	tx, err := r.pool.Begin(ctx)
+	if err != nil {
+		return batchResult{}, fmt.Errorf("begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
+	rows, err := r.claim(ctx, tx)
+	if err != nil || len(rows) == 0 {
+		return batchResult{}, err
+	}
+	msgs, spans := startPublishSpans(ctx, rows)
+	outcomes := r.publish(ctx, rows, msgs)
+	endPublishSpans(spans, outcomes)
+	res, err := r.record(ctx, tx, rows, outcomes)
+	if err != nil {
+		return batchResult{}, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return batchResult{}, fmt.Errorf("commit outcomes: %w", err)
+	}
+	return res, nil
+}
+
+// publish sends msgs (the claimed rows' messages) and returns each row's
+// outcome. Oversized messages are failed without being sent. A permanent
+// error in a batch of several messages may be another message's (kafka-go
+// reports one error for a whole partition batch), so such suspects, and
+// every later message of their key in the batch to keep the key's order,
+// are sent again one at a time before a verdict; a message that then fails
+// transiently holds back the later messages of its key.
+func (r *Relay) publish(ctx context.Context, rows []claimedRow, msgs []bus.Message) []outcome {
+	out := make([]outcome, len(rows))
+	var send []int // indexes of the messages to publish
+	for i, m := range msgs {
+		if n := messageSize(m); n > r.maxMessageBytes {
+			out[i] = outcome{err: fmt.Errorf("message of %d bytes exceeds the relay's maximum of %d bytes: %w",
+				n, r.maxMessageBytes, kafka.MessageSizeTooLarge), reason: ReasonMessageTooLarge}
+			continue
+		}
+		send = append(send, i)
+	}
+	if len(send) == 0 {
+		return out
+	}
+	batch := make([]bus.Message, len(send))
+	for j, i := range send {
+		batch[j] = msgs[i]
+	}
+	errs := perMessage(r.pub.Publish(ctx, batch...), len(batch))
+	blocked := map[topicKey]int64{} // the row of the key that backs off
+	alone := map[topicKey]bool{}    // an earlier message of the key was resent alone
+	for j, i := range send {
+		k := topicKey{msgs[i].Topic, msgs[i].Key}
+		if by, ok := blocked[k]; ok {
+			out[i] = outcome{err: errs[j], held: true, heldBy: by}
+			continue
+		}
+		err := errs[j]
+		if _, permanent := classify(err); alone[k] || (err != nil && permanent && len(batch) > 1) {
+			alone[k] = true
+			err = r.pub.Publish(ctx, msgs[i])
+		}
+		out[i] = outcome{err: err}
+		if err != nil {
+			out[i].reason, _ = classify(err)
+			if out[i].reason == ReasonTransient {
+				blocked[k] = rows[i].id
+			}
+		}
+	}
+	return out
+}
+
+// record stores the outcomes in tx: published rows are marked sent, rows
+// with a permanent error failed, rows with a transient error backed off.
+// Held rows count the attempt and say why they wait; they stay pending
+// without a backoff of their own, so they follow the row that holds them as
+// soon as it is published.
+func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcomes []outcome) (batchResult, error) {
+	res := batchResult{claimed: len(rows)}
+	var sent, backoffIDs, failedIDs, heldIDs []int64
+	var delays []int64
+	var backoffErrs, failedReasons, failedErrs, heldErrs []string
+	for i, o := range outcomes {
+		row := rows[i]
+		switch {
+		case o.held:
+			why := fmt.Errorf("held behind outbox row %d of the same topic and key, which backs off", o.heldBy)
+			if o.err != nil {
+				why = fmt.Errorf("%w; %w", o.err, why)
+			}
+			heldIDs = append(heldIDs, row.id)
+			heldErrs = append(heldErrs, errorText(why))
+		case o.err == nil:
+			sent = append(sent, row.id)
+		case o.reason == ReasonTransient:
+			d := r.backoff(row.attempts + 1)
+			res.retryIn = min(cmp.Or(res.retryIn, d), d)
+			backoffIDs = append(backoffIDs, row.id)
+			delays = append(delays, d.Microseconds())
+			backoffErrs = append(backoffErrs, errorText(o.err))
+		default:
+			failedIDs = append(failedIDs, row.id)
+			failedReasons = append(failedReasons, o.reason)
+			failedErrs = append(failedErrs, errorText(o.err))
+			r.log.ErrorContext(ctx, "outbox relay: message can never be published; marked failed",
+				"id", row.id, "topic", row.msg.Topic, "key", row.msg.Key, "reason", o.reason, "err", o.err)
+		}
+		if o.err != nil && !o.held && r.onFailure != nil {
+			r.onFailure(o.reason)
+		}
+	}
+	if len(backoffIDs) > 0 {
+		r.log.WarnContext(ctx, "outbox relay: publish failed; rows back off", "rows", len(backoffIDs),
+			"first_id", backoffIDs[0], "err", backoffErrs[0])
+	}
+	updates := []struct {
+		what, sql string
+		ids       []int64
+		more      []any // the arguments after ids
+	}{
+		{"mark sent", markSent, sent, nil},
+		{"mark backoff", markBackoff, backoffIDs, []any{delays, backoffErrs}},
+		{"mark held", markHeld, heldIDs, []any{heldErrs}},
+		{"mark failed", markPermanent, failedIDs, []any{failedReasons, failedErrs}},
+	}
+	for _, u := range updates {
+		if len(u.ids) == 0 {
+			continue
+		}
+		if _, err := tx.Exec(ctx, u.sql, append([]any{u.ids}, u.more...)...); err != nil {
+			return res, fmt.Errorf("%s: %w", u.what, err)
+		}
+	}
+	return res, nil
+}
+
+// errorText bounds err's text for last_error.
+func errorText(err error) string {
+	text := err.Error()
+	if len(text) > maxErrorText {
+		text = strings.ToValidUTF8(text[:maxErrorText], "")
+	}
+	return text
+}
+
+// claim takes the batch lock and locks the oldest claimable rows in tx.
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]claimedRow, error) {
 	var locked bool
 	if err := tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", relayLockKey).Scan(&locked); err != nil {
-		return nil, nil, fmt.Errorf("take relay lock: %w", err)
+		return nil, fmt.Errorf("take relay lock: %w", err)
 	}
 	if !locked {
-		return nil, nil, nil
+		return nil, nil
 	}
 	rows, _ := tx.Query(ctx, claimBatch, r.batchSize)
-	var ids []int64
 	var out []claimedRow
-	var id int64
 	var c claimedRow
-	_, err := pgx.ForEachRow(rows, []any{&id, &c.msg.Topic, &c.msg.Key, &c.msg.Value, &c.msg.Headers, &c.created}, func() error {
-		ids = append(ids, id)
+	_, err := pgx.ForEachRow(rows, []any{&c.id, &c.msg.Topic, &c.msg.Key, &c.msg.Value, &c.msg.Headers, &c.created, &c.attempts}, func() error {
 		out = append(out, c)
 		c = claimedRow{}
 		return nil
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("claim rows: %w", err)
+		return nil, fmt.Errorf("claim rows: %w", err)
 	}
-	return ids, out, nil
+	return out, nil
 }
 
-// recordFailure stores cause on the rows in a short transaction of its own
-// and returns cause (joined with any error recording it).
-func (r *Relay) recordFailure(ctx context.Context, ids []int64, cause error) error {
-	text := cause.Error()
-	if len(text) > maxErrorText {
-		text = text[:maxErrorText]
-	}
-	if _, err := r.pool.Exec(ctx, markFailed, ids, text); err != nil {
-		return errors.Join(cause, fmt.Errorf("record failure: %w", err))
-	}
-	return cause
-}
-
-// Backlog returns the number of unsent outbox rows.
+// Backlog returns the number of pending outbox rows: neither sent nor
+// failed (FailedCount counts those).
 func (r *Relay) Backlog(ctx context.Context) (int64, error) {
 	var n int64
-	if err := r.pool.QueryRow(ctx, "SELECT count(*) FROM outbox WHERE sent_at IS NULL").Scan(&n); err != nil {
+	err := r.pool.QueryRow(ctx, "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND failed_at IS NULL").Scan(&n)
+	if err != nil {
 		return 0, fmt.Errorf("database: outbox backlog: %w", err)
 	}
 	return n, nil
@@ -242,4 +445,19 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 	case <-ctx.Done():
 	case <-t.C:
 	}
+}
+
+// WithFailureMetric registers kvmesh_outbox_publish_failures_total{reason}
+// on reg (once per registry) and returns the option that counts every
+// failed publish attempt of this relay into it, as WithFailureHook does.
+func WithFailureMetric(reg prometheus.Registerer) (RelayOption, error) {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvmesh_outbox_publish_failures_total",
+		Help: "Failed publish attempts of outbox rows by this process's relay, by reason (transient, or the permanent reason the row was failed with).",
+	}, []string{"reason"})
+	c, err := telemetry.RegisterOnce(reg, c)
+	if err != nil {
+		return nil, fmt.Errorf("outbox relay metric: %w", err)
+	}
+	return WithFailureHook(func(reason string) { c.WithLabelValues(reason).Inc() }), nil
 }

@@ -137,12 +137,12 @@ func queryText(sql string) string {
 // of the trace context stored with the row (the transaction that enqueued
 // it), and returns the rows' messages carrying their span's context: the
 // consumer of each message continues the trace of the request that caused
-// it, however the relay batched it. Rows enqueued without a trace get a
-// span only when ctx carries one.
-func startPublishSpans(ctx context.Context, ids []int64, rows []claimedRow) ([]bus.Message, []trace.Span) {
+// it, however the relay batched it. Rows enqueued without a trace get no
+// span (a nil entry in the returned spans, which are indexed like rows).
+func startPublishSpans(ctx context.Context, rows []claimedRow) ([]bus.Message, []trace.Span) {
 	tracer := otel.Tracer(tracerName)
 	msgs := make([]bus.Message, len(rows))
-	spans := make([]trace.Span, 0, len(rows))
+	spans := make([]trace.Span, len(rows))
 	for i, row := range rows {
 		m := row.msg
 		parent := bus.ExtractContext(ctx, m.Headers)
@@ -154,7 +154,7 @@ func startPublishSpans(ctx context.Context, ids []int64, rows []claimedRow) ([]b
 			trace.WithAttributes(
 				attribute.String("messaging.destination.name", m.Topic),
 				attribute.String("messaging.kafka.message.key", m.Key),
-				attribute.Int64("kvmesh.outbox.id", ids[i]),
+				attribute.Int64("kvmesh.outbox.id", row.id),
 				attribute.Int64("kvmesh.outbox.wait_ms", time.Since(row.created).Milliseconds()),
 				attribute.Int("kvmesh.outbox.batch_size", len(rows)),
 			))
@@ -163,16 +163,23 @@ func startPublishSpans(ctx context.Context, ids []int64, rows []claimedRow) ([]b
 		bus.InjectHeaders(pctx, headers)
 		m.Headers = headers
 		msgs[i] = m
-		spans = append(spans, span)
+		spans[i] = span
 	}
 	return msgs, spans
 }
 
-// endPublishSpans ends the relay's spans with the batch's outcome.
-func endPublishSpans(spans []trace.Span, err error) {
-	for _, span := range spans {
-		if err != nil {
-			span.RecordError(err)
+// endPublishSpans ends the relay's spans, each with its row's outcome.
+func endPublishSpans(spans []trace.Span, outcomes []outcome) {
+	for i, span := range spans {
+		if span == nil {
+			continue
+		}
+		switch o := outcomes[i]; {
+		case o.held:
+			span.SetAttributes(attribute.Bool("kvmesh.outbox.held", true))
+		case o.err != nil:
+			span.RecordError(o.err)
+			span.SetAttributes(attribute.String("kvmesh.outbox.fail_reason", o.reason))
 			span.SetStatus(codes.Error, "publish failed")
 		}
 		span.End()

@@ -80,17 +80,23 @@ func (c *Client) Put(ctx context.Context, items []PutItem) ([]PutResult, int64, 
 
 // Write puts bytes into pool blocks (the engine's compute; used by the
 // simulator and tests). Each block's Data must be exactly its group's
-// bytes_per_block. Large writes are split into several requests; a failure
-// may leave earlier blocks written.
+// bytes_per_block and its Identity must name what the bytes are: the
+// worker records it, and every later read checks it. Large writes are split
+// into several requests; a failure may leave earlier blocks written.
 func (c *Client) Write(ctx context.Context, blocks []Block) error {
 	limit := c.WriteBatchBytes
 	if limit <= 0 {
 		limit = DefaultWriteBatchBytes
 	}
+	for i, b := range blocks {
+		if err := b.Identity.Validate(); err != nil {
+			return fmt.Errorf("dataplane write: block %d (group %d block %d): %w", i, b.Group, b.Block, err)
+		}
+	}
 	for start := 0; start < len(blocks); {
 		end, size := start, 0
-		for end < len(blocks) && (end == start || size+FrameHeaderSize+len(blocks[end].Data) <= limit) {
-			size += FrameHeaderSize + len(blocks[end].Data)
+		for end < len(blocks) && (end == start || size+frameSize(blocks[end]) <= limit) {
+			size += frameSize(blocks[end])
 			end++
 		}
 		if err := c.writeBatch(ctx, blocks[start:end]); err != nil {
@@ -101,17 +107,22 @@ func (c *Client) Write(ctx context.Context, blocks []Block) error {
 	return nil
 }
 
+// frameSize is the wire size of b's write frame.
+func frameSize(b Block) int {
+	return FrameHeaderSize + len(b.Identity.Hash) + len(b.Identity.RequestID) + len(b.Data)
+}
+
 func (c *Client) writeBatch(ctx context.Context, blocks []Block) error {
 	bufs := make(net.Buffers, 0, 2*len(blocks))
-	headers := make([]byte, 0, FrameHeaderSize*len(blocks))
+	headers := make([]byte, 0, (FrameHeaderSize+96)*len(blocks))
 	var n int64
 	for _, b := range blocks {
 		at := len(headers)
 		headers = AppendFrameHeader(headers, FrameHeader{
-			Group: b.Group, Block: b.Block, Len: len(b.Data), Checksum: Checksum(b.Data),
+			Group: b.Group, Block: b.Block, Len: len(b.Data), Checksum: Checksum(b.Data), Identity: b.Identity,
 		})
+		n += int64(len(headers) - at + len(b.Data))
 		bufs = append(bufs, headers[at:len(headers):len(headers)], b.Data)
-		n += int64(FrameHeaderSize + len(b.Data))
 	}
 	resp, err := c.post(ctx, PathWrite, ContentTypeFrames, &bufs, n)
 	if err != nil {
@@ -121,12 +132,14 @@ func (c *Client) writeBatch(ctx context.Context, blocks []Block) error {
 	return nil
 }
 
-// Read returns pool blocks' bytes, in the order asked (tests, pd loads from a
-// remote engine's worker, verification). Every block's checksum is verified;
-// a mismatch is an ErrChecksum error.
-func (c *Client) Read(ctx context.Context, refs []BlockRef) ([]Block, error) {
+// Read returns pool blocks' bytes, in the order asked (pd loads from a
+// remote engine's worker, verification, tests). Each ref names the hash
+// its block must hold; a block that does not hold it comes back with
+// NotHeld set and no data, never with other bytes. Every block's checksum
+// is verified; a mismatch is an ErrChecksum error.
+func (c *Client) Read(ctx context.Context, refs []ReadRef) ([]ReadBlock, error) {
 	if len(refs) == 0 {
-		return []Block{}, nil
+		return []ReadBlock{}, nil
 	}
 	body, err := json.Marshal(ReadRequest{Blocks: refs})
 	if err != nil {
@@ -144,9 +157,10 @@ func (c *Client) Read(ctx context.Context, refs []BlockRef) ([]Block, error) {
 	return out, nil
 }
 
-// readFrames reads one frame per ref, in order, then expects the end.
-func readFrames(r io.Reader, refs []BlockRef) ([]Block, error) {
-	out := make([]Block, len(refs))
+// readFrames reads one frame per ref, in order, then expects the end. A
+// frame that claims to hold another hash than asked is a protocol error.
+func readFrames(r io.Reader, refs []ReadRef) ([]ReadBlock, error) {
+	out := make([]ReadBlock, len(refs))
 	for i, ref := range refs {
 		h, err := ReadFrameHeader(r)
 		if errors.Is(err, io.EOF) {
@@ -155,20 +169,63 @@ func readFrames(r io.Reader, refs []BlockRef) ([]Block, error) {
 		if err != nil {
 			return nil, err
 		}
-		if h.Ref() != ref {
-			return nil, fmt.Errorf("frame %d is %+v, asked %+v: %w", i, h.Ref(), ref, ErrFrame)
+		if h.Ref() != ref.BlockRef {
+			return nil, fmt.Errorf("frame %d is %+v, asked %+v: %w", i, h.Ref(), ref.BlockRef, ErrFrame)
+		}
+		if h.NotHeld {
+			if h.Len != 0 {
+				return nil, fmt.Errorf("frame %d: a refused block with %d data bytes: %w", i, h.Len, ErrFrame)
+			}
+			out[i] = ReadBlock{Block: Block{BlockRef: ref.BlockRef}, NotHeld: NotHeldReason(ref.Hash, h.Identity, h.Generation)}
+			continue
+		}
+		if h.Identity.Hash != ref.Hash {
+			return nil, fmt.Errorf("frame %d holds hash %q, asked %q: %w", i, h.Identity.Hash, ref.Hash, ErrFrame)
 		}
 		data := make([]byte, h.Len)
 		if err := ReadFrameData(r, h, data); err != nil {
 			return nil, err
 		}
-		out[i] = Block{BlockRef: ref, Data: data}
+		out[i] = ReadBlock{Block: Block{BlockRef: ref.BlockRef, Identity: h.Identity, Data: data, Generation: h.Generation}}
 	}
 	var one [1]byte
 	if n, _ := io.ReadFull(r, one[:]); n > 0 {
 		return nil, fmt.Errorf("data after the last frame: %w", ErrFrame)
 	}
 	return out, nil
+}
+
+// NotHeldReason describes a block that does not hold the hash want: held
+// is what it holds instead (empty when nothing), gen its write generation.
+func NotHeldReason(want string, held Identity, gen uint64) string {
+	if held.Hash == "" {
+		return fmt.Sprintf("block holds nothing (not written since the worker started, evicted, or its last write failed); wanted hash %s", want)
+	}
+	return fmt.Sprintf("block holds hash %s (request %q, generation %d); wanted hash %s", held.Hash, held.RequestID, gen, want)
+}
+
+// Evict tells the worker that the engine dropped the listed blocks'
+// content (a block leaving the prefix cache to be reused): no read is
+// served from them until they are written again. It returns how many of
+// them held an identity.
+func (c *Client) Evict(ctx context.Context, refs []BlockRef) (int, error) {
+	if len(refs) == 0 {
+		return 0, nil
+	}
+	body, err := json.Marshal(EvictRequest{Blocks: refs})
+	if err != nil {
+		return 0, fmt.Errorf("dataplane evict: %w", err)
+	}
+	resp, err := c.post(ctx, PathEvict, "application/json", bytes.NewReader(body), int64(len(body)))
+	if err != nil {
+		return 0, fmt.Errorf("dataplane evict: %w", err)
+	}
+	defer drain(resp.Body)
+	var out EvictResponse
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return 0, fmt.Errorf("dataplane evict: answer: %w: %w", ErrUnavailable, err)
+	}
+	return out.Evicted, nil
 }
 
 // post sends one request and maps a non-2xx answer to ErrRejected (4xx) or

@@ -12,6 +12,7 @@ package dataplane
 
 import (
 	"errors"
+	"fmt"
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -24,6 +25,9 @@ const (
 	PathRead = "/v1/dataplane/read"
 	// PathPut takes a JSON PutRequest and answers a JSON PutResponse.
 	PathPut = "/v1/dataplane/put"
+	// PathEvict takes a JSON EvictRequest: the engine drops those blocks'
+	// content, and no read is served from them until they are rewritten.
+	PathEvict = "/v1/dataplane/evict"
 	// ContentTypeFrames is the media type of a binary frame stream.
 	ContentTypeFrames = "application/vnd.kvmesh.blocks"
 )
@@ -36,11 +40,78 @@ type BlockRef struct {
 	Block kvcore.BlockID `json:"block"`
 }
 
-// Block is one pool block with its bytes.
+// MaxHashLen bounds an Identity's hash text (a SHA-256 chain hash is 64
+// hex digits; engines may use their own, shorter or longer, hashes).
+const MaxHashLen = 255
+
+// MaxRequestIDLen bounds an Identity's request id.
+const MaxRequestIDLen = 1024
+
+// Identity is what a pool block holds: the hash of the chunk whose KV it
+// is (lower-case hex, the hash that chunk's store key carries) and the
+// request whose write (a compute or a load) put it there. The hash chains
+// the whole prefix, so two blocks with the same hash (and group) hold the
+// same bytes whichever request wrote them; the request id is recorded for
+// diagnostics.
+type Identity struct {
+	// Hash is the chunk's block hash, lower-case hex.
+	Hash string `json:"hash"`
+	// RequestID is the request that wrote the block.
+	RequestID string `json:"request_id,omitempty"`
+}
+
+// Validate reports an identity that cannot name a block's content.
+func (id Identity) Validate() error {
+	switch {
+	case id.Hash == "":
+		return fmt.Errorf("no block hash: %w", ErrIdentity)
+	case len(id.Hash) > MaxHashLen:
+		return fmt.Errorf("block hash of %d bytes over %d: %w", len(id.Hash), MaxHashLen, ErrIdentity)
+	case len(id.RequestID) > MaxRequestIDLen:
+		return fmt.Errorf("request id of %d bytes over %d: %w", len(id.RequestID), MaxRequestIDLen, ErrIdentity)
+	}
+	return nil
+}
+
+// Block is one pool block with its identity and bytes.
 type Block struct {
 	BlockRef
+	// Identity is what the block holds; required for a write.
+	Identity
 	// Data is the block's bytes: exactly the group's bytes_per_block.
 	Data []byte
+	// Generation is the pool's write generation of the block (answers
+	// only): it grows with every write of any block of the pool.
+	Generation uint64
+}
+
+// ReadRef asks for one block and names the hash it must hold.
+type ReadRef struct {
+	BlockRef
+	// Hash is the chunk hash (lower-case hex) the block must hold.
+	Hash string `json:"hash"`
+}
+
+// ReadBlock is one block of a read answer.
+type ReadBlock struct {
+	Block
+	// NotHeld, when set, says why the block was refused: it does not hold
+	// the asked hash (never written since the worker started, evicted,
+	// rewritten for other content, or its last write failed). Data is nil
+	// then; the caller must treat the block as lost.
+	NotHeld string
+}
+
+// EvictRequest is the JSON body of PathEvict.
+type EvictRequest struct {
+	// Blocks are the blocks whose content the engine drops.
+	Blocks []BlockRef `json:"blocks"`
+}
+
+// EvictResponse is the JSON answer of PathEvict.
+type EvictResponse struct {
+	// Evicted counts the blocks that held an identity.
+	Evicted int `json:"evicted"`
 }
 
 // PutItem asks the worker to store one pool block under a store key.
@@ -48,6 +119,11 @@ type PutItem struct {
 	BlockRef
 	// Key is the store key.
 	Key string `json:"key"`
+	// Hash is the chunk hash (lower-case hex) the block must hold; a block
+	// that does not hold it is not stored (PutNotHeld).
+	Hash string `json:"hash"`
+	// RequestID is the saving request, for diagnostics.
+	RequestID string `json:"request_id,omitempty"`
 }
 
 // PutStatus is the per-item outcome of a put.
@@ -61,6 +137,10 @@ const (
 	PutNoSpace PutStatus = "no_space"
 	// PutFailed: any other per-item failure (detail in Error).
 	PutFailed PutStatus = "failed"
+	// PutNotHeld: the block does not hold the item's hash (detail in
+	// Error); nothing was stored. The save must not be retried from this
+	// block: its bytes are gone.
+	PutNotHeld PutStatus = "not_held"
 )
 
 // PutResult is the outcome of one PutItem.
@@ -87,8 +167,9 @@ type PutResponse struct {
 
 // ReadRequest is the JSON body of PathRead.
 type ReadRequest struct {
-	// Blocks are the blocks to read, in order; the answer has one frame each.
-	Blocks []BlockRef `json:"blocks"`
+	// Blocks are the blocks to read, in order; the answer has one frame
+	// each (a refused block's frame has no data and FrameNotHeld set).
+	Blocks []ReadRef `json:"blocks"`
 }
 
 // Sentinel errors.
@@ -108,4 +189,6 @@ var (
 	// ErrUnavailable reports a worker that could not be reached or answered
 	// 5xx: the request may succeed later.
 	ErrUnavailable = errors.New("dataplane: worker unavailable")
+	// ErrIdentity reports a block identity that is missing or malformed.
+	ErrIdentity = errors.New("dataplane: invalid block identity")
 )

@@ -9,27 +9,40 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// FrameHeaderSize is the size of a FrameHeader on the wire.
-const FrameHeaderSize = 24
+// FrameHeaderSize is the size of the fixed part of a FrameHeader on the
+// wire; the identity's hash and request id follow it.
+const FrameHeaderSize = 36
 
 // frameMagic opens every wire frame.
-const frameMagic = "KVB1"
+const frameMagic = "KVB2"
 
 // MaxFrameLen bounds one frame's data length (a block), 1 GiB.
 const MaxFrameLen = 1 << 30
+
+// frameNotHeld is the flag of a read-answer frame whose block was refused.
+const frameNotHeld = 1
 
 // FrameHeader precedes each block's bytes in a binary frame stream (the body
 // of PathWrite requests and of PathRead answers). On the wire, big-endian:
 //
 //	offset size field
-//	0      4    magic "KVB1"
+//	0      4    magic "KVB2"
 //	4      4    group (uint32)
 //	8      8    block id (int64)
 //	16     4    data length in bytes (uint32)
 //	20     4    CRC-32C of the data
+//	24     8    write generation (read answers; 0 in writes)
+//	32     1    flags: bit 0 = not held (read answers: the block was refused, no data follows)
+//	33     1    hash length h (1..255 in writes)
+//	34     2    request-id length q (0..1024)
+//	36     h    the block's hash (lower-case hex text)
+//	36+h   q    the request id
 //
 // The data follows the header; the next frame follows the data. A stream is
-// a sequence of frames ending at the end of the body.
+// a sequence of frames ending at the end of the body. In a write the
+// identity is what the block will hold; in a read answer it is what the
+// block holds (for a refused block: what it holds instead, empty when
+// nothing).
 type FrameHeader struct {
 	// Group is the KV-group index.
 	Group int
@@ -39,18 +52,42 @@ type FrameHeader struct {
 	Len int
 	// Checksum is the CRC-32C of the data.
 	Checksum uint32
+	// Generation is the block's write generation (read answers).
+	Generation uint64
+	// NotHeld marks a refused block in a read answer (Len is 0).
+	NotHeld bool
+	// Identity is the block's identity.
+	Identity Identity
 }
 
 // Ref returns the block the frame carries.
 func (h FrameHeader) Ref() BlockRef { return BlockRef{Group: h.Group, Block: h.Block} }
 
-// AppendFrameHeader appends the wire form of h to dst.
+// Size is the header's length on the wire, identity included.
+func (h FrameHeader) Size() int {
+	return FrameHeaderSize + len(h.Identity.Hash) + len(h.Identity.RequestID)
+}
+
+// AppendFrameHeader appends the wire form of h to dst. The identity's
+// parts are cut at MaxHashLen and MaxRequestIDLen (Identity.Validate
+// refuses longer ones first).
 func AppendFrameHeader(dst []byte, h FrameHeader) []byte {
+	hash, req := h.Identity.Hash, h.Identity.RequestID
+	hash, req = hash[:min(len(hash), MaxHashLen)], req[:min(len(req), MaxRequestIDLen)]
+	var flags byte
+	if h.NotHeld {
+		flags |= frameNotHeld
+	}
 	dst = append(dst, frameMagic...)
 	dst = binary.BigEndian.AppendUint32(dst, uint32(h.Group))
 	dst = binary.BigEndian.AppendUint64(dst, uint64(h.Block))
 	dst = binary.BigEndian.AppendUint32(dst, uint32(h.Len))
-	return binary.BigEndian.AppendUint32(dst, h.Checksum)
+	dst = binary.BigEndian.AppendUint32(dst, h.Checksum)
+	dst = binary.BigEndian.AppendUint64(dst, h.Generation)
+	dst = append(dst, flags, byte(len(hash)))
+	dst = binary.BigEndian.AppendUint16(dst, uint16(len(req)))
+	dst = append(dst, hash...)
+	return append(dst, req...)
 }
 
 // ReadFrameHeader reads the next frame header from r. At a clean end of the
@@ -71,14 +108,28 @@ func ReadFrameHeader(r io.Reader) (FrameHeader, error) {
 		return FrameHeader{}, fmt.Errorf("bad frame magic %q: %w", b[:4], ErrFrame)
 	}
 	h := FrameHeader{
-		Group:    int(binary.BigEndian.Uint32(b[4:8])),
-		Block:    kvcore.BlockID(binary.BigEndian.Uint64(b[8:16])),
-		Len:      int(binary.BigEndian.Uint32(b[16:20])),
-		Checksum: binary.BigEndian.Uint32(b[20:24]),
+		Group:      int(binary.BigEndian.Uint32(b[4:8])),
+		Block:      kvcore.BlockID(binary.BigEndian.Uint64(b[8:16])),
+		Len:        int(binary.BigEndian.Uint32(b[16:20])),
+		Checksum:   binary.BigEndian.Uint32(b[20:24]),
+		Generation: binary.BigEndian.Uint64(b[24:32]),
+		NotHeld:    b[32]&frameNotHeld != 0,
 	}
 	if h.Len > MaxFrameLen {
 		return FrameHeader{}, fmt.Errorf("frame of %d bytes over the %d limit: %w", h.Len, MaxFrameLen, ErrFrame)
 	}
+	hashLen, reqLen := int(b[33]), int(binary.BigEndian.Uint16(b[34:36]))
+	if reqLen > MaxRequestIDLen {
+		return FrameHeader{}, fmt.Errorf("request id of %d bytes over %d: %w", reqLen, MaxRequestIDLen, ErrFrame)
+	}
+	id := make([]byte, hashLen+reqLen)
+	if _, err := io.ReadFull(r, id); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return FrameHeader{}, fmt.Errorf("truncated frame identity: %w", ErrFrame)
+		}
+		return FrameHeader{}, err
+	}
+	h.Identity = Identity{Hash: string(id[:hashLen]), RequestID: string(id[hashLen:])}
 	return h, nil
 }
 

@@ -3,6 +3,7 @@ package kvcore
 import (
 	"encoding/json"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -260,9 +261,9 @@ func FuzzTracker(f *testing.F) {
 // event applies one event read from r and checks the invariants.
 func (h *trackerHarness) event(r *fuzzEvents) {
 	tr, m := h.tr, h.m
-	savedBefore, rejectedBefore := tr.NumSavedTokens, h.rejected
+	savedBefore, rejectedBefore, epochBefore := tr.NumSavedTokens, h.rejected, tr.Epoch
 	var eff Effects
-	switch op := r.byte() % 13; op {
+	switch op := r.byte() % 14; op {
 	case 0:
 		var spec *LoadSpec
 		if r.byte()%4 != 0 {
@@ -301,10 +302,16 @@ func (h *trackerHarness) event(r *fuzzEvents) {
 		eff = tr.OnLoadResult(pick(h.loads, r), []BlockID{BlockID(r.byte())})
 	case 11:
 		tr.OnAdmit(trkHashes(len(tr.Hashes)+r.upTo(8)), 0)
+	case 13:
+		eff = tr.FailClosed(ErrBadStep) // as for a sequence gap the caller found
 	default:
 		eff = tr.Step(m, Step{Kind: StepKind("x")})
 	}
-	h.check(eff, savedBefore, rejectedBefore)
+	if tr.Epoch < epochBefore || (tr.NumSavedTokens < savedBefore && tr.Epoch == epochBefore) {
+		h.t.Fatalf("saved offset %d -> %d, epoch %d -> %d: the offset goes back only when the epoch advances",
+			savedBefore, tr.NumSavedTokens, epochBefore, tr.Epoch)
+	}
+	h.check(eff, rejectedBefore)
 }
 
 // pick chooses an emitted id, or an unknown one.
@@ -317,13 +324,10 @@ func pick(ids []string, r *fuzzEvents) string {
 }
 
 // check asserts the tracker invariants for one event's effects.
-func (h *trackerHarness) check(eff Effects, savedBefore int, rejectedBefore bool) {
+func (h *trackerHarness) check(eff Effects, rejectedBefore bool) {
 	t, tr, m := h.t, h.tr, h.m
 	if len(eff.Saves) > 0 && len(eff.Loads) > 0 {
 		t.Fatalf("one event both saved and loaded: %+v", eff)
-	}
-	if tr.NumSavedTokens < savedBefore {
-		t.Fatalf("saved offset went back from %d to %d", savedBefore, tr.NumSavedTokens)
 	}
 	if len(eff.Loads) > 0 && (rejectedBefore || tr.Load.Spec == nil || !tr.Load.Spec.CanLoad || tr.Load.External <= 0) {
 		t.Fatalf("load emitted without an accepted LoadSpec: %+v (rejected before: %v)", tr.Load, rejectedBefore)
@@ -331,9 +335,17 @@ func (h *trackerHarness) check(eff Effects, savedBefore int, rejectedBefore bool
 	for i := range eff.Saves {
 		h.checkSave(&eff.Saves[i])
 	}
+	for _, id := range tr.StaleSaves {
+		if slices.Contains(tr.PendingSaves, id) {
+			t.Fatalf("save %s both stale and pending", id)
+		}
+	}
 	for _, l := range eff.Loads {
 		if len(l.BlockTable) != len(m.Groups) {
 			t.Fatalf("load table has %d groups, model %d", len(l.BlockTable), len(m.Groups))
+		}
+		if l.Epoch != tr.Epoch {
+			t.Fatalf("load of epoch %d emitted in epoch %d", l.Epoch, tr.Epoch)
 		}
 		h.newID(l.TaskID)
 		h.loads = append(h.loads, l.TaskID)
@@ -363,6 +375,9 @@ func (h *trackerHarness) checkSave(s *SaveTask) {
 	}
 	if err := chunksFit(m, s.BlockTable, s.BlockHashes, s.Groups); err != nil {
 		t.Fatalf("save chunks outside the task: %v", err)
+	}
+	if s.Epoch != h.tr.Epoch {
+		t.Fatalf("save of epoch %d emitted in epoch %d", s.Epoch, h.tr.Epoch)
 	}
 	if s.End <= s.Start || s.End != h.tr.NumSavedTokens {
 		t.Fatalf("save [%d,%d) with saved offset %d", s.Start, s.End, h.tr.NumSavedTokens)

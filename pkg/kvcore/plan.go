@@ -13,6 +13,9 @@ type TransferItem struct {
 	Chunk Chunk
 	// Group is the KV-group index.
 	Group int
+	// Hash is the chunk's block hash (lower-case hex): the content the
+	// engine block must hold, checked by the gpuworker on every read.
+	Hash string
 }
 
 // SaveGroups lists, for every group in index order, the chunks a save of
@@ -128,7 +131,7 @@ func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, h
 		if err != nil {
 			return nil, fmt.Errorf("group %d chunk [%d,%d): %w", g, c.Start, c.End, err)
 		}
-		out = append(out, TransferItem{Key: kb.KeyHex(sr, g, hashHex), Block: block, Chunk: c, Group: g})
+		out = append(out, TransferItem{Key: kb.KeyHex(sr, g, hashHex), Block: block, Chunk: c, Group: g, Hash: hashHex})
 	}
 	return out, nil
 }
@@ -149,15 +152,15 @@ func chunkSource(m *Model, g int, c Chunk, blocks []BlockID, hashes []string) (B
 	if hi >= len(hashes) {
 		return 0, "", fmt.Errorf("hash index %d of %d: %w", hi, len(hashes), ErrChunkOutOfRange)
 	}
-	if !isHashHex(hashes[hi]) {
+	if !IsHashHex(hashes[hi]) {
 		return 0, "", fmt.Errorf("hash %d %q is not lower-case hex: %w", hi, hashes[hi], ErrChunkOutOfRange)
 	}
 	return blocks[bi], hashes[hi], nil
 }
 
-// isHashHex reports whether s is the non-empty lower-case hex of a hash, the
+// IsHashHex reports whether s is the non-empty lower-case hex of a hash, the
 // only form that keeps a store key unambiguous.
-func isHashHex(s string) bool {
+func IsHashHex(s string) bool {
 	if s == "" || len(s)%2 != 0 {
 		return false
 	}

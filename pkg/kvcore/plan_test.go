@@ -154,11 +154,11 @@ func TestPlanLoad(t *testing.T) {
 		t.Fatalf("PlanLoad: %v", err)
 	}
 	want := []TransferItem{
-		{Key: kb.Key(Rank{}, 0, hashes[2]), Block: 12, Chunk: Chunk{32, 48}, Group: 0},
-		{Key: kb.Key(Rank{}, 0, hashes[3]), Block: 13, Chunk: Chunk{48, 64}, Group: 0},
-		{Key: kb.Key(Rank{}, 0, hashes[4]), Block: 14, Chunk: Chunk{64, 80}, Group: 0},
-		{Key: kb.Key(Rank{}, 0, hashes[5]), Block: 15, Chunk: Chunk{80, 96}, Group: 0},
-		{Key: kb.Key(Rank{}, 1, hashes[5]), Block: 22, Chunk: Chunk{64, 96}, Group: 1},
+		{Key: kb.Key(Rank{}, 0, hashes[2]), Block: 12, Chunk: Chunk{32, 48}, Group: 0, Hash: hashes[2].Hex()},
+		{Key: kb.Key(Rank{}, 0, hashes[3]), Block: 13, Chunk: Chunk{48, 64}, Group: 0, Hash: hashes[3].Hex()},
+		{Key: kb.Key(Rank{}, 0, hashes[4]), Block: 14, Chunk: Chunk{64, 80}, Group: 0, Hash: hashes[4].Hex()},
+		{Key: kb.Key(Rank{}, 0, hashes[5]), Block: 15, Chunk: Chunk{80, 96}, Group: 0, Hash: hashes[5].Hex()},
+		{Key: kb.Key(Rank{}, 1, hashes[5]), Block: 22, Chunk: Chunk{64, 96}, Group: 1, Hash: hashes[5].Hex()},
 	}
 	if !reflect.DeepEqual(items, want) {
 		t.Fatalf("PlanLoad = %+v\nwant %+v", items, want)

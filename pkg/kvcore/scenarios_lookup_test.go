@@ -89,7 +89,7 @@ func scenarioChunking(t *testing.T) {
 	if err != nil {
 		t.Fatalf("PlanSend: %v", err)
 	}
-	want := []TransferItem{{Key: scenarioNS + "@" + hashes[11].Hex(), Block: 7, Chunk: Chunk{64, 96}}}
+	want := []TransferItem{{Key: scenarioNS + "@" + hashes[11].Hex(), Block: 7, Chunk: Chunk{64, 96}, Hash: hashes[11].Hex()}}
 	if !reflect.DeepEqual(items, want) {
 		t.Fatalf("PlanSend = %+v, want %+v", items, want)
 	}
@@ -229,8 +229,8 @@ func scenarioSendOffset(t *testing.T) {
 		t.Fatalf("PlanSend: %v", err)
 	}
 	want := []TransferItem{
-		{Key: scenarioNS + "@" + hashes[2].Hex(), Block: 2, Chunk: Chunk{32, 48}},
-		{Key: scenarioNS + "@" + hashes[3].Hex(), Block: 3, Chunk: Chunk{48, 64}},
+		{Key: scenarioNS + "@" + hashes[2].Hex(), Block: 2, Chunk: Chunk{32, 48}, Hash: hashes[2].Hex()},
+		{Key: scenarioNS + "@" + hashes[3].Hex(), Block: 3, Chunk: Chunk{48, 64}, Hash: hashes[3].Hex()},
 	}
 	if !reflect.DeepEqual(items, want) {
 		t.Fatalf("PlanSend = %+v, want %+v", items, want)
@@ -252,10 +252,10 @@ func scenarioSendMissing(t *testing.T) {
 	presentChunks(s, kb, 1, hashes, 2)
 	want := [][]TransferItem{
 		{
-			{Key: kb.Key(Rank{}, 0, hashes[2]), Block: 2, Chunk: Chunk{32, 48}, Group: 0},
-			{Key: kb.Key(Rank{}, 0, hashes[3]), Block: 3, Chunk: Chunk{48, 64}, Group: 0},
+			{Key: kb.Key(Rank{}, 0, hashes[2]), Block: 2, Chunk: Chunk{32, 48}, Group: 0, Hash: hashes[2].Hex()},
+			{Key: kb.Key(Rank{}, 0, hashes[3]), Block: 3, Chunk: Chunk{48, 64}, Group: 0, Hash: hashes[3].Hex()},
 		},
-		{{Key: kb.Key(Rank{}, 1, hashes[3]), Block: 7, Chunk: Chunk{48, 64}, Group: 1}},
+		{{Key: kb.Key(Rank{}, 1, hashes[3]), Block: 7, Chunk: Chunk{48, 64}, Group: 1, Hash: hashes[3].Hex()}},
 	}
 	for g := range m.Groups {
 		items, err := PlanSend(m, kb, task, g, Rank{})

@@ -1,6 +1,7 @@
 package kvcore
 
 import (
+	"errors"
 	"reflect"
 	"strings"
 	"testing"
@@ -26,6 +27,9 @@ func TestTrackerScenarios(t *testing.T) {
 		{"S18_no_space_pressure_until_put_succeeds", scenario18},
 		{"S20_finish_waits_for_inflight_save", scenario20},
 		{"S21_multiconnector", scenario21},
+		{"B1_seq_gap_fails_closed", scenarioSeqGap},
+		{"B2_preempt_with_save_in_flight", scenarioPreemptSave},
+		{"B3_preempt_with_load_in_flight", scenarioPreemptLoad},
 	}
 	for _, c := range cases {
 		t.Run(c.name, c.run)
@@ -197,17 +201,33 @@ func scenario13(t *testing.T) {
 			t.Fatalf("effects %+v", eff)
 		}
 	})
-	t.Run("replaces_stale_table", func(t *testing.T) {
-		tr := newTrk(m)
-		noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))}))
-		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(4, 3))}))
-		if !reflect.DeepEqual(tr.Table, tbl(ids(4, 3))) {
-			t.Fatalf("table %v, want the resumed one", tr.Table)
-		}
-		if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0].BlockTable, tbl(ids(4, 3))) || eff.Saves[0].Start != 16 {
-			t.Fatalf("save %+v", eff.Saves)
-		}
-	})
+	// A resumed step for a running request is a preemption the tracker did
+	// not see: the epoch advances, and a save still in flight is saved again.
+	for _, c := range []struct {
+		name      string
+		report    bool
+		wantStart int
+		wantStale []string
+	}{
+		{"replaces_stale_table", true, 16, nil},
+		{"replaces_stale_table_save_in_flight", false, 0, []string{"e1/r1/save/1"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tr := newTrk(m)
+			s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))})).Saves[0]
+			if c.report {
+				noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
+			}
+			eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(4, 3))}))
+			if !reflect.DeepEqual(tr.Table, tbl(ids(4, 3))) || tr.Epoch != 1 || !reflect.DeepEqual(tr.StaleSaves, c.wantStale) {
+				t.Fatalf("table %v epoch %d stale %v; want the resumed table, epoch 1, stale %v", tr.Table, tr.Epoch, tr.StaleSaves, c.wantStale)
+			}
+			if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0].BlockTable, tbl(ids(4, 3))) ||
+				eff.Saves[0].Start != c.wantStart || eff.Saves[0].End != 48 || eff.Saves[0].Epoch != 1 {
+				t.Fatalf("save %+v, want [%d,48) of epoch 1 from the resumed table", eff.Saves, c.wantStart)
+			}
+		})
+	}
 }
 
 // scenario16: a save with a 1-group table on a 2-group model → group 1
@@ -369,4 +389,134 @@ func scenario21(t *testing.T) {
 		t.Fatal("the losing store child's LoadSpec can load")
 	}
 	assertRejectedThenFreed(t, m, tr)
+}
+
+// scenarioSeqGap: a request the caller found with a sequence gap (events 1,
+// 2, 4) fails closed: errored, epoch advanced, its save in flight stale,
+// nothing more emitted, its finish frees at once; a load the allocation
+// promised is answered with every block in error.
+func scenarioSeqGap(t *testing.T) {
+	m := trkDense(t)
+	gap := errors.New("event 4: expected seq 3, received 4")
+	t.Run("save_in_flight", func(t *testing.T) {
+		tr := newTrk(m)
+		s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+		eff := isErr(t, tr.FailClosed(gap), gap)
+		if !eff.Failed || counts(eff) != [3]int{} || tr.State != StateErrored || tr.Error != gap.Error() {
+			t.Fatalf("fail closed: %+v state %s error %q", eff, tr.State, tr.Error)
+		}
+		if tr.Epoch != 1 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{s.TaskID}) {
+			t.Fatalf("epoch %d pending %v stale %v; want 1, none, [%s]", tr.Epoch, tr.PendingSaves, tr.StaleSaves, s.TaskID)
+		}
+		if eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(2, 2))})); counts(eff) != [3]int{} {
+			t.Fatalf("errored request emitted %+v", eff)
+		}
+		if eff := tr.FailClosed(gap); eff.Failed || counts(eff) != [3]int{} || tr.Epoch != 1 {
+			t.Fatalf("second fail: %+v epoch %d", eff, tr.Epoch)
+		}
+		eff = noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+		want := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Immediate: true, Epoch: 1}}
+		if !reflect.DeepEqual(eff.Feedback, want) || len(eff.Saves) != 0 || eff.Drop {
+			t.Fatalf("finish %+v; want %+v, the stale save keeping the tracker", eff, want)
+		}
+		eff = noErr(t, tr.OnSaveResult(s.TaskID, SaveDeadLettered))
+		if len(eff.Feedback) != 0 || !eff.Drop || tr.Reports.DeadLettered != 1 || tr.NumSavedTokens != 32 {
+			t.Fatalf("stale result %+v reports %+v saved %d", eff, tr.Reports, tr.NumSavedTokens)
+		}
+	})
+	t.Run("expected_load", func(t *testing.T) {
+		tr := newTrk(m)
+		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
+		eff := isErr(t, tr.FailClosed(gap), gap)
+		want := []Feedback{{Kind: FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: ids(0, 3)}}
+		if !eff.Failed || !reflect.DeepEqual(eff.Feedback, want) || len(eff.Loads) != 0 {
+			t.Fatalf("fail closed %+v; want %+v", eff, want)
+		}
+		if eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})); counts(eff) != [3]int{} {
+			t.Fatalf("errored request issued %+v", eff)
+		}
+	})
+}
+
+// scenarioPreemptSave: saves [0,32) (reported) and [32,48) (in flight) of
+// epoch 0, then preempted: epoch 1, saved offset back to 32, the in-flight
+// save stale. Resumed on blocks 7,8,9: the new save is [32,48) of epoch 1
+// from the new table. The old save's result settles it without advancing
+// anything or freeing; the finish waits for the new save only.
+func scenarioPreemptSave(t *testing.T) {
+	m := trkDense(t)
+	for _, old := range []SaveStatus{SaveStored, SaveDeadLettered} {
+		t.Run(string(old), func(t *testing.T) {
+			tr := newTrk(m)
+			a := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+			b := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl(ids(2, 1))})).Saves[0]
+			if a.Epoch != 0 || b.Epoch != 0 || b.Start != 32 || b.End != 48 {
+				t.Fatalf("epoch-0 saves %+v %+v", a, b)
+			}
+			noErr(t, tr.OnSaveResult(a.TaskID, SaveStored))
+			noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+			if tr.Epoch != 1 || tr.NumSavedTokens != 32 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{b.TaskID}) {
+				t.Fatalf("preempted: epoch %d saved %d pending %v stale %v; want 1, 32, none, [%s]",
+					tr.Epoch, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves, b.TaskID)
+			}
+			noErr(t, tr.OnLookup(m, nil))
+			noErr(t, tr.OnAllocate(m, 0, tbl(ids(7, 3))))
+			eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+			want := SaveTask{
+				Schema: SchemaSaveTask, TaskID: "e1/r1/save/3", EngineID: "e1", RequestID: "r1", Model: m.Name,
+				Epoch: 1, Start: 32, End: 48, BlockTable: tbl(ids(7, 3)), BlockHashes: trkHashes(3),
+				Groups: []GroupChunks{{Group: 0, Chunks: []Chunk{{Start: 32, End: 48}}}},
+			}
+			if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0], want) {
+				t.Fatalf("resumed saves %+v\nwant %+v", eff.Saves, want)
+			}
+			eff = noErr(t, tr.OnSaveResult(b.TaskID, old))
+			if counts(eff) != [3]int{} || tr.NumSavedTokens != 48 || !reflect.DeepEqual(tr.PendingSaves, []string{want.TaskID}) || len(tr.StaleSaves) != 0 {
+				t.Fatalf("old-epoch result: %+v saved %d pending %v stale %v", eff, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves)
+			}
+			if eff := noErr(t, tr.Step(m, Step{Kind: StepFinished})); counts(eff) != [3]int{} || tr.State != StateFinishing {
+				t.Fatalf("finish: %+v state %s; want waiting for the epoch-1 save", eff, tr.State)
+			}
+			eff = noErr(t, tr.OnSaveResult(want.TaskID, SaveStored))
+			fb := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Epoch: 1}}
+			if !reflect.DeepEqual(eff.Feedback, fb) || !eff.Drop || tr.Reports.Stored+tr.Reports.DeadLettered != 3 {
+				t.Fatalf("new-epoch result %+v reports %+v; want %+v and drop", eff, tr.Reports, fb)
+			}
+		})
+	}
+}
+
+// scenarioPreemptLoad: a load of epoch 0 still in flight when the request is
+// preempted (an engine breaking the block-lifetime contract) becomes stale:
+// the resumed attempt's load is of epoch 1, the old load's result yields no
+// finished_recving, and it does not hold back the new epoch's saves.
+func scenarioPreemptLoad(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
+	old := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})).Loads[0]
+	noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+	if tr.Epoch != 1 || len(tr.PendingLoads) != 0 || !reflect.DeepEqual(tr.StaleLoads, []string{old.TaskID}) {
+		t.Fatalf("preempted: epoch %d pending %v stale %v", tr.Epoch, tr.PendingLoads, tr.StaleLoads)
+	}
+	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 32, tbl(ids(5, 3))))
+	cur := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(5, 3))})).Loads[0]
+	if old.Epoch != 0 || cur.Epoch != 1 || cur.TaskID != "e1/r1/load/2" || !reflect.DeepEqual(cur.BlockTable, tbl(ids(5, 3))) {
+		t.Fatalf("loads old %+v current %+v", old, cur)
+	}
+	eff := noErr(t, tr.OnLoadResult(cur.TaskID, []BlockID{6}))
+	want := []Feedback{{Kind: FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: []BlockID{6}, TaskID: cur.TaskID, Epoch: 1}}
+	if !reflect.DeepEqual(eff.Feedback, want) {
+		t.Fatalf("current load result %+v, want %+v", eff.Feedback, want)
+	}
+	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(8, 1))}))
+	if len(eff.Saves) != 1 || eff.Saves[0].Epoch != 1 || eff.Saves[0].End != 64 {
+		t.Fatalf("save held back by the stale load: %+v", eff)
+	}
+	if eff := noErr(t, tr.OnLoadResult(old.TaskID, nil)); counts(eff) != [3]int{} || len(tr.StaleLoads) != 0 {
+		t.Fatalf("stale load result emitted %+v (stale %v)", eff, tr.StaleLoads)
+	}
 }

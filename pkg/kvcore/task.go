@@ -88,6 +88,11 @@ type SaveTask struct {
 	RequestID string `json:"request_id"`
 	// Model is the model name (Model.Name).
 	Model string `json:"model"`
+	// Epoch is the request's allocation epoch when the task was emitted
+	// (absent: 0); it advances each time the engine released the request's
+	// blocks (a preemption). A result for a task of an older epoch only
+	// settles that task.
+	Epoch int `json:"epoch,omitempty"`
 	// Start is the saved offset: tokens already stored before this task.
 	Start int `json:"start"`
 	// End is the token count stored once the task succeeds.
@@ -115,6 +120,10 @@ type LoadTask struct {
 	Model string `json:"model"`
 	// Connector is the chosen connector ("store" or "pd").
 	Connector string `json:"connector"`
+	// Epoch is the request's allocation epoch when the task was emitted
+	// (absent: 0). A result for a load of an older epoch only settles that
+	// task and never yields finished_recving.
+	Epoch int `json:"epoch,omitempty"`
 	// Start is floor(vllm_cached_tokens, scheduler block size).
 	Start int `json:"start"`
 	// End is the hit: kvpool_cached_tokens.

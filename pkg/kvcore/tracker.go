@@ -104,6 +104,13 @@ type Feedback struct {
 	Immediate bool `json:"immediate,omitempty"`
 	// LoadErrors lists, on finished_recving, the block ids whose load failed.
 	LoadErrors []BlockID `json:"load_errors,omitempty"`
+	// TaskID names, on finished_recving, the load task that finished ("" when
+	// no load was issued: the load was abandoned before a task existed).
+	TaskID string `json:"task_id,omitempty"`
+	// Epoch is the request's allocation epoch the message belongs to (absent:
+	// 0). On finished_recving it is the load task's epoch, which is always
+	// the current one: a load of an older epoch never yields feedback.
+	Epoch int `json:"epoch,omitempty"`
 }
 
 // Effects is what one tracker event asks the caller to do. The tracker does
@@ -165,10 +172,22 @@ func (l *LoadState) expecting() bool {
 // returns the Effects to carry out.
 //
 // The saved offset (NumSavedTokens) advances when a save is emitted, like
-// vLLM's num_saved_tokens, and never decreases: preemption resets the table
-// and token count but keeps the offset, because the tokens before it were
-// already handed to the sender and their store keys do not change. A failed
-// save is reported, not re-emitted.
+// vLLM's num_saved_tokens. A reported save is never re-emitted, whatever its
+// outcome. The offset only goes back at a preemption: it returns to the
+// start of the earliest save still in flight, because the engine freed the
+// blocks those saves read and the gpuworker refuses a read of a block that
+// no longer holds the expected chunk, so their outcome is unknown; the
+// resumed request saves that range again from its new table (a chunk that
+// the old save did store is then found present).
+//
+// Allocation epoch: Epoch counts the times the engine released the
+// request's blocks while the request lived on (a preemption; a resumed step
+// the tracker did not see preempted; a sequence gap, FailClosed). Every task
+// carries the epoch it was emitted in. At each advance the outstanding
+// tasks move to StaleSaves and StaleLoads: their results only settle them —
+// they are counted in Reports, but never emit finished_recving, never
+// complete the current attempt's load, never hold finished_sending and
+// never block a save of the new epoch.
 type Tracker struct {
 	// EngineID is the engine that owns the request.
 	EngineID string `json:"engine_id"`
@@ -207,10 +226,20 @@ type Tracker struct {
 	Load LoadState `json:"load"`
 	// Seq numbers the tasks the tracker emitted; task ids derive from it.
 	Seq int `json:"seq"`
-	// PendingSaves are the ids of emitted saves not yet reported.
+	// Epoch is the allocation epoch (see the type's documentation).
+	Epoch int `json:"epoch,omitempty"`
+	// PendingSaves are the ids of the current epoch's saves not yet reported.
 	PendingSaves []string `json:"pending_saves,omitempty"`
-	// PendingLoads are the ids of emitted loads not yet reported.
+	// PendingLoads are the ids of the current epoch's loads not yet reported.
 	PendingLoads []string `json:"pending_loads,omitempty"`
+	// SaveStarts maps each id of PendingSaves to its task's start (a tracker
+	// stored before this field existed lacks it; its offset is then kept at
+	// a preemption).
+	SaveStarts map[string]int `json:"pending_save_starts,omitempty"`
+	// StaleSaves are the ids of earlier epochs' saves not yet reported.
+	StaleSaves []string `json:"stale_saves,omitempty"`
+	// StaleLoads are the ids of earlier epochs' loads not yet reported.
+	StaleLoads []string `json:"stale_loads,omitempty"`
 	// Reports counts the reported save outcomes.
 	Reports SaveCounts `json:"save_reports"`
 }
@@ -283,6 +312,62 @@ func (t *Tracker) fail(eff *Effects, err error, table BlockTable) {
 	}
 }
 
+// FailClosed stops the request for a problem the caller found outside the
+// tracker's own inputs: an engine-event sequence gap, after which the
+// tracker's block table may be wrong. The request moves to StateErrored and
+// emits no more tasks; an expected load is answered with finished_recving
+// listing every block in error; and the allocation epoch advances, so the
+// saves in flight become stale: they no longer hold finished_sending (the
+// engine may already have released the blocks they read, which the
+// gpuworker's identity check then refuses to read). Loads in flight stay
+// current: the engine still waits for their finished_recving. A request
+// already errored or finished only gets Err.
+func (t *Tracker) FailClosed(err error) Effects {
+	var eff Effects
+	if t.State == StateErrored || t.Finished() {
+		eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, err)
+		return t.settle(&eff)
+	}
+	t.fail(&eff, err, nil)
+	t.retireSaves()
+	t.Epoch++
+	return t.settle(&eff)
+}
+
+// newEpoch advances the allocation epoch after the engine released the
+// request's blocks: every outstanding task becomes stale, and the saved
+// offset returns to the start of the earliest save that was in flight.
+func (t *Tracker) newEpoch() {
+	if from, ok := t.inFlightStart(); ok {
+		t.NumSavedTokens = from
+	}
+	t.retireSaves()
+	t.StaleLoads = append(t.StaleLoads, t.PendingLoads...)
+	t.PendingLoads = nil
+	t.Epoch++
+}
+
+// inFlightStart is the smallest start of the pending saves; ok is false when
+// none is pending or a start is unknown.
+func (t *Tracker) inFlightStart() (from int, ok bool) {
+	for i, id := range t.PendingSaves {
+		s, known := t.SaveStarts[id]
+		if !known {
+			return 0, false
+		}
+		if i == 0 || s < from {
+			from = s
+		}
+	}
+	return from, len(t.PendingSaves) > 0
+}
+
+// retireSaves moves the pending saves to the stale ones.
+func (t *Tracker) retireSaves() {
+	t.StaleSaves = append(t.StaleSaves, t.PendingSaves...)
+	t.PendingSaves, t.SaveStarts = nil, nil
+}
+
 // abandonLoad reports an expected load as finished with every block of
 // table in error, and marks it issued so it is never emitted later.
 func (t *Tracker) abandonLoad(eff *Effects, table BlockTable) {
@@ -293,7 +378,7 @@ func (t *Tracker) abandonLoad(eff *Effects, table BlockTable) {
 	t.Load.Table = nil
 	eff.Feedback = append(eff.Feedback, Feedback{
 		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
-		LoadErrors: liveBlocks(table),
+		LoadErrors: liveBlocks(table), Epoch: t.Epoch,
 	})
 }
 
@@ -310,9 +395,11 @@ func liveBlocks(table BlockTable) []BlockID {
 	return out
 }
 
-// settle sets Drop when the tracker has nothing left to wait for.
+// settle sets Drop when the tracker has nothing left to wait for, stale
+// tasks included (their results are still counted).
 func (t *Tracker) settle(eff *Effects) Effects {
-	eff.Drop = t.State == StateDone && len(t.PendingSaves) == 0 && len(t.PendingLoads) == 0
+	eff.Drop = t.State == StateDone && len(t.PendingSaves) == 0 && len(t.PendingLoads) == 0 &&
+		len(t.StaleSaves) == 0 && len(t.StaleLoads) == 0
 	return *eff
 }
 

@@ -13,6 +13,8 @@ const (
 	// (nil: none) and Tokens the token count after the step.
 	StepRunning StepKind = "running"
 	// StepResumed: resumed after preemption; Table replaces the tracker's.
+	// For a running request (a preemption the tracker did not see) it
+	// first applies the preemption: the allocation epoch advances.
 	StepResumed StepKind = "resumed"
 	// StepDecode: a running request in its decode phase; like StepRunning,
 	// but a decode step never saves.
@@ -20,7 +22,8 @@ const (
 	// StepPendingLoad: allocated but not scheduled this step (waiting for
 	// its external KV).
 	StepPendingLoad StepKind = "pending_load"
-	// StepPreempted: preempted; the tracker is reset and load state dropped.
+	// StepPreempted: preempted; the tracker is reset, load state dropped,
+	// the allocation epoch advances and the outstanding tasks become stale.
 	StepPreempted StepKind = "preempted"
 	// StepFinished: the request finished (vLLM's request_finished).
 	StepFinished StepKind = "finished"
@@ -198,6 +201,9 @@ func (t *Tracker) schedule(m *Model, s Step, eff *Effects) {
 		t.fail(eff, err, s.Table)
 		return
 	}
+	if s.Kind == StepResumed && t.State == StateRunning {
+		t.newEpoch()
+	}
 	t.State = StateRunning
 	t.Table = s.Table.Clone()
 	t.TokenLen = s.Tokens
@@ -248,9 +254,12 @@ func (t *Tracker) pending(m *Model, eff *Effects) {
 	}
 }
 
-// preempt resets the tracker and drops its load state; the saved offset
-// and the outstanding tasks are kept.
+// preempt resets the tracker and drops its load state. The engine freed
+// the request's blocks, so the allocation epoch advances: the outstanding
+// tasks become stale and the saved offset returns to the start of the
+// earliest save in flight (newEpoch).
 func (t *Tracker) preempt() {
+	t.newEpoch()
 	t.State = StatePreempted
 	t.Table = nil
 	t.TokenLen = 0
@@ -258,9 +267,10 @@ func (t *Tracker) preempt() {
 }
 
 // finish is vLLM's request_finished: with no scheduled tracker, the
-// consumer role, or no save outstanding, the blocks are freed now
-// (finished_sending, Immediate); otherwise the free waits for the last
-// outstanding save to be reported.
+// consumer role, or no save of the current epoch outstanding, the blocks
+// are freed now (finished_sending, Immediate); otherwise the free waits for
+// the last of them to be reported. Stale saves never hold the free: the
+// blocks they read were released at their epoch's end.
 func (t *Tracker) finish(eff *Effects) {
 	t.Load.Table = nil
 	scheduled := t.State == StateRunning || t.State == StateErrored
@@ -274,13 +284,14 @@ func (t *Tracker) finish(eff *Effects) {
 
 // finishedSending is the feedback that frees the request's blocks.
 func (t *Tracker) finishedSending(immediate bool) Feedback {
-	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate}
+	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate, Epoch: t.Epoch}
 }
 
 // OnSaveResult records the sender's report for one save task. Every outcome
-// counts as reported; when the last outstanding save of a finishing request
-// is reported, finished_sending is emitted. Unknown or repeated task ids
-// (redelivery) change nothing.
+// counts as reported; when the last outstanding save of the current epoch
+// of a finishing request is reported, finished_sending is emitted. A stale
+// save (an earlier epoch's) is only settled and counted. Unknown or
+// repeated task ids (redelivery) change nothing.
 func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 	var eff Effects
 	if !status.Valid() {
@@ -288,9 +299,14 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 		return eff
 	}
 	var found bool
+	if t.StaleSaves, found = removeID(t.StaleSaves, taskID); found {
+		t.Reports.add(status)
+		return t.settle(&eff)
+	}
 	if t.PendingSaves, found = removeID(t.PendingSaves, taskID); !found {
 		return t.settle(&eff)
 	}
+	delete(t.SaveStarts, taskID)
 	t.Reports.add(status)
 	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
 		t.State = StateDone
@@ -299,18 +315,23 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 	return t.settle(&eff)
 }
 
-// OnLoadResult records a gpuworker's report for one load task and emits
-// finished_recving with the blocks whose load failed (the engine recomputes
-// them). Unknown or repeated task ids change nothing.
+// OnLoadResult records a gpuworker's report for one load task of the
+// current epoch and emits finished_recving, naming the task, with the
+// blocks whose load failed (the engine recomputes them). A stale load (an
+// earlier epoch's) is only settled: its finished_recving could complete the
+// current attempt's load. Unknown or repeated task ids change nothing.
 func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects {
 	var eff Effects
 	var found bool
+	if t.StaleLoads, found = removeID(t.StaleLoads, taskID); found {
+		return t.settle(&eff)
+	}
 	if t.PendingLoads, found = removeID(t.PendingLoads, taskID); !found {
 		return t.settle(&eff)
 	}
 	eff.Feedback = append(eff.Feedback, Feedback{
 		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
-		LoadErrors: append([]BlockID{}, loadErrorBlocks...),
+		LoadErrors: append([]BlockID{}, loadErrorBlocks...), TaskID: taskID, Epoch: t.Epoch,
 	})
 	return t.settle(&eff)
 }

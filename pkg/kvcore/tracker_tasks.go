@@ -50,6 +50,10 @@ func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 		t.fail(eff, err, nil)
 		return
 	}
+	if t.SaveStarts == nil {
+		t.SaveStarts = map[string]int{}
+	}
+	t.SaveStarts[task.TaskID] = t.NumSavedTokens
 	t.NumSavedTokens = end
 	t.PendingSaves = append(t.PendingSaves, task.TaskID)
 	eff.Saves = append(eff.Saves, task)
@@ -98,6 +102,7 @@ func (t *Tracker) newSaveTask(m *Model, end int) (SaveTask, error) {
 		EngineID:    t.EngineID,
 		RequestID:   t.RequestID,
 		Model:       m.Name,
+		Epoch:       t.Epoch,
 		Start:       t.NumSavedTokens,
 		End:         end,
 		BlockTable:  t.Table.Clone(),
@@ -149,6 +154,7 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		RequestID:   t.RequestID,
 		Model:       m.Name,
 		Connector:   conn,
+		Epoch:       t.Epoch,
 		Start:       start,
 		End:         end,
 		BlockTable:  table.Clone(),

@@ -51,6 +51,11 @@ const (
 	ReasonPutFailed Reason = "put_failed"
 	// ReasonStorePressure: the save was skipped in pressure mode (store full).
 	ReasonStorePressure Reason = "store_pressure"
+	// ReasonBlockNotHeld: the engine block no longer holds the chunk the
+	// task names (its gpuworker restarted, the engine evicted or reused the
+	// block, or its write never completed), so its bytes cannot be proven
+	// and are not stored.
+	ReasonBlockNotHeld Reason = "block_not_held"
 )
 
 // GroupVerdict is the validation result for one group of a save task.
@@ -186,7 +191,7 @@ func checkGroup(m *Model, poolBlocks []int, t *SaveTask, e GroupChunks) (Reason,
 		if r, d := checkChunk(c, bs, blocks, limit); r != ReasonOK {
 			return r, fmt.Sprintf("group %d chunk [%d,%d): %s", g, c.Start, c.End, d)
 		}
-		if h := t.BlockHashes[c.HashIndex(m.HashBlockSize)]; !isHashHex(h) {
+		if h := t.BlockHashes[c.HashIndex(m.HashBlockSize)]; !IsHashHex(h) {
 			return ReasonHashInvalid, fmt.Sprintf("group %d chunk [%d,%d): hash %q is not lower-case hex", g, c.Start, c.End, h)
 		}
 	}

@@ -11,9 +11,12 @@ import (
 // a prefix cache of blocks whose bytes are known (keyed by the chunk's block
 // hash), and pins that keep a block from being reused while a save task may
 // still read it. Freed blocks with known contents stay cached, least recently
-// freed evicted first, as in vLLM's prefix caching.
+// freed evicted first, as in vLLM's prefix caching. A block the gpuworker
+// may hold content in (written, loaded) that alloc hands out again is
+// listed as evicted, for the engine to declare to the worker (takeEvicted).
 type blockPool struct {
-	groups []*groupBlocks
+	groups  []*groupBlocks
+	evicted []blockRef
 }
 
 type groupBlocks struct {
@@ -25,6 +28,7 @@ type groupBlocks struct {
 	lru   *list.List      // ref 0 with a key, least recently freed first
 	elem  []*list.Element // position in lru, nil when not there
 	avail int             // blocks with ref 0 and pin 0
+	held  []bool          // the worker may hold content in the block
 }
 
 func newBlockPool(groups, blocks int) *blockPool {
@@ -33,6 +37,7 @@ func newBlockPool(groups, blocks int) *blockPool {
 		gb := &groupBlocks{
 			ref: make([]int32, blocks), pin: make([]int32, blocks), key: make([]string, blocks),
 			index: map[string]int{}, lru: list.New(), elem: make([]*list.Element, blocks), avail: blocks,
+			held: make([]bool, blocks),
 		}
 		for b := blocks - 1; b >= 0; b-- {
 			gb.free = append(gb.free, b)
@@ -57,7 +62,7 @@ func (p *blockPool) alloc(g int) (kvcore.BlockID, bool) {
 			continue
 		}
 		gb.free = append(gb.free[:i], gb.free[i+1:]...)
-		gb.take(b)
+		p.reuse(g, b)
 		return kvcore.BlockID(b), true
 	}
 	for e := gb.lru.Front(); e != nil; e = e.Next() {
@@ -68,16 +73,33 @@ func (p *blockPool) alloc(g int) (kvcore.BlockID, bool) {
 		gb.lru.Remove(e)
 		gb.elem[b] = nil
 		gb.forget(b)
-		gb.take(b)
+		p.reuse(g, b)
 		return kvcore.BlockID(b), true
 	}
 	return kvcore.NullBlock, false
 }
 
-// take gives an unreferenced, unpinned block its first reference.
-func (gb *groupBlocks) take(b int) {
+// reuse gives an unreferenced, unpinned block its first reference for new
+// contents, listing it as evicted when the worker may hold old content.
+func (p *blockPool) reuse(g, b int) {
+	gb := p.groups[g]
 	gb.ref[b] = 1
 	gb.avail--
+	if gb.held[b] {
+		gb.held[b] = false
+		p.evicted = append(p.evicted, blockRef{g, kvcore.BlockID(b)})
+	}
+}
+
+// hold records that the worker may now hold content in a block (the engine
+// wrote it, or a load was asked to write it).
+func (p *blockPool) hold(g int, id kvcore.BlockID) { p.groups[g].held[id] = true }
+
+// takeEvicted returns the blocks evicted since the last call.
+func (p *blockPool) takeEvicted() []blockRef {
+	out := p.evicted
+	p.evicted = nil
+	return out
 }
 
 // cached returns the block of group g whose contents are key, if cached.

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -54,7 +55,11 @@ type engineDeps struct {
 	ledger  *ledger
 	stats   *stats
 	log     *slog.Logger
-	timeout time.Duration // longest wait for a feedback message
+	timeout time.Duration // longest wait for a feedback message, and bound of every retried call
+	// reusePreempted frees a preempted request's blocks at once, as vLLM
+	// does, even while saves of them are in flight: the blocks are reused
+	// for other content while the sender may still read them.
+	reusePreempted bool
 }
 
 // engine is one simulated inference engine (one rank): vLLM's scheduler with
@@ -73,7 +78,15 @@ type engine struct {
 	live    map[string]*request
 	waiting []*request
 	running []*request
-	pins    map[pinKey][]blockRef
+	// pins are the blocks each save in flight pinned, oldest save first (a
+	// request saves a span again after a preemption rolled its saved offset
+	// back, so one key may name several saves).
+	pins map[pinKey][][]blockRef
+	// orphans are the blocks of saves whose pins a preemption dropped
+	// (reusePreempted), until the sender reports the save; orphaned counts
+	// such saves per block.
+	orphans  map[pinKey][][]blockRef
+	orphaned map[blockRef]int
 
 	head      *request // the head of the queue when it was last looked at
 	headSince time.Time
@@ -112,7 +125,7 @@ type (
 	// saveReported: the sender reported one of the engine's saves.
 	saveReported struct {
 		requestID string
-		span      span
+		savedReport
 	}
 )
 
@@ -120,7 +133,8 @@ func newEngine(id string, role Role, cfg EngineConfig, deps engineDeps, hooks en
 	return &engine{
 		engineDeps: deps, id: id, role: role, cfg: cfg, sbs: deps.model.SchedulerBlockSize(),
 		cont: newContents(deps.model), pool: newBlockPool(len(deps.model.Groups), cfg.PoolBlocks),
-		box: newMailbox(), hooks: hooks, live: map[string]*request{}, pins: map[pinKey][]blockRef{},
+		box: newMailbox(), hooks: hooks, live: map[string]*request{}, pins: map[pinKey][][]blockRef{},
+		orphans: map[pinKey][][]blockRef{}, orphaned: map[blockRef]int{},
 	}
 }
 
@@ -183,7 +197,10 @@ func (e *engine) applyMail(ctx context.Context) error {
 				e.maybeFinalize(r)
 			}
 		case saveReported:
-			e.unpinSave(pinKey{m.requestID, m.span})
+			e.saveReported(pinKey{m.requestID, m.span})
+			if r := e.live[m.requestID]; r != nil && m.status.Valid() {
+				e.shadowEffects(r, r.shadow.OnSaveResult(m.taskID, m.status))
+			}
 		}
 	}
 	return nil
@@ -281,7 +298,11 @@ func (e *engine) poolState() string {
 	for g := range e.model.Groups {
 		parts = append(parts, fmt.Sprintf("group %d: %d of %d blocks free", g, e.pool.available(g), e.cfg.PoolBlocks))
 	}
-	return fmt.Sprintf("%s; %d saves pin blocks", strings.Join(parts, ", "), len(e.pins))
+	n := 0
+	for _, sets := range e.pins {
+		n += len(sets)
+	}
+	return fmt.Sprintf("%s; %d saves pin blocks", strings.Join(parts, ", "), n)
 }
 
 // maybeFinalize frees and retires a finishing request once finished_sending
@@ -310,27 +331,85 @@ func (e *engine) free(r *request) {
 	r.table = nil
 }
 
-// pinSave pins the blocks a save task will read until it is reported.
+// pinSave pins the blocks a save task will read until it is reported. A
+// chunk on a null block (or outside the pool) has nothing to pin: the
+// sender refuses such a save.
 func (e *engine) pinSave(r *request, t kvcore.SaveTask) {
-	var refs []blockRef
+	refs := []blockRef{}
 	for _, gc := range t.Groups {
+		if gc.Group < 0 || gc.Group >= len(t.BlockTable) || gc.Group >= len(e.model.Groups) {
+			continue
+		}
 		bs := e.model.Groups[gc.Group].BlockSize
 		for _, c := range gc.Chunks {
-			b := t.BlockTable[gc.Group][c.BlockIndex(bs)]
+			i := c.BlockIndex(bs)
+			if i < 0 || i >= len(t.BlockTable[gc.Group]) {
+				continue
+			}
+			b := t.BlockTable[gc.Group][i]
+			if b < 0 || int(b) >= e.cfg.PoolBlocks {
+				continue
+			}
 			e.pool.pin(gc.Group, b)
 			refs = append(refs, blockRef{gc.Group, b})
 		}
 	}
 	k := pinKey{r.id, span{t.Start, t.End}}
-	e.pins[k] = append(e.pins[k], refs...)
+	e.pins[k] = append(e.pins[k], refs)
 	e.ledger.expectSave(e.id, r.id, k.span)
 }
 
-func (e *engine) unpinSave(k pinKey) {
-	for _, ref := range e.pins[k] {
-		e.pool.unpin(ref.group, ref.block)
+// saveReported releases what the oldest save of the key held: its orphaned
+// blocks if a preemption dropped its pins, else its pins.
+func (e *engine) saveReported(k pinKey) {
+	if sets := e.orphans[k]; len(sets) > 0 {
+		for _, ref := range sets[0] {
+			if e.orphaned[ref]--; e.orphaned[ref] <= 0 {
+				delete(e.orphaned, ref)
+			}
+		}
+		popFront(e.orphans, k)
+		return
 	}
-	delete(e.pins, k)
+	if sets := e.pins[k]; len(sets) > 0 {
+		for _, ref := range sets[0] {
+			e.pool.unpin(ref.group, ref.block)
+		}
+		popFront(e.pins, k)
+	}
+}
+
+// popFront drops the first set of a key's queue; the key goes when none
+// is left.
+func popFront(m map[pinKey][][]blockRef, k pinKey) {
+	if len(m[k]) <= 1 {
+		delete(m, k)
+		return
+	}
+	m[k] = m[k][1:]
+}
+
+// dropPins unpins every save of a preempted request that is still in
+// flight, so its blocks can be reused at once (reusePreempted), and
+// remembers them as orphans until the sender reports each save. It returns
+// the number of saves in flight.
+func (e *engine) dropPins(r *request) int {
+	n := 0
+	for k, sets := range e.pins {
+		if k.request != r.id {
+			continue
+		}
+		for _, refs := range sets {
+			n++
+			for _, ref := range refs {
+				e.pool.unpin(ref.group, ref.block)
+				e.orphaned[ref]++
+			}
+			e.orphans[k] = append(e.orphans[k], refs)
+		}
+		delete(e.pins, k)
+	}
+	return n
 }
 
 // shadowEffects applies the shadow tracker's effects: its saves pin blocks
@@ -376,7 +455,7 @@ func (e *engine) publish(ctx context.Context, o *outbox) error {
 	errs := make([]error, len(o.order))
 	for i, r := range o.order {
 		wg.Go(func() {
-			errs[i] = retry(ctx, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
+			errs[i] = retry(ctx, e.timeout, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
 		})
 	}
 	wg.Wait()
@@ -388,22 +467,45 @@ func (e *engine) publish(ctx context.Context, o *outbox) error {
 	return nil
 }
 
-// retry runs f until it succeeds, ctx ends or about 20 s passed.
-func retry(ctx context.Context, f func() error) error {
-	delay := 50 * time.Millisecond
-	deadline := time.Now().Add(20 * time.Second)
+// Backoff of retried calls: the first delay, doubled after every failure
+// up to the largest.
+const (
+	retryFirstDelay = 50 * time.Millisecond
+	retryMaxDelay   = time.Second
+)
+
+// retry runs f until it succeeds, fails for good (a request the peer
+// rejected as invalid: dataplane.ErrRejected or ErrIdentity), ctx ends or
+// bound passed since the first attempt, backing off from 50 ms to 1 s
+// between attempts; it returns f's last error. bound is the request
+// timeout, so that an outage of the peer (a restart) shorter than it is
+// ridden out.
+func retry(ctx context.Context, bound time.Duration, f func() error) error {
+	delay := retryFirstDelay
+	deadline := time.Now().Add(bound)
 	for {
 		err := f()
-		if err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+		if err == nil || ctx.Err() != nil || permanent(err) {
 			return err
 		}
+		wait := min(delay, time.Until(deadline))
+		if wait <= 0 {
+			return err
+		}
+		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
+			t.Stop()
 			return err
-		case <-time.After(delay):
+		case <-t.C:
 		}
-		delay = min(2*delay, time.Second)
+		delay = min(2*delay, retryMaxDelay)
 	}
+}
+
+// permanent reports an error that retrying the same call cannot cure.
+func permanent(err error) bool {
+	return errors.Is(err, dataplane.ErrRejected) || errors.Is(err, dataplane.ErrIdentity)
 }
 
 // mailbox is an unbounded queue with a wake-up signal.

@@ -10,10 +10,6 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// maxLookupRetries is how many failed lookups a request waits through
-// before it is computed without external tokens.
-const maxLookupRetries = 50
-
 // admit tries to start one waiting request: its local prefix-cache hit, a
 // check that its blocks fit, the lookup, the allocation and its events. It
 // reports false when the request must wait (no room, lookup pending or
@@ -48,6 +44,12 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 	e.allocated(out, r, dec, ext, conn)
 	if ext > 0 {
 		r.load = &expectedLoad{connector: conn, start: local, end: hit, groups: e.model.LoadGroups(local, hit)}
+		for _, gc := range r.load.groups {
+			bs := e.model.Groups[gc.Group].BlockSize
+			for _, c := range gc.Chunks {
+				e.pool.hold(gc.Group, r.table[gc.Group][c.BlockIndex(bs)])
+			}
+		}
 		step := kvcore.Step{Kind: kvcore.StepPendingLoad}
 		e.event(out, r, contract.EngineEvent{Kind: contract.EventScheduled, Step: &step})
 		e.shadowEffects(r, r.shadow.Step(e.model, step))
@@ -92,17 +94,26 @@ func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision
 }
 
 // ask calls the lookup. It reports false when the request must wait for a
-// later step; after maxLookupRetries failures, or when the lookup refuses
-// the request, the request goes on without external tokens (dec nil) and is
-// marked failed.
+// later step: the lookup is pending, or it is unavailable (503, 5xx, no
+// answer) and the request's timeout since the first failure allows another
+// try, which comes after a backoff (50 ms doubling to 1 s), so that a lookup
+// outage shorter than the request timeout (a restart) is ridden out. After
+// the timeout, or when the lookup refuses the request, the request goes on
+// without external tokens (dec nil) and is marked failed.
 func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract.LookupDecision, bool) {
+	now := time.Now()
+	if now.Before(r.lookupRetryAt) {
+		return nil, false
+	}
 	req := lookupRequest{
 		EngineID: e.id, RequestID: r.id, Model: e.model.Name, BlockHashes: r.hexes,
 		NumTokens: num, NumComputedTokens: local, KVTransferParams: r.pd,
 	}
-	start := time.Now()
 	dec, err := e.lookup.lookup(r.ctx, req)
-	took := time.Since(start)
+	took := time.Since(now)
+	if err == nil || !errors.Is(err, ErrLookupUnavailable) {
+		r.lookupFailingSince, r.lookupRetryAt, r.lookupDelay = time.Time{}, time.Time{}, 0
+	}
 	switch {
 	case err == nil && !dec.Pending:
 		e.stats.update(func(st *stats) { st.lookups++; st.lookupLatency = append(st.lookupLatency, took) })
@@ -112,11 +123,13 @@ func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract
 		return nil, false
 	case ctx.Err() != nil:
 		return nil, false
-	case errors.Is(err, ErrLookupUnavailable) && r.lookupRetries < maxLookupRetries:
-		r.lookupRetries++
+	case errors.Is(err, ErrLookupUnavailable) && r.lookupRetry(time.Now(), e.timeout):
 		e.stats.update(func(st *stats) { st.lookupRetries++ })
-		e.log.Warn("lookup failed; retrying on a later step", "engine", e.id, "request", r.id, "err", err)
+		e.log.Warn("lookup failed; retrying", "engine", e.id, "request", r.id, "in", r.lookupDelay, "err", err)
 		return nil, false
+	case errors.Is(err, ErrLookupUnavailable):
+		r.fail(fmt.Sprintf("lookup unavailable for %v: %v", e.timeout, err))
+		return nil, true
 	default:
 		r.fail(fmt.Sprintf("lookup: %v", err))
 		return nil, true

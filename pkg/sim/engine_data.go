@@ -18,7 +18,8 @@ type chunkBlock struct {
 	block kvcore.BlockID
 	chunk kvcore.Chunk
 	hash  kvcore.BlockHash
-	key   string
+	key   string // the hash in hex: the block's identity
+	req   string // the request that computes or loads it
 }
 
 // compute "computes" the step's KV: every block a scheduled request
@@ -43,7 +44,7 @@ func (e *engine) completed(r *request, from, to int) []chunkBlock {
 				continue
 			}
 			hi := c.HashIndex(e.model.HashBlockSize)
-			out = append(out, chunkBlock{group: g, block: r.table[g][p], chunk: c, hash: r.hashes[hi], key: r.hexes[hi]})
+			out = append(out, chunkBlock{group: g, block: r.table[g][p], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id})
 		}
 	}
 	return out
@@ -57,13 +58,17 @@ func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 	blocks := make([]dataplane.Block, len(todo))
 	parallel(len(todo), func(i int) {
 		cb := todo[i]
-		blocks[i] = dataplane.Block{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block}, Data: e.cont.block(cb.group, e.rank, cb.hash)}
+		blocks[i] = dataplane.Block{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block},
+			Identity: dataplane.Identity{Hash: cb.key, RequestID: cb.req}, Data: e.cont.block(cb.group, e.rank, cb.hash)}
 	})
 	var n int64
 	for _, b := range blocks {
 		n += int64(len(b.Data))
 	}
-	if err := retry(ctx, func() error { return e.worker.Write(ctx, blocks) }); err != nil {
+	for _, cb := range todo {
+		e.pool.hold(cb.group, cb.block) // even a failed write may have written some
+	}
+	if err := retry(ctx, e.timeout, func() error { return e.worker.Write(ctx, blocks) }); err != nil {
 		return fmt.Errorf("engine %s: write %d blocks: %w", e.id, len(blocks), err)
 	}
 	for _, cb := range todo {
@@ -75,15 +80,17 @@ func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 
 // loaded handles finished_recving: every loaded block is read back from the
 // gpuworker and compared byte for byte with what its hash implies; blocks
-// reported as load errors, and any mismatch, are recomputed (rewritten), as
-// vLLM recomputes failed loads. Then the request waits to be scheduled.
+// reported as load errors, blocks the worker no longer holds (lost KV: the
+// worker restarted since the load), and any mismatch, are recomputed
+// (rewritten), as vLLM recomputes failed loads. Then the request waits to be
+// scheduled.
 func (e *engine) loaded(ctx context.Context, r *request, loadErrors []kvcore.BlockID) error {
 	var check, redo []chunkBlock
 	for _, gc := range r.load.groups {
 		bs := e.model.Groups[gc.Group].BlockSize
 		for _, c := range gc.Chunks {
 			hi := c.HashIndex(e.model.HashBlockSize)
-			cb := chunkBlock{group: gc.Group, block: r.table[gc.Group][c.BlockIndex(bs)], chunk: c, hash: r.hashes[hi], key: r.hexes[hi]}
+			cb := chunkBlock{group: gc.Group, block: r.table[gc.Group][c.BlockIndex(bs)], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id}
 			if slices.Contains(loadErrors, cb.block) {
 				redo = append(redo, cb)
 			} else {
@@ -91,20 +98,22 @@ func (e *engine) loaded(ctx context.Context, r *request, loadErrors []kvcore.Blo
 			}
 		}
 	}
-	bad, err := e.verify(ctx, r, check)
+	bad, lost, err := e.verify(ctx, r, check)
 	if err != nil {
 		return err
 	}
+	again := slices.Concat(redo, bad, lost)
 	recomputed := 0
-	for _, cb := range append(redo, bad...) {
+	for _, cb := range again {
 		recomputed += cb.chunk.End - cb.chunk.Start
 	}
 	e.stats.update(func(st *stats) {
 		st.loads++
 		st.loadErrorBlocks += len(redo)
+		st.lostBlocks += len(lost)
 		st.recomputedTokens += recomputed
 	})
-	if err := e.write(ctx, append(redo, bad...)); err != nil {
+	if err := e.write(ctx, again); err != nil {
 		return err
 	}
 	for _, id := range slices.Clone(r.shadow.PendingLoads) {
@@ -119,33 +128,42 @@ func (e *engine) loaded(ctx context.Context, r *request, loadErrors []kvcore.Blo
 	return nil
 }
 
-// verify reads blocks back and returns those whose bytes are wrong (each
-// counted as a mismatch); the right ones enter the prefix cache.
-func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) ([]chunkBlock, error) {
+// verify reads blocks back, each asked by the hash it must hold, and
+// returns those whose bytes are wrong (each counted as a mismatch) and those
+// the worker refuses as not holding that hash (lost KV: the pool lives in
+// the worker process, so a restart loses it); the right ones enter the
+// prefix cache.
+func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (bad, lost []chunkBlock, err error) {
 	if len(check) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
-	refs := make([]dataplane.BlockRef, len(check))
+	refs := make([]dataplane.ReadRef, len(check))
 	for i, cb := range check {
-		refs[i] = dataplane.BlockRef{Group: cb.group, Block: cb.block}
+		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block}, Hash: cb.key}
 	}
-	var got []dataplane.Block
-	err := retry(ctx, func() error {
+	var got []dataplane.ReadBlock
+	err = retry(ctx, e.timeout, func() error {
 		var err error
 		got, err = e.worker.Read(ctx, refs)
 		return err
 	})
+	if err == nil && len(got) != len(refs) {
+		err = fmt.Errorf("%d blocks answered for %d asked: %w", len(got), len(refs), ErrHTTP)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("engine %s: read back %d loaded blocks of %s: %w", e.id, len(refs), r.id, err)
+		return nil, nil, fmt.Errorf("engine %s: read back %d loaded blocks of %s: %w", e.id, len(refs), r.id, err)
 	}
 	ok := make([]bool, len(check))
 	parallel(len(check), func(i int) {
-		ok[i] = e.cont.matches(got[i].Data, check[i].group, e.rank, check[i].hash)
+		ok[i] = got[i].NotHeld == "" && e.cont.matches(got[i].Data, check[i].group, e.rank, check[i].hash)
 	})
-	var bad []chunkBlock
 	var n int64
 	for i, cb := range check {
 		n += int64(len(got[i].Data))
+		if got[i].NotHeld != "" {
+			lost = append(lost, cb)
+			continue
+		}
 		if ok[i] {
 			e.pool.register(cb.group, cb.block, cb.key)
 			continue
@@ -154,8 +172,47 @@ func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) ([]
 		e.stats.mismatch(Mismatch{EngineID: e.id, RequestID: r.id, Group: cb.group, Block: int64(cb.block),
 			Chunk: fmt.Sprintf("[%d,%d)", cb.chunk.Start, cb.chunk.End), Connector: r.load.connector})
 	}
-	e.stats.update(func(st *stats) { st.verifiedBlocks += len(check); st.bytesRead += n })
-	return bad, nil
+	e.stats.update(func(st *stats) { st.verifiedBlocks += len(check) - len(lost); st.bytesRead += n })
+	return bad, lost, nil
+}
+
+// evict declares to the gpuworker, in one call, the blocks whose content the
+// engine dropped to reuse them (the block-lifetime contract: no read may be
+// served from them until they are rewritten). Blocks that a save in flight
+// still reads (preempted with reusePreempted) are counted. A failed evict is
+// counted and logged, not fatal: every write replaces a block's identity
+// anyway.
+func (e *engine) evict(ctx context.Context) {
+	evicted := e.pool.takeEvicted()
+	if len(evicted) == 0 {
+		return
+	}
+	refs := make([]dataplane.BlockRef, len(evicted))
+	reused := 0
+	for i, ref := range evicted {
+		refs[i] = dataplane.BlockRef{Group: ref.group, Block: ref.block}
+		if e.orphaned[ref] > 0 {
+			reused++
+		}
+	}
+	var held int
+	err := retry(ctx, e.timeout, func() error {
+		var err error
+		held, err = e.worker.Evict(ctx, refs)
+		return err
+	})
+	if err != nil && ctx.Err() == nil {
+		e.log.Warn("evict failed", "engine", e.id, "blocks", len(refs), "err", err)
+	}
+	e.stats.update(func(st *stats) {
+		st.evictCalls++
+		st.evictedBlocks += len(refs)
+		st.evictedHeld += held
+		st.reusedWhileSaving += reused
+		if err != nil {
+			st.evictFailures++
+		}
+	})
 }
 
 // parallel runs f(0..n-1) on up to GOMAXPROCS goroutines.

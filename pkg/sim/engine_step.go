@@ -21,9 +21,11 @@ type scheduled struct {
 // first (a prefill chunk or one decode token each, preempting the newest
 // running request when blocks run out), then waiting requests in order
 // (lookup, allocation, then either a pending load or their first chunk).
-// The step's KV is "computed" (written into the gpuworker) before its events
-// are published, since a save may read the blocks as soon as the scheduler
-// sees the step. It reports whether anything happened.
+// Blocks whose content the step's allocations dropped are declared to the
+// gpuworker (Evict) before anything is written. The step's KV is "computed"
+// (written into the gpuworker) before its events are published, since a
+// save may read the blocks as soon as the scheduler sees the step. It
+// reports whether anything happened.
 func (e *engine) step(ctx context.Context) (bool, error) {
 	out := newOutbox()
 	budget := e.cfg.MaxBatchTokens
@@ -38,6 +40,7 @@ func (e *engine) step(ctx context.Context) (bool, error) {
 	if len(sched) == 0 && out.empty() {
 		return false, nil
 	}
+	e.evict(ctx)
 	if err := e.compute(ctx, sched); err != nil {
 		return false, err
 	}
@@ -159,16 +162,38 @@ func (e *engine) finish(r *request, out *outbox) {
 }
 
 // preempt frees a running request's blocks (recompute preemption) and puts
-// it back at the head of the queue; blocks a save still reads stay pinned.
+// it back at the head of the queue. Blocks a save still reads stay pinned,
+// unless the engine reuses preempted blocks at once (reusePreempted), as
+// vLLM does: then the saves in flight lose their pins, and the mesh must
+// fail them closed (dead-lettered block_not_held) or store them from the
+// right bytes.
 func (e *engine) preempt(out *outbox, r *request) {
 	e.event(out, r, contract.EngineEvent{Kind: contract.EventPreempted})
 	e.shadowEffects(r, r.shadow.Step(e.model, kvcore.Step{Kind: kvcore.StepPreempted}))
+	inFlight := 0
+	for k, sets := range e.pins {
+		if k.request == r.id {
+			inFlight += len(sets)
+		}
+	}
+	if inFlight > 0 {
+		e.ledger.preemptedInFlight(e.id, r.id)
+	}
+	if e.reusePreempted {
+		e.dropPins(r)
+	}
 	e.free(r)
 	r.computed, r.load, r.decoding = 0, nil, false
 	r.phase, r.since = phaseWaiting, time.Now()
 	e.running = remove(e.running, r)
 	e.waiting = append([]*request{r}, e.waiting...)
-	e.stats.update(func(st *stats) { st.preemptions++ })
+	e.stats.update(func(st *stats) {
+		st.preemptions++
+		if inFlight > 0 {
+			st.preemptedWithSaves++
+			st.savesInFlightAtPreempt += inFlight
+		}
+	})
 }
 
 // grow extends the request's table to hold tokens tokens in every group,

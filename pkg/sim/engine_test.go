@@ -174,14 +174,14 @@ func TestPinsFollowShadowSaves(t *testing.T) {
 	step := kvcore.Step{Kind: kvcore.StepNew, Tokens: 40, Table: r.table.Clone(), Hashes: r.hexes}
 	e.shadowEffects(r, r.shadow.Step(e.model, step))
 	k := pinKey{"run-1", span{0, 32}}
-	if len(e.pins[k]) != 3 { // MLA [0,16) and [16,32), Mamba [16,32)
+	if len(e.pins[k]) != 1 || len(e.pins[k][0]) != 3 { // MLA [0,16) and [16,32), Mamba [16,32)
 		t.Fatalf("pins %v, want the save's 3 blocks", e.pins)
 	}
 	e.free(r)
 	if e.pool.available(0) != 6 || e.pool.available(1) != 7 {
 		t.Fatalf("available %d/%d after free: pinned blocks must stay out", e.pool.available(0), e.pool.available(1))
 	}
-	e.unpinSave(k)
+	e.saveReported(k)
 	if e.pool.available(0) != 8 || e.pool.available(1) != 8 || len(e.pins) != 0 {
 		t.Fatal("unpin did not return the blocks")
 	}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -17,21 +18,32 @@ import (
 // (kvmesh.transfer.results), and the saves the engines expected from their
 // own steps (a shadow kvcore.Tracker per request). Safe for concurrent use.
 type ledger struct {
-	mu      sync.Mutex
-	model   *kvcore.Model
-	prefix  string // request-id prefix of the run
-	tasks   map[string]*ledgerTask
-	results map[string]contract.TransferResult // save results by task id
-	loads   map[string]contract.TransferResult // load results by task id
-	expect  map[string][]span                  // engine/request → saves the engine expects
+	mu                         sync.Mutex
+	model                      *kvcore.Model
+	prefix                     string // request-id prefix of the run
+	tasks                      map[string]*ledgerTask
+	results                    map[string]contract.TransferResult // save results by task id
+	loads                      map[string]contract.TransferResult // load results by task id
+	expect                     map[string][]span                  // engine/request → saves the engine expects
+	stored                     map[string]bool                    // keys the run's BlockStored events named
+	announced, storedByResults int                                // keys in those events; keys the results report stored
 
 	dupTasks, dupResults, undecodable int
 	badTables                         []string
-	onSaved                           func(engine, request string, s span)
+	onSaved                           func(engine, request string, rep savedReport)
+	raced                             map[string]bool // engine/request preempted with saves in flight
 }
 
 // span is one save's token range.
 type span struct{ Start, End int }
+
+// savedReport is what the ledger tells an engine about one of its saves
+// once both the task and its result were seen.
+type savedReport struct {
+	taskID string
+	span   span
+	status kvcore.SaveStatus
+}
 
 type ledgerTask struct {
 	engine, request string
@@ -43,7 +55,7 @@ func newLedger(m *kvcore.Model, prefix string) *ledger {
 	return &ledger{
 		model: m, prefix: prefix, tasks: map[string]*ledgerTask{},
 		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
-		expect: map[string][]span{},
+		expect: map[string][]span{}, stored: map[string]bool{}, raced: map[string]bool{},
 	}
 }
 
@@ -82,10 +94,10 @@ func (l *ledger) saveTask(rec Record) {
 	if !tableCovers(l.model, task) {
 		l.badTables = append(l.badTables, task.TaskID)
 	}
-	_, reported := l.results[task.TaskID]
+	res, reported := l.results[task.TaskID]
 	l.mu.Unlock()
 	if reported {
-		l.saved(lt)
+		l.saved(task.TaskID, lt, res)
 	}
 }
 
@@ -143,17 +155,62 @@ func (l *ledger) transferResult(rec Record) {
 		return
 	}
 	l.results[r.TaskID] = r
+	for _, g := range r.Groups {
+		l.storedByResults += g.Stored
+	}
 	lt := l.tasks[r.TaskID]
 	l.mu.Unlock()
 	if lt != nil {
-		l.saved(lt)
+		l.saved(r.TaskID, lt, r)
 	}
 }
 
-func (l *ledger) saved(lt *ledgerTask) {
-	if l.onSaved != nil {
-		l.onSaved(lt.engine, lt.request, lt.span)
+// kvEvent records one record of kvmesh.kv.events: the keys a BlockStored
+// event of a run request names.
+func (l *ledger) kvEvent(rec Record) {
+	var ev contract.KVEvent
+	if err := json.Unmarshal(rec.Value, &ev); err != nil || ev.Kind != contract.BlockStored || !l.ours(ev.RequestID) {
+		return
 	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.announced += len(ev.Keys)
+	for _, k := range ev.Keys {
+		l.stored[k] = true
+	}
+}
+
+// storedKeys lists, sorted, the distinct keys the run's BlockStored events
+// named, and how many keys the events named in all.
+func (l *ledger) storedKeys() (keys []string, announced int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Sorted(maps.Keys(l.stored)), l.announced
+}
+
+// unannounced is the number of keys the save results report stored beyond
+// those the BlockStored events named so far.
+func (l *ledger) unannounced() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return max(0, l.storedByResults-l.announced)
+}
+
+func (l *ledger) saved(id string, lt *ledgerTask, res contract.TransferResult) {
+	if l.onSaved != nil {
+		l.onSaved(lt.engine, lt.request, savedReport{taskID: id, span: lt.span, status: kvcore.SaveStatus(res.Status)})
+	}
+}
+
+// preemptedInFlight records that a request was preempted with saves in
+// flight. Its tracker then rolls its saved offset back to the earliest save
+// it still waits for, and the scheduler's tracker and the engine's shadow
+// may see that save's report on different sides of the preemption: the
+// request's saves are compared by the tokens they cover, not span by span.
+func (l *ledger) preemptedInFlight(engine, request string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.raced[engine+"/"+request] = true
 }
 
 // deadLettered lists engine/request of the run's saves whose results report
@@ -231,6 +288,11 @@ type LedgerReport struct {
 	Statuses map[string]int `json:"statuses"`
 	// EngineExpectedSaves counts the saves the engines' steps imply.
 	EngineExpectedSaves int `json:"engine_expected_saves"`
+	// CoverageCompared counts requests preempted with saves in flight,
+	// whose published saves are compared with the engine's by the tokens
+	// they cover rather than span by span (a re-save after the preemption
+	// races the report of the save it repeats).
+	CoverageCompared int `json:"coverage_compared"`
 	// DuplicateTasks and DuplicateResults count redelivered records (harmless).
 	DuplicateTasks   int `json:"duplicate_tasks"`
 	DuplicateResults int `json:"duplicate_results"`
@@ -342,6 +404,11 @@ func (l *ledger) spanDifferences(r *LedgerReport) []LedgerDifference {
 	}
 	for k := range keys {
 		engine, request, _ := strings.Cut(k, "/")
+		if l.raced[k] {
+			r.CoverageCompared++
+			out = append(out, coverageDifferences(engine, request, l.expect[k], published[k])...)
+			continue
+		}
 		want, got := countSpans(l.expect[k]), countSpans(published[k])
 		for s, n := range want {
 			if got[s] < n {
@@ -354,6 +421,62 @@ func (l *ledger) spanDifferences(r *LedgerReport) []LedgerDifference {
 				out = append(out, LedgerDifference{EngineID: engine, RequestID: request,
 					Problem: fmt.Sprintf("save of tokens [%d,%d) published %d time(s), the engine's steps imply %d", s.Start, s.End, n, want[s])})
 			}
+		}
+	}
+	return out
+}
+
+// coverageDifferences compares the tokens the engine's saves and the
+// published saves of one request cover: each must cover the other.
+func coverageDifferences(engine, request string, expected, published []span) []LedgerDifference {
+	var out []LedgerDifference
+	want, got := union(expected), union(published)
+	for _, s := range uncovered(want, got) {
+		out = append(out, LedgerDifference{EngineID: engine, RequestID: request,
+			Problem: fmt.Sprintf("tokens [%d,%d) the engine's steps imply saved are in no published save", s.Start, s.End)})
+	}
+	for _, s := range uncovered(got, want) {
+		out = append(out, LedgerDifference{EngineID: engine, RequestID: request,
+			Problem: fmt.Sprintf("published saves cover tokens [%d,%d), which the engine's steps imply no save of", s.Start, s.End)})
+	}
+	return out
+}
+
+// union merges spans into sorted, disjoint spans.
+func union(spans []span) []span {
+	s := slices.Clone(spans)
+	slices.SortFunc(s, func(a, b span) int { return cmp.Or(cmp.Compare(a.Start, b.Start), cmp.Compare(a.End, b.End)) })
+	var out []span
+	for _, x := range s {
+		if x.End <= x.Start {
+			continue
+		}
+		if n := len(out); n > 0 && x.Start <= out[n-1].End {
+			out[n-1].End = max(out[n-1].End, x.End)
+			continue
+		}
+		out = append(out, x)
+	}
+	return out
+}
+
+// uncovered lists the parts of the disjoint sorted spans a that the
+// disjoint sorted spans b do not cover.
+func uncovered(a, b []span) []span {
+	var out []span
+	for _, x := range a {
+		at := x.Start
+		for _, y := range b {
+			if y.End <= at || y.Start >= x.End {
+				continue
+			}
+			if y.Start > at {
+				out = append(out, span{at, y.Start})
+			}
+			at = max(at, y.End)
+		}
+		if at < x.End {
+			out = append(out, span{at, x.End})
 		}
 	}
 	return out

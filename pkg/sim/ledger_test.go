@@ -2,6 +2,8 @@ package sim
 
 import (
 	"encoding/json"
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -23,10 +25,10 @@ type ledgerFixture struct {
 func newLedgerFixture(t *testing.T) *ledgerFixture {
 	f := &ledgerFixture{t: t, m: preset(t, "hybrid-mla-linear")}
 	f.l = newLedger(f.m, "run-")
-	f.l.onSaved = func(_, _ string, s span) {
+	f.l.onSaved = func(_, _ string, rep savedReport) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		f.saved = append(f.saved, s)
+		f.saved = append(f.saved, rep.span)
 	}
 	for _, h := range kvcore.HashChain(make([]uint32, 128), 16, nil) {
 		f.hashes = append(f.hashes, h.Hex())
@@ -155,5 +157,59 @@ func TestLedgerLoadResults(t *testing.T) {
 	rep := f.l.report()
 	if rep.LoadTasks != 1 || rep.LoadBytes != 100 || rep.LoadErrorBlocks != 2 || !rep.Balanced {
 		t.Fatalf("load accounting %+v", rep)
+	}
+}
+
+// TestLedgerCoverageAfterPreemption: a request preempted with saves in
+// flight is compared by the tokens its saves cover (the re-save after the
+// preemption races the report of the save it repeats); other requests stay
+// compared span by span.
+func TestLedgerCoverageAfterPreemption(t *testing.T) {
+	for name, tc := range map[string]struct {
+		raced     bool
+		expected  []span
+		published []span
+		balanced  bool
+	}{
+		"re-save the scheduler skipped": {raced: true, expected: []span{{0, 48}, {0, 48}}, published: []span{{0, 48}}, balanced: true},
+		"re-save the engine skipped":    {raced: true, expected: []span{{0, 32}, {32, 48}}, published: []span{{0, 32}, {0, 48}}, balanced: true},
+		"tokens never saved":            {raced: true, expected: []span{{0, 32}, {32, 64}}, published: []span{{0, 32}}},
+		"tokens saved beyond":           {raced: true, expected: []span{{0, 32}}, published: []span{{0, 64}}},
+		"not preempted: span by span":   {expected: []span{{0, 48}, {0, 48}}, published: []span{{0, 48}}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newLedgerFixture(t)
+			if tc.raced {
+				f.l.preemptedInFlight("e", "run-1")
+			}
+			for _, s := range tc.expected {
+				f.l.expectSave("e", "run-1", s)
+			}
+			for i, s := range tc.published {
+				f.task(fmt.Sprint("t", i), "run-1", s.Start, s.End)
+			}
+			var diffs []LedgerDifference
+			for _, d := range f.l.report().Differences {
+				if d.TaskID == "" { // span differences only: the tasks have no results here
+					diffs = append(diffs, d)
+				}
+			}
+			if (len(diffs) == 0) != tc.balanced {
+				t.Fatalf("differences %v, want balanced %v", diffs, tc.balanced)
+			}
+		})
+	}
+}
+
+func TestUnionAndUncovered(t *testing.T) {
+	u := union([]span{{32, 48}, {0, 16}, {16, 32}, {64, 80}, {70, 72}, {5, 5}})
+	if !slices.Equal(u, []span{{0, 48}, {64, 80}}) {
+		t.Fatalf("union %v", u)
+	}
+	if got := uncovered(u, []span{{16, 32}, {64, 70}}); !slices.Equal(got, []span{{0, 16}, {32, 48}, {70, 80}}) {
+		t.Fatalf("uncovered %v", got)
+	}
+	if got := uncovered(u, u); len(got) != 0 {
+		t.Fatalf("a set covers itself: %v", got)
 	}
 }

@@ -28,6 +28,10 @@ type Report struct {
 	Requests RequestCounts `json:"requests"`
 	// Preemptions counts preemptions over all engines.
 	Preemptions int `json:"preemptions"`
+	// Reuse describes what the engines did with blocks that saves in flight
+	// still read when their request was preempted (Config.ReusePreempted),
+	// and the blocks they declared evicted to their gpuworkers.
+	Reuse ReuseCounts `json:"reuse"`
 	// Tokens counts prompt tokens by where their KV came from.
 	Tokens TokenCounts `json:"tokens"`
 	// PrefixHitRate is the share of prompt tokens not computed: local
@@ -48,9 +52,12 @@ type Report struct {
 	Trackers *TrackerCheck `json:"trackers,omitempty"`
 	// DLQ is the sender's dead-letter queue for the run (with Config.SenderURL).
 	DLQ *DLQCheck `json:"dlq,omitempty"`
-	// OK is set when every request succeeded, no byte mismatched, the
-	// ledger balanced and the configured checks passed: the run's exit
-	// status.
+	// Stored is the check of every value the run's saves stored (with
+	// Config.RedisURL).
+	Stored *StoreCheck `json:"stored_values,omitempty"`
+	// OK is set when every request succeeded, no byte mismatched (loaded
+	// or stored), the ledger balanced and the configured checks passed: the
+	// run's exit status.
 	OK bool `json:"ok"`
 }
 
@@ -62,6 +69,28 @@ type EngineSummary struct {
 	Role Role `json:"role"`
 	// PoolBlocks is the blocks per group its block manager handed out.
 	PoolBlocks int `json:"pool_blocks"`
+}
+
+// ReuseCounts describes preemption with block reuse and evictions.
+type ReuseCounts struct {
+	// ReusePreempted is set when preempted requests' blocks were freed at
+	// once, even with saves in flight.
+	ReusePreempted bool `json:"reuse_preempted"`
+	// PreemptedWithSaves counts preemptions whose request had saves in
+	// flight; SavesInFlight counts those saves.
+	PreemptedWithSaves int `json:"preempted_with_saves_in_flight"`
+	SavesInFlight      int `json:"saves_in_flight"`
+	// ReusedWhileSaving counts blocks reused for other content while a save
+	// reading them was not reported yet: the sender had to dead-letter it
+	// (block_not_held) or store it from the right bytes.
+	ReusedWhileSaving int `json:"blocks_reused_while_save_pending"`
+	// EvictedBlocks counts the blocks declared evicted to the gpuworkers,
+	// in EvictCalls calls; EvictedHeld those the workers reported holding
+	// an identity; EvictFailures counts calls that failed.
+	EvictedBlocks int `json:"evicted_blocks"`
+	EvictedHeld   int `json:"evicted_held"`
+	EvictCalls    int `json:"evict_calls"`
+	EvictFailures int `json:"evict_failures"`
 }
 
 // RequestCounts counts the turns.
@@ -86,7 +115,8 @@ type TokenCounts struct {
 	Loaded map[string]int `json:"loaded"`
 	// Computed are tokens the engines computed (prefill and decode).
 	Computed int `json:"computed"`
-	// Recomputed are loaded tokens recomputed after a load error or a mismatch.
+	// Recomputed are loaded tokens recomputed after a load error, a lost
+	// block or a mismatch.
 	Recomputed int `json:"recomputed"`
 }
 
@@ -114,6 +144,10 @@ type Verification struct {
 	Mismatched int `json:"mismatched_blocks"`
 	// LoadErrorBlocks counts blocks reported as load errors (recomputed).
 	LoadErrorBlocks int `json:"load_error_blocks"`
+	// LostBlocks counts loaded blocks the gpuworker no longer held when
+	// read back (lost KV, e.g. after a worker restart): recomputed, not
+	// mismatched.
+	LostBlocks int `json:"lost_blocks"`
 	// Mismatches lists the first mismatched blocks.
 	Mismatches []Mismatch `json:"mismatches"`
 	// OK is set when no block mismatched.
@@ -144,6 +178,9 @@ func (r *run) report(elapsed time.Duration) *Report {
 	rep := &Report{
 		RunTag: r.cfg.RunTag, Model: r.cfg.Model.Name, PD: r.cfg.PD, Workload: r.cfg.Workload,
 		ElapsedSeconds: elapsed.Seconds(), Preemptions: st.preemptions,
+		Reuse: ReuseCounts{ReusePreempted: r.cfg.ReusePreempted, PreemptedWithSaves: st.preemptedWithSaves,
+			SavesInFlight: st.savesInFlightAtPreempt, ReusedWhileSaving: st.reusedWhileSaving,
+			EvictedBlocks: st.evictedBlocks, EvictedHeld: st.evictedHeld, EvictCalls: st.evictCalls, EvictFailures: st.evictFailures},
 		Tokens: TokenCounts{Prompt: st.promptTokens, LocalHit: st.localHitTokens, Loaded: maps.Clone(st.loadedTokens),
 			Computed: st.computedTokens, Recomputed: st.recomputedTokens},
 		PrefixHitRate: st.hitRateLocked(),
@@ -151,7 +188,7 @@ func (r *run) report(elapsed time.Duration) *Report {
 			Anomalies: st.lookupAnomalies, Latency: percentiles(st.lookupLatency)},
 		TTFT: percentiles(st.ttft),
 		Verification: Verification{Loads: st.loads, VerifiedBlocks: st.verifiedBlocks, Mismatched: st.mismatchedBlocks,
-			LoadErrorBlocks: st.loadErrorBlocks, Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0},
+			LoadErrorBlocks: st.loadErrorBlocks, LostBlocks: st.lostBlocks, Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0},
 		Ledger: r.ledger.report(),
 	}
 	failures := slices.Clone(st.failures)
@@ -221,13 +258,14 @@ func (rep *Report) WriteText(w io.Writer) error {
 	row("engines", "%s", strings.Join(engines, ", "))
 	row("requests", "%d total  %d ok  %d failed  (%d preemptions)", rep.Requests.Total, rep.Requests.OK, rep.Requests.Failed, rep.Preemptions)
 	row("prefix hit rate", "%.1f%%  (local %d, loaded %s of %d prompt tokens)", 100*rep.PrefixHitRate, rep.Tokens.LocalHit, loadedText(rep.Tokens.Loaded), rep.Tokens.Prompt)
+	row("preemption", "%s", rep.Reuse)
 	row("tokens", "computed %d  recomputed after load errors %d", rep.Tokens.Computed, rep.Tokens.Recomputed)
 	row("saves", "%d tasks: stored %d  existing %d  skipped %d  dead-lettered %d  failed %d (keys)", l.SaveTasks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed)
 	row("bytes", "%s computed, %s verified, %s saved, %s loaded: %.2f GiB/s", size(rep.Bytes.Computed), size(rep.Bytes.Verified), size(rep.Bytes.Saved), size(rep.Bytes.Loaded), rep.Bytes.GiBPerSecond)
 	row("lookup latency", "%s", rep.Lookups.Latency)
 	row("TTFT proxy", "%s", rep.TTFT)
-	row("verification", "%s: %d loads, %d blocks checked, %d mismatched, %d load-error blocks recomputed",
-		okText(rep.Verification.OK), rep.Verification.Loads, rep.Verification.VerifiedBlocks, rep.Verification.Mismatched, rep.Verification.LoadErrorBlocks)
+	row("verification", "%s: %d loads, %d blocks checked, %d mismatched, %d load-error blocks recomputed, %d blocks lost (recomputed)",
+		okText(rep.Verification.OK), rep.Verification.Loads, rep.Verification.VerifiedBlocks, rep.Verification.Mismatched, rep.Verification.LoadErrorBlocks, rep.Verification.LostBlocks)
 	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
 	if c := rep.Trackers; c != nil {
@@ -235,6 +273,10 @@ func (rep *Report) WriteText(w io.Writer) error {
 	}
 	if c := rep.DLQ; c != nil {
 		row("dead letters", "%s: %d entries for the run%s, %d dead-lettered saves not listed%s", okText(c.OK), c.Entries, reasonList(c.Reasons), len(c.Unlisted), suffix(c.Error))
+	}
+	if c := rep.Stored; c != nil {
+		row("stored values", "%s: checked %d, wrong %d, gone %d (evicted) of %d keys stored (%d announced, results report %d)%s",
+			okText(c.OK), c.Checked, c.Wrong, c.Gone, c.Keys, c.Announced, c.LedgerStored, suffix(c.Error))
 	}
 	row("result", "%s", okText(rep.OK))
 	if err := tw.Flush(); err != nil {
@@ -256,6 +298,11 @@ func (rep *Report) writeLists(w io.Writer) error {
 			fmt.Fprintf(&b, "  tracker  %s\n", s)
 		}
 	}
+	if rep.Stored != nil {
+		for _, v := range rep.Stored.Wrongs {
+			fmt.Fprintf(&b, "  stored   %s: %s\n", v.Key, v.Problem)
+		}
+	}
 	if rep.DLQ != nil {
 		for _, s := range first(rep.DLQ.Unlisted) {
 			fmt.Fprintf(&b, "  dlq      %s: dead-lettered keys reported, no entry in GET /v1/dlq\n", s)
@@ -270,6 +317,20 @@ func (rep *Report) writeLists(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// String writes the counts for the report's table.
+func (c ReuseCounts) String() string {
+	mode := "pinned until saved"
+	if c.ReusePreempted {
+		mode = "reused at once"
+	}
+	s := fmt.Sprintf("preempted blocks %s: preempted with saves in flight %d (%d saves), blocks reused while a save was pending %d; evicted %d blocks (%d held) in %d calls",
+		mode, c.PreemptedWithSaves, c.SavesInFlight, c.ReusedWhileSaving, c.EvictedBlocks, c.EvictedHeld, c.EvictCalls)
+	if c.EvictFailures > 0 {
+		s += fmt.Sprintf(" (%d failed)", c.EvictFailures)
+	}
+	return s
 }
 
 func first(s []string) []string { return s[:min(len(s), maxListed)] }

@@ -57,11 +57,15 @@ type request struct {
 
 	arrived, since time.Time // since: entered the current phase
 	firstToken     time.Time
-	lookupRetries  int
-	failure        string
-	holdForPeer    bool // prefill engine: keep the blocks until the decode engine read them
-	sent           bool // finished_sending arrived
-	leak           bool // given up: its blocks stay allocated, since a late transfer may still use them
+	// lookupFailingSince is when the lookups of the current attempt began
+	// failing (zero while they do not); lookupRetryAt when the next may be
+	// sent, lookupDelay the backoff that led there.
+	lookupFailingSince, lookupRetryAt time.Time
+	lookupDelay                       time.Duration
+	failure                           string
+	holdForPeer                       bool // prefill engine: keep the blocks until the decode engine read them
+	sent                              bool // finished_sending arrived
+	leak                              bool // given up: its blocks stay allocated, since a late transfer may still use them
 }
 
 // expectedLoad is the load the engine accepted and waits for.
@@ -96,6 +100,26 @@ func (r *request) extendHashes(hbs int) {
 		r.hashes = append(r.hashes, h)
 		r.hexes = append(r.hexes, h.Hex())
 	}
+}
+
+// lookupRetry books a failed lookup at now and reports whether another may
+// be tried within timeout of the first failure; if so, lookupRetryAt is set
+// after the next backoff (the retry delays, capped at the time left).
+func (r *request) lookupRetry(now time.Time, timeout time.Duration) bool {
+	if r.lookupFailingSince.IsZero() {
+		r.lookupFailingSince = now
+	}
+	left := r.lookupFailingSince.Add(timeout).Sub(now)
+	if left <= 0 {
+		return false
+	}
+	if r.lookupDelay == 0 {
+		r.lookupDelay = retryFirstDelay
+	} else {
+		r.lookupDelay = min(2*r.lookupDelay, retryMaxDelay)
+	}
+	r.lookupRetryAt = now.Add(min(r.lookupDelay, left))
+	return true
 }
 
 // fail records the request's first failure; the request still runs to its end.

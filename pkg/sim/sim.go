@@ -8,7 +8,21 @@
 // before computing past a load, checks every loaded block byte for byte, and
 // frees its blocks on finished_sending. A save ledger built from the save
 // tasks, the transfer results and the engines' own expectations shows that
-// no save was lost.
+// no save was lost; with a store URL, every value the run's saves stored is
+// read back from the store and checked against the content its key implies.
+//
+// Every bounded wait is in time, not in steps: a call to the lookup, the
+// brokers or a gpuworker that fails is retried with backoff (50 ms doubling
+// to 1 s) for up to the request timeout, so an outage of any service, the
+// broker, PostgreSQL or Redis shorter than that (a restart) fails no
+// request. Blocks a restarted gpuworker no longer holds are lost KV: they
+// are recomputed, not counted as mismatches.
+//
+// With ReusePreempted (the seed preset) an engine frees a preempted
+// request's blocks at once, as vLLM does, even while saves of them are in
+// flight, so other requests reuse them while the sender may still read
+// them; the mesh must then dead-letter such a save (block_not_held) or
+// store it from the right bytes, which the stored-value check verifies.
 package sim
 
 import (
@@ -66,6 +80,15 @@ type Config struct {
 	// SenderURL, when set, is asked after the run for its dead letters:
 	// every dead-lettered save of the run must be listed.
 	SenderURL string
+	// RedisURL, when set, is the store pool (the services' KVMESH_REDIS_URL):
+	// after the run every key the run's saves stored (the sender's
+	// BlockStored events) is read back and its value checked against the
+	// content the key implies.
+	RedisURL string
+	// ReusePreempted frees a preempted request's blocks at once, even while
+	// saves of them are in flight (as vLLM does), instead of pinning them
+	// until the sender reports the saves.
+	ReusePreempted bool
 	// Brokers are the Kafka bootstrap brokers.
 	Brokers []string
 	// RunTag prefixes every request id; default a random "sim-xxxxxx".
@@ -75,7 +98,9 @@ type Config struct {
 	// every unsalted run of the same workload.
 	Salt string
 	// RequestTimeout is the longest wait for a finished_recving or
-	// finished_sending; default 60 s.
+	// finished_sending, for blocks at the head of the queue, and for a
+	// failing lookup, publish, gpuworker call or topic read to recover;
+	// default 60 s.
 	RequestTimeout time.Duration
 	// SettleTimeout bounds the wait for the last save results once every
 	// request finished; default 30 s.
@@ -272,7 +297,7 @@ func workerPool(ctx context.Context, hc *http.Client, base string) (poolInfo, er
 // it publishes anything, so nothing of the run is missed.
 func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int64, error) {
 	out := map[string]map[int]int64{}
-	for _, t := range []string{contract.TopicEngineFeedback, contract.TopicSaveTasks, contract.TopicTransferResults} {
+	for _, t := range []string{contract.TopicEngineFeedback, contract.TopicSaveTasks, contract.TopicTransferResults, contract.TopicKVEvents} {
 		off, err := topicOffsets(ctx, brokers, t, false)
 		if err != nil {
 			return nil, err
@@ -289,6 +314,7 @@ func (r *run) build(pub *bus.Producer) {
 			model: r.cfg.Model, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
 			lookup: &lookupClient{base: r.cfg.LookupURL, hc: r.cfg.HTTPClient}, pub: pub,
 			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout,
+			reusePreempted: r.cfg.ReusePreempted,
 		}
 	}
 	hooks := engineHooks{generated: r.generated, abandoned: r.generated, finalized: r.finalized, peerRead: func(string) {}}
@@ -305,9 +331,9 @@ func (r *run) build(pub *bus.Producer) {
 		r.front = newEngine(r.cfg.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(r.cfg.Prefill.WorkerURL), ph)
 		r.engines[r.front.id] = r.front
 	}
-	r.ledger.onSaved = func(engine, request string, s span) {
+	r.ledger.onSaved = func(engine, request string, rep savedReport) {
 		if e := r.engines[engine]; e != nil {
-			e.box.put(saveReported{requestID: request, span: s})
+			e.box.put(saveReported{requestID: request, savedReport: rep})
 		}
 	}
 	r.turns = 0
@@ -325,16 +351,21 @@ func (r *run) play(parent context.Context, from map[string]map[int]int64) error 
 	defer cancel()
 	r.ctx = ctx
 	g, gctx := errgroup.WithContext(ctx)
-	brokers := r.cfg.Brokers
+	brokers, bound := r.cfg.Brokers, r.cfg.RequestTimeout
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicEngineFeedback, from[contract.TopicEngineFeedback], r.routeFeedback)
+		return tailTopic(gctx, brokers, contract.TopicEngineFeedback, from[contract.TopicEngineFeedback], bound, r.routeFeedback)
 	})
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicSaveTasks, from[contract.TopicSaveTasks], r.ledger.saveTask)
+		return tailTopic(gctx, brokers, contract.TopicSaveTasks, from[contract.TopicSaveTasks], bound, r.ledger.saveTask)
 	})
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicTransferResults, from[contract.TopicTransferResults], r.ledger.transferResult)
+		return tailTopic(gctx, brokers, contract.TopicTransferResults, from[contract.TopicTransferResults], bound, r.ledger.transferResult)
 	})
+	if r.cfg.RedisURL != "" {
+		g.Go(func() error {
+			return tailTopic(gctx, brokers, contract.TopicKVEvents, from[contract.TopicKVEvents], bound, r.ledger.kvEvent)
+		})
+	}
 	for _, e := range r.engines {
 		g.Go(func() error { return e.run(gctx) })
 	}
@@ -383,21 +414,49 @@ func (r *run) check(ctx context.Context, rep *Report) {
 		rep.DLQ = &c
 		rep.OK = rep.OK && c.OK
 	}
+	if r.cfg.RedisURL != "" {
+		keys, announced := r.ledger.storedKeys()
+		c := checkStored(ctx, r.cfg, keys, rep.Ledger.Stored)
+		c.Announced = announced
+		rep.Stored = &c
+		rep.OK = rep.OK && c.OK
+	}
 }
 
+// announceWait bounds the wait for the BlockStored events of stored keys
+// once every save is reported (they are published with the results).
+const announceWait = 5 * time.Second
+
 // settle waits until every save of the run is published and reported, or
-// the settle timeout passes.
+// the settle timeout passes; then, for the stored-value check, a little
+// longer for the BlockStored events of the stored keys.
 func (r *run) settle(ctx context.Context) {
 	deadline := time.Now().Add(r.cfg.SettleTimeout)
+	if !waitUntil(ctx, deadline, func() bool { return r.ledger.outstanding() == 0 }) || r.cfg.RedisURL == "" {
+		return
+	}
+	if d := time.Now().Add(announceWait); d.Before(deadline) {
+		deadline = d
+	}
+	waitUntil(ctx, deadline, func() bool { return r.ledger.unannounced() == 0 })
+}
+
+// waitUntil polls done every 50 ms until it holds (true), the deadline
+// passes or ctx ends (false).
+func waitUntil(ctx context.Context, deadline time.Time, done func() bool) bool {
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
-	for r.ledger.outstanding() > 0 && time.Now().Before(deadline) {
+	for !done() {
+		if !time.Now().Before(deadline) {
+			return false
+		}
 		select {
 		case <-ctx.Done():
-			return
+			return false
 		case <-tick.C:
 		}
 	}
+	return true
 }
 
 // routeFeedback hands engine feedback to its engine.

@@ -18,10 +18,16 @@ type stats struct {
 	requests, done, failed int // turns: total, finalized, finalized with a failure
 	failures               []RequestFailure
 	preemptions            int
+	// preemptedWithSaves counts preemptions whose request had saves in
+	// flight (reusePreempted), savesInFlightAtPreempt those saves, and
+	// reusedWhileSaving the blocks reused for other content while such a
+	// save was not reported yet.
+	preemptedWithSaves, savesInFlightAtPreempt, reusedWhileSaving int
+	evictCalls, evictedBlocks, evictedHeld, evictFailures         int
 
 	promptTokens, localHitTokens, computedTokens, recomputedTokens int
 	loadedTokens                                                   map[string]int // by connector
-	loads, loadErrorBlocks                                         int
+	loads, loadErrorBlocks, lostBlocks                             int
 
 	lookups, lookupRetries, lookupPending, lookupAnomalies int
 	lookupLatency, ttft                                    []time.Duration

@@ -90,29 +90,72 @@ func toRecord(m kafka.Message) Record {
 
 // tailTopic delivers the records of topic from the given offsets to fn, one
 // goroutine per partition (fn must be safe for concurrent use), until ctx
-// ends. It returns nil when ctx ended and an error when a reader failed.
-func tailTopic(ctx context.Context, brokers []string, topic string, from map[int]int64, fn func(Record)) error {
+// ends. A reader that fails (the broker restarting) is reopened after the
+// last record delivered, with backoff; tailTopic returns an error only when
+// a partition's reads kept failing for bound. It returns nil when ctx ended.
+func tailTopic(ctx context.Context, brokers []string, topic string, from map[int]int64, bound time.Duration, fn func(Record)) error {
 	g, ctx := errgroup.WithContext(ctx)
 	for p, off := range from {
-		r, err := newPartitionReader(brokers, topic, p, off)
+		g.Go(func() error { return tailPartition(ctx, brokers, topic, p, off, bound, fn) })
+	}
+	return g.Wait()
+}
+
+// healthyRead is how long a reader must have run before it failed for the
+// failure to start a new outage rather than continue one: a reader of an
+// unreachable broker fails within a few seconds.
+const healthyRead = 10 * time.Second
+
+// tailPartition is tailTopic's reader of one partition.
+func tailPartition(ctx context.Context, brokers []string, topic string, p int, next int64, bound time.Duration, fn func(Record)) error {
+	var failingSince time.Time
+	delay := retryFirstDelay
+	for {
+		opened := time.Now()
+		err := readFrom(ctx, brokers, topic, p, &next, func(m Record) {
+			failingSince, delay = time.Time{}, retryFirstDelay
+			fn(m)
+		})
+		if ctx.Err() != nil {
+			return nil
+		}
+		now := time.Now()
+		if now.Sub(opened) >= healthyRead {
+			failingSince, delay = time.Time{}, retryFirstDelay // it read (idle) for a while before failing
+		}
+		if failingSince.IsZero() {
+			failingSince = now
+		}
+		if now.Sub(failingSince) >= bound {
+			return fmt.Errorf("read %s/%d: failing for %v: %w", topic, p, bound, err)
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		delay = min(2*delay, retryMaxDelay)
+	}
+}
+
+// readFrom reads partition p from *next, delivering every record to fn and
+// advancing *next past it, until a read fails or ctx ends.
+func readFrom(ctx context.Context, brokers []string, topic string, p int, next *int64, fn func(Record)) error {
+	r, err := newPartitionReader(brokers, topic, p, *next)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	for {
+		m, err := r.ReadMessage(ctx)
 		if err != nil {
 			return err
 		}
-		g.Go(func() error {
-			defer r.Close()
-			for {
-				m, err := r.ReadMessage(ctx)
-				if err != nil {
-					if ctx.Err() != nil {
-						return nil
-					}
-					return fmt.Errorf("read %s/%d: %w", topic, p, err)
-				}
-				fn(toRecord(m))
-			}
-		})
+		*next = m.Offset + 1
+		fn(toRecord(m))
 	}
-	return g.Wait()
 }
 
 // ReadAll returns every record of topic that the brokers hold when it is

@@ -59,7 +59,7 @@ func TestTailFromEnd(t *testing.T) {
 	tctx, stop := context.WithCancel(ctx)
 	errc := make(chan error, 1)
 	go func() {
-		errc <- tailTopic(tctx, brokers, "t", from, func(r Record) {
+		errc <- tailTopic(tctx, brokers, "t", from, time.Minute, func(r Record) {
 			mu.Lock()
 			defer mu.Unlock()
 			got[r.Key]++

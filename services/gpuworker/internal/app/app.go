@@ -176,9 +176,10 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	})
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
+	cc.DLQTopic, cc.Producer = contract.TopicLoadDLQ, a.deps.Producer
 	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
 		m.Load(load.OutcomeDeadLettered, 0, 0)
-		a.deps.Log.ErrorContext(ctx, "load task dead-lettered: no result can be published",
+		a.deps.Log.ErrorContext(ctx, "load task dead-lettered to "+contract.TopicLoadDLQ+": no result can be published",
 			"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
 		return nil
 	}

@@ -122,8 +122,8 @@ func BenchmarkPut(b *testing.B) {
 		for i := range n {
 			ref := dataplane.BlockRef{Group: 0, Block: kvcore.BlockID(i)}
 			data := w.randomBlock(0)
-			blocks = append(blocks, dataplane.Block{BlockRef: ref, Data: data})
-			items[i] = dataplane.PutItem{BlockRef: ref, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[i])}
+			blocks = append(blocks, dataplane.Block{BlockRef: ref, Identity: dataplane.Identity{Hash: hashes[i]}, Data: data})
+			items[i] = dataplane.PutItem{BlockRef: ref, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[i]), Hash: hashes[i]}
 			rawKeys[i] = items[i].Key + "-raw"
 			values[i] = dataplane.EncodeValue(w.model.Fingerprint(), data)
 		}

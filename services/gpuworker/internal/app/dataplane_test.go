@@ -24,15 +24,16 @@ func TestClientWriteReadByteExact(t *testing.T) {
 	var blocks []dataplane.Block
 	for b := range 6 {
 		for g := range w.model.Groups {
-			blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: kvcore.BlockID(b * 2)}, Data: w.randomBlock(g)})
+			blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: kvcore.BlockID(b * 2)},
+				Identity: dataplane.Identity{Hash: randomHex(32), RequestID: "req-rw"}, Data: w.randomBlock(g)})
 		}
 	}
 	if err := w.client.Write(ctx, blocks); err != nil {
 		t.Fatal(err)
 	}
-	refs := make([]dataplane.BlockRef, len(blocks))
+	refs := make([]dataplane.ReadRef, len(blocks))
 	for i := range blocks {
-		refs[len(refs)-1-i] = blocks[i].BlockRef // read back in reverse order
+		refs[len(refs)-1-i] = dataplane.ReadRef{BlockRef: blocks[i].BlockRef, Hash: blocks[i].Hash} // read back in reverse order
 	}
 	got, err := w.client.Read(ctx, refs)
 	if err != nil {
@@ -40,8 +41,8 @@ func TestClientWriteReadByteExact(t *testing.T) {
 	}
 	for i, b := range got {
 		want := blocks[len(blocks)-1-i]
-		if b.BlockRef != want.BlockRef || !bytes.Equal(b.Data, want.Data) {
-			t.Fatalf("read %d: %+v (%d bytes) differs from what was written to %+v", i, b.BlockRef, len(b.Data), want.BlockRef)
+		if b.NotHeld != "" || b.BlockRef != want.BlockRef || b.Identity != want.Identity || b.Generation == 0 || !bytes.Equal(b.Data, want.Data) {
+			t.Fatalf("read %d: %+v %+v gen %d %q (%d bytes) differs from what was written to %+v", i, b.BlockRef, b.Identity, b.Generation, b.NotHeld, len(b.Data), want.BlockRef)
 		}
 	}
 	if got, err := w.client.Read(ctx, nil); err != nil || len(got) != 0 {
@@ -55,26 +56,38 @@ func TestClientRejectsInvalidRequests(t *testing.T) {
 	w := startWorker(t, testConfig(env, "engine-bad"), nil)
 	ctx := context.Background()
 	bpb := int(w.model.Groups[0].BytesPerBlock)
+	id := dataplane.Identity{Hash: randomHex(32)}
 	tests := []struct {
 		name string
 		call func() error
 		want error
 	}{
 		{"write of a short block", func() error {
-			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 0, Block: 1}, Data: make([]byte, bpb-1)}})
+			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 0, Block: 1}, Identity: id, Data: make([]byte, bpb-1)}})
 		}, dataplane.ErrRejected},
 		{"write past the pool", func() error {
-			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 0, Block: 16}, Data: make([]byte, bpb)}})
+			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 0, Block: 16}, Identity: id, Data: make([]byte, bpb)}})
 		}, dataplane.ErrRejected},
 		{"write to a group the model lacks", func() error {
-			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 2, Block: 0}, Data: make([]byte, bpb)}})
+			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 2, Block: 0}, Identity: id, Data: make([]byte, bpb)}})
 		}, dataplane.ErrRejected},
 		{"read of a null block", func() error {
-			_, err := w.client.Read(ctx, []dataplane.BlockRef{{Group: 0, Block: kvcore.NullBlock}})
+			_, err := w.client.Read(ctx, []dataplane.ReadRef{{BlockRef: dataplane.BlockRef{Group: 0, Block: kvcore.NullBlock}, Hash: id.Hash}})
+			return err
+		}, dataplane.ErrRejected},
+		{"read without a hash", func() error {
+			_, err := w.client.Read(ctx, []dataplane.ReadRef{{BlockRef: dataplane.BlockRef{Group: 0, Block: 1}}})
+			return err
+		}, dataplane.ErrRejected},
+		{"write without a hash (refused by the client)", func() error {
+			return w.client.Write(ctx, []dataplane.Block{{BlockRef: dataplane.BlockRef{Group: 0, Block: 1}, Data: make([]byte, bpb)}})
+		}, dataplane.ErrIdentity},
+		{"evict past the pool", func() error {
+			_, err := w.client.Evict(ctx, []dataplane.BlockRef{{Group: 0, Block: 1}, {Group: 0, Block: 16}})
 			return err
 		}, dataplane.ErrRejected},
 		{"worker unreachable", func() error {
-			_, err := dataplane.NewClient("http://127.0.0.1:1", nil).Read(ctx, []dataplane.BlockRef{{Group: 0, Block: 0}})
+			_, err := dataplane.NewClient("http://127.0.0.1:1", nil).Read(ctx, []dataplane.ReadRef{{BlockRef: dataplane.BlockRef{Group: 0, Block: 0}, Hash: id.Hash}})
 			return err
 		}, dataplane.ErrUnavailable},
 	}
@@ -93,18 +106,18 @@ func TestClientPutStoresFramedValues(t *testing.T) {
 	w := startWorker(t, testConfig(env, "engine-put"), nil)
 	ctx := context.Background()
 	data := [][]byte{w.randomBlock(0), w.randomBlock(1)}
+	hashes := hexChain(w.model, tokens(32, 7))
 	if err := w.client.Write(ctx, []dataplane.Block{
-		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Data: data[0]},
-		{BlockRef: dataplane.BlockRef{Group: 1, Block: 4}, Data: data[1]},
+		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Identity: dataplane.Identity{Hash: hashes[0]}, Data: data[0]},
+		{BlockRef: dataplane.BlockRef{Group: 1, Block: 4}, Identity: dataplane.Identity{Hash: hashes[1]}, Data: data[1]},
 	}); err != nil {
 		t.Fatal(err)
 	}
-	hashes := hexChain(w.model, tokens(32, 7))
 	items := []dataplane.PutItem{
-		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[0])},
-		{BlockRef: dataplane.BlockRef{Group: 1, Block: 4}, Key: w.keys.KeyHex(kvcore.Rank{}, 1, hashes[1])},
-		{BlockRef: dataplane.BlockRef{Group: 0, Block: 99}, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[1])},
-		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Key: ""},
+		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[0]), Hash: hashes[0]},
+		{BlockRef: dataplane.BlockRef{Group: 1, Block: 4}, Key: w.keys.KeyHex(kvcore.Rank{}, 1, hashes[1]), Hash: hashes[1]},
+		{BlockRef: dataplane.BlockRef{Group: 0, Block: 99}, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[1]), Hash: hashes[1]},
+		{BlockRef: dataplane.BlockRef{Group: 0, Block: 3}, Key: "", Hash: hashes[0]},
 	}
 	res, n, err := w.client.Put(ctx, items)
 	if err != nil {
@@ -160,8 +173,8 @@ func TestClientPutReportsNoSpace(t *testing.T) {
 	var items []dataplane.PutItem
 	for b := range 24 { // 24 × 256 KiB: far over 3 MB
 		ref := dataplane.BlockRef{Group: 1, Block: kvcore.BlockID(b)}
-		blocks = append(blocks, dataplane.Block{BlockRef: ref, Data: w.randomBlock(1)})
-		items = append(items, dataplane.PutItem{BlockRef: ref, Key: w.keys.KeyHex(kvcore.Rank{}, 1, hashes[b])})
+		blocks = append(blocks, dataplane.Block{BlockRef: ref, Identity: dataplane.Identity{Hash: hashes[b]}, Data: w.randomBlock(1)})
+		items = append(items, dataplane.PutItem{BlockRef: ref, Key: w.keys.KeyHex(kvcore.Rank{}, 1, hashes[b]), Hash: hashes[b]})
 	}
 	if err := w.client.Write(ctx, blocks); err != nil {
 		t.Fatal(err)

@@ -35,6 +35,8 @@ type worker struct {
 	model  *kvcore.Model
 	keys   kvcore.KeyBuilder
 	client *dataplane.Client
+	// addr is the worker's HTTP address (host:port).
+	addr string
 }
 
 // testConfig is a worker configuration for env with a small pool and a
@@ -60,10 +62,16 @@ func testConfig(env *servicetest.Env, engine string) app.Config {
 // machine's) and waits until it is ready.
 func startWorker(t testing.TB, cfg app.Config, gpus *devices.Source) *worker {
 	t.Helper()
+	return startWorkerLogging(t, cfg, gpus, slog.New(slog.DiscardHandler))
+}
+
+// startWorkerLogging is startWorker with the worker logging to log.
+func startWorkerLogging(t testing.TB, cfg app.Config, gpus *devices.Source, log *slog.Logger) *worker {
+	t.Helper()
 	if gpus == nil {
 		gpus = devices.NewSystemSource()
 	}
-	a, err := app.NewWithDevices(context.Background(), cfg, slog.New(slog.DiscardHandler), gpus)
+	a, err := app.NewWithDevices(context.Background(), cfg, log, gpus)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +86,7 @@ func startWorker(t testing.TB, cfg app.Config, gpus *devices.Source) *worker {
 		t.Fatal(err)
 	}
 	cleanPrefix(t, cfg.RedisURL, cfg.KeyPrefix)
-	return &worker{app: a, cfg: cfg, model: m, keys: kb, client: dataplane.NewClient("http://"+a.Addr(), nil)}
+	return &worker{app: a, cfg: cfg, model: m, keys: kb, client: dataplane.NewClient("http://"+a.Addr(), nil), addr: a.Addr()}
 }
 
 func randomHex(n int) string {
@@ -94,12 +102,16 @@ func (w *worker) randomBlock(g int) []byte {
 	return b
 }
 
-// readBlock reads one pool block through the data plane.
-func (w *worker) readBlock(t *testing.T, g int, b kvcore.BlockID) []byte {
+// readBlock reads one pool block through the data plane, asking for hash;
+// a refusal fails the test.
+func (w *worker) readBlock(t *testing.T, g int, b kvcore.BlockID, hash string) []byte {
 	t.Helper()
-	got, err := w.client.Read(context.Background(), []dataplane.BlockRef{{Group: g, Block: b}})
+	got, err := w.client.Read(context.Background(), []dataplane.ReadRef{{BlockRef: dataplane.BlockRef{Group: g, Block: b}, Hash: hash}})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got[0].NotHeld != "" {
+		t.Fatalf("group %d block %d refused: %s", g, b, got[0].NotHeld)
 	}
 	return got[0].Data
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
 
 // stallProxy forwards TCP connections to a Redis server. Once armed, the
@@ -139,6 +140,34 @@ func runWorker(t *testing.T, bin string, cfg map[string]string) *process {
 	return p
 }
 
+// processVars is the environment of a gpuworker process configured like
+// cfg, on env's PostgreSQL and Kafka and the Redis at redisURL.
+func processVars(env *servicetest.Env, cfg app.Config, redisURL string) map[string]string {
+	return map[string]string{
+		"KVMESH_ENGINE_ID": cfg.EngineID, "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": redisURL,
+		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_KAFKA_PARTITIONS": "2",
+		"KVMESH_KAFKA_SESSION_TIMEOUT": "2s", "KVMESH_POOL_BLOCKS": "16", "KVMESH_KEY_PREFIX": cfg.KeyPrefix,
+		"KVMESH_LOG_LEVEL": "warn", "KVMESH_SHUTDOWN_TIMEOUT": "2s",
+	}
+}
+
+// view is the test's own view of the process, for keys and blocks: the
+// default model (hybrid-mla-linear) under cfg's key prefix, cleaned at the
+// end of the test.
+func (p *process) view(t *testing.T, cfg app.Config) *worker {
+	t.Helper()
+	w := &worker{cfg: cfg, client: dataplane.NewClient("http://"+p.addr, nil), addr: p.addr}
+	var err error
+	if w.model, err = kvcore.Preset("hybrid-mla-linear"); err != nil {
+		t.Fatal(err)
+	}
+	if w.keys, err = kvcore.NewKeyBuilder(cfg.KeyPrefix, w.model.Name); err != nil {
+		t.Fatal(err)
+	}
+	cleanPrefix(t, cfg.RedisURL, cfg.KeyPrefix)
+	return w
+}
+
 // kill sends SIGKILL and reaps the process; later calls do nothing.
 func (p *process) kill() {
 	p.once.Do(func() {
@@ -164,18 +193,9 @@ func TestKilledMidLoadIsRedeliveredAndReported(t *testing.T) {
 	proxied.Host = proxy.ln.Addr().String()
 
 	cfg := testConfig(env, "engine-killed")
-	vars := map[string]string{
-		"KVMESH_ENGINE_ID": cfg.EngineID, "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": proxied.String(),
-		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_KAFKA_PARTITIONS": "2",
-		"KVMESH_KAFKA_SESSION_TIMEOUT": "2s", "KVMESH_POOL_BLOCKS": "16", "KVMESH_KEY_PREFIX": cfg.KeyPrefix,
-		"KVMESH_LOG_LEVEL": "warn", "KVMESH_SHUTDOWN_TIMEOUT": "2s",
-	}
+	vars := processVars(env, cfg, proxied.String())
 	first := runWorker(t, bin, vars)
-	// The test's own view of the worker, for keys and blocks.
-	w := &worker{cfg: cfg, client: dataplane.NewClient("http://"+first.addr, nil)}
-	w.model, _ = kvcore.Preset("hybrid-mla-linear")
-	w.keys, _ = kvcore.NewKeyBuilder(cfg.KeyPrefix, w.model.Name)
-	cleanPrefix(t, env.RedisURL, cfg.KeyPrefix)
+	w := first.view(t, cfg)
 
 	hashes := hexChain(w.model, tokens(48, 600))
 	fp := w.model.Fingerprint()
@@ -201,11 +221,11 @@ func TestKilledMidLoadIsRedeliveredAndReported(t *testing.T) {
 
 	second := runWorker(t, bin, vars)
 	res := rs.wait(t, task.TaskID)
-	w.client = dataplane.NewClient("http://"+second.addr, nil)
+	w.client, w.addr = dataplane.NewClient("http://"+second.addr, nil), second.addr
 	want := int64(len(payloads[0]) + len(payloads[1]) + len(payloads[2]))
 	assertLoadResult(t, res, w, task, []kvcore.BlockID{3}, want)
-	w.assertBlock(t, 0, 1, payloads[0], "the redelivered load did not write the block")
-	w.assertBlock(t, 1, 4, payloads[2], "the redelivered load did not write the block")
+	w.assertBlock(t, 0, 1, hashes[0], payloads[0], "the redelivered load did not write the block")
+	w.assertBlock(t, 1, 4, hashes[2], payloads[2], "the redelivered load did not write the block")
 	// A further redelivery (a rebalance) may publish again: with the same
 	// result id and content, which the scheduler drops as a duplicate.
 	for _, again := range rs.find(task.TaskID)[1:] {

@@ -27,14 +27,28 @@ func (w *worker) store(t testing.TB, key string, value []byte) {
 	}
 }
 
-// fill writes random bytes into the listed blocks of group g and returns them.
-func (w *worker) fill(t *testing.T, g int, ids ...kvcore.BlockID) map[kvcore.BlockID][]byte {
+// fill writes random bytes into the listed blocks of group g, each as the
+// content of a random hash of its own, and returns them.
+func (w *worker) fill(t *testing.T, g int, ids ...kvcore.BlockID) map[kvcore.BlockID]dataplane.Block {
 	t.Helper()
-	out := map[kvcore.BlockID][]byte{}
+	return w.fillAs(t, g, ids, nil)
+}
+
+// fillAs writes random bytes into the listed blocks of group g, block
+// ids[i] as the content of hashes[i] (a random hash when hashes is nil),
+// and returns them.
+func (w *worker) fillAs(t *testing.T, g int, ids []kvcore.BlockID, hashes []string) map[kvcore.BlockID]dataplane.Block {
+	t.Helper()
+	out := map[kvcore.BlockID]dataplane.Block{}
 	var blocks []dataplane.Block
-	for _, b := range ids {
-		out[b] = w.randomBlock(g)
-		blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: b}, Data: out[b]})
+	for i, b := range ids {
+		h := randomHex(32)
+		if hashes != nil {
+			h = hashes[i]
+		}
+		blk := dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: b}, Identity: dataplane.Identity{Hash: h, RequestID: "req-fill"}, Data: w.randomBlock(g)}
+		out[b] = blk
+		blocks = append(blocks, blk)
 	}
 	if err := w.client.Write(context.Background(), blocks); err != nil {
 		t.Fatal(err)
@@ -42,10 +56,10 @@ func (w *worker) fill(t *testing.T, g int, ids ...kvcore.BlockID) map[kvcore.Blo
 	return out
 }
 
-// assertBlock fails unless block b of group g holds want.
-func (w *worker) assertBlock(t *testing.T, g int, b kvcore.BlockID, want []byte, what string) {
+// assertBlock fails unless block b of group g holds hash with bytes want.
+func (w *worker) assertBlock(t *testing.T, g int, b kvcore.BlockID, hash string, want []byte, what string) {
 	t.Helper()
-	if got := w.readBlock(t, g, b); !bytes.Equal(got, want) {
+	if got := w.readBlock(t, g, b, hash); !bytes.Equal(got, want) {
 		t.Fatalf("group %d block %d: %s", g, b, what)
 	}
 }
@@ -83,9 +97,9 @@ func TestScenario19LoadWithMissingKeys(t *testing.T) {
 	publishTask(t, publisher(t, env), task)
 
 	assertLoadResult(t, rs.wait(t, task.TaskID), w, task, []kvcore.BlockID{6, 7}, int64(len(payload)))
-	w.assertBlock(t, 0, 5, payload, "not the stored payload")
-	w.assertBlock(t, 0, 6, prev[6], "a missing key changed the block")
-	w.assertBlock(t, 0, 7, prev[7], "a missing key changed the block")
+	w.assertBlock(t, 0, 5, hashes[0], payload, "not the stored payload")
+	w.assertBlock(t, 0, 6, prev[6].Hash, prev[6].Data, "a missing key changed the block")
+	w.assertBlock(t, 0, 7, prev[7].Hash, prev[7].Data, "a missing key changed the block")
 }
 
 // TestLoadOfAlteredValuesLeavesPoolUntouched stores one good value and three
@@ -122,10 +136,10 @@ func TestLoadOfAlteredValuesLeavesPoolUntouched(t *testing.T) {
 	task := w.loadTask(hashes, 48, table)
 	publishTask(t, publisher(t, env), task)
 	assertLoadResult(t, rs.wait(t, task.TaskID), w, task, []kvcore.BlockID{2, 3, 4}, int64(len(good)))
-	w.assertBlock(t, 0, 1, good, "not the stored payload")
-	w.assertBlock(t, 0, 2, prev[2], "a value with a flipped byte reached the pool")
-	w.assertBlock(t, 0, 3, prev[3], "another model's value reached the pool")
-	w.assertBlock(t, 1, 4, prev[4], "a wrongly sized value reached the pool")
+	w.assertBlock(t, 0, 1, hashes[0], good, "not the stored payload")
+	w.assertBlock(t, 0, 2, prev[2].Hash, prev[2].Data, "a value with a flipped byte reached the pool")
+	w.assertBlock(t, 0, 3, prev[3].Hash, prev[3].Data, "another model's value reached the pool")
+	w.assertBlock(t, 1, 4, prev[4].Hash, prev[4].Data, "a wrongly sized value reached the pool")
 	m := metricsText(t, w)
 	for _, reason := range []string{"checksum", "fingerprint", "size"} {
 		if want := `kvmesh_gpuworker_rejected_values_total{reason="` + reason + `"} 1`; !strings.Contains(m, want) {
@@ -206,10 +220,10 @@ func TestPDLoadReadsTheRemoteWorker(t *testing.T) {
 	rs := watchResults(t, env)
 	waitRegistered(t, env, "engine-prefill")
 
-	src := prefill.fill(t, 0, 10, 11, 12)
-	src[13] = prefill.fill(t, 1, 13)[13]
-	prev := decode.fill(t, 1, 5)
 	hashes := hexChain(decode.model, tokens(48, 500))
+	src := prefill.fillAs(t, 0, []kvcore.BlockID{10, 11, 12}, hashes)
+	src[13] = prefill.fillAs(t, 1, []kvcore.BlockID{13}, hashes[2:])[13]
+	prev := decode.fill(t, 1, 5)
 	local := kvcore.BlockTable{{1, 2, 3}, {kvcore.NullBlock, kvcore.NullBlock, 4}}
 	pd := func(remoteEngine string, remote kvcore.BlockTable, table kvcore.BlockTable) *kvcore.LoadTask {
 		task := decode.loadTask(hashes, 48, table)
@@ -228,11 +242,11 @@ func TestPDLoadReadsTheRemoteWorker(t *testing.T) {
 	g0, g1 := decode.model.Groups[0].BytesPerBlock, decode.model.Groups[1].BytesPerBlock
 	assertLoadResult(t, rs.wait(t, full.TaskID), decode, full, nil, 3*g0+g1)
 	for i, b := range []kvcore.BlockID{1, 2, 3} {
-		decode.assertBlock(t, 0, b, src[kvcore.BlockID(10+i)], "not the prefill worker's block")
+		decode.assertBlock(t, 0, b, hashes[i], src[kvcore.BlockID(10+i)].Data, "not the prefill worker's block")
 	}
-	decode.assertBlock(t, 1, 4, src[13], "not the prefill worker's block")
+	decode.assertBlock(t, 1, 4, hashes[2], src[13].Data, "not the prefill worker's block")
 	assertLoadResult(t, rs.wait(t, partial.TaskID), decode, partial, []kvcore.BlockID{5}, 3*g0)
-	decode.assertBlock(t, 1, 5, prev[5], "a block without a remote source changed")
+	decode.assertBlock(t, 1, 5, prev[5].Hash, prev[5].Data, "a block without a remote source changed")
 	assertLoadResult(t, rs.wait(t, absent.TaskID), decode, absent, []kvcore.BlockID{1, 2, 3, 9}, 0)
 }
 

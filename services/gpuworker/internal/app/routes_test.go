@@ -21,7 +21,7 @@ import (
 // metricsText returns the worker's /metrics page.
 func metricsText(t *testing.T, w *worker) string {
 	t.Helper()
-	resp, err := http.Get("http://" + w.app.Addr() + "/metrics")
+	resp, err := http.Get("http://" + w.addr + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}

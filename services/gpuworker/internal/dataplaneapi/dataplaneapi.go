@@ -1,6 +1,10 @@
 // Package dataplaneapi serves a gpuworker's data plane over HTTP: binary
-// block writes and reads against the pool, and puts of pool blocks to the
-// store pool. The wire format is pkg/dataplane's; see services/gpuworker/API.md.
+// block writes and reads against the pool, evictions, and puts of pool
+// blocks to the store pool. The wire format is pkg/dataplane's; see
+// services/gpuworker/API.md. Every write records the block's identity and
+// every read or put names the hash it expects: a block that does not hold
+// it is refused per block (a not-held frame, a not_held put result), never
+// served.
 package dataplaneapi
 
 import (
@@ -59,6 +63,7 @@ func (h *Handler) Mount(r chi.Router) {
 	r.With(httpserver.BodyLimit(h.writeLimit())).Post(dataplane.PathWrite, h.write)
 	r.Post(dataplane.PathRead, h.read)
 	r.With(httpserver.BodyLimit(putBodyLimit)).Post(dataplane.PathPut, h.put)
+	r.With(httpserver.BodyLimit(putBodyLimit)).Post(dataplane.PathEvict, h.evict)
 }
 
 // writeLimit bounds a write body: every block of the pool once, framed. The
@@ -68,7 +73,7 @@ func (h *Handler) writeLimit() int64 {
 	var n int64
 	for g, blocks := range h.pool.Blocks() {
 		bpb, _ := h.pool.BlockSize(g) // g is a pool group
-		n += int64(blocks) * int64(dataplane.FrameHeaderSize+bpb)
+		n += int64(blocks) * int64(dataplane.FrameHeaderSize+dataplane.MaxHashLen+dataplane.MaxRequestIDLen+bpb)
 	}
 	return n
 }
@@ -109,7 +114,13 @@ func (h *Handler) writeFrame(body io.Reader, fh dataplane.FrameHeader) error {
 	if fh.Len != bpb {
 		return fmt.Errorf("group %d block %d: %d bytes for a %d-byte block: %w", fh.Group, fh.Block, fh.Len, bpb, pool.ErrSize)
 	}
-	return h.pool.Write(fh.Group, fh.Block, func(dst []byte) error {
+	if fh.NotHeld {
+		return fmt.Errorf("group %d block %d: a write frame flagged not held: %w", fh.Group, fh.Block, dataplane.ErrFrame)
+	}
+	if err := fh.Identity.Validate(); err != nil {
+		return fmt.Errorf("group %d block %d: %w", fh.Group, fh.Block, err)
+	}
+	return h.pool.Write(fh.Group, fh.Block, fh.Identity, func(dst []byte) error {
 		return dataplane.ReadFrameData(body, fh, dst)
 	})
 }
@@ -126,44 +137,83 @@ func writeBodyProblem(w http.ResponseWriter, r *http.Request, err error) {
 
 // read answers one frame per asked block, checksummed, in order. Each block
 // is sent under its read lock (no copy), so a write or load of that block
-// waits until it is on the wire.
+// waits until it is on the wire; a block that does not hold the asked hash
+// is answered with a not-held frame (no data, what it holds instead).
+// Content-Length is not known in advance (a refused block sends no data),
+// so the answer is chunked.
 func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	var req dataplane.ReadRequest
 	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
 		return
 	}
-	var total int64
+	for i, ref := range req.Blocks {
+		err := h.pool.Check(ref.Group, ref.Block)
+		if err == nil && (ref.Hash == "" || len(ref.Hash) > dataplane.MaxHashLen) {
+			err = fmt.Errorf("hash of %d bytes (1..%d): %w", len(ref.Hash), dataplane.MaxHashLen, dataplane.ErrIdentity)
+		}
+		if err != nil {
+			httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fmt.Sprintf("blocks[%d]: %v", i, err),
+				map[string]any{"field": "blocks[" + strconv.Itoa(i) + "]"})
+			return
+		}
+	}
+	_, span := otel.Tracer(tracerName).Start(r.Context(), "gpuworker.read", trace.WithAttributes(
+		attribute.Int("kvmesh.blocks", len(req.Blocks))))
+	defer span.End()
+	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
+	w.WriteHeader(http.StatusOK)
+	hdr := make([]byte, 0, dataplane.FrameHeaderSize+2*dataplane.MaxHashLen)
+	var sent int64
+	refused := 0
+	for _, ref := range req.Blocks {
+		err := h.pool.Read(ref.Group, ref.Block, ref.Hash, func(src []byte, tag pool.Tag) error {
+			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
+				Group: ref.Group, Block: ref.Block, Len: len(src), Checksum: dataplane.Checksum(src),
+				Generation: tag.Generation, Identity: tag.Identity,
+			})
+			if _, err := w.Write(hdr); err != nil {
+				return err
+			}
+			sent += int64(len(src))
+			_, err := w.Write(src)
+			return err
+		})
+		var nh *pool.NotHeldError
+		if errors.As(err, &nh) {
+			refused++
+			h.metrics.NotHeld(metrics.OpRead)
+			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
+				Group: ref.Group, Block: ref.Block, NotHeld: true, Generation: nh.Held.Generation, Identity: nh.Held.Identity,
+			})
+			_, err = w.Write(hdr)
+		}
+		if err != nil {
+			return // the client went away; nothing more can be said to it
+		}
+	}
+	span.SetAttributes(attribute.Int64("kvmesh.bytes", sent), attribute.Int("kvmesh.not_held", refused))
+}
+
+// evict clears the identity of the listed blocks.
+func (h *Handler) evict(w http.ResponseWriter, r *http.Request) {
+	var req dataplane.EvictRequest
+	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
+		return
+	}
 	for i, ref := range req.Blocks {
 		if err := h.pool.Check(ref.Group, ref.Block); err != nil {
 			httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fmt.Sprintf("blocks[%d]: %v", i, err),
 				map[string]any{"field": "blocks[" + strconv.Itoa(i) + "]"})
 			return
 		}
-		bpb, _ := h.pool.BlockSize(ref.Group) // checked above
-		total += int64(dataplane.FrameHeaderSize + bpb)
 	}
-	_, span := otel.Tracer(tracerName).Start(r.Context(), "gpuworker.read", trace.WithAttributes(
-		attribute.Int("kvmesh.blocks", len(req.Blocks)), attribute.Int64("kvmesh.bytes", total)))
-	defer span.End()
-	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
-	w.Header().Set("Content-Length", strconv.FormatInt(total, 10))
-	w.WriteHeader(http.StatusOK)
-	hdr := make([]byte, 0, dataplane.FrameHeaderSize)
+	var ans dataplane.EvictResponse
 	for _, ref := range req.Blocks {
-		err := h.pool.Read(ref.Group, ref.Block, func(src []byte) error {
-			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
-				Group: ref.Group, Block: ref.Block, Len: len(src), Checksum: dataplane.Checksum(src),
-			})
-			if _, err := w.Write(hdr); err != nil {
-				return err
-			}
-			_, err := w.Write(src)
-			return err
-		})
-		if err != nil {
-			return // the client went away; nothing more can be said to it
+		if held, _ := h.pool.Evict(ref.Group, ref.Block); held { // checked above
+			ans.Evicted++
 		}
 	}
+	_ = httpserver.WriteJSON(w, http.StatusOK, ans)
 }
 
 // put frames the listed blocks and stores them, in batches of at most
@@ -181,6 +231,9 @@ func (h *Handler) put(w http.ResponseWriter, r *http.Request) {
 			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: err.Error()}
 		case it.Key == "":
 			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: "empty store key"}
+		case it.Hash == "":
+			h.metrics.NotHeld(metrics.OpPut)
+			results[i] = dataplane.PutResult{Status: dataplane.PutNotHeld, Error: "no block hash: the block's content cannot be proven"}
 		default:
 			valid = append(valid, i)
 		}
@@ -244,28 +297,39 @@ func (h *Handler) nextBatch(items []dataplane.PutItem, valid []int) (n, size int
 }
 
 // putBatch frames the items at idx into one buffer and stores them in one
-// Put, filling their results. It returns the framed bytes stored, or the
-// store's whole-batch error.
+// Put, filling their results. A block that does not hold its item's hash
+// is not framed: its result is PutNotHeld. It returns the framed bytes
+// stored, or the store's whole-batch error.
 func (h *Handler) putBatch(r *http.Request, items []dataplane.PutItem, idx []int, size int, results []dataplane.PutResult) (int64, error) {
 	bp := h.buffer(size)
 	defer h.release(bp)
 	buf := (*bp)[:0]
-	batch := make([]kvstore.Item, len(idx))
-	for j, i := range idx {
+	batch := make([]kvstore.Item, 0, len(idx))
+	framed := make([]int, 0, len(idx))
+	for _, i := range idx {
 		it := items[i]
-		_ = h.pool.Read(it.Group, it.Block, func(src []byte) error { // checked by put
+		err := h.pool.Read(it.Group, it.Block, it.Hash, func(src []byte, _ pool.Tag) error {
 			at := len(buf)
 			buf = dataplane.AppendValue(buf, h.fp, src)
-			batch[j] = kvstore.Item{Key: it.Key, Value: buf[at:len(buf):len(buf)]}
+			batch = append(batch, kvstore.Item{Key: it.Key, Value: buf[at:len(buf):len(buf)]})
 			return nil
 		})
+		if err != nil { // the range was checked by put: the block does not hold the hash
+			h.metrics.NotHeld(metrics.OpPut)
+			results[i] = dataplane.PutResult{Status: dataplane.PutNotHeld, Error: err.Error()}
+			continue
+		}
+		framed = append(framed, i)
+	}
+	if len(batch) == 0 {
+		return 0, nil
 	}
 	errs, err := h.store.Put(r.Context(), batch)
 	if err != nil {
 		return 0, fmt.Errorf("store put of %d keys: %w", len(batch), err)
 	}
 	var stored int64
-	for j, i := range idx {
+	for j, i := range framed {
 		results[i] = putResult(errs[j])
 		if errs[j] == nil {
 			stored += int64(len(batch[j].Value))

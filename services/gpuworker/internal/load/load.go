@@ -45,6 +45,9 @@ var (
 	ErrInvalidTask = errors.New("invalid load task")
 	// ErrNotPlanned reports a task whose blocks cannot be mapped.
 	ErrNotPlanned = errors.New("load task cannot be planned")
+	// ErrSourceNotHeld reports a pd source block that no longer holds the
+	// chunk (its worker restarted, or the engine evicted or reused it).
+	ErrSourceNotHeld = errors.New("pd source block does not hold the chunk")
 )
 
 // Publisher publishes records (bus.Producer).
@@ -244,7 +247,7 @@ func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
 	errs := make([]error, len(items))
 	for lo := 0; lo < len(items); {
 		hi := l.batchEnd(items, lo)
-		res.bytes += l.getBatch(ctx, items[lo:hi], errs[lo:hi])
+		res.bytes += l.getBatch(ctx, task.RequestID, items[lo:hi], errs[lo:hi])
 		lo = hi
 	}
 	for i, it := range items {
@@ -275,7 +278,7 @@ func (l *Loader) batchEnd(items []kvcore.TransferItem, lo int) int {
 // getBatch gets one batch of keys with one store Get, verifies each value
 // and writes it into its block; errs[i] records why item i failed. It
 // returns the payload bytes written.
-func (l *Loader) getBatch(ctx context.Context, items []kvcore.TransferItem, errs []error) int64 {
+func (l *Loader) getBatch(ctx context.Context, requestID string, items []kvcore.TransferItem, errs []error) int64 {
 	keys := make([]string, len(items))
 	for i, it := range items {
 		keys[i] = it.Key
@@ -297,7 +300,7 @@ func (l *Loader) getBatch(ctx context.Context, items []kvcore.TransferItem, errs
 		if errs[i] = keyErrs[i]; errs[i] != nil {
 			continue
 		}
-		if errs[i] = l.place(it, values[i]); errs[i] != nil {
+		if errs[i] = l.place(requestID, it, values[i]); errs[i] != nil {
 			l.cfg.Metrics.Rejected(errs[i])
 			continue
 		}
@@ -307,13 +310,14 @@ func (l *Loader) getBatch(ctx context.Context, items []kvcore.TransferItem, errs
 }
 
 // place verifies a stored value completely, then writes its payload into
-// the item's block; a value that fails any check writes nothing.
-func (l *Loader) place(it kvcore.TransferItem, value []byte) error {
+// the item's block as the chunk's content (its hash, the loading request);
+// a value that fails any check writes nothing.
+func (l *Loader) place(requestID string, it kvcore.TransferItem, value []byte) error {
 	payload, err := dataplane.DecodeValue(l.fp, value)
 	if err != nil {
 		return fmt.Errorf("key %s: %w", it.Key, err)
 	}
-	return l.cfg.Pool.WriteBytes(it.Group, it.Block, payload)
+	return l.cfg.Pool.WriteBytes(it.Group, it.Block, dataplane.Identity{Hash: it.Hash, RequestID: requestID}, payload)
 }
 
 // ListedBlocks is every block a task names for the chunks it loads, each

@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
 )
 
 // pdItem is one block of a pd load: where it is read on the prefill
@@ -14,6 +15,9 @@ type pdItem struct {
 	group  int
 	local  kvcore.BlockID
 	remote kvcore.BlockID
+	// hash is the chunk's hash: the remote block must hold it, and the
+	// local block holds it once written.
+	hash string
 }
 
 // planRemote maps each chunk of the task to its local and remote block.
@@ -36,12 +40,16 @@ func planRemote(m *kvcore.Model, task *kvcore.LoadTask) (items []pdItem, unmappe
 				return nil, nil, fmt.Errorf("group %d chunk [%d,%d) has no local block: %w", g, c.Start, c.End, ErrNotPlanned)
 			}
 			local := task.BlockTable[g][bi]
+			hi := c.HashIndex(m.HashBlockSize)
+			if hi >= len(task.BlockHashes) || !kvcore.IsHashHex(task.BlockHashes[hi]) {
+				return nil, nil, fmt.Errorf("group %d chunk [%d,%d) has no valid hash at index %d: %w", g, c.Start, c.End, hi, ErrNotPlanned)
+			}
 			remote := remoteBlock(task.Remote.BlockTable, g, bi)
 			if remote < 0 {
 				unmapped = append(unmapped, local)
 				continue
 			}
-			items = append(items, pdItem{group: g, local: local, remote: remote})
+			items = append(items, pdItem{group: g, local: local, remote: remote, hash: task.BlockHashes[hi]})
 		}
 	}
 	return items, unmapped, nil
@@ -80,18 +88,20 @@ func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome 
 			size += l.cfg.Model.Groups[items[hi].group].BytesPerBlock
 			hi++
 		}
-		l.readBatch(ctx, client, items[lo:hi], &res)
+		l.readBatch(ctx, client, task.RequestID, items[lo:hi], &res)
 		lo = hi
 	}
 	return res
 }
 
 // readBatch reads one batch from the remote worker (checksums verified by
-// the client) and writes each block; failures are recorded in res.
-func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, items []pdItem, res *outcome) {
-	refs := make([]dataplane.BlockRef, len(items))
+// the client, each block's hash checked by the remote worker) and writes
+// each block; failures, and blocks the remote worker no longer holds, are
+// recorded in res as load errors.
+func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, res *outcome) {
+	refs := make([]dataplane.ReadRef, len(items))
 	for i, it := range items {
-		refs[i] = dataplane.BlockRef{Group: it.group, Block: it.remote}
+		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: it.group, Block: it.remote}, Hash: it.hash}
 	}
 	blocks, err := c.Read(ctx, refs)
 	if err != nil {
@@ -101,7 +111,12 @@ func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, items []pdI
 		return
 	}
 	for i, it := range items {
-		if err := l.cfg.Pool.WriteBytes(it.group, it.local, blocks[i].Data); err != nil {
+		if blocks[i].NotHeld != "" {
+			l.cfg.Metrics.NotHeld(metrics.OpLoadSource)
+			res.fail(it.local, fmt.Errorf("remote group %d block %d: %s: %w", it.group, it.remote, blocks[i].NotHeld, ErrSourceNotHeld))
+			continue
+		}
+		if err := l.cfg.Pool.WriteBytes(it.group, it.local, dataplane.Identity{Hash: it.hash, RequestID: requestID}, blocks[i].Data); err != nil {
 			res.fail(it.local, err)
 			continue
 		}

@@ -25,6 +25,17 @@ const (
 	OpSavePut = "save_put"
 )
 
+// Refusal labels of kvmesh_gpuworker_not_held_total: the read that found a
+// block not holding the asked hash.
+const (
+	// OpPut is a data-plane put (a save) reading a pool block.
+	OpPut = "put"
+	// OpRead is a data-plane read (a pd load or a verification).
+	OpRead = "read"
+	// OpLoadSource is a pd load's remote read as the receiving worker saw it.
+	OpLoadSource = "pd_source"
+)
+
 // Metrics are the gpuworker's own metric families. Store latency, keys and
 // failed keys come from kvstore.Instrument (kvmesh_store_op_duration_seconds,
 // kvmesh_store_keys_total, kvmesh_store_failed_keys_total); this adds the
@@ -35,6 +46,7 @@ type Metrics struct {
 	loads      *prometheus.CounterVec
 	loadErrors prometheus.Counter
 	loadBytes  prometheus.Counter
+	notHeld    *prometheus.CounterVec
 }
 
 // New registers the metrics on reg, with collectors that read the pool and
@@ -57,8 +69,12 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 		loadBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_load_bytes_total", Help: "Block bytes written into the pool by loads.",
 		}),
+		notHeld: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_not_held_total",
+			Help: "Block reads refused because the block does not hold the asked hash (never written since start, evicted, rewritten or torn), by operation (put, read, pd_source).",
+		}, []string{"op"}),
 	}
-	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes,
+	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes, m.notHeld,
 		&poolCollector{stats: stats}, &gpuCollector{src: gpus}); err != nil {
 		return nil, fmt.Errorf("gpuworker metrics: %w", err)
 	}
@@ -71,6 +87,9 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 	}
 	for _, outcome := range loadOutcomes {
 		m.loads.WithLabelValues(outcome)
+	}
+	for _, op := range []string{OpPut, OpRead, OpLoadSource} {
+		m.notHeld.WithLabelValues(op)
 	}
 	return m, nil
 }
@@ -85,6 +104,12 @@ var rejectReasons = []string{"fingerprint", "checksum", "malformed", "size", "ot
 // StoreBytes counts value bytes moved by one store operation.
 func (m *Metrics) StoreBytes(op string, n int64) {
 	m.storeBytes.WithLabelValues(op).Add(float64(n))
+}
+
+// NotHeld counts one block read refused because the block does not hold
+// the asked hash.
+func (m *Metrics) NotHeld(op string) {
+	m.notHeld.WithLabelValues(op).Inc()
 }
 
 // Rejected counts a stored value a load refused, by the reason in err.
@@ -121,7 +146,7 @@ type poolCollector struct {
 }
 
 var poolBlocksDesc = prometheus.NewDesc("kvmesh_gpuworker_pool_blocks",
-	"Pool blocks per KV group, by state (in_use: written since start or reset; free).",
+	"Pool blocks per KV group, by state (in_use: holding an identity, written and not evicted, reset or torn since; free).",
 	[]string{"group", "state"}, nil)
 
 func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolBlocksDesc }

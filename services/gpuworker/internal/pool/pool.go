@@ -3,6 +3,14 @@
 // memory. Each block has its own lock, so loads, writes and puts of
 // different blocks proceed in parallel and a reader never sees a block half
 // written.
+//
+// Every block carries its identity: the chunk hash it holds, the request
+// that wrote it and a write generation. A write clears the identity before
+// the first byte changes and records the new one only once the last byte is
+// in; every read names the hash it expects and is refused (ErrNotHeld)
+// unless the block holds exactly that, so a block never written since the
+// worker started, evicted by the engine, rewritten for other content or
+// torn by a failed write is never served.
 package pool
 
 import (
@@ -10,7 +18,9 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
@@ -20,19 +30,52 @@ var (
 	ErrOutOfRange = errors.New("block outside the pool")
 	// ErrSize reports data whose length is not the group's bytes_per_block.
 	ErrSize = errors.New("data size is not the block size")
+	// ErrNotHeld reports a block that does not hold the asked hash.
+	ErrNotHeld = errors.New("block does not hold the asked content")
 )
+
+// Tag is what one block holds.
+type Tag struct {
+	// Identity is the chunk hash and the writing request.
+	dataplane.Identity
+	// Generation is the pool-wide write generation of the block's last
+	// write. Generations start at the worker's start time in nanoseconds,
+	// so they grow across restarts too.
+	Generation uint64
+}
+
+// NotHeldError is an ErrNotHeld with what the block holds instead.
+type NotHeldError struct {
+	// Group and Block name the block.
+	Group int
+	Block kvcore.BlockID
+	// Want is the asked hash.
+	Want string
+	// Held is what the block holds; its Hash is empty when nothing.
+	Held Tag
+}
+
+// Error describes the refusal.
+func (e *NotHeldError) Error() string {
+	return fmt.Sprintf("group %d block %d: %s", e.Group, e.Block, dataplane.NotHeldReason(e.Want, e.Held.Identity, e.Held.Generation))
+}
+
+// Unwrap makes errors.Is(err, ErrNotHeld) hold.
+func (e *NotHeldError) Unwrap() error { return ErrNotHeld }
 
 // Pool is the paged KV memory of one engine rank.
 type Pool struct {
 	groups []*group
+	gen    atomic.Uint64
 }
 
 type group struct {
-	bpb     int
-	mem     []byte
-	locks   []sync.RWMutex
-	written []atomic.Bool
-	inUse   atomic.Int64
+	bpb   int
+	mem   []byte
+	locks []sync.RWMutex
+	// tags[i] is guarded by locks[i]; a zero Hash means nothing is held.
+	tags  []Tag
+	inUse atomic.Int64
 }
 
 // GroupStats describes one group's pool.
@@ -47,25 +90,27 @@ type GroupStats struct {
 	BytesPerBlock int64 `json:"bytes_per_block"`
 	// BytesTotal is Blocks × BytesPerBlock.
 	BytesTotal int64 `json:"bytes_total"`
-	// InUse counts blocks written (by a write or a load) since start or the
-	// last Reset.
+	// InUse counts blocks that hold an identity (written by a write or a
+	// load, and not evicted, reset or torn since).
 	InUse int `json:"in_use"`
 }
 
 // New allocates blocks blocks for every group of m. The memory is allocated
 // up front but the operating system commits pages only when first written.
+// No block holds anything until it is written.
 func New(m *kvcore.Model, blocks int) (*Pool, error) {
 	if blocks <= 0 {
 		return nil, fmt.Errorf("pool of %d blocks: %w", blocks, ErrOutOfRange)
 	}
 	p := &Pool{groups: make([]*group, len(m.Groups))}
+	p.gen.Store(uint64(time.Now().UnixNano()))
 	for i, g := range m.Groups {
 		bpb := int(g.BytesPerBlock)
 		p.groups[i] = &group{
-			bpb:     bpb,
-			mem:     make([]byte, blocks*bpb),
-			locks:   make([]sync.RWMutex, blocks),
-			written: make([]atomic.Bool, blocks),
+			bpb:   bpb,
+			mem:   make([]byte, blocks*bpb),
+			locks: make([]sync.RWMutex, blocks),
+			tags:  make([]Tag, blocks),
 		}
 	}
 	return p, nil
@@ -105,10 +150,15 @@ func (p *Pool) at(group int, block kvcore.BlockID) (*group, error) {
 	return g, nil
 }
 
-// Write fills one block: fill gets the block's memory under the block's
-// write lock. When fill fails the block may hold partial bytes and is
-// marked not in use; its error is returned.
-func (p *Pool) Write(group int, block kvcore.BlockID, fill func(dst []byte) error) error {
+// Write fills one block with the content id names: under the block's write
+// lock its identity is cleared, fill gets the block's memory, and only when
+// fill succeeds is id recorded with a new generation. When fill fails the
+// block may hold partial bytes and holds no identity; fill's error is
+// returned.
+func (p *Pool) Write(group int, block kvcore.BlockID, id dataplane.Identity, fill func(dst []byte) error) error {
+	if err := id.Validate(); err != nil {
+		return fmt.Errorf("group %d block %d: %w", group, block, err)
+	}
 	g, err := p.at(group, block)
 	if err != nil {
 		return err
@@ -116,16 +166,17 @@ func (p *Pool) Write(group int, block kvcore.BlockID, fill func(dst []byte) erro
 	i := int(block)
 	g.locks[i].Lock()
 	defer g.locks[i].Unlock()
+	g.set(i, Tag{})
 	if err := fill(g.mem[i*g.bpb : (i+1)*g.bpb]); err != nil {
-		g.mark(i, false)
 		return err
 	}
-	g.mark(i, true)
+	g.set(i, Tag{Identity: id, Generation: p.gen.Add(1)})
 	return nil
 }
 
-// WriteBytes copies data (exactly bytes_per_block long) into one block.
-func (p *Pool) WriteBytes(group int, block kvcore.BlockID, data []byte) error {
+// WriteBytes copies data (exactly bytes_per_block long) into one block as
+// the content id names.
+func (p *Pool) WriteBytes(group int, block kvcore.BlockID, id dataplane.Identity, data []byte) error {
 	bpb, err := p.BlockSize(group)
 	if err != nil {
 		return err
@@ -133,15 +184,17 @@ func (p *Pool) WriteBytes(group int, block kvcore.BlockID, data []byte) error {
 	if len(data) != bpb {
 		return fmt.Errorf("group %d: %d bytes for a %d-byte block: %w", group, len(data), bpb, ErrSize)
 	}
-	return p.Write(group, block, func(dst []byte) error {
+	return p.Write(group, block, id, func(dst []byte) error {
 		copy(dst, data)
 		return nil
 	})
 }
 
-// Read passes one block's memory to use under the block's read lock; use
-// must not keep the slice.
-func (p *Pool) Read(group int, block kvcore.BlockID, use func(src []byte) error) error {
+// Read passes one block's memory and tag to use under the block's read
+// lock, provided the block holds hash want; otherwise it returns a
+// *NotHeldError (errors.Is ErrNotHeld) and use is not called. use must not
+// keep the slice. An empty want is never held.
+func (p *Pool) Read(group int, block kvcore.BlockID, want string, use func(src []byte, tag Tag) error) error {
 	g, err := p.at(group, block)
 	if err != nil {
 		return err
@@ -149,17 +202,48 @@ func (p *Pool) Read(group int, block kvcore.BlockID, use func(src []byte) error)
 	i := int(block)
 	g.locks[i].RLock()
 	defer g.locks[i].RUnlock()
-	return use(g.mem[i*g.bpb : (i+1)*g.bpb])
+	tag := g.tags[i]
+	if want == "" || tag.Hash != want {
+		return &NotHeldError{Group: group, Block: block, Want: want, Held: tag}
+	}
+	return use(g.mem[i*g.bpb:(i+1)*g.bpb], tag)
 }
 
-// Copy returns a copy of one block's bytes.
-func (p *Pool) Copy(group int, block kvcore.BlockID) ([]byte, error) {
+// Copy returns a copy of one block's bytes, provided it holds hash want.
+func (p *Pool) Copy(group int, block kvcore.BlockID, want string) ([]byte, error) {
 	var out []byte
-	err := p.Read(group, block, func(src []byte) error {
+	err := p.Read(group, block, want, func(src []byte, _ Tag) error {
 		out = append([]byte(nil), src...)
 		return nil
 	})
 	return out, err
+}
+
+// Tag returns what one block holds (a zero Tag when nothing).
+func (p *Pool) Tag(group int, block kvcore.BlockID) (Tag, error) {
+	g, err := p.at(group, block)
+	if err != nil {
+		return Tag{}, err
+	}
+	i := int(block)
+	g.locks[i].RLock()
+	defer g.locks[i].RUnlock()
+	return g.tags[i], nil
+}
+
+// Evict clears one block's identity (the engine dropped its content); it
+// reports whether the block held one. The bytes stay but are never served.
+func (p *Pool) Evict(group int, block kvcore.BlockID) (bool, error) {
+	g, err := p.at(group, block)
+	if err != nil {
+		return false, err
+	}
+	i := int(block)
+	g.locks[i].Lock()
+	defer g.locks[i].Unlock()
+	held := g.tags[i].Hash != ""
+	g.set(i, Tag{})
+	return held, nil
 }
 
 // Stats describes every group, in group order.
@@ -176,22 +260,26 @@ func (p *Pool) Stats(m *kvcore.Model) []GroupStats {
 	return out
 }
 
-// Reset marks every block not in use; the bytes stay.
+// Reset clears every block's identity; the bytes stay but are never served.
 func (p *Pool) Reset() {
 	for _, g := range p.groups {
-		for i := range g.written {
-			g.mark(i, false)
+		for i := range g.tags {
+			g.locks[i].Lock()
+			g.set(i, Tag{})
+			g.locks[i].Unlock()
 		}
 	}
 }
 
-// mark records whether block i holds written bytes, keeping the in-use count.
-func (g *group) mark(i int, written bool) {
-	if g.written[i].Swap(written) != written {
-		if written {
-			g.inUse.Add(1)
-		} else {
-			g.inUse.Add(-1)
-		}
+// set records block i's tag (the caller holds its write lock), keeping the
+// in-use count.
+func (g *group) set(i int, t Tag) {
+	was, is := g.tags[i].Hash != "", t.Hash != ""
+	g.tags[i] = t
+	switch {
+	case is && !was:
+		g.inUse.Add(1)
+	case was && !is:
+		g.inUse.Add(-1)
 	}
 }

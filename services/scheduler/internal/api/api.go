@@ -1,7 +1,10 @@
 // Package api is the scheduler's admin HTTP API: GET /v1/requests (a
-// filtered, paginated list of request trackers) and
+// filtered, paginated list of request trackers),
 // GET /v1/requests/{engine_id}/{request_id} (one request in full: tracker,
-// per-group saved coverage, outstanding tasks, errors).
+// per-group saved coverage, outstanding tasks, errors),
+// GET /v1/outbox/failed (outbox rows that could not be published) and
+// POST /v1/outbox/{id}/retry (an admin route putting one back on the relay
+// path).
 package api
 
 import (
@@ -31,18 +34,21 @@ var States = []kvcore.TrackerState{
 type API struct {
 	ledger *ledger.Ledger
 	model  *kvcore.Model
+	outbox Outbox
 	log    *slog.Logger
 }
 
-// New returns the API over l for model m.
-func New(l *ledger.Ledger, m *kvcore.Model, log *slog.Logger) *API {
-	return &API{ledger: l, model: m, log: log}
+// New returns the API over l for model m, with the outbox routes over o.
+func New(l *ledger.Ledger, m *kvcore.Model, o Outbox, log *slog.Logger) *API {
+	return &API{ledger: l, model: m, outbox: o, log: log}
 }
 
-// Mount adds the routes to r.
-func (a *API) Mount(r chi.Router) {
+// Mount adds the routes to r; admin guards the mutating one.
+func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 	r.Get("/v1/requests", a.list)
 	r.Get("/v1/requests/{engine_id}/{request_id}", a.show)
+	r.Get("/v1/outbox/failed", a.listFailed)
+	r.With(admin).Post("/v1/outbox/{id}/retry", a.retryFailed)
 }
 
 // Page is one page of GET /v1/requests.

@@ -121,7 +121,6 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
 	}
-	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log))
 	a.ledger = ledger.New(a.deps.Pool, a.model)
 	if err = a.buildConsumers(); err != nil {
 		return nil, err
@@ -129,10 +128,15 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if a.gauges, err = newGauges(a.deps.Registry); err != nil {
 		return nil, err
 	}
+	failures, err := database.WithFailureMetric(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "scheduler", &cfg.Common); err != nil {
 		return nil, err
 	}
-	api.New(a.ledger, a.model, log).Mount(a.srv.Router())
+	api.New(a.ledger, a.model, a.relay, log).Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }

@@ -233,12 +233,37 @@ func hashes(n int) []string {
 	return out
 }
 
-// event fills ev's identity, seq and model, produces it and returns it.
-func (r *request) event(ev contract.EngineEvent) contract.EngineEvent {
-	r.h.t.Helper()
+// fill is event without producing: it gives ev the request's identity,
+// its next seq and the model.
+func (r *request) fill(ev contract.EngineEvent) contract.EngineEvent {
 	r.seq++
 	ev.Schema, ev.EngineID, ev.RequestID, ev.Model, ev.Seq = contract.SchemaEngineEvent, r.engine, r.id, r.h.model.Name, r.seq
 	ev.EventID = fmt.Sprintf("%s/%d", r.id, r.seq)
+	return ev
+}
+
+// decision is decide without producing.
+func (r *request) decision(id, chosen string, external int, children ...contract.ChildDecision) contract.LookupDecision {
+	return contract.LookupDecision{
+		Schema: contract.SchemaLookupDecision, DecisionID: id, EngineID: r.engine, RequestID: r.id,
+		Model: r.h.model.Name, Chosen: chosen, ExternalTokens: external, LoadAsync: true, Children: children,
+	}
+}
+
+// transferResult is result without producing: it gives res the request's
+// identity and, unless set, a fresh result id.
+func (r *request) transferResult(res contract.TransferResult) contract.TransferResult {
+	res.Schema, res.EngineID, res.RequestID = contract.SchemaTransferResult, r.engine, r.id
+	if res.ResultID == "" {
+		res.ResultID = randomID("res-")
+	}
+	return res
+}
+
+// event fills ev's identity, seq and model, produces it and returns it.
+func (r *request) event(ev contract.EngineEvent) contract.EngineEvent {
+	r.h.t.Helper()
+	ev = r.fill(ev)
 	r.h.produce(contract.TopicEngineEvents, keyed{r.id, ev})
 	return ev
 }
@@ -263,10 +288,7 @@ func (r *request) preempt() { r.event(contract.EngineEvent{Kind: contract.EventP
 // order; chosen is the chosen child's name ("" for none).
 func (r *request) decide(id, chosen string, external int, children ...contract.ChildDecision) contract.LookupDecision {
 	r.h.t.Helper()
-	d := contract.LookupDecision{
-		Schema: contract.SchemaLookupDecision, DecisionID: id, EngineID: r.engine, RequestID: r.id,
-		Model: r.h.model.Name, Chosen: chosen, ExternalTokens: external, LoadAsync: true, Children: children,
-	}
+	d := r.decision(id, chosen, external, children...)
 	r.h.produce(contract.TopicLookupDecisions, keyed{r.id, d})
 	return d
 }
@@ -278,11 +300,7 @@ func storeChild(tokens int, spec *kvcore.LoadSpec) contract.ChildDecision {
 
 // result produces a transfer result.
 func (r *request) result(res contract.TransferResult) {
-	res.Schema, res.EngineID, res.RequestID = contract.SchemaTransferResult, r.engine, r.id
-	if res.ResultID == "" {
-		res.ResultID = randomID("res-")
-	}
-	r.h.produce(contract.TopicTransferResults, keyed{r.id, res})
+	r.h.produce(contract.TopicTransferResults, keyed{r.id, r.transferResult(res)})
 }
 
 // saved reports a save task stored in every group.

@@ -16,6 +16,7 @@ import (
 type gauges struct {
 	trackers *prometheus.GaugeVec
 	backlog  prometheus.Gauge
+	failed   prometheus.Gauge
 	purged   *prometheus.CounterVec
 }
 
@@ -29,12 +30,16 @@ func newGauges(reg prometheus.Registerer) (*gauges, error) {
 			Name: "kvmesh_outbox_backlog",
 			Help: "Outbox rows not yet published (refreshed every maintenance interval).",
 		}),
+		failed: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvmesh_outbox_failed",
+			Help: "Outbox rows that can never be published and left the relay path, listed by GET /v1/outbox/failed (refreshed every maintenance interval).",
+		}),
 		purged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_scheduler_purged_total",
 			Help: "Rows deleted by the retention purge, by table (trackers, idle_trackers, processed_records, outbox).",
 		}, []string{"table"}),
 	}
-	if err := telemetry.RegisterAll(reg, g.trackers, g.backlog, g.purged); err != nil {
+	if err := telemetry.RegisterAll(reg, g.trackers, g.backlog, g.failed, g.purged); err != nil {
 		return nil, fmt.Errorf("scheduler metrics: %w", err)
 	}
 	return g, nil
@@ -72,6 +77,11 @@ func (a *App) maintainOnce(ctx context.Context) error {
 		return err
 	}
 	a.gauges.backlog.Set(float64(backlog))
+	failed, err := a.relay.FailedCount(ctx)
+	if err != nil {
+		return err
+	}
+	a.gauges.failed.Set(float64(failed))
 	p, err := a.ledger.Purge(ctx, a.cfg.TrackerRetention, a.cfg.TrackerIdleTimeout)
 	if err != nil {
 		return err

@@ -9,10 +9,14 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// Engine applies one engine event. An event whose seq is not above the
-// last one applied is stale and changes nothing. An allocation with
-// external tokens whose lookup decision has not arrived is held, with the
-// events after it, until the decision comes; a finish is never held.
+// Engine applies one engine event. A request's events are numbered 1, 2,
+// 3, … with no gap. An event whose seq is not above the last one applied is
+// stale (a redelivery) and changes nothing. An event whose seq skips one
+// (above last + 1; a request's first event must have seq 1) fails the
+// request closed: an event that may have changed its block table is
+// missing (seqGap). An errored request takes only its finish. An allocation
+// with external tokens whose lookup decision has not arrived is held, with
+// the events after it, until the decision comes; a finish is never held.
 func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
 	var out Outcome
 	if ev.Seq <= r.LastSeq {
@@ -20,7 +24,12 @@ func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
 		out.Ignored = "stale"
 		return out
 	}
+	expected := r.LastSeq + 1
 	r.LastSeq = ev.Seq
+	if ev.Seq != expected {
+		r.seqGap(m, &out, ev, expected)
+		return out
+	}
 	if ev.Model != m.Name {
 		r.fail(&out, fmt.Errorf("event %d names model %q, this scheduler serves %q: %w", ev.Seq, ev.Model, m.Name, ErrWrongModel))
 		if ev.Kind == contract.EventFinished {
@@ -32,12 +41,59 @@ func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
 	return out
 }
 
+// seqGap fails the request closed for an event that skipped a seq: the
+// request errors (request_error naming the expected and received seq), an
+// allocation waiting for its decision and a load the allocation promised
+// are answered with every block in error, the saves in flight stop holding
+// finished_sending (kvcore.Tracker.FailClosed), and nothing more is emitted.
+// The event itself is dropped, except a finish, which still frees the
+// request. A request already errored or finished only records a warning.
+func (r *Request) seqGap(m *kvcore.Model, out *Outcome, ev contract.EngineEvent, expected int64) {
+	src := source(ev)
+	err := fmt.Errorf("%s (%s): expected seq %d, received %d: %w", src, ev.Kind, expected, ev.Seq, ErrSeqGap)
+	switch {
+	case r.Store.Finished():
+		r.warn(out, src, err)
+		return
+	case r.Store.State == kvcore.StateErrored:
+		r.warn(out, src, err)
+	default:
+		r.dropHeld(out)
+		r.storeEffects(out, src, r.Store.FailClosed(err))
+		if r.PD != nil {
+			r.pdEffects(out, src, r.PD.FailClosed(err), true)
+		}
+	}
+	if ev.Kind == contract.EventFinished {
+		r.release(m, out, ev)
+	}
+}
+
+// dropHeld discards a held allocation (and the events held behind it); the
+// external tokens it promised are answered with every allocated block as a
+// load error, so the engine recomputes instead of waiting for a load.
+func (r *Request) dropHeld(out *Outcome) {
+	if r.Held == nil {
+		return
+	}
+	alloc := r.Held.Alloc
+	r.Held = nil
+	if alloc.ExternalTokens > 0 {
+		out.Feedback = append(out.Feedback, feedback(kvcore.Feedback{
+			Kind: kvcore.FeedbackFinishedRecving, EngineID: r.Store.EngineID, RequestID: r.Store.RequestID,
+			LoadErrors: liveBlocks(alloc.BlockTable), Epoch: r.Store.Epoch,
+		}))
+	}
+}
+
 // source names an engine event in warnings.
 func source(ev contract.EngineEvent) string { return "event " + strconv.FormatInt(ev.Seq, 10) }
 
 // dispatch routes one in-order engine event.
 func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
 	switch {
+	case r.Store.State == kvcore.StateErrored && ev.Kind != contract.EventFinished:
+		out.Ignored = "errored"
 	case ev.Kind == contract.EventAdmitted:
 		r.admit(ev)
 	case r.Held != nil && ev.Kind == contract.EventFinished:
@@ -148,6 +204,8 @@ func (r *Request) Decision(m *kvcore.Model, d contract.LookupDecision) Outcome {
 		r.warn(&out, "decision "+d.DecisionID, fmt.Errorf("decision names model %q, this scheduler serves %q: %w", d.Model, m.Name, ErrWrongModel))
 	case r.Store.Finished():
 		out.Ignored = "finished"
+	case r.Store.State == kvcore.StateErrored:
+		out.Ignored = "errored"
 	case r.Held != nil && (r.Held.Alloc.DecisionID == "" || r.Held.Alloc.DecisionID == d.DecisionID):
 		held := r.Held
 		r.Held = nil

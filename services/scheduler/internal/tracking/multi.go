@@ -78,7 +78,7 @@ func (r *Request) abandon(out *Outcome, src, chosen string, alloc contract.Engin
 	r.warn(out, src, err)
 	out.Feedback = append(out.Feedback, feedback(kvcore.Feedback{
 		Kind: kvcore.FeedbackFinishedRecving, EngineID: r.Store.EngineID, RequestID: r.Store.RequestID,
-		LoadErrors: liveBlocks(alloc.BlockTable),
+		LoadErrors: liveBlocks(alloc.BlockTable), Epoch: r.Store.Epoch,
 	}))
 }
 

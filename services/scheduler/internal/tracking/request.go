@@ -41,6 +41,9 @@ var (
 	// ErrHeldOverflow: too many events arrived while an allocation waited
 	// for its lookup decision.
 	ErrHeldOverflow = errors.New("too many events held for a lookup decision")
+	// ErrSeqGap: a request's engine event skipped a seq; the missing event
+	// may have changed the request's block table, so nothing more is saved.
+	ErrSeqGap = errors.New("engine event sequence gap: an event of the request is missing")
 )
 
 // Request is the scheduler's state of one request.
@@ -94,6 +97,8 @@ type TaskRef struct {
 	// Start and End are the task's token range.
 	Start int `json:"start"`
 	End   int `json:"end"`
+	// Epoch is the allocation epoch the task was emitted in (absent: 0).
+	Epoch int `json:"epoch,omitempty"`
 }
 
 // GroupCoverage is what the sender reported for one KV group.
@@ -229,10 +234,10 @@ func (r *Request) pdEffects(out *Outcome, source string, eff kvcore.Effects, qui
 // taskEffects records the emitted tasks as outstanding.
 func (r *Request) taskEffects(out *Outcome, eff kvcore.Effects) {
 	for _, s := range eff.Saves {
-		r.Tasks = append(r.Tasks, TaskRef{ID: s.TaskID, Kind: "save", Start: s.Start, End: s.End})
+		r.Tasks = append(r.Tasks, TaskRef{ID: s.TaskID, Kind: "save", Start: s.Start, End: s.End, Epoch: s.Epoch})
 	}
 	for _, l := range eff.Loads {
-		r.Tasks = append(r.Tasks, TaskRef{ID: l.TaskID, Kind: "load", Connector: l.Connector, Start: l.Start, End: l.End})
+		r.Tasks = append(r.Tasks, TaskRef{ID: l.TaskID, Kind: "load", Connector: l.Connector, Start: l.Start, End: l.End, Epoch: l.Epoch})
 	}
 	out.Saves = append(out.Saves, eff.Saves...)
 	out.Loads = append(out.Loads, eff.Loads...)

@@ -163,7 +163,11 @@ func (a *App) wire(cfg Config) error {
 		}
 		a.consumers = append(a.consumers, c)
 	}
-	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log))
+	failures, err := database.WithFailureMetric(a.deps.Registry)
+	if err != nil {
+		return err
+	}
+	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log), failures)
 	api.New(a.processor, l, api.NewWorkerRegistry(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
 		Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)

@@ -229,6 +229,7 @@ type stack struct {
 	written   map[string][]byte // "engine/group/block" → bytes written into the pool
 	noWrites  bool              // task() leaves the pool as it is
 	modelSpec string            // KVMESH_MODEL of both services
+	pool      int               // KVMESH_POOL_BLOCKS of the workers
 	mu        sync.Mutex
 }
 
@@ -239,6 +240,7 @@ type stackOptions struct {
 	config      func(*app.Config)
 	noSender    bool   // the test runs the sender itself
 	modelFile   string // a model spec file for both services (default hybrid-mla-linear)
+	poolBlocks  int    // blocks per group of each worker's pool (default 64)
 }
 
 func newStack(t testing.TB, o stackOptions) *stack {
@@ -253,7 +255,10 @@ func newStack(t testing.TB, o stackOptions) *stack {
 		t.Fatal(err)
 	}
 	s := &stack{env: env, model: m, modelSpec: modelSpec, prefix: "t" + randHex(6), redis: env.RedisURL, got: &collector{},
-		workers: map[string]*dataplane.Client{}, written: map[string][]byte{}}
+		workers: map[string]*dataplane.Client{}, written: map[string][]byte{}, pool: 64}
+	if o.poolBlocks > 0 {
+		s.pool = o.poolBlocks
+	}
 	if o.workerRedis != "" {
 		s.redis = o.workerRedis
 	}
@@ -359,7 +364,7 @@ func (s *stack) workerEnv(engine string) map[string]string {
 	return map[string]string{
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_ENGINE_ID": engine, "KVMESH_HTTP_ADDR": "127.0.0.1:0",
-		"KVMESH_MODEL": s.modelSpec, "KVMESH_POOL_BLOCKS": "64", "KVMESH_KEY_PREFIX": s.prefix,
+		"KVMESH_MODEL": s.modelSpec, "KVMESH_POOL_BLOCKS": itoa(s.pool), "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
 	}
 }
@@ -433,15 +438,24 @@ func (s *stack) taskWithTokens(t testing.TB, engine, id string, tokens []uint32,
 }
 
 // writeBlocks writes fresh random bytes into every block of the task's
-// table in its engine's pool, and remembers them for checkStored.
+// table in its engine's pool, each as the content of the chunk that block
+// holds (the task's hash for it, written by the task's request), and
+// remembers them for checkStored.
 func (s *stack) writeBlocks(t testing.TB, task *kvcore.SaveTask) {
 	t.Helper()
 	var blocks []dataplane.Block
 	for g, ids := range task.BlockTable {
-		for _, b := range ids {
+		if g >= len(s.model.Groups) {
+			continue // a malformed task's extra group: nothing to hold it
+		}
+		for i, b := range ids {
+			if b < 0 {
+				continue // a null block holds nothing
+			}
 			data := make([]byte, s.model.Groups[g].BytesPerBlock)
 			_, _ = rand.Read(data)
-			blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: b}, Data: data})
+			blocks = append(blocks, dataplane.Block{BlockRef: dataplane.BlockRef{Group: g, Block: b},
+				Identity: dataplane.Identity{Hash: s.blockHash(task, g, i), RequestID: task.RequestID}, Data: data})
 		}
 	}
 	s.mu.Lock()
@@ -455,6 +469,20 @@ func (s *stack) writeBlocks(t testing.TB, task *kvcore.SaveTask) {
 	for _, b := range blocks {
 		s.written[blockKey(task.EngineID, b.Group, b.Block)] = b.Data
 	}
+}
+
+// blockHash is the hash of the chunk that the i-th block of group g of
+// task holds: task.BlockHashes[chunk.HashIndex(model.HashBlockSize)] for
+// the block's chunk [i×bs, (i+1)×bs). A block past the task's hashes (or
+// with an empty one) gets a random hash: no chunk of the task uses it.
+func (s *stack) blockHash(task *kvcore.SaveTask, g, i int) string {
+	bs := s.model.Groups[g].BlockSize
+	c := kvcore.Chunk{Start: i * bs, End: (i + 1) * bs}
+	if hi := c.HashIndex(s.model.HashBlockSize); hi >= 0 && hi < len(task.BlockHashes) && task.BlockHashes[hi] != "" &&
+		len(task.BlockHashes[hi]) <= dataplane.MaxHashLen {
+		return task.BlockHashes[hi]
+	}
+	return randHex(32)
 }
 
 func blockKey(engine string, g int, b kvcore.BlockID) string {

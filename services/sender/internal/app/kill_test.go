@@ -20,12 +20,13 @@ import (
 // invent or lose one).
 func TestSenderKilledMidBatch(t *testing.T) {
 	const tasks = 60
-	s := newStack(t, stackOptions{engines: []string{"e1"}, noSender: true})
+	// Every task has four blocks per group of its own: a block holds one
+	// chunk, and the worker refuses to save a block for another.
+	s := newStack(t, stackOptions{engines: []string{"e1"}, noSender: true, poolBlocks: 4 * tasks})
 	first := s.task(t, "e1", "kill-0", 0, 64, 0)
 	all := []*kvcore.SaveTask{first}
-	s.noWrites = true // every task reads the same four blocks per group
 	for i := 1; i < tasks; i++ {
-		all = append(all, s.task(t, "e1", "kill-"+strconv.Itoa(i), 0, 64, 0))
+		all = append(all, s.task(t, "e1", "kill-"+strconv.Itoa(i), 0, 64, kvcore.BlockID(4*i)))
 	}
 	s.publish(t, all...)
 

@@ -92,13 +92,20 @@ type DeadLetter struct {
 	ReplayResult json.RawMessage `json:"replay_result,omitempty"`
 }
 
-// Message is the dead letter as published on contract.TopicSaveDLQ.
+// Message is the dead letter as published on contract.TopicSaveDLQ. Its
+// payload is bounded (contract.MaxDeadLetterPayload) so that any dead letter
+// can be published; the full payload stays in the dead_letters row d.ID,
+// which the message names (payload_ref, GET /v1/dlq/{id}).
 func (d DeadLetter) Message() (bus.Message, error) {
+	id := strconv.FormatInt(d.ID, 10)
+	payload, truncated := contract.BoundDeadLetterPayload(d.Payload)
 	v, err := json.Marshal(contract.DeadLetter{
-		Schema: contract.SchemaDeadLetter, ID: strconv.FormatInt(d.ID, 10),
+		Schema: contract.SchemaDeadLetter, ID: id,
 		Reason: d.Reason, Detail: d.Detail, Group: d.Group,
 		TaskID: d.TaskID, EngineID: d.EngineID, RequestID: d.RequestID,
-		Topic: d.Topic, Partition: d.Partition, Offset: d.Offset, Payload: d.Payload,
+		Topic: d.Topic, Partition: d.Partition, Offset: d.Offset,
+		Payload: payload, PayloadBytes: len(d.Payload), PayloadTruncated: truncated,
+		PayloadRef: "/v1/dlq/" + id,
 	})
 	if err != nil {
 		return bus.Message{}, fmt.Errorf("encode dead letter: %w", err)
@@ -108,10 +115,11 @@ func (d DeadLetter) Message() (bus.Message, error) {
 		key = "dead-letter-" + strconv.FormatInt(d.ID, 10)
 	}
 	return bus.Message{Topic: contract.TopicSaveDLQ, Key: key, Value: v, Headers: map[string]string{
-		contract.HeaderReason:     d.Reason,
-		contract.HeaderOrigTopic:  d.Topic,
-		contract.HeaderOrigPart:   strconv.Itoa(d.Partition),
-		contract.HeaderOrigOffset: strconv.FormatInt(d.Offset, 10),
+		contract.HeaderReason:       d.Reason,
+		contract.HeaderOrigTopic:    d.Topic,
+		contract.HeaderOrigPart:     strconv.Itoa(d.Partition),
+		contract.HeaderOrigOffset:   strconv.FormatInt(d.Offset, 10),
+		contract.HeaderPayloadBytes: strconv.Itoa(len(d.Payload)),
 	}}, nil
 }
 

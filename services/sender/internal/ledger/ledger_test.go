@@ -1,9 +1,12 @@
 package ledger_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"testing"
 	"time"
 
@@ -291,5 +294,46 @@ func TestText(t *testing.T) {
 		if ledger.Storable(in) != (in == want) {
 			t.Errorf("Storable(%q) = %v", in, ledger.Storable(in))
 		}
+	}
+}
+
+// TestHugeDeadLetterMessageIsBounded: the kvmesh.save.dlq message of a
+// ~900 KiB payload carries at most contract.MaxDeadLetterPayload bytes of it,
+// its size and the dead_letters row it is kept in, whose payload (what
+// GET /v1/dlq/{id} serves) is the full original.
+func TestHugeDeadLetterMessageIsBounded(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	l := ledger.New(pool)
+	ctx := context.Background()
+	huge := bytes.Repeat([]byte{0xff, 0x00, 0x7f}, 900<<10/3)
+	e := ledger.Entry{Source: src(3), DeadLetters: []ledger.DeadLetter{{Reason: "undecodable", Slot: ledger.WholeRecord}}}
+	e.Source.Payload = huge
+	c, err := l.Commit(ctx, e)
+	if err != nil || len(c.DeadLetters) != 1 {
+		t.Fatalf("Commit = %+v, %v; want one dead letter", c, err)
+	}
+	id := c.DeadLetters[0].ID
+	var msg []byte
+	if err := pool.QueryRow(ctx, "SELECT value FROM outbox WHERE topic = $1", contract.TopicSaveDLQ).Scan(&msg); err != nil {
+		t.Fatal(err)
+	}
+	// The base64 payload and a few hundred bytes of fields.
+	if limit := base64.StdEncoding.EncodedLen(contract.MaxDeadLetterPayload) + 1024; len(msg) > limit {
+		t.Errorf("dlq message of %d bytes, want at most %d", len(msg), limit)
+	}
+	var got contract.DeadLetter
+	if err := json.Unmarshal(msg, &got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Payload) != contract.MaxDeadLetterPayload || !bytes.HasPrefix(huge, got.Payload) ||
+		got.PayloadBytes != len(huge) || !got.PayloadTruncated ||
+		got.ID != strconv.FormatInt(id, 10) || got.PayloadRef != "/v1/dlq/"+got.ID {
+		t.Errorf("dlq message: %d payload bytes, payload_bytes %d, truncated %v, id %q, ref %q; "+
+			"want the first %d bytes, %d, true, %d, /v1/dlq/%d", len(got.Payload), got.PayloadBytes,
+			got.PayloadTruncated, got.ID, got.PayloadRef, contract.MaxDeadLetterPayload, len(huge), id, id)
+	}
+	stored, err := l.Get(ctx, id)
+	if err != nil || !bytes.Equal(stored.Payload, huge) {
+		t.Errorf("Get(%d) payload of %d bytes (%v), want the full %d", id, len(stored.Payload), err, len(huge))
 	}
 }

@@ -23,13 +23,15 @@ func (p *Processor) DeadLetter(ctx context.Context, m bus.Received, reason strin
 // taskIDs are the identifying fields of a save task, read leniently from a
 // record that may not decode as a task.
 type taskIDs struct {
+	Schema    string `json:"schema"`
 	TaskID    string `json:"task_id"`
 	EngineID  string `json:"engine_id"`
 	RequestID string `json:"request_id"`
 }
 
 // recordBroken writes one whole-record dead letter for src. When the
-// record names a task, engine and request, the task also gets an outcome:
+// record names a save task (no schema, or the save-task schema), engine
+// and request, the task also gets an outcome:
 // every model group dead-lettered with reason, reported on
 // transfer.results, unless an outcome is already recorded.
 func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason string, cause error) error {
@@ -43,7 +45,11 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	}
 	r.addDeadLetter(nil, reason, detail)
 	entry := ledger.Entry{Source: src, DeadLetters: r.deadLetters}
-	complete := usableID(ids.TaskID) && usableID(ids.EngineID) && usableID(ids.RequestID)
+	// A record of another schema (a load task on the wrong topic, say) names
+	// no save task: reporting a save result for its id would confuse the
+	// scheduler.
+	complete := usableID(ids.TaskID) && usableID(ids.EngineID) && usableID(ids.RequestID) &&
+		(ids.Schema == "" || ids.Schema == kvcore.SchemaSaveTask)
 	var groups map[string]int
 	if complete {
 		for g := range p.model.Groups {

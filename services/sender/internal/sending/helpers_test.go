@@ -53,15 +53,19 @@ func blockBytes(m *kvcore.Model, g int, b kvcore.BlockID) []byte {
 
 // poolWorker is a gpuworker's put path over a synthetic pool (block bytes
 // from blockBytes) and a real kvstore.Store: unit tests of the handler use
-// it; the service tests run the real gpuworker binary.
+// it; the service tests run the real gpuworker binary. Like the real
+// worker it answers not_held for an item without a hash, and for the
+// blocks a test marks as no longer holding their chunk.
 type poolWorker struct {
 	model  *kvcore.Model
 	store  kvstore.Store
 	blocks int
 
-	mu   sync.Mutex
-	down int // whole requests to fail before answering again
-	puts int // put requests answered
+	mu      sync.Mutex
+	down    int                         // whole requests to fail before answering again
+	puts    int                         // put requests answered
+	notHeld map[dataplane.BlockRef]bool // blocks that hold another chunk (or nothing)
+	items   []dataplane.PutItem         // every item asked, in order
 }
 
 func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]dataplane.PutResult, int64, error) {
@@ -72,6 +76,8 @@ func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]data
 		return nil, 0, fmt.Errorf("test worker down: %w", dataplane.ErrUnavailable)
 	}
 	w.puts++
+	w.items = append(w.items, items...)
+	notHeld := w.notHeld
 	w.mu.Unlock()
 	results := make([]dataplane.PutResult, len(items))
 	var batch []kvstore.Item
@@ -79,6 +85,10 @@ func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]data
 	for i, it := range items {
 		if it.Group < 0 || it.Group >= len(w.model.Groups) || it.Block < 0 || int64(it.Block) >= int64(w.blocks) {
 			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: "block outside the pool"}
+			continue
+		}
+		if it.Hash == "" || notHeld[it.BlockRef] {
+			results[i] = dataplane.PutResult{Status: dataplane.PutNotHeld, Error: fmt.Sprintf("block %d holds another chunk; wanted hash %s", it.Block, it.Hash)}
 			continue
 		}
 		batch = append(batch, kvstore.Item{Key: it.Key, Value: dataplane.EncodeValue(w.model.Fingerprint(), blockBytes(w.model, it.Group, it.Block))})
@@ -101,6 +111,23 @@ func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]data
 		}
 	}
 	return results, n, nil
+}
+
+// setNotHeld marks blocks as no longer holding their chunk.
+func (w *poolWorker) setNotHeld(refs ...dataplane.BlockRef) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.notHeld = map[dataplane.BlockRef]bool{}
+	for _, r := range refs {
+		w.notHeld[r] = true
+	}
+}
+
+// asked returns every item the worker was asked to put.
+func (w *poolWorker) asked() []dataplane.PutItem {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]dataplane.PutItem(nil), w.items...)
 }
 
 func (w *poolWorker) setDown(n int) {

@@ -41,7 +41,7 @@ var deadLetterReasons = []string{
 	string(kvcore.ReasonGroupOutOfRange), string(kvcore.ReasonGroupMissing), string(kvcore.ReasonGroupDuplicate),
 	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
 	string(kvcore.ReasonTableTooShort), string(kvcore.ReasonNullBlock), string(kvcore.ReasonBlockOutOfRange),
-	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed),
+	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed), string(kvcore.ReasonBlockNotHeld),
 }
 
 // Metrics are the sender's Prometheus families.

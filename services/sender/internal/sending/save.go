@@ -150,6 +150,7 @@ func itemGroups(items []item) []groupCount {
 // per-item answers; it drives the pressure gate.
 func (p *Processor) put(ctx context.Context, r *run, items []item) {
 	var stored, noSpace bool
+	var notHeld []notHeldItem
 	for _, batch := range byRank(items) {
 		results, n, err := p.putRank(ctx, r, batch)
 		if err != nil {
@@ -170,16 +171,46 @@ func (p *Processor) put(ctx context.Context, r *run, items []item) {
 			case dataplane.PutNoSpace:
 				noSpace = true
 				p.skipItems(r, batch[i:i+1])
+			case dataplane.PutNotHeld:
+				notHeld = append(notHeld, notHeldItem{it, res.Error})
 			default:
 				r.outcome.Record(it.Group, kvcore.OutcomeFailed, 1, kvcore.ReasonPutFailed)
 			}
 		}
 	}
+	deadLetterNotHeld(r, notHeld)
 	switch {
 	case noSpace:
 		p.gate.onNoSpace(p.now())
 	case stored:
 		p.gate.onPutOK()
+	}
+}
+
+// notHeldItem is an item the worker refused to put because its block does
+// not hold the item's chunk, with the worker's detail.
+type notHeldItem struct {
+	item
+	detail string
+}
+
+// deadLetterNotHeld dead-letters, per group, the items whose blocks no
+// longer hold their chunks (ReasonBlockNotHeld): their bytes cannot be
+// proven, so nothing was stored from them, and a replay cannot help.
+func deadLetterNotHeld(r *run, items []notHeldItem) {
+	byGroup := map[int][]notHeldItem{}
+	var groups []int
+	for _, it := range items {
+		if _, ok := byGroup[it.Group]; !ok {
+			groups = append(groups, it.Group)
+		}
+		byGroup[it.Group] = append(byGroup[it.Group], it)
+	}
+	slices.Sort(groups)
+	for _, g := range groups {
+		list := byGroup[g]
+		r.deadLetter(g, kvcore.ReasonBlockNotHeld, fmt.Sprintf("%d block(s) no longer hold their chunk; first: block %d (chunk [%d,%d), key %s): %s",
+			len(list), list[0].Block, list[0].Chunk.Start, list[0].Chunk.End, list[0].Key, list[0].detail), len(list))
 	}
 }
 
@@ -224,7 +255,8 @@ func (p *Processor) putRank(ctx context.Context, r *run, batch []item) ([]datapl
 	defer span.End()
 	req := make([]dataplane.PutItem, len(batch))
 	for i, it := range batch {
-		req[i] = dataplane.PutItem{BlockRef: dataplane.BlockRef{Group: it.Group, Block: it.Block}, Key: it.Key}
+		req[i] = dataplane.PutItem{BlockRef: dataplane.BlockRef{Group: it.Group, Block: it.Block}, Key: it.Key,
+			Hash: it.Hash, RequestID: r.task.RequestID}
 	}
 	for attempt := 1; ; attempt++ {
 		results, n, err := p.putOnce(ctx, r.task.EngineID, rank, req)

@@ -1,0 +1,56 @@
+package sim
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+)
+
+// TestCheckValues: a stored value is right only when it decodes under the
+// model's fingerprint to exactly its key's content; a key the store no
+// longer has is gone, not wrong.
+func TestCheckValues(t *testing.T) {
+	m := preset(t, "hybrid-mla-linear")
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	hashes := kvcore.HashChain(make([]uint32, 64), 16, []byte("salt"))
+	fp := m.Fingerprint()
+	key := func(g, i int) string { return kb.Key(kvcore.Rank{}, g, hashes[i]) }
+	right := func(g, i int) []byte { return dataplane.EncodeValue(fp, BlockContent(m, g, kvcore.Rank{}, hashes[i])) }
+	st := kvstore.NewMemory(kvstore.MemoryOptions{})
+	defer st.Close()
+	items := []kvstore.Item{
+		{Key: key(0, 0), Value: right(0, 0)},
+		{Key: key(1, 1), Value: right(1, 1)},
+		{Key: key(0, 2), Value: right(0, 3)},      // another block's bytes
+		{Key: key(1, 2), Value: right(1, 2)[:10]}, // truncated
+		{Key: key(0, 3), Value: dataplane.EncodeValue("other", BlockContent(m, 0, kvcore.Rank{}, hashes[3]))}, // other layout
+	}
+	if _, err := st.Put(context.Background(), items); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{key(0, 0), key(1, 1), key(0, 2), key(1, 2), key(0, 3), key(1, 3)} // key(1,3): evicted
+	for name, batch := range map[string]int{"one batch": 256, "small batches": 1} {
+		t.Run(name, func(t *testing.T) {
+			var c StoreCheck
+			if err := checkValues(context.Background(), st, m, time.Second, keys, &c, batch); err != nil {
+				t.Fatal(err)
+			}
+			if c.Checked != 5 || c.Wrong != 3 || c.Gone != 1 || len(c.Wrongs) != 3 {
+				t.Fatalf("%+v: want 5 checked, 3 wrong, 1 gone", c)
+			}
+			for _, w := range c.Wrongs {
+				if w.Key == key(0, 0) || w.Key == key(1, 1) || w.Problem == "" {
+					t.Fatalf("wrong %+v", w)
+				}
+			}
+		})
+	}
+	if p := newContents(m).checkValue("not-a-key", right(0, 0)); !strings.Contains(p, "not-a-key") {
+		t.Fatalf("an unparseable key: %q", p)
+	}
+}
