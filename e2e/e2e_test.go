@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/sim"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
@@ -77,25 +78,27 @@ func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 		Decode:    sim.Endpoint{WorkerURL: s.url("gpuworker")},
 		Prefill:   sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")},
 		LookupURL: s.url("lookup"), SchedulerURL: s.url("scheduler"), SenderURL: s.url("sender"),
-		Brokers: s.brokers, RunTag: tag, Salt: tag,
+		Brokers: s.brokers, RunTag: tag, Salt: tag, RedisURL: s.redisURL, ReusePreempted: true,
 		RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
 	}
 }
 
 // requireOK fails the test unless the report is clean: every request ok,
-// every loaded byte right, the save ledger balanced, every tracker done.
+// every loaded byte right, every stored value right, the save ledger
+// balanced, every tracker done.
 func requireOK(t *testing.T, rep *sim.Report) {
 	t.Helper()
 	var b strings.Builder
 	_ = rep.WriteText(&b)
 	t.Logf("report:\n%s", b.String())
 	if !rep.OK || rep.Requests.Failed != 0 || rep.Requests.OK != rep.Requests.Total ||
-		rep.Verification.Mismatched != 0 || !rep.Ledger.Balanced || rep.Trackers == nil || !rep.Trackers.OK {
+		rep.Verification.Mismatched != 0 || !rep.Ledger.Balanced || rep.Trackers == nil || !rep.Trackers.OK ||
+		(rep.Stored != nil && (!rep.Stored.OK || rep.Stored.Wrong != 0 || (rep.Stored.Checked == 0 && rep.Ledger.Stored > 0))) {
 		b, _ := json.MarshalIndent(rep, "", "  ")
 		t.Fatalf("simulation not clean:\n%s", b)
 	}
-	if rep.Verification.VerifiedBlocks == 0 || rep.Ledger.Stored == 0 {
-		t.Fatalf("the run moved nothing: %d blocks verified, %d keys stored", rep.Verification.VerifiedBlocks, rep.Ledger.Stored)
+	if rep.Ledger.Stored+rep.Ledger.Existing == 0 {
+		t.Fatalf("the run saved nothing: %+v", rep.Ledger)
 	}
 }
 
@@ -263,7 +266,10 @@ const garbageKey = "inject-garbage"
 
 // injectMalformed publishes the seed's crash input (a save whose table has
 // one group for the 2-group model) and a record of garbage bytes. It returns
-// the malformed task.
+// the malformed task. The task's group-0 blocks (60 and 61: past the
+// simulated engine's 48, so its blocks are untouched) are first written with
+// their chunks' identities, as the engine would have computed them, so the
+// worker can prove what it stores.
 func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTask {
 	t.Helper()
 	m, _ := kvcore.Preset(model)
@@ -271,8 +277,19 @@ func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTas
 	task := kvcore.SaveTask{
 		Schema: kvcore.SchemaSaveTask, TaskID: decodeEngine + "/inject-wrong-groups/save/1", EngineID: decodeEngine,
 		RequestID: "inject-wrong-groups", Model: m.Name, Start: 0, End: 32,
-		BlockTable: kvcore.BlockTable{{0, 1}}, BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()},
+		BlockTable: kvcore.BlockTable{{60, 61}}, BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()},
 		Groups: m.SaveGroups(0, 32),
+	}
+	var blocks []dataplane.Block
+	for i, b := range task.BlockTable[0] {
+		blocks = append(blocks, dataplane.Block{
+			BlockRef: dataplane.BlockRef{Group: 0, Block: b},
+			Identity: dataplane.Identity{Hash: task.BlockHashes[i], RequestID: task.RequestID},
+			Data:     sim.BlockContent(m, 0, kvcore.Rank{}, hashes[i]),
+		})
+	}
+	if err := dataplane.NewClient(s.url("gpuworker"), nil).Write(ctx, blocks); err != nil {
+		t.Fatal(err)
 	}
 	value, err := json.Marshal(task)
 	if err != nil {
@@ -418,41 +435,39 @@ func checkGarbage(ctx context.Context, t *testing.T, s *stack) {
 	})
 }
 
-// TestCorruptedValuesAreRecomputed overwrites every value in the store with
-// garbage in the middle of a run (the keys stay, so lookups still find
-// them): the gpuworker reports the loads of those blocks as load errors
-// instead of putting wrong bytes in the pool, and the engine recomputes them,
-// as vLLM does. No byte mismatches, no failed request.
+// TestCorruptedValuesAreRecomputed fills the store with a first run, then
+// overwrites every value with garbage (the keys stay, so lookups still find
+// them) and plays the same prompts again on a fresh engine (an empty local
+// prefix cache, the same salt), so every prefix is a store hit: the
+// gpuworker reports those loads as load errors instead of putting wrong
+// bytes in the pool, and the engine recomputes them, as vLLM does. No byte
+// mismatches, no failed request. (Corrupting in the middle of one run
+// depends on the local cache evicting a prefix first, which an idle machine
+// may never do.)
 func TestCorruptedValuesAreRecomputed(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "store", poolBlocks: 64})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cfg := simConfig(t, s, false, smallWorkload(30, 8))
-	corrupted := make(chan error, 1)
-	fired := false // only the progress goroutine reads and writes it
-	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
-		if p.Done >= 6 && !fired {
-			fired = true
-			corrupted <- testenv.EachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
-				pairs := make([]any, 0, 2*len(keys))
-				for _, k := range keys {
-					pairs = append(pairs, k, "garbage")
-				}
-				return c.MSet(ctx, pairs...).Err()
-			})
-		}
-	}, 50*time.Millisecond
-	rep, err := sim.Run(ctx, cfg)
+	first, err := sim.Run(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-corrupted:
-		if err != nil {
-			t.Fatalf("corrupting the store: %v", err)
+	requireOK(t, first)
+	err = testenv.EachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
+		pairs := make([]any, 0, 2*len(keys))
+		for _, k := range keys {
+			pairs = append(pairs, k, "garbage")
 		}
-	default:
-		t.Fatal("the run ended before the store was corrupted")
+		return c.MSet(ctx, pairs...).Err()
+	})
+	if err != nil {
+		t.Fatalf("corrupting the store: %v", err)
+	}
+	cfg.RunTag = sim.NewRunTag() // new request ids, the same salt: the same keys
+	rep, err := sim.Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
 	}
 	requireOK(t, rep)
 	if rep.Verification.LoadErrorBlocks == 0 || rep.Tokens.Recomputed == 0 || rep.Ledger.LoadErrorBlocks == 0 {
@@ -504,6 +519,9 @@ func TestServiceKillsMidRun(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	requireOK(t, r.rep)
+	if r.rep.Verification.VerifiedBlocks == 0 || r.rep.Stored == nil {
+		t.Fatalf("no load verified (%d blocks) or no stored-value check (%v)", r.rep.Verification.VerifiedBlocks, r.rep.Stored)
+	}
 	checkAllSaveTables(ctx, t, s, r.rep)
 	for _, step := range kills {
 		if err := s.alive(step.name); err != nil {

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -10,8 +12,53 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
+
+// seedTask is a save of tokens [0,32) of req with table, hashed under the
+// stack's prefix so that runs never share keys.
+func seedTask(m *kvcore.Model, prefix, engine, req string, table kvcore.BlockTable) kvcore.SaveTask {
+	hashes := kvcore.HashChain(make([]uint32, 32), m.HashBlockSize, []byte(prefix+req))
+	return kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: engine + "/" + req + "/save/1", EngineID: engine,
+		RequestID: req, Model: m.Name, Start: 0, End: 32, BlockTable: table,
+		BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()}, Groups: m.SaveGroups(0, 32)}
+}
+
+// lateTasks are the two saves of the engine whose worker starts mid-test.
+func lateTasks(m *kvcore.Model, prefix string) []kvcore.SaveTask {
+	var out []kvcore.SaveTask
+	for i := range 2 {
+		b := kvcore.BlockID(2 * i)
+		out = append(out, seedTask(m, prefix, cliLateEngine, fmt.Sprintf("late-%d", i), kvcore.BlockTable{{b, b + 1}, {b, b + 1}}))
+	}
+	return out
+}
+
+// writeTaskBlocks writes random bytes into the blocks the task's chunks
+// name, each with its chunk's identity, as the engine's compute would: the
+// worker stores only blocks that hold the chunk a put names.
+func writeTaskBlocks(t *testing.T, workerURL string, m *kvcore.Model, task kvcore.SaveTask) {
+	t.Helper()
+	var blocks []dataplane.Block
+	for _, gc := range task.Groups {
+		if gc.Group >= len(task.BlockTable) {
+			continue // the seed bug's missing group: nothing to write
+		}
+		for _, c := range gc.Chunks {
+			data := make([]byte, m.Groups[gc.Group].BytesPerBlock)
+			_, _ = rand.Read(data)
+			blocks = append(blocks, dataplane.Block{
+				BlockRef: dataplane.BlockRef{Group: gc.Group, Block: task.BlockTable[gc.Group][c.BlockIndex(m.Groups[gc.Group].BlockSize)]},
+				Identity: dataplane.Identity{Hash: task.BlockHashes[c.HashIndex(m.HashBlockSize)], RequestID: task.RequestID},
+				Data:     data,
+			})
+		}
+	}
+	if err := dataplane.NewClient(workerURL, nil).Write(context.Background(), blocks); err != nil {
+		t.Fatal(err)
+	}
+}
 
 // dlqIDs are the seeded dead letters' ids by reason.
 type dlqIDs map[string][]int64
@@ -28,23 +75,20 @@ func seedDeadLetters(t *testing.T, s *cliStack) dlqIDs {
 		t.Fatal(err)
 	}
 	var msgs []bus.Message
-	add := func(engine, req string, table kvcore.BlockTable) {
-		hashes := kvcore.HashChain(make([]uint32, 32), m.HashBlockSize, []byte(s.prefix+req))
-		task := kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: engine + "/" + req + "/save/1", EngineID: engine,
-			RequestID: req, Model: m.Name, Start: 0, End: 32, BlockTable: table,
-			BlockHashes: []string{hashes[0].Hex(), hashes[1].Hex()}, Groups: m.SaveGroups(0, 32)}
+	add := func(task kvcore.SaveTask) {
 		v, err := json.Marshal(task)
 		if err != nil {
 			t.Fatal(err)
 		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: req, Value: v})
+		msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: v})
 	}
 	for i := range 3 {
-		add(cliEngine, fmt.Sprintf("seed-%d", i), kvcore.BlockTable{{kvcore.BlockID(2 * i), kvcore.BlockID(2*i + 1)}})
+		task := seedTask(m, s.prefix, cliEngine, fmt.Sprintf("seed-%d", i), kvcore.BlockTable{{kvcore.BlockID(2 * i), kvcore.BlockID(2*i + 1)}})
+		writeTaskBlocks(t, s.url("gpuworker"), m, task) // group 0 is stored from proven blocks
+		add(task)
 	}
-	for i := range 2 {
-		b := kvcore.BlockID(2 * i)
-		add(cliLateEngine, fmt.Sprintf("late-%d", i), kvcore.BlockTable{{b, b + 1}, {b, b + 1}})
+	for _, task := range lateTasks(m, s.prefix) {
+		add(task)
 	}
 	msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: "garbage", Value: []byte("\x00not a save task")})
 	s.publish(msgs...)
@@ -183,6 +227,13 @@ func testReplayByReason(t *testing.T, s *cliStack, ids dlqIDs) {
 	s.start("gpuworker-late", "gpuworker", "KVMESH_ENGINE_ID="+cliLateEngine)
 	if t.Failed() {
 		t.FailNow()
+	}
+	m, err := kvcore.Preset("hybrid-mla-linear")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range lateTasks(m, s.prefix) {
+		writeTaskBlocks(t, s.url("gpuworker-late"), m, task) // the engine computed them once its worker was up
 	}
 	after := runCLI(t, append([]string{"dlq", "replay", "--reason", "put_failed", "--dry-run"}, admin...)...).ok(t)
 	if !strings.Contains(after.stdout, "dry run: 4 dead letter(s), 4 would replay") ||

@@ -232,10 +232,6 @@ type Tracker struct {
 	PendingSaves []string `json:"pending_saves,omitempty"`
 	// PendingLoads are the ids of the current epoch's loads not yet reported.
 	PendingLoads []string `json:"pending_loads,omitempty"`
-	// SaveStarts maps each id of PendingSaves to its task's start (a tracker
-	// stored before this field existed lacks it; its offset is then kept at
-	// a preemption).
-	SaveStarts map[string]int `json:"pending_save_starts,omitempty"`
 	// StaleSaves are the ids of earlier epochs' saves not yet reported.
 	StaleSaves []string `json:"stale_saves,omitempty"`
 	// StaleLoads are the ids of earlier epochs' loads not yet reported.
@@ -335,37 +331,22 @@ func (t *Tracker) FailClosed(err error) Effects {
 }
 
 // newEpoch advances the allocation epoch after the engine released the
-// request's blocks: every outstanding task becomes stale, and the saved
-// offset returns to the start of the earliest save that was in flight.
+// request's blocks: every outstanding task becomes stale. The saved offset
+// stays: a stale save either stores what its blocks still held or is
+// refused by the gpuworker's identity check (block_not_held); the range of
+// a refused one is not saved again (re-saving failed ranges is vLLM's
+// retry rule, not a safety one).
 func (t *Tracker) newEpoch() {
-	if from, ok := t.inFlightStart(); ok {
-		t.NumSavedTokens = from
-	}
 	t.retireSaves()
 	t.StaleLoads = append(t.StaleLoads, t.PendingLoads...)
 	t.PendingLoads = nil
 	t.Epoch++
 }
 
-// inFlightStart is the smallest start of the pending saves; ok is false when
-// none is pending or a start is unknown.
-func (t *Tracker) inFlightStart() (from int, ok bool) {
-	for i, id := range t.PendingSaves {
-		s, known := t.SaveStarts[id]
-		if !known {
-			return 0, false
-		}
-		if i == 0 || s < from {
-			from = s
-		}
-	}
-	return from, len(t.PendingSaves) > 0
-}
-
 // retireSaves moves the pending saves to the stale ones.
 func (t *Tracker) retireSaves() {
 	t.StaleSaves = append(t.StaleSaves, t.PendingSaves...)
-	t.PendingSaves, t.SaveStarts = nil, nil
+	t.PendingSaves = nil
 }
 
 // abandonLoad reports an expected load as finished with every block of

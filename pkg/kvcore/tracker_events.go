@@ -256,8 +256,7 @@ func (t *Tracker) pending(m *Model, eff *Effects) {
 
 // preempt resets the tracker and drops its load state. The engine freed
 // the request's blocks, so the allocation epoch advances: the outstanding
-// tasks become stale and the saved offset returns to the start of the
-// earliest save in flight (newEpoch).
+// tasks become stale (newEpoch); the saved offset is kept.
 func (t *Tracker) preempt() {
 	t.newEpoch()
 	t.State = StatePreempted
@@ -306,7 +305,6 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 	if t.PendingSaves, found = removeID(t.PendingSaves, taskID); !found {
 		return t.settle(&eff)
 	}
-	delete(t.SaveStarts, taskID)
 	t.Reports.add(status)
 	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
 		t.State = StateDone

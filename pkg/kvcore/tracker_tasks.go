@@ -50,10 +50,6 @@ func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 		t.fail(eff, err, nil)
 		return
 	}
-	if t.SaveStarts == nil {
-		t.SaveStarts = map[string]int{}
-	}
-	t.SaveStarts[task.TaskID] = t.NumSavedTokens
 	t.NumSavedTokens = end
 	t.PendingSaves = append(t.PendingSaves, task.TaskID)
 	eff.Saves = append(eff.Saves, task)

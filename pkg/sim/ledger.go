@@ -203,10 +203,9 @@ func (l *ledger) saved(id string, lt *ledgerTask, res contract.TransferResult) {
 }
 
 // preemptedInFlight records that a request was preempted with saves in
-// flight. Its tracker then rolls its saved offset back to the earliest save
-// it still waits for, and the scheduler's tracker and the engine's shadow
-// may see that save's report on different sides of the preemption: the
-// request's saves are compared by the tokens they cover, not span by span.
+// flight. The scheduler's tracker and the engine's shadow may see that
+// save's report on different sides of the preemption: the request's saves
+// are compared by the tokens they cover, not span by span.
 func (l *ledger) preemptedInFlight(engine, request string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -89,9 +89,9 @@ func droppedEvent(t *testing.T, h *mesh) {
 }
 
 // preemptedSaveInFlight: save [0,32) of epoch 0 is in flight when the
-// request is preempted; the resumed request saves [0,48) in epoch 1 from
-// its new blocks. The old save's result (stored) neither advances the
-// saved coverage nor frees the finished request; the new save's does.
+// request is preempted; the resumed request (epoch 1, new blocks) keeps
+// its saved offset and saves only [32,48). The old save's result (stored)
+// settles it without freeing the finished request; the new save's frees it.
 func preemptedSaveInFlight(t *testing.T, h *mesh) {
 	r := h.request("epoch")
 	r.admit(48)
@@ -102,16 +102,16 @@ func preemptedSaveInFlight(t *testing.T, h *mesh) {
 	r.allocate(0, table(7, 3), "")
 	r.step(kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: table(7, 3)})
 	cur := r.waitSaves(2)[1]
-	if old.Epoch != 0 || cur.Epoch != 1 || cur.Start != 0 || cur.End != 48 || !reflect.DeepEqual(cur.BlockTable, table(7, 3)) {
-		t.Fatalf("old save %+v, resumed save %+v; want [0,48) of epoch 1 on blocks 7-9", old, cur)
+	if old.Epoch != 0 || cur.Epoch != 1 || cur.Start != 32 || cur.End != 48 || !reflect.DeepEqual(cur.BlockTable, table(7, 3)) {
+		t.Fatalf("old save %+v, resumed save %+v; want [32,48) of epoch 1 on blocks 7-9", old, cur)
 	}
 	r.finish()
 	r.saved(old)
 	d := r.settled()
 	eventually(t, "the old save settled", func() bool { d, _ = r.detail(); return len(d.Tasks) == 1 })
 	r.settled()
-	if d.State != string(kvcore.StateFinishing) || len(r.feedback()) != 0 || d.Coverage[0].SavedTokens != 0 || d.Tasks[0].ID != cur.TaskID {
-		t.Fatalf("after the old-epoch result: state %s feedback %v coverage %+v tasks %+v", d.State, feedbackKinds(r), d.Coverage, d.Tasks)
+	if d.State != string(kvcore.StateFinishing) || len(r.feedback()) != 0 || d.Tasks[0].ID != cur.TaskID {
+		t.Fatalf("after the old-epoch result: state %s feedback %v tasks %+v", d.State, feedbackKinds(r), d.Tasks)
 	}
 	r.saved(cur)
 	f := r.waitFeedback(kvcore.FeedbackFinishedSending)

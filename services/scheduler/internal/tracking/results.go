@@ -44,7 +44,7 @@ func (r *Request) saveResult(m *kvcore.Model, out *Outcome, src string, res cont
 		return
 	}
 	if ok {
-		r.cover(m, ref, status, res.Groups, !stale)
+		r.cover(m, ref, status, res.Groups)
 	}
 	r.storeEffects(out, src, r.Store.OnSaveResult(res.TaskID, status))
 }
@@ -64,9 +64,9 @@ func (r *Request) loadResult(out *Outcome, src string, res contract.TransferResu
 
 // cover adds a save report to the per-group coverage. A group reported
 // without skips, dead letters or failures extends its saved prefix when the
-// task starts inside it and advance is set (the task is of the current
-// epoch). A stored report without group detail covers every group.
-func (r *Request) cover(m *kvcore.Model, ref TaskRef, status kvcore.SaveStatus, groups []contract.GroupOutcome, advance bool) {
+// task starts inside it. A stored report without group detail covers every
+// group.
+func (r *Request) cover(m *kvcore.Model, ref TaskRef, status kvcore.SaveStatus, groups []contract.GroupOutcome) {
 	if len(r.Coverage) != len(m.Groups) {
 		r.Coverage = New(m, "", "").Coverage
 	}
@@ -89,7 +89,7 @@ func (r *Request) cover(m *kvcore.Model, ref TaskRef, status kvcore.SaveStatus, 
 			c.LastReason = g.Reason
 		}
 		clean := g.Skipped == 0 && g.DeadLettered == 0 && g.Failed == 0
-		if advance && clean && ref.Start <= c.SavedTokens && ref.End > c.SavedTokens {
+		if clean && ref.Start <= c.SavedTokens && ref.End > c.SavedTokens {
 			c.SavedTokens = ref.End
 		}
 	}
