@@ -487,23 +487,7 @@ func TestServiceKillsMidRun(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cfg := simConfig(t, s, true, smallWorkload(72, 2))
-	progress := make(chan sim.Progress, 1)
-	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
-		select {
-		case <-progress:
-		default:
-		}
-		progress <- p
-	}, 50*time.Millisecond
-	type result struct {
-		rep *sim.Report
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		rep, err := sim.Run(ctx, cfg)
-		done <- result{rep, err}
-	}()
+	progress, done := startRun(ctx, cfg)
 	kills := []struct {
 		name string
 		at   int // requests done
@@ -528,6 +512,31 @@ func TestServiceKillsMidRun(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// runResult is how a simulation played by startRun ended.
+type runResult struct {
+	rep *sim.Report
+	err error
+}
+
+// startRun plays cfg in the background: progress holds the latest snapshot
+// (every 50 ms; older ones are dropped), done receives the result.
+func startRun(ctx context.Context, cfg sim.Config) (<-chan sim.Progress, <-chan runResult) {
+	progress := make(chan sim.Progress, 1)
+	cfg.Progress, cfg.ProgressEvery = func(p sim.Progress) {
+		select {
+		case <-progress:
+		default:
+		}
+		progress <- p
+	}, 50*time.Millisecond
+	done := make(chan runResult, 1)
+	go func() {
+		rep, err := sim.Run(ctx, cfg)
+		done <- runResult{rep, err}
+	}()
+	return progress, done
 }
 
 // waitProgress waits until at least n requests are done; it fails the test

@@ -24,6 +24,9 @@ type stackOptions struct {
 	poolBlocks int
 	// env is added to every service's environment.
 	env []string
+	// durableBroker persists the broker's topics and offsets so that the
+	// test can restart it (meshtest.NewDurable).
+	durableBroker bool
 }
 
 // stack is the mesh of one test: an in-process broker, a fresh database, the
@@ -42,7 +45,11 @@ type stack struct {
 // test's cleanup stops the services and deletes the stack's keys.
 func newStack(t *testing.T, o stackOptions) *stack {
 	t.Helper()
-	m := meshtest.New(t, "e2e", append([]string{
+	newMesh := meshtest.New
+	if o.durableBroker {
+		newMesh = meshtest.NewDurable
+	}
+	m := newMesh(t, "e2e", append([]string{
 		"KVMESH_MODEL=" + o.model,
 		"KVMESH_ADMIN_TOKEN=" + adminToken,
 		"KVMESH_LOG_LEVEL=info",

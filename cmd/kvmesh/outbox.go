@@ -9,25 +9,12 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
-	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/database"
 )
 
 func init() {
 	register("outbox", "list and retry outbox rows that could not be published (outbox failed|retry)", runOutbox)
-}
-
-// failedRow is the part of a failed outbox row (GET /v1/outbox/failed) the
-// CLI prints.
-type failedRow struct {
-	ID         int64     `json:"id"`
-	Topic      string    `json:"topic"`
-	Key        string    `json:"key"`
-	ValueBytes int64     `json:"value_bytes"`
-	Attempts   int       `json:"attempts"`
-	Reason     string    `json:"reason"`
-	LastError  string    `json:"last_error"`
-	CreatedAt  time.Time `json:"created_at"`
-	FailedAt   time.Time `json:"failed_at"`
 }
 
 // runOutbox dispatches outbox failed and retry.
@@ -52,7 +39,7 @@ func outboxFailed(ctx context.Context, args []string) error {
 	}
 	c := newClient(o)
 	defer c.close()
-	items, raw, next, err := fetchPages[failedRow](ctx, c, o.scheduler, "/v1/outbox/failed", url.Values{}, p, "failed rows")
+	items, raw, next, err := fetchPages[database.FailedRow](ctx, c, o.scheduler, "/v1/outbox/failed", url.Values{}, p, "failed rows")
 	if err != nil {
 		return err
 	}
@@ -60,7 +47,7 @@ func outboxFailed(ctx context.Context, args []string) error {
 }
 
 // failedTable prints failed outbox rows as a table.
-func failedTable(w io.Writer, items []failedRow) error {
+func failedTable(w io.Writer, items []database.FailedRow) error {
 	tw := newTable(w, "ID", "FAILED", "TOPIC", "KEY", "BYTES", "ATTEMPTS", "REASON")
 	for _, f := range items {
 		row(tw, f.ID, formatTime(f.FailedAt), f.Topic, orDash(f.Key), f.ValueBytes, f.Attempts, f.Reason)

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/database"
 )
 
 // fakeOutboxScheduler serves GET /v1/outbox/failed (two pages of one row)
@@ -66,7 +68,7 @@ func TestOutboxCommands(t *testing.T) {
 		t.Errorf("outbox failed rows %q, stdout %q; want row 1 and the next cursor", rows, list.stdout)
 	}
 	all := runCLI(t, append([]string{"outbox", "failed", "--all", "--json"}, flags...)...).ok(t)
-	var p page[failedRow]
+	var p page[database.FailedRow]
 	if err := json.Unmarshal([]byte(all.stdout), &p); err != nil || len(p.Items) != 2 || p.Items[1].ID != 7 {
 		t.Errorf("outbox failed --all --json: %v %+v; want rows 1 and 7", err, p)
 	}

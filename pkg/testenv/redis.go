@@ -37,13 +37,32 @@ type RedisServer struct {
 // KVMESH_REQUIRE_SERVICES=1.
 func StartRedis(t testing.TB, args ...string) *RedisServer {
 	t.Helper()
+	return startRedisOn(t, "", args)
+}
+
+// RestartRedis starts a new, empty redis-server (as StartRedis does) on the
+// address of old, which must have been stopped: a test's store coming back
+// after an outage, where the services still hold its address.
+func RestartRedis(t testing.TB, old *RedisServer, args ...string) *RedisServer {
+	t.Helper()
+	_, port, err := net.SplitHostPort(old.addr)
+	if err != nil {
+		t.Fatalf("restart redis-server: %v", err)
+	}
+	return startRedisOn(t, port, args)
+}
+
+// startRedisOn starts redis-server on port (empty: a free one), retrying
+// when it exits before answering.
+func startRedisOn(t testing.TB, port string, args []string) *RedisServer {
+	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		unavailable(t, "redis-server is not on PATH (%v); install redis-server", err)
 	}
 	dir := t.TempDir()
 	for attempt := 1; ; attempt++ {
-		s, err := startRedis(bin, dir, args)
+		s, err := startRedis(bin, dir, port, args)
 		if err != nil {
 			t.Fatalf("start redis-server: %v", err)
 		}
@@ -59,11 +78,14 @@ func StartRedis(t testing.TB, args ...string) *RedisServer {
 	}
 }
 
-// startRedis starts redis-server on a free port; it does not wait for it.
-func startRedis(bin, dir string, args []string) (*RedisServer, error) {
-	port, err := freePort()
-	if err != nil {
-		return nil, err
+// startRedis starts redis-server on port (empty: a free one); it does not
+// wait for it.
+func startRedis(bin, dir, port string, args []string) (*RedisServer, error) {
+	if port == "" {
+		var err error
+		if port, err = freePort(); err != nil {
+			return nil, err
+		}
 	}
 	base := []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir}
 	s := &RedisServer{

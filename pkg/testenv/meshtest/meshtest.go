@@ -30,8 +30,14 @@ const (
 	groupMinSession = time.Second
 )
 
-// errUnknownService reports a process of a service that is not in Services.
-var errUnknownService = errors.New("no such service")
+// Sentinel errors.
+var (
+	// errUnknownService reports a process of a service that is not in Services.
+	errUnknownService = errors.New("no such service")
+	// errNotDurable reports a broker restart on a mesh whose broker keeps
+	// nothing across a restart (New instead of NewDurable).
+	errNotDurable = errors.New("the broker of a mesh made by New keeps nothing across a restart: use NewDurable")
+)
 
 // Services are the service binaries a mesh builds, by name (./services/<name>).
 var Services = []string{"lookup", "scheduler", "sender", "gpuworker"}
@@ -56,7 +62,9 @@ type Mesh struct {
 	// Procs runs the services with Env.
 	Procs *testenv.Procs
 
-	bins map[string]string
+	bins      map[string]string
+	broker    *devbroker.Broker // nil while stopped
+	brokerCfg devbroker.Config
 }
 
 // New builds the services, starts the broker, creates the database and
@@ -65,6 +73,19 @@ type Mesh struct {
 // KVMESH_REQUIRE_SERVICES=1.
 func New(t *testing.T, tag string, env ...string) *Mesh {
 	t.Helper()
+	return newMesh(t, tag, "", env)
+}
+
+// NewDurable is New with a broker that keeps its topics, records and
+// committed offsets in a directory of the test's own, so that RestartBroker
+// can take it away and bring it back as a restarted Kafka would come back.
+func NewDurable(t *testing.T, tag string, env ...string) *Mesh {
+	t.Helper()
+	return newMesh(t, tag, t.TempDir(), env)
+}
+
+func newMesh(t *testing.T, tag, brokerDir string, env []string) *Mesh {
+	t.Helper()
 	redisURL := testenv.RedisURL(t) // skips (or fails) before anything is built
 	m := &Mesh{
 		DatabaseURL: dbtest.NewDatabase(t),
@@ -72,14 +93,13 @@ func New(t *testing.T, tag string, env ...string) *Mesh {
 		Prefix:      testenv.KeyPrefix(tag),
 		bins:        testenv.ServiceBinaries(t, Services...),
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), brokerStartWithin)
-	defer cancel()
-	b, err := devbroker.Start(ctx, devbroker.Config{Addr: "127.0.0.1:0", GroupMinSessionTimeout: groupMinSession})
-	if err != nil {
+	m.brokerCfg = devbroker.Config{Addr: "127.0.0.1:0", GroupMinSessionTimeout: groupMinSession, DataDir: brokerDir}
+	if err := m.startBroker(); err != nil {
 		t.Fatalf("broker: %v", err)
 	}
-	t.Cleanup(b.Close)
-	m.Brokers = b.Addrs()
+	t.Cleanup(m.StopBroker)
+	m.Brokers = m.broker.Addrs()
+	m.brokerCfg.Addr = m.Brokers[0] // a restart listens where the services look
 	t.Cleanup(func() { testenv.DropKeys(t, redisURL, m.Prefix) })
 	m.Env = append([]string{
 		"KVMESH_KAFKA_BROKERS=" + strings.Join(m.Brokers, ","),
@@ -89,6 +109,41 @@ func New(t *testing.T, tag string, env ...string) *Mesh {
 	}, env...)
 	m.Procs = testenv.NewProcs(t, m.Env...)
 	return m
+}
+
+// startBroker starts the broker with brokerCfg.
+func (m *Mesh) startBroker() error {
+	ctx, cancel := context.WithTimeout(context.Background(), brokerStartWithin)
+	defer cancel()
+	b, err := devbroker.Start(ctx, m.brokerCfg)
+	if err != nil {
+		return err
+	}
+	m.broker = b
+	return nil
+}
+
+// StopBroker closes the broker: every client's connection drops and new
+// ones are refused until StartBroker. Stopping a stopped broker does
+// nothing.
+func (m *Mesh) StopBroker() {
+	if m.broker != nil {
+		m.broker.Close()
+		m.broker = nil
+	}
+}
+
+// StartBroker brings a broker stopped by StopBroker back on the same
+// address with what it had persisted; it needs a mesh made by NewDurable.
+// It must not run concurrently with StopBroker.
+func (m *Mesh) StartBroker() error {
+	if m.brokerCfg.DataDir == "" {
+		return errNotDurable
+	}
+	if m.broker != nil {
+		return nil
+	}
+	return m.startBroker()
 }
 
 // Add registers process name running service (one of Services) with Env
