@@ -42,6 +42,10 @@ down: ## Stop everything `make up` / `make run` / `make test` started.
 run: up ## The main job: the stack, the demo workload (seed preset) and its report; the stack stays up.
 	@scripts/run.sh $(RUN_ARGS)
 
+.PHONY: traces
+traces: build deps ## Build Jaeger v2 once into .dev/bin (5-13 min), run the stack and a 20-request sim exporting to it, check one trace per request through all four services.
+	@scripts/traces.sh
+
 .PHONY: test
 # The service binaries that the kill and end-to-end tests run are built
 # once, with -race (so they share the compiled dependencies with the test
@@ -72,5 +76,5 @@ lint: ## go vet, gofmt, and staticcheck when installed.
 	@if command -v staticcheck >/dev/null; then staticcheck ./...; else echo "staticcheck not installed; skipped"; fi
 
 .PHONY: docs
-docs: ## Regenerate the configuration tables in README.md from the services' Config structs.
+docs: ## Regenerate the configuration tables in docs/configuration.md from the services' Config structs.
 	KVMESH_UPDATE_README=1 $(GO) test -p 1 -count=1 -run TestREADMEConfig ./services/...

@@ -8,13 +8,16 @@
 package deploy
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
+	"strconv"
 
-	"gopkg.in/yaml.v3"
+	"github.com/compose-spec/compose-go/v2/loader"
+	"github.com/compose-spec/compose-go/v2/template"
+	"github.com/compose-spec/compose-go/v2/types"
 )
 
 // Paths of the deployment files, relative to the repository root.
@@ -31,48 +34,50 @@ const (
 
 // Errors of the parsers.
 var (
-	// ErrSyntax reports a compose value of an unexpected shape.
+	// ErrSyntax reports a compose file compose-go refuses: not YAML, a value
+	// of an unexpected shape (the compose schema), or an invalid ${...}.
 	ErrSyntax = errors.New("unexpected syntax")
 	// ErrInterpolation reports a ${VAR:?message} whose variable is unset.
 	ErrInterpolation = errors.New("interpolation")
 )
 
-// Compose is the part of a compose file the checks read.
+// Compose is the part of a compose file the checks read, as compose-go
+// loads it (interpolated, short forms expanded, anchors merged).
 type Compose struct {
-	// Services are the compose services by name.
-	Services map[string]Service `yaml:"services"`
+	// Services are the compose services by name, those of every profile.
+	Services map[string]Service
 	// Volumes are the named volumes.
-	Volumes map[string]any `yaml:"volumes"`
+	Volumes map[string]any
 }
 
 // Service is one compose service.
 type Service struct {
 	// Image is the image name (with tag).
-	Image string `yaml:"image"`
+	Image string
 	// Build is how the image is built; nil for pulled images.
-	Build *Build `yaml:"build"`
+	Build *Build
 	// Entrypoint replaces the image's entrypoint.
-	Entrypoint StringList `yaml:"entrypoint"`
+	Entrypoint StringList
 	// Command replaces the image's command.
-	Command StringList `yaml:"command"`
+	Command StringList
 	// Environment is the service's environment, list and map forms alike.
-	Environment Environment `yaml:"environment"`
+	Environment Environment
 	// Ports are the published ports.
-	Ports []Port `yaml:"ports"`
+	Ports []Port
 	// Expose lists ports reachable by other services only.
-	Expose StringList `yaml:"expose"`
+	Expose StringList
 	// DependsOn lists the services started first, short and long forms alike.
-	DependsOn DependsOn `yaml:"depends_on"`
+	DependsOn DependsOn
 	// Healthcheck is the service's health check, if any.
-	Healthcheck *Healthcheck `yaml:"healthcheck"`
+	Healthcheck *Healthcheck
 	// Volumes are the service's mounts.
-	Volumes []Volume `yaml:"volumes"`
+	Volumes []Volume
 	// Profiles put the service outside the default `docker compose up`.
-	Profiles []string `yaml:"profiles"`
+	Profiles []string
 	// Restart is the restart policy.
-	Restart string `yaml:"restart"`
+	Restart string
 	// User overrides the image's user.
-	User string `yaml:"user"`
+	User string
 }
 
 // Program is the base name of the program the service's entrypoint runs;
@@ -87,21 +92,11 @@ func (s Service) Program() string {
 // Build is a service's build section.
 type Build struct {
 	// Context is the build context directory.
-	Context string `yaml:"context"`
+	Context string
 	// Dockerfile is the Dockerfile path inside the context.
-	Dockerfile string `yaml:"dockerfile"`
+	Dockerfile string
 	// Target is the stage built, if not the last.
-	Target string `yaml:"target"`
-}
-
-// UnmarshalYAML accepts the short form (a context path) and the long form.
-func (b *Build) UnmarshalYAML(n *yaml.Node) error {
-	if n.Kind == yaml.ScalarNode {
-		b.Context = n.Value
-		return nil
-	}
-	type plain Build
-	return n.Decode((*plain)(b))
+	Target string
 }
 
 // DockerfilePath is the Dockerfile the build uses, relative to the compose
@@ -114,68 +109,19 @@ func (b *Build) DockerfilePath() string {
 	return filepath.Join(b.Context, name)
 }
 
-// StringList is a list of strings written as a YAML sequence or as one
-// string (split on white space, as compose splits a command string).
+// StringList is a list of strings: a command, an entrypoint or a health
+// check test (compose splits a string form as a shell would).
 type StringList []string
 
-// UnmarshalYAML accepts a sequence of scalars or one scalar.
-func (l *StringList) UnmarshalYAML(n *yaml.Node) error {
-	switch n.Kind {
-	case yaml.ScalarNode:
-		*l = strings.Fields(n.Value)
-		return nil
-	case yaml.SequenceNode:
-		var items []string
-		if err := n.Decode(&items); err != nil {
-			return err
-		}
-		*l = items
-		return nil
-	}
-	return fmt.Errorf("%w: line %d: want a string or a list of strings", ErrSyntax, n.Line)
-}
-
-// Environment maps variable names to values.
+// Environment maps variable names to values; a variable listed without a
+// value (and not set in the environment) has an empty value.
 type Environment map[string]string
-
-// UnmarshalYAML accepts the map form (NAME: value) and the list form
-// (- NAME=value); a list item without "=" or a null value is an empty value.
-func (e *Environment) UnmarshalYAML(n *yaml.Node) error {
-	out := Environment{}
-	switch n.Kind {
-	case yaml.MappingNode:
-		var m map[string]*string
-		if err := n.Decode(&m); err != nil {
-			return err
-		}
-		for k, v := range m {
-			if v != nil {
-				out[k] = *v
-			} else {
-				out[k] = ""
-			}
-		}
-	case yaml.SequenceNode:
-		var items []string
-		if err := n.Decode(&items); err != nil {
-			return err
-		}
-		for _, item := range items {
-			k, v, _ := strings.Cut(item, "=")
-			out[k] = v
-		}
-	default:
-		return fmt.Errorf("%w: line %d: environment must be a map or a list", ErrSyntax, n.Line)
-	}
-	*e = out
-	return nil
-}
 
 // Dependency is one depends_on entry.
 type Dependency struct {
 	// Condition is service_started, service_healthy or
 	// service_completed_successfully.
-	Condition string `yaml:"condition"`
+	Condition string
 }
 
 // Conditions of a dependency.
@@ -188,111 +134,37 @@ const (
 // DependsOn maps the services a service depends on to their conditions.
 type DependsOn map[string]Dependency
 
-// UnmarshalYAML accepts the short form (a list of names, each
-// service_started) and the long form (a map with conditions).
-func (d *DependsOn) UnmarshalYAML(n *yaml.Node) error {
-	out := DependsOn{}
-	switch n.Kind {
-	case yaml.SequenceNode:
-		var names []string
-		if err := n.Decode(&names); err != nil {
-			return err
-		}
-		for _, name := range names {
-			out[name] = Dependency{Condition: ConditionStarted}
-		}
-	case yaml.MappingNode:
-		var m map[string]Dependency
-		if err := n.Decode(&m); err != nil {
-			return err
-		}
-		for name, dep := range m {
-			if dep.Condition == "" {
-				dep.Condition = ConditionStarted
-			}
-			out[name] = dep
-		}
-	default:
-		return fmt.Errorf("%w: line %d: depends_on must be a list or a map", ErrSyntax, n.Line)
-	}
-	*d = out
-	return nil
-}
-
 // Healthcheck is a service's health check.
 type Healthcheck struct {
-	// Test is the check command (["CMD", ...], ["CMD-SHELL", "..."] or a string).
-	Test StringList `yaml:"test"`
+	// Test is the check command (["CMD", ...] or ["CMD-SHELL", "..."]).
+	Test StringList
 	// Disable turns the image's check off.
-	Disable bool `yaml:"disable"`
+	Disable bool
 }
 
 // Port is one published port.
 type Port struct {
 	// HostIP is the host address it binds, if any.
-	HostIP string `yaml:"host_ip"`
+	HostIP string
 	// Published is the host port; empty for a random one.
-	Published string `yaml:"published"`
+	Published string
 	// Target is the container port.
-	Target string `yaml:"target"`
-	// Protocol is tcp or udp; empty means tcp.
-	Protocol string `yaml:"protocol"`
-}
-
-// UnmarshalYAML accepts the short form ("[ip:][host:]container[/proto]")
-// and the long form.
-func (p *Port) UnmarshalYAML(n *yaml.Node) error {
-	if n.Kind != yaml.ScalarNode {
-		type plain Port
-		return n.Decode((*plain)(p))
-	}
-	spec, proto, _ := strings.Cut(n.Value, "/")
-	parts := strings.Split(spec, ":")
-	switch len(parts) {
-	case 1:
-		*p = Port{Target: parts[0]}
-	case 2:
-		*p = Port{Published: parts[0], Target: parts[1]}
-	case 3:
-		*p = Port{HostIP: parts[0], Published: parts[1], Target: parts[2]}
-	default:
-		return fmt.Errorf("%w: line %d: port %q", ErrSyntax, n.Line, n.Value)
-	}
-	p.Protocol = proto
-	return nil
+	Target string
+	// Protocol is tcp or udp (compose fills in tcp).
+	Protocol string
 }
 
 // Volume is one mount of a service.
 type Volume struct {
 	// Type is bind or volume.
-	Type string `yaml:"type"`
-	// Source is the host path (bind) or the volume name.
-	Source string `yaml:"source"`
+	Type string
+	// Source is the host path (bind), relative to the compose file's
+	// directory as written, or the volume name.
+	Source string
 	// Target is the path inside the container.
-	Target string `yaml:"target"`
+	Target string
 	// ReadOnly reports a read-only mount.
-	ReadOnly bool `yaml:"read_only"`
-}
-
-// UnmarshalYAML accepts the short form ("source:target[:ro]") and the
-// long form. A short source starting with "." or "/" is a bind mount.
-func (v *Volume) UnmarshalYAML(n *yaml.Node) error {
-	if n.Kind != yaml.ScalarNode {
-		type plain Volume
-		return n.Decode((*plain)(v))
-	}
-	parts := strings.Split(n.Value, ":")
-	if len(parts) < 2 || len(parts) > 3 {
-		return fmt.Errorf("%w: line %d: volume %q", ErrSyntax, n.Line, n.Value)
-	}
-	*v = Volume{Type: "volume", Source: parts[0], Target: parts[1]}
-	if strings.HasPrefix(v.Source, ".") || strings.HasPrefix(v.Source, "/") {
-		v.Type = "bind"
-	}
-	if len(parts) == 3 {
-		v.ReadOnly = strings.Contains(","+parts[2]+",", ",ro,")
-	}
-	return nil
+	ReadOnly bool
 }
 
 // LoadCompose reads root's compose file with every ${VAR...} replaced as
@@ -300,50 +172,99 @@ func (v *Volume) UnmarshalYAML(n *yaml.Node) error {
 func LoadCompose(root string) (*Compose, error) {
 	data, err := os.ReadFile(filepath.Join(root, ComposeFile))
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("read compose file: %w", err)
 	}
-	c, err := ParseCompose(data, func(string) (string, bool) { return "", false })
+	c, err := parseCompose(root, data, func(string) (string, bool) { return "", false })
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", ComposeFile, err)
 	}
 	return c, nil
 }
 
-// ParseCompose parses a compose file, interpolating variables from lookup
-// first as compose does.
+// ParseCompose loads a compose file with compose-go, interpolating
+// variables from lookup as compose does. Every profile's services are
+// loaded; paths are kept as written; dependencies are not checked against
+// the services (the deploy checks report those themselves).
 func ParseCompose(data []byte, lookup func(string) (string, bool)) (*Compose, error) {
-	var doc yaml.Node
-	if err := yaml.Unmarshal(data, &doc); err != nil {
-		return nil, err
-	}
-	if err := interpolateNode(&doc, lookup, map[*yaml.Node]bool{}); err != nil {
-		return nil, err
-	}
-	var c Compose
-	if err := doc.Decode(&c); err != nil {
-		return nil, err
-	}
-	return &c, nil
+	return parseCompose(".", data, lookup)
 }
 
-// interpolateNode interpolates every scalar under n once.
-func interpolateNode(n *yaml.Node, lookup func(string) (string, bool), seen map[*yaml.Node]bool) error {
-	if n == nil || seen[n] {
-		return nil
+// parseCompose loads data as the compose file of directory dir.
+func parseCompose(dir string, data []byte, lookup func(string) (string, bool)) (*Compose, error) {
+	details := types.ConfigDetails{
+		WorkingDir:  dir,
+		ConfigFiles: []types.ConfigFile{{Filename: filepath.Join(dir, ComposeFile), Content: data}},
+		Environment: types.Mapping{},
 	}
-	seen[n] = true
-	if n.Kind == yaml.ScalarNode {
-		v, err := Interpolate(n.Value, lookup)
-		if err != nil {
-			return fmt.Errorf("line %d: %w", n.Line, err)
+	p, err := loader.LoadWithContext(context.Background(), details, func(o *loader.Options) {
+		o.SetProjectName("kvmesh", true)
+		o.ResolvePaths = false
+		o.SkipConsistencyCheck = true
+		o.Profiles = []string{"*"}
+		o.Interpolate.LookupValue = lookup
+	})
+	if err != nil {
+		return nil, composeError(err)
+	}
+	c := &Compose{Services: map[string]Service{}, Volumes: map[string]any{}}
+	for name, v := range p.Volumes {
+		c.Volumes[name] = v
+	}
+	for name, s := range p.Services {
+		c.Services[name] = service(s)
+	}
+	return c, nil
+}
+
+// composeError classifies an error of compose-go as ErrInterpolation (a
+// ${VAR:?message} with VAR unset) or ErrSyntax.
+func composeError(err error) error {
+	var missing *template.MissingRequiredError
+	var missingValue template.MissingRequiredError
+	if errors.As(err, &missing) || errors.As(err, &missingValue) {
+		return fmt.Errorf("%w: %w", ErrInterpolation, err)
+	}
+	return fmt.Errorf("%w: %w", ErrSyntax, err)
+}
+
+// service converts one compose-go service.
+func service(s types.ServiceConfig) Service {
+	out := Service{
+		Image:       s.Image,
+		Entrypoint:  StringList(s.Entrypoint),
+		Command:     StringList(s.Command),
+		Environment: Environment{},
+		Expose:      StringList(s.Expose),
+		DependsOn:   DependsOn{},
+		Profiles:    s.Profiles,
+		Restart:     s.Restart,
+		User:        s.User,
+	}
+	if b := s.Build; b != nil {
+		out.Build = &Build{Context: b.Context, Dockerfile: b.Dockerfile, Target: b.Target}
+	}
+	for k, v := range s.Environment {
+		if v != nil {
+			out.Environment[k] = *v
+		} else {
+			out.Environment[k] = ""
 		}
-		n.Value = v
-		return nil
 	}
-	for _, c := range n.Content {
-		if err := interpolateNode(c, lookup, seen); err != nil {
-			return err
+	for _, p := range s.Ports {
+		out.Ports = append(out.Ports, Port{HostIP: p.HostIP, Published: p.Published, Target: strconv.FormatUint(uint64(p.Target), 10), Protocol: p.Protocol})
+	}
+	for name, d := range s.DependsOn {
+		cond := d.Condition
+		if cond == "" {
+			cond = ConditionStarted
 		}
+		out.DependsOn[name] = Dependency{Condition: cond}
 	}
-	return interpolateNode(n.Alias, lookup, seen)
+	if h := s.HealthCheck; h != nil {
+		out.Healthcheck = &Healthcheck{Test: StringList(h.Test), Disable: h.Disable}
+	}
+	for _, v := range s.Volumes {
+		out.Volumes = append(out.Volumes, Volume{Type: v.Type, Source: v.Source, Target: v.Target, ReadOnly: v.ReadOnly})
+	}
+	return out
 }

@@ -242,7 +242,7 @@ services:
     environment: {MAP_FORM: "2", NULL_VALUE: null}
     depends_on:
       a: {condition: service_healthy}
-      c: {}
+      c: {condition: service_completed_successfully}
     command: ["a b", "c"]
     build: {context: ., dockerfile: build/Dockerfile}
 `
@@ -258,10 +258,10 @@ services:
 		t.Errorf("map environment %v", b.Environment)
 	}
 	if a.DependsOn["b"].Condition != deploy.ConditionStarted || b.DependsOn["a"].Condition != deploy.ConditionHealthy ||
-		b.DependsOn["c"].Condition != deploy.ConditionStarted {
+		b.DependsOn["c"].Condition != deploy.ConditionCompleted {
 		t.Errorf("depends_on %v %v", a.DependsOn, b.DependsOn)
 	}
-	wantPorts := []deploy.Port{{HostIP: "127.0.0.1", Published: "1000", Target: "2000", Protocol: "udp"}, {Target: "3000"}, {Published: "4001", Target: "4000"}}
+	wantPorts := []deploy.Port{{HostIP: "127.0.0.1", Published: "1000", Target: "2000", Protocol: "udp"}, {Target: "3000", Protocol: "tcp"}, {Published: "4001", Target: "4000", Protocol: "tcp"}}
 	if !slices.Equal(a.Ports, wantPorts) {
 		t.Errorf("ports %+v, want %+v", a.Ports, wantPorts)
 	}

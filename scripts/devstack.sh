@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # devstack.sh — the local PostgreSQL and Redis that `make run`, `make up` and
-# `make test` use.
+# `make test` use, and the Prometheus binary that `make test` runs (the e2e
+# test starts a private one of its own; this script never starts it).
 #
 #   scripts/devstack.sh up      start (or reuse) them; writes .dev/env
 #   scripts/devstack.sh down    stop what this script started
@@ -8,8 +9,8 @@
 #
 # KVMESH_DATABASE_URL / KVMESH_REDIS_URL are used as they are when set and
 # reachable. Otherwise private instances are started under .dev/ on free
-# loopback ports, installing the Debian packages postgresql and redis-server
-# with apt-get when they are missing and this runs as root.
+# loopback ports, installing the Debian packages postgresql, redis-server and
+# prometheus with apt-get when they are missing and this runs as root.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,7 +29,7 @@ free_port() {
 
 apt_install() {
   if [ "$(id -u)" != 0 ]; then
-    die "$1 is not installed; install it with: sudo apt-get install -y $*"
+    die "${*: -1} is not installed; install it with: sudo apt-get install -y $*"
   fi
   say "installing $* with apt-get"
   if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >"$dev/apt.log" 2>&1; then
@@ -151,6 +152,35 @@ redis_up() {
   say "redis: started on 127.0.0.1:$port"
 }
 
+# prometheus_install installs Debian's prometheus (without its recommended
+# node exporter) when the binary is missing. Nothing here starts it: the
+# package's own service is kept from starting on install (a policy-rc.d that
+# refuses, unless one is in place already), and the tests that need
+# Prometheus start a private one on a free port (pkg/testenv/prometheus.go).
+prometheus_install() {
+  command -v prometheus >/dev/null && return
+  if [ "$(id -u)" != 0 ]; then
+    # Only the Prometheus e2e test needs it (skipped without it, failed
+    # under `make test`); `make up` and `make run` do not.
+    say "warning: prometheus is not installed; install it with: sudo apt-get install -y --no-install-recommends prometheus"
+    return
+  fi
+  local policy=/usr/sbin/policy-rc.d made=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# devstack.sh: no service starts while it installs packages\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
+    made=1
+  fi
+  local rc=0
+  (apt_install --no-install-recommends prometheus) || rc=$?
+  if [ -n "$made" ]; then rm -f "$policy"; fi
+  [ "$rc" = 0 ] || exit "$rc"
+  # Under systemd the package still enables its unit for the next boot.
+  if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  command -v prometheus >/dev/null || die "prometheus is not on PATH after installing it"
+  say "prometheus: installed $(prometheus --version 2>&1 | head -n 1)"
+}
+
 write_env() {
   {
     echo "export KVMESH_DATABASE_URL='$(cat "$dev/pg.url")'"
@@ -177,7 +207,7 @@ status() {
 }
 
 case "${1:-}" in
-  up) pg_up; redis_up; write_env; cat "$dev/env" ;;
+  up) pg_up; redis_up; prometheus_install; write_env; cat "$dev/env" ;;
   down) down ;;
   status) status ;;
   *) echo "usage: $0 up|down|status" >&2; exit 2 ;;

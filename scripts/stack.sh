@@ -17,7 +17,7 @@ mkdir -p "$dev/logs" "$dev/pids"
 say() { printf 'stack: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
 
-# name:port of each process (DESIGN.md ports). The demo is the seed's
+# name:port of each process (the contract ports, docs/contract.md). The demo is the seed's
 # setup: a 1P1D pair of engines, so two gpuworkers — decode-0 (the engine
 # kvmesh serves, :8084) and prefill-0 (the engine whose KV decode-0 pulls
 # through the pd connector, :8085) — and lookup's chain is pd,store.

@@ -16,6 +16,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 )
 
@@ -268,10 +269,7 @@ func orDash(s string) string {
 }
 
 // page is the part of a paginated answer the CLI reads.
-type page[T any] struct {
-	Items      []T    `json:"items"`
-	NextCursor string `json:"next_cursor"`
-}
+type page[T any] = adminapi.Page[T]
 
 // pageOptions are the pagination flags of a list command.
 type pageOptions struct {

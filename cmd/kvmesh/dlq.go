@@ -12,37 +12,20 @@ import (
 	"net/url"
 	"slices"
 	"strconv"
-	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 )
 
 func init() {
 	register("dlq", "list, show and replay the sender's dead letters (dlq list|show|replay)", runDLQ)
 }
 
-// deadLetter is the part of a sender dead letter the CLI prints.
-type deadLetter struct {
-	ID           int64           `json:"id"`
-	Reason       string          `json:"reason"`
-	Detail       string          `json:"detail"`
-	Group        *int            `json:"group"`
-	TaskID       string          `json:"task_id"`
-	EngineID     string          `json:"engine_id"`
-	RequestID    string          `json:"request_id"`
-	Topic        string          `json:"topic"`
-	Partition    int             `json:"partition"`
-	Offset       int64           `json:"offset"`
-	RecordTime   time.Time       `json:"record_time"`
-	CreatedAt    time.Time       `json:"created_at"`
-	ReplayStatus string          `json:"replay_status"`
-	ReplayCount  int             `json:"replay_count"`
-	PayloadBytes int             `json:"payload_bytes"`
-	Payload      []byte          `json:"payload"`
-	PayloadJSON  json.RawMessage `json:"payload_json"`
-	ReplayResult json.RawMessage `json:"replay_result"`
-}
+// deadLetter is a sender dead letter as GET /v1/dlq and /v1/dlq/{id}
+// answer it.
+type deadLetter = adminapi.DeadLetterEntry
 
 // groupText prints a dead letter's group, "record" for a whole record.
-func (d deadLetter) groupText() string {
+func groupText(d deadLetter) string {
 	if d.Group == nil {
 		return "record"
 	}
@@ -103,7 +86,7 @@ func dlqTable(w io.Writer, items []deadLetter) error {
 	tw := newTable(w, "ID", "TIME", "ENGINE", "REQUEST", "TASK", "GROUP", "REASON", "REPLAY")
 	for _, d := range items {
 		row(tw, d.ID, formatTime(d.CreatedAt), orDash(d.EngineID), orDash(d.RequestID), orDash(d.TaskID),
-			d.groupText(), d.Reason, d.ReplayStatus)
+			groupText(d), d.Reason, d.ReplayStatus)
 	}
 	return tw.Flush()
 }
@@ -133,7 +116,7 @@ func dlqShow(ctx context.Context, args []string) error {
 func showDeadLetter(w io.Writer, d deadLetter) error {
 	tw := newTable(w, "FIELD", "VALUE")
 	for _, f := range [][2]any{
-		{"id", d.ID}, {"reason", d.Reason}, {"detail", d.Detail}, {"group", d.groupText()},
+		{"id", d.ID}, {"reason", d.Reason}, {"detail", d.Detail}, {"group", groupText(d)},
 		{"task", orDash(d.TaskID)}, {"engine", orDash(d.EngineID)}, {"request", orDash(d.RequestID)},
 		{"record", fmt.Sprintf("%s/%d@%d (%s)", d.Topic, d.Partition, d.Offset, formatTime(d.RecordTime))},
 		{"created", formatTime(d.CreatedAt)}, {"replay", fmt.Sprintf("%s (%d attempts)", d.ReplayStatus, d.ReplayCount)},
@@ -160,30 +143,6 @@ func usageOr(err error, format string, args ...any) error {
 		return err
 	}
 	return fmt.Errorf("%w: "+format, append([]any{errUsage}, args...)...)
-}
-
-// replayAnswer is the union of a replay's and a dry run's answer.
-type replayAnswer struct {
-	ReplayStatus    string `json:"replay_status"`
-	AlreadyReplayed bool   `json:"already_replayed"`
-	Result          struct {
-		Status string `json:"status"`
-		Groups []struct {
-			Group    int `json:"group"`
-			Stored   int `json:"stored"`
-			Existing int `json:"existing"`
-		} `json:"groups"`
-	} `json:"result"`
-	DryRun     bool   `json:"dry_run"`
-	Replayable bool   `json:"replayable"`
-	Expect     string `json:"expect"`
-	Reason     string `json:"reason"`
-	Detail     string `json:"detail"`
-	Groups     []struct {
-		Group    int `json:"group"`
-		Existing int `json:"existing"`
-		Missing  int `json:"missing"`
-	} `json:"groups"`
 }
 
 // replayOutcome is what happened to one entry of a replay run.
@@ -234,7 +193,7 @@ func replayTargets(ctx context.Context, c *client, o *clientOptions, ids []strin
 			if err != nil || id < 1 {
 				return nil, fmt.Errorf("%w: dead-letter id %q is not a positive integer", errUsage, s)
 			}
-			out = append(out, deadLetter{ID: id})
+			out = append(out, deadLetter{DeadLetter: adminapi.DeadLetter{ID: id}})
 		}
 		return out, nil
 	}
@@ -262,14 +221,17 @@ func replayOne(ctx context.Context, c *client, ep endpoint, d deadLetter, dry bo
 	case err != nil:
 		return out, err
 	}
-	var a replayAnswer
-	if err := json.Unmarshal(body, &a); err != nil {
-		return out, fmt.Errorf("replay of dead letter %d: the answer is not JSON: %w", d.ID, err)
-	}
 	if dry {
+		var a adminapi.DryRunAnswer
+		err = json.Unmarshal(body, &a)
 		out.Outcome, out.Detail = dryRunOutcome(a)
 	} else {
+		var a adminapi.ReplayAnswer
+		err = json.Unmarshal(body, &a)
 		out.Outcome, out.Detail = replayedOutcome(a)
+	}
+	if err != nil {
+		return out, fmt.Errorf("replay of dead letter %d: the answer is not JSON: %w", d.ID, err)
 	}
 	return out, nil
 }
@@ -288,7 +250,7 @@ func problemOutcome(pe *problemError) string {
 }
 
 // replayedOutcome describes a successful replay answer.
-func replayedOutcome(a replayAnswer) (string, string) {
+func replayedOutcome(a adminapi.ReplayAnswer) (string, string) {
 	stored, existing := 0, 0
 	for _, g := range a.Result.Groups {
 		stored += g.Stored
@@ -302,7 +264,7 @@ func replayedOutcome(a replayAnswer) (string, string) {
 }
 
 // dryRunOutcome describes a dry-run answer.
-func dryRunOutcome(a replayAnswer) (string, string) {
+func dryRunOutcome(a adminapi.DryRunAnswer) (string, string) {
 	missing, existing := 0, 0
 	for _, g := range a.Groups {
 		missing += g.Missing

@@ -26,11 +26,13 @@ func runMigrate(ctx context.Context, args []string) error {
 type migrateOptions struct {
 	url     string
 	timeout time.Duration
+	force   int // -1: not forcing
 }
 
 // migrateDatabase connects to the database, applies every migration it has
 // not seen under the runner's advisory lock, and writes one line per
-// applied file and a summary to out.
+// applied file and a summary to out. With -force it only records the given
+// version as clean, the repair after a failed migration.
 func migrateDatabase(ctx context.Context, args []string, out io.Writer) error {
 	o, err := migrateFlags(args)
 	if err != nil {
@@ -43,6 +45,13 @@ func migrateDatabase(ctx context.Context, args []string, out io.Writer) error {
 		return err
 	}
 	defer pool.Close()
+	if o.force >= 0 {
+		if err := database.ForceVersion(ctx, pool, migrations.FS, o.force); err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "schema version forced to %d; database %s\n", o.force, database.MaskURL(o.url))
+		return nil
+	}
 	applied, err := database.Migrate(ctx, pool, migrations.FS)
 	if err != nil {
 		return err
@@ -64,6 +73,8 @@ func migrateFlags(args []string) (migrateOptions, error) {
 		"PostgreSQL URL, postgres://user:pass@host:port/db (env KVMESH_DATABASE_URL)")
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute,
 		"give up when connecting and migrating take longer (the advisory lock may be held by another runner)")
+	fs.IntVar(&o.force, "force", -1,
+		"record VERSION as the clean schema version and run nothing (repair after a failed migration left it dirty)")
 	rest, err := parseFlags(fs, args)
 	if err != nil {
 		return o, err

@@ -124,3 +124,29 @@ func TestMigrateFailures(t *testing.T) {
 		})
 	}
 }
+
+func TestMigrateForceRecordsVersion(t *testing.T) {
+	quiet(t)
+	u := dbtest.NewDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	if err := migrateDatabase(ctx, []string{"-database-url", u, "-force", "1"}, &out); err != nil {
+		t.Fatalf("migrate -force 1: %v", err)
+	}
+	if !strings.Contains(out.String(), "forced to 1") {
+		t.Errorf("output %q, want it to report version 1", out.String())
+	}
+	pool, err := database.Connect(ctx, u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	err = database.CheckMigrated(ctx, pool, migrations.FS)
+	if want := upMigrations(t)[1]; !errors.Is(err, database.ErrNotMigrated) || !strings.Contains(err.Error(), want) {
+		t.Errorf("after -force 1: CheckMigrated = %v, want ErrNotMigrated naming %s", err, want)
+	}
+	if err := migrateDatabase(ctx, []string{"-database-url", u, "-force", "999"}, &out); !errors.Is(err, database.ErrUnknownMigration) {
+		t.Errorf("migrate -force 999 = %v, want ErrUnknownMigration", err)
+	}
+}

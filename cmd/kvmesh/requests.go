@@ -2,61 +2,16 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
 	"net/url"
-	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 )
 
 func init() {
 	register("requests", "list and show the scheduler's request trackers (requests list|show)", runRequests)
-}
-
-// requestSummary is the part of a scheduler request the CLI prints.
-type requestSummary struct {
-	EngineID       string     `json:"engine_id"`
-	RequestID      string     `json:"request_id"`
-	Model          string     `json:"model"`
-	State          string     `json:"state"`
-	Error          string     `json:"error"`
-	LastSeq        int64      `json:"last_seq"`
-	TokenLen       int        `json:"token_len"`
-	NumSavedTokens int        `json:"num_saved_tokens"`
-	TasksPending   int        `json:"tasks_outstanding"`
-	CreatedAt      time.Time  `json:"created_at"`
-	UpdatedAt      time.Time  `json:"updated_at"`
-	FinishedAt     *time.Time `json:"finished_at"`
-}
-
-// requestDetail is the part of GET /v1/requests/{engine}/{request} the CLI
-// prints besides the summary.
-type requestDetail struct {
-	requestSummary
-	Coverage []struct {
-		Group         int    `json:"group"`
-		Kind          string `json:"kind"`
-		EmittedTokens int    `json:"emitted_tokens"`
-		SavedTokens   int    `json:"saved_tokens"`
-		Stored        int    `json:"stored"`
-		Existing      int    `json:"existing"`
-		Skipped       int    `json:"skipped"`
-		DeadLettered  int    `json:"dead_lettered"`
-		Failed        int    `json:"failed"`
-	} `json:"coverage"`
-	Tasks []struct {
-		TaskID string `json:"task_id"`
-		Kind   string `json:"kind"`
-		Start  int    `json:"start"`
-		End    int    `json:"end"`
-	} `json:"tasks"`
-	Errors []struct {
-		Source string `json:"source"`
-		Error  string `json:"error"`
-	} `json:"errors"`
-	AwaitingDecision string          `json:"awaiting_decision"`
-	Tracker          json.RawMessage `json:"tracker"`
 }
 
 // runRequests dispatches requests list and show.
@@ -83,7 +38,7 @@ func requestsList(ctx context.Context, args []string) error {
 	}
 	c := newClient(o)
 	defer c.close()
-	items, raw, next, err := fetchPages[requestSummary](ctx, c, o.scheduler, "/v1/requests", f.query(), p, "requests")
+	items, raw, next, err := fetchPages[adminapi.RequestSummary](ctx, c, o.scheduler, "/v1/requests", f.query(), p, "requests")
 	if err != nil {
 		return err
 	}
@@ -91,7 +46,7 @@ func requestsList(ctx context.Context, args []string) error {
 }
 
 // requestsTable prints request summaries as a table.
-func requestsTable(w io.Writer, items []requestSummary) error {
+func requestsTable(w io.Writer, items []adminapi.RequestSummary) error {
 	tw := newTable(w, "ENGINE", "REQUEST", "STATE", "TOKENS", "SAVED", "TASKS", "UPDATED", "ERROR")
 	for _, r := range items {
 		row(tw, r.EngineID, r.RequestID, r.State, r.TokenLen, r.NumSavedTokens, r.TasksPending, formatTime(r.UpdatedAt), orDash(r.Error))
@@ -109,7 +64,7 @@ func requestsShow(ctx context.Context, args []string) error {
 	}
 	c := newClient(o)
 	defer c.close()
-	var d requestDetail
+	var d adminapi.RequestDetail
 	raw, err := c.getJSON(ctx, o.scheduler, "/v1/requests/"+url.PathEscape(rest[0])+"/"+url.PathEscape(rest[1]), nil, &d)
 	if err != nil {
 		return err
@@ -121,7 +76,7 @@ func requestsShow(ctx context.Context, args []string) error {
 }
 
 // showRequest prints one request: summary, coverage, tasks and errors.
-func showRequest(w io.Writer, d requestDetail) error {
+func showRequest(w io.Writer, d adminapi.RequestDetail) error {
 	tw := newTable(w, "FIELD", "VALUE")
 	for _, f := range [][2]any{
 		{"engine", d.EngineID}, {"request", d.RequestID}, {"model", d.Model}, {"state", d.State},
@@ -146,7 +101,7 @@ func showRequest(w io.Writer, d requestDetail) error {
 		return err
 	}
 	for _, t := range d.Tasks {
-		fmt.Fprintf(w, "task %s: %s [%d, %d)\n", t.TaskID, t.Kind, t.Start, t.End)
+		fmt.Fprintf(w, "task %s: %s [%d, %d)\n", t.ID, t.Kind, t.Start, t.End)
 	}
 	for _, e := range d.Errors {
 		fmt.Fprintf(w, "error (%s): %s\n", e.Source, e.Error)

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -37,7 +38,7 @@ func seedRequests(t *testing.T, s *cliStack) {
 	}
 	s.publish(msgs...)
 	eventually(t, "3 request trackers", func() bool {
-		var p page[requestSummary]
+		var p page[adminapi.RequestSummary]
 		s.getJSON(s.url("scheduler")+"/v1/requests?engine_id="+cliReqEngine, &p)
 		return len(p.Items) == 3
 	})
@@ -60,7 +61,7 @@ func testRequests(t *testing.T, s *cliStack) {
 		t.Fatalf("page after the cursor: %q, want req-2", r)
 	}
 	all := runCLI(t, append([]string{"requests", "list", "--all", "--limit", "1", "--json"}, flags...)...).ok(t)
-	var p page[requestSummary]
+	var p page[adminapi.RequestSummary]
 	if err := json.Unmarshal([]byte(all.stdout), &p); err != nil || len(p.Items) != 3 || !strings.Contains(all.stderr, "3 pages, 3 requests") {
 		t.Fatalf("--all --json: %v %+v", err, p)
 	}
@@ -76,8 +77,8 @@ func testRequests(t *testing.T, s *cliStack) {
 		}
 	}
 	js := runCLI(t, append([]string{"requests", "show", cliReqEngine, "req-1", "--json"}, s.flags()...)...).ok(t)
-	var d requestDetail
-	if err := json.Unmarshal([]byte(js.stdout), &d); err != nil || d.RequestID != "req-1" || len(d.Tracker) == 0 {
+	var d adminapi.RequestDetail
+	if err := json.Unmarshal([]byte(js.stdout), &d); err != nil || d.RequestID != "req-1" || d.Tracker == nil {
 		t.Fatalf("show --json: %v %+v", err, d)
 	}
 	runCLI(t, append([]string{"requests", "show", cliReqEngine, "nope"}, s.flags()...)...).fails(t, `Not Found: no tracker for request "nope"`)

@@ -5,9 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 )
 
 func init() {
@@ -17,13 +16,7 @@ func init() {
 // worker is one entry of the sender's GET /v1/workers, with the pool
 // summary the CLI adds.
 type worker struct {
-	EngineID            string      `json:"engine_id"`
-	Rank                kvcore.Rank `json:"rank"`
-	Addr                string      `json:"addr"`
-	HeartbeatAt         time.Time   `json:"heartbeat_at"`
-	HeartbeatAgeSeconds float64     `json:"heartbeat_age_seconds"`
-	State               string      `json:"state"`
-	Alive               bool        `json:"alive"`
+	adminapi.Worker
 	// Pool is read from the worker itself (alive workers only).
 	Pool *poolSummary `json:"pool,omitempty"`
 	// PoolError says why the pool could not be read.
@@ -34,14 +27,6 @@ type worker struct {
 type poolSummary struct {
 	InUse  int `json:"in_use"`
 	Blocks int `json:"blocks"`
-}
-
-// poolAnswer is the part of a gpuworker's GET /v1/pool the CLI reads.
-type poolAnswer struct {
-	Groups []struct {
-		Blocks int `json:"blocks"`
-		InUse  int `json:"in_use"`
-	} `json:"groups"`
 }
 
 func runWorkers(ctx context.Context, args []string) error {
@@ -69,7 +54,7 @@ func runWorkers(ctx context.Context, args []string) error {
 // readPool sums a worker's pool, or says why it could not be read.
 func readPool(ctx context.Context, c *client, addr string) (*poolSummary, string) {
 	ep := endpoint{name: "gpuworker", url: addr, flag: "KVMESH_DATAPLANE_URL on that worker", env: "check the worker registry"}
-	var p poolAnswer
+	var p adminapi.PoolAnswer
 	if _, err := c.getJSON(ctx, ep, "/v1/pool", nil, &p); err != nil {
 		return nil, err.Error()
 	}

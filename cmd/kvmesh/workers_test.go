@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
 func testWorkers(t *testing.T, s *cliStack) {
@@ -24,7 +24,7 @@ func testWorkers(t *testing.T, s *cliStack) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	if err := dataplane.Register(ctx, pool, dataplane.Worker{EngineID: "cli-gone", Addr: "http://127.0.0.1:1"}); err != nil {
+	if err := registry.Register(ctx, pool, registry.Worker{EngineID: "cli-gone", Addr: "http://127.0.0.1:1"}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `UPDATE workers SET heartbeat_at = now() - interval '1 hour' WHERE engine_id = 'cli-gone'`); err != nil {

@@ -15,6 +15,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // commitTimeout bounds one offset commit, including the last ones made while
@@ -180,33 +182,40 @@ func (c *Consumer) startSpan(ctx context.Context, rec Received) (context.Context
 }
 
 // handleWithRetry calls the handler until it succeeds, fails permanently,
-// exhausts the retry policy or ctx ends. On failure it returns the
-// dead-letter reason with the last error.
+// exhausts the retry policy or ctx ends, waiting the policy's backoff
+// between calls. On failure it returns the dead-letter reason with the last
+// error; an interrupted attempt returns no reason.
 func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Received) (string, error) {
-	for attempt := 1; ; attempt++ {
+	attempt := 0
+	var reason string
+	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
+		attempt++
 		start := time.Now()
 		err := c.invoke(ctx, rec)
 		if err == nil {
 			c.observe(rec.Topic, OutcomeOK, start)
-			return "", nil
+			return struct{}{}, nil
 		}
 		if ctx.Err() != nil {
 			c.observe(rec.Topic, OutcomeInterrupted, start)
-			return "", err
+			return struct{}{}, retry.Permanent(err)
 		}
-		reason, permanent := classify(err)
+		r, permanent := classify(err)
 		if permanent || attempt >= c.cfg.Retry.MaxAttempts {
 			c.observe(rec.Topic, OutcomeFailed, start)
-			return reason, err
+			reason = r
+			return struct{}{}, retry.Permanent(err)
 		}
 		c.observe(rec.Topic, OutcomeRetry, start)
-		delay := c.cfg.Retry.Backoff(attempt)
+		return struct{}{}, err
+	}, func(err error, delay time.Duration) {
 		span.AddEvent("retry", trace.WithAttributes(attribute.Int("attempt", attempt), attribute.String("error", err.Error())))
 		c.cfg.Logger.Info("handler failed; retrying", c.recordAttrs(rec, "attempt", attempt, "delay", delay, "error", err)...)
-		if !wait(ctx, delay) {
-			return "", ctx.Err()
-		}
+	})
+	if err != nil && reason == "" && ctx.Err() != nil {
+		return "", ctx.Err()
 	}
+	return reason, err
 }
 
 // invoke calls the handler, turning a panic into a permanent failure with
@@ -233,17 +242,4 @@ func (c *Consumer) recordAttrs(rec Received, extra ...any) []any {
 		slog.String("group", c.cfg.GroupID), slog.String("topic", rec.Topic),
 		slog.Int("partition", rec.Partition), slog.Int64("offset", rec.Offset), slog.String("key", rec.Key),
 	}, extra...)
-}
-
-// wait blocks for d or until ctx ends, and reports whether d elapsed. It is
-// the consumer's only way of pausing: backoff that ctx can interrupt.
-func wait(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // Defaults of ConsumerConfig and RetryPolicy.
@@ -98,12 +100,13 @@ func (p RetryPolicy) validate() error {
 // Backoff returns the wait after failed attempt n (counting from 1):
 // InitialBackoff doubled n-1 times, capped at MaxBackoff.
 func (p RetryPolicy) Backoff(attempt int) time.Duration {
+	return p.backoff().Delay(attempt)
+}
+
+// backoff is p (defaulted) as a retry.Backoff, without jitter.
+func (p RetryPolicy) backoff() retry.Backoff {
 	p = p.withDefaults()
-	d := p.InitialBackoff
-	for i := 1; i < attempt && d < p.MaxBackoff; i++ {
-		d *= 2
-	}
-	return min(d, p.MaxBackoff)
+	return retry.Backoff{Initial: p.InitialBackoff, Max: p.MaxBackoff}
 }
 
 // Outcome is the result of one handler attempt, as reported to Hooks.

@@ -6,11 +6,13 @@ import (
 	"maps"
 	"strconv"
 	"strings"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // maxReasonText bounds the error text carried in contract.HeaderReasonText.
@@ -20,26 +22,27 @@ const maxReasonText = 1024
 // until that succeeds, and reports whether it did: false means ctx ended
 // first, and rec must not be committed.
 func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received, reason string, cause error) bool {
-	for attempt := 1; ; attempt++ {
+	attempt := 0
+	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
+		attempt++
 		err := c.sendDeadLetter(ctx, rec, reason, cause)
-		if err == nil {
-			span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", reason)))
-			c.cfg.Logger.Warn("record dead-lettered", c.recordAttrs(rec, "reason", reason, "error", cause)...)
-			if c.cfg.Hooks.DeadLettered != nil {
-				c.cfg.Hooks.DeadLettered(rec.Topic, reason)
-			}
-			return true
+		if err != nil && ctx.Err() != nil {
+			return struct{}{}, retry.Permanent(err)
 		}
-		if ctx.Err() != nil {
-			return false
-		}
-		delay := c.cfg.Retry.Backoff(attempt)
+		return struct{}{}, err
+	}, func(err error, delay time.Duration) {
 		c.cfg.Logger.Error("dead-lettering failed; retrying, offset not committed",
 			c.recordAttrs(rec, "reason", reason, "attempt", attempt, "delay", delay, "error", err)...)
-		if !wait(ctx, delay) {
-			return false
-		}
+	})
+	if err != nil {
+		return false
 	}
+	span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", reason)))
+	c.cfg.Logger.Warn("record dead-lettered", c.recordAttrs(rec, "reason", reason, "error", cause)...)
+	if c.cfg.Hooks.DeadLettered != nil {
+		c.cfg.Hooks.DeadLettered(rec.Topic, reason)
+	}
+	return true
 }
 
 // sendDeadLetter runs the OnDeadLetter hook, then publishes to the DLQ topic.

@@ -9,7 +9,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // Names of the consumer-lag metric families.
@@ -30,8 +32,9 @@ const lagTimeout = 3 * time.Second
 // is stuck. A failed read leaves that group's series out of the scrape and
 // counts an error.
 type LagCollector struct {
-	client    *kafka.Client
-	transport *kafka.Transport
+	client    *kgo.Client
+	admin     *kadm.Client
+	clientErr error // from kgo.NewClient; every read reports it
 	lag       *prometheus.Desc
 	errors    prometheus.Counter
 
@@ -47,10 +50,10 @@ type lagWatch struct {
 // NewLagCollector returns a collector asking brokers; Close releases its
 // connections.
 func NewLagCollector(brokers []string) *LagCollector {
-	transport := &kafka.Transport{}
-	return &LagCollector{
-		client:    &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport, Timeout: lagTimeout},
-		transport: transport,
+	client, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.RetryTimeout(lagTimeout))
+	c := &LagCollector{
+		client:    client,
+		clientErr: err,
 		lag: prometheus.NewDesc(MetricConsumerLag,
 			"Records not yet committed by a consumer group, by group and topic (read from the brokers at scrape time).",
 			[]string{"group", "topic"}, nil),
@@ -59,6 +62,10 @@ func NewLagCollector(brokers []string) *LagCollector {
 			Help: "Failed reads of consumer-group lag from the brokers.",
 		}),
 	}
+	if err == nil {
+		c.admin = kadm.NewClient(client)
+	}
+	return c
 }
 
 // Watch adds group's lag on topics to what the collector reports. Watching
@@ -107,98 +114,59 @@ func (c *LagCollector) Collect(ch chan<- prometheus.Metric) {
 
 // Close releases the collector's broker connections.
 func (c *LagCollector) Close() {
-	c.transport.CloseIdleConnections()
+	if c.client != nil {
+		c.client.Close()
+	}
 }
 
-// Lag returns group's lag on each of topics.
+// Lag returns group's lag on each of topics, computed by kadm from the
+// group's commits (kadm.FetchOffsetsForTopics: uncommitted partitions count
+// from their start offset) and the partitions' start and end offsets. Any
+// partition whose offsets could not be read makes it an error.
 func (c *LagCollector) Lag(ctx context.Context, group string, topics []string) (map[string]int64, error) {
-	parts, err := c.partitions(ctx, topics)
-	if err != nil {
-		return nil, err
+	if c.clientErr != nil {
+		return nil, fmt.Errorf("bus: lag client: %w", c.clientErr)
 	}
-	ends, err := c.offsets(ctx, parts)
-	if err != nil {
-		return nil, err
-	}
-	committed, err := c.committed(ctx, group, parts)
-	if err != nil {
-		return nil, err
-	}
-	lag := make(map[string]int64, len(topics))
-	for topic, ps := range ends {
-		done := committed[topic]
-		for _, p := range ps {
-			from, ok := done[p.Partition]
-			if !ok {
-				from = p.FirstOffset
-			}
-			lag[topic] += max(0, p.LastOffset-from)
-		}
-	}
-	return lag, nil
-}
-
-// committed returns group's committed offset per topic and partition; a
-// group that does not exist yet has none.
-func (c *LagCollector) committed(ctx context.Context, group string, parts map[string][]int) (map[string]map[int]int64, error) {
-	resp, err := c.client.OffsetFetch(ctx, &kafka.OffsetFetchRequest{GroupID: group, Topics: parts})
+	starts, err := c.admin.ListStartOffsets(ctx, topics...)
 	if err == nil {
-		err = resp.Error
+		err = starts.Error()
 	}
-	if errors.Is(err, kafka.GroupIdNotFound) {
-		return nil, nil
+	if err != nil {
+		return nil, fmt.Errorf("bus: list start offsets: %w", err)
+	}
+	ends, err := c.admin.ListEndOffsets(ctx, topics...)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("bus: list end offsets: %w", err)
+	}
+	commits, err := c.admin.FetchOffsetsForTopics(ctx, group, topics...)
+	if errors.Is(err, kerr.GroupIDNotFound) { // a group yet to commit: nothing consumed
+		commits, err = make(kadm.OffsetResponses), nil
+		ends.Each(func(o kadm.ListedOffset) {
+			if commits[o.Topic] == nil {
+				commits[o.Topic] = map[int32]kadm.OffsetResponse{}
+			}
+			commits[o.Topic][o.Partition] = kadm.OffsetResponse{Offset: kadm.Offset{Topic: o.Topic, Partition: o.Partition, At: -1}}
+		})
+	}
+	if err == nil {
+		err = commits.Error()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("bus: fetch offsets of %s: %w", group, err)
 	}
-	out := make(map[string]map[int]int64, len(resp.Topics))
-	for topic, ps := range resp.Topics {
-		out[topic] = map[int]int64{}
-		for _, p := range ps {
-			if p.Error == nil && p.CommittedOffset >= 0 {
-				out[topic][p.Partition] = p.CommittedOffset
+	lags := kadm.CalculateGroupLagWithStartOffsets(kadm.DescribedGroup{Group: group}, commits, starts, ends)
+	out := make(map[string]int64, len(topics))
+	for _, t := range topics {
+		out[t] = 0
+		for _, p := range lags[t] {
+			if p.Err != nil {
+				return nil, fmt.Errorf("bus: lag of %s on %s/%d: %w", group, t, p.Partition, p.Err)
 			}
+			out[t] += p.Lag
 		}
 	}
 	return out, nil
-}
-
-// partitions lists the partition ids of every topic.
-func (c *LagCollector) partitions(ctx context.Context, topics []string) (map[string][]int, error) {
-	md, err := c.client.Metadata(ctx, &kafka.MetadataRequest{Topics: topics})
-	if err != nil {
-		return nil, fmt.Errorf("bus: metadata: %w", err)
-	}
-	out := make(map[string][]int, len(topics))
-	for _, t := range md.Topics {
-		if t.Error != nil {
-			return nil, fmt.Errorf("bus: metadata of %s: %w", t.Name, t.Error)
-		}
-		for _, p := range t.Partitions {
-			out[t.Name] = append(out[t.Name], p.ID)
-		}
-	}
-	return out, nil
-}
-
-// offsets lists the first and end offsets of every partition.
-func (c *LagCollector) offsets(ctx context.Context, parts map[string][]int) (map[string][]kafka.PartitionOffsets, error) {
-	req := &kafka.ListOffsetsRequest{Topics: make(map[string][]kafka.OffsetRequest, len(parts))}
-	for t, ps := range parts {
-		for _, p := range ps {
-			req.Topics[t] = append(req.Topics[t], kafka.FirstOffsetOf(p), kafka.LastOffsetOf(p))
-		}
-	}
-	resp, err := c.client.ListOffsets(ctx, req)
-	if err != nil {
-		return nil, fmt.Errorf("bus: list offsets: %w", err)
-	}
-	for t, ps := range resp.Topics {
-		for _, p := range ps {
-			if p.Error != nil {
-				return nil, fmt.Errorf("bus: list offsets of %s/%d: %w", t, p.Partition, p.Error)
-			}
-		}
-	}
-	return resp.Topics, nil
 }

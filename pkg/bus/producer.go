@@ -109,14 +109,22 @@ func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
 }
 
 // Publish writes msgs and returns once the brokers acknowledged all of them.
-// It starts one producer span per call, a child of the span in ctx, and
-// writes that span's trace context into the headers of every message that
-// does not carry one already (the caller's header maps are not modified).
-// A message that carries its own trace context (the outbox relay's, whose
-// messages belong to the requests that enqueued them) keeps it, and the
-// call's span links to it, so a batch joining several requests is
-// reachable from each of their traces. A record that should not start a new
-// trace must be published with a ctx or headers that carry its trace.
+// It starts one producer span per call and writes that span's trace context
+// into the headers of every message that does not carry one already (the
+// caller's header maps are not modified).
+//
+// The span is a child of the span that produced the messages: the span in
+// ctx, or, where ctx has none (the outbox relay publishes rows of many
+// requests from a context of its own), the trace context carried by the
+// first message that carries one, so that the span sits inside that
+// message's trace instead of starting a one-span trace. A message that
+// carries its own trace context keeps it, and the span links to every
+// carried context other than its parent, so a batch joining several
+// requests is reachable from each of their traces. When the parent is
+// borrowed from a message, the messages without a trace context of their
+// own are sent without one (they do not belong to that message's request);
+// a record that should not start a new trace must be published with a ctx
+// or headers that carry its trace.
 func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 	if len(msgs) == 0 {
 		return nil
@@ -126,15 +134,16 @@ func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 			return fmt.Errorf("bus: publish message %d: %w", i, ErrNoTopic)
 		}
 	}
-	ctx, span := p.tracer.get().Start(ctx, publishSpanName(msgs), trace.WithSpanKind(trace.SpanKindProducer),
-		trace.WithAttributes(publishAttributes(msgs)...), trace.WithLinks(carriedSpanContexts(msgs)...))
+	parent, links, borrowed := publishParent(ctx, msgs)
+	spanCtx, span := p.tracer.get().Start(parent, publishSpanName(msgs), trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(publishAttributes(msgs)...), trace.WithLinks(links...))
 	defer span.End()
 
 	records := make([]kafka.Message, len(msgs))
 	for i, m := range msgs {
-		records[i] = toRecord(ctx, m)
+		records[i] = toRecord(spanCtx, m, !borrowed)
 	}
-	if err := p.writer.WriteMessages(ctx, records...); err != nil {
+	if err := p.writer.WriteMessages(spanCtx, records...); err != nil {
 		span.RecordError(err)
 		span.SetStatus(codes.Error, "publish failed")
 		return fmt.Errorf("bus: publish %d message(s): %w", len(msgs), err)
@@ -142,12 +151,35 @@ func (p *Producer) Publish(ctx context.Context, msgs ...Message) error {
 	return nil
 }
 
-// toRecord converts m to a kafka-go message carrying ctx's trace context,
-// unless m carries a trace context of its own.
-func toRecord(ctx context.Context, m Message) kafka.Message {
+// publishParent returns the context to start the producer span of msgs
+// under, the links it gets, and whether its parent was borrowed from a
+// message's carried trace context (ctx holds no span). The parent is ctx's
+// span when it has one; otherwise the first carried span context, if any.
+// The links are the carried span contexts other than the parent, each once.
+func publishParent(ctx context.Context, msgs []Message) (context.Context, []trace.Link, bool) {
+	carried := carriedSpanContexts(msgs)
+	parent, borrowed := trace.SpanContextFromContext(ctx), false
+	if !parent.IsValid() && len(carried) > 0 {
+		parent, borrowed = carried[0].SpanContext, true
+		ctx = trace.ContextWithRemoteSpanContext(ctx, parent)
+	}
+	var links []trace.Link
+	seen := map[trace.SpanID]bool{parent.SpanID(): parent.IsValid()}
+	for _, l := range carried {
+		if id := l.SpanContext.SpanID(); !seen[id] {
+			seen[id] = true
+			links = append(links, l)
+		}
+	}
+	return ctx, links, borrowed
+}
+
+// toRecord converts m to a kafka-go message. With inject set, a message
+// without a trace context of its own gets ctx's.
+func toRecord(ctx context.Context, m Message, inject bool) kafka.Message {
 	headers := make(map[string]string, len(m.Headers)+2)
 	maps.Copy(headers, m.Headers)
-	if !CarriesTrace(headers) {
+	if inject && !CarriesTrace(headers) {
 		InjectHeaders(ctx, headers)
 	}
 	var key []byte

@@ -16,7 +16,10 @@
 //   - env: the variable name. Fields without it are skipped, except struct
 //     fields, whose own fields are loaded as if declared in the parent
 //     (nested structs are flattened).
-//   - default: the value used when the variable is unset or empty.
+//   - default: the value used when the variable is unset or empty. A
+//     struct may instead give a default as a Go value, such as a library's
+//     Default constant, by implementing Defaulter; each default is stated
+//     in one of the two places only.
 //   - doc: a one-line description for Describe and MarkdownTable.
 //   - secret:"true": the value is never shown; Describe masks it as "***".
 //   - required:"true": Load fails when neither the variable nor a default
@@ -75,9 +78,16 @@ func Load(dst any, lookup func(string) (string, bool)) error {
 	if rv.Kind() != reflect.Pointer || rv.IsNil() || rv.Elem().Kind() != reflect.Struct {
 		return ErrNotStructPointer
 	}
+	defs, err := valueDefaults(rv.Elem().Type())
+	if err == nil {
+		err = checkDefaults(rv.Elem(), defs)
+	}
+	if err != nil {
+		return err
+	}
 	var errs []error
 	walk(rv.Elem(), func(sf reflect.StructField, fv reflect.Value) {
-		if err := loadField(sf, fv, lookup); err != nil {
+		if err := loadField(sf, fv, lookup, defs); err != nil {
 			errs = append(errs, err)
 		}
 	})
@@ -112,13 +122,14 @@ func walk(v reflect.Value, fn func(reflect.StructField, reflect.Value)) {
 	}
 }
 
-// loadField sets one field from its variable or default.
-func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (string, bool)) error {
+// loadField sets one field from its variable or default (its tag, else its
+// entry in defs).
+func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (string, bool), defs map[string]string) error {
 	name := sf.Tag.Get("env")
 	raw, ok := lookup(name)
 	source := name
 	if !ok || raw == "" {
-		def, hasDefault := sf.Tag.Lookup("default")
+		def, hasDefault := defaultOf(sf, defs)
 		if !hasDefault || def == "" {
 			if isTrue(sf.Tag.Get("required")) {
 				return fmt.Errorf("%w: %s is not set%s", ErrMissing, name, docSuffix(sf))

@@ -23,7 +23,8 @@ type Field struct {
 	// unset secret stays empty, so a missing secret is visible) and
 	// passwords inside URLs or key=value connection strings are masked.
 	Value string
-	// Default is the default from the tag, masked like Value.
+	// Default is the default from the tag or the struct's ConfigDefaults,
+	// masked like Value.
 	Default string
 	// Doc is the description from the doc tag.
 	Doc string
@@ -47,13 +48,16 @@ func Describe(v any) []Field {
 	if rv.Kind() != reflect.Struct {
 		return nil
 	}
+	// A bad ConfigDefaults is reported by Load; Describe shows what it can.
+	defs, _ := valueDefaults(rv.Type())
 	var fields []Field
 	walk(rv, func(sf reflect.StructField, fv reflect.Value) {
 		secret := isTrue(sf.Tag.Get("secret"))
+		def, _ := defaultOf(sf, defs)
 		fields = append(fields, Field{
 			Env:      sf.Tag.Get("env"),
 			Value:    mask(formatValue(fv), secret),
-			Default:  mask(sf.Tag.Get("default"), secret),
+			Default:  mask(def, secret),
 			Doc:      sf.Tag.Get("doc"),
 			Type:     typeName(fv.Type()),
 			Secret:   secret,
@@ -75,7 +79,7 @@ func LogValue(v any) slog.Value {
 }
 
 // MarkdownTable renders the settings of v as a Markdown table (variable,
-// type, default, description) for the README.
+// type, default, description) for docs/configuration.md.
 func MarkdownTable(v any) string {
 	var b strings.Builder
 	b.WriteString("| Variable | Type | Default | Description |\n")

@@ -1,6 +1,6 @@
 // Package contract holds the names that are fixed between kvmesh services and
 // the engines that talk to them: Kafka topics, default ports and HTTP routes.
-// See DESIGN.md for what each carries.
+// See docs/contract.md for what each carries.
 package contract
 
 // Kafka topics. All are keyed by request id unless noted.
@@ -39,6 +39,11 @@ var Topics = []string{
 	TopicEngineFeedback,
 	TopicKVEvents,
 }
+
+// DefaultPartitions is the partition count of a topic where kvmesh creates
+// one: a service that finds a topic missing (KVMESH_KAFKA_PARTITIONS), or
+// the dev broker.
+const DefaultPartitions = 4
 
 // Default listen addresses of the services.
 const (

@@ -1,6 +1,6 @@
 // Package database is kvmesh's PostgreSQL foundation: a pgx connection pool
-// with sane defaults, a dependency-free migration runner safe under
-// concurrent starts, and a transactional outbox (Enqueue plus Relay) that
+// with sane defaults, schema migrations (golang-migrate behind an advisory
+// lock, safe under concurrent starts), and a transactional outbox (Enqueue plus Relay) that
 // publishes messages written in a service's transaction to the bus.
 package database
 
@@ -16,6 +16,8 @@ var (
 	ErrUnknownMigration = errors.New("applied migration has no file")
 	// ErrInvalidSteps reports a non-positive step count for MigrateDown.
 	ErrInvalidSteps = errors.New("steps must be positive")
+	// ErrDirtyMigration reports a schema version a failed migration left dirty.
+	ErrDirtyMigration = errors.New("migration failed and left the schema version dirty")
 	// ErrNotMigrated reports a database that lacks migrations the binary expects.
 	ErrNotMigrated = errors.New("database is not migrated")
 	// ErrEmptyTopic reports an outbox message without a topic.

@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // listener holds a dedicated connection (outside the pool, so it takes no
@@ -47,7 +49,7 @@ func (l *listener) ensure(ctx context.Context) {
 // ensure reconnects.
 func (l *listener) wait(ctx context.Context, d time.Duration) {
 	if l.conn == nil {
-		sleepCtx(ctx, d)
+		_ = retry.Sleep(ctx, d) // a cancelled ctx ends the relay loop
 		return
 	}
 	wctx, cancel := context.WithTimeout(ctx, d)
@@ -58,7 +60,7 @@ func (l *listener) wait(ctx context.Context, d time.Duration) {
 	}
 	l.log.WarnContext(ctx, "outbox relay: listen connection lost; reconnecting", "err", err)
 	l.close()
-	sleepCtx(ctx, min(l.retry, d))
+	_ = retry.Sleep(ctx, min(l.retry, d))
 }
 
 // close drops the listening connection.

@@ -3,12 +3,14 @@ package database_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"testing/fstest"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/migrations"
@@ -43,13 +45,23 @@ func threeTables() fstest.MapFS {
 	}
 }
 
-// versions returns schema_migrations' versions in order.
+// versions returns the applied versions 1..v, where v is the clean version
+// golang-migrate recorded in database.MigrationsTable; a dirty version fails
+// the test.
 func versions(t *testing.T, pool *pgxpool.Pool) []int64 {
 	t.Helper()
-	var vs []int64
-	if err := pool.QueryRow(t.Context(),
-		"SELECT coalesce(array_agg(version ORDER BY version), '{}') FROM schema_migrations").Scan(&vs); err != nil {
-		t.Fatalf("read schema_migrations: %v", err)
+	var v int64
+	var dirty bool
+	err := pool.QueryRow(t.Context(), "SELECT version, dirty FROM "+database.MigrationsTable).Scan(&v, &dirty)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		t.Fatalf("read %s: %v", database.MigrationsTable, err)
+	}
+	if dirty {
+		t.Fatalf("%s: version %d is dirty", database.MigrationsTable, v)
+	}
+	vs := []int64{}
+	for i := int64(1); i <= v; i++ {
+		vs = append(vs, i)
 	}
 	return vs
 }
@@ -195,8 +207,105 @@ func TestMigrateFailureRollsBack(t *testing.T) {
 	if !slices.Equal(applied, []string{"0001_a.up.sql"}) {
 		t.Errorf("applied = %v, want only 0001_a.up.sql", applied)
 	}
-	if tableExists(t, pool, "b") || !slices.Equal(versions(t, pool), []int64{1}) {
-		t.Error("failed migration 0002 left table b or its version behind")
+	if tableExists(t, pool, "b") {
+		t.Error("failed migration 0002 left table b behind")
+	}
+
+	// golang-migrate marks version 2 dirty: runs refuse until it is forced.
+	applied, err = database.Migrate(t.Context(), pool, threeTables())
+	if !errors.Is(err, database.ErrDirtyMigration) || !strings.Contains(err.Error(), "0002_b.up.sql") || len(applied) != 0 {
+		t.Fatalf("Migrate over a dirty version = %v, %v; want ErrDirtyMigration naming 0002_b.up.sql", applied, err)
+	}
+	if err := database.CheckMigrated(t.Context(), pool, threeTables()); !errors.Is(err, database.ErrNotMigrated) ||
+		!errors.Is(err, database.ErrDirtyMigration) {
+		t.Errorf("CheckMigrated over a dirty version = %v, want ErrNotMigrated and ErrDirtyMigration", err)
+	}
+	if err := database.ForceVersion(t.Context(), pool, threeTables(), 4); !errors.Is(err, database.ErrUnknownMigration) {
+		t.Errorf("ForceVersion(4) of 3 = %v, want ErrUnknownMigration", err)
+	}
+	if err := database.ForceVersion(t.Context(), pool, threeTables(), 1); err != nil {
+		t.Fatalf("ForceVersion(1): %v", err)
+	}
+	applied, err = database.Migrate(t.Context(), pool, threeTables())
+	if err != nil || !slices.Equal(applied, []string{"0002_b.up.sql", "0003_c.up.sql"}) {
+		t.Errorf("Migrate after ForceVersion(1) = %v, %v; want 0002 and 0003", applied, err)
+	}
+	if !slices.Equal(versions(t, pool), []int64{1, 2, 3}) {
+		t.Errorf("versions = %v, want [1 2 3]", versions(t, pool))
+	}
+}
+
+// legacyRunner reproduces what kvmesh's earlier runner left behind: the
+// schema of the first n migrations of threeTables and their rows in its
+// schema_migrations table.
+func legacyRunner(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	ctx := t.Context()
+	stmts := []string{`CREATE TABLE schema_migrations (
+		version bigint PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`}
+	fsys := threeTables()
+	for i, name := range []string{"a", "b", "c"}[:n] {
+		up, err := fsys.ReadFile(fmt.Sprintf("%04d_%s.up.sql", i+1, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		stmts = append(stmts, string(up),
+			fmt.Sprintf("INSERT INTO schema_migrations (version, name) VALUES (%d, '%s')", i+1, name))
+	}
+	for _, sql := range stmts {
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatalf("legacy runner: %s: %v", sql, err)
+		}
+	}
+}
+
+func TestMigrateAdoptsLegacyRunner(t *testing.T) {
+	t.Parallel()
+	pool := emptyPool(t)
+	legacyRunner(t, pool, 2)
+	if err := database.CheckMigrated(t.Context(), pool, threeTables()); !errors.Is(err, database.ErrNotMigrated) ||
+		!strings.Contains(err.Error(), "0003_c.up.sql") {
+		t.Errorf("CheckMigrated on a legacy database at 2 = %v, want ErrNotMigrated naming 0003_c.up.sql", err)
+	}
+	older := threeTables()
+	delete(older, "0003_c.up.sql")
+	delete(older, "0003_c.down.sql")
+	if err := database.CheckMigrated(t.Context(), pool, older); err != nil {
+		t.Errorf("CheckMigrated on a legacy database at 2 of 2: %v", err)
+	}
+
+	applied, err := database.Migrate(t.Context(), pool, threeTables())
+	if err != nil || !slices.Equal(applied, []string{"0003_c.up.sql"}) {
+		t.Fatalf("Migrate over a legacy database = %v, %v; want only 0003_c.up.sql", applied, err)
+	}
+	if got := versions(t, pool); !slices.Equal(got, []int64{1, 2, 3}) {
+		t.Errorf("versions after adoption = %v, want [1 2 3]", got)
+	}
+	var legacyRows int
+	if err := pool.QueryRow(t.Context(), "SELECT count(*) FROM schema_migrations").Scan(&legacyRows); err != nil || legacyRows != 2 {
+		t.Errorf("schema_migrations has %d rows (%v), want the 2 the old runner wrote, untouched", legacyRows, err)
+	}
+
+	// Adoption happens once: reverting everything and migrating again runs
+	// every file rather than trusting schema_migrations a second time.
+	if _, err := database.MigrateDown(t.Context(), pool, threeTables(), 3); err != nil {
+		t.Fatalf("MigrateDown(3): %v", err)
+	}
+	applied, err = database.Migrate(t.Context(), pool, threeTables())
+	if err != nil || len(applied) != 3 || !tableExists(t, pool, "a") {
+		t.Errorf("Migrate after reverting an adopted database = %v, %v; want all three applied", applied, err)
+	}
+}
+
+func TestMigrateRejectsGappedLegacyTable(t *testing.T) {
+	t.Parallel()
+	pool := emptyPool(t)
+	legacyRunner(t, pool, 1)
+	if _, err := pool.Exec(t.Context(), "INSERT INTO schema_migrations (version, name) VALUES (3, 'c')"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := database.Migrate(t.Context(), pool, threeTables()); !errors.Is(err, database.ErrMigrationSequence) {
+		t.Errorf("Migrate over schema_migrations {1, 3} = %v, want ErrMigrationSequence", err)
 	}
 }
 
@@ -249,7 +358,7 @@ func TestMigrateRejectsBadSets(t *testing.T) {
 			}
 		})
 	}
-	if tableExists(t, pool, "schema_migrations") {
+	if tableExists(t, pool, database.MigrationsTable) {
 		t.Error("invalid sets touched the database")
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
@@ -179,20 +179,19 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, opts ...RelayOption) *Relay {
 func (r *Relay) Run(ctx context.Context) error {
 	l := &listener{pool: r.pool, log: r.log, retry: r.backoffMin}
 	defer l.close()
-	failures := 0
 	for ctx.Err() == nil {
-		l.ensure(ctx)
-		res, err := r.relayBatch(ctx)
-		switch {
-		case ctx.Err() != nil:
-		case err != nil:
+		failures := 0
+		res, err := retry.Do(ctx, r.backoff(), func() (batchResult, error) {
+			l.ensure(ctx)
+			return r.relayBatch(ctx)
+		}, func(err error, delay time.Duration) {
 			failures++
-			r.log.WarnContext(ctx, "outbox relay: batch failed; retrying", "err", err, "failures", failures)
-			sleepCtx(ctx, r.backoff(failures))
-		case res.claimed == r.batchSize:
-			failures = 0 // more rows are likely waiting
+			r.log.WarnContext(ctx, "outbox relay: batch failed; retrying", "err", err, "failures", failures, "delay", delay)
+		})
+		switch {
+		case err != nil: // only when ctx ended
+		case res.claimed == r.batchSize: // more rows are likely waiting
 		default:
-			failures = 0
 			wait := r.poll
 			if res.retryIn > 0 {
 				wait = min(wait, res.retryIn)
@@ -203,15 +202,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	return nil
 }
 
-// backoff returns the delay before retry number failures (1-based), doubled
-// each time from backoffMin up to backoffMax, with up to 20% jitter.
-func (r *Relay) backoff(failures int) time.Duration {
-	d := r.backoffMin
-	for i := 1; i < failures && d < r.backoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, r.backoffMax)
-	return d - time.Duration(rand.Int64N(int64(d)/5+1))
+// backoff is the relay's retry.Backoff: doubling from backoffMin up to
+// backoffMax, with up to 20% jitter either way (never above backoffMax).
+func (r *Relay) backoff() retry.Backoff {
+	return retry.Backoff{Initial: r.backoffMin, Max: r.backoffMax, Jitter: 0.2}
 }
 
 // batchResult is what one relay batch did.
@@ -342,7 +336,7 @@ func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcom
 		case o.err == nil:
 			sent = append(sent, row.id)
 		case o.reason == ReasonTransient:
-			d := r.backoff(row.attempts + 1)
+			d := r.backoff().Delay(row.attempts + 1)
 			res.retryIn = min(cmp.Or(res.retryIn, d), d)
 			backoffIDs = append(backoffIDs, row.id)
 			delays = append(delays, d.Microseconds())
@@ -435,16 +429,6 @@ func (r *Relay) PurgeSent(ctx context.Context, olderThan time.Duration) (int64, 
 		return 0, fmt.Errorf("database: purge sent outbox rows: %w", err)
 	}
 	return tag.RowsAffected(), nil
-}
-
-// sleepCtx waits for d or until ctx is done.
-func sleepCtx(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
 }
 
 // WithFailureMetric registers kvmesh_outbox_publish_failures_total{reason}

@@ -1,8 +1,8 @@
 // Package dataplane is the contract for moving KV-block bytes between a
 // gpuworker's paged pool and the store pool: the value framing stored in the
 // store (EncodeValue, DecodeValue), the binary wire format of the data-plane
-// HTTP routes (FrameHeader), a Client for those routes, and the worker
-// registry in PostgreSQL (Register, Heartbeat, Find).
+// HTTP routes (FrameHeader) and a Client for those routes. The workers
+// it talks to are found in pkg/registry.
 //
 // Block bytes never travel through Kafka or PostgreSQL: the sender asks the
 // owning worker to Put blocks to the store, and a worker's loads read the
@@ -180,9 +180,6 @@ var (
 	ErrChecksum = errors.New("dataplane: checksum mismatch")
 	// ErrFrame reports a malformed value or wire frame.
 	ErrFrame = errors.New("dataplane: malformed frame")
-	// ErrNoWorker reports that no live gpuworker is registered for an engine
-	// (or rank).
-	ErrNoWorker = errors.New("no live gpuworker for engine")
 	// ErrRejected reports a data-plane request the worker refused as invalid
 	// (a 4xx answer): retrying the same request will not help.
 	ErrRejected = errors.New("dataplane: request rejected")

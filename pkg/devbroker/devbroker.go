@@ -24,8 +24,9 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 )
 
-// DefaultPartitions is the partition count of each topic unless configured.
-const DefaultPartitions = 4
+// DefaultPartitions is the partition count of each topic unless configured:
+// the contract's.
+const DefaultPartitions = contract.DefaultPartitions
 
 // maxPartitions bounds Config.Partitions: kfake keeps every partition in RAM.
 const maxPartitions = 1024

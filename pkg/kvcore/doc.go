@@ -7,5 +7,6 @@
 // hybrid longest-hit and full-hit rules, MultiConnector selection, the
 // per-request tracker state machine that yields load and save tasks, save-task
 // validation with stable reason codes, and chunk planning for send and
-// receive. The behaviour follows shared/reference/connector-semantics.md.
+// receive. The behaviour follows vLLM's connectors as docs/architecture.md
+// describes them.
 package kvcore

@@ -7,7 +7,7 @@ import (
 	"testing"
 )
 
-// The scenarios of shared/reference/connector-semantics.md that lookup, keys
+// The scenarios of docs/architecture.md that lookup, keys
 // and chunk planning own. bs 16 / hash block 16 unless a case says otherwise.
 
 // scenarioNS is the key namespace P of the scenarios (rank 0, group 0).

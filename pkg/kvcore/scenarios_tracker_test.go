@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// TestTrackerScenarios runs the connector-semantics scenarios owned by the
+// TestTrackerScenarios runs the scenarios of docs/architecture.md owned by the
 // tracker, validation, send policy and MultiConnector (bs 16, hash 16).
 func TestTrackerScenarios(t *testing.T) {
 	cases := []struct {

@@ -20,6 +20,8 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/logging"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
@@ -31,23 +33,36 @@ type Common struct {
 	// LogLevel is the minimum level logged.
 	LogLevel string `env:"KVMESH_LOG_LEVEL" default:"info" doc:"log level: debug, info, warn or error"`
 	// Brokers are the Kafka bootstrap brokers.
-	Brokers []string `env:"KVMESH_KAFKA_BROKERS" default:"127.0.0.1:9092" doc:"Kafka bootstrap brokers, comma-separated"`
+	Brokers []string `env:"KVMESH_KAFKA_BROKERS" doc:"Kafka bootstrap brokers, comma-separated"`
 	// Partitions is the partition count used when a service creates a missing topic.
-	Partitions int `env:"KVMESH_KAFKA_PARTITIONS" default:"4" doc:"partitions for topics a service creates when they are missing"`
+	Partitions int `env:"KVMESH_KAFKA_PARTITIONS" doc:"partitions for topics a service creates when they are missing"`
 	// AdminToken guards mutating admin routes.
 	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"bearer token for mutating admin routes; when unset they are refused"`
 	// ShutdownTimeout bounds the graceful stop.
-	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" default:"5s" doc:"how long a service waits for in-flight work when stopping"`
+	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"how long a service waits for in-flight work when stopping"`
 	// Model is a preset name or the path of a YAML/JSON model spec.
 	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, full-swa-mamba) or a YAML/JSON file"`
 	// KeyPrefix separates deployments that share one store pool.
 	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key prefix separating deployments that share a store pool (no '@' or whitespace; must be the same in every service); empty for none"`
 	// SessionTimeout is the Kafka consumer-group session timeout.
-	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" default:"10s" doc:"Kafka consumer-group session timeout: how soon a crashed member's partitions go to another"`
+	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" doc:"Kafka consumer-group session timeout: how soon a crashed member's partitions go to another"`
 	// OTLPEndpoint is the OTLP/HTTP collector base URL.
 	OTLPEndpoint string `env:"OTEL_EXPORTER_OTLP_ENDPOINT" doc:"OTLP/HTTP collector base URL (e.g. http://collector:4318); unset exports no traces"`
 	// OTLPTracesEndpoint is a full OTLP/HTTP traces URL that wins over OTLPEndpoint.
 	OTLPTracesEndpoint string `env:"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" doc:"full OTLP/HTTP traces URL; wins over OTEL_EXPORTER_OTLP_ENDPOINT"`
+}
+
+// ConfigDefaults gives the shared settings whose defaults other packages
+// own (config.Defaulter): the contract's broker address and partition
+// count, the HTTP server's shutdown timeout and the consumer's session
+// timeout.
+func (*Common) ConfigDefaults() map[string]any {
+	return map[string]any{
+		"KVMESH_KAFKA_BROKERS":         []string{contract.BrokerAddr},
+		"KVMESH_KAFKA_PARTITIONS":      contract.DefaultPartitions,
+		"KVMESH_SHUTDOWN_TIMEOUT":      httpserver.DefaultShutdownTimeout,
+		"KVMESH_KAFKA_SESSION_TIMEOUT": bus.DefaultSessionTimeout,
+	}
 }
 
 // Validate checks the shared settings.

@@ -21,7 +21,7 @@ const binDirPrefix = "kvmesh-testbin-"
 // binDirEnv names a directory of prebuilt binaries (see goBuild).
 const binDirEnv = "KVMESH_TEST_BIN_DIR"
 
-// cgoCFlags silences go-nvml's C warnings (stack-notes); it applies only
+// cgoCFlags silences go-nvml's C warnings; it applies only
 // when the environment sets no CGO_CFLAGS of its own.
 const cgoCFlags = "-O2 -g -Wno-deprecated-declarations"
 

@@ -1,5 +1,5 @@
 // Command gpuworker is kvmesh's gpuworker service. Configuration comes from
-// the environment; see README.md.
+// the environment; see docs/configuration.md.
 package main
 
 import (

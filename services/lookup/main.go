@@ -1,5 +1,5 @@
 // Command lookup is kvmesh's lookup service. Configuration comes from
-// the environment; see README.md.
+// the environment; see docs/configuration.md.
 package main
 
 import (

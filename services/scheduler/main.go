@@ -1,5 +1,5 @@
 // Command scheduler is kvmesh's scheduler service. Configuration comes from
-// the environment; see README.md.
+// the environment; see docs/configuration.md.
 package main
 
 import (

@@ -3,6 +3,7 @@ package servicetest
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,7 +12,9 @@ import (
 	"strings"
 	"testing"
 
-	"gopkg.in/yaml.v3"
+	"github.com/getkin/kin-openapi/openapi3"
+	"github.com/getkin/kin-openapi/openapi3filter"
+	"github.com/getkin/kin-openapi/routers"
 
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 )
@@ -21,140 +24,43 @@ import (
 // why (e.g. "engine API" or "data plane: cluster-internal").
 const PublicExtension = "x-kvmesh-public"
 
-// operationMethods are the OpenAPI path-item members that are operations.
-var operationMethods = []string{"get", "put", "post", "delete", "options", "head", "patch", "trace"}
-
 // pathParam matches a {name} parameter of a path template.
 var pathParam = regexp.MustCompile(`\{([^{}/]+)\}`)
 
-// OpenAPI is a parsed OpenAPI document, as far as the route checks read it.
+// maxProbeBody bounds how much of a probed response is read and validated.
+const maxProbeBody = 1 << 20
+
+// OpenAPI is an OpenAPI 3.1 document loaded, with every $ref resolved, by
+// kin-openapi, indexed by route.
 type OpenAPI struct {
-	doc        map[string]any
-	operations map[httpserver.Route]operation
-	schemes    map[string]bool
+	doc        *openapi3.T
+	operations map[httpserver.Route]*openapi3.Operation
 }
 
-// operation is one documented operation.
-type operation struct {
-	params    []parameter
-	responses map[string]any
-	security  []map[string]any
-	secured   bool
-	public    string
-	id        string
-}
-
-// parameter is a resolved parameter object.
-type parameter struct {
-	Name     string `yaml:"name"`
-	In       string `yaml:"in"`
-	Required bool   `yaml:"required"`
-}
-
-// ParseOpenAPI parses an OpenAPI 3.1 document, failing the test when it is
-// not YAML or lacks the members the checks need.
+// ParseOpenAPI loads an OpenAPI 3.1 document, resolving its local $refs,
+// and fails the test when it is not a document, a $ref does not resolve
+// (external references are refused), or the version is not 3.1.x.
 func ParseOpenAPI(t testing.TB, doc []byte) *OpenAPI {
 	t.Helper()
-	var root map[string]any
-	if err := yaml.Unmarshal(doc, &root); err != nil {
+	loader := openapi3.NewLoader()
+	loader.IsExternalRefsAllowed = false
+	parsed, err := loader.LoadFromData(doc)
+	if err != nil {
 		t.Fatalf("OpenAPI document: %v", err)
 	}
-	if v, _ := root["openapi"].(string); !strings.HasPrefix(v, "3.1.") {
-		t.Fatalf("OpenAPI document: openapi = %q, want 3.1.x", v)
+	if !strings.HasPrefix(parsed.OpenAPI, "3.1.") {
+		t.Fatalf("OpenAPI document: openapi = %q, want 3.1.x", parsed.OpenAPI)
 	}
-	d := &OpenAPI{doc: root, operations: map[httpserver.Route]operation{}, schemes: map[string]bool{}}
-	for name := range mapAt(root, "components", "securitySchemes") {
-		d.schemes[name] = true
-	}
-	global, _ := root["security"].([]any)
-	paths, ok := root["paths"].(map[string]any)
-	if !ok {
+	if parsed.Paths == nil || parsed.Paths.Len() == 0 {
 		t.Fatal("OpenAPI document: no paths")
 	}
-	for path, item := range paths {
-		d.addPath(t, path, asMap(item), global)
+	d := &OpenAPI{doc: parsed, operations: map[httpserver.Route]*openapi3.Operation{}}
+	for path, item := range parsed.Paths.Map() {
+		for method, op := range item.Operations() {
+			d.operations[httpserver.Route{Method: strings.ToUpper(method), Pattern: path}] = op
+		}
 	}
 	return d
-}
-
-// addPath records the operations of one path item.
-func (d *OpenAPI) addPath(t testing.TB, path string, item map[string]any, global []any) {
-	t.Helper()
-	shared := d.parameters(t, path, item["parameters"])
-	for _, m := range operationMethods {
-		raw, ok := item[m]
-		if !ok {
-			continue
-		}
-		op := asMap(raw)
-		o := operation{responses: asMap(op["responses"])}
-		o.id, _ = op["operationId"].(string)
-		o.public, _ = op[PublicExtension].(string)
-		o.params = mergeParams(shared, d.parameters(t, path, op["parameters"]))
-		sec, declared := op["security"].([]any)
-		if !declared {
-			sec = global
-		}
-		for _, req := range sec {
-			if r := asMap(req); len(r) > 0 {
-				o.security = append(o.security, r)
-			}
-		}
-		o.secured = len(o.security) > 0
-		d.operations[httpserver.Route{Method: strings.ToUpper(m), Pattern: path}] = o
-	}
-}
-
-// parameters resolves a parameters list, following local $refs.
-func (d *OpenAPI) parameters(t testing.TB, path string, raw any) []parameter {
-	t.Helper()
-	list, _ := raw.([]any)
-	out := make([]parameter, 0, len(list))
-	for i, p := range list {
-		m := asMap(p)
-		if ref, ok := m["$ref"].(string); ok {
-			target, err := d.resolve(ref)
-			if err != nil {
-				t.Fatalf("OpenAPI %s: parameters[%d]: %v", path, i, err)
-			}
-			m = asMap(target)
-		}
-		var param parameter
-		param.Name, _ = m["name"].(string)
-		param.In, _ = m["in"].(string)
-		param.Required, _ = m["required"].(bool)
-		out = append(out, param)
-	}
-	return out
-}
-
-// mergeParams lets operation parameters override path-item ones of the
-// same name and location.
-func mergeParams(shared, own []parameter) []parameter {
-	out := slices.Clone(own)
-	for _, p := range shared {
-		if !slices.ContainsFunc(own, func(q parameter) bool { return q.Name == p.Name && q.In == p.In }) {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-// resolve follows a local reference such as #/components/schemas/Problem.
-func (d *OpenAPI) resolve(ref string) (any, error) {
-	rest, ok := strings.CutPrefix(ref, "#/")
-	if !ok {
-		return nil, fmt.Errorf("$ref %q is not a local reference", ref)
-	}
-	var cur any = d.doc
-	for _, part := range strings.Split(rest, "/") {
-		part = strings.ReplaceAll(strings.ReplaceAll(part, "~1", "/"), "~0", "~")
-		var ok bool
-		if cur, ok = asMap(cur)[part]; !ok {
-			return nil, fmt.Errorf("$ref %q does not resolve", ref)
-		}
-	}
-	return cur, nil
 }
 
 // Routes lists the documented operations as routes, sorted.
@@ -168,20 +74,53 @@ func (d *OpenAPI) Routes() []httpserver.Route {
 }
 
 // Secured reports whether the document requires a security scheme (the
-// admin bearer token) for route.
-func (d *OpenAPI) Secured(r httpserver.Route) bool { return d.operations[r].secured }
+// admin bearer token) for route: the operation's security, or the
+// document's when the operation declares none, holds a requirement that
+// names a scheme.
+func (d *OpenAPI) Secured(r httpserver.Route) bool {
+	op := d.operations[r]
+	if op == nil {
+		return false
+	}
+	reqs := d.doc.Security
+	if op.Security != nil {
+		reqs = *op.Security
+	}
+	return slices.ContainsFunc(reqs, func(req openapi3.SecurityRequirement) bool { return len(req) > 0 })
+}
+
+// public returns the operation's x-kvmesh-public reason, or "".
+func (d *OpenAPI) public(r httpserver.Route) string {
+	op := d.operations[r]
+	if op == nil {
+		return ""
+	}
+	s, _ := op.Extensions[PublicExtension].(string)
+	return s
+}
 
 // CheckOpenAPI fails the test unless doc documents exactly the served
 // routes (a served route missing from the document and a documented route
-// not served are both reported), and the document is sound: every {name}
-// of a path template is declared as a required path parameter (and no
-// other path parameter is), every operation has an operationId of its own
-// and responses, every local $ref resolves, every security requirement
-// names a declared scheme, and secured operations document 401 and 403.
-// It returns the parsed document.
+// not served are both reported), and the document is sound: it passes
+// kin-openapi's validation of OpenAPI 3.1 (every $ref resolves, the path
+// parameters of each operation are exactly the {name}s of its template,
+// operation ids are unique, security requirements name declared schemes,
+// schemas are valid JSON Schema 2020-12), every path parameter is
+// required: true, every operation has an operationId and responses, and
+// secured operations document 401 and 403. It returns the loaded document.
 func CheckOpenAPI(t testing.TB, served []httpserver.Route, doc []byte) *OpenAPI {
 	t.Helper()
 	d := ParseOpenAPI(t, doc)
+	if err := d.doc.Validate(context.Background(), openapi3.EnableMultiError()); err != nil {
+		var multi openapi3.MultiError
+		if errors.As(err, &multi) {
+			for _, e := range multi {
+				t.Errorf("OpenAPI document: %v", e)
+			}
+		} else {
+			t.Errorf("OpenAPI document: %v", err)
+		}
+	}
 	documented := d.Routes()
 	for _, r := range served {
 		if _, ok := d.operations[r]; !ok {
@@ -192,84 +131,86 @@ func CheckOpenAPI(t testing.TB, served []httpserver.Route, doc []byte) *OpenAPI 
 		if !slices.Contains(served, r) {
 			t.Errorf("documented but not served: %s", r)
 		}
+		d.checkOperation(t, r)
 	}
-	ids := map[string]httpserver.Route{}
-	for _, r := range documented {
-		op := d.operations[r]
-		d.checkOperation(t, r, op)
-		if prev, dup := ids[op.id]; dup {
-			t.Errorf("%s: operationId %q is also %s's", r, op.id, prev)
-		}
-		ids[op.id] = r
-	}
-	d.checkRefs(t, "#", d.doc)
 	return d
 }
 
-// checkOperation checks one operation's id, responses, path parameters and
-// security.
-func (d *OpenAPI) checkOperation(t testing.TB, r httpserver.Route, op operation) {
+// checkOperation checks what kin-openapi's validation leaves to the
+// project: an operationId and responses on every operation, path
+// parameters required, and 401 and 403 on secured operations.
+func (d *OpenAPI) checkOperation(t testing.TB, r httpserver.Route) {
 	t.Helper()
-	if op.id == "" {
+	op := d.operations[r]
+	if op.OperationID == "" {
 		t.Errorf("%s: no operationId", r)
 	}
-	if len(op.responses) == 0 {
+	if op.Responses == nil || op.Responses.Len() == 0 {
 		t.Errorf("%s: no responses", r)
 	}
-	var inTemplate []string
-	for _, m := range pathParam.FindAllStringSubmatch(r.Pattern, -1) {
-		inTemplate = append(inTemplate, m[1])
-	}
-	for _, name := range inTemplate {
-		i := slices.IndexFunc(op.params, func(p parameter) bool { return p.In == "path" && p.Name == name })
-		if i < 0 {
-			t.Errorf("%s: path parameter {%s} is not declared", r, name)
-		} else if !op.params[i].Required {
-			t.Errorf("%s: path parameter {%s} must be required: true", r, name)
-		}
-	}
-	for _, p := range op.params {
-		if p.In == "path" && !slices.Contains(inTemplate, p.Name) {
-			t.Errorf("%s: declares path parameter %q that the template lacks", r, p.Name)
-		}
-	}
-	for _, req := range op.security {
-		for name := range req {
-			if !d.schemes[name] {
-				t.Errorf("%s: security scheme %q is not in components.securitySchemes", r, name)
+	item := d.doc.Paths.Value(r.Pattern)
+	for _, refs := range []openapi3.Parameters{item.Parameters, op.Parameters} {
+		for _, ref := range refs {
+			if p := ref.Value; p != nil && p.In == openapi3.ParameterInPath && !p.Required {
+				t.Errorf("%s: path parameter {%s} must be required: true", r, p.Name)
 			}
 		}
 	}
-	if op.secured {
-		for _, code := range []string{"401", "403"} {
-			if _, ok := op.responses[code]; !ok {
-				t.Errorf("%s: secured but does not document %s", r, code)
+	if d.Secured(r) {
+		for _, code := range []int{http.StatusUnauthorized, http.StatusForbidden} {
+			if op.Responses.Status(code) == nil {
+				t.Errorf("%s: secured but does not document %d", r, code)
 			}
 		}
 	}
 }
 
-// checkRefs fails the test for every local $ref below node that does not
-// resolve.
-func (d *OpenAPI) checkRefs(t testing.TB, at string, node any) {
+// CheckResponse fails the test unless the response the service gave to req
+// for route r (status, header and body) is one the document declares for
+// r's operation: the status is documented (or covered by default), the
+// Content-Type is one of that response's media types, its documented
+// headers match their schemas, and the body validates against the media
+// type's schema (JSON Schema 2020-12).
+func (d *OpenAPI) CheckResponse(t testing.TB, r httpserver.Route, req *http.Request, status int, header http.Header, body []byte) {
 	t.Helper()
-	switch n := node.(type) {
-	case map[string]any:
-		if ref, ok := n["$ref"].(string); ok {
-			if _, err := d.resolve(ref); err != nil {
-				t.Errorf("%s: %v", at, err)
-			}
-		}
-		for k, v := range n {
-			d.checkRefs(t, at+"/"+k, v)
-		}
-	case map[any]any:
-		d.checkRefs(t, at, asMap(n))
-	case []any:
-		for i, v := range n {
-			d.checkRefs(t, fmt.Sprintf("%s/%d", at, i), v)
-		}
+	if err := d.validateResponse(r, req, status, header, body); err != nil {
+		t.Errorf("%s answered %d %q, which its OpenAPI document does not allow: %v", r, status, header.Get("Content-Type"), err)
 	}
+}
+
+// validateResponse validates one response with openapi3filter.
+func (d *OpenAPI) validateResponse(r httpserver.Route, req *http.Request, status int, header http.Header, body []byte) error {
+	op := d.operations[r]
+	if op == nil {
+		return fmt.Errorf("%s is not documented", r)
+	}
+	route := &routers.Route{
+		Spec:      d.doc,
+		Path:      r.Pattern,
+		PathItem:  d.doc.Paths.Value(r.Pattern),
+		Method:    r.Method,
+		Operation: op,
+	}
+	opts := &openapi3filter.Options{IncludeResponseStatus: true, MultiError: true}
+	opts.WithCustomSchemaErrorFunc(schemaErrorMessage)
+	in := &openapi3filter.ResponseValidationInput{
+		RequestValidationInput: &openapi3filter.RequestValidationInput{Request: req, Route: route},
+		Status:                 status,
+		Header:                 header,
+		Options:                opts,
+	}
+	in.SetBodyBytes(body)
+	if err := openapi3filter.ValidateResponse(req.Context(), in); err != nil {
+		return fmt.Errorf("validate response: %w", err)
+	}
+	return nil
+}
+
+// schemaErrorMessage words a schema violation as where and why, leaving out
+// the schema and value kin-openapi would print whole (a served document
+// would fill the log).
+func schemaErrorMessage(err *openapi3.SchemaError) string {
+	return fmt.Sprintf("at /%s: %s", strings.Join(err.JSONPointer(), "/"), err.Reason)
 }
 
 // CheckAdminAuth probes the running service at baseURL (http://host:port)
@@ -278,8 +219,9 @@ func (d *OpenAPI) checkRefs(t testing.TB, at string, node any) {
 // deliberately open with x-kvmesh-public, and every secured operation
 // answers 401 (problem+json, with a Bearer challenge) without a token, 403
 // (problem+json) with a wrong one, and neither with token. Open mutating
-// routes must not ask for a token. Path parameters are filled from values
-// ("1" when absent); requests have no body.
+// routes must not ask for a token. Every answer must also be one the
+// document declares for the operation (CheckResponse). Path parameters are
+// filled from values ("1" when absent); requests have no body.
 func CheckAdminAuth(t testing.TB, baseURL, token string, served []httpserver.Route, d *OpenAPI, values map[string]string) {
 	t.Helper()
 	for _, r := range served {
@@ -287,27 +229,28 @@ func CheckAdminAuth(t testing.TB, baseURL, token string, served []httpserver.Rou
 		case http.MethodGet, http.MethodHead, http.MethodOptions:
 			continue
 		}
-		if op := d.operations[r]; !op.secured && op.public == "" {
+		if !d.Secured(r) && d.public(r) == "" {
 			t.Errorf("%s mutates but is neither secured nor marked %s", r, PublicExtension)
 		}
 	}
 	for _, r := range d.Routes() {
-		op := d.operations[r]
 		target := baseURL + fillPath(r.Pattern, values)
 		switch {
-		case op.secured:
-			checkSecured(t, r, target, token)
-		case op.public != "" && slices.Contains(served, r):
-			if code, _, body := send(t, r.Method, target, ""); code == http.StatusUnauthorized || code == http.StatusForbidden {
-				t.Errorf("%s is open but answered %d without a token: %s", r, code, body)
+		case d.Secured(r):
+			d.checkSecured(t, r, target, token)
+		case d.public(r) != "" && slices.Contains(served, r):
+			req, code, header, body := send(t, r.Method, target, "")
+			if code == http.StatusUnauthorized || code == http.StatusForbidden {
+				t.Errorf("%s is open but answered %d without a token: %s", r, code, clip(body))
 			}
+			d.CheckResponse(t, r, req, code, header, body)
 		}
 	}
 }
 
 // checkSecured probes one secured route with no, a wrong and the right
 // token.
-func checkSecured(t testing.TB, r httpserver.Route, target, token string) {
+func (d *OpenAPI) checkSecured(t testing.TB, r httpserver.Route, target, token string) {
 	t.Helper()
 	tests := []struct {
 		name, auth string
@@ -318,15 +261,16 @@ func checkSecured(t testing.TB, r httpserver.Route, target, token string) {
 		{"right token", "Bearer " + token, 0},
 	}
 	for _, tt := range tests {
-		code, header, body := send(t, r.Method, target, tt.auth)
+		req, code, header, body := send(t, r.Method, target, tt.auth)
+		d.CheckResponse(t, r, req, code, header, body)
 		if tt.want == 0 {
 			if code == http.StatusUnauthorized || code == http.StatusForbidden {
-				t.Errorf("%s with the %s: %d %s, want the route to run", r, tt.name, code, body)
+				t.Errorf("%s with the %s: %d %s, want the route to run", r, tt.name, code, clip(body))
 			}
 			continue
 		}
 		if code != tt.want || header.Get("Content-Type") != httpserver.ContentTypeProblem {
-			t.Errorf("%s with a %s: %d %q %s, want %d problem+json", r, tt.name, code, header.Get("Content-Type"), body, tt.want)
+			t.Errorf("%s with a %s: %d %q %s, want %d problem+json", r, tt.name, code, header.Get("Content-Type"), clip(body), tt.want)
 		}
 		if tt.want == http.StatusUnauthorized && !strings.HasPrefix(header.Get("WWW-Authenticate"), "Bearer") {
 			t.Errorf("%s with a %s: WWW-Authenticate %q, want a Bearer challenge", r, tt.name, header.Get("WWW-Authenticate"))
@@ -334,9 +278,9 @@ func checkSecured(t testing.TB, r httpserver.Route, target, token string) {
 	}
 }
 
-// send makes one request without a body and returns status, header and
-// body.
-func send(t testing.TB, method, target, auth string) (int, http.Header, string) {
+// send makes one request without a body and returns it with the answer's
+// status, header and body (at most maxProbeBody bytes).
+func send(t testing.TB, method, target, auth string) (*http.Request, int, http.Header, []byte) {
 	t.Helper()
 	req, err := http.NewRequestWithContext(context.Background(), method, target, nil)
 	if err != nil {
@@ -350,8 +294,20 @@ func send(t testing.TB, method, target, auth string) (int, http.Header, string) 
 		t.Fatalf("%s %s: %v", method, target, err)
 	}
 	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096)) // for messages only
-	return resp.StatusCode, resp.Header, string(b)
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxProbeBody))
+	if err != nil {
+		t.Fatalf("%s %s: read body: %v", method, target, err)
+	}
+	return req, resp.StatusCode, resp.Header, b
+}
+
+// clip shortens a body for a failure message.
+func clip(b []byte) string {
+	const n = 512
+	if len(b) > n {
+		return string(b[:n]) + "…"
+	}
+	return string(b)
 }
 
 // fillPath replaces every {name} of a template by values[name] or "1".
@@ -364,45 +320,26 @@ func fillPath(pattern string, values map[string]string) string {
 	})
 }
 
-// mapAt walks nested maps along keys; nil when any is missing.
-func mapAt(m map[string]any, keys ...string) map[string]any {
-	for _, k := range keys {
-		m = asMap(m[k])
-	}
-	return m
-}
-
-// asMap returns v as a map, or nil. A YAML mapping with keys that are not
-// all strings (an unquoted status code such as 200) has its keys formatted
-// as strings.
-func asMap(v any) map[string]any {
-	switch m := v.(type) {
-	case map[string]any:
-		return m
-	case map[any]any:
-		out := make(map[string]any, len(m))
-		for k, x := range m {
-			out[fmt.Sprint(k)] = x
-		}
-		return out
-	}
-	return nil
-}
-
 // CheckServedOpenAPI fetches the document a running service serves at
 // httpserver.PathOpenAPI from addr, fails unless it is embedded (the one the
-// service embeds), and checks it against the served routes with
-// CheckOpenAPI.
+// service embeds), checks it against the served routes with CheckOpenAPI,
+// and validates with CheckResponse its own answer and the answer of every
+// served GET route without path parameters (requested without a token, so
+// a secured one must answer as documented for that).
 func CheckServedOpenAPI(t testing.TB, addr string, served []httpserver.Route, embedded []byte) *OpenAPI {
 	t.Helper()
-	resp, err := http.Get("http://" + addr + httpserver.PathOpenAPI)
-	if err != nil {
-		t.Fatal(err)
+	req, code, header, doc := send(t, http.MethodGet, "http://"+addr+httpserver.PathOpenAPI, "")
+	if code != http.StatusOK || !bytes.Equal(doc, embedded) {
+		t.Fatalf("GET %s: %d, %d bytes; want the embedded document", httpserver.PathOpenAPI, code, len(doc))
 	}
-	defer resp.Body.Close()
-	doc, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != http.StatusOK || !bytes.Equal(doc, embedded) {
-		t.Fatalf("GET %s: %d, %d bytes, %v; want the embedded document", httpserver.PathOpenAPI, resp.StatusCode, len(doc), err)
+	d := CheckOpenAPI(t, served, doc)
+	d.CheckResponse(t, httpserver.Route{Method: http.MethodGet, Pattern: httpserver.PathOpenAPI}, req, code, header, doc)
+	for _, r := range d.Routes() {
+		if r.Method != http.MethodGet || r.Pattern == httpserver.PathOpenAPI || pathParam.MatchString(r.Pattern) || !slices.Contains(served, r) {
+			continue
+		}
+		req, code, header, body := send(t, r.Method, "http://"+addr+r.Pattern, "")
+		d.CheckResponse(t, r, req, code, header, body)
 	}
-	return CheckOpenAPI(t, served, doc)
+	return d
 }

@@ -65,7 +65,11 @@ paths:
       parameters:
         - {name: limit, in: query, schema: {type: integer}}
       responses:
-        200: {description: ok}
+        200:
+          description: ok
+          content:
+            application/json:
+              schema: {type: array, items: {type: integer}}
   /v1/items/{id}/replay:
     parameters:
       - $ref: '#/components/parameters/ID'
@@ -76,6 +80,7 @@ paths:
         "200": {description: ok}
         "401": {description: no token, content: {application/problem+json: {schema: {$ref: '#/components/schemas/Problem'}}}}
         "403": {description: wrong token}
+        "404": {description: no such item}
 `
 
 var served = []httpserver.Route{
@@ -107,13 +112,13 @@ func TestCheckOpenAPIFindsDisagreements(t *testing.T) {
 		{"documented, not served", served[:1], nil, "documented but not served: POST /v1/items/{id}/replay"},
 		{"undeclared path parameter", served, func(s string) string {
 			return strings.Replace(s, "    parameters:\n      - $ref: '#/components/parameters/ID'\n", "", 1)
-		}, "path parameter {id} is not declared"},
+		}, "POST /v1/items/{id}/replay must define exactly all path parameters (missing: [id])"},
 		{"extra path parameter", served, func(s string) string {
 			return strings.Replace(s, "{name: limit, in: query", "{name: limit, in: path, required: true", 1)
-		}, `declares path parameter "limit"`},
+		}, "GET /v1/items must define exactly all path parameters (missing: [limit])"},
 		{"dangling $ref", served, func(s string) string {
 			return strings.Replace(s, "schemas/Problem'", "schemas/Nope'", 1)
-		}, `"#/components/schemas/Nope" does not resolve`},
+		}, `"#/components/schemas/Nope": map key "Nope" not found`},
 		{"unknown scheme", served, func(s string) string {
 			return strings.Replace(s, "[{adminToken: []}]", "[{other: []}]", 1)
 		}, `security scheme "other"`},
@@ -122,7 +127,13 @@ func TestCheckOpenAPIFindsDisagreements(t *testing.T) {
 		}, "does not document 403"},
 		{"duplicate operationId", served, func(s string) string {
 			return strings.Replace(s, "operationId: replayItem", "operationId: listItems", 1)
-		}, `operationId "listItems"`},
+		}, `same operation id "listItems"`},
+		{"optional path parameter", served, func(s string) string {
+			return strings.Replace(s, "ID: {name: id, in: path, required: true,", "ID: {name: id, in: path,", 1)
+		}, "path parameter {id} must be required: true"},
+		{"bad schema", served, func(s string) string {
+			return strings.Replace(s, "{type: array, items: {type: integer}}", "{type: arrays}", 1)
+		}, "arrays"},
 		{"not 3.1", served, func(s string) string { return strings.Replace(s, "3.1.0", "3.0.3", 1) }, "want 3.1.x"},
 	}
 	for _, tt := range tests {
@@ -197,5 +208,47 @@ func TestCheckAdminAuthProbesTheServer(t *testing.T) {
 	}
 	if n := replayed.Load(); n != 1 {
 		t.Fatalf("the replay route ran %d times for id 7, want once (with the right token)", n)
+	}
+}
+
+func TestCheckResponseValidatesAgainstTheDocument(t *testing.T) {
+	d := servicetest.ParseOpenAPI(t, []byte(goodDoc))
+	list, replay := served[0], served[1]
+	tests := []struct {
+		name   string
+		route  httpserver.Route
+		status int
+		ct     string
+		body   string
+		want   string // "" when the response conforms
+	}{
+		{"conforming body", list, 200, "application/json", "[1, 2]", ""},
+		{"documented status without content", replay, 403, "", "", ""},
+		{"problem body", replay, 401, "application/problem+json", `{"title": "x"}`, ""},
+		{"undocumented status", list, 500, "application/json", "[]", "status is not supported"},
+		{"wrong content type", list, 200, "text/plain", "1", `"text/plain"`},
+		{"body against the schema", list, 200, "application/json", `["a"]`, "doesn't match schema"},
+		{"problem that is not an object", replay, 401, "application/problem+json", `"x"`, "doesn't match schema"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req, err := http.NewRequest(tt.route.Method, "http://127.0.0.1"+strings.ReplaceAll(tt.route.Pattern, "{id}", "1"), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			header := http.Header{}
+			if tt.ct != "" {
+				header.Set("Content-Type", tt.ct)
+			}
+			got := failures(t, func(tb testing.TB) {
+				d.CheckResponse(tb, tt.route, req, tt.status, header, []byte(tt.body))
+			})
+			switch {
+			case tt.want == "" && len(got) != 0:
+				t.Fatalf("a conforming response was refused: %q", got)
+			case tt.want != "" && (len(got) != 1 || !strings.Contains(got[0], tt.want) || !strings.HasPrefix(got[0], tt.route.String())):
+				t.Fatalf("failures %q, want one naming %s and containing %q", got, tt.route, tt.want)
+			}
+		})
 	}
 }

@@ -3,25 +3,13 @@ package app
 import (
 	"net/http"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
-	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
-	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
 
 // PoolAnswer is the body of GET /v1/pool.
-type PoolAnswer struct {
-	// EngineID and Rank name the pool.
-	EngineID string      `json:"engine_id"`
-	Rank     kvcore.Rank `json:"rank"`
-	// Model is the model name and Fingerprint its layout digest.
-	Model       string `json:"model"`
-	Fingerprint string `json:"fingerprint"`
-	// DataplaneURL is where the data plane is reached.
-	DataplaneURL string `json:"dataplane_url"`
-	// Groups describe each KV group's pool.
-	Groups []pool.GroupStats `json:"groups"`
-}
+type PoolAnswer = adminapi.PoolAnswer
 
 // DevicesPage is the body of GET /v1/devices: the GPU inventory with one
 // page of its devices, in index order.

@@ -18,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/dataplaneapi"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
@@ -34,7 +35,7 @@ var errNotRegistered = errors.New("not registered in the worker registry yet")
 type Config struct {
 	service.Common
 	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8084" doc:"listen address of the service's HTTP API and data plane"`
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API and data plane"`
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
@@ -55,7 +56,17 @@ type Config struct {
 	// HeartbeatInterval is how often the worker heartbeats in the registry.
 	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" default:"5s" doc:"how often the worker refreshes its registration in PostgreSQL"`
 	// WorkerStaleAfter is how old a heartbeat may be for a pd source worker.
-	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" default:"30s" doc:"a worker whose heartbeat is older is not used as a pd load source"`
+	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a worker whose heartbeat is older is not used as a pd load source"`
+}
+
+// ConfigDefaults gives the settings whose defaults other packages own
+// (config.Defaulter): the contract's listen address and the registry's
+// staleness.
+func (c *Config) ConfigDefaults() map[string]any {
+	return map[string]any{
+		"KVMESH_HTTP_ADDR":          contract.GPUWorkerAddr,
+		"KVMESH_WORKER_STALE_AFTER": registry.DefaultStaleAfter,
+	}
 }
 
 // Validate checks the configuration.
@@ -93,7 +104,7 @@ type App struct {
 	pool     *pool.Pool
 	gpus     *devices.Source
 	consumer *bus.Consumer
-	worker   dataplane.Worker
+	worker   registry.Worker
 	// registered is set while the registry holds this worker.
 	registered atomic.Bool
 }
@@ -155,7 +166,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut})
 	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).Mount(a.srv.Router())
 	a.mountAPI()
-	a.worker = dataplane.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}
+	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}
 	return a, nil
 }
 
@@ -166,7 +177,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 		Model: a.model, Keys: keys, EngineID: a.cfg.EngineID, Rank: a.cfg.Rank(),
 		Pool: a.pool, Store: st, Publisher: a.deps.Producer,
 		Remote: func(ctx context.Context, engineID string, r kvcore.Rank) (*dataplane.Client, error) {
-			w, err := dataplane.FindRank(ctx, a.deps.Pool, engineID, r, a.cfg.WorkerStaleAfter)
+			w, err := registry.FindRank(ctx, a.deps.Pool, engineID, r, a.cfg.WorkerStaleAfter)
 			if err != nil {
 				return nil, err
 			}
@@ -209,7 +220,7 @@ func dataplaneURL(configured, bound string) string {
 func (a *App) Addr() string { return a.srv.Addr() }
 
 // Worker is the registration this worker keeps in the registry.
-func (a *App) Worker() dataplane.Worker { return a.worker }
+func (a *App) Worker() registry.Worker { return a.worker }
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
@@ -237,11 +248,11 @@ func (a *App) keepRegistered(ctx context.Context) error {
 	registered := false
 	for {
 		if registered {
-			err = dataplane.Heartbeat(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank)
-			registered = !errors.Is(err, dataplane.ErrNoWorker)
+			err = registry.Heartbeat(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank)
+			registered = !errors.Is(err, registry.ErrNoWorker)
 		}
 		if !registered {
-			if err = dataplane.Register(ctx, a.deps.Pool, a.worker); err == nil {
+			if err = registry.Register(ctx, a.deps.Pool, a.worker); err == nil {
 				registered = true
 				a.deps.Log.Info("registered", "engine_id", a.worker.EngineID, "rank", a.worker.Rank, "addr", a.worker.Addr)
 			}
@@ -271,7 +282,7 @@ func (a *App) registeredCheck(context.Context) error {
 func (a *App) deregister() error {
 	ctx, cancel := context.WithTimeout(context.Background(), a.cfg.ShutdownTimeout)
 	defer cancel()
-	if err := dataplane.Deregister(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank); err != nil {
+	if err := registry.Deregister(ctx, a.deps.Pool, a.worker.EngineID, a.worker.Rank); err != nil {
 		a.deps.Log.Warn("deregister failed; the registration goes stale", "err", err)
 	}
 	return nil

@@ -9,7 +9,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
@@ -27,7 +27,7 @@ func TestStartsReadyRegistersAndStops(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	ws, err := dataplane.Find(context.Background(), pool, "engine-ready", time.Minute)
+	ws, err := registry.Find(context.Background(), pool, "engine-ready", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,5 +69,5 @@ func TestConfigValidation(t *testing.T) {
 }
 
 func TestREADMEConfig(t *testing.T) {
-	servicetest.CheckREADMEConfig(t, "gpuworker", &app.Config{})
+	servicetest.CheckConfigDoc(t, "gpuworker", &app.Config{})
 }

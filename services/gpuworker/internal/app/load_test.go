@@ -14,6 +14,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/load"
@@ -78,7 +79,7 @@ func assertLoadResult(t *testing.T, got contract.TransferResult, w *worker, task
 	}
 }
 
-// TestScenario19 is connector-semantics scenario 19: the store answers
+// TestScenario19 is scenario 19 of docs/architecture.md: the store answers
 // [ok, missing, missing] → the load finishes, blocks 1 and 2 of the load
 // are load errors, and the first block holds exactly the stored bytes.
 func TestScenario19LoadWithMissingKeys(t *testing.T) {
@@ -201,7 +202,7 @@ func waitRegistered(t *testing.T, env *servicetest.Env, engine string) {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		if _, err := dataplane.Find(context.Background(), pool, engine, time.Minute); err == nil {
+		if _, err := registry.Find(context.Background(), pool, engine, time.Minute); err == nil {
 			return
 		} else if time.Now().After(deadline) {
 			t.Fatalf("engine %s not registered: %v", engine, err)

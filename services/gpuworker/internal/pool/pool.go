@@ -20,6 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -79,21 +80,7 @@ type group struct {
 }
 
 // GroupStats describes one group's pool.
-type GroupStats struct {
-	// Group is the KV-group index.
-	Group int `json:"group"`
-	// Kind is the group's attention kind.
-	Kind kvcore.Kind `json:"kind"`
-	// Blocks is the number of blocks.
-	Blocks int `json:"blocks"`
-	// BytesPerBlock is the size of one block.
-	BytesPerBlock int64 `json:"bytes_per_block"`
-	// BytesTotal is Blocks × BytesPerBlock.
-	BytesTotal int64 `json:"bytes_total"`
-	// InUse counts blocks that hold an identity (written by a write or a
-	// load, and not evicted, reset or torn since).
-	InUse int `json:"in_use"`
-}
+type GroupStats = adminapi.PoolGroup
 
 // New allocates blocks blocks for every group of m. The memory is allocated
 // up front but the operating system commits pages only when first written.

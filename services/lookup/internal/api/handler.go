@@ -36,10 +36,13 @@ const Route = "/v1/lookup"
 // RetryAfter is the Retry-After a 503 carries, in seconds.
 const RetryAfter = 1
 
-// Defaults for zero Options fields.
+// Defaults for zero Options fields, and of the lookup's
+// KVMESH_LOOKUP_TIMEOUT and KVMESH_LOOKUP_MAX_BODY_BYTES.
 const (
-	DefaultTimeout      = 2 * time.Second
-	DefaultMaxBodyBytes = 4 << 20
+	// DefaultTimeout bounds one lookup's chain and decision publish.
+	DefaultTimeout = 2 * time.Second
+	// DefaultMaxBodyBytes limits a lookup request body.
+	DefaultMaxBodyBytes int64 = 4 << 20
 )
 
 // tracerName names the tracer of lookup spans.

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
@@ -24,19 +25,31 @@ const StoreOp = "lookup_exists"
 type Config struct {
 	service.Common
 	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8081" doc:"listen address of the service's HTTP API"`
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
 	// Enabled turns lookups on; disabled, every lookup is answered 0.
 	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
-	Connectors []string `env:"KVMESH_LOOKUP_CONNECTORS" default:"store" doc:"connector chain, in order, comma-separated: store, pd (e.g. pd,store); the first child with a positive count is chosen"`
+	Connectors []string `env:"KVMESH_LOOKUP_CONNECTORS" doc:"connector chain, in order, comma-separated: store, pd (e.g. pd,store); the first child with a positive count is chosen"`
 	// LoadAsync is the default load_async of a positive answer.
 	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" default:"true" doc:"load external tokens asynchronously unless a lookup says otherwise"`
 	// Timeout bounds one lookup's store check and decision publish.
-	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" default:"2s" doc:"bound on one lookup's store check plus decision publish; past it the lookup answers 503"`
+	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" doc:"bound on one lookup's store check plus decision publish; past it the lookup answers 503"`
 	// MaxBodyBytes limits a lookup request body.
-	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" default:"4194304" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
+	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
+}
+
+// ConfigDefaults gives the settings whose defaults other packages own
+// (config.Defaulter): the contract's listen address, the connector
+// package's default chain and the handler's limits.
+func (c *Config) ConfigDefaults() map[string]any {
+	return map[string]any{
+		"KVMESH_HTTP_ADDR":             contract.LookupAddr,
+		"KVMESH_LOOKUP_CONNECTORS":     connector.DefaultChain(),
+		"KVMESH_LOOKUP_TIMEOUT":        api.DefaultTimeout,
+		"KVMESH_LOOKUP_MAX_BODY_BYTES": api.DefaultMaxBodyBytes,
+	}
 }
 
 // Validate checks the shared and the lookup settings.
@@ -115,7 +128,7 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 	}
 	names := cfg.Connectors
 	if len(names) == 0 {
-		names = []string{connector.NameStore}
+		names = connector.DefaultChain()
 	}
 	chain, err := connector.Build(names, connector.Deps{
 		Model: a.model,

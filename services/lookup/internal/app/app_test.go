@@ -31,7 +31,7 @@ func TestStartsReadyAndStops(t *testing.T) {
 }
 
 func TestREADMEConfig(t *testing.T) {
-	servicetest.CheckREADMEConfig(t, "lookup", &app.Config{})
+	servicetest.CheckConfigDoc(t, "lookup", &app.Config{})
 }
 
 func TestConfigValidation(t *testing.T) {

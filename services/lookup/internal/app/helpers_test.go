@@ -30,7 +30,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
 
-// Model specs of the scenarios (connector-semantics.md: bs 16, hash 16
+// Model specs of the scenarios (docs/architecture.md: bs 16, hash 16
 // unless stated).
 const (
 	specDense = `name: test-model

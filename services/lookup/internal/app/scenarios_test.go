@@ -10,7 +10,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
-// The lookup scenarios of shared/reference/connector-semantics.md (1, 3, 4,
+// The lookup scenarios of docs/architecture.md (1, 3, 4,
 // 5, 6 and 21), driven over HTTP against running lookup services whose
 // keys are pre-seeded in the real Redis.
 

@@ -20,6 +20,11 @@ const (
 	NamePD    = "pd"
 )
 
+// DefaultChain is the chain used when none is configured
+// (KVMESH_LOOKUP_CONNECTORS): the store alone. Each call returns a new
+// slice.
+func DefaultChain() []string { return []string{NameStore} }
+
 // Errors of the connector chain.
 var (
 	// ErrStore wraps a failed store existence check: the answer is unknown,

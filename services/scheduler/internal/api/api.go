@@ -17,7 +17,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
-	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
@@ -51,13 +51,9 @@ func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 	r.With(admin).Post("/v1/outbox/{id}/retry", a.retryFailed)
 }
 
-// Page is one page of GET /v1/requests.
-type Page struct {
-	// Items are the requests in (engine id, request id) order.
-	Items []ledger.Summary `json:"items"`
-	// NextCursor fetches the next page; absent on the last one.
-	NextCursor string `json:"next_cursor,omitempty"`
-}
+// Page is one page of GET /v1/requests: the requests in (engine id,
+// request id) order.
+type Page = adminapi.Page[adminapi.RequestSummary]
 
 func (a *API) list(w http.ResponseWriter, r *http.Request) {
 	f, ok := parseFilter(w, r)
@@ -109,35 +105,10 @@ func parseFilter(w http.ResponseWriter, r *http.Request) (ledger.Filter, bool) {
 }
 
 // Detail is GET /v1/requests/{engine_id}/{request_id}.
-type Detail struct {
-	ledger.Summary
-	// Tracker is the store connector's tracker.
-	Tracker *kvcore.Tracker `json:"tracker"`
-	// PDTracker is the pd child's tracker, once pd was chosen.
-	PDTracker *kvcore.Tracker `json:"pd_tracker,omitempty"`
-	// Coverage is the saved coverage of each group.
-	Coverage []Coverage `json:"coverage"`
-	// Tasks are the emitted tasks not reported yet.
-	Tasks []tracking.TaskRef `json:"tasks"`
-	// Errors are the request's error (source "request") then its warnings.
-	Errors []tracking.Warning `json:"errors"`
-	// Held is an allocation waiting for its lookup decision.
-	Held *tracking.Held `json:"held,omitempty"`
-	// Decisions are lookup decisions not bound to an allocation yet.
-	Decisions []contract.LookupDecision `json:"decisions,omitempty"`
-	// AwaitingDecision is the decision id an applied allocation waits for.
-	AwaitingDecision string `json:"awaiting_decision,omitempty"`
-}
+type Detail = adminapi.RequestDetail
 
-// Coverage is one group's saved coverage.
-type Coverage struct {
-	tracking.GroupCoverage
-	// Kind is the group's attention kind.
-	Kind kvcore.Kind `json:"kind"`
-	// EmittedTokens is the prefix covered by emitted saves (the tracker's
-	// saved offset); SavedTokens is what the sender reported.
-	EmittedTokens int `json:"emitted_tokens"`
-}
+// Coverage is one group's saved coverage in a Detail.
+type Coverage = adminapi.Coverage
 
 func (a *API) show(w http.ResponseWriter, r *http.Request) {
 	k, ok := pathKey(w, r)
@@ -184,7 +155,7 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		return nil, err
 	}
 	t, x := req.Store, req.Extras
-	d := &Detail{Summary: row.Summary, Tracker: t, PDTracker: x.PD, Tasks: x.Tasks, Held: x.Held,
+	d := &Detail{RequestSummary: row.RequestSummary, Tracker: t, PDTracker: x.PD, Tasks: x.Tasks, Held: x.Held,
 		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []tracking.Warning{}}
 	if d.Tasks == nil {
 		d.Tasks = []tracking.TaskRef{}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 )
@@ -22,21 +23,12 @@ type Outbox interface {
 	RetryFailed(ctx context.Context, id int64) error
 }
 
-// FailedPage is one page of GET /v1/outbox/failed.
-type FailedPage struct {
-	// Items are the failed rows in id order.
-	Items []database.FailedRow `json:"items"`
-	// NextCursor fetches the next page; absent on the last one.
-	NextCursor string `json:"next_cursor,omitempty"`
-}
+// FailedPage is one page of GET /v1/outbox/failed: the failed rows in id
+// order.
+type FailedPage = adminapi.Page[database.FailedRow]
 
 // RetryAnswer is the answer of POST /v1/outbox/{id}/retry.
-type RetryAnswer struct {
-	// ID is the retried row's id.
-	ID int64 `json:"id"`
-	// Status is always "pending": the relay publishes the row next.
-	Status string `json:"status"`
-}
+type RetryAnswer = adminapi.RetryAnswer
 
 // outboxCursor is the position of a page of failed rows.
 type outboxCursor struct {

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -26,14 +28,15 @@ import (
 const GroupID = "kvmesh-scheduler"
 
 // MaxConsumers bounds KVMESH_SCHEDULER_CONSUMERS: each member holds a
-// database connection while it applies a record, and the pool has 10.
+// database connection while it applies a record, and the pool has
+// database.DefaultMaxConns.
 const MaxConsumers = 8
 
 // Config is the scheduler's configuration.
 type Config struct {
 	service.Common
 	// HTTPAddr is the admin and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8082" doc:"listen address of the service's HTTP API"`
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// Migrate applies migrations at start.
@@ -70,21 +73,18 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// fillDefaults gives the scheduler's own zero-valued settings their
-// defaults, for a Config built in code rather than loaded.
-func (c *Config) fillDefaults() {
-	if c.TrackerRetention == 0 {
-		c.TrackerRetention = time.Hour
-	}
-	if c.TrackerIdleTimeout == 0 {
-		c.TrackerIdleTimeout = 24 * time.Hour
-	}
-	if c.Consumers == 0 {
-		c.Consumers = 4
-	}
-	if c.MaintenanceInterval == 0 {
-		c.MaintenanceInterval = 15 * time.Second
-	}
+// ConfigDefaults gives the settings whose defaults other packages own
+// (config.Defaulter): the contract's listen address.
+func (c *Config) ConfigDefaults() map[string]any {
+	return map[string]any{"KVMESH_HTTP_ADDR": contract.SchedulerAddr}
+}
+
+// codeDefaulted are the scheduler's own settings that New gives their
+// defaults (from the tags) when they are zero, for a Config built in code
+// rather than loaded.
+var codeDefaulted = []string{
+	"KVMESH_TRACKER_RETENTION", "KVMESH_TRACKER_IDLE_TIMEOUT",
+	"KVMESH_SCHEDULER_CONSUMERS", "KVMESH_MAINTENANCE_INTERVAL",
 }
 
 // App is a wired scheduler, ready to Run.
@@ -102,7 +102,9 @@ type App struct {
 // New connects to PostgreSQL (applying migrations), Kafka and binds the HTTP
 // address, in that order, and builds the consumers.
 func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) {
-	cfg.fillDefaults()
+	if err := config.FillZero(&cfg, codeDefaulted...); err != nil {
+		return nil, fmt.Errorf("scheduler config defaults: %w", err)
+	}
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -151,7 +153,7 @@ func (a *App) buildConsumers() error {
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
 	cc.OnDeadLetter = h.DeadLetter
 	// A database outage must not dead-letter records: retry until it ends.
-	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: 5 * time.Second}
+	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: bus.DefaultMaxBackoff}
 	if err := a.deps.WatchConsumerLag(cc); err != nil {
 		return err
 	}

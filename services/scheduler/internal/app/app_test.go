@@ -29,7 +29,7 @@ func TestStartsReadyAndStops(t *testing.T) {
 }
 
 func TestREADMEConfig(t *testing.T) {
-	servicetest.CheckREADMEConfig(t, "scheduler", &app.Config{})
+	servicetest.CheckConfigDoc(t, "scheduler", &app.Config{})
 }
 
 func TestConfigValidate(t *testing.T) {

@@ -30,7 +30,7 @@ import (
 // waitLimit bounds every wait of these tests.
 const waitLimit = 30 * time.Second
 
-// Model specs of the scenarios (connector-semantics.md: bs 16, hash 16
+// Model specs of the scenarios (docs/architecture.md: bs 16, hash 16
 // unless stated).
 const (
 	// specFullMamba is the two-group hybrid of scenarios 4, 9 and 21.

@@ -9,7 +9,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// TestScenarios drives connector-semantics.md scenarios 3–13, 20 and 21
+// TestScenarios drives docs/architecture.md scenarios 3–13, 20 and 21
 // through Kafka against one running scheduler (two-group model: full
 // attention + Mamba, bs 16, hash 16). Scenarios 3–6 are the lookup's: here
 // they arrive as lookup decisions carrying those LoadSpecs, and the test

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
@@ -31,25 +32,9 @@ type Filter struct {
 	Limit int
 }
 
-// Summary is one request in a list.
-type Summary struct {
-	EngineID       string     `json:"engine_id"`
-	RequestID      string     `json:"request_id"`
-	Model          string     `json:"model"`
-	State          string     `json:"state"`
-	Error          string     `json:"error,omitempty"`
-	LastSeq        int64      `json:"last_seq"`
-	TokenLen       int        `json:"token_len"`
-	NumSavedTokens int        `json:"num_saved_tokens"`
-	TasksPending   int        `json:"tasks_outstanding"`
-	CreatedAt      time.Time  `json:"created_at"`
-	UpdatedAt      time.Time  `json:"updated_at"`
-	FinishedAt     *time.Time `json:"finished_at,omitempty"`
-}
-
 // Row is one request's full row.
 type Row struct {
-	Summary
+	adminapi.RequestSummary
 	// Tracker and Extras are the raw JSON columns.
 	Tracker, Extras []byte
 }
@@ -64,7 +49,7 @@ const listColumns = `engine_id, request_id, model, state, coalesce(error, ''), l
 	coalesce(jsonb_array_length(extras->'tasks'), 0), created_at, updated_at, finished_at`
 
 // List returns up to f.Limit requests in (engine id, request id) order.
-func (l *Ledger) List(ctx context.Context, f Filter) ([]Summary, error) {
+func (l *Ledger) List(ctx context.Context, f Filter) ([]adminapi.RequestSummary, error) {
 	var after Key
 	if f.After != nil {
 		after = *f.After
@@ -77,8 +62,8 @@ func (l *Ledger) List(ctx context.Context, f Filter) ([]Summary, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger: list: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Summary, error) {
-		var s Summary
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (adminapi.RequestSummary, error) {
+		var s adminapi.RequestSummary
 		err := row.Scan(&s.EngineID, &s.RequestID, &s.Model, &s.State, &s.Error, &s.LastSeq,
 			&s.TokenLen, &s.NumSavedTokens, &s.TasksPending, &s.CreatedAt, &s.UpdatedAt, &s.FinishedAt)
 		return s, err
@@ -92,7 +77,7 @@ func (l *Ledger) List(ctx context.Context, f Filter) ([]Summary, error) {
 // Get returns one request's row, or ErrNotFound.
 func (l *Ledger) Get(ctx context.Context, k Key) (*Row, error) {
 	var r Row
-	s := &r.Summary
+	s := &r.RequestSummary
 	err := l.pool.QueryRow(ctx, `SELECT `+listColumns+`, tracker, extras FROM trackers
 		WHERE engine_id = $1 AND request_id = $2`, k.EngineID, k.RequestID).
 		Scan(&s.EngineID, &s.RequestID, &s.Model, &s.State, &s.Error, &s.LastSeq, &s.TokenLen,

@@ -16,7 +16,9 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
@@ -35,13 +37,13 @@ type Sender interface {
 type API struct {
 	sender  Sender
 	ledger  *ledger.Ledger
-	workers *WorkerRegistry
+	workers *registry.View
 	log     *slog.Logger
 }
 
 // New returns the API over the sending side s, the ledger l and the worker
-// registry w.
-func New(s Sender, l *ledger.Ledger, w *WorkerRegistry, log *slog.Logger) *API {
+// registry's view w.
+func New(s Sender, l *ledger.Ledger, w *registry.View, log *slog.Logger) *API {
 	return &API{sender: s, ledger: l, workers: w, log: log}
 }
 
@@ -55,21 +57,11 @@ func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 }
 
 // Entry is a dead letter as the API shows it.
-type Entry struct {
-	ledger.DeadLetter
-	// PayloadJSON is the payload itself when it is JSON (show only).
-	PayloadJSON json.RawMessage `json:"payload_json,omitempty"`
-	// PayloadBytes is the payload's size.
-	PayloadBytes int `json:"payload_bytes"`
-}
+type Entry = adminapi.DeadLetterEntry
 
-// Page is one page of GET /v1/dlq.
-type Page struct {
-	// Items are the dead letters, newest first (payload omitted).
-	Items []Entry `json:"items"`
-	// NextCursor fetches the next page; empty on the last one.
-	NextCursor string `json:"next_cursor,omitempty"`
-}
+// Page is one page of GET /v1/dlq: the dead letters, newest first
+// (payload omitted).
+type Page = adminapi.Page[Entry]
 
 func (a *API) list(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
@@ -125,32 +117,10 @@ func (a *API) show(w http.ResponseWriter, r *http.Request) {
 }
 
 // ReplayAnswer is the answer of POST /v1/dlq/{id}/replay.
-type ReplayAnswer struct {
-	// ID is the dead letter's id.
-	ID int64 `json:"id"`
-	// ReplayStatus is the entry's replay status after this call.
-	ReplayStatus string `json:"replay_status"`
-	// ReplayCount counts the replay attempts recorded.
-	ReplayCount int `json:"replay_count"`
-	// AlreadyReplayed is set when the entry had been replayed before and
-	// this call did nothing.
-	AlreadyReplayed bool `json:"already_replayed"`
-	// Result is the replay's (or the recorded) result.
-	Result sending.ReplayResult `json:"result"`
-}
+type ReplayAnswer = adminapi.ReplayAnswer
 
 // DryRunAnswer is the answer of POST /v1/dlq/{id}/replay?dry_run=true.
-type DryRunAnswer struct {
-	// ID is the dead letter's id.
-	ID int64 `json:"id"`
-	// Simulated is always true (member dry_run): nothing was saved,
-	// recorded or published.
-	Simulated bool `json:"dry_run"`
-	// ReplayStatus and ReplayCount are the entry's, unchanged.
-	ReplayStatus string `json:"replay_status"`
-	ReplayCount  int    `json:"replay_count"`
-	sending.DryRun
-}
+type DryRunAnswer = adminapi.DryRunAnswer
 
 func (a *API) replay(w http.ResponseWriter, r *http.Request) {
 	id, ok := pathID(w, r)
@@ -206,17 +176,11 @@ func (a *API) dryRun(w http.ResponseWriter, r *http.Request, id int64) {
 		return
 	}
 	a.write(w, http.StatusOK, DryRunAnswer{ID: id, Simulated: true, ReplayStatus: d.DeadLetter.ReplayStatus,
-		ReplayCount: d.DeadLetter.ReplayCount, DryRun: d})
+		ReplayCount: d.DeadLetter.ReplayCount, DryRun: d.DryRun})
 }
 
 // Stats is the answer of GET /v1/stats.
-type Stats struct {
-	ledger.Stats
-	// Pressure is the pressure gate of this process.
-	Pressure sending.PressureState `json:"pressure"`
-	// At is when the stats were read.
-	At time.Time `json:"at"`
-}
+type Stats = adminapi.SenderStats
 
 func (a *API) stats(w http.ResponseWriter, r *http.Request) {
 	s, err := a.ledger.Stats(r.Context())
@@ -224,7 +188,7 @@ func (a *API) stats(w http.ResponseWriter, r *http.Request) {
 		a.internal(w, r, err)
 		return
 	}
-	a.write(w, http.StatusOK, Stats{Stats: s, Pressure: a.sender.Pressure(), At: time.Now().UTC()})
+	a.write(w, http.StatusOK, Stats{Accounting: s, Pressure: a.sender.Pressure(), At: time.Now().UTC()})
 }
 
 func pathID(w http.ResponseWriter, r *http.Request) (int64, bool) {

@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
@@ -84,8 +85,8 @@ func (s *recordingSender) DryRun(_ context.Context, id int64) (sending.DryRun, e
 		return sending.DryRun{}, ledger.ErrNotFound
 	}
 	g := 1
-	return sending.DryRun{DeadLetter: ledger.DeadLetter{ID: id, ReplayStatus: ledger.ReplayNone}, Expect: sending.ExpectInvalid,
-		Reason: "table_group_count", Group: &g}, nil
+	return sending.DryRun{DeadLetter: ledger.DeadLetter{ID: id, ReplayStatus: ledger.ReplayNone}, DryRun: adminapi.DryRun{
+		Expect: sending.ExpectInvalid, Reason: "table_group_count", Group: &g}}, nil
 }
 
 func (s *recordingSender) Pressure() sending.PressureState { return sending.PressureState{} }

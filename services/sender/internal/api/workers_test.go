@@ -9,10 +9,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 )
 
@@ -22,8 +23,8 @@ func TestListWorkers(t *testing.T) {
 	var want []string // engine/rank in list order
 	for _, e := range []string{"engine-a", "engine-b"} {
 		for tp := range 3 {
-			w := dataplane.Worker{EngineID: e, Rank: kvcore.Rank{TP: tp}, Addr: fmt.Sprintf("http://10.0.0.%d:8084", tp)}
-			if err := dataplane.Register(ctx, pool, w); err != nil {
+			w := registry.Worker{EngineID: e, Rank: kvcore.Rank{TP: tp}, Addr: fmt.Sprintf("http://10.0.0.%d:8084", tp)}
+			if err := registry.Register(ctx, pool, w); err != nil {
 				t.Fatal(err)
 			}
 			want = append(want, fmt.Sprintf("%s/tp%d", e, tp))
@@ -33,7 +34,7 @@ func TestListWorkers(t *testing.T) {
 	if _, err := pool.Exec(ctx, `UPDATE workers SET heartbeat_at = now() - interval '1 hour' WHERE engine_id = 'engine-b' AND tp = 1`); err != nil {
 		t.Fatal(err)
 	}
-	base := serve(t, api.New(nil, nil, api.NewWorkerRegistry(pool, 30*time.Second), slog.New(slog.DiscardHandler)))
+	base := serve(t, api.New(nil, nil, registry.NewView(pool, 30*time.Second), slog.New(slog.DiscardHandler)))
 	names := func(p api.WorkerPage) []string {
 		var out []string
 		for _, w := range p.Items {
@@ -49,7 +50,7 @@ func TestListWorkers(t *testing.T) {
 	}
 	for _, w := range all.Items {
 		stale := w.EngineID == "engine-b" && w.Rank.TP == 1
-		if w.Alive == stale || (w.State == api.WorkerStale) != stale || (w.HeartbeatAgeSeconds > 3000) != stale ||
+		if w.Alive == stale || (w.State == adminapi.WorkerStale) != stale || (w.HeartbeatAgeSeconds > 3000) != stale ||
 			w.Addr != fmt.Sprintf("http://10.0.0.%d:8084", w.Rank.TP) || string(w.Devices) != "{}" {
 			t.Errorf("worker %+v (stale %v)", w, stale)
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
@@ -27,7 +28,7 @@ const ConsumerGroup = "kvmesh-sender"
 type Config struct {
 	service.Common
 	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" default:":8083" doc:"listen address of the service's HTTP API"`
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
@@ -35,21 +36,39 @@ type Config struct {
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles its partitions one task at a time)"`
 	// RetryAttempts bounds the attempts of an existence check or a put.
-	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" default:"4" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
+	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
 	// RetryBase is the first retry's delay.
-	RetryBase time.Duration `env:"KVMESH_SENDER_RETRY_BASE" default:"50ms" doc:"delay before the first retry; doubles per retry"`
+	RetryBase time.Duration `env:"KVMESH_SENDER_RETRY_BASE" doc:"delay before the first retry; doubles per retry"`
 	// RetryMax caps the retry delay.
-	RetryMax time.Duration `env:"KVMESH_SENDER_RETRY_MAX" default:"2s" doc:"longest delay between retries"`
+	RetryMax time.Duration `env:"KVMESH_SENDER_RETRY_MAX" doc:"longest delay between retries"`
 	// ProbeEvery is the skips between pressure-mode probes.
-	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" default:"16" doc:"in pressure mode, let one task through as a probe after this many skipped tasks"`
+	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" doc:"in pressure mode, let one task through as a probe after this many skipped tasks"`
 	// PressureCoolDown is the longest wait between probes.
-	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" default:"5s" doc:"in pressure mode, let a probe through at least this often"`
+	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" doc:"in pressure mode, let a probe through at least this often"`
 	// WorkerStaleAfter is how old a gpuworker heartbeat may be.
-	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" default:"30s" doc:"a gpuworker whose last heartbeat is older is treated as gone"`
+	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a gpuworker whose last heartbeat is older is treated as gone"`
 	// StoreTimeout bounds one existence check.
-	StoreTimeout time.Duration `env:"KVMESH_SENDER_STORE_TIMEOUT" default:"5s" doc:"time limit of one batched existence check"`
+	StoreTimeout time.Duration `env:"KVMESH_SENDER_STORE_TIMEOUT" doc:"time limit of one batched existence check"`
 	// PutTimeout bounds one put request to a gpuworker.
-	PutTimeout time.Duration `env:"KVMESH_SENDER_PUT_TIMEOUT" default:"30s" doc:"time limit of one put request to a gpuworker"`
+	PutTimeout time.Duration `env:"KVMESH_SENDER_PUT_TIMEOUT" doc:"time limit of one put request to a gpuworker"`
+}
+
+// ConfigDefaults gives the settings whose defaults other packages own
+// (config.Defaulter): the contract's listen address, kvcore's retry and
+// pressure-mode policies, the registry's staleness and the processor's
+// time limits.
+func (c *Config) ConfigDefaults() map[string]any {
+	return map[string]any{
+		"KVMESH_HTTP_ADDR":                contract.SenderAddr,
+		"KVMESH_SENDER_RETRY_ATTEMPTS":    kvcore.DefaultRetryAttempts,
+		"KVMESH_SENDER_RETRY_BASE":        kvcore.DefaultRetryBase,
+		"KVMESH_SENDER_RETRY_MAX":         kvcore.DefaultRetryMax,
+		"KVMESH_SENDER_PROBE_EVERY":       kvcore.DefaultProbeEvery,
+		"KVMESH_SENDER_PRESSURE_COOLDOWN": kvcore.DefaultPressureCoolDown,
+		"KVMESH_WORKER_STALE_AFTER":       registry.DefaultStaleAfter,
+		"KVMESH_SENDER_STORE_TIMEOUT":     sending.DefaultStoreTimeout,
+		"KVMESH_SENDER_PUT_TIMEOUT":       sending.DefaultPutTimeout,
+	}
 }
 
 // Validate checks the configuration.
@@ -168,7 +187,7 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log), failures)
-	api.New(a.processor, l, api.NewWorkerRegistry(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
+	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
 		Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return nil

@@ -53,7 +53,7 @@ func TestStartsReadyAndStops(t *testing.T) {
 }
 
 func TestREADMEConfig(t *testing.T) {
-	servicetest.CheckREADMEConfig(t, "sender", &app.Config{})
+	servicetest.CheckConfigDoc(t, "sender", &app.Config{})
 }
 
 func TestConfigRejectsBadValues(t *testing.T) {

@@ -30,6 +30,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/testenv"
@@ -376,7 +377,7 @@ func (s *stack) startWorker(t testing.TB, engine string) *dataplane.Client {
 	startProcess(t, testenv.BuildBinary(t, "./services/gpuworker"), s.workerEnv(engine))
 	var addr string
 	poll(t, "gpuworker "+engine+" registered", func() bool {
-		ws, err := dataplane.Find(context.Background(), s.db, engine, time.Minute)
+		ws, err := registry.Find(context.Background(), s.db, engine, time.Minute)
 		if err == nil {
 			addr = ws[0].Addr
 		}

@@ -14,7 +14,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 
-// Scenarios 14–18 of connector-semantics.md (Sending) through the running
+// Scenarios 14–18 of docs/architecture.md (Sending) through the running
 // sender, the real gpuworker binary, the broker, PostgreSQL and Redis.
 // Scenario 19 (a load with missing keys) is the gpuworker's.
 func TestSendingScenarios(t *testing.T) {

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
@@ -56,47 +57,15 @@ type Source struct {
 	Payload []byte
 }
 
-// DeadLetter is one row of the dead_letters table.
-type DeadLetter struct {
-	// ID is assigned by the database.
-	ID int64 `json:"id"`
-	// Reason is a stable reason code.
-	Reason string `json:"reason"`
-	// Detail explains the reason for operators.
-	Detail string `json:"detail"`
-	// Group is the KV group the entry is about; nil for a whole record.
-	Group *int `json:"group"`
-	// TaskID, EngineID and RequestID identify the task when known.
-	TaskID    string `json:"task_id"`
-	EngineID  string `json:"engine_id"`
-	RequestID string `json:"request_id"`
-	// Payload is the original record value.
-	Payload []byte `json:"payload,omitempty"`
-	// Topic, Partition and Offset locate the original record.
-	Topic     string `json:"topic"`
-	Partition int    `json:"partition"`
-	Offset    int64  `json:"offset"`
-	// RecordTime is the original record's timestamp.
-	RecordTime time.Time `json:"record_time"`
-	// Slot numbers the dead letters of one record (WholeRecord for all of it).
-	Slot int `json:"slot"`
-	// CreatedAt is when the row was written.
-	CreatedAt time.Time `json:"created_at"`
-	// ReplayStatus is none, replayed, invalid or failed.
-	ReplayStatus string `json:"replay_status"`
-	// ReplayCount counts replay attempts.
-	ReplayCount int `json:"replay_count"`
-	// ReplayedAt is the time of the last replay attempt.
-	ReplayedAt *time.Time `json:"replayed_at,omitempty"`
-	// ReplayResult is the recorded result of the last replay attempt.
-	ReplayResult json.RawMessage `json:"replay_result,omitempty"`
-}
+// DeadLetter is one row of the dead_letters table, in the shape the
+// sender's admin API shows.
+type DeadLetter = adminapi.DeadLetter
 
-// Message is the dead letter as published on contract.TopicSaveDLQ. Its
+// Message is dead letter d as published on contract.TopicSaveDLQ. Its
 // payload is bounded (contract.MaxDeadLetterPayload) so that any dead letter
 // can be published; the full payload stays in the dead_letters row d.ID,
 // which the message names (payload_ref, GET /v1/dlq/{id}).
-func (d DeadLetter) Message() (bus.Message, error) {
+func Message(d DeadLetter) (bus.Message, error) {
 	id := strconv.FormatInt(d.ID, 10)
 	payload, truncated := contract.BoundDeadLetterPayload(d.Payload)
 	v, err := json.Marshal(contract.DeadLetter{
@@ -269,7 +238,7 @@ func insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, dls []DeadLet
 		if err != nil {
 			return nil, fmt.Errorf("insert dead letter %s: %w", d.Reason, err)
 		}
-		m, err := d.Message()
+		m, err := Message(d)
 		if err != nil {
 			return nil, err
 		}

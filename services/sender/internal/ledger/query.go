@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
 )
@@ -137,18 +138,7 @@ func (l *Ledger) RecordReplay(ctx context.Context, id int64, status string, resu
 }
 
 // Stats sums the accounting.
-type Stats struct {
-	// Tasks counts completed save tasks by status (and in total).
-	Tasks map[string]int64 `json:"tasks"`
-	// Groups counts task groups by outcome.
-	Groups map[string]int64 `json:"groups"`
-	// Keys counts store keys by outcome.
-	Keys map[string]int64 `json:"keys"`
-	// Bytes is the value bytes stored.
-	Bytes int64 `json:"bytes"`
-	// DeadLetters counts dead letters by reason (and in total).
-	DeadLetters map[string]int64 `json:"dead_letters"`
-}
+type Stats = adminapi.Accounting
 
 const statsSQL = `
 SELECT count(*), COALESCE(sum(groups_stored), 0), COALESCE(sum(groups_existing), 0),

@@ -4,6 +4,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
@@ -16,16 +17,7 @@ type gate struct {
 }
 
 // PressureState is the pressure gate as GET /v1/stats shows it.
-type PressureState struct {
-	// Active is set in pressure mode.
-	Active bool `json:"active"`
-	// SkippedTasks counts tasks skipped by the gate since start.
-	SkippedTasks int64 `json:"skipped_tasks"`
-	// SkippedKeys counts keys not saved because of store pressure since start.
-	SkippedKeys int64 `json:"skipped_keys"`
-	// Episodes counts how often pressure mode began since start.
-	Episodes int64 `json:"episodes"`
-}
+type PressureState = adminapi.PressureState
 
 func (g *gate) admit(now time.Time) kvcore.Admission {
 	g.mu.Lock()

@@ -19,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
@@ -142,7 +143,7 @@ type engines map[string]*poolWorker
 func (e engines) Engine(_ context.Context, id string) (map[kvcore.Rank]sending.Putter, error) {
 	w, ok := e[id]
 	if !ok {
-		return nil, fmt.Errorf("engine %q: %w", id, dataplane.ErrNoWorker)
+		return nil, fmt.Errorf("engine %q: %w", id, registry.ErrNoWorker)
 	}
 	return map[kvcore.Rank]sending.Putter{{}: w}, nil
 }

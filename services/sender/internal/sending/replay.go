@@ -6,8 +6,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
@@ -41,18 +41,7 @@ func (e *InvalidError) Error() string {
 func (e *InvalidError) Unwrap() error { return ErrStillInvalid }
 
 // ReplayResult is the recorded result of a replay attempt.
-type ReplayResult struct {
-	// Status is the save status of the replayed groups (stored, skipped,
-	// dead_lettered, failed), or "invalid".
-	Status string `json:"status"`
-	// Groups are the replayed groups' outcomes.
-	Groups []contract.GroupOutcome `json:"groups,omitempty"`
-	// Bytes counts the value bytes stored.
-	Bytes int64 `json:"bytes"`
-	// Reason and Detail explain an invalid or failed replay.
-	Reason string `json:"reason,omitempty"`
-	Detail string `json:"detail,omitempty"`
-}
+type ReplayResult = adminapi.ReplayResult
 
 // Replayed is what Replay answers.
 type Replayed struct {

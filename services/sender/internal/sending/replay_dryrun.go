@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
@@ -30,45 +31,14 @@ const (
 type DryRun struct {
 	// DeadLetter is the entry as stored.
 	DeadLetter ledger.DeadLetter `json:"-"`
-	// Replayable is set when the payload is valid for the current model and
-	// the entry was not replayed before.
-	Replayable bool `json:"replayable"`
-	// Expect is ExpectAlreadyReplayed, ExpectInvalid, ExpectSave or
-	// ExpectFail.
-	Expect string `json:"expect"`
-	// Reason and Detail say why the entry is invalid or the save would fail.
-	Reason string `json:"reason,omitempty"`
-	Detail string `json:"detail,omitempty"`
-	// Group is the group found invalid (nil: the record as a whole).
-	Group *int `json:"group,omitempty"`
-	// Groups are the groups a replay would save, with their keys.
-	Groups []DryRunGroup `json:"groups,omitempty"`
+	adminapi.DryRun
 }
 
 // DryRunGroup is one group a replay would save.
-type DryRunGroup struct {
-	// Group is the KV-group index.
-	Group int `json:"group"`
-	// Existing and Missing count the keys the store holds and lacks
-	// (both 0 when the existence check failed).
-	Existing int `json:"existing"`
-	Missing  int `json:"missing"`
-	// Keys are the group's keys on every rank namespace.
-	Keys []DryRunKey `json:"keys"`
-}
+type DryRunGroup = adminapi.DryRunGroup
 
 // DryRunKey is one store key a replay would check and, when missing, put.
-type DryRunKey struct {
-	// Key is the store key.
-	Key string `json:"key"`
-	// Rank names the rank namespace, e.g. "tp0-pcp0-dcp0-pp0".
-	Rank string `json:"rank"`
-	// Block is the engine block the gpuworker would put.
-	Block kvcore.BlockID `json:"block"`
-	// Exists says whether the store holds the key; nil when the existence
-	// check failed.
-	Exists *bool `json:"exists"`
-}
+type DryRunKey = adminapi.DryRunKey
 
 // DryRun answers what Replay(id) would do now: the entry's validity
 // against the current model, the keys of the groups a replay would save,

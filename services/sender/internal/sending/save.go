@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
 // ReasonPlanFailed marks a group that passed validation but could not be
@@ -281,7 +282,7 @@ func (p *Processor) putOnce(ctx context.Context, engineID string, rank kvcore.Ra
 	}
 	putter, ok := putters[rank]
 	if !ok {
-		return nil, 0, fmt.Errorf("engine %q rank %+v: %w", engineID, rank, dataplane.ErrNoWorker)
+		return nil, 0, fmt.Errorf("engine %q rank %+v: %w", engineID, rank, registry.ErrNoWorker)
 	}
 	ctx, cancel := context.WithTimeout(ctx, p.putTimeout)
 	defer cancel()

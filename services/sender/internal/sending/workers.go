@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
 // Putter asks one engine rank's gpuworker to put pool blocks into the store
@@ -23,7 +24,7 @@ type Putter interface {
 // Workers finds the data planes of an engine's ranks.
 type Workers interface {
 	// Engine returns the putter of every live rank of engineID. No live
-	// worker is a dataplane.ErrNoWorker error.
+	// worker is a registry.ErrNoWorker error.
 	Engine(ctx context.Context, engineID string) (map[kvcore.Rank]Putter, error)
 	// Forget drops what is cached about engineID, after a failure.
 	Forget(engineID string)
@@ -33,7 +34,7 @@ type Workers interface {
 const DefaultRegistryCacheTTL = time.Second
 
 // Registry is Workers over the worker registry in PostgreSQL
-// (dataplane.Find), with a short cache per engine and one HTTP client per
+// (registry.Find), with a short cache per engine and one HTTP client per
 // worker address.
 type Registry struct {
 	pool   *pgxpool.Pool
@@ -70,7 +71,7 @@ func (r *Registry) Engine(ctx context.Context, engineID string) (map[kvcore.Rank
 	if ok && time.Since(c.at) < r.ttl {
 		return c.putters, nil
 	}
-	ws, err := dataplane.Find(ctx, r.pool, engineID, r.maxAge)
+	ws, err := registry.Find(ctx, r.pool, engineID, r.maxAge)
 	if err != nil {
 		return nil, err
 	}

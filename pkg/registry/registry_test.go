@@ -1,4 +1,4 @@
-package dataplane_test
+package registry_test
 
 import (
 	"context"
@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
 func TestRegistry(t *testing.T) {
@@ -18,18 +18,18 @@ func TestRegistry(t *testing.T) {
 	ctx := context.Background()
 	r0, r1 := kvcore.Rank{}, kvcore.Rank{TP: 1}
 	devs := json.RawMessage(`{"devices":[{"uuid":"GPU-1"}]}`)
-	for _, w := range []dataplane.Worker{
+	for _, w := range []registry.Worker{
 		{EngineID: "e1", Rank: r1, Addr: "http://b:8084"},
 		{EngineID: "e1", Rank: r0, Addr: "http://old:8084"},
 		{EngineID: "e1", Rank: r0, Addr: "http://a:8084", Devices: devs}, // re-registration replaces
 		{EngineID: "e2", Rank: r0, Addr: "http://c:8084"},
 	} {
-		if err := dataplane.Register(ctx, pool, w); err != nil {
+		if err := registry.Register(ctx, pool, w); err != nil {
 			t.Fatal(err)
 		}
 	}
 
-	ws, err := dataplane.Find(ctx, pool, "e1", time.Minute)
+	ws, err := registry.Find(ctx, pool, "e1", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,35 +55,35 @@ func TestRegistry(t *testing.T) {
 	if _, err := pool.Exec(ctx, `UPDATE workers SET heartbeat_at = now() - interval '1 hour' WHERE engine_id = 'e1' AND tp = 1`); err != nil {
 		t.Fatal(err)
 	}
-	ws, err = dataplane.Find(ctx, pool, "e1", time.Minute)
+	ws, err = registry.Find(ctx, pool, "e1", time.Minute)
 	if err != nil || len(ws) != 1 || ws[0].Rank != r0 {
 		t.Fatalf("with tp1 stale, Find = %+v, %v; want only tp0", ws, err)
 	}
-	if _, err := dataplane.FindRank(ctx, pool, "e1", r1, time.Minute); !errors.Is(err, dataplane.ErrNoWorker) {
+	if _, err := registry.FindRank(ctx, pool, "e1", r1, time.Minute); !errors.Is(err, registry.ErrNoWorker) {
 		t.Fatalf("FindRank(stale tp1) error = %v, want ErrNoWorker", err)
 	}
-	if err := dataplane.Heartbeat(ctx, pool, "e1", r1); err != nil {
+	if err := registry.Heartbeat(ctx, pool, "e1", r1); err != nil {
 		t.Fatal(err)
 	}
-	w, err := dataplane.FindRank(ctx, pool, "e1", r1, time.Minute)
+	w, err := registry.FindRank(ctx, pool, "e1", r1, time.Minute)
 	if err != nil || w.Addr != "http://b:8084" {
 		t.Fatalf("after a heartbeat FindRank(tp1) = %+v, %v", w, err)
 	}
 
-	if _, err := dataplane.Find(ctx, pool, "nobody", time.Minute); !errors.Is(err, dataplane.ErrNoWorker) {
+	if _, err := registry.Find(ctx, pool, "nobody", time.Minute); !errors.Is(err, registry.ErrNoWorker) {
 		t.Fatalf("Find(unknown engine) error = %v, want ErrNoWorker", err)
 	}
-	if err := dataplane.Heartbeat(ctx, pool, "nobody", r0); !errors.Is(err, dataplane.ErrNoWorker) {
+	if err := registry.Heartbeat(ctx, pool, "nobody", r0); !errors.Is(err, registry.ErrNoWorker) {
 		t.Fatalf("Heartbeat(unregistered) error = %v, want ErrNoWorker", err)
 	}
 
-	if err := dataplane.Deregister(ctx, pool, "e2", r0); err != nil {
+	if err := registry.Deregister(ctx, pool, "e2", r0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := dataplane.Find(ctx, pool, "e2", time.Minute); !errors.Is(err, dataplane.ErrNoWorker) {
+	if _, err := registry.Find(ctx, pool, "e2", time.Minute); !errors.Is(err, registry.ErrNoWorker) {
 		t.Fatalf("after Deregister Find(e2) error = %v, want ErrNoWorker", err)
 	}
-	if err := dataplane.Deregister(ctx, pool, "e2", r0); err != nil {
+	if err := registry.Deregister(ctx, pool, "e2", r0); err != nil {
 		t.Fatalf("second Deregister: %v", err)
 	}
 }

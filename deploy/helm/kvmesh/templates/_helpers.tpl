@@ -1,0 +1,253 @@
+{{/* The chart's name. */}}
+{{- define "kvmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name: the prefix of every object's name. */}}
+{{- define "kvmesh.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The image every container runs. */}}
+{{- define "kvmesh.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The Secret holding the database and store URLs and the admin token. */}}
+{{- define "kvmesh.secretName" -}}
+{{- default (include "kvmesh.fullname" .) .Values.existingSecret }}
+{{- end }}
+
+{{/* The contract HTTP port of a service (pkg/contract); not configurable. */}}
+{{- define "kvmesh.port" -}}
+{{- get (dict "lookup" "8081" "scheduler" "8082" "sender" "8083" "gpuworker" "8084") . }}
+{{- end }}
+
+{{/* Selector labels; dict: root, component, extra (map, optional). */}}
+{{- define "kvmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvmesh.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- range $k, $v := .extra }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object; dict as for kvmesh.selectorLabels. */}}
+{{- define "kvmesh.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvmesh.selectorLabels" . }}
+app.kubernetes.io/part-of: kvmesh
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{/* A value as env text: numbers (which Helm reads as float64) without an exponent. */}}
+{{- define "kvmesh.envValue" -}}
+{{- if kindIs "float64" . }}
+{{- if eq . (floor .) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- else if kindIs "slice" . }}
+{{- join "," . }}
+{{- else }}
+{{- . }}
+{{- end }}
+{{- end }}
+
+{{/* A variable from the chart's Secret; dict: root, name, optional. */}}
+{{- define "kvmesh.secretEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvmesh.secretName" .root }}
+      key: {{ .name }}
+      {{- if .optional }}
+      optional: true
+      {{- end }}
+{{- end }}
+
+{{/* Settings every service shares. */}}
+{{- define "kvmesh.commonEnv" -}}
+- name: KVMESH_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: KVMESH_KAFKA_BROKERS
+  value: {{ required "kafka.brokers: at least one broker is required" .Values.kafka.brokers | join "," | quote }}
+- name: KVMESH_KAFKA_PARTITIONS
+  value: {{ include "kvmesh.envValue" .Values.kafka.partitions | quote }}
+- name: KVMESH_MODEL
+  value: {{ .Values.model | quote }}
+{{- with .Values.keyPrefix }}
+- name: KVMESH_KEY_PREFIX
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- if or .Values.existingSecret .Values.adminToken }}
+{{ include "kvmesh.secretEnv" (dict "root" . "name" "KVMESH_ADMIN_TOKEN" "optional" (not (empty .Values.existingSecret))) }}
+{{- end }}
+{{- end }}
+
+{{/* Extra settings of one service (a map), sorted by name. */}}
+{{- define "kvmesh.extraEnv" -}}
+{{- range $k := keys . | sortAlpha }}
+- name: {{ $k }}
+  value: {{ include "kvmesh.envValue" (get $ $k) | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+A Deployment of one kvmesh program; dict:
+  root, name, component, program, selector (extra selector labels),
+  replicas, recreate (bool), svc (the service's values), env (a YAML list
+  of the program's own variables), usesDB (bool), runtimeClassName.
+*/}}
+{{- define "kvmesh.deployment" -}}
+{{- $root := .root -}}
+{{- $port := include "kvmesh.port" .component -}}
+{{- $labels := dict "root" $root "component" .component "extra" .selector -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "kvmesh.labels" $labels | nindent 4 }}
+spec:
+  replicas: {{ .replicas }}
+  {{- if .recreate }}
+  # One process per engine id and rank: never two at once.
+  strategy:
+    type: Recreate
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "kvmesh.selectorLabels" $labels | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "kvmesh.labels" $labels | nindent 8 }}
+        {{- with $root.Values.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        {{- if not $root.Values.existingSecret }}
+        checksum/secret: {{ include (print $root.Template.BasePath "/secret.yaml") $root | sha256sum }}
+        {{- end }}
+        {{- with $root.Values.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      automountServiceAccountToken: false
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with .runtimeClassName }}
+      runtimeClassName: {{ . }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- if and .usesDB $root.Values.migrate.enabled }}
+      initContainers:
+        - name: migrate
+          image: {{ include "kvmesh.image" $root | quote }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["/usr/local/bin/kvmesh", "migrate"]
+          env:
+            {{- include "kvmesh.secretEnv" (dict "root" $root "name" "KVMESH_DATABASE_URL") | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          {{- with $root.Values.migrate.resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+      {{- end }}
+      containers:
+        - name: {{ .program }}
+          image: {{ include "kvmesh.image" $root | quote }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: [{{ printf "/usr/local/bin/%s" .program | quote }}]
+          ports:
+            - name: http
+              containerPort: {{ $port }}
+              protocol: TCP
+          env:
+            {{- include "kvmesh.commonEnv" $root | nindent 12 }}
+            - name: KVMESH_HTTP_ADDR
+              value: {{ printf ":%s" $port | quote }}
+            {{- .env | nindent 12 }}
+            {{- include "kvmesh.extraEnv" .svc.env | nindent 12 }}
+          startupProbe:
+            httpGet:
+              path: /healthz
+              port: http
+            {{- toYaml $root.Values.probes.startup | nindent 12 }}
+          livenessProbe:
+            httpGet:
+              path: /healthz
+              port: http
+            {{- toYaml $root.Values.probes.liveness | nindent 12 }}
+          readinessProbe:
+            httpGet:
+              path: /readyz
+              port: http
+            {{- toYaml $root.Values.probes.readiness | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          {{- with .svc.resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+      volumes:
+        - name: tmp
+          emptyDir: {}
+      {{- with (default $root.Values.nodeSelector .svc.nodeSelector) }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with (default $root.Values.tolerations .svc.tolerations) }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with (default $root.Values.affinity .svc.affinity) }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{/* The Service in front of a Deployment; dict: root, name, component, selector. */}}
+{{- define "kvmesh.service" -}}
+{{- $labels := dict "root" .root "component" .component "extra" .selector -}}
+{{- $port := include "kvmesh.port" .component -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "kvmesh.labels" $labels | nindent 4 }}
+  {{- with .root.Values.service.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  type: {{ .root.Values.service.type }}
+  selector:
+    {{- include "kvmesh.selectorLabels" $labels | nindent 4 }}
+  ports:
+    - name: http
+      port: {{ $port }}
+      targetPort: http
+      protocol: TCP
+{{- end }}

@@ -1,0 +1,689 @@
+package helmtest_test
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/kvmesh/kvmesh/deploy"
+	"github.com/kvmesh/kvmesh/deploy/helmtest"
+	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/service"
+	"github.com/kvmesh/kvmesh/pkg/testenv"
+)
+
+// renderCase is one way of installing the chart and what it must yield.
+type renderCase struct {
+	name    string
+	rel     helmtest.Release
+	workers int  // gpuworker Deployments (engine ranks)
+	secret  bool // the chart renders its Secret
+	monitor bool // the chart renders a ServiceMonitor
+	migrate bool // init containers migrate (else the scheduler does)
+	admin   bool // KVMESH_ADMIN_TOKEN is set
+}
+
+// cases are the renders every check runs on.
+var cases = []renderCase{
+	{name: "default values", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh"},
+		workers: 2, secret: true, migrate: true},
+	{name: "multi-engine values", rel: helmtest.Release{Name: "prod", Namespace: "inference",
+		ValuesFiles: []string{"ci/multi-engine-values.yaml"}},
+		workers: 5, secret: true, monitor: true, migrate: true, admin: true},
+	{name: "existing secret, scheduler migrates", rel: helmtest.Release{Name: "kv", Namespace: "default",
+		Set: []string{"existingSecret=kvmesh-credentials", "migrate.enabled=false", "serviceMonitor.enabled=true"}},
+		workers: 2, monitor: true, admin: true},
+}
+
+// render renders c, failing t on an error.
+func render(t *testing.T, c renderCase) *helmtest.Manifests {
+	t.Helper()
+	m, err := helmtest.Render(testenv.ModuleRoot(t), c.rel)
+	if err != nil {
+		t.Fatalf("render: %v", err)
+	}
+	return m
+}
+
+// programs maps each kvmesh program to the package of its Config.
+var programs = map[string]string{
+	"lookup":    "services/lookup/internal/app",
+	"scheduler": "services/scheduler/internal/app",
+	"sender":    "services/sender/internal/app",
+	"gpuworker": "services/gpuworker/internal/app",
+}
+
+// container is the kvmesh container of a Deployment, with its environment
+// resolved as the kubelet would (Secret references from the render; an
+// external Secret's value as a placeholder).
+type container struct {
+	deployment *appsv1.Deployment
+	c          *corev1.Container
+	program    string
+	env        deploy.Environment
+	refs       map[string]*corev1.SecretKeySelector
+}
+
+// containers returns the kvmesh container of every Deployment.
+func containers(t *testing.T, m *helmtest.Manifests) []container {
+	t.Helper()
+	var out []container
+	for i := range m.Deployments {
+		d := &m.Deployments[i]
+		cs := d.Spec.Template.Spec.Containers
+		if len(cs) != 1 {
+			t.Errorf("%s: %d containers, want 1", d.Name, len(cs))
+			continue
+		}
+		c := &cs[0]
+		out = append(out, container{deployment: d, c: c, program: program(c), env: resolve(m, c), refs: secretRefs(c)})
+	}
+	return out
+}
+
+// program is the base name of the program a container runs.
+func program(c *corev1.Container) string {
+	if len(c.Command) == 0 {
+		return ""
+	}
+	return path.Base(c.Command[0])
+}
+
+// resolve returns a container's environment.
+func resolve(m *helmtest.Manifests, c *corev1.Container) deploy.Environment {
+	env := deploy.Environment{}
+	for _, e := range c.Env {
+		switch ref := e.ValueFrom; {
+		case ref == nil:
+			env[e.Name] = e.Value
+		case ref.SecretKeyRef != nil:
+			v, ok := m.SecretValue(ref.SecretKeyRef.Name, ref.SecretKeyRef.Key)
+			if !ok && m.Secret(ref.SecretKeyRef.Name) == nil {
+				v = "from-secret-" + ref.SecretKeyRef.Name + "-" + ref.SecretKeyRef.Key
+			}
+			env[e.Name] = v
+		}
+	}
+	return env
+}
+
+// secretRefs returns the Secret references of a container's environment.
+func secretRefs(c *corev1.Container) map[string]*corev1.SecretKeySelector {
+	out := map[string]*corev1.SecretKeySelector{}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil {
+			out[e.Name] = e.ValueFrom.SecretKeyRef
+		}
+	}
+	return out
+}
+
+// fieldsOf reads a program's Config settings from source.
+func fieldsOf(t *testing.T, program string) []config.Field {
+	t.Helper()
+	dir, ok := programs[program]
+	if !ok {
+		t.Fatalf("%q is no kvmesh program", program)
+	}
+	fields, err := deploy.ConfigFields(testenv.ModuleRoot(t), dir, "Config")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fields
+}
+
+// checkEnv holds one container's environment to its program's Config: the
+// variables it reads, required ones set, values that load, the shared
+// settings valid (service.Common's Validate), no variable set twice and no
+// loopback endpoint.
+func checkEnv(t *testing.T, c container) []error {
+	name := c.deployment.Name
+	fields := fieldsOf(t, c.program)
+	errs := deploy.CheckEnvironment(name, c.env, fields, deploy.ConfigPrototype(fields))
+	if err := config.Load(&service.Common{}, func(k string) (string, bool) { v, ok := c.env[k]; return v, ok }); err != nil {
+		errs = append(errs, fmt.Errorf("%s: shared settings: %w", name, err))
+	}
+	seen := map[string]bool{}
+	for _, e := range c.c.Env {
+		if seen[e.Name] {
+			errs = append(errs, fmt.Errorf("%s: sets %s twice", name, e.Name))
+		}
+		seen[e.Name] = true
+	}
+	eps, err := deploy.Endpoints(c.env)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("%s: %w", name, err))
+	}
+	for _, ep := range eps {
+		if ip := net.ParseIP(ep.Host); ep.Host == "localhost" || ip != nil && ip.IsLoopback() {
+			errs = append(errs, fmt.Errorf("%s: %s points at loopback %s: inside a pod that is the pod", name, ep.Var, ep.Host))
+		}
+	}
+	return errs
+}
+
+// checkSecrets reports a Config secret (or a value carrying a password)
+// set in plain env, and a Secret reference to a rendered Secret that lacks
+// the key.
+func checkSecrets(t *testing.T, m *helmtest.Manifests, c container) []error {
+	name := c.deployment.Name
+	var errs []error
+	secret := map[string]bool{}
+	for _, f := range fieldsOf(t, c.program) {
+		secret[f.Env] = f.Secret
+	}
+	for _, e := range c.c.Env {
+		if e.ValueFrom == nil && (secret[e.Name] || config.MaskPasswords(e.Value) != e.Value) {
+			errs = append(errs, fmt.Errorf("%s: secret %s is set in plain env, want a secretKeyRef", name, e.Name))
+		}
+	}
+	for env, ref := range c.refs {
+		if m.Secret(ref.Name) == nil {
+			continue // an existing Secret, outside the chart
+		}
+		if _, ok := m.SecretValue(ref.Name, ref.Key); !ok && (ref.Optional == nil || !*ref.Optional) {
+			errs = append(errs, fmt.Errorf("%s: %s refers to key %s, which Secret %s lacks", name, env, ref.Key, ref.Name))
+		}
+	}
+	return errs
+}
+
+func reportAll(t *testing.T, errs []error) {
+	t.Helper()
+	for _, err := range errs {
+		t.Error(err)
+	}
+}
+
+// TestChartRenders renders every case and counts its objects: the three
+// singleton services and one Deployment and Service per gpuworker rank,
+// the Secret and the ServiceMonitor when the values ask for them, every
+// object named as a DNS label, unique within its kind.
+func TestChartRenders(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			if got, want := len(m.Deployments), 3+c.workers; got != want {
+				t.Errorf("%d Deployments, want %d", got, want)
+			}
+			if got, want := len(m.Services), 3+c.workers; got != want {
+				t.Errorf("%d Services, want %d", got, want)
+			}
+			if got, want := len(m.Secrets), map[bool]int{true: 1}[c.secret]; got != want {
+				t.Errorf("%d Secrets, want %d", got, want)
+			}
+			if got, want := len(m.ServiceMonitors), map[bool]int{true: 1}[c.monitor]; got != want {
+				t.Errorf("%d ServiceMonitors, want %d", got, want)
+			}
+			if !strings.Contains(m.Notes, c.rel.Namespace) {
+				t.Errorf("NOTES.txt does not name the namespace:\n%s", m.Notes)
+			}
+			names := map[string]bool{}
+			for _, d := range m.Deployments {
+				names["Deployment/"+d.Name] = true
+				if errs := validation.IsDNS1035Label(d.Name); len(errs) > 0 {
+					t.Errorf("Deployment %s: %v", d.Name, errs)
+				}
+			}
+			for _, s := range m.Services {
+				if names["Service/"+s.Name] {
+					t.Errorf("Service %s rendered twice", s.Name)
+				}
+				names["Service/"+s.Name] = true
+				if errs := validation.IsDNS1035Label(s.Name); len(errs) > 0 {
+					t.Errorf("Service %s: %v", s.Name, errs)
+				}
+			}
+			if len(names) != len(m.Deployments)+len(m.Services) {
+				t.Errorf("object names are not unique: %v", names)
+			}
+		})
+	}
+}
+
+// TestChartEnvMatchesConfig holds every container's environment to the
+// Config of the program it runs, as the compose test does.
+func TestChartEnvMatchesConfig(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			seen := map[string]int{}
+			shared := map[string]map[string]bool{"KVMESH_MODEL": {}, "KVMESH_KEY_PREFIX": {}, "KVMESH_KAFKA_BROKERS": {}}
+			for _, ct := range containers(t, m) {
+				seen[ct.program]++
+				reportAll(t, checkEnv(t, ct))
+				for k := range shared {
+					shared[k][ct.env[k]] = true
+				}
+				if _, ok := ct.env["KVMESH_ADMIN_TOKEN"]; ok != c.admin {
+					t.Errorf("%s: KVMESH_ADMIN_TOKEN set %v, want %v", ct.deployment.Name, ok, c.admin)
+				}
+			}
+			want := map[string]int{"lookup": 1, "scheduler": 1, "sender": 1, "gpuworker": c.workers}
+			if fmt.Sprint(seen) != fmt.Sprint(want) {
+				t.Errorf("programs %v, want %v", seen, want)
+			}
+			for k, vals := range shared {
+				if len(vals) != 1 {
+					t.Errorf("%s differs between services: %v", k, vals)
+				}
+			}
+		})
+	}
+}
+
+// TestChartSecrets checks that credentials come from the Secret only: no
+// Config secret and no URL password in plain env, and the rendered Secret
+// holds every key referred to.
+func TestChartSecrets(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			refs := 0
+			for _, ct := range containers(t, m) {
+				reportAll(t, checkSecrets(t, m, ct))
+				refs += len(ct.refs)
+				for _, ic := range ct.deployment.Spec.Template.Spec.InitContainers {
+					for _, e := range ic.Env {
+						if e.ValueFrom == nil && config.MaskPasswords(e.Value) != e.Value {
+							t.Errorf("%s/%s: %s carries a password in plain env", ct.deployment.Name, ic.Name, e.Name)
+						}
+					}
+				}
+			}
+			if refs == 0 {
+				t.Error("no container reads a Secret")
+			}
+			if c.secret {
+				s := m.Secrets[0]
+				for _, k := range []string{"KVMESH_DATABASE_URL", "KVMESH_REDIS_URL"} {
+					if v, ok := m.SecretValue(s.Name, k); !ok || v == "" {
+						t.Errorf("Secret %s: no %s", s.Name, k)
+					}
+				}
+				if _, ok := m.SecretValue(s.Name, "KVMESH_ADMIN_TOKEN"); ok != c.admin {
+					t.Errorf("Secret %s: KVMESH_ADMIN_TOKEN present %v, want %v", s.Name, ok, c.admin)
+				}
+			}
+		})
+	}
+}
+
+// TestChartPortsAndProbes checks each container listens on its program's
+// contract port (KVMESH_HTTP_ADDR and the container port), is probed for
+// liveness on /healthz and readiness on /readyz there, and is reached
+// through a Service on that port that selects its pods alone.
+func TestChartPortsAndProbes(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			for _, ct := range containers(t, m) {
+				reportAll(t, checkPorts(m, ct))
+			}
+		})
+	}
+}
+
+// checkPorts reports how a container's port, probes and Service disagree
+// with its program's contract address.
+func checkPorts(m *helmtest.Manifests, ct container) []error {
+	name := ct.deployment.Name
+	_, want, err := net.SplitHostPort(deploy.ServiceAddrs[ct.program])
+	if err != nil {
+		return []error{fmt.Errorf("%s: %q has no contract address: %w", name, ct.program, err)}
+	}
+	var errs []error
+	if _, p, _ := net.SplitHostPort(ct.env["KVMESH_HTTP_ADDR"]); p != want {
+		errs = append(errs, fmt.Errorf("%s: KVMESH_HTTP_ADDR %q, want port %s", name, ct.env["KVMESH_HTTP_ADDR"], want))
+	}
+	if len(ct.c.Ports) != 1 || fmt.Sprint(ct.c.Ports[0].ContainerPort) != want {
+		return append(errs, fmt.Errorf("%s: container ports %v, want one, %s", name, ct.c.Ports, want))
+	}
+	port := ct.c.Ports[0]
+	probes := []struct {
+		kind  string
+		probe *corev1.Probe
+		path  string
+	}{
+		{"liveness", ct.c.LivenessProbe, httpserver.PathHealth},
+		{"readiness", ct.c.ReadinessProbe, httpserver.PathReady},
+		{"startup", ct.c.StartupProbe, httpserver.PathHealth},
+	}
+	for _, p := range probes {
+		if p.probe == nil || p.probe.HTTPGet == nil {
+			errs = append(errs, fmt.Errorf("%s: no HTTP %s probe", name, p.kind))
+			continue
+		}
+		g := p.probe.HTTPGet
+		if g.Path != p.path || (g.Port.StrVal != port.Name && fmt.Sprint(g.Port.IntVal) != want) {
+			errs = append(errs, fmt.Errorf("%s: %s probe GET %s on port %s, want %s on %s", name, p.kind, g.Path, g.Port.String(), p.path, want))
+		}
+	}
+	pods := labels.Set(ct.deployment.Spec.Template.Labels)
+	var svcs []string
+	for _, s := range m.Services {
+		if len(s.Spec.Selector) == 0 || !labels.SelectorFromSet(s.Spec.Selector).Matches(pods) {
+			continue
+		}
+		svcs = append(svcs, s.Name)
+		if len(s.Spec.Ports) != 1 || fmt.Sprint(s.Spec.Ports[0].Port) != want ||
+			s.Spec.Ports[0].TargetPort.String() != port.Name && s.Spec.Ports[0].TargetPort.String() != want {
+			errs = append(errs, fmt.Errorf("%s: Service %s ports %v, want %s to the container's", name, s.Name, s.Spec.Ports, want))
+		}
+	}
+	if len(svcs) != 1 || svcs[0] != name {
+		errs = append(errs, fmt.Errorf("%s: selected by Services %v, want its own only", name, svcs))
+	}
+	if sel := ct.deployment.Spec.Selector; sel == nil || !labels.SelectorFromSet(sel.MatchLabels).Matches(pods) {
+		errs = append(errs, fmt.Errorf("%s: its selector does not match its pods", name))
+	}
+	return errs
+}
+
+// rank is a gpuworker's identity: engine id and its four rank indices.
+func rank(env deploy.Environment) string {
+	return fmt.Sprintf("%s tp=%s pcp=%s dcp=%s pp=%s", env["KVMESH_ENGINE_ID"],
+		env["KVMESH_RANK_TP"], env["KVMESH_RANK_PCP"], env["KVMESH_RANK_DCP"], env["KVMESH_RANK_PP"])
+}
+
+// TestChartGPUWorkers checks the per-engine set: every gpuworker a single
+// pod, replaced (never rolled) so no two run at once, with a distinct
+// engine id and rank, and a data-plane URL at its own Service's port.
+func TestChartGPUWorkers(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			ranks := map[string]string{}
+			for _, ct := range containers(t, m) {
+				if ct.program != "gpuworker" {
+					continue
+				}
+				d := ct.deployment
+				if d.Spec.Replicas == nil || *d.Spec.Replicas != 1 || d.Spec.Strategy.Type != appsv1.RecreateDeploymentStrategyType {
+					t.Errorf("%s: replicas %v strategy %q, want 1 and Recreate", d.Name, d.Spec.Replicas, d.Spec.Strategy.Type)
+				}
+				for _, k := range []string{"KVMESH_ENGINE_ID", "KVMESH_RANK_TP", "KVMESH_RANK_PCP", "KVMESH_RANK_DCP", "KVMESH_RANK_PP"} {
+					if ct.env[k] == "" {
+						t.Errorf("%s: %s is not set", d.Name, k)
+					}
+				}
+				r := rank(ct.env)
+				if other, dup := ranks[r]; dup {
+					t.Errorf("%s and %s are both %s", other, d.Name, r)
+				}
+				ranks[r] = d.Name
+				_, port, _ := net.SplitHostPort(contract.GPUWorkerAddr)
+				if want := fmt.Sprintf("http://%s.%s.svc:%s", d.Name, m.Namespace, port); ct.env["KVMESH_DATAPLANE_URL"] != want {
+					t.Errorf("%s: KVMESH_DATAPLANE_URL %q, want %q (its Service)", d.Name, ct.env["KVMESH_DATAPLANE_URL"], want)
+				}
+			}
+			if len(ranks) != c.workers {
+				t.Errorf("%d distinct gpuworker ranks %v, want %d", len(ranks), ranks, c.workers)
+			}
+		})
+	}
+}
+
+// TestChartMultiEngineRanks pins the ranks of the multi-engine values
+// file, so a template that drops a rank field fails.
+func TestChartMultiEngineRanks(t *testing.T) {
+	m := render(t, cases[1])
+	var got []string
+	for _, ct := range containers(t, m) {
+		if ct.program == "gpuworker" {
+			got = append(got, rank(ct.env)+" blocks="+ct.env["KVMESH_POOL_BLOCKS"])
+		}
+	}
+	slices.Sort(got)
+	want := []string{
+		"decode-0 tp=0 pcp=0 dcp=0 pp=0 blocks=",
+		"decode-0 tp=0 pcp=0 dcp=0 pp=1 blocks=",
+		"decode-1 tp=0 pcp=0 dcp=0 pp=0 blocks=",
+		"prefill-0 tp=0 pcp=0 dcp=0 pp=0 blocks=4096",
+		"prefill-0 tp=1 pcp=0 dcp=0 pp=0 blocks=4096",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("gpuworkers\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// TestChartServiceMonitor checks the ServiceMonitor selects every Service
+// of the release, in its namespace, and scrapes /metrics on their port.
+func TestChartServiceMonitor(t *testing.T) {
+	for _, c := range cases {
+		if !c.monitor {
+			continue
+		}
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			sm := m.ServiceMonitors[0]
+			if !slices.Equal(sm.Spec.NamespaceSelector.MatchNames, []string{m.Namespace}) {
+				t.Errorf("namespaces %v, want [%s]", sm.Spec.NamespaceSelector.MatchNames, m.Namespace)
+			}
+			if len(sm.Spec.Endpoints) != 1 {
+				t.Fatalf("endpoints %v, want one", sm.Spec.Endpoints)
+			}
+			ep := sm.Spec.Endpoints[0]
+			if ep.Path != httpserver.PathMetrics {
+				t.Errorf("scrapes %q, want %s", ep.Path, httpserver.PathMetrics)
+			}
+			if len(sm.Spec.Selector.MatchLabels) == 0 {
+				t.Fatal("the selector selects nothing by label")
+			}
+			sel := labels.SelectorFromSet(sm.Spec.Selector.MatchLabels)
+			for _, s := range m.Services {
+				if !sel.Matches(labels.Set(s.Labels)) {
+					t.Errorf("does not select Service %s (labels %v)", s.Name, s.Labels)
+				}
+				if !slices.ContainsFunc(s.Spec.Ports, func(p corev1.ServicePort) bool { return p.Name == ep.Port }) {
+					t.Errorf("Service %s has no port %q", s.Name, ep.Port)
+				}
+			}
+		})
+	}
+}
+
+// TestChartMigrates checks the schema is migrated before a service uses
+// it: with migrate on, every pod that reads KVMESH_DATABASE_URL first runs
+// `kvmesh migrate` with only that variable, from the Secret, and the
+// scheduler does not migrate; with it off the scheduler does.
+func TestChartMigrates(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			for _, ct := range containers(t, m) {
+				d := ct.deployment
+				inits := d.Spec.Template.Spec.InitContainers
+				_, usesDB := ct.env["KVMESH_DATABASE_URL"]
+				if ct.program == "scheduler" && ct.env["KVMESH_MIGRATE"] != fmt.Sprint(!c.migrate) {
+					t.Errorf("%s: KVMESH_MIGRATE %q, want %v", d.Name, ct.env["KVMESH_MIGRATE"], !c.migrate)
+				}
+				if !usesDB || !c.migrate {
+					if len(inits) != 0 {
+						t.Errorf("%s: init containers %d, want none", d.Name, len(inits))
+					}
+					continue
+				}
+				if len(inits) != 1 || !slices.Equal(inits[0].Command, []string{"/usr/local/bin/kvmesh", "migrate"}) {
+					t.Errorf("%s: init containers %v, want one running kvmesh migrate", d.Name, inits)
+					continue
+				}
+				env := inits[0].Env
+				if len(env) != 1 || env[0].Name != "KVMESH_DATABASE_URL" || env[0].ValueFrom == nil ||
+					*env[0].ValueFrom.SecretKeyRef != *ct.refs["KVMESH_DATABASE_URL"] {
+					t.Errorf("%s: migrate env %v, want KVMESH_DATABASE_URL from the service's Secret", d.Name, env)
+				}
+				if inits[0].Image != ct.c.Image {
+					t.Errorf("%s: migrate image %s, want the service's %s", d.Name, inits[0].Image, ct.c.Image)
+				}
+			}
+		})
+	}
+}
+
+// TestChartSecurity checks every pod runs as a non-root user without
+// privilege escalation, all capabilities dropped, a read-only root file
+// system and no service-account token, and every container has resources.
+func TestChartSecurity(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			for _, d := range m.Deployments {
+				spec := d.Spec.Template.Spec
+				psc := spec.SecurityContext
+				if psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot || psc.RunAsUser == nil || *psc.RunAsUser == 0 {
+					t.Errorf("%s: pod security context %+v, want a non-root user", d.Name, psc)
+				}
+				if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+					t.Errorf("%s: mounts a service-account token", d.Name)
+				}
+				for _, ctr := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
+					sc := ctr.SecurityContext
+					switch {
+					case sc == nil:
+						t.Errorf("%s/%s: no security context", d.Name, ctr.Name)
+					case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
+						t.Errorf("%s/%s: allows privilege escalation", d.Name, ctr.Name)
+					case sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem:
+						t.Errorf("%s/%s: writable root file system", d.Name, ctr.Name)
+					case sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL"):
+						t.Errorf("%s/%s: capabilities %+v, want ALL dropped", d.Name, ctr.Name, sc.Capabilities)
+					case sc.RunAsUser != nil && *sc.RunAsUser == 0:
+						t.Errorf("%s/%s: runs as root", d.Name, ctr.Name)
+					}
+				}
+				if r := spec.Containers[0].Resources; len(r.Requests) == 0 || len(r.Limits) == 0 {
+					t.Errorf("%s: resources %+v, want requests and limits", d.Name, r)
+				}
+			}
+		})
+	}
+}
+
+// TestChartImage checks every container runs, from the values' image, a
+// program the Dockerfile builds into /usr/local/bin.
+func TestChartImage(t *testing.T) {
+	root := testenv.ModuleRoot(t)
+	df, err := os.ReadFile(filepath.Join(root, deploy.Dockerfile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	built := map[string]bool{}
+	for _, line := range strings.Split(string(df), "\n") {
+		for _, f := range strings.Fields(line) {
+			if strings.HasPrefix(f, "./cmd/") || strings.HasPrefix(f, "./services/") {
+				built[path.Base(f)] = true
+			}
+		}
+	}
+	if !strings.Contains(string(df), "COPY --from=build /out/ /usr/local/bin/") || len(built) < 5 {
+		t.Fatalf("the Dockerfile no longer builds the programs into /usr/local/bin (found %v)", built)
+	}
+	wantImage := map[string]string{"default values": "kvmesh:0.1.0", "multi-engine values": "registry.example.com/kvmesh:1.2.3"}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			for _, d := range m.Deployments {
+				spec := d.Spec.Template.Spec
+				for _, ctr := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
+					if len(ctr.Command) == 0 || path.Dir(ctr.Command[0]) != "/usr/local/bin" || !built[path.Base(ctr.Command[0])] {
+						t.Errorf("%s/%s: runs %q, which the Dockerfile does not build into /usr/local/bin", d.Name, ctr.Name, ctr.Command)
+					}
+					if w, ok := wantImage[c.name]; ok && ctr.Image != w {
+						t.Errorf("%s/%s: image %s, want %s", d.Name, ctr.Name, ctr.Image, w)
+					}
+					if ctr.Image != spec.Containers[0].Image {
+						t.Errorf("%s/%s: image %s, want the one image of the mesh", d.Name, ctr.Name, ctr.Image)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestChartRejectsBadValues checks the chart refuses values that would
+// deploy a broken mesh, rather than rendering them.
+func TestChartRejectsBadValues(t *testing.T) {
+	tests := []struct {
+		name string
+		set  []string
+		want string
+	}{
+		{"duplicate engine", []string{"gpuworker.engines[0].id=a", "gpuworker.engines[1].id=a"}, "listed twice"},
+		{"engine id not a DNS label", []string{"gpuworker.engines[0].id=Decode_0"}, "not a DNS label"},
+		{"duplicate rank", []string{"gpuworker.engines[0].id=a", "gpuworker.engines[0].ranks[0].tp=1", "gpuworker.engines[0].ranks[1].tp=1"}, "twice"},
+		{"no brokers", []string{"kafka.brokers=null"}, "kafka.brokers"},
+		{"no database", []string{"postgres.url="}, "postgres.url is required"},
+		{"no engines", []string{"gpuworker.engines=null"}, "gpuworker.engines"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: tt.set})
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("render error %v, want one saying %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestChartChecksCatchDrift renders values that break the contract and
+// checks that the checks above report each one: they can fail.
+func TestChartChecksCatchDrift(t *testing.T) {
+	tests := []struct {
+		name    string
+		set     []string
+		program string
+		check   func(*testing.T, *helmtest.Manifests, container) []error
+		want    string
+	}{
+		{"a variable no Config reads", []string{"lookup.env.KVMESH_NO_SUCH_SETTING=1"}, "lookup",
+			envCheck, "does not read"},
+		{"a gpuworker setting on the sender", []string{"sender.env.KVMESH_POOL_BLOCKS=8"}, "sender",
+			envCheck, "KVMESH_POOL_BLOCKS, which its Config does not read"},
+		{"a value that does not parse", []string{"scheduler.env.KVMESH_SCHEDULER_CONSUMERS=many"}, "scheduler",
+			envCheck, "does not load"},
+		{"a bad shared setting", []string{"logLevel=loud"}, "lookup", envCheck, "KVMESH_LOG_LEVEL"},
+		{"a variable set twice", []string{"sender.env.KVMESH_HTTP_ADDR=:8083"}, "sender", envCheck, "twice"},
+		{"a loopback broker", []string{"kafka.brokers[0]=127.0.0.1:9092"}, "lookup", envCheck, "loopback"},
+		{"a secret in plain env", []string{"lookup.env.KVMESH_ADMIN_TOKEN=hunter2"}, "lookup",
+			secretCheck, "KVMESH_ADMIN_TOKEN is set in plain env"},
+		{"a password in plain env", []string{"gpuworker.env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://u:pw@collector:4318/v1/traces"},
+			"gpuworker", secretCheck, "plain env"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: tt.set})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var errs []error
+			for _, ct := range containers(t, m) {
+				if ct.program == tt.program {
+					errs = append(errs, tt.check(t, m, ct)...)
+				}
+			}
+			if !slices.ContainsFunc(errs, func(err error) bool { return strings.Contains(err.Error(), tt.want) }) {
+				t.Errorf("errors %v, want one saying %q", errors.Join(errs...), tt.want)
+			}
+		})
+	}
+}
+
+func envCheck(t *testing.T, _ *helmtest.Manifests, c container) []error { return checkEnv(t, c) }
+
+func secretCheck(t *testing.T, m *helmtest.Manifests, c container) []error {
+	return checkSecrets(t, m, c)
+}

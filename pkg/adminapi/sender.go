@@ -1,0 +1,217 @@
+package adminapi
+
+import (
+	"encoding/json"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// DeadLetter is one dead letter of the sender: a row of its dead_letters
+// table, and the head of GET /v1/dlq's entries.
+type DeadLetter struct {
+	// ID is assigned by the database.
+	ID int64 `json:"id"`
+	// Reason is a stable reason code.
+	Reason string `json:"reason"`
+	// Detail explains the reason for operators.
+	Detail string `json:"detail"`
+	// Group is the KV group the entry is about; nil for a whole record.
+	Group *int `json:"group"`
+	// TaskID, EngineID and RequestID identify the task when known.
+	TaskID    string `json:"task_id"`
+	EngineID  string `json:"engine_id"`
+	RequestID string `json:"request_id"`
+	// Payload is the original record value.
+	Payload []byte `json:"payload,omitempty"`
+	// Topic, Partition and Offset locate the original record.
+	Topic     string `json:"topic"`
+	Partition int    `json:"partition"`
+	Offset    int64  `json:"offset"`
+	// RecordTime is the original record's timestamp.
+	RecordTime time.Time `json:"record_time"`
+	// Slot numbers the dead letters of one record (-1 for all of it).
+	Slot int `json:"slot"`
+	// CreatedAt is when the row was written.
+	CreatedAt time.Time `json:"created_at"`
+	// ReplayStatus is none, replayed, invalid or failed.
+	ReplayStatus string `json:"replay_status"`
+	// ReplayCount counts replay attempts.
+	ReplayCount int `json:"replay_count"`
+	// ReplayedAt is the time of the last replay attempt.
+	ReplayedAt *time.Time `json:"replayed_at,omitempty"`
+	// ReplayResult is the recorded result of the last replay attempt.
+	ReplayResult json.RawMessage `json:"replay_result,omitempty"`
+}
+
+// DeadLetterEntry is a dead letter as GET /v1/dlq (payload omitted) and
+// GET /v1/dlq/{id} show it.
+type DeadLetterEntry struct {
+	DeadLetter
+	// PayloadJSON is the payload itself when it is JSON (show only).
+	PayloadJSON json.RawMessage `json:"payload_json,omitempty"`
+	// PayloadBytes is the payload's size.
+	PayloadBytes int `json:"payload_bytes"`
+}
+
+// ReplayResult is the result of replaying a dead letter, as recorded with
+// it and answered by POST /v1/dlq/{id}/replay.
+type ReplayResult struct {
+	// Status is the save status of the replayed groups (stored, skipped,
+	// dead_lettered, failed), or "invalid".
+	Status string `json:"status"`
+	// Groups are the replayed groups' outcomes.
+	Groups []contract.GroupOutcome `json:"groups,omitempty"`
+	// Bytes counts the value bytes stored.
+	Bytes int64 `json:"bytes"`
+	// Reason and Detail explain an invalid or failed replay.
+	Reason string `json:"reason,omitempty"`
+	Detail string `json:"detail,omitempty"`
+}
+
+// ReplayAnswer is the answer of POST /v1/dlq/{id}/replay.
+type ReplayAnswer struct {
+	// ID is the dead letter's id.
+	ID int64 `json:"id"`
+	// ReplayStatus is the entry's replay status after this call.
+	ReplayStatus string `json:"replay_status"`
+	// ReplayCount counts the replay attempts recorded.
+	ReplayCount int `json:"replay_count"`
+	// AlreadyReplayed is set when the entry had been replayed before and
+	// this call did nothing.
+	AlreadyReplayed bool `json:"already_replayed"`
+	// Result is the replay's (or the recorded) result.
+	Result ReplayResult `json:"result"`
+}
+
+// DryRun says what a replay of a dead letter would do now.
+type DryRun struct {
+	// Replayable is set when the payload is valid for the current model and
+	// the entry was not replayed before.
+	Replayable bool `json:"replayable"`
+	// Expect is already_replayed, invalid, save or fail.
+	Expect string `json:"expect"`
+	// Reason and Detail say why the entry is invalid or the save would fail.
+	Reason string `json:"reason,omitempty"`
+	Detail string `json:"detail,omitempty"`
+	// Group is the group found invalid (nil: the record as a whole).
+	Group *int `json:"group,omitempty"`
+	// Groups are the groups a replay would save, with their keys.
+	Groups []DryRunGroup `json:"groups,omitempty"`
+}
+
+// DryRunGroup is one group a replay would save.
+type DryRunGroup struct {
+	// Group is the KV-group index.
+	Group int `json:"group"`
+	// Existing and Missing count the keys the store holds and lacks
+	// (both 0 when the existence check failed).
+	Existing int `json:"existing"`
+	Missing  int `json:"missing"`
+	// Keys are the group's keys on every rank namespace.
+	Keys []DryRunKey `json:"keys"`
+}
+
+// DryRunKey is one store key a replay would check and, when missing, put.
+type DryRunKey struct {
+	// Key is the store key.
+	Key string `json:"key"`
+	// Rank names the rank namespace, e.g. "tp0-pcp0-dcp0-pp0".
+	Rank string `json:"rank"`
+	// Block is the engine block the gpuworker would put.
+	Block kvcore.BlockID `json:"block"`
+	// Exists says whether the store holds the key; nil when the existence
+	// check failed.
+	Exists *bool `json:"exists"`
+}
+
+// DryRunAnswer is the answer of POST /v1/dlq/{id}/replay?dry_run=true.
+type DryRunAnswer struct {
+	// ID is the dead letter's id.
+	ID int64 `json:"id"`
+	// Simulated is always true (member dry_run): nothing was saved,
+	// recorded or published.
+	Simulated bool `json:"dry_run"`
+	// ReplayStatus and ReplayCount are the entry's, unchanged.
+	ReplayStatus string `json:"replay_status"`
+	ReplayCount  int    `json:"replay_count"`
+	DryRun
+}
+
+// Accounting sums the sender's save outcomes and dead letters.
+type Accounting struct {
+	// Tasks counts completed save tasks by status (and in total).
+	Tasks map[string]int64 `json:"tasks"`
+	// Groups counts task groups by outcome.
+	Groups map[string]int64 `json:"groups"`
+	// Keys counts store keys by outcome.
+	Keys map[string]int64 `json:"keys"`
+	// Bytes is the value bytes stored.
+	Bytes int64 `json:"bytes"`
+	// DeadLetters counts dead letters by reason (and in total).
+	DeadLetters map[string]int64 `json:"dead_letters"`
+}
+
+// PressureState is the state of a sender's store-pressure gate.
+type PressureState struct {
+	// Active is set in pressure mode.
+	Active bool `json:"active"`
+	// SkippedTasks counts tasks skipped by the gate since start.
+	SkippedTasks int64 `json:"skipped_tasks"`
+	// SkippedKeys counts keys not saved because of store pressure since start.
+	SkippedKeys int64 `json:"skipped_keys"`
+	// Episodes counts how often pressure mode began since start.
+	Episodes int64 `json:"episodes"`
+}
+
+// SenderStats is the answer of the sender's GET /v1/stats.
+type SenderStats struct {
+	Accounting
+	// Pressure is the pressure gate of this process.
+	Pressure PressureState `json:"pressure"`
+	// At is when the stats were read.
+	At time.Time `json:"at"`
+}
+
+// Worker states of GET /v1/workers.
+const (
+	// WorkerAlive: the last heartbeat is newer than the stale-after age;
+	// the sender routes puts through this worker.
+	WorkerAlive = "alive"
+	// WorkerStale: the last heartbeat is older; the sender treats the
+	// worker as gone.
+	WorkerStale = "stale"
+)
+
+// Worker is one registered gpuworker as the sender's GET /v1/workers shows
+// it; it is also the workers-table row that pkg/registry reads and writes
+// (registry.Worker).
+type Worker struct {
+	// EngineID and Rank identify the worker.
+	EngineID string      `json:"engine_id"`
+	Rank     kvcore.Rank `json:"rank"`
+	// Addr is the base URL of its HTTP API and data plane.
+	Addr string `json:"addr"`
+	// RegisteredAt and HeartbeatAt are the registration and the last
+	// heartbeat (database clock).
+	RegisteredAt time.Time `json:"registered_at"`
+	HeartbeatAt  time.Time `json:"heartbeat_at"`
+	// HeartbeatAgeSeconds is the age of the last heartbeat.
+	HeartbeatAgeSeconds float64 `json:"heartbeat_age_seconds"`
+	// State is WorkerAlive or WorkerStale; Alive says the same as a boolean.
+	State string `json:"state"`
+	Alive bool   `json:"alive"`
+	// Devices is the GPU inventory the worker registered with.
+	Devices json.RawMessage `json:"devices"`
+}
+
+// WorkerPage is one page of GET /v1/workers.
+type WorkerPage struct {
+	// Items are the workers in (engine id, tp, pcp, dcp, pp) order.
+	Items []Worker `json:"items"`
+	// NextCursor fetches the next page; absent on the last one.
+	NextCursor string `json:"next_cursor,omitempty"`
+	// StaleAfterSeconds is the heartbeat age past which a worker is stale.
+	StaleAfterSeconds float64 `json:"stale_after_seconds"`
+}
