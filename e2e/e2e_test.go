@@ -1,7 +1,7 @@
 // Package e2e runs the whole mesh: the four services as real processes
 // (built from ./services/*), the embedded Kafka-protocol broker, a fresh
 // PostgreSQL database and the shared Redis under a key prefix of their own,
-// driven by the engine simulator (pkg/sim).
+// driven by the engine simulator (internal/sim).
 package e2e
 
 import (
@@ -18,13 +18,13 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/sim"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestMain(m *testing.M) {

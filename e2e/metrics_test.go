@@ -12,7 +12,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/deploy"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // gpuFamilyPrefix starts the per-GPU families: served only where NVML sees

@@ -11,7 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // outageWithin bounds how long a service may take to notice an outage (its

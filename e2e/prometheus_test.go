@@ -17,8 +17,8 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/kvmesh/kvmesh/deploy"
-	"github.com/kvmesh/kvmesh/pkg/sim"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // promScrapeInterval is how often the test's Prometheus scrapes the stack.

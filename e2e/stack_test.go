@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv/meshtest"
+	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 )
 
 // Engine ids of the two gpuworkers every stack runs.

@@ -16,11 +16,11 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/sim"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // Service names of the processes, as their spans carry them.

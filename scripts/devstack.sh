@@ -156,7 +156,7 @@ redis_up() {
 # node exporter) when the binary is missing. Nothing here starts it: the
 # package's own service is kept from starting on install (a policy-rc.d that
 # refuses, unless one is in place already), and the tests that need
-# Prometheus start a private one on a free port (pkg/testenv/prometheus.go).
+# Prometheus start a private one on a free port (internal/testenv/prometheus.go).
 prometheus_install() {
   command -v prometheus >/dev/null && return
   if [ "$(id -u)" != 0 ]; then

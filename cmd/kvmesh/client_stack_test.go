@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/testenv/meshtest"
 )
 
 // cliToken is the admin token of the services the CLI tests run.

@@ -9,8 +9,8 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 )
 
 func init() {

@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/migrations"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 )
 
 // upMigrations returns the names of the embedded up-migrations.

@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/pkg/service"
-	"github.com/kvmesh/kvmesh/pkg/sim"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 

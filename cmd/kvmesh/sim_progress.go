@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/sim"
+	"github.com/kvmesh/kvmesh/internal/sim"
 )
 
 // progressBar shows a simulation's progress on stderr: a bar redrawn in

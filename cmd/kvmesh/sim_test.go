@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/sim"
+	"github.com/kvmesh/kvmesh/internal/sim"
 )
 
 func quiet(t *testing.T) {

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 func testStatus(t *testing.T, s *cliStack) {

@@ -18,11 +18,11 @@ import (
 
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/deploy/helmtest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/service"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // renderCase is one way of installing the chart and what it must yield.

@@ -12,8 +12,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 )
 
 // waitLimit bounds every wait of these tests.

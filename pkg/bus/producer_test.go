@@ -10,8 +10,8 @@ import (
 	"github.com/segmentio/kafka-go"
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 )
 
 func TestPublishKeepsOneKeysRecordsInOrderOnOnePartition(t *testing.T) {

@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 )
 
 func TestMaskURL(t *testing.T) {

@@ -8,9 +8,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // spanNamed returns the ended span called name in trace id, or nil.

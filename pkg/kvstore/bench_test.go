@@ -4,8 +4,8 @@ import (
 	"context"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // benchKeys is how many distinct keys the put and get benchmarks cycle over.

@@ -12,8 +12,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // metricValue reads a counter's value or a histogram's sample count from

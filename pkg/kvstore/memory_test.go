@@ -6,8 +6,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/kvstoretest"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/kvstore/kvstoretest"
 )
 
 func TestMemoryContract(t *testing.T) {

@@ -12,9 +12,9 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvmesh/kvmesh/internal/kvstoretest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/kvstore/kvstoretest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestRedisContract(t *testing.T) {

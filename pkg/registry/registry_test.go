@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 )

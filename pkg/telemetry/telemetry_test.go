@@ -12,8 +12,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 func TestMain(m *testing.M) {

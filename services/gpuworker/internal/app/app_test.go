@@ -8,9 +8,9 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/registry"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
 

@@ -3,7 +3,7 @@ package app_test
 import (
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
 

@@ -10,9 +10,9 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
 // benchBatchBytes is the data one benchmark operation moves.

@@ -15,12 +15,12 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
 )

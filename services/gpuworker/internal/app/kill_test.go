@@ -14,10 +14,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
 

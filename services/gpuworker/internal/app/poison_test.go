@@ -8,9 +8,9 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
 // TestPoisonLoadTasksAreDeadLettered checks the gpuworker's one consumed

@@ -12,11 +12,11 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
 )

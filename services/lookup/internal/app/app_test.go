@@ -9,8 +9,8 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/config"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
 

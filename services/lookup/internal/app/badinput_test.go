@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 )
 
 // TestBadInput drives each kind of bad request at a running service: each

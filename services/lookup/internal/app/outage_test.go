@@ -8,10 +8,10 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // brokerEnv is an env with a broker of the test's own (which the test may

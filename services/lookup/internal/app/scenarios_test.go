@@ -5,9 +5,9 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
 // The lookup scenarios of docs/architecture.md (1, 3, 4,

@@ -15,11 +15,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 

@@ -6,11 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // newBroker starts an embedded broker whose topics have partitions

@@ -13,10 +13,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )

@@ -8,9 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"

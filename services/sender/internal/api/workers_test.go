@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/registry"

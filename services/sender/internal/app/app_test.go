@@ -10,9 +10,9 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/config"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 

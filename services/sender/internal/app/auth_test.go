@@ -5,7 +5,7 @@ import (
 	"net/http"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 

@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/deploy/composetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 

@@ -8,10 +8,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // The sender binary is SIGKILLed while it works through a batch of tasks;

@@ -6,10 +6,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )

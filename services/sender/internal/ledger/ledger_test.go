@@ -13,9 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 

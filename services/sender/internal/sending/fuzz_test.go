@@ -5,8 +5,8 @@ import (
 	"encoding/json"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"

@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"

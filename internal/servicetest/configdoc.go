@@ -7,9 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/service"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // ConfigDoc is the configuration reference, relative to the module root.

@@ -12,8 +12,8 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
 // recorder is a testing.TB that collects failures instead of failing.

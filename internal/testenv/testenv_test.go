@@ -11,10 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
-const hello = "./pkg/testenv/testdata/hello"
+const hello = "./internal/testenv/testdata/hello"
 
 // command sends one inline command to addr and returns the reply's lines.
 func command(addr, cmd string, lines int) ([]string, error) {
@@ -92,8 +92,8 @@ func TestModuleRoot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if wd != filepath.Join(root, "pkg", "testenv") {
-		t.Errorf("working directory %q is not pkg/testenv under %q", wd, root)
+	if wd != filepath.Join(root, "internal", "testenv") {
+		t.Errorf("working directory %q is not internal/testenv under %q", wd, root)
 	}
 }
 
@@ -111,7 +111,7 @@ func TestBuildBinaryBuildsOncePerProcess(t *testing.T) {
 	if err != nil || string(out) != "hello from a built binary\n" {
 		t.Fatalf("run %s: %q, %v", bin, out, err)
 	}
-	for _, spelling := range []string{hello, hello + "/", "./pkg/testenv/../testenv/testdata/hello"} {
+	for _, spelling := range []string{hello, hello + "/", "./internal/testenv/../testenv/testdata/hello"} {
 		again := testenv.BuildBinary(t, spelling)
 		after, err := os.Stat(again)
 		if err != nil {

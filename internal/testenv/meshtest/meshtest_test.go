@@ -13,8 +13,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/goleak"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
-	"github.com/kvmesh/kvmesh/pkg/testenv/meshtest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 )
 
 func TestMain(m *testing.M) {

@@ -9,9 +9,9 @@ import (
 
 	"github.com/segmentio/kafka-go"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
-	"github.com/kvmesh/kvmesh/pkg/service/servicetest"
 )
 
 // TestMaxValueBytesIsTheBrokersLimit checks that the junk of PoisonRecords

@@ -9,8 +9,8 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

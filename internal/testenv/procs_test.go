@@ -11,10 +11,10 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
-const fakeService = "./pkg/testenv/testdata/fakeservice"
+const fakeService = "./internal/testenv/testdata/fakeservice"
 
 // get GETs url and returns the body, failing the test unless it is 200.
 func get(t *testing.T, url string) string {

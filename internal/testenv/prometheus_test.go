@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // TestStartPrometheusScrapesAndQueries starts a Prometheus that scrapes a

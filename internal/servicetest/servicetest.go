@@ -8,12 +8,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/migrations"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/service"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // StopWithin is how long a service may take to stop once its context ends.

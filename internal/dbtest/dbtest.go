@@ -18,9 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/migrations"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
 )
 
 // adminTimeout bounds each CREATE or DROP DATABASE.

@@ -16,9 +16,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
-	"github.com/kvmesh/kvmesh/pkg/testenv"
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // Settings of the infrastructure.

@@ -4,7 +4,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/database/dbtest"
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 )
 
 func TestNewPoolGivesMigratedPrivateDatabases(t *testing.T) {

@@ -9,8 +9,8 @@ import (
 	"github.com/segmentio/kafka-go"
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/devbroker"
 )
 
 func TestMain(m *testing.M) {
