@@ -114,6 +114,26 @@ func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]data
 	return results, n, nil
 }
 
+// Read answers like the real worker's read route: each asked block's bytes,
+// or NotHeld for a block marked as no longer holding its chunk (or asked
+// without a hash).
+func (w *poolWorker) Read(_ context.Context, refs []dataplane.ReadRef) ([]dataplane.ReadBlock, error) {
+	w.mu.Lock()
+	notHeld := w.notHeld
+	w.mu.Unlock()
+	out := make([]dataplane.ReadBlock, len(refs))
+	for i, r := range refs {
+		out[i].BlockRef = r.BlockRef
+		if r.Hash == "" || notHeld[r.BlockRef] {
+			out[i].NotHeld = fmt.Sprintf("block %d holds another chunk; wanted hash %s", r.Block, r.Hash)
+			continue
+		}
+		out[i].Identity = dataplane.Identity{Hash: r.Hash}
+		out[i].Data = blockBytes(w.model, r.Group, r.Block)
+	}
+	return out, nil
+}
+
 // setNotHeld marks blocks as no longer holding their chunk.
 func (w *poolWorker) setNotHeld(refs ...dataplane.BlockRef) {
 	w.mu.Lock()

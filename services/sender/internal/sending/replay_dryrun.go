@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
@@ -21,8 +22,10 @@ const (
 	// holding a missing key has a live worker; a replay saves the group(s).
 	ExpectSave = "save"
 	// ExpectFail: the payload is valid but the save would not complete now
-	// (Reason: exists_failed, put_failed or plan_failed); a replay answers
-	// 503 and may be retried later.
+	// (Reason: exists_failed, put_failed, plan_failed, or block_not_held:
+	// a block of a missing key no longer holds its chunk, so a replay
+	// cannot prove its bytes); a replay answers 503 and may be retried
+	// later (block_not_held: once the engine wrote the chunk again).
 	ExpectFail = "fail"
 )
 
@@ -77,9 +80,58 @@ func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 	}
 	out.Groups = dryRunGroups(items, exists)
 	if exists != nil {
-		p.checkWorkers(ctx, task.EngineID, items, exists, &out)
+		if putters := p.checkWorkers(ctx, task.EngineID, items, exists, &out); putters != nil {
+			checkHeld(ctx, putters, items, exists, &out)
+		}
 	}
 	return out, nil
+}
+
+// heldReader is the part of a worker's data plane (dataplane.Client) that
+// reads blocks by the hash they must hold; a dry run uses it, when the
+// Putter has it, to tell whether a replay could prove its blocks.
+type heldReader interface {
+	Read(ctx context.Context, refs []dataplane.ReadRef) ([]dataplane.ReadBlock, error)
+}
+
+// checkHeld marks the dry run failing with block_not_held when a block of a
+// missing key no longer holds its chunk (the worker restarted, the engine
+// reused the block): a replay would be refused the same way. A worker that
+// cannot be read is a put_failed.
+func checkHeld(ctx context.Context, putters map[kvcore.Rank]Putter, items []item, exists []bool, out *DryRun) {
+	var ranks []kvcore.Rank
+	missing := map[kvcore.Rank][]int{}
+	for i, it := range items {
+		if exists[i] {
+			continue
+		}
+		if _, ok := missing[it.rank]; !ok {
+			ranks = append(ranks, it.rank)
+		}
+		missing[it.rank] = append(missing[it.rank], i)
+	}
+	for _, rk := range ranks {
+		rd, ok := putters[rk].(heldReader)
+		if !ok {
+			continue
+		}
+		idx := missing[rk]
+		refs := make([]dataplane.ReadRef, len(idx))
+		for n, i := range idx {
+			refs[n] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: items[i].Group, Block: items[i].Block}, Hash: items[i].Hash}
+		}
+		blocks, err := rd.Read(ctx, refs)
+		if err != nil {
+			out.fail(string(kvcore.ReasonPutFailed), fmt.Sprintf("could not read the blocks from rank %s's worker: %v", rk, err))
+			return
+		}
+		for n, b := range blocks {
+			if it := items[idx[n]]; b.NotHeld != "" {
+				out.fail(string(kvcore.ReasonBlockNotHeld), fmt.Sprintf("block %d (group %d, key %s): %s", it.Block, it.Group, it.Key, b.NotHeld))
+				return
+			}
+		}
+	}
 }
 
 // fail marks the dry run as a save that would not complete; the first
@@ -92,8 +144,9 @@ func (d *DryRun) fail(reason, detail string) {
 }
 
 // checkWorkers marks the dry run failing when a rank that holds a missing
-// key has no live worker to put it.
-func (p *Processor) checkWorkers(ctx context.Context, engineID string, items []item, exists []bool, out *DryRun) {
+// key has no live worker to put it; it returns the engine's workers when
+// every such rank has one (nil otherwise, or when no key is missing).
+func (p *Processor) checkWorkers(ctx context.Context, engineID string, items []item, exists []bool, out *DryRun) map[kvcore.Rank]Putter {
 	var need []kvcore.Rank
 	for i, it := range items {
 		if !exists[i] && !slices.Contains(need, it.rank) {
@@ -101,19 +154,20 @@ func (p *Processor) checkWorkers(ctx context.Context, engineID string, items []i
 		}
 	}
 	if len(need) == 0 {
-		return
+		return nil
 	}
 	putters, err := p.workers.Engine(ctx, engineID)
 	if err != nil {
 		out.fail(string(kvcore.ReasonPutFailed), fmt.Sprintf("no worker to put the missing keys: %v", err))
-		return
+		return nil
 	}
 	for _, rk := range need {
 		if _, ok := putters[rk]; !ok {
 			out.fail(string(kvcore.ReasonPutFailed), fmt.Sprintf("engine %q has no live worker for rank %s", engineID, rk))
-			return
+			return nil
 		}
 	}
+	return putters
 }
 
 // dryRunGroups groups items with their existence (nil: unknown).

@@ -3,10 +3,12 @@ package sending_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
@@ -79,6 +81,16 @@ func TestDryRunSaysWhatAReplayWouldDo(t *testing.T) {
 		})
 	}
 
+	// A block of the missing key reused for another chunk: a replay would be
+	// refused, and the dry run says so.
+	last := flaky.BlockTable[1][len(flaky.BlockTable[1])-1]
+	up.worker.setNotHeld(dataplane.BlockRef{Group: 1, Block: last})
+	dr, err := up.p.DryRun(ctx, group1.ID)
+	if err != nil || dr.Expect != sending.ExpectFail || dr.Reason != "block_not_held" || !strings.Contains(dr.Detail, "holds another chunk") {
+		t.Fatalf("dry run of a reused block: %+v, %v; want fail with block_not_held", dr, err)
+	}
+	up.worker.setNotHeld()
+
 	// Nothing was saved, recorded or published by the dry runs.
 	if d, err := up.ledger.Get(ctx, group1.ID); err != nil || d.ReplayStatus != ledger.ReplayNone || d.ReplayCount != 0 {
 		t.Fatalf("entry after dry runs: %+v, %v", d, err)
@@ -93,7 +105,7 @@ func TestDryRunSaysWhatAReplayWouldDo(t *testing.T) {
 	if _, err := up.p.Replay(ctx, group1.ID); err != nil {
 		t.Fatal(err)
 	}
-	dr, err := up.p.DryRun(ctx, group1.ID)
+	dr, err = up.p.DryRun(ctx, group1.ID)
 	if err != nil || dr.Replayable || dr.Expect != sending.ExpectAlreadyReplayed {
 		t.Fatalf("dry run after the replay: %+v, %v", dr, err)
 	}
