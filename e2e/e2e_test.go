@@ -354,14 +354,8 @@ func dlq(t *testing.T, s *stack, q url.Values) []dlqEntry {
 // eventually polls cond until it holds, failing the test after 30 s.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		<-tick.C
+	if !poll(context.Background(), 30*time.Second, cond) {
+		t.Fatalf("timed out waiting for %s", what)
 	}
 }
 

@@ -113,20 +113,19 @@ func setConnections(t *testing.T, dbURL string, allow bool) {
 func waitReadyz(t *testing.T, base string, want int) {
 	t.Helper()
 	hc := &http.Client{Timeout: 2 * time.Second}
-	deadline := time.Now().Add(outageWithin)
-	for {
-		resp, err := hc.Get(base + "/readyz")
-		got := 0
-		if err == nil {
-			got = resp.StatusCode
-			_ = resp.Body.Close()
+	var got int
+	var err error
+	ok := poll(context.Background(), outageWithin, func() bool {
+		var resp *http.Response
+		if resp, err = hc.Get(base + "/readyz"); err != nil {
+			got = 0
+			return false
 		}
-		if got == want {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s/readyz: %d (%v) after %v, want %d", base, got, err, outageWithin, want)
-		}
-		time.Sleep(100 * time.Millisecond) // polling interval, not synchronisation
+		got = resp.StatusCode
+		_ = resp.Body.Close()
+		return got == want
+	})
+	if !ok {
+		t.Fatalf("%s/readyz: %d (%v) after %v, want %d", base, got, err, outageWithin, want)
 	}
 }

@@ -12,18 +12,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 )
-
-// prometheusReadyWithin bounds the wait for a started Prometheus to answer
-// /-/ready.
-const prometheusReadyWithin = 30 * time.Second
-
-// prometheusStartAttempts is how often StartPrometheus tries a fresh port
-// when prometheus exits before it is ready (another process took the port).
-const prometheusStartAttempts = 3
 
 // Errors of StartPrometheus and the PrometheusServer methods.
 var (
@@ -31,20 +22,14 @@ var (
 	// "success" (for a query: one that does not parse or cannot be
 	// evaluated).
 	ErrPrometheusAPI = errors.New("prometheus API error")
-	// errPrometheusExited says that prometheus exited before it was ready.
-	errPrometheusExited = errors.New("prometheus exited")
 )
 
 // PrometheusServer is a private Prometheus that StartPrometheus started for
 // one test: its configuration and TSDB in the test's temporary directory,
 // its web API on 127.0.0.1 on a port of its own.
 type PrometheusServer struct {
-	addr     string
-	cmd      *exec.Cmd
-	out      *syncBuffer
-	done     chan struct{} // closed once the process exited and was reaped
-	stopOnce sync.Once
-	hc       *http.Client
+	*serverProcess
+	hc *http.Client
 }
 
 // StartPrometheus writes config (a prometheus.yml) to a temporary directory,
@@ -66,99 +51,26 @@ func StartPrometheus(t testing.TB, config string, args ...string) *PrometheusSer
 	if err := os.WriteFile(cfg, []byte(config), 0o644); err != nil {
 		t.Fatalf("write prometheus config: %v", err)
 	}
-	for attempt := 1; ; attempt++ {
-		data := filepath.Join(dir, fmt.Sprintf("data-%d", attempt))
-		s, err := startPrometheus(bin, cfg, data, args)
+	hc := &http.Client{Timeout: 5 * time.Second}
+	t.Cleanup(hc.CloseIdleConnections)
+	launch := func(attempt int) (*serverProcess, error) {
+		addr, err := freeAddr()
 		if err != nil {
-			t.Fatalf("start prometheus: %v", err)
+			return nil, err
 		}
-		t.Cleanup(s.Stop)
-		err = s.waitReady(prometheusReadyWithin)
-		if err == nil {
-			return s
-		}
-		s.Stop()
-		if !errors.Is(err, errPrometheusExited) || attempt == prometheusStartAttempts {
-			t.Fatalf("prometheus on %s: %v\n%s", s.addr, err, s.Output())
-		}
+		return launchServer("prometheus", bin, addr, append([]string{
+			"--config.file=" + cfg,
+			"--storage.tsdb.path=" + filepath.Join(dir, fmt.Sprintf("data-%d", attempt)),
+			"--web.listen-address=" + addr,
+		}, args...))
 	}
-}
-
-// startPrometheus starts prometheus on a free port; it does not wait for it.
-func startPrometheus(bin, cfg, data string, args []string) (*PrometheusServer, error) {
-	addr, err := freeAddr()
-	if err != nil {
-		return nil, err
-	}
-	base := []string{
-		"--config.file=" + cfg,
-		"--storage.tsdb.path=" + data,
-		"--web.listen-address=" + addr,
-	}
-	s := &PrometheusServer{
-		addr: addr,
-		cmd:  exec.Command(bin, append(base, args...)...),
-		out:  &syncBuffer{},
-		done: make(chan struct{}),
-		hc:   &http.Client{Timeout: 5 * time.Second},
-	}
-	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
-	if err := s.cmd.Start(); err != nil {
-		return nil, err
-	}
-	go func() {
-		_ = s.cmd.Wait() // a killed server exits with an error by design
-		close(s.done)
-	}()
-	return s, nil
+	ready := func(p *serverProcess) error { return (&PrometheusServer{p, hc}).ready() }
+	return &PrometheusServer{startServer(t, launch, ready), hc}
 }
 
 // URL returns the server's base URL (http://127.0.0.1:N).
 func (s *PrometheusServer) URL() string {
 	return "http://" + s.addr
-}
-
-// Addr returns the server's host:port.
-func (s *PrometheusServer) Addr() string {
-	return s.addr
-}
-
-// Output returns what the server has written to stdout and stderr so far
-// (its log). It is safe to call while the server runs.
-func (s *PrometheusServer) Output() string {
-	return s.out.String()
-}
-
-// Stop kills the server and waits until it has exited. Later calls, and
-// the one at cleanup, do nothing.
-func (s *PrometheusServer) Stop() {
-	s.stopOnce.Do(func() {
-		_ = s.cmd.Process.Kill() // fails only if it already exited, which done reports
-		<-s.done
-		s.hc.CloseIdleConnections()
-	})
-}
-
-// waitReady polls /-/ready until it answers 200, the server exits, or
-// limit passes.
-func (s *PrometheusServer) waitReady(limit time.Duration) error {
-	deadline := time.Now().Add(limit)
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := s.ready()
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not ready within %v: %w", limit, err)
-		}
-		select {
-		case <-s.done:
-			return errPrometheusExited
-		case <-tick.C:
-		}
-	}
 }
 
 // ready asks /-/ready once.

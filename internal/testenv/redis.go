@@ -3,7 +3,6 @@ package testenv
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"net"
 	"os/exec"
@@ -13,21 +12,10 @@ import (
 	"time"
 )
 
-// redisReadyWithin bounds the wait for a started redis-server to answer PING.
-const redisReadyWithin = 30 * time.Second
-
-// redisStartAttempts is how often StartRedis tries a fresh port when
-// redis-server exits before answering (another process took the port).
-const redisStartAttempts = 3
-
 // RedisServer is a private redis-server that StartRedis started for one
 // test: no persistence, bound to 127.0.0.1 on a port of its own.
 type RedisServer struct {
-	addr     string
-	cmd      *exec.Cmd
-	out      *syncBuffer
-	done     chan struct{} // closed once the process exited and was reaped
-	stopOnce sync.Once
+	*serverProcess
 }
 
 // StartRedis starts `redis-server --port N --bind 127.0.0.1 --save ""
@@ -52,8 +40,8 @@ func RestartRedis(t testing.TB, old *RedisServer, args ...string) *RedisServer {
 	return startRedisOn(t, port, args)
 }
 
-// startRedisOn starts redis-server on port (empty: a free one), retrying
-// when it exits before answering.
+// startRedisOn starts redis-server on port (empty: a free one each
+// attempt) and waits until it answers PING.
 func startRedisOn(t testing.TB, port string, args []string) *RedisServer {
 	t.Helper()
 	bin, err := exec.LookPath("redis-server")
@@ -61,94 +49,22 @@ func startRedisOn(t testing.TB, port string, args []string) *RedisServer {
 		unavailable(t, "redis-server is not on PATH (%v); install redis-server", err)
 	}
 	dir := t.TempDir()
-	for attempt := 1; ; attempt++ {
-		s, err := startRedis(bin, dir, port, args)
-		if err != nil {
-			t.Fatalf("start redis-server: %v", err)
+	launch := func(int) (*serverProcess, error) {
+		p := port
+		if p == "" {
+			if p, err = freePort(); err != nil {
+				return nil, err
+			}
 		}
-		t.Cleanup(s.Stop)
-		err = s.waitReady(redisReadyWithin)
-		if err == nil {
-			return s
-		}
-		s.Stop()
-		if !errors.Is(err, errRedisExited) || attempt == redisStartAttempts {
-			t.Fatalf("redis-server on %s: %v\n%s", s.addr, err, s.Output())
-		}
+		base := []string{"--port", p, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir}
+		return launchServer("redis-server", bin, net.JoinHostPort("127.0.0.1", p), append(base, args...))
 	}
-}
-
-// startRedis starts redis-server on port (empty: a free one); it does not
-// wait for it.
-func startRedis(bin, dir, port string, args []string) (*RedisServer, error) {
-	if port == "" {
-		var err error
-		if port, err = freePort(); err != nil {
-			return nil, err
-		}
-	}
-	base := []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir}
-	s := &RedisServer{
-		addr: net.JoinHostPort("127.0.0.1", port),
-		cmd:  exec.Command(bin, append(base, args...)...),
-		out:  &syncBuffer{},
-		done: make(chan struct{}),
-	}
-	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
-	if err := s.cmd.Start(); err != nil {
-		return nil, err
-	}
-	go func() {
-		_ = s.cmd.Wait() // a killed server exits with an error by design
-		close(s.done)
-	}()
-	return s, nil
+	return &RedisServer{startServer(t, launch, func(s *serverProcess) error { return ping(s.addr) })}
 }
 
 // URL returns the server's address as a redis:// URL for database 0.
 func (s *RedisServer) URL() string {
 	return "redis://" + s.addr + "/0"
-}
-
-// Addr returns the server's host:port.
-func (s *RedisServer) Addr() string {
-	return s.addr
-}
-
-// Output returns what the server has written to stdout and stderr so far.
-// It is safe to call while the server runs.
-func (s *RedisServer) Output() string {
-	return s.out.String()
-}
-
-// Stop kills the server and waits until it has exited, for tests that take
-// the store away mid-test. Later calls, and the one at cleanup, do nothing.
-func (s *RedisServer) Stop() {
-	s.stopOnce.Do(func() {
-		_ = s.cmd.Process.Kill() // fails only if it already exited, which done reports
-		<-s.done
-	})
-}
-
-// waitReady polls PING until the server answers PONG, exits, or limit passes.
-func (s *RedisServer) waitReady(limit time.Duration) error {
-	deadline := time.Now().Add(limit)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := ping(s.addr)
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("no PONG within %v: %w", limit, err)
-		}
-		select {
-		case <-s.done:
-			return errRedisExited
-		case <-tick.C:
-		}
-	}
 }
 
 // ping sends one PING over a fresh connection and expects +PONG.

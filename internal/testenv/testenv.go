@@ -24,8 +24,9 @@ import (
 
 // Errors of the package.
 var (
-	// errRedisExited says that redis-server exited before it answered PING.
-	errRedisExited = errors.New("redis-server exited")
+	// errServerExited says that a private server (redis-server,
+	// prometheus) exited before it was ready.
+	errServerExited = errors.New("server exited before it was ready")
 	// ErrExited reports a process of a Procs that exited while it was
 	// expected to run.
 	ErrExited = errors.New("process exited")
