@@ -36,7 +36,7 @@ func TestRetryIsBoundedInTime(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			calls := 0
 			start := time.Now()
-			err := retry(context.Background(), tc.bound, func() error {
+			err := retryFor(context.Background(), tc.bound, func() error {
 				calls++
 				if tc.failFor < 0 || calls <= tc.failFor {
 					return tc.err

@@ -14,6 +14,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // Role is what an engine does in the deployment.
@@ -78,9 +79,9 @@ type engine struct {
 	live    map[string]*request
 	waiting []*request
 	running []*request
-	// pins are the blocks each save in flight pinned, oldest save first (a
-	// request saves a span again after a preemption rolled its saved offset
-	// back, so one key may name several saves).
+	// pins are the blocks each save in flight pinned, oldest save first
+	// (one key may name several saves if an engine ever saves a span
+	// again).
 	pins map[pinKey][][]blockRef
 	// orphans are the blocks of saves whose pins a preemption dropped
 	// (reusePreempted), until the sender reports the save; orphaned counts
@@ -455,7 +456,7 @@ func (e *engine) publish(ctx context.Context, o *outbox) error {
 	errs := make([]error, len(o.order))
 	for i, r := range o.order {
 		wg.Go(func() {
-			errs[i] = retry(ctx, e.timeout, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
+			errs[i] = retryFor(ctx, e.timeout, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
 		})
 	}
 	wg.Wait()
@@ -467,39 +468,28 @@ func (e *engine) publish(ctx context.Context, o *outbox) error {
 	return nil
 }
 
-// Backoff of retried calls: the first delay, doubled after every failure
-// up to the largest.
-const (
-	retryFirstDelay = 50 * time.Millisecond
-	retryMaxDelay   = time.Second
-)
+// retryBackoff is the backoff of the simulator's retried calls (the
+// engine's calls to the mesh, its lookups, its topic readers): 50 ms
+// doubled after every failure up to 1 s, without jitter.
+var retryBackoff = retry.Backoff{Initial: 50 * time.Millisecond, Max: time.Second}
 
-// retry runs f until it succeeds, fails for good (a request the peer
+// retryFor runs f until it succeeds, fails for good (a request the peer
 // rejected as invalid: dataplane.ErrRejected or ErrIdentity), ctx ends or
-// bound passed since the first attempt, backing off from 50 ms to 1 s
+// bound passed since the first attempt, waiting retryBackoff's delays
 // between attempts; it returns f's last error. bound is the request
 // timeout, so that an outage of the peer (a restart) shorter than it is
 // ridden out.
-func retry(ctx context.Context, bound time.Duration, f func() error) error {
-	delay := retryFirstDelay
+func retryFor(ctx context.Context, bound time.Duration, f func() error) error {
 	deadline := time.Now().Add(bound)
-	for {
+	for n := 1; ; n++ {
 		err := f()
 		if err == nil || ctx.Err() != nil || permanent(err) {
 			return err
 		}
-		wait := min(delay, time.Until(deadline))
-		if wait <= 0 {
+		wait := min(retryBackoff.Delay(n), time.Until(deadline))
+		if wait <= 0 || retry.Sleep(ctx, wait) != nil {
 			return err
 		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return err
-		case <-t.C:
-		}
-		delay = min(2*delay, retryMaxDelay)
 	}
 }
 

@@ -112,7 +112,7 @@ func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract
 	dec, err := e.lookup.lookup(r.ctx, req)
 	took := time.Since(now)
 	if err == nil || !errors.Is(err, ErrLookupUnavailable) {
-		r.lookupFailingSince, r.lookupRetryAt, r.lookupDelay = time.Time{}, time.Time{}, 0
+		r.lookupFailingSince, r.lookupRetryAt, r.lookupFailures = time.Time{}, time.Time{}, 0
 	}
 	switch {
 	case err == nil && !dec.Pending:
@@ -125,7 +125,7 @@ func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract
 		return nil, false
 	case errors.Is(err, ErrLookupUnavailable) && r.lookupRetry(time.Now(), e.timeout):
 		e.stats.update(func(st *stats) { st.lookupRetries++ })
-		e.log.Warn("lookup failed; retrying", "engine", e.id, "request", r.id, "in", r.lookupDelay, "err", err)
+		e.log.Warn("lookup failed; retrying", "engine", e.id, "request", r.id, "in", r.lookupRetryAt.Sub(time.Now()), "err", err)
 		return nil, false
 	case errors.Is(err, ErrLookupUnavailable):
 		r.fail(fmt.Sprintf("lookup unavailable for %v: %v", e.timeout, err))

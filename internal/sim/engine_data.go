@@ -68,7 +68,7 @@ func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 	for _, cb := range todo {
 		e.pool.hold(cb.group, cb.block) // even a failed write may have written some
 	}
-	if err := retry(ctx, e.timeout, func() error { return e.worker.Write(ctx, blocks) }); err != nil {
+	if err := retryFor(ctx, e.timeout, func() error { return e.worker.Write(ctx, blocks) }); err != nil {
 		return fmt.Errorf("engine %s: write %d blocks: %w", e.id, len(blocks), err)
 	}
 	for _, cb := range todo {
@@ -142,7 +142,7 @@ func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (ba
 		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block}, Hash: cb.key}
 	}
 	var got []dataplane.ReadBlock
-	err = retry(ctx, e.timeout, func() error {
+	err = retryFor(ctx, e.timeout, func() error {
 		var err error
 		got, err = e.worker.Read(ctx, refs)
 		return err
@@ -196,7 +196,7 @@ func (e *engine) evict(ctx context.Context) {
 		}
 	}
 	var held int
-	err := retry(ctx, e.timeout, func() error {
+	err := retryFor(ctx, e.timeout, func() error {
 		var err error
 		held, err = e.worker.Evict(ctx, refs)
 		return err

@@ -59,9 +59,9 @@ type request struct {
 	firstToken     time.Time
 	// lookupFailingSince is when the lookups of the current attempt began
 	// failing (zero while they do not); lookupRetryAt when the next may be
-	// sent, lookupDelay the backoff that led there.
+	// sent, lookupFailures how many failed in a row.
 	lookupFailingSince, lookupRetryAt time.Time
-	lookupDelay                       time.Duration
+	lookupFailures                    int
 	failure                           string
 	holdForPeer                       bool // prefill engine: keep the blocks until the decode engine read them
 	sent                              bool // finished_sending arrived
@@ -113,12 +113,8 @@ func (r *request) lookupRetry(now time.Time, timeout time.Duration) bool {
 	if left <= 0 {
 		return false
 	}
-	if r.lookupDelay == 0 {
-		r.lookupDelay = retryFirstDelay
-	} else {
-		r.lookupDelay = min(2*r.lookupDelay, retryMaxDelay)
-	}
-	r.lookupRetryAt = now.Add(min(r.lookupDelay, left))
+	r.lookupFailures++
+	r.lookupRetryAt = now.Add(min(retryBackoff.Delay(r.lookupFailures), left))
 	return true
 }
 

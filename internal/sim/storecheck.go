@@ -76,7 +76,7 @@ func checkValues(ctx context.Context, st kvstore.Store, m *kvcore.Model, bound t
 		batch := keys[start:min(start+batchKeys, len(keys))]
 		var values [][]byte
 		var errs []error
-		err := retry(ctx, bound, func() error {
+		err := retryFor(ctx, bound, func() error {
 			var err error
 			values, errs, err = st.Get(ctx, batch)
 			return err

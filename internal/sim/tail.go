@@ -7,6 +7,8 @@ import (
 
 	"github.com/segmentio/kafka-go"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // Record is one Kafka record read by the simulator.
@@ -109,11 +111,11 @@ const healthyRead = 10 * time.Second
 // tailPartition is tailTopic's reader of one partition.
 func tailPartition(ctx context.Context, brokers []string, topic string, p int, next int64, bound time.Duration, fn func(Record)) error {
 	var failingSince time.Time
-	delay := retryFirstDelay
+	failures := 0 // since the last record or healthy read
 	for {
 		opened := time.Now()
 		err := readFrom(ctx, brokers, topic, p, &next, func(m Record) {
-			failingSince, delay = time.Time{}, retryFirstDelay
+			failingSince, failures = time.Time{}, 0
 			fn(m)
 		})
 		if ctx.Err() != nil {
@@ -121,7 +123,7 @@ func tailPartition(ctx context.Context, brokers []string, topic string, p int, n
 		}
 		now := time.Now()
 		if now.Sub(opened) >= healthyRead {
-			failingSince, delay = time.Time{}, retryFirstDelay // it read (idle) for a while before failing
+			failingSince, failures = time.Time{}, 0 // it read (idle) for a while before failing
 		}
 		if failingSince.IsZero() {
 			failingSince = now
@@ -129,14 +131,10 @@ func tailPartition(ctx context.Context, brokers []string, topic string, p int, n
 		if now.Sub(failingSince) >= bound {
 			return fmt.Errorf("read %s/%d: failing for %v: %w", topic, p, bound, err)
 		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		failures++
+		if retry.Sleep(ctx, retryBackoff.Delay(failures)) != nil {
 			return nil
-		case <-t.C:
 		}
-		delay = min(2*delay, retryMaxDelay)
 	}
 }
 
