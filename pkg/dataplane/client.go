@@ -109,7 +109,7 @@ func (c *Client) Write(ctx context.Context, blocks []Block) error {
 
 // frameSize is the wire size of b's write frame.
 func frameSize(b Block) int {
-	return FrameHeaderSize + len(b.Identity.Hash) + len(b.Identity.RequestID) + len(b.Data)
+	return FrameHeader{Identity: b.Identity}.Size() + len(b.Data)
 }
 
 func (c *Client) writeBatch(ctx context.Context, blocks []Block) error {
