@@ -289,8 +289,9 @@ type LedgerReport struct {
 	EngineExpectedSaves int `json:"engine_expected_saves"`
 	// CoverageCompared counts requests preempted with saves in flight,
 	// whose published saves are compared with the engine's by the tokens
-	// they cover rather than span by span (a re-save after the preemption
-	// races the report of the save it repeats).
+	// they cover rather than span by span (the engine's tracker and the
+	// scheduler's may see those saves' reports on different sides of the
+	// preemption).
 	CoverageCompared int `json:"coverage_compared"`
 	// DuplicateTasks and DuplicateResults count redelivered records (harmless).
 	DuplicateTasks   int `json:"duplicate_tasks"`
