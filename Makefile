@@ -65,9 +65,10 @@ fuzz: deps ## Run every fuzz target (kvcore's and the sender's) for FUZZTIME eac
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME)
 
 .PHONY: bench
-bench: deps ## Go benchmarks; the report goes to .dev/bench.txt.
+bench: deps ## Go benchmarks into .dev/bench.txt, then the headline figures (each with its same-run baseline) into .dev/bench-report.txt.
 	@mkdir -p $(DEV)
 	@source $(DEV)/env && $(GO) test -run '^$$' -bench . -benchmem -count=1 $(PKGS) | tee $(DEV)/bench.txt
+	@scripts/benchreport.sh $(DEV)/bench.txt $(DEV)/bench-report.txt
 
 .PHONY: lint
 lint: ## go vet, gofmt, and staticcheck when installed.

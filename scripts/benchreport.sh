@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# benchreport.sh BENCH_TXT REPORT — writes the headline figures of a
+# `go test -bench` output to REPORT, one a line:
+#   NAME VALUE UNIT baseline=RAW ratio=VALUE/RAW
+# each with its baseline measured by the same benchmark in the same run on
+# the same servers. It fails when a figure's benchmark line is missing, so a
+# renamed benchmark cannot silently drop its line.
+set -euo pipefail
+in=${1:?usage: benchreport.sh BENCH_TXT REPORT}
+out=${2:?usage: benchreport.sh BENCH_TXT REPORT}
+trap 'rm -f "$out.tmp"' EXIT
+
+# metric BENCH UNIT prints the value that precedes UNIT on the line of
+# benchmark BENCH (its name up to the -GOMAXPROCS suffix).
+metric() {
+  awk -v b="$1" -v u="$2" '
+    { name = $1; sub(/-[0-9]+$/, "", name) }
+    name == b { for (i = 3; i < NF; i++) if ($(i+1) == u) { print $i; found = 1; exit } }
+    END { if (!found) exit 1 }' "$in" || { echo "benchreport: no $2 for $1 in $in" >&2; exit 1; }
+}
+
+# figure NAME UNIT BENCH VALUE_UNIT BASE_BENCH BASE_UNIT writes one report
+# line: BENCH's VALUE_UNIT against BASE_BENCH's BASE_UNIT.
+figure() {
+  local v r
+  v=$(metric "$3" "$4")
+  r=$(metric "$5" "$6")
+  awk -v n="$1" -v v="$v" -v u="$2" -v r="$r" 'BEGIN { printf "%s %s %s baseline=%s ratio=%.3f\n", n, v, u, r, v / r }'
+}
+
+{
+  # Save: task on kvmesh.save.tasks → bytes in Redis through the sender and
+  # the gpuworker, against raw SET of the same values (MB/s).
+  for size in 256KiB:256k 1MiB:1m 2MiB:2m; do
+    b=BenchmarkSaveThroughput/${size%%:*}/sender
+    figure "save_${size#*:}" MB/s "$b" MB/s "$b" raw_set_MB/s
+  done
+  # Load: load task → bytes in the pool, against raw GET (MiB/s).
+  for size in 256KiB:256k 1MiB:1m 2MiB:2m; do
+    b=BenchmarkLoad/${size%%:*}
+    figure "load_${size#*:}" MiB/s "$b" load_MiB/s "$b" raw_MiB/s
+  done
+  # Lookup of a 32K-token, 2-group prompt through POST /v1/lookup (decision
+  # published), against one raw pipelined EXISTS of the same keys (p50, µs).
+  figure lookup_32k_p50 us BenchmarkLookup32K2Group/handler_block_hashes_published p50-us \
+    BenchmarkLookup32K2Group/exists_raw p50-us
+} >"$out.tmp"
+mv "$out.tmp" "$out"
+cat "$out"
