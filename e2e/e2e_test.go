@@ -129,7 +129,7 @@ func TestSeedPreset(t *testing.T) {
 func checkTraceHeaders(ctx context.Context, t *testing.T, s *stack) {
 	t.Helper()
 	traces := map[string]map[string]bool{}
-	for _, topic := range []string{contract.TopicEngineEvents, contract.TopicLookupDecisions} {
+	for _, topic := range []string{contract.TopicEngineSteps, contract.TopicLookupDecisions} {
 		recs, err := sim.ReadAll(ctx, s.brokers, topic)
 		if err != nil {
 			t.Fatal(err)

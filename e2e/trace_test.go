@@ -150,7 +150,6 @@ var savePath = []hop{
 	{svcSender, "store save_exists", []string{svcSender, svcScheduler, svcSim}, ""},
 	{svcWorker, "gpuworker.put", []string{svcWorker, svcSender, svcScheduler, svcSim}, ""},
 	{svcWorker, "store save_put", []string{svcWorker, svcSender, svcScheduler, svcSim}, ""},
-	{svcScheduler, "postgres batch", []string{svcScheduler, svcSim}, ""},
 	relaySend,
 }
 

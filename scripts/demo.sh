@@ -5,11 +5,14 @@
 # its report, then the admin URLs. Extra arguments go to `kvmesh sim`
 # (e.g. scripts/demo.sh --requests 50 --json). Exits with the simulator's
 # status: non-zero when a request failed, a loaded block or a stored value
-# mismatched, or the save ledger did not balance.
+# mismatched, or the save ledger did not balance. KVMESH_ENGINES=N (default:
+# what scripts/stack.sh up recorded, else 1) plays a fleet of N engine pairs
+# (kvmesh sim --engines N, against stack.sh's gpuworkers of N pairs).
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+engines=${KVMESH_ENGINES:-$(cat "$root/.dev/engines" 2>/dev/null || echo 1)}
 
 # The store pool's URL (devstack's .dev/env), so that the simulator reads
 # back and checks every value the run's saves stored.
@@ -19,8 +22,15 @@ if [ -z "${KVMESH_REDIS_URL:-}" ] && [ -f "$root/.dev/env" ]; then
   export KVMESH_REDIS_URL
 fi
 
-"$root/bin/kvmesh" sim --preset seed "$@"
+"$root/bin/kvmesh" sim --preset seed --engines "$engines" "$@"
 status=$?
+
+# The gpuworkers of engine pairs past the first (decode-i :8084+2i, prefill-i :8085+2i).
+more=
+for ((i = 1; i < engines; i++)); do
+  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (decode-%d pool)' $((8084 + 2 * i)) "$i")
+  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (prefill-%d pool)' $((8085 + 2 * i)) "$i")
+done
 
 cat >&2 <<URLS
 
@@ -29,7 +39,7 @@ admin:
   sender     http://127.0.0.1:8083/v1/stats           (saves accounting)
              http://127.0.0.1:8083/v1/dlq             (dead letters)
   gpuworker  http://127.0.0.1:8084/v1/pool            (decode-0 pool; /v1/devices for GPUs)
-             http://127.0.0.1:8085/v1/pool            (prefill-0 pool)
+             http://127.0.0.1:8085/v1/pool            (prefill-0 pool)${more}
   lookup     http://127.0.0.1:8081/metrics            (every service serves /metrics, /healthz, /readyz, /openapi.yaml)
   CLI        bin/kvmesh status | dlq list | requests list | workers   (bin/kvmesh help)
 URLS

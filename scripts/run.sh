@@ -5,8 +5,18 @@
 # every service, from /readyz and /metrics), then — on a terminal — it keeps the stack up until
 # Ctrl-C and stops it. Without a terminal (CI, pipes) it returns at once and
 # leaves the stack up for `make down`. Exits with the demo's status.
+# KVMESH_ENGINES=N (default: what scripts/stack.sh up recorded, else 1)
+# plays a fleet of N engine pairs (kvmesh sim --engines N); the stack must
+# have been started with the same KVMESH_ENGINES.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+engines=${KVMESH_ENGINES:-$(cat "$root/.dev/engines" 2>/dev/null || echo 1)}
+export KVMESH_ENGINES=$engines
+# Every gpuworker of the fleet: decode-i at :8084+2i, prefill-i at :8085+2i.
+workers=
+for ((i = 0; i < engines; i++)); do
+  workers+="${workers:+,}http://127.0.0.1:$((8084 + 2 * i)),http://127.0.0.1:$((8085 + 2 * i))"
+done
 
 "$root/scripts/demo.sh" "$@"
 status=$?
@@ -14,7 +24,7 @@ echo >&2
 "$root/scripts/stack.sh" status >&2
 echo >&2
 # Every service's readiness and key counters, read from /readyz and /metrics.
-"$root/bin/kvmesh" status --gpuworker-url http://127.0.0.1:8084,http://127.0.0.1:8085 >&2
+"$root/bin/kvmesh" status --gpuworker-url "$workers" >&2
 if [ -t 0 ] && [ -t 1 ]; then
   echo >&2
   echo "The stack stays up: press Ctrl-C to stop it (or run 'make down' from another terminal)." >&2

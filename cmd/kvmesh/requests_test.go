@@ -12,30 +12,30 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// seedRequests publishes an admitted event for three requests of
-// cliReqEngine and waits until the scheduler tracks them.
+// seedRequests publishes one engine step record of cliReqEngine admitting
+// three requests and waits until the scheduler tracks them.
 func seedRequests(t *testing.T, s *cliStack) {
 	t.Helper()
 	m, err := kvcore.Preset("hybrid-mla-linear")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var msgs []bus.Message
+	step := contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: cliReqEngine + "/cli/1",
+		EngineID: cliReqEngine, Model: m.Name, Step: 1}
 	for i := range 3 {
 		req := fmt.Sprintf("req-%d", i)
 		var hexes []string
 		for _, h := range kvcore.HashChain(make([]uint32, 48), m.HashBlockSize, []byte(s.prefix+req)) {
 			hexes = append(hexes, h.Hex())
 		}
-		ev := contract.EngineEvent{Schema: contract.SchemaEngineEvent, EventID: cliReqEngine + "/" + req + "/1",
-			EngineID: cliReqEngine, RequestID: req, Seq: 1, Kind: contract.EventAdmitted, Model: m.Name,
-			PromptTokens: 48, BlockHashes: hexes}
-		v, err := json.Marshal(ev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicEngineEvents, Key: req, Value: v})
+		step.Requests = append(step.Requests, contract.RequestEvent{RequestID: req, Seq: 1, Kind: contract.EventAdmitted,
+			PromptTokens: 48, BlockHashes: hexes})
 	}
+	v, err := json.Marshal(step)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := []bus.Message{{Topic: contract.TopicEngineSteps, Key: cliReqEngine, Value: v}}
 	s.publish(msgs...)
 	eventually(t, "3 request trackers", func() bool {
 		var p page[adminapi.RequestSummary]

@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -84,65 +87,13 @@ type simOptions struct {
 	logLevel slog.Level
 }
 
-// simPreset is a named starting point for the flags.
-type simPreset struct {
-	summary  string
-	model    string
-	pd       bool
-	workload sim.Workload
-	engine   sim.EngineConfig
-	// reusePreempted frees preempted requests' blocks at once, even with
-	// saves in flight (sim.Config.ReusePreempted).
-	reusePreempted bool
-}
-
-// simPresets are the shipped workloads. "seed" is the configuration of the
-// seed bug report: a 2-group hybrid model (MLA + linear attention), 1P1D
-// with the pd,store connector chain, and a deliberately small GPU pool so
-// prefixes are evicted and must be reloaded, and requests are preempted
-// with their blocks reused at once while saves of them are in flight (8
-// conversations a second keep the decode engine's pool under pressure).
-var simPresets = map[string]simPreset{
-	"seed": {
-		summary: "hybrid-mla-linear, 1P1D (pd,store), small pool, 300 requests",
-		model:   "hybrid-mla-linear", pd: true,
-		workload: sim.Workload{Requests: 300, Turns: sim.Range{Min: 2, Max: 5}, SystemPrompts: 4,
-			SystemTokens: sim.Range{Min: 128, Max: 512}, UserTokens: sim.Range{Min: 16, Max: 160},
-			OutputTokens: sim.Range{Min: 8, Max: 48}, Rate: 8, ThinkTime: 20 * time.Millisecond, Seed: 54643, Vocab: 32000},
-		engine:         sim.EngineConfig{PoolBlocks: 192, MaxBatchTokens: 512, MaxRunning: 16, Watermark: 2},
-		reusePreempted: true,
-	},
-	"smoke": {
-		summary: "hybrid-mla-linear, one engine, 16 requests",
-		model:   "hybrid-mla-linear",
-		workload: sim.Workload{Requests: 16, Turns: sim.Range{Min: 2, Max: 3}, SystemPrompts: 2,
-			SystemTokens: sim.Range{Min: 64, Max: 128}, UserTokens: sim.Range{Min: 8, Max: 48},
-			OutputTokens: sim.Range{Min: 4, Max: 20}, Rate: 8, Seed: 1, Vocab: 32000},
-		engine: sim.EngineConfig{PoolBlocks: 64, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
-	},
-	"dense": {
-		summary: "dense-8b (2 MiB blocks), one engine, 40 requests",
-		model:   "dense",
-		workload: sim.Workload{Requests: 40, Turns: sim.Range{Min: 2, Max: 4}, SystemPrompts: 2,
-			SystemTokens: sim.Range{Min: 64, Max: 256}, UserTokens: sim.Range{Min: 16, Max: 64},
-			OutputTokens: sim.Range{Min: 8, Max: 32}, Rate: 4, Seed: 2, Vocab: 32000},
-		engine: sim.EngineConfig{PoolBlocks: 96, MaxBatchTokens: 512, MaxRunning: 8, Watermark: 1},
-	},
-	"swa": {
-		summary: "full-swa-mamba (3 groups), 1P1D, 80 requests",
-		model:   "full-swa-mamba", pd: true,
-		workload: sim.Workload{Requests: 80, Turns: sim.Range{Min: 2, Max: 4}, SystemPrompts: 3,
-			SystemTokens: sim.Range{Min: 128, Max: 384}, UserTokens: sim.Range{Min: 16, Max: 128},
-			OutputTokens: sim.Range{Min: 8, Max: 40}, Rate: 4, Seed: 3, Vocab: 32000},
-		engine: sim.EngineConfig{PoolBlocks: 160, MaxBatchTokens: 512, MaxRunning: 12, Watermark: 2},
-	},
-}
-
 // simValues holds the flags a preset supplies defaults for; they apply only
 // when given on the command line.
 type simValues struct {
 	preset, model, turns, system, user, output, brokers, level string
+	workers, prefillWorkers, engineIDs, prefillIDs             string
 	requests, sysPrompts, pool, batch, running, watermark      int
+	engines                                                    int
 	rate                                                       float64
 	think, reqTimeout, settle                                  time.Duration
 	seed                                                       uint64
@@ -199,10 +150,11 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.StringVar(&o.cfg.SchedulerURL, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
 	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
 	fs.StringVar(&o.cfg.SenderURL, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
-	fs.StringVar(&o.cfg.Decode.WorkerURL, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the (decode) engine's gpuworker base URL (env KVMESH_WORKER_URL)")
-	fs.StringVar(&o.cfg.Prefill.WorkerURL, "prefill-worker", envOr("KVMESH_PREFILL_WORKER_URL", "http://127.0.0.1:8085"), "the prefill engine's gpuworker base URL, with -pd (env KVMESH_PREFILL_WORKER_URL)")
-	fs.StringVar(&o.cfg.Decode.EngineID, "engine", "", "the (decode) engine's id (default: the worker's)")
-	fs.StringVar(&o.cfg.Prefill.EngineID, "prefill-engine", "", "the prefill engine's id (default: the prefill worker's)")
+	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworker (and, with -pd, its own prefill engine and gpuworker); conversations are spread over them round robin")
+	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated, one per engine; one URL with -engines N stands for scripts/stack.sh's layout, engine i's worker at its port + 2i (env KVMESH_WORKER_URL)")
+	fs.StringVar(&v.prefillWorkers, "prefill-worker", envOr("KVMESH_PREFILL_WORKER_URL", "http://127.0.0.1:8085"), "the prefill engines' gpuworker base URLs with -pd, comma-separated, as -worker (env KVMESH_PREFILL_WORKER_URL)")
+	fs.StringVar(&v.engineIDs, "engine", "", "the decode engines' ids, comma-separated, one per engine (default: each worker's)")
+	fs.StringVar(&v.prefillIDs, "prefill-engine", "", "the prefill engines' ids, comma-separated (default: each prefill worker's)")
 	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr)")
 	fs.StringVar(&o.cfg.RunTag, "run-tag", "", "prefix of every request id (default a random sim-xxxxxx)")
 	fs.BoolVar(&v.fresh, "fresh", true, "salt the block hashes with the run tag, so the run starts with a cold store; false shares store keys with earlier runs of the same workload")
@@ -215,13 +167,13 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 
 // applyPreset starts from the preset and applies the flags given.
 func applyPreset(fs *flag.FlagSet, o *simOptions, v *simValues) error {
-	p, ok := simPresets[v.preset]
+	p, ok := sim.LookupPreset(v.preset)
 	if !ok {
 		return fmt.Errorf("%w: unknown preset %q (have %s)", errUsage, v.preset, presetList())
 	}
-	o.cfg.Workload, o.cfg.Engine, o.cfg.PD, o.cfg.ReusePreempted = p.workload, p.engine, p.pd, p.reusePreempted
+	o.cfg.Workload, o.cfg.Engine, o.cfg.PD, o.cfg.ReusePreempted = p.Workload, p.Engine, p.PD, p.ReusePreempted
 	if v.model == "" {
-		v.model = p.model
+		v.model = p.Model
 	}
 	w, e := &o.cfg.Workload, &o.cfg.Engine
 	overrides := map[string]func() error{
@@ -267,6 +219,9 @@ func finishOptions(o *simOptions, v *simValues) error {
 	default:
 		return fmt.Errorf("%w: -progress %q: want auto, bar, log or off", errUsage, o.progress)
 	}
+	if o.cfg.Fleet, err = simFleet(v, o.cfg.PD); err != nil {
+		return err
+	}
 	o.cfg.Model, o.cfg.Brokers = m, splitList(v.brokers)
 	o.cfg.RequestTimeout, o.cfg.SettleTimeout = v.reqTimeout, v.settle
 	if o.cfg.RunTag == "" {
@@ -280,10 +235,98 @@ func finishOptions(o *simOptions, v *simValues) error {
 
 func presetList() string {
 	var out []string
-	for _, name := range []string{"seed", "smoke", "dense", "swa"} {
-		out = append(out, fmt.Sprintf("%s (%s)", name, simPresets[name].summary))
+	for _, name := range sim.PresetNames() {
+		p, _ := sim.LookupPreset(name)
+		out = append(out, fmt.Sprintf("%s (%s)", name, p.Summary))
 	}
 	return strings.Join(out, "; ")
+}
+
+// simFleet builds the fleet of -engines N pairs from the worker URLs and
+// engine ids: a list of N URLs names every engine's worker; a single URL
+// stands for scripts/stack.sh's layout, engine i's worker at the URL's
+// port + 2i (decode-0 :8084 and prefill-0 :8085, decode-1 :8086 and
+// prefill-1 :8087, …). Engine ids, when given, are N, one per engine.
+func simFleet(v *simValues, pd bool) ([]sim.Pair, error) {
+	n := v.engines
+	if n < 1 {
+		return nil, fmt.Errorf("%w: -engines %d: want at least 1", errUsage, n)
+	}
+	decode, err := fleetURLs("worker", v.workers, n)
+	if err != nil {
+		return nil, err
+	}
+	ids, err := fleetIDs("engine", v.engineIDs, n)
+	if err != nil {
+		return nil, err
+	}
+	var prefill, prefillIDs []string
+	if pd {
+		if prefill, err = fleetURLs("prefill-worker", v.prefillWorkers, n); err != nil {
+			return nil, err
+		}
+		if prefillIDs, err = fleetIDs("prefill-engine", v.prefillIDs, n); err != nil {
+			return nil, err
+		}
+	}
+	fleet := make([]sim.Pair, n)
+	for i := range fleet {
+		fleet[i].Decode = sim.Endpoint{EngineID: ids[i], WorkerURL: decode[i]}
+		if pd {
+			fleet[i].Prefill = sim.Endpoint{EngineID: prefillIDs[i], WorkerURL: prefill[i]}
+		}
+	}
+	return fleet, nil
+}
+
+// fleetURLs reads the comma-separated URLs of flag name for n engines.
+func fleetURLs(name, list string, n int) ([]string, error) {
+	urls := splitList(list)
+	switch {
+	case len(urls) == n:
+		return urls, nil
+	case len(urls) != 1:
+		return nil, fmt.Errorf("%w: -%s lists %d URLs for %d engines: want %d, or one (stack.sh's layout)", errUsage, name, len(urls), n, n)
+	}
+	out := make([]string, n)
+	for i := range out {
+		u, err := shiftPort(urls[0], 2*i)
+		if err != nil {
+			return nil, fmt.Errorf("%w: -%s: %w", errUsage, name, err)
+		}
+		out[i] = u
+	}
+	return out, nil
+}
+
+// fleetIDs reads the comma-separated engine ids of flag name for n
+// engines: none (each worker's own) or n.
+func fleetIDs(name, list string, n int) ([]string, error) {
+	ids := splitList(list)
+	switch len(ids) {
+	case 0:
+		return make([]string, n), nil
+	case n:
+		return ids, nil
+	}
+	return nil, fmt.Errorf("%w: -%s lists %d ids for %d engines", errUsage, name, len(ids), n)
+}
+
+// shiftPort returns base with its port raised by delta.
+func shiftPort(base string, delta int) (string, error) {
+	if delta == 0 {
+		return base, nil
+	}
+	u, err := url.Parse(base)
+	if err != nil {
+		return "", fmt.Errorf("URL %q: %w", base, err)
+	}
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		return "", fmt.Errorf("URL %q has no port to derive the other engines' workers from: list one URL per engine", base)
+	}
+	u.Host = net.JoinHostPort(u.Hostname(), strconv.Itoa(port+delta))
+	return u.String(), nil
 }
 
 // defaultBrokers is KVMESH_KAFKA_BROKERS, else the address scripts/stack.sh

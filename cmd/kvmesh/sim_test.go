@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 
@@ -24,8 +25,8 @@ func TestSimFlagsPresetDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	seed := simPresets["seed"]
-	if !o.cfg.PD || o.cfg.Workload != seed.workload || o.cfg.Engine != seed.engine || o.cfg.Model.Name != "hybrid-mla-linear" {
+	seed, _ := sim.LookupPreset("seed")
+	if !o.cfg.PD || o.cfg.Workload != seed.Workload || o.cfg.Engine != seed.Engine || o.cfg.Model.Name != "hybrid-mla-linear" {
 		t.Fatalf("seed preset not applied: %+v", o.cfg)
 	}
 	if strings.Join(o.cfg.Brokers, ",") != "10.0.0.1:9092,10.0.0.2:9092" {
@@ -34,8 +35,9 @@ func TestSimFlagsPresetDefaults(t *testing.T) {
 	if o.cfg.RunTag == "" || o.cfg.Salt != o.cfg.RunTag {
 		t.Fatalf("run tag %q, salt %q: -fresh salts with the run tag", o.cfg.RunTag, o.cfg.Salt)
 	}
+	want := []sim.Pair{{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8084"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8085"}}}
 	if o.cfg.LookupURL != "http://127.0.0.1:8081" || o.cfg.SchedulerURL != "http://127.0.0.1:8082" ||
-		o.cfg.SenderURL != "http://127.0.0.1:8083" || o.cfg.Decode.WorkerURL != "http://127.0.0.1:8084" {
+		o.cfg.SenderURL != "http://127.0.0.1:8083" || !slices.Equal(o.cfg.Fleet, want) {
 		t.Fatalf("addresses %+v", o.cfg)
 	}
 }
@@ -48,7 +50,8 @@ func TestSimFlagsOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	w := o.cfg.Workload
-	if w.Requests != 5 || w.Turns != (sim.Range{Min: 1, Max: 2}) || w.UserTokens != simPresets["smoke"].workload.UserTokens {
+	smoke, _ := sim.LookupPreset("smoke")
+	if w.Requests != 5 || w.Turns != (sim.Range{Min: 1, Max: 2}) || w.UserTokens != smoke.Workload.UserTokens {
 		t.Fatalf("workload %+v", w)
 	}
 	if !o.cfg.PD || o.cfg.Engine.PoolBlocks != 9 || o.cfg.Model.Name != "full-swa-mamba" || !o.json {
@@ -70,6 +73,11 @@ func TestSimFlagsErrors(t *testing.T) {
 		{"-log-level", "loud"},
 		{"extra"},
 		{"-no-such-flag"},
+		{"-engines", "0"},
+		{"-engines", "3", "-worker", "http://a:1,http://b:2"},
+		{"-engines", "2", "-worker", "http://host-without-port"},
+		{"-engines", "2", "-engine", "only-one"},
+		{"-engines", "2", "-pd", "-prefill-engine", "p0,p1,p2"},
 	} {
 		if _, err := simFlags(args); !errors.Is(err, errUsage) {
 			t.Errorf("%q: %v, want a usage error", args, err)
@@ -125,5 +133,54 @@ func TestSimFlagsReuseAndStore(t *testing.T) {
 		if o.cfg.ReusePreempted != tc.reuse || o.cfg.RedisURL != tc.redisURL {
 			t.Errorf("%q: reuse %v, redis %q; want %v, %q", tc.args, o.cfg.ReusePreempted, o.cfg.RedisURL, tc.reuse, tc.redisURL)
 		}
+	}
+}
+
+// TestSimFlagsFleet: -engines N builds N pairs; one worker URL stands for
+// stack.sh's layout (engine i at the port + 2i, decode and prefill), a list
+// names every worker; engine ids come one per engine; without -pd the
+// pairs have no prefill engine.
+func TestSimFlagsFleet(t *testing.T) {
+	quiet(t)
+	o, err := simFlags([]string{"-engines", "3"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []sim.Pair{
+		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8084"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8085"}},
+		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8086"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8087"}},
+		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8088"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8089"}},
+	}
+	if !slices.Equal(o.cfg.Fleet, want) {
+		t.Fatalf("seed preset, 3 engines: fleet %+v, want %+v", o.cfg.Fleet, want)
+	}
+	o, err = simFlags([]string{"-preset", "smoke", "-engines", "2", "-worker", "http://w0:9000, http://w1:9100", "-engine", "a,b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = []sim.Pair{{Decode: sim.Endpoint{EngineID: "a", WorkerURL: "http://w0:9000"}}, {Decode: sim.Endpoint{EngineID: "b", WorkerURL: "http://w1:9100"}}}
+	if !slices.Equal(o.cfg.Fleet, want) {
+		t.Fatalf("listed workers: fleet %+v, want %+v", o.cfg.Fleet, want)
+	}
+}
+
+// TestSimFlagsLongContext: the long-context preset is chunked prefill over
+// 8K-32K-token prompts on one engine with a pool that holds the longest.
+func TestSimFlagsLongContext(t *testing.T) {
+	quiet(t)
+	o, err := simFlags([]string{"-preset", "long-context"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, e := o.cfg.Workload, o.cfg.Engine
+	if o.cfg.PD || len(o.cfg.Fleet) != 1 || o.cfg.Model.Name != "hybrid-mla-linear" {
+		t.Fatalf("config %+v", o.cfg)
+	}
+	if w.SystemTokens.Min+w.UserTokens.Min < sim.LongContextMinPrompt || e.MaxBatchTokens >= sim.LongContextMaxPrompt ||
+		e.PoolBlocks*16 < sim.LongContextMaxPrompt {
+		t.Fatalf("workload %+v, engine %+v: want 8K+ prompts, a step budget below 32K (chunked prefill) and a pool that holds 32K", w, e)
+	}
+	if !strings.Contains(presetList(), "long-context (") {
+		t.Fatalf("preset list %q lacks long-context", presetList())
 	}
 }

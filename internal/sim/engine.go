@@ -10,6 +10,10 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
@@ -49,6 +53,7 @@ type EngineConfig struct {
 // engineDeps are the parts an engine talks to.
 type engineDeps struct {
 	model   *kvcore.Model
+	runTag  string // names the engine's step records (StepID)
 	rank    kvcore.Rank
 	worker  *dataplane.Client
 	lookup  *lookupClient
@@ -91,6 +96,9 @@ type engine struct {
 
 	head      *request // the head of the queue when it was last looked at
 	headSince time.Time
+
+	steps int64      // steps published (the EngineStep.Step counter)
+	span  trace.Span // the engine's span while it runs; nil before
 }
 
 // engineHooks connect an engine to the driver and its peer engine.
@@ -145,6 +153,9 @@ func (e *engine) submit(r *request) { e.box.put(r) }
 // run is the engine loop: apply what arrived, run a step, and wait when
 // there is nothing to do, until ctx ends or a step fails for good.
 func (e *engine) run(ctx context.Context) error {
+	_, e.span = otel.Tracer(tracerName).Start(ctx, "sim.engine", trace.WithAttributes(
+		attribute.String("kvmesh.engine_id", e.id), attribute.String("kvmesh.role", string(e.role))))
+	defer e.span.End()
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -423,49 +434,6 @@ func (e *engine) shadowEffects(r *request, eff kvcore.Effects) {
 	if eff.Err != nil {
 		r.fail("engine-side tracker refused a step: " + eff.Err.Error())
 	}
-}
-
-// outbox collects one step's events, per request, in order.
-type outbox struct {
-	order []*request
-	msgs  map[*request][]bus.Message
-}
-
-func newOutbox() *outbox { return &outbox{msgs: map[*request][]bus.Message{}} }
-
-func (o *outbox) empty() bool { return len(o.order) == 0 }
-
-// event appends the request's next engine event.
-func (e *engine) event(o *outbox, r *request, ev contract.EngineEvent) {
-	r.seq++
-	ev.Schema, ev.EventID, ev.EngineID, ev.RequestID, ev.Seq, ev.Model =
-		contract.SchemaEngineEvent, fmt.Sprintf("%s/%s/%d", e.id, r.id, r.seq), e.id, r.id, r.seq, e.model.Name
-	if _, ok := o.msgs[r]; !ok {
-		o.order = append(o.order, r)
-	}
-	o.msgs[r] = append(o.msgs[r], bus.Message{Topic: contract.TopicEngineEvents, Key: r.id, Value: mustJSON(ev)})
-}
-
-// publish sends the step's events, one publish per request (each in its
-// request's trace), concurrently; a request's events keep their order.
-func (e *engine) publish(ctx context.Context, o *outbox) error {
-	if o.empty() {
-		return nil
-	}
-	var wg sync.WaitGroup
-	errs := make([]error, len(o.order))
-	for i, r := range o.order {
-		wg.Go(func() {
-			errs[i] = retryFor(ctx, e.timeout, func() error { return e.pub.Publish(r.ctx, o.msgs[r]...) })
-		})
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return fmt.Errorf("engine %s: publish events: %w", e.id, err)
-		}
-	}
-	return nil
 }
 
 // retryBackoff is the backoff of the simulator's retried calls (the

@@ -40,6 +40,10 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 		if ext > 0 {
 			st.loadedTokens[conn] += ext
 		}
+		c := st.engineLocked(e.id)
+		c.PromptTokens += num
+		c.LocalHitTokens += local
+		c.LoadedTokens += ext
 	})
 	e.allocated(out, r, dec, ext, conn)
 	if ext > 0 {
@@ -51,7 +55,7 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 			}
 		}
 		step := kvcore.Step{Kind: kvcore.StepPendingLoad}
-		e.event(out, r, contract.EngineEvent{Kind: contract.EventScheduled, Step: &step})
+		e.event(out, r, contract.RequestEvent{Kind: contract.EventScheduled, Step: &step})
 		e.shadowEffects(r, r.shadow.Step(e.model, step))
 		r.phase, r.since = phaseLoading, time.Now()
 	} else {
@@ -72,10 +76,10 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision, ext int, conn string) {
 	if !r.admitted {
 		r.admitted = true
-		e.event(out, r, contract.EngineEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes})
+		e.event(out, r, contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes})
 		r.shadow.OnAdmit(r.hexes, len(r.prompt))
 	}
-	ev := contract.EngineEvent{Kind: contract.EventAllocated, ExternalTokens: ext, BlockTable: r.table.Clone()}
+	ev := contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: ext, BlockTable: r.table.Clone()}
 	var storeSpec *kvcore.LoadSpec
 	if dec != nil {
 		ev.DecisionID = dec.DecisionID

@@ -121,13 +121,13 @@ func (e *engine) scheduleWaiting(ctx context.Context, out *outbox, budget *int) 
 func (e *engine) advance(out *outbox, s scheduled) {
 	r := s.r
 	r.computed += s.n
-	e.stats.update(func(st *stats) { st.computedTokens += s.n })
+	e.stats.update(func(st *stats) { st.computedTokens += s.n; st.engineLocked(e.id).ComputedTokens += s.n })
 	if s.kind != kvcore.StepDecode || s.table != nil {
 		step := kvcore.Step{Kind: s.kind, Tokens: r.computed, Table: s.table}
 		if s.kind == kvcore.StepNew || s.kind == kvcore.StepResumed {
 			step.Hashes = r.hexes
 		}
-		e.event(out, r, contract.EngineEvent{Kind: contract.EventScheduled, Step: &step})
+		e.event(out, r, contract.RequestEvent{Kind: contract.EventScheduled, Step: &step})
 		e.shadowEffects(r, r.shadow.Step(e.model, step))
 	}
 	if r.computed == r.numTokens() {
@@ -156,7 +156,7 @@ func (e *engine) sample(out *outbox, r *request) {
 
 // finish publishes the request's finish; its blocks wait for finished_sending.
 func (e *engine) finish(r *request, out *outbox) {
-	e.event(out, r, contract.EngineEvent{Kind: contract.EventFinished})
+	e.event(out, r, contract.RequestEvent{Kind: contract.EventFinished})
 	e.shadowEffects(r, r.shadow.Step(e.model, kvcore.Step{Kind: kvcore.StepFinished}))
 	r.phase, r.since = phaseFinishing, time.Now()
 }
@@ -168,7 +168,7 @@ func (e *engine) finish(r *request, out *outbox) {
 // fail them closed (dead-lettered block_not_held) or store them from the
 // right bytes.
 func (e *engine) preempt(out *outbox, r *request) {
-	e.event(out, r, contract.EngineEvent{Kind: contract.EventPreempted})
+	e.event(out, r, contract.RequestEvent{Kind: contract.EventPreempted})
 	e.shadowEffects(r, r.shadow.Step(e.model, kvcore.Step{Kind: kvcore.StepPreempted}))
 	inFlight := 0
 	for k, sets := range e.pins {
@@ -189,6 +189,7 @@ func (e *engine) preempt(out *outbox, r *request) {
 	e.waiting = append([]*request{r}, e.waiting...)
 	e.stats.update(func(st *stats) {
 		st.preemptions++
+		st.engineLocked(e.id).Preemptions++
 		if inFlight > 0 {
 			st.preemptedWithSaves++
 			st.savesInFlightAtPreempt += inFlight

@@ -32,6 +32,7 @@ func testRequest(e *engine, id string, n int, base uint32) *request {
 		r.prompt[i] = base + uint32(i)
 	}
 	r.shadow = kvcore.NewTracker(e.model, e.id, id)
+	r.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 	r.extendHashes(e.model.HashBlockSize)
 	return r
 }
@@ -191,14 +192,21 @@ func TestPinsFollowShadowSaves(t *testing.T) {
 	if r.failure != "" {
 		t.Fatalf("shadow tracker refused: %s", r.failure)
 	}
+	recs := stepRecords(e.id, e.model.Name, "run", 1, out.events, contract.MaxStepRequests, maxStepBytes)
+	if len(recs) != 1 {
+		t.Fatalf("%d step records for 2 events, want 1", len(recs))
+	}
+	var rec contract.EngineStep
+	if err := json.Unmarshal(mustJSON(recs[0]), &rec); err != nil {
+		t.Fatal(err)
+	}
+	if rec.Schema != contract.SchemaEngineStep || rec.EngineID != "e" || rec.Model != e.model.Name || rec.StepID != "e/run/1" || rec.Step != 1 {
+		t.Fatalf("step record %+v", rec)
+	}
 	var kinds []contract.EventKind
-	for _, m := range out.msgs[r] {
-		var ev contract.EngineEvent
-		if err := json.Unmarshal(m.Value, &ev); err != nil {
-			t.Fatal(err)
-		}
+	for _, ev := range rec.Requests {
 		kinds = append(kinds, ev.Kind)
-		if ev.Seq != int64(len(kinds)) || ev.RequestID != "run-1" || ev.EngineID != "e" || ev.EventID == "" {
+		if ev.Seq != int64(len(kinds)) || ev.RequestID != "run-1" || ev.Traceparent != r.traceparent {
 			t.Fatalf("event %+v", ev)
 		}
 	}
@@ -214,13 +222,13 @@ func TestGiveUp(t *testing.T) {
 	out := newOutbox()
 	e.giveUp(out, fresh, "too big")
 	if len(*finalized) != 1 || fresh.failure != "too big" || len(e.waiting) != 0 || !out.empty() {
-		t.Fatalf("a request the scheduler never saw: finalized %d, failure %q, events %v", len(*finalized), fresh.failure, out.order)
+		t.Fatalf("a request the scheduler never saw: finalized %d, failure %q, events %v", len(*finalized), fresh.failure, out.events)
 	}
 	known := testRequest(e, "known", 40, 0)
 	known.admitted = true
 	e.live[known.id], e.waiting = known, []*request{known}
 	e.giveUp(out, known, "stuck")
-	if known.phase != phaseFinishing || len(*finalized) != 1 || len(out.msgs[known]) != 1 {
+	if known.phase != phaseFinishing || len(*finalized) != 1 || len(out.of(known)) != 1 {
 		t.Fatalf("an admitted request must be finished and wait for finished_sending: phase %v", known.phase)
 	}
 }

@@ -313,6 +313,33 @@ type LedgerReport struct {
 	// LoadTasks counts load results; LoadErrorBlocks their load errors.
 	LoadTasks       int `json:"load_tasks"`
 	LoadErrorBlocks int `json:"load_error_blocks"`
+	// Engines splits the ledger by engine, in engine id order: the run's
+	// ledger balances when every engine's does and no run-wide difference
+	// is left.
+	Engines []EngineLedger `json:"engines"`
+}
+
+// EngineLedger is the save ledger of one engine's requests, in store keys.
+type EngineLedger struct {
+	// EngineID is the engine.
+	EngineID string `json:"engine_id"`
+	// SaveTasks, Reported, ExpectedChunks, Stored, Existing, Skipped,
+	// DeadLettered and Failed are LedgerReport's counts for the engine's
+	// save tasks.
+	SaveTasks      int `json:"save_tasks"`
+	Reported       int `json:"reported"`
+	ExpectedChunks int `json:"expected_chunks"`
+	Stored         int `json:"stored"`
+	Existing       int `json:"existing"`
+	Skipped        int `json:"skipped"`
+	DeadLettered   int `json:"dead_lettered"`
+	Failed         int `json:"failed"`
+	// EngineExpectedSaves counts the saves the engine's steps imply.
+	EngineExpectedSaves int `json:"engine_expected_saves"`
+	// Differences counts the ledger differences of the engine's requests.
+	Differences int `json:"differences"`
+	// Balanced is set when the engine's requests show no difference.
+	Balanced bool `json:"balanced"`
 }
 
 // LedgerDifference is one imbalance of the save ledger.
@@ -361,7 +388,52 @@ func (l *ledger) report() LedgerReport {
 		return cmp.Or(cmp.Compare(a.RequestID, b.RequestID), cmp.Compare(a.EngineID, b.EngineID), cmp.Compare(a.TaskID, b.TaskID))
 	})
 	r.Balanced = len(r.Differences) == 0
+	r.Engines = l.engineLedgers(r.Differences)
 	return r
+}
+
+// engineLedgers splits the ledger by engine; l.mu must be held.
+func (l *ledger) engineLedgers(diffs []LedgerDifference) []EngineLedger {
+	per := map[string]*EngineLedger{}
+	get := func(id string) *EngineLedger {
+		if per[id] == nil {
+			per[id] = &EngineLedger{EngineID: id}
+		}
+		return per[id]
+	}
+	for id, t := range l.tasks {
+		e := get(t.engine)
+		e.SaveTasks++
+		e.ExpectedChunks += t.keys
+		res, ok := l.results[id]
+		if !ok {
+			continue
+		}
+		e.Reported++
+		for _, g := range res.Groups {
+			e.Stored += g.Stored
+			e.Existing += g.Existing
+			e.Skipped += g.Skipped
+			e.DeadLettered += g.DeadLettered
+			e.Failed += g.Failed
+		}
+	}
+	for k, spans := range l.expect {
+		engine, _, _ := strings.Cut(k, "/")
+		get(engine).EngineExpectedSaves += len(spans)
+	}
+	for _, d := range diffs {
+		if d.EngineID != "" {
+			get(d.EngineID).Differences++
+		}
+	}
+	out := make([]EngineLedger, 0, len(per))
+	for _, id := range slices.Sorted(maps.Keys(per)) {
+		e := per[id]
+		e.Balanced = e.Differences == 0
+		out = append(out, *e)
+	}
+	return out
 }
 
 // add accounts one task's result.

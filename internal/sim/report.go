@@ -18,8 +18,11 @@ type Report struct {
 	Model string `json:"model"`
 	// PD is set for a 1P1D run.
 	PD bool `json:"pd"`
-	// Engines lists the engines played.
+	// Engines lists the engines played, in engine id order, each with its
+	// figures; Total sums them.
 	Engines []EngineSummary `json:"engines"`
+	// Total sums the engines' figures.
+	Total EngineCounts `json:"total"`
 	// Workload is what was played.
 	Workload Workload `json:"workload"`
 	// ElapsedSeconds is the run's wall time.
@@ -69,6 +72,13 @@ type EngineSummary struct {
 	Role Role `json:"role"`
 	// PoolBlocks is the blocks per group its block manager handed out.
 	PoolBlocks int `json:"pool_blocks"`
+	// Partner is the other engine of its pair in a 1P1D run: a decode
+	// engine's prefill engine, a prefill engine's decode engine.
+	Partner string `json:"partner,omitempty"`
+	// EngineCounts are the engine's figures.
+	EngineCounts
+	// Ledger is the save ledger of the engine's requests.
+	Ledger EngineLedger `json:"ledger"`
 }
 
 // ReuseCounts describes preemption with block reuse and evictions.
@@ -192,9 +202,25 @@ func (r *run) report(elapsed time.Duration) *Report {
 		Ledger: r.ledger.report(),
 	}
 	failures := slices.Clone(st.failures)
+	partners := map[string]string{}
+	for _, p := range r.pairs {
+		if p.front != p.decode {
+			partners[p.front.id], partners[p.decode.id] = p.decode.id, p.front.id
+		}
+	}
+	ledgers := map[string]EngineLedger{}
+	for _, l := range rep.Ledger.Engines {
+		ledgers[l.EngineID] = l
+	}
 	for _, id := range slices.Sorted(maps.Keys(r.engines)) {
 		e := r.engines[id]
-		rep.Engines = append(rep.Engines, EngineSummary{ID: e.id, Role: e.role, PoolBlocks: e.cfg.PoolBlocks})
+		sum := EngineSummary{ID: e.id, Role: e.role, PoolBlocks: e.cfg.PoolBlocks, Partner: partners[id], Ledger: ledgers[id]}
+		if c := st.engines[id]; c != nil {
+			sum.EngineCounts = *c
+		}
+		sum.Ledger.EngineID, sum.Ledger.Balanced = id, sum.Ledger.Differences == 0
+		rep.Total.add(sum.EngineCounts)
+		rep.Engines = append(rep.Engines, sum)
 		for _, req := range e.live {
 			if len(failures) < maxListed {
 				failures = append(failures, RequestFailure{EngineID: e.id, RequestID: req.id, Reason: "did not finish: " + req.phase.String()})
@@ -226,6 +252,9 @@ func (rep *Report) emptyLists() {
 	if rep.Ledger.MalformedTables == nil {
 		rep.Ledger.MalformedTables = []string{}
 	}
+	if rep.Ledger.Engines == nil {
+		rep.Ledger.Engines = []EngineLedger{}
+	}
 }
 
 func (p phase) String() string {
@@ -254,7 +283,7 @@ func (rep *Report) WriteText(w io.Writer) error {
 		engines = append(engines, fmt.Sprintf("%s (%s, %d blocks/group)", e.ID, e.Role, e.PoolBlocks))
 	}
 	l := rep.Ledger
-	row("run", "%s  model %s  %s  %.1f s", rep.RunTag, rep.Model, map[bool]string{true: "1P1D (pd,store)", false: "single engine"}[rep.PD], rep.ElapsedSeconds)
+	row("run", "%s  model %s  %s  %.1f s", rep.RunTag, rep.Model, rep.shape(), rep.ElapsedSeconds)
 	row("engines", "%s", strings.Join(engines, ", "))
 	row("requests", "%d total  %d ok  %d failed  (%d preemptions)", rep.Requests.Total, rep.Requests.OK, rep.Requests.Failed, rep.Preemptions)
 	row("prefix hit rate", "%.1f%%  (local %d, loaded %s of %d prompt tokens)", 100*rep.PrefixHitRate, rep.Tokens.LocalHit, loadedText(rep.Tokens.Loaded), rep.Tokens.Prompt)
@@ -282,7 +311,46 @@ func (rep *Report) WriteText(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := rep.writeEngines(w); err != nil {
+		return err
+	}
 	return rep.writeLists(w)
+}
+
+// shape describes the fleet: "single engine", "1P1D (pd,store)", or the
+// number of decode engines (each with its prefill engine in 1P1D).
+func (rep *Report) shape() string {
+	decode := 0
+	for _, e := range rep.Engines {
+		if e.Role != RolePrefill {
+			decode++
+		}
+	}
+	switch {
+	case decode <= 1 && rep.PD:
+		return "1P1D (pd,store)"
+	case decode <= 1:
+		return "single engine"
+	case rep.PD:
+		return fmt.Sprintf("%d 1P1D pairs (pd,store)", decode)
+	}
+	return fmt.Sprintf("%d engines", decode)
+}
+
+// writeEngines writes the per-engine table and its total row.
+func (rep *Report) writeEngines(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "engine\trole\trequests\tfailed\tpreempted\tprompt tokens\tlocal hit\tloaded\tcomputed\tsteps\trecords\tsave tasks\tstored\tledger\t")
+	line := func(id, role string, c EngineCounts, l EngineLedger) {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t\n", id, role, c.Requests, c.Failed, c.Preemptions,
+			c.PromptTokens, c.LocalHitTokens, c.LoadedTokens, c.ComputedTokens, c.Steps, c.StepRecords, l.SaveTasks, l.Stored, balancedText(l.Balanced))
+	}
+	for _, e := range rep.Engines {
+		line(e.ID, string(e.Role), e.EngineCounts, e.Ledger)
+	}
+	l := rep.Ledger
+	line("total", "", rep.Total, EngineLedger{SaveTasks: l.SaveTasks, Stored: l.Stored, Balanced: l.Balanced})
+	return tw.Flush()
 }
 
 func (rep *Report) writeLists(w io.Writer) error {

@@ -35,6 +35,9 @@ type request struct {
 	turn   *turnState
 	ctx    context.Context
 	span   trace.Span
+	// traceparent is the W3C trace context of span, carried by each of the
+	// request's events (empty without a propagator).
+	traceparent string
 
 	prompt    []uint32
 	output    []uint32 // the reply; output[:generated] are generated
@@ -131,6 +134,7 @@ type turnState struct {
 	ctx     context.Context
 	span    trace.Span
 	conv    *Conversation
+	pair    *pair // the engines that serve it
 	index   int
 	id      string
 	parts   int // engine requests not finalized yet

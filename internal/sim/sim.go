@@ -1,9 +1,13 @@
-// Package sim is kvmesh's engine simulator: it plays one inference engine,
-// or a prefill and a decode engine (1P1D), against the real mesh. Each engine
-// has vLLM's shape: a block manager over a small pool with prefix caching,
-// per-step scheduling with chunked prefill, and preemption under pressure.
-// For every request it hashes the tokens, asks the lookup service, allocates,
-// publishes its scheduler events, "computes" the KV it does not load by
+// Package sim is kvmesh's engine simulator: it plays a fleet of inference
+// engines against the real mesh: one or more decode engines, each with its
+// own gpuworker and, in a 1P1D run, its own prefill engine (and that
+// engine's gpuworker), with the workload's conversations spread over them
+// round robin. Each engine has vLLM's shape: a block manager over a small
+// pool with prefix caching, per-step scheduling with chunked prefill, and
+// preemption under pressure. For every request it hashes the tokens, asks
+// the lookup service, allocates, publishes one engine step record per step
+// (contract.EngineStep: the step's request events, each with its request's
+// trace context), "computes" the KV it does not load by
 // writing deterministic bytes into its gpuworker, waits for finished_recving
 // before computing past a load, checks every loaded block byte for byte, and
 // frees its blocks on finished_sending. A save ledger built from the save
@@ -33,6 +37,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -49,6 +54,15 @@ import (
 
 // tracerName names the simulator's spans.
 const tracerName = "kvmesh/sim"
+
+// Pair is one decode engine and, in a 1P1D run, its prefill partner, each
+// with a gpuworker of its own.
+type Pair struct {
+	// Decode is the decode engine (the only engine of the pair without PD).
+	Decode Endpoint `json:"decode"`
+	// Prefill is the prefill engine whose prompts Decode pulls, with PD.
+	Prefill Endpoint `json:"prefill"`
+}
 
 // Endpoint is one engine and its gpuworker.
 type Endpoint struct {
@@ -67,11 +81,20 @@ type Config struct {
 	Workload Workload
 	// Engine sizes every engine.
 	Engine EngineConfig
-	// PD runs 1P1D: Prefill computes prompts, Engine pulls them through the
-	// pd connector and decodes. The lookup's chain must include pd.
+	// PD runs 1P1D: each decode engine's prefill engine computes its
+	// prompts, and the decode engine pulls them through the pd connector
+	// and decodes. The lookup's chain must include pd.
 	PD bool
-	// Engine is the (decode) engine; Prefill the prefill engine with PD.
+	// Decode is the (decode) engine; Prefill the prefill engine with PD. They
+	// are the one pair of a run without Fleet.
 	Decode, Prefill Endpoint
+	// Fleet, when set, lists every engine pair of the run (Decode, and
+	// Prefill with PD, must then be empty): one decode engine per pair, with its
+	// prefill engine with PD, every engine with a gpuworker of its own. The
+	// workload's conversations are spread over the pairs round robin
+	// (EngineFor), every turn of a conversation on the same pair. Run
+	// fills in the engine ids it took from the workers.
+	Fleet []Pair
 	// LookupURL is the lookup service's base URL.
 	LookupURL string
 	// SchedulerURL, when set, is asked after the run for the run's
@@ -120,14 +143,26 @@ func (c *Config) defaults() error {
 	switch {
 	case c.Model == nil:
 		return fmt.Errorf("no model: %w", ErrConfig)
-	case c.LookupURL == "" || c.Decode.WorkerURL == "":
-		return fmt.Errorf("lookup and gpuworker URLs are required: %w", ErrConfig)
-	case c.PD && c.Prefill.WorkerURL == "":
-		return fmt.Errorf("1P1D needs the prefill engine's gpuworker URL: %w", ErrConfig)
+	case len(c.Fleet) > 0 && (c.Decode != Endpoint{} || c.PD && c.Prefill != Endpoint{}):
+		return fmt.Errorf("set Fleet or Decode and Prefill, not both: %w", ErrConfig)
+	case c.LookupURL == "":
+		return fmt.Errorf("the lookup URL is required: %w", ErrConfig)
 	case len(c.Brokers) == 0:
 		return fmt.Errorf("no brokers: %w", ErrConfig)
 	case c.Engine.MaxBatchTokens < 1 || c.Engine.MaxRunning < 1 || c.Engine.PoolBlocks < 0 || c.Engine.Watermark < 0:
 		return fmt.Errorf("engine %+v: %w", c.Engine, ErrConfig)
+	}
+	if len(c.Fleet) == 0 {
+		c.Fleet = []Pair{{Decode: c.Decode, Prefill: c.Prefill}}
+	}
+	c.Fleet = slices.Clone(c.Fleet) // workers fills in engine ids: not in the caller's array
+	for i, p := range c.Fleet {
+		switch {
+		case p.Decode.WorkerURL == "":
+			return fmt.Errorf("engine %d: the gpuworker URL is required: %w", i, ErrConfig)
+		case c.PD && p.Prefill.WorkerURL == "":
+			return fmt.Errorf("engine %d: 1P1D needs the prefill engine's gpuworker URL: %w", i, ErrConfig)
+		}
 	}
 	for g := range c.Model.Groups {
 		if len(c.Model.Ranks(g)) != 1 {
@@ -171,14 +206,32 @@ type run struct {
 	stats   *stats
 	ledger  *ledger
 	engines map[string]*engine
-	front   *engine // receives new turns
-	decode  *engine // generates the replies
+	pairs   []*pair
 	ctx     context.Context
 
 	mu      sync.Mutex
 	turns   int
 	left    int
 	allDone chan struct{}
+}
+
+// pair is one decode engine and the engine that receives its turns: its
+// prefill engine with PD, else the decode engine itself.
+type pair struct {
+	front  *engine // receives new turns
+	decode *engine // generates the replies
+}
+
+// EngineFor is the engine pair (an index into the fleet of engines
+// engines) that serves conversation conv: round robin over the
+// conversations, so that every turn of a conversation reaches the engine
+// that holds its earlier turns (session affinity) and shared prefixes
+// spread over every engine.
+func EngineFor(conv, engines int) int {
+	if engines < 1 || conv < 0 {
+		return 0
+	}
+	return conv % engines
 }
 
 // Run plays the workload against the mesh and returns the report. It
@@ -199,6 +252,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.workers(ctx); err != nil {
 		return nil, err
 	}
+	cfg.warnUnfit(convs)
 	pub, err := bus.NewProducer(cfg.Brokers)
 	if err != nil {
 		return nil, fmt.Errorf("producer: %w", err)
@@ -225,9 +279,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 // empty, checks the model layout, and caps the engines' pools at the
 // workers' smallest group pool.
 func (c *Config) workers(ctx context.Context) error {
-	eps := []*Endpoint{&c.Decode}
-	if c.PD {
-		eps = append(eps, &c.Prefill)
+	var eps []*Endpoint
+	for i := range c.Fleet {
+		eps = append(eps, &c.Fleet[i].Decode)
+		if c.PD {
+			eps = append(eps, &c.Fleet[i].Prefill)
+		}
 	}
 	for _, ep := range eps {
 		info, err := workerPool(ctx, c.HTTPClient, ep.WorkerURL)
@@ -254,13 +311,36 @@ func (c *Config) workers(ctx context.Context) error {
 			c.Engine.PoolBlocks = n
 		}
 	}
-	if c.PD && c.Prefill.EngineID == c.Decode.EngineID {
-		return fmt.Errorf("prefill and decode workers both hold engine %q: %w", c.Decode.EngineID, ErrConfig)
+	seen := map[string]string{}
+	for _, ep := range eps {
+		if url, dup := seen[ep.EngineID]; dup {
+			return fmt.Errorf("gpuworkers %s and %s both hold engine %q; every engine needs a gpuworker of its own: %w", url, ep.WorkerURL, ep.EngineID, ErrConfig)
+		}
+		seen[ep.EngineID] = ep.WorkerURL
 	}
 	if c.Engine.Watermark >= c.Engine.PoolBlocks {
 		return fmt.Errorf("watermark %d with a pool of %d blocks: %w", c.Engine.Watermark, c.Engine.PoolBlocks, ErrConfig)
 	}
 	return nil
+}
+
+// warnUnfit logs a warning when the workload's longest request cannot fit
+// an engine's pool (it would fail as not admitted): the gpuworkers'
+// KVMESH_POOL_BLOCKS, or the engine's PoolBlocks, is too small for it.
+func (c *Config) warnUnfit(convs []*Conversation) {
+	longest := 0
+	for _, conv := range convs {
+		for t, turn := range conv.Turns {
+			longest = max(longest, len(conv.Prompt(t))+len(turn.Output))
+		}
+	}
+	for g, grp := range c.Model.Groups {
+		if need := ceilDiv(longest, grp.BlockSize) + 1; need > c.Engine.PoolBlocks-c.Engine.Watermark {
+			c.Log.Warn("the longest request does not fit the engines' pool: raise the gpuworkers' KVMESH_POOL_BLOCKS (and -pool-blocks)",
+				"tokens", longest, "group", g, "blocks_needed", need+c.Engine.Watermark, "pool_blocks", c.Engine.PoolBlocks)
+			return
+		}
+	}
 }
 
 // poolInfo is the part of a gpuworker's GET /v1/pool the simulator uses.
@@ -307,29 +387,35 @@ func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int
 	return out, nil
 }
 
-// build creates the engines and wires them to the driver.
+// build creates the engines, pair by pair, and wires them to the driver:
+// a decode engine tells its own prefill engine when it read a request's
+// blocks.
 func (r *run) build(pub *bus.Producer) {
 	deps := func(url string) engineDeps {
 		return engineDeps{
-			model: r.cfg.Model, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
+			model: r.cfg.Model, runTag: r.cfg.RunTag, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
 			lookup: &lookupClient{base: r.cfg.LookupURL, hc: r.cfg.HTTPClient}, pub: pub,
 			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout,
 			reusePreempted: r.cfg.ReusePreempted,
 		}
 	}
-	hooks := engineHooks{generated: r.generated, abandoned: r.generated, finalized: r.finalized, peerRead: func(string) {}}
-	role := RoleBoth
-	if r.cfg.PD {
-		role = RoleDecode
-		hooks.peerRead = func(id string) { r.front.box.put(peerReleased{requestID: id}) }
-	}
-	r.decode = newEngine(r.cfg.Decode.EngineID, role, r.cfg.Engine, deps(r.cfg.Decode.WorkerURL), hooks)
-	r.front = r.decode
-	r.engines[r.decode.id] = r.decode
-	if r.cfg.PD {
-		ph := engineHooks{generated: r.prefilled, abandoned: r.prefillAbandoned, finalized: r.finalized, peerRead: func(string) {}}
-		r.front = newEngine(r.cfg.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(r.cfg.Prefill.WorkerURL), ph)
-		r.engines[r.front.id] = r.front
+	for _, ep := range r.cfg.Fleet {
+		p := &pair{}
+		hooks := engineHooks{generated: r.generated, abandoned: r.generated, finalized: r.finalized, peerRead: func(string) {}}
+		role := RoleBoth
+		if r.cfg.PD {
+			role = RoleDecode
+			hooks.peerRead = func(id string) { p.front.box.put(peerReleased{requestID: id}) }
+		}
+		p.decode = newEngine(ep.Decode.EngineID, role, r.cfg.Engine, deps(ep.Decode.WorkerURL), hooks)
+		p.front = p.decode
+		r.engines[p.decode.id] = p.decode
+		if r.cfg.PD {
+			ph := engineHooks{generated: r.prefilled, abandoned: r.prefillAbandoned, finalized: r.finalized, peerRead: func(string) {}}
+			p.front = newEngine(ep.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(ep.Prefill.WorkerURL), ph)
+			r.engines[p.front.id] = p.front
+		}
+		r.pairs = append(r.pairs, p)
 	}
 	r.ledger.onSaved = func(engine, request string, rep savedReport) {
 		if e := r.engines[engine]; e != nil {
@@ -405,7 +491,7 @@ func (r *run) check(ctx context.Context, rep *Report) {
 	}
 	prefix := r.cfg.RunTag + "-"
 	if r.cfg.SchedulerURL != "" {
-		c := checkTrackers(ctx, r.cfg.HTTPClient, r.cfg.SchedulerURL, engines, prefix, r.turns*len(r.engines))
+		c := checkTrackers(ctx, r.cfg.HTTPClient, r.cfg.SchedulerURL, engines, prefix, r.turns*len(r.engines)/len(r.pairs))
 		rep.Trackers = &c
 		rep.OK = rep.OK && c.OK
 	}
@@ -484,12 +570,14 @@ func (r *run) progress(ctx context.Context) {
 	}
 }
 
-// submitTurn sends turn t of conversation c to the front engine.
+// submitTurn sends turn t of conversation c to the front engine of the
+// conversation's pair.
 func (r *run) submitTurn(c *Conversation, t int) {
 	if r.ctx.Err() != nil {
 		return
 	}
-	ts := &turnState{conv: c, index: t, id: fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t), parts: 1, arrived: time.Now()}
+	p := r.pairs[EngineFor(c.Index, len(r.pairs))]
+	ts := &turnState{conv: c, index: t, id: fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t), pair: p, parts: 1, arrived: time.Now()}
 	if r.cfg.PD {
 		ts.parts = 2
 	}
@@ -500,9 +588,9 @@ func (r *run) submitTurn(c *Conversation, t int) {
 	if r.cfg.PD {
 		maxOut = 1
 	}
-	req := r.newRequest(ts, r.front, maxOut)
+	req := r.newRequest(ts, p.front, maxOut)
 	req.holdForPeer = r.cfg.PD
-	r.front.submit(req)
+	p.front.submit(req)
 }
 
 // newRequest starts one engine's request of a turn, in its own span.
@@ -512,15 +600,17 @@ func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
 		attribute.String("kvmesh.role", string(e.role)),
 	))
 	turn := ts.conv.Turns[ts.index]
-	return &request{salt: []byte(r.cfg.Salt), id: ts.id, engine: e.id, turn: ts, ctx: ctx, span: span, prompt: ts.conv.Prompt(ts.index), output: turn.Output, maxOut: maxOut}
+	return &request{salt: []byte(r.cfg.Salt), id: ts.id, engine: e.id, turn: ts, ctx: ctx, span: span, traceparent: traceparent(ctx),
+		prompt: ts.conv.Prompt(ts.index), output: turn.Output, maxOut: maxOut}
 }
 
-// prefilled hands a request the prefill engine computed to the decode
+// prefilled hands a request the prefill engine computed to its decode
 // engine, with kv_transfer_params naming the prefill engine's blocks.
 func (r *run) prefilled(p *request) {
-	d := r.newRequest(p.turn, r.decode, len(p.output))
-	d.pd = &contract.PDSource{EngineID: r.front.id, BlockTable: p.table.Clone(), Tokens: len(p.prompt)}
-	r.decode.submit(d)
+	pr := p.turn.pair
+	d := r.newRequest(p.turn, pr.decode, len(p.output))
+	d.pd = &contract.PDSource{EngineID: pr.front.id, BlockTable: p.table.Clone(), Tokens: len(p.prompt)}
+	pr.decode.submit(d)
 }
 
 // generated starts the conversation's next turn after the think time.
@@ -534,7 +624,7 @@ func (r *run) generated(req *request) {
 // prefillAbandoned books the decode part of a turn whose prefill the
 // prefill engine gave up on, and starts the conversation's next turn.
 func (r *run) prefillAbandoned(p *request) {
-	r.partDone(p.turn, r.decode.id, p.id, "not decoded: the prefill engine gave up on it")
+	r.partDone(p.turn, p.turn.pair.decode.id, p.id, "not decoded: the prefill engine gave up on it")
 	r.generated(p)
 }
 
@@ -552,6 +642,12 @@ func (r *run) partDone(ts *turnState, engine, id, failure string) {
 		ts.failed = append(ts.failed, failure)
 		r.stats.failure(engine, id, failure)
 	}
+	r.stats.engine(engine, func(c *EngineCounts) {
+		c.Requests++
+		if failure != "" {
+			c.Failed++
+		}
+	})
 	ts.parts--
 	if ts.parts > 0 {
 		return

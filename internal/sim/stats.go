@@ -35,6 +35,47 @@ type stats struct {
 	verifiedBlocks, mismatchedBlocks int
 	mismatches                       []Mismatch
 	bytesWritten, bytesRead          int64
+
+	engines map[string]*EngineCounts // by engine id
+}
+
+// EngineCounts are one engine's figures of a run (the report's per-engine
+// table; its total row sums them).
+type EngineCounts struct {
+	// Requests counts the engine requests finalized on the engine (a turn
+	// is one request per engine that serves it), Failed those that failed.
+	Requests int `json:"requests"`
+	Failed   int `json:"failed"`
+	// Preemptions counts the engine's preemptions.
+	Preemptions int `json:"preemptions"`
+	// PromptTokens sums the tokens of the engine's admissions; LocalHit
+	// those found in its own prefix cache, Loaded those loaded (any
+	// connector), Computed the tokens it computed (prefill and decode).
+	PromptTokens   int `json:"prompt_tokens"`
+	LocalHitTokens int `json:"local_hit_tokens"`
+	LoadedTokens   int `json:"loaded_tokens"`
+	ComputedTokens int `json:"computed_tokens"`
+	// Steps counts the engine's published steps, StepRecords the engine
+	// step records they took (a step splits over several past
+	// contract.MaxStepRequests events or about 768 KiB), Events the request
+	// events they carried.
+	Steps       int `json:"steps"`
+	StepRecords int `json:"step_records"`
+	Events      int `json:"events"`
+}
+
+// add sums o into c.
+func (c *EngineCounts) add(o EngineCounts) {
+	c.Requests += o.Requests
+	c.Failed += o.Failed
+	c.Preemptions += o.Preemptions
+	c.PromptTokens += o.PromptTokens
+	c.LocalHitTokens += o.LocalHitTokens
+	c.LoadedTokens += o.LoadedTokens
+	c.ComputedTokens += o.ComputedTokens
+	c.Steps += o.Steps
+	c.StepRecords += o.StepRecords
+	c.Events += o.Events
 }
 
 // RequestFailure is one request that did not complete cleanly.
@@ -63,12 +104,30 @@ type Mismatch struct {
 	Connector string `json:"connector"`
 }
 
-func newStats() *stats { return &stats{loadedTokens: map[string]int{}} }
+func newStats() *stats {
+	return &stats{loadedTokens: map[string]int{}, engines: map[string]*EngineCounts{}}
+}
 
 func (s *stats) update(f func(s *stats)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	f(s)
+}
+
+// engine updates the counts of engine id.
+func (s *stats) engine(id string, f func(c *EngineCounts)) {
+	s.update(func(s *stats) { f(s.engineLocked(id)) })
+}
+
+// engineLocked returns the counts of engine id, created when missing; s.mu
+// must be held.
+func (s *stats) engineLocked(id string) *EngineCounts {
+	c := s.engines[id]
+	if c == nil {
+		c = &EngineCounts{}
+		s.engines[id] = c
+	}
+	return c
 }
 
 // failure lists why an engine request failed (the turn is counted failed

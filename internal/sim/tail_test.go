@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -10,10 +11,25 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain runs the tests, removes the service binaries the mesh tests
+// built, and fails a passing run that left goroutines behind.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if err := testenv.RemoveBinaries(); err != nil {
+		fmt.Fprintln(os.Stderr, "remove test binaries:", err)
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
 
 func startBroker(t *testing.T) []string {
 	t.Helper()

@@ -108,9 +108,9 @@ type Warning struct {
 // engine events received after it, in order.
 type Held struct {
 	// Alloc is the allocated event.
-	Alloc contract.EngineEvent `json:"allocation"`
+	Alloc contract.RequestEvent `json:"allocation"`
 	// Events are the later events, applied once the decision arrives.
-	Events []contract.EngineEvent `json:"events,omitempty"`
+	Events []contract.RequestEvent `json:"events,omitempty"`
 }
 
 // RetryAnswer is the answer of POST /v1/outbox/{id}/retry.

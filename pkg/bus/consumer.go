@@ -23,15 +23,21 @@ import (
 // Run stops.
 const commitTimeout = 5 * time.Second
 
-// Consumer runs a Handler over the records of a consumer group. It handles
-// one record at a time, so each partition's records (and so each key's) are
-// handled in offset order; run more members of the group (more Consumers,
-// one Run each) to handle partitions in parallel. A record's offset
-// is committed only after its handler returned nil or the record was
-// dead-lettered, so a crash or stop never skips a record.
+// Consumer runs a Handler (or a BatchHandler) over the records of a
+// consumer group. By default it handles one record at a time, so each
+// partition's records (and so each key's) are handled in offset order; run
+// more members of the group (more Consumers, one Run each) to handle
+// partitions in parallel, set ConsumerConfig.Concurrency to overlap records
+// of different keys, or use NewBatchConsumer to handle many records per
+// call. A record's offset is committed only after its handler returned nil
+// or the record was dead-lettered, so a crash or stop never skips a record.
 type Consumer struct {
-	cfg     ConsumerConfig
+	cfg ConsumerConfig
+	// handler handles one record; for a batch consumer it is the batch
+	// handler over a batch of one.
 	handler Handler
+	// batch is the batch handler of a batch consumer, else nil.
+	batch   BatchHandler
 	tracer  tracerSource
 	running atomic.Bool
 }
@@ -41,6 +47,11 @@ func NewConsumer(cfg ConsumerConfig, h Handler) (*Consumer, error) {
 	if h == nil {
 		return nil, fmt.Errorf("%w: nil handler", ErrInvalidConfig)
 	}
+	return newConsumer(cfg, h)
+}
+
+// newConsumer defaults and checks cfg and returns a consumer of h.
+func newConsumer(cfg ConsumerConfig, h Handler) (*Consumer, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -93,7 +104,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 	defer c.running.Store(false)
 
 	r := kafka.NewReader(c.readerConfig())
-	err := c.consume(ctx, r)
+	var err error
+	switch {
+	case c.batch != nil:
+		err = c.consumeBatches(ctx, r)
+	case c.cfg.Concurrency > 1:
+		err = c.consumeConcurrently(ctx, r)
+	default:
+		err = c.consume(ctx, r)
+	}
 	if cerr := r.Close(); cerr != nil {
 		err = errors.Join(err, fmt.Errorf("bus: close reader: %w", cerr))
 	}
@@ -127,17 +146,22 @@ func received(m kafka.Message) Received {
 	}
 }
 
-// commit marks m as done. It runs even when ctx has just ended, bounded by
-// commitTimeout, because m's effects are durable. A failed commit only means
-// m may be delivered again, so it is logged and consumption goes on; a later
-// commit on the partition covers it.
-func (c *Consumer) commit(ctx context.Context, r *kafka.Reader, m kafka.Message) {
+// commit marks msgs as done, in one request. It runs even when ctx has just
+// ended, bounded by commitTimeout, because their effects are durable. A
+// failed commit only means they may be delivered again, so it is logged and
+// consumption goes on; a later commit on each partition covers them. It
+// reports whether the commit succeeded.
+func (c *Consumer) commit(ctx context.Context, r *kafka.Reader, msgs ...kafka.Message) bool {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
-	if err := r.CommitMessages(cctx, m); err != nil {
-		c.cfg.Logger.Warn("offset commit failed; the record may be delivered again",
-			"group", c.cfg.GroupID, "topic", m.Topic, "partition", m.Partition, "offset", m.Offset, "error", err)
+	if err := r.CommitMessages(cctx, msgs...); err != nil {
+		m := msgs[len(msgs)-1]
+		c.cfg.Logger.Warn("offset commit failed; the records may be delivered again",
+			"group", c.cfg.GroupID, "records", len(msgs), "topic", m.Topic, "partition", m.Partition, "offset", m.Offset,
+			"error", err)
+		return false
 	}
+	return true
 }
 
 // settle handles rec until it succeeded or was dead-lettered, and reports
@@ -146,6 +170,13 @@ func (c *Consumer) settle(ctx context.Context, rec Received) bool {
 	ctx, span := c.startSpan(ctx, rec)
 	defer span.End()
 	reason, err := c.handleWithRetry(ctx, span, rec)
+	return c.finish(ctx, span, rec, reason, err)
+}
+
+// finish settles rec after its handling ended with err (nil: success) and
+// dead-letter reason, under rec's span, and reports whether rec may be
+// committed: false means ctx ended first.
+func (c *Consumer) finish(ctx context.Context, span trace.Span, rec Received, reason string, err error) bool {
 	if err == nil {
 		return true
 	}

@@ -36,6 +36,12 @@ const (
 	DefaultInitialBackoff = 100 * time.Millisecond
 	// DefaultMaxBackoff caps the exponential backoff.
 	DefaultMaxBackoff = 5 * time.Second
+	// DefaultBatchSize is the most records a batch consumer hands its
+	// BatchHandler in one call.
+	DefaultBatchSize = 256
+	// DefaultBatchLinger is how long a batch consumer keeps a batch open
+	// for more records after its first record arrived.
+	DefaultBatchLinger = 2 * time.Millisecond
 )
 
 // Received is one record handed to a Handler: the message and where it came
@@ -126,9 +132,16 @@ const (
 )
 
 // Hooks lets a service observe the consumer, for metrics. Nil funcs are
-// skipped. They run on the consumer's goroutine and must be fast.
+// skipped. They must be fast: they run on the goroutine that handled the
+// record, and with Concurrency above 1 on several goroutines at once.
 type Hooks struct {
-	// Handled is called after each handler attempt.
+	// Handled is called after each handler attempt, once per record. In
+	// batch mode it is called for every record of the batch after each
+	// batch attempt, with the batch's elapsed time: OutcomeOK for a record
+	// whose effects are durable, OutcomeFailed for one listed in
+	// RecordErrors with a permanent error (it is dead-lettered), and
+	// OutcomeRetry for one that is handled again (a batch-level failure, or
+	// a transient error in RecordErrors).
 	Handled func(topic string, outcome Outcome, elapsed time.Duration)
 	// DeadLettered is called after a record was dead-lettered.
 	DeadLettered func(topic, reason string)
@@ -162,7 +175,9 @@ type ConsumerConfig struct {
 	// TracerProvider makes the consumer spans; default the global provider.
 	TracerProvider trace.TracerProvider
 	// SyncCommit commits each record's offset synchronously before the next
-	// fetch (about 1.5 ms per record) instead of every CommitInterval.
+	// fetch (about 1.5 ms per record) instead of every CommitInterval. A
+	// batch consumer commits each batch so; with Concurrency above 1 each
+	// advance of the committed watermarks is committed so, off the lanes.
 	SyncCommit bool
 	// CommitInterval is how often the offsets of handled records are
 	// committed; pending ones are also committed on rebalance and when Run
@@ -177,6 +192,28 @@ type ConsumerConfig struct {
 	// StartAtLatest makes a group without committed offsets start at the end
 	// of each partition instead of the beginning.
 	StartAtLatest bool
+	// Concurrency is the number of lanes of a consumer made by NewConsumer:
+	// with N above 1 it fetches ahead and hands each record to the lane
+	// chosen by a hash of its key, so records with one key are handled in
+	// order, one at a time, while records with different keys overlap (a
+	// record without a key goes to the lane of its partition). Each lane
+	// settles its records as the single-record mode does (retry, then
+	// dead-letter). Offsets are committed per partition only up to the
+	// first record not yet settled, and at most 2·N² records (2N per lane
+	// on average) are fetched ahead of that point. Records in flight when a
+	// partition moves to another member are still settled and committed
+	// here, which can only cause redelivery, never a skip. Default 1: one
+	// record at a time. NewBatchConsumer rejects a value above 1.
+	Concurrency int
+	// BatchSize is the most records one BatchHandler call receives
+	// (NewBatchConsumer only). Default DefaultBatchSize.
+	BatchSize int
+	// BatchLinger is how long a batch stays open for more records after its
+	// first record arrived (NewBatchConsumer only): records the reader has
+	// already buffered join at once, and the batch is handed over when it
+	// holds BatchSize records or BatchLinger has passed, whichever comes
+	// first. Default DefaultBatchLinger.
+	BatchLinger time.Duration
 }
 
 // withDefaults returns c with every unset optional field given its default.
@@ -191,6 +228,13 @@ func (c ConsumerConfig) withDefaults() ConsumerConfig {
 	c.HeartbeatInterval = orDefault(c.HeartbeatInterval, DefaultHeartbeatInterval)
 	c.RebalanceTimeout = orDefault(c.RebalanceTimeout, DefaultRebalanceTimeout)
 	c.JoinGroupBackoff = orDefault(c.JoinGroupBackoff, DefaultJoinGroupBackoff)
+	c.BatchLinger = orDefault(c.BatchLinger, DefaultBatchLinger)
+	if c.Concurrency == 0 {
+		c.Concurrency = 1
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
 	return c
 }
 
@@ -216,10 +260,15 @@ func (c ConsumerConfig) validate() error {
 		return fmt.Errorf("%w: DLQTopic without a Producer", ErrInvalidConfig)
 	case slices.Contains(c.Topics, c.DLQTopic):
 		return fmt.Errorf("%w: DLQ topic %s is also consumed", ErrInvalidConfig, c.DLQTopic)
-	case c.CommitInterval < 0 || c.MaxWait < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 || c.JoinGroupBackoff < 0:
+	case c.CommitInterval < 0 || c.MaxWait < 0 || c.SessionTimeout < 0 || c.RebalanceTimeout < 0 || c.JoinGroupBackoff < 0 ||
+		c.BatchLinger < 0:
 		return fmt.Errorf("%w: negative duration", ErrInvalidConfig)
 	case c.HeartbeatInterval <= 0 || c.HeartbeatInterval >= c.SessionTimeout:
 		return fmt.Errorf("%w: heartbeat interval must be below the session timeout", ErrInvalidConfig)
+	case c.Concurrency < 1:
+		return fmt.Errorf("%w: concurrency %d is not positive", ErrInvalidConfig, c.Concurrency)
+	case c.BatchSize < 1:
+		return fmt.Errorf("%w: batch size %d is not positive", ErrInvalidConfig, c.BatchSize)
 	}
 	return c.Retry.validate()
 }

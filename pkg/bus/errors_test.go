@@ -103,6 +103,10 @@ func TestNewConsumerValidatesConfig(t *testing.T) {
 		{"max below initial backoff", func(c *bus.ConsumerConfig) {
 			c.Retry.InitialBackoff, c.Retry.MaxBackoff = time.Second, time.Millisecond
 		}, false},
+		{"concurrent", func(c *bus.ConsumerConfig) { c.Concurrency = 16 }, true},
+		{"negative concurrency", func(c *bus.ConsumerConfig) { c.Concurrency = -1 }, false},
+		{"negative batch size", func(c *bus.ConsumerConfig) { c.BatchSize = -1 }, false},
+		{"negative batch linger", func(c *bus.ConsumerConfig) { c.BatchLinger = -time.Millisecond }, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -119,5 +123,52 @@ func TestNewConsumerValidatesConfig(t *testing.T) {
 	}
 	if _, err := bus.NewConsumer(valid(), nil); !errors.Is(err, bus.ErrInvalidConfig) {
 		t.Fatalf("NewConsumer with nil handler = %v, want ErrInvalidConfig", err)
+	}
+
+	batchHandler := func(context.Context, []bus.Received) error { return nil }
+	batchTests := []struct {
+		name   string
+		change func(*bus.ConsumerConfig)
+		h      bus.BatchHandler
+		ok     bool
+	}{
+		{"valid", func(*bus.ConsumerConfig) {}, batchHandler, true},
+		{"one lane", func(c *bus.ConsumerConfig) { c.Concurrency = 1 }, batchHandler, true},
+		{"nil handler", func(*bus.ConsumerConfig) {}, nil, false},
+		{"concurrent", func(c *bus.ConsumerConfig) { c.Concurrency = 2 }, batchHandler, false},
+		{"negative batch size", func(c *bus.ConsumerConfig) { c.BatchSize = -1 }, batchHandler, false},
+		{"no group", func(c *bus.ConsumerConfig) { c.GroupID = "" }, batchHandler, false},
+	}
+	for _, tt := range batchTests {
+		t.Run("batch/"+tt.name, func(t *testing.T) {
+			cfg := valid()
+			tt.change(&cfg)
+			_, err := bus.NewBatchConsumer(cfg, tt.h)
+			if tt.ok && err != nil {
+				t.Fatalf("NewBatchConsumer = %v, want nil", err)
+			}
+			if !tt.ok && !errors.Is(err, bus.ErrInvalidConfig) {
+				t.Fatalf("NewBatchConsumer = %v, want ErrInvalidConfig", err)
+			}
+		})
+	}
+}
+
+func TestRecordErrorsText(t *testing.T) {
+	tests := []struct {
+		name string
+		errs bus.RecordErrors
+		want string
+	}{
+		{"none", bus.RecordErrors{}, "bus: 0 record(s) of the batch failed: "},
+		{"in index order", bus.RecordErrors{3: errors.New("b"), 1: bus.Permanent("bad", errors.New("a"))},
+			"bus: 2 record(s) of the batch failed: record 1: bad: a; record 3: b"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := tt.errs.Error(); got != tt.want {
+				t.Fatalf("Error() = %q, want %q", got, tt.want)
+			}
+		})
 	}
 }

@@ -108,6 +108,14 @@ func testLogger() *slog.Logger {
 	return slog.New(slog.DiscardHandler)
 }
 
+// topicsWith creates topics with the given number of partitions.
+func (e *env) topicsWith(partitions int, names ...string) {
+	e.t.Helper()
+	if err := bus.EnsureTopics(e.ctx, e.brokers(), names, partitions); err != nil {
+		e.t.Fatalf("EnsureTopics: %v", err)
+	}
+}
+
 // run starts c.Run and returns a stop func that cancels it and checks that
 // Run returned nil; stop also runs at cleanup and is idempotent.
 func (e *env) run(cfg bus.ConsumerConfig, h bus.Handler) (stop func()) {
@@ -116,6 +124,22 @@ func (e *env) run(cfg bus.ConsumerConfig, h bus.Handler) (stop func()) {
 	if err != nil {
 		e.t.Fatalf("NewConsumer: %v", err)
 	}
+	return e.start(c)
+}
+
+// runBatch is run for a batch consumer.
+func (e *env) runBatch(cfg bus.ConsumerConfig, h bus.BatchHandler) (stop func()) {
+	e.t.Helper()
+	c, err := bus.NewBatchConsumer(cfg, h)
+	if err != nil {
+		e.t.Fatalf("NewBatchConsumer: %v", err)
+	}
+	return e.start(c)
+}
+
+// start runs c as run does.
+func (e *env) start(c *bus.Consumer) (stop func()) {
+	e.t.Helper()
 	ctx, cancel := context.WithCancel(e.ctx)
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()

@@ -5,8 +5,9 @@ package contract
 
 // Kafka topics. All are keyed by request id unless noted.
 const (
-	// TopicEngineEvents carries engine scheduler events to the scheduler.
-	TopicEngineEvents = "kvmesh.engine.events"
+	// TopicEngineSteps carries engine step records (EngineStep) to the
+	// scheduler, keyed by engine id.
+	TopicEngineSteps = "kvmesh.engine.steps"
 	// TopicLookupDecisions carries lookup decisions (a LoadSpec per connector) to the scheduler.
 	TopicLookupDecisions = "kvmesh.lookup.decisions"
 	// TopicSaveTasks carries save tasks from the scheduler to the sender.
@@ -29,7 +30,7 @@ const (
 
 // Topics lists every contract topic, in a stable order.
 var Topics = []string{
-	TopicEngineEvents,
+	TopicEngineSteps,
 	TopicLookupDecisions,
 	TopicSaveTasks,
 	TopicSaveDLQ,

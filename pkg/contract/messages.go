@@ -7,7 +7,7 @@ import (
 // Schema names: the "schema" field of every JSON value on a contract topic.
 // Save and load tasks use kvcore.SchemaSaveTask and kvcore.SchemaLoadTask.
 const (
-	SchemaEngineEvent    = "kvmesh.engine_event.v1"
+	SchemaEngineStep     = "kvmesh.engine_step.v1"
 	SchemaLookupDecision = "kvmesh.lookup_decision.v1"
 	SchemaTransferResult = "kvmesh.transfer_result.v1"
 	SchemaEngineFeedback = "kvmesh.engine_feedback.v1"
@@ -36,28 +36,47 @@ const (
 	EventFinished EventKind = "finished"
 )
 
-// EngineEvent is one scheduler event of one request, on TopicEngineEvents,
-// keyed by request id. EventID makes redelivery harmless. Seq numbers a
+// MaxStepRequests bounds the request events one engine step record
+// carries; an engine with more changed requests in one step splits them
+// over several records (each with its own StepID, in order).
+const MaxStepRequests = 4096
+
+// EngineStep is one engine scheduler step, on TopicEngineSteps, keyed by
+// engine id: what vLLM's build_connector_meta sees in one step — requests
+// admitted, allocated, newly scheduled, resumed, running with new blocks or
+// tokens, preempted and finished — one RequestEvent each, in the order the
+// engine produced them. Keying by engine id keeps every request's events
+// in order (a request lives on one engine). StepID makes redelivery of the
+// whole record harmless; each request event also carries its own Seq.
+type EngineStep struct {
+	Schema string `json:"schema"`
+	// StepID identifies the record; unique per engine.
+	StepID   string `json:"step_id"`
+	EngineID string `json:"engine_id"`
+	Model    string `json:"model"`
+	// Step is the engine's step counter (informational; it only grows).
+	Step int64 `json:"step"`
+	// Requests are the request events of the step, at most MaxStepRequests.
+	Requests []RequestEvent `json:"requests"`
+}
+
+// RequestEvent is one request's event inside an EngineStep. Seq numbers a
 // request's events 1, 2, 3, … with no gap: an event with a seq at or below
 // the last one applied is stale and ignored, and one that skips a seq fails
 // the request closed (request_error; no more tasks; only its finish is
 // applied), since the missing event may have changed its block table.
 //
 // Block lifetime (services/scheduler/API.md, docs/contract.md): a block an
-// allocated or scheduled event names holds, when the event is published,
+// allocated or scheduled event names holds, when the step is published,
 // the bytes of the chunk the table says, written through the rank's
 // gpuworker, which records the block's identity. The engine may reuse a
 // preempted request's blocks at once and a finished one's at its
 // finished_sending, but never a load's destination blocks before that
 // load's finished_recving.
-type EngineEvent struct {
-	Schema    string    `json:"schema"`
-	EventID   string    `json:"event_id"`
-	EngineID  string    `json:"engine_id"`
+type RequestEvent struct {
 	RequestID string    `json:"request_id"`
 	Seq       int64     `json:"seq"`
 	Kind      EventKind `json:"kind"`
-	Model     string    `json:"model"`
 	// PromptTokens and BlockHashes (hex chain at hash_block_size) come with admitted.
 	PromptTokens int      `json:"prompt_tokens,omitempty"`
 	BlockHashes  []string `json:"block_hashes,omitempty"`
@@ -73,6 +92,9 @@ type EngineEvent struct {
 	DecisionID string `json:"decision_id,omitempty"`
 	// Step comes with scheduled.
 	Step *kvcore.Step `json:"step,omitempty"`
+	// Traceparent is the W3C trace context of the request (optional): the
+	// scheduler's span for this event continues the request's trace.
+	Traceparent string `json:"traceparent,omitempty"`
 }
 
 // ChildDecision is one MultiConnector child's lookup answer.

@@ -2,6 +2,7 @@ package database
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 
@@ -10,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
 )
 
 // OutboxChannel is the LISTEN/NOTIFY channel on which committed outbox
@@ -50,6 +52,40 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...bus.Message) error {
 	if err := tx.SendBatch(ctx, batch).Close(); err != nil {
 		return fmt.Errorf("database: enqueue %d messages: %w", len(msgs), err)
 	}
+	return nil
+}
+
+const insertOutboxSet = `INSERT INTO outbox (topic, key, value, headers)
+	SELECT t, k, v, h::jsonb FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[]) WITH ORDINALITY AS m(t, k, v, h, n)
+	ORDER BY n`
+
+// EnqueueBatch queues on batch one set-based INSERT of msgs into the
+// outbox, for a caller that sends batch inside its transaction (so the rows
+// commit with it, in the order given, their ids ascending). A message whose
+// headers already carry a traceparent keeps it (the caller put the trace of
+// the request it concerns there); the others get the trace context of ctx.
+// The caller's header maps are not modified. No messages queue nothing.
+func EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	topics, keys, headers := make([]string, len(msgs)), make([]string, len(msgs)), make([]string, len(msgs))
+	values := make([][]byte, len(msgs))
+	for i, m := range msgs {
+		if m.Topic == "" {
+			return fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
+		}
+		h := m.Headers
+		if _, ok := h[contract.HeaderTraceparent]; !ok {
+			h = traceHeaders(ctx, h)
+		}
+		hb, err := json.Marshal(h)
+		if err != nil {
+			return fmt.Errorf("database: enqueue message %d headers: %w", i, err)
+		}
+		topics[i], keys[i], values[i], headers[i] = m.Topic, m.Key, m.Value, string(hb)
+	}
+	batch.Queue(insertOutboxSet, topics, keys, values, headers)
 	return nil
 }
 

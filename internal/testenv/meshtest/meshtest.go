@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
@@ -166,4 +168,34 @@ func (m *Mesh) Start(name, service string, env ...string) (*testenv.Process, err
 		return nil, err
 	}
 	return p, p.Start()
+}
+
+// GPUWorkerName is the process name StartGPUWorkers gives the gpuworker of
+// engine id.
+func GPUWorkerName(id string) string { return "gpuworker-" + id }
+
+// StartGPUWorkers starts one gpuworker per engine id, concurrently: a
+// gpuworker serves one engine (KVMESH_ENGINE_ID), so a fleet of engines
+// needs one each. Each process is named GPUWorkerName(id) and gets Env,
+// KVMESH_ENGINE_ID and env; StartGPUWorkers waits until all are ready and
+// returns them in the order of ids, or the first error. A gpuworker is
+// ready once it registered in the database, which a scheduler started with
+// KVMESH_MIGRATE=true migrates: start that first.
+func (m *Mesh) StartGPUWorkers(ids []string, env ...string) ([]*testenv.Process, error) {
+	procs := make([]*testenv.Process, len(ids))
+	var g errgroup.Group
+	for i, id := range ids {
+		g.Go(func() error {
+			p, err := m.Start(GPUWorkerName(id), "gpuworker", append([]string{"KVMESH_ENGINE_ID=" + id}, env...)...)
+			procs[i] = p
+			if err != nil {
+				return fmt.Errorf("gpuworker of engine %s: %w", id, err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	return procs, nil
 }

@@ -2,8 +2,10 @@ package meshtest_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"slices"
 	"strings"
@@ -74,6 +76,43 @@ func TestMeshRunsAServiceAndCleansUp(t *testing.T) {
 		t.Errorf("the mesh's key is still there after its test (%d, %v)", n, err)
 	}
 	goleak.VerifyNone(t, before)
+}
+
+// TestStartGPUWorkers starts a gpuworker for each of two engines: each is
+// ready, serves its own engine id and is found by its name.
+func TestStartGPUWorkers(t *testing.T) {
+	m := meshtest.New(t, "workers", "KVMESH_MODEL=hybrid-mla-linear", "KVMESH_SHUTDOWN_TIMEOUT=3s", "KVMESH_POOL_BLOCKS=16")
+	if _, err := m.Start("scheduler", "scheduler", "KVMESH_MIGRATE=true"); err != nil {
+		t.Fatal(err) // the gpuworkers register in the database it migrates
+	}
+	ids := []string{"decode-0", "decode-1"}
+	procs, err := m.StartGPUWorkers(ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(procs) != len(ids) {
+		t.Fatalf("%d processes for %d engines", len(procs), len(ids))
+	}
+	for i, p := range procs {
+		if m.Procs.Process(meshtest.GPUWorkerName(ids[i])) != p {
+			t.Fatalf("the gpuworker of %s is not named %s", ids[i], meshtest.GPUWorkerName(ids[i]))
+		}
+		var pool struct {
+			EngineID string `json:"engine_id"`
+		}
+		resp, err := http.Get(p.URL() + "/v1/pool")
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = json.NewDecoder(resp.Body).Decode(&pool)
+		resp.Body.Close()
+		if err != nil || pool.EngineID != ids[i] {
+			t.Fatalf("gpuworker %d serves engine %q (%v), want %s", i, pool.EngineID, err, ids[i])
+		}
+	}
+	if _, err := m.StartGPUWorkers([]string{"decode-0"}); err == nil {
+		t.Fatal("a second gpuworker under the same name started")
+	}
 }
 
 // checkMigrated fails the test unless the database has the workers table.

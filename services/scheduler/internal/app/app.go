@@ -32,6 +32,9 @@ const GroupID = "kvmesh-scheduler"
 // database.DefaultMaxConns.
 const MaxConsumers = 8
 
+// MaxBatchSize bounds KVMESH_SCHEDULER_BATCH.
+const MaxBatchSize = 4096
+
 // Config is the scheduler's configuration.
 type Config struct {
 	service.Common
@@ -51,6 +54,8 @@ type Config struct {
 	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" default:"false" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" default:"4" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
+	// BatchSize bounds the records one transaction applies.
+	BatchSize int `env:"KVMESH_SCHEDULER_BATCH" default:"256" doc:"most records (engine steps, lookup decisions, transfer results) one consumer applies in one PostgreSQL transaction (1-4096)"`
 	// MaintenanceInterval paces the gauges and the purge.
 	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
 }
@@ -66,6 +71,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Consumers < 1 || c.Consumers > MaxConsumers {
 		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_CONSUMERS: %d is not from 1 to %d", c.Consumers, MaxConsumers))
+	}
+	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
+		errs = append(errs, fmt.Errorf("KVMESH_SCHEDULER_BATCH: %d is not from 1 to %d", c.BatchSize, MaxBatchSize))
 	}
 	if c.MaintenanceInterval <= 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAINTENANCE_INTERVAL: %s is not positive", c.MaintenanceInterval))
@@ -84,7 +92,7 @@ func (c *Config) ConfigDefaults() map[string]any {
 // rather than loaded.
 var codeDefaulted = []string{
 	"KVMESH_TRACKER_RETENTION", "KVMESH_TRACKER_IDLE_TIMEOUT",
-	"KVMESH_SCHEDULER_CONSUMERS", "KVMESH_MAINTENANCE_INTERVAL",
+	"KVMESH_SCHEDULER_CONSUMERS", "KVMESH_SCHEDULER_BATCH", "KVMESH_MAINTENANCE_INTERVAL",
 }
 
 // App is a wired scheduler, ready to Run.
@@ -143,7 +151,8 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	return a, nil
 }
 
-// buildConsumers creates the consumer-group members over the three topics.
+// buildConsumers creates the consumer-group members over the three topics,
+// each applying up to BatchSize records per transaction.
 func (a *App) buildConsumers() error {
 	metrics, err := intake.NewMetrics(a.deps.Registry)
 	if err != nil {
@@ -153,12 +162,16 @@ func (a *App) buildConsumers() error {
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
 	cc.OnDeadLetter = h.DeadLetter
 	// A database outage must not dead-letter records: retry until it ends.
+	// Data PostgreSQL rejects fails a batch permanently instead: its
+	// records are then applied one at a time and the one at fault is
+	// dead-lettered (intake.ReasonDatabaseRejected).
 	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: bus.DefaultMaxBackoff}
+	cc.BatchSize = a.cfg.BatchSize
 	if err := a.deps.WatchConsumerLag(cc); err != nil {
 		return err
 	}
 	for range a.cfg.Consumers {
-		c, err := bus.NewConsumer(cc, h.Handle)
+		c, err := bus.NewBatchConsumer(cc, h.HandleBatch)
 		if err != nil {
 			return err
 		}

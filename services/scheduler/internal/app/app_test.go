@@ -35,7 +35,7 @@ func TestREADMEConfig(t *testing.T) {
 func TestConfigValidate(t *testing.T) {
 	valid := func() app.Config {
 		return app.Config{Common: (&servicetest.Env{Brokers: []string{"127.0.0.1:1"}}).Common(), TrackerRetention: time.Hour,
-			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, MaintenanceInterval: time.Second}
+			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, BatchSize: 256, MaintenanceInterval: time.Second}
 	}
 	tests := []struct {
 		name   string
@@ -48,6 +48,8 @@ func TestConfigValidate(t *testing.T) {
 		{"no consumers", func(c *app.Config) { c.Consumers = 0 }, "KVMESH_SCHEDULER_CONSUMERS"},
 		{"too many consumers", func(c *app.Config) { c.Consumers = app.MaxConsumers + 1 }, "KVMESH_SCHEDULER_CONSUMERS"},
 		{"tiny session", func(c *app.Config) { c.SessionTimeout = time.Millisecond }, "KVMESH_KAFKA_SESSION_TIMEOUT"},
+		{"no batch", func(c *app.Config) { c.BatchSize = 0 }, "KVMESH_SCHEDULER_BATCH"},
+		{"huge batch", func(c *app.Config) { c.BatchSize = app.MaxBatchSize + 1 }, "KVMESH_SCHEDULER_BATCH"},
 		{"no maintenance interval", func(c *app.Config) { c.MaintenanceInterval = 0 }, "KVMESH_MAINTENANCE_INTERVAL"},
 		{"common settings too", func(c *app.Config) { c.Brokers = nil }, "KVMESH_KAFKA_BROKERS"},
 	}

@@ -134,7 +134,7 @@ func TestKilledAfterCommitBeforePublish(t *testing.T) {
 	for _, r := range reqs {
 		r.waitSaves(1)
 	}
-	waitGroupCaughtUp(t, env.Brokers, app.GroupID, contract.TopicEngineEvents)
+	waitGroupCaughtUp(t, env.Brokers, app.GroupID, contract.TopicEngineSteps)
 	eventually(t, "outbox drained", func() bool { return unsent() == 0 })
 	h.out.sync(t)
 	for _, r := range reqs {
@@ -146,7 +146,7 @@ func TestKilledAfterCommitBeforePublish(t *testing.T) {
 		}
 	}
 	var events int
-	if err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM processed_records WHERE kind = 'event'`).Scan(&events); err != nil || events != 3*n {
+	if err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM processed_records WHERE kind = 'step'`).Scan(&events); err != nil || events != 3*n {
 		t.Fatalf("%d events in the ledger (%v), want %d", events, err, 3*n)
 	}
 	if err := second.cmd.Process.Signal(syscall.SIGTERM); err != nil {

@@ -233,13 +233,13 @@ func hashes(n int) []string {
 	return out
 }
 
-// fill is event without producing: it gives ev the request's identity,
-// its next seq and the model.
-func (r *request) fill(ev contract.EngineEvent) contract.EngineEvent {
+// fill is event without producing: it gives ev the request's identity and
+// its next seq, in a step record of its engine with the model.
+func (r *request) fill(ev contract.RequestEvent) contract.EngineStep {
 	r.seq++
-	ev.Schema, ev.EngineID, ev.RequestID, ev.Model, ev.Seq = contract.SchemaEngineEvent, r.engine, r.id, r.h.model.Name, r.seq
-	ev.EventID = fmt.Sprintf("%s/%d", r.id, r.seq)
-	return ev
+	ev.RequestID, ev.Seq = r.id, r.seq
+	return contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: fmt.Sprintf("%s/%s/%d", r.engine, r.id, r.seq),
+		EngineID: r.engine, Model: r.h.model.Name, Step: r.seq, Requests: []contract.RequestEvent{ev}}
 }
 
 // decision is decide without producing.
@@ -260,29 +260,30 @@ func (r *request) transferResult(res contract.TransferResult) contract.TransferR
 	return res
 }
 
-// event fills ev's identity, seq and model, produces it and returns it.
-func (r *request) event(ev contract.EngineEvent) contract.EngineEvent {
+// event fills ev's identity and seq, produces it in a step record of its
+// own and returns the record.
+func (r *request) event(ev contract.RequestEvent) contract.EngineStep {
 	r.h.t.Helper()
-	ev = r.fill(ev)
-	r.h.produce(contract.TopicEngineEvents, keyed{r.id, ev})
-	return ev
+	st := r.fill(ev)
+	r.h.produce(contract.TopicEngineSteps, keyed{r.engine, st})
+	return st
 }
 
 func (r *request) admit(prompt int) {
-	r.event(contract.EngineEvent{Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: hashes(16)})
+	r.event(contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: hashes(16)})
 }
 
 func (r *request) allocate(external int, table kvcore.BlockTable, decisionID string) {
-	r.event(contract.EngineEvent{Kind: contract.EventAllocated, ExternalTokens: external, BlockTable: table, DecisionID: decisionID})
+	r.event(contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: external, BlockTable: table, DecisionID: decisionID})
 }
 
 func (r *request) step(s kvcore.Step) {
-	r.event(contract.EngineEvent{Kind: contract.EventScheduled, Step: &s})
+	r.event(contract.RequestEvent{Kind: contract.EventScheduled, Step: &s})
 }
 
-func (r *request) finish() { r.event(contract.EngineEvent{Kind: contract.EventFinished}) }
+func (r *request) finish() { r.event(contract.RequestEvent{Kind: contract.EventFinished}) }
 
-func (r *request) preempt() { r.event(contract.EngineEvent{Kind: contract.EventPreempted}) }
+func (r *request) preempt() { r.event(contract.RequestEvent{Kind: contract.EventPreempted}) }
 
 // decide produces a lookup decision whose children are given in chain
 // order; chosen is the chosen child's name ("" for none).

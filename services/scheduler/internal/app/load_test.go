@@ -39,19 +39,16 @@ func TestThousandConcurrentRequests(t *testing.T) {
 	for i := range reqs {
 		r := h.request(fmt.Sprintf("k%04d", i))
 		reqs[i] = r
-		for _, ev := range []contract.EngineEvent{
+		for _, ev := range []contract.RequestEvent{
 			{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(3)},
 			{Kind: contract.EventScheduled, Step: &kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: table(0, 3)}},
 			{Kind: contract.EventFinished},
 		} {
-			r.seq++
-			ev.Schema, ev.EngineID, ev.RequestID, ev.Model, ev.Seq = contract.SchemaEngineEvent, r.engine, r.id, h.model.Name, r.seq
-			ev.EventID = fmt.Sprintf("%d", r.seq)
-			events = append(events, keyed{r.id, ev})
+			events = append(events, keyed{r.engine, r.fill(ev)})
 		}
 	}
 	start := time.Now()
-	h.produce(contract.TopicEngineEvents, events...)
+	h.produce(contract.TopicEngineSteps, events...)
 	var results []keyed
 	eventually(t, fmt.Sprintf("%d save tasks", n), func() bool {
 		h.out.mu.Lock()

@@ -20,7 +20,7 @@ import (
 func TestPoisonRecordsAreDeadLettered(t *testing.T) {
 	h := newMesh(t, meshOptions{})
 	sample := h.request("sample")
-	event := sample.fill(contract.EngineEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(16)})
+	event := sample.fill(contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(16)})
 	decision := sample.decision("d1", "", 0, storeChild(0, nil))
 	result := sample.transferResult(contract.TransferResult{Kind: contract.TransferSave, TaskID: "t1", Status: string(kvcore.SaveStored)})
 	saveTask := kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: "t1", EngineID: sample.engine, RequestID: sample.id,
@@ -30,7 +30,7 @@ func TestPoisonRecordsAreDeadLettered(t *testing.T) {
 		sample, wrong any
 		next          func(t *testing.T, h *mesh) servicetest.Valid
 	}{
-		{contract.TopicEngineEvents, event, decision, nextAdmission},
+		{contract.TopicEngineSteps, event, decision, nextAdmission},
 		{contract.TopicLookupDecisions, decision, event, nextDecision},
 		{contract.TopicTransferResults, result, saveTask, nextResult},
 	}
@@ -51,8 +51,8 @@ func TestPoisonRecordsAreDeadLettered(t *testing.T) {
 // request's tracker shows up.
 func nextAdmission(t *testing.T, h *mesh) servicetest.Valid {
 	r := h.request("poison")
-	ev := r.fill(contract.EngineEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(16)})
-	return servicetest.Valid{Key: r.id, Value: mustMarshal(t, ev), Applied: func() bool {
+	ev := r.fill(contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(16)})
+	return servicetest.Valid{Key: r.engine, Value: mustMarshal(t, ev), Applied: func() bool {
 		d, ok := r.detail()
 		return ok && d.LastSeq == 1
 	}}

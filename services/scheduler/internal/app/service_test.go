@@ -83,18 +83,16 @@ func duplicateEvents(t *testing.T, h *mesh) {
 	r := h.request("dup")
 	r.admit(48)
 	r.allocate(0, table(0, 3), "")
-	r.seq++
-	ev := contract.EngineEvent{Schema: contract.SchemaEngineEvent, EventID: "step-new", EngineID: r.engine, RequestID: r.id,
-		Seq: r.seq, Kind: contract.EventScheduled, Model: h.model.Name,
-		Step: &kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: table(0, 3)}}
-	h.produce(contract.TopicEngineEvents, keyed{r.id, ev}, keyed{r.id, ev})
+	ev := r.fill(contract.RequestEvent{Kind: contract.EventScheduled,
+		Step: &kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: table(0, 3)}})
+	h.produce(contract.TopicEngineSteps, keyed{r.engine, ev}, keyed{r.engine, ev})
 	stale := ev
-	stale.EventID = "step-new-again"
-	h.produce(contract.TopicEngineEvents, keyed{r.id, stale})
+	stale.StepID += "-again"
+	h.produce(contract.TopicEngineSteps, keyed{r.engine, stale})
 	r.waitSaves(1)
 	var events int
 	eventually(t, "all four events recorded", func() bool {
-		err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM processed_records WHERE request_id = $1 AND kind = 'event'`, r.id).Scan(&events)
+		err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM processed_records WHERE engine_id = $1 AND kind = 'step'`, r.engine).Scan(&events)
 		return err == nil && events == 4
 	})
 	r.settled()
@@ -147,7 +145,7 @@ func decisionBeforePreemption(t *testing.T, h *mesh) {
 // the scheduler's table; the consumer goes on.
 func invalidRecords(t *testing.T, h *mesh) {
 	key := randomID("bad-")
-	h.produce(contract.TopicEngineEvents, keyed{key, "not an event"})
+	h.produce(contract.TopicEngineSteps, keyed{key, "not a step"})
 	h.produce(contract.TopicTransferResults, keyed{key, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x"}})
 	var n int
 	eventually(t, "two dead letters", func() bool {
@@ -244,14 +242,14 @@ func metrics(t *testing.T, h *mesh) {
 	// Counters may exceed 1 when a rebalance redelivers records (each
 	// redelivery is counted as a duplicate), so most are checked as ≥ 1.
 	for series, least := range map[string]float64{
-		`kvmesh_scheduler_records_total{result="applied",topic="kvmesh.engine.events"}`:                1,
-		`kvmesh_scheduler_records_total{result="duplicate",topic="kvmesh.engine.events"}`:              1,
-		`kvmesh_scheduler_records_total{result="held",topic="kvmesh.engine.events"}`:                   1,
-		`kvmesh_scheduler_duplicates_total{by="seq",topic="kvmesh.engine.events"}`:                     1,
+		`kvmesh_scheduler_records_total{result="applied",topic="kvmesh.engine.steps"}`:                 1,
+		`kvmesh_scheduler_records_total{result="duplicate",topic="kvmesh.engine.steps"}`:               1,
+		`kvmesh_scheduler_records_total{result="held",topic="kvmesh.engine.steps"}`:                    1,
+		`kvmesh_scheduler_duplicates_total{by="seq",topic="kvmesh.engine.steps"}`:                      1,
 		`kvmesh_scheduler_tasks_emitted_total{kind="save"}`:                                            1,
 		`kvmesh_scheduler_tasks_emitted_total{kind="load"}`:                                            1,
 		`kvmesh_scheduler_feedback_total{kind="request_error"}`:                                        1,
-		`kvmesh_scheduler_dead_letters_total{reason="undecodable",topic="kvmesh.engine.events"}`:       1,
+		`kvmesh_scheduler_dead_letters_total{reason="undecodable",topic="kvmesh.engine.steps"}`:        1,
 		`kvmesh_scheduler_dead_letters_total{reason="invalid_record",topic="kvmesh.transfer.results"}`: 1,
 		`kvmesh_outbox_backlog`:                      0,
 		`kvmesh_scheduler_trackers{state="errored"}`: 0,

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -25,20 +26,31 @@ const (
 // errInvalid wraps every validation failure.
 var errInvalid = errors.New("invalid record")
 
-// item is one decoded record: its ledger identity and how it changes the
-// request.
+// item is one decoded record: its ledger identity and the requests it
+// changes.
 type item struct {
 	record ledger.Record
-	// label names the record in spans ("event 3 scheduled", "decision d1").
+	// label names the record in spans and logs ("step e1/7", "decision d1").
+	label   string
+	changes []change
+}
+
+// change is one request's part of an item.
+type change struct {
+	requestID string
+	create    bool
+	// label names the change ("event 3 scheduled").
 	label string
-	apply func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
+	// traceparent is the request's trace context, when the producer gave it.
+	traceparent string
+	apply       func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
 }
 
 // decode turns a consumed record into an item, or a permanent error.
 func decode(rec bus.Received) (item, error) {
 	switch rec.Topic {
-	case contract.TopicEngineEvents:
-		return decodeEvent(rec.Value)
+	case contract.TopicEngineSteps:
+		return decodeStep(rec.Value)
 	case contract.TopicLookupDecisions:
 		return decodeDecision(rec.Value)
 	case contract.TopicTransferResults:
@@ -65,7 +77,7 @@ func requireIDs(schema, want string, ids map[string]string) error {
 	if schema != want {
 		return invalid("schema %q, want %q", schema, want)
 	}
-	for _, name := range []string{"event_id", "decision_id", "result_id", "task_id", "engine_id", "request_id"} {
+	for _, name := range []string{"step_id", "decision_id", "result_id", "task_id", "engine_id", "request_id"} {
 		if v, ok := ids[name]; ok && v == "" {
 			return invalid("%s is empty", name)
 		}
@@ -73,35 +85,74 @@ func requireIDs(schema, want string, ids map[string]string) error {
 	return nil
 }
 
-func decodeEvent(b []byte) (item, error) {
-	var ev contract.EngineEvent
-	if err := unmarshal(b, &ev); err != nil {
+// validIDs checks identifiers for what PostgreSQL text can hold: a NUL
+// byte would fail the whole transaction of a batch, every time.
+func validIDs(ids ...string) error {
+	for _, id := range ids {
+		if strings.IndexByte(id, 0) >= 0 {
+			return invalid("identifier %q contains a NUL byte", id)
+		}
+	}
+	return nil
+}
+
+func decodeStep(b []byte) (item, error) {
+	var st contract.EngineStep
+	if err := unmarshal(b, &st); err != nil {
 		return item{}, err
 	}
-	err := requireIDs(ev.Schema, contract.SchemaEngineEvent,
-		map[string]string{"event_id": ev.EventID, "engine_id": ev.EngineID, "request_id": ev.RequestID})
+	err := requireIDs(st.Schema, contract.SchemaEngineStep, map[string]string{"step_id": st.StepID, "engine_id": st.EngineID})
 	switch {
 	case err != nil:
 		return item{}, err
+	case len(st.Requests) > contract.MaxStepRequests:
+		return item{}, invalid("step %s: %d request events, at most %d", st.StepID, len(st.Requests), contract.MaxStepRequests)
+	}
+	if err := validIDs(st.StepID, st.EngineID, st.Model); err != nil {
+		return item{}, err
+	}
+	it := item{
+		record:  ledger.Record{Kind: ledger.KindStep, ID: st.StepID, EngineID: st.EngineID},
+		label:   "step " + st.StepID,
+		changes: make([]change, 0, len(st.Requests)),
+	}
+	for i := range st.Requests {
+		ev := st.Requests[i]
+		if err := checkEvent(st.StepID, i, ev); err != nil {
+			return item{}, err
+		}
+		it.changes = append(it.changes, change{
+			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
+			traceparent: ev.Traceparent,
+			apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+				return req.Engine(m, st.Model, ev)
+			},
+		})
+	}
+	return it, nil
+}
+
+// checkEvent validates one request event of a step. An invalid event
+// dead-letters its whole step record: the engine that produced it is
+// broken, and the requests of the step fail closed at their next event
+// (a seq gap).
+func checkEvent(stepID string, i int, ev contract.RequestEvent) error {
+	switch {
+	case ev.RequestID == "":
+		return invalid("step %s: request event %d: request_id is empty", stepID, i)
 	case ev.Seq < 1:
-		return item{}, invalid("event %s: seq %d is not positive", ev.EventID, ev.Seq)
+		return invalid("step %s: request %s: seq %d is not positive", stepID, ev.RequestID, ev.Seq)
 	case ev.ExternalTokens < 0:
-		return item{}, invalid("event %s: external_tokens %d is negative", ev.EventID, ev.ExternalTokens)
+		return invalid("step %s: request %s: external_tokens %d is negative", stepID, ev.RequestID, ev.ExternalTokens)
 	case ev.Kind == contract.EventScheduled && ev.Step == nil:
-		return item{}, invalid("event %s: scheduled without a step", ev.EventID)
+		return invalid("step %s: request %s: scheduled without a step", stepID, ev.RequestID)
 	}
 	switch ev.Kind {
 	case contract.EventAdmitted, contract.EventAllocated, contract.EventScheduled, contract.EventPreempted, contract.EventFinished:
 	default:
-		return item{}, invalid("event %s: kind %q", ev.EventID, ev.Kind)
+		return invalid("step %s: request %s: kind %q", stepID, ev.RequestID, ev.Kind)
 	}
-	return item{
-		record: ledger.Record{Kind: ledger.KindEvent, ID: ev.EventID, EngineID: ev.EngineID, RequestID: ev.RequestID, Create: true},
-		label:  fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
-		apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
-			return req.Engine(m, ev)
-		},
-	}, nil
+	return validIDs(ev.RequestID, ev.DecisionID)
 }
 
 func decodeDecision(b []byte) (item, error) {
@@ -111,16 +162,16 @@ func decodeDecision(b []byte) (item, error) {
 	}
 	err := requireIDs(d.Schema, contract.SchemaLookupDecision,
 		map[string]string{"decision_id": d.DecisionID, "engine_id": d.EngineID, "request_id": d.RequestID})
+	if err == nil {
+		err = validIDs(d.DecisionID, d.EngineID, d.RequestID)
+	}
 	if err != nil {
 		return item{}, err
 	}
-	return item{
-		record: ledger.Record{Kind: ledger.KindDecision, ID: d.DecisionID, EngineID: d.EngineID, RequestID: d.RequestID, Create: true},
-		label:  "decision " + d.DecisionID,
-		apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+	return single(ledger.Record{Kind: ledger.KindDecision, ID: d.DecisionID, EngineID: d.EngineID, RequestID: d.RequestID, Create: true},
+		"decision "+d.DecisionID, func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
 			return req.Decision(m, d)
-		},
-	}, nil
+		}), nil
 }
 
 func decodeResult(b []byte) (item, error) {
@@ -136,11 +187,16 @@ func decodeResult(b []byte) (item, error) {
 	if res.Kind != contract.TransferSave && res.Kind != contract.TransferLoad {
 		return item{}, invalid("result %s: kind %q", res.ResultID, res.Kind)
 	}
-	return item{
-		record: ledger.Record{Kind: ledger.KindResult, ID: res.ResultID, EngineID: res.EngineID, RequestID: res.RequestID},
-		label:  fmt.Sprintf("%s result %s", res.Kind, res.ResultID),
-		apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+	if err := validIDs(res.ResultID, res.TaskID, res.EngineID, res.RequestID); err != nil {
+		return item{}, err
+	}
+	return single(ledger.Record{Kind: ledger.KindResult, ID: res.ResultID, EngineID: res.EngineID, RequestID: res.RequestID},
+		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
 			return req.Result(m, res)
-		},
-	}, nil
+		}), nil
+}
+
+// single is the item of a record changing its own request.
+func single(rec ledger.Record, label string, apply func(*kvcore.Model, *tracking.Request) tracking.Outcome) item {
+	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, apply: apply}}}
 }

@@ -3,6 +3,7 @@ package intake
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -22,45 +23,63 @@ func mustJSON(t *testing.T, v any) []byte {
 }
 
 func TestDecodeClassifiesRecords(t *testing.T) {
-	ev := contract.EngineEvent{Schema: contract.SchemaEngineEvent, EventID: "1", EngineID: "e", RequestID: "r", Seq: 1,
-		Kind: contract.EventScheduled, Model: "m", Step: &kvcore.Step{Kind: kvcore.StepPendingLoad}}
-	with := func(f func(*contract.EngineEvent)) []byte {
-		c := ev
+	ev := contract.RequestEvent{RequestID: "r", Seq: 1, Kind: contract.EventScheduled, Step: &kvcore.Step{Kind: kvcore.StepPendingLoad}}
+	st := contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: "e/1", EngineID: "e", Model: "m", Step: 1,
+		Requests: []contract.RequestEvent{ev}}
+	with := func(f func(*contract.EngineStep)) []byte {
+		c := st
+		c.Requests = append([]contract.RequestEvent(nil), st.Requests...)
 		f(&c)
 		return mustJSON(t, c)
 	}
 	res := contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: contract.TransferSave,
 		TaskID: "t", EngineID: "e", RequestID: "r", Status: "stored"}
 	dec := contract.LookupDecision{Schema: contract.SchemaLookupDecision, DecisionID: "d", EngineID: "e", RequestID: "r"}
+	tooMany := make([]contract.RequestEvent, contract.MaxStepRequests+1)
+	for i := range tooMany {
+		tooMany[i] = contract.RequestEvent{RequestID: fmt.Sprint("r", i), Seq: 1, Kind: contract.EventFinished}
+	}
 	cases := []struct {
-		name   string
-		topic  string
-		value  []byte
-		reason string // "" = valid
-		kind   string
+		name    string
+		topic   string
+		value   []byte
+		reason  string // "" = valid
+		kind    string
+		request string // the record's own request ("" for a step)
+		changes int
 	}{
-		{"event", contract.TopicEngineEvents, mustJSON(t, ev), "", ledger.KindEvent},
-		{"decision", contract.TopicLookupDecisions, mustJSON(t, dec), "", ledger.KindDecision},
-		{"result", contract.TopicTransferResults, mustJSON(t, res), "", ledger.KindResult},
-		{"not json", contract.TopicEngineEvents, []byte("{"), bus.ReasonUndecodable, ""},
-		{"wrong schema", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.Schema = "x" }), ReasonInvalidRecord, ""},
-		{"no event id", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.EventID = "" }), ReasonInvalidRecord, ""},
-		{"no request id", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.RequestID = "" }), ReasonInvalidRecord, ""},
-		{"seq 0", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.Seq = 0 }), ReasonInvalidRecord, ""},
-		{"negative external", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.ExternalTokens = -1 }), ReasonInvalidRecord, ""},
-		{"scheduled without step", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.Step = nil }), ReasonInvalidRecord, ""},
-		{"unknown kind", contract.TopicEngineEvents, with(func(e *contract.EngineEvent) { e.Kind = "exploded" }), ReasonInvalidRecord, ""},
-		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, ""},
-		{"result of unknown kind", contract.TopicTransferResults, mustJSON(t, func() contract.TransferResult { r := res; r.Kind = "copy"; return r }()), ReasonInvalidRecord, ""},
-		{"decision without id", contract.TopicLookupDecisions, mustJSON(t, contract.LookupDecision{Schema: contract.SchemaLookupDecision, EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, ""},
-		{"other topic", "kvmesh.other", mustJSON(t, ev), ReasonUnknownTopic, ""},
+		{"step", contract.TopicEngineSteps, mustJSON(t, st), "", ledger.KindStep, "", 1},
+		{"empty step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = nil }), "", ledger.KindStep, "", 0},
+		{"decision", contract.TopicLookupDecisions, mustJSON(t, dec), "", ledger.KindDecision, "r", 1},
+		{"result", contract.TopicTransferResults, mustJSON(t, res), "", ledger.KindResult, "r", 1},
+		{"not json", contract.TopicEngineSteps, []byte("{"), bus.ReasonUndecodable, "", "", 0},
+		{"wrong schema", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Schema = "x" }), ReasonInvalidRecord, "", "", 0},
+		{"no step id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.StepID = "" }), ReasonInvalidRecord, "", "", 0},
+		{"no engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "" }), ReasonInvalidRecord, "", "", 0},
+		{"NUL in engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "e\x00" }), ReasonInvalidRecord, "", "", 0},
+		{"no request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "" }), ReasonInvalidRecord, "", "", 0},
+		{"NUL in request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "r\x00" }), ReasonInvalidRecord, "", "", 0},
+		{"seq 0", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Seq = 0 }), ReasonInvalidRecord, "", "", 0},
+		{"negative external", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].ExternalTokens = -1 }), ReasonInvalidRecord, "", "", 0},
+		{"scheduled without step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Step = nil }), ReasonInvalidRecord, "", "", 0},
+		{"unknown kind", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Kind = "exploded" }), ReasonInvalidRecord, "", "", 0},
+		{"too many requests", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = tooMany }), ReasonInvalidRecord, "", "", 0},
+		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
+		{"result of unknown kind", contract.TopicTransferResults, mustJSON(t, func() contract.TransferResult { r := res; r.Kind = "copy"; return r }()), ReasonInvalidRecord, "", "", 0},
+		{"decision without id", contract.TopicLookupDecisions, mustJSON(t, contract.LookupDecision{Schema: contract.SchemaLookupDecision, EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
+		{"other topic", "kvmesh.other", mustJSON(t, st), ReasonUnknownTopic, "", "", 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			it, err := decode(bus.Received{Message: bus.Message{Topic: c.topic, Value: c.value}})
 			if c.reason == "" {
-				if err != nil || it.record.Kind != c.kind || it.record.EngineID != "e" || it.record.RequestID != "r" {
-					t.Fatalf("decode: %+v, %v", it.record, err)
+				if err != nil || it.record.Kind != c.kind || it.record.EngineID != "e" || it.record.RequestID != c.request || len(it.changes) != c.changes {
+					t.Fatalf("decode: %+v with %d changes, %v", it.record, len(it.changes), err)
+				}
+				for _, ch := range it.changes {
+					if ch.requestID != "r" {
+						t.Errorf("change of request %q, want r", ch.requestID)
+					}
 				}
 				return
 			}

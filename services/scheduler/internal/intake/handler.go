@@ -1,8 +1,8 @@
 // Package intake is the scheduler's consumer side: it decodes the records of
-// kvmesh.engine.events, kvmesh.lookup.decisions and kvmesh.transfer.results,
-// applies each in one ledger transaction through the request state machine,
-// and turns the outcome into outbox messages (save tasks, load tasks,
-// engine feedback).
+// kvmesh.engine.steps, kvmesh.lookup.decisions and kvmesh.transfer.results,
+// applies a batch of them in one ledger transaction through the request
+// state machine, and turns the outcomes into outbox messages (save tasks,
+// load tasks, engine feedback).
 package intake
 
 import (
@@ -11,8 +11,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -26,7 +28,7 @@ import (
 )
 
 // Topics are the topics the scheduler consumes.
-var Topics = []string{contract.TopicEngineEvents, contract.TopicLookupDecisions, contract.TopicTransferResults}
+var Topics = []string{contract.TopicEngineSteps, contract.TopicLookupDecisions, contract.TopicTransferResults}
 
 // Handler applies consumed records.
 type Handler struct {
@@ -42,45 +44,179 @@ func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.L
 	return &Handler{ledger: l, model: m, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler")}
 }
 
-// Handle is the bus.Handler: it applies one record in one transaction.
-// Undecodable or invalid records fail permanently (dead-lettered); database
-// failures are transient (retried, the offset is not committed).
+// ReasonDatabaseRejected marks a record PostgreSQL refuses for its data
+// (SQLSTATE class 22 or 23) every time it is applied alone.
+const ReasonDatabaseRejected = "database_rejected"
+
+// Handle is the bus.Handler of one record: a batch of one.
 func (h *Handler) Handle(ctx context.Context, rec bus.Received) error {
+	err := h.HandleBatch(ctx, []bus.Received{rec})
+	if re, ok := errors.AsType[bus.RecordErrors](err); ok {
+		for _, e := range re {
+			return e
+		}
+	}
+	return err
+}
+
+// HandleBatch is the bus.BatchHandler: it decodes every record and applies
+// the decodable ones in one ledger transaction (ledger.ApplyBatch). The
+// records that cannot be decoded or are invalid fail permanently, alone
+// (bus.RecordErrors: the consumer dead-letters them and commits the
+// others). A failed transaction fails the whole batch: a database outage
+// is transient (retried), data PostgreSQL rejects is permanent, and the
+// consumer then applies the records one at a time to find the one at fault.
+func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
 	start := time.Now()
-	it, err := decode(rec)
-	if err != nil {
-		h.metrics.records.WithLabelValues(rec.Topic, "invalid").Inc()
-		return err
+	failed := bus.RecordErrors{}
+	items := make([]item, 0, len(recs))
+	at := make([]int, 0, len(recs))
+	for i, rec := range recs {
+		it, err := decode(rec)
+		if err != nil {
+			h.metrics.records.WithLabelValues(rec.Topic, "invalid").Inc()
+			failed[i] = err
+			continue
+		}
+		items, at = append(items, it), append(at, i)
 	}
-	ctx, span := h.tracer.Start(ctx, "scheduler.apply", trace.WithAttributes(
-		attribute.String("messaging.destination.name", rec.Topic),
-		attribute.String("kvmesh.engine_id", it.record.EngineID),
-		attribute.String("kvmesh.request_id", it.record.RequestID),
-		attribute.String("kvmesh.record", it.label),
-		attribute.String("kvmesh.model", h.model.Name),
-	))
-	defer span.End()
-	var out tracking.Outcome
-	status, err := h.ledger.Apply(ctx, it.record, func(req *tracking.Request) ([]bus.Message, error) {
-		out = it.apply(h.model, req)
-		return Messages(out)
-	})
-	if err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, "apply failed")
-		return bus.Transient(err)
+	if len(items) > 0 {
+		if err := h.apply(ctx, recs, items, at, start); err != nil {
+			return err
+		}
 	}
-	result := h.observe(rec.Topic, status, out, time.Since(start))
-	span.SetAttributes(attribute.String("kvmesh.result", result),
-		attribute.Int("kvmesh.saves", len(out.Saves)), attribute.Int("kvmesh.loads", len(out.Loads)))
-	h.logOutcome(ctx, it, out)
+	if len(failed) > 0 {
+		return failed
+	}
 	return nil
 }
 
-// observe counts one applied record and returns its result label.
-func (h *Handler) observe(topic string, status ledger.Status, out tracking.Outcome, elapsed time.Duration) string {
+// run is one change of a batch: its span and what applying it did.
+type run struct {
+	ctx  context.Context
+	span trace.Span
+	out  tracking.Outcome
+}
+
+// apply applies the decoded items in one transaction and observes them.
+func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, at []int, start time.Time) error {
+	units := make([]ledger.Unit, len(items))
+	runs := make([][]run, len(items))
+	for i, it := range items {
+		runs[i] = make([]run, len(it.changes))
+		units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
+		for j, c := range it.changes {
+			r := &runs[i][j]
+			r.ctx, r.span = h.startSpan(ctx, recs[at[i]].Topic, it, c)
+			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create,
+				Apply: func(req *tracking.Request) ([]bus.Message, error) {
+					r.out = c.apply(h.model, req)
+					return tracedMessages(r.ctx, r.out)
+				}}
+		}
+	}
+	statuses, err := h.ledger.ApplyBatch(ctx, units)
+	elapsed := time.Since(start)
+	for i, it := range items {
+		for j := range runs[i] {
+			r := &runs[i][j]
+			if err != nil {
+				r.span.RecordError(err)
+				r.span.SetStatus(codes.Error, "apply failed")
+			} else {
+				h.finishSpan(r, statuses[i])
+				h.logOutcome(r.ctx, it, it.changes[j], r.out)
+			}
+			r.span.End()
+		}
+		if err == nil {
+			h.observe(recs[at[i]].Topic, statuses[i], runs[i], elapsed/time.Duration(len(items)))
+		}
+	}
+	if err != nil {
+		return classifyApply(err)
+	}
+	return nil
+}
+
+// classifyApply sorts a failed transaction: data PostgreSQL refuses
+// (SQLSTATE class 22, data exception, or 23, integrity constraint) is
+// permanent, anything else (an outage, a deadlock, a timeout) transient.
+func classifyApply(err error) error {
+	if pe, ok := errors.AsType[*pgconn.PgError](err); ok && (strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23")) {
+		return bus.Permanent(ReasonDatabaseRejected, err)
+	}
+	return bus.Transient(err)
+}
+
+// startSpan starts the span of one change: a child of the request's trace
+// when the producer gave it, else of the record's. It links to the span of
+// the batch (ctx's), under which the transaction's database spans are.
+func (h *Handler) startSpan(ctx context.Context, topic string, it item, c change) (context.Context, trace.Span) {
+	opts := []trace.SpanStartOption{}
+	if c.traceparent != "" {
+		if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
+		}
+		ctx = bus.ExtractContext(ctx, map[string]string{contract.HeaderTraceparent: c.traceparent})
+	}
+	return h.tracer.Start(ctx, "scheduler.apply", append(opts, trace.WithAttributes(
+		attribute.String("messaging.destination.name", topic),
+		attribute.String("kvmesh.engine_id", it.record.EngineID),
+		attribute.String("kvmesh.request_id", c.requestID),
+		attribute.String("kvmesh.record", it.label),
+		attribute.String("kvmesh.change", c.label),
+		attribute.String("kvmesh.model", h.model.Name),
+	))...)
+}
+
+// finishSpan records a committed change's result on its span.
+func (h *Handler) finishSpan(r *run, status ledger.Status) {
+	r.span.SetAttributes(attribute.String("kvmesh.result", resultLabel(status, r.out)),
+		attribute.Int("kvmesh.saves", len(r.out.Saves)), attribute.Int("kvmesh.loads", len(r.out.Loads)))
+}
+
+// tracedMessages is Messages with the trace context of ctx (the change's
+// span) in every message's headers.
+func tracedMessages(ctx context.Context, out tracking.Outcome) ([]bus.Message, error) {
+	msgs, err := Messages(out)
+	if err != nil {
+		return nil, err
+	}
+	for i := range msgs {
+		msgs[i].Headers = map[string]string{}
+		bus.InjectHeaders(ctx, msgs[i].Headers)
+	}
+	return msgs, nil
+}
+
+// observe counts one applied record (its changes' outcomes together).
+func (h *Handler) observe(topic string, status ledger.Status, runs []run, elapsed time.Duration) {
 	h.metrics.applySeconds.WithLabelValues(topic).Observe(elapsed.Seconds())
-	result := resultLabel(status, out)
+	if status != ledger.Applied || len(runs) == 0 {
+		h.countResult(topic, string(status))
+	}
+	for i := range runs {
+		out := runs[i].out
+		if status == ledger.Applied {
+			h.countResult(topic, resultLabel(status, out))
+		}
+		h.metrics.tasks.WithLabelValues("save").Add(float64(len(out.Saves)))
+		h.metrics.tasks.WithLabelValues("load").Add(float64(len(out.Loads)))
+		for _, f := range out.Feedback {
+			h.metrics.feedback.WithLabelValues(string(f.Kind)).Inc()
+		}
+		if out.Errored {
+			h.metrics.errored.Inc()
+		}
+		if n := len(out.Errors); n > 0 && !out.Errored {
+			h.metrics.warnings.Add(float64(n))
+		}
+	}
+}
+
+// countResult counts one record (or one change of a step) by result.
+func (h *Handler) countResult(topic, result string) {
 	h.metrics.records.WithLabelValues(topic, result).Inc()
 	switch result {
 	case "duplicate":
@@ -88,18 +224,6 @@ func (h *Handler) observe(topic string, status ledger.Status, out tracking.Outco
 	case "stale":
 		h.metrics.duplicates.WithLabelValues(topic, "seq").Inc()
 	}
-	h.metrics.tasks.WithLabelValues("save").Add(float64(len(out.Saves)))
-	h.metrics.tasks.WithLabelValues("load").Add(float64(len(out.Loads)))
-	for _, f := range out.Feedback {
-		h.metrics.feedback.WithLabelValues(string(f.Kind)).Inc()
-	}
-	if out.Errored {
-		h.metrics.errored.Inc()
-	}
-	if n := len(out.Errors); n > 0 && !out.Errored {
-		h.metrics.warnings.Add(float64(n))
-	}
-	return result
 }
 
 // resultLabel is the records_total result of one record.
@@ -118,7 +242,7 @@ func resultLabel(status ledger.Status, out tracking.Outcome) string {
 }
 
 // logOutcome logs a request that errored (warn) and other problems (info).
-func (h *Handler) logOutcome(ctx context.Context, it item, out tracking.Outcome) {
+func (h *Handler) logOutcome(ctx context.Context, it item, c change, out tracking.Outcome) {
 	if len(out.Errors) == 0 {
 		return
 	}
@@ -127,8 +251,8 @@ func (h *Handler) logOutcome(ctx context.Context, it item, out tracking.Outcome)
 	if out.Errored {
 		level, msg = slog.LevelWarn, "request errored"
 	}
-	h.log.Log(ctx, level, msg, "engine_id", it.record.EngineID, "request_id", it.record.RequestID,
-		"record", it.label, "error", errors.Join(out.Errors...))
+	h.log.Log(ctx, level, msg, "engine_id", it.record.EngineID, "request_id", c.requestID,
+		"record", it.label, "change", c.label, "error", errors.Join(out.Errors...))
 }
 
 // Messages turns an outcome into outbox messages: save tasks keyed by

@@ -3,6 +3,8 @@ package ledger_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"reflect"
 	"testing"
 	"time"
 
@@ -27,9 +29,9 @@ func model(t testing.TB) *kvcore.Model {
 
 // admit applies an admitted event with seq to (e1, id).
 func admit(l *ledger.Ledger, m *kvcore.Model, id, eventID string, seq int64, msgs ...bus.Message) (ledger.Status, error) {
-	rec := ledger.Record{Kind: ledger.KindEvent, ID: eventID, EngineID: "e1", RequestID: id, Create: true}
+	rec := ledger.Record{Kind: ledger.KindStep, ID: eventID, EngineID: "e1", RequestID: id, Create: true}
 	return l.Apply(context.Background(), rec, func(req *tracking.Request) ([]bus.Message, error) {
-		req.Engine(m, contract.EngineEvent{Seq: seq, Kind: contract.EventAdmitted, Model: m.Name, PromptTokens: 48})
+		req.Engine(m, m.Name, contract.RequestEvent{Seq: seq, Kind: contract.EventAdmitted, PromptTokens: 48})
 		return msgs, nil
 	})
 }
@@ -55,7 +57,7 @@ func TestApplyIsIdempotentAndTransactional(t *testing.T) {
 		t.Fatalf("repeat: %s %v, want duplicate", s, err)
 	}
 	boom := errors.New("boom")
-	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindEvent, ID: "ev2", EngineID: "e1", RequestID: "r1", Create: true},
+	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindStep, ID: "ev2", EngineID: "e1", RequestID: "r1", Create: true},
 		func(*tracking.Request) ([]bus.Message, error) { return []bus.Message{msg}, boom })
 	if !errors.Is(err, boom) {
 		t.Fatalf("failing apply: %v", err)
@@ -153,5 +155,66 @@ func BenchmarkApply(b *testing.B) {
 		if _, err := admit(l, m, "r", "ev"+time.Duration(i).String(), i, msg); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestApplyBatchUnits applies one batch of several units: a unit repeated
+// in the batch and one applied before are duplicates, two units changing
+// one request see each other's changes in order, a result for a missing
+// request changes nothing, and the outbox holds the messages in order.
+func TestApplyBatchUnits(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m := model(t)
+	l := ledger.New(pool, m)
+	if _, err := admit(l, m, "r0", "before", 1); err != nil {
+		t.Fatal(err)
+	}
+	var order []string
+	change := func(id string, create bool) ledger.Change {
+		return ledger.Change{RequestID: id, Create: create, Apply: func(req *tracking.Request) ([]bus.Message, error) {
+			req.LastSeq++
+			order = append(order, fmt.Sprint(id, "@", req.LastSeq))
+			return []bus.Message{{Topic: contract.TopicEngineFeedback, Key: id, Value: []byte(fmt.Sprintf(`{"n":%d}`, len(order)))}}, nil
+		}}
+	}
+	step := func(id string, changes ...ledger.Change) ledger.Unit {
+		return ledger.Unit{Record: ledger.Record{Kind: ledger.KindStep, ID: id, EngineID: "e1"}, Changes: changes}
+	}
+	units := []ledger.Unit{
+		step("s1", change("r1", true), change("r2", true)),
+		step("s1", change("r1", true)), // repeated in the batch
+		{Record: ledger.Record{Kind: ledger.KindStep, ID: "before", EngineID: "e1", RequestID: "r0"}, Changes: []ledger.Change{change("r0", true)}},
+		step("s2", change("r1", true)),
+		{Record: ledger.Record{Kind: ledger.KindResult, ID: "x", EngineID: "e1", RequestID: "gone"}, Changes: []ledger.Change{change("gone", false)}},
+	}
+	st, err := l.ApplyBatch(context.Background(), units)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []ledger.Status{ledger.Applied, ledger.Duplicate, ledger.Duplicate, ledger.Applied, ledger.NoRequest}
+	if !reflect.DeepEqual(st, want) {
+		t.Fatalf("statuses %v, want %v", st, want)
+	}
+	if want := []string{"r1@1", "r2@1", "r1@2"}; !reflect.DeepEqual(order, want) {
+		t.Fatalf("changes ran %v, want %v", order, want)
+	}
+	rows, err := pool.Query(context.Background(), `SELECT key, convert_from(value, 'UTF8') FROM outbox ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for rows.Next() {
+		var k, v string
+		if err := rows.Scan(&k, &v); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, k+" "+v)
+	}
+	if want := []string{`r1 {"n":1}`, `r2 {"n":2}`, `r1 {"n":3}`}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("outbox %v, want %v", got, want)
+	}
+	row, err := l.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "r1"})
+	if err != nil || row.LastSeq != 2 {
+		t.Fatalf("r1 stored with last seq %v, %v; want 2", row, err)
 	}
 }

@@ -35,14 +35,12 @@ type Filter struct {
 // Row is one request's full row.
 type Row struct {
 	adminapi.RequestSummary
-	// Tracker and Extras are the raw JSON columns.
-	Tracker, Extras []byte
+	req *tracking.Request
 }
 
-// Request decodes the row's tracker and extras, as Apply does.
-func (r *Row) Request() (*tracking.Request, error) {
-	return decode(r.Tracker, r.Extras, r.LastSeq)
-}
+// Request returns the row's request state, its trackers' hash chain and
+// block tables included, as Apply sees it.
+func (r *Row) Request() (*tracking.Request, error) { return r.req, nil }
 
 const listColumns = `engine_id, request_id, model, state, coalesce(error, ''), last_seq,
 	coalesce((tracker->>'token_len')::int, 0), coalesce((tracker->>'num_saved_tokens')::int, 0),
@@ -78,16 +76,32 @@ func (l *Ledger) List(ctx context.Context, f Filter) ([]adminapi.RequestSummary,
 func (l *Ledger) Get(ctx context.Context, k Key) (*Row, error) {
 	var r Row
 	s := &r.RequestSummary
-	err := l.pool.QueryRow(ctx, `SELECT `+listColumns+`, tracker, extras FROM trackers
+	// One snapshot for the row and its segments.
+	tx, err := l.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return nil, fmt.Errorf("ledger: get %s/%s: %w", k.EngineID, k.RequestID, err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	var tb, xb, pb []byte
+	var created time.Time
+	err = tx.QueryRow(ctx, `SELECT `+listColumns+`, tracker, extras, parts, created_at FROM trackers
 		WHERE engine_id = $1 AND request_id = $2`, k.EngineID, k.RequestID).
 		Scan(&s.EngineID, &s.RequestID, &s.Model, &s.State, &s.Error, &s.LastSeq, &s.TokenLen,
-			&s.NumSavedTokens, &s.TasksPending, &s.CreatedAt, &s.UpdatedAt, &s.FinishedAt, &r.Tracker, &r.Extras)
+			&s.NumSavedTokens, &s.TasksPending, &s.CreatedAt, &s.UpdatedAt, &s.FinishedAt, &tb, &xb, &pb, &created)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%s/%s: %w", k.EngineID, k.RequestID, ErrNotFound)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("ledger: get %s/%s: %w", k.EngineID, k.RequestID, err)
 	}
+	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}}
+	if err := b.adopt(k, tb, xb, s.LastSeq, pb, created); err != nil {
+		return nil, err
+	}
+	if err := b.loadParts(ctx); err != nil {
+		return nil, err
+	}
+	r.req = b.reqs[k].req
 	return &r, nil
 }
 

@@ -17,7 +17,10 @@ import (
 // missing (seqGap). An errored request takes only its finish. An allocation
 // with external tokens whose lookup decision has not arrived is held, with
 // the events after it, until the decision comes; a finish is never held.
-func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
+//
+// model is the model the engine's step record names: an event of another
+// model than m fails the request.
+func (r *Request) Engine(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
 	var out Outcome
 	if ev.Seq <= r.LastSeq {
 		out.Stale = true
@@ -30,8 +33,8 @@ func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
 		r.seqGap(m, &out, ev, expected)
 		return out
 	}
-	if ev.Model != m.Name {
-		r.fail(&out, fmt.Errorf("event %d names model %q, this scheduler serves %q: %w", ev.Seq, ev.Model, m.Name, ErrWrongModel))
+	if model != m.Name {
+		r.fail(&out, fmt.Errorf("event %d names model %q, this scheduler serves %q: %w", ev.Seq, model, m.Name, ErrWrongModel))
 		if ev.Kind == contract.EventFinished {
 			r.release(m, &out, ev)
 		}
@@ -48,7 +51,7 @@ func (r *Request) Engine(m *kvcore.Model, ev contract.EngineEvent) Outcome {
 // finished_sending (kvcore.Tracker.FailClosed), and nothing more is emitted.
 // The event itself is dropped, except a finish, which still frees the
 // request. A request already errored or finished only records a warning.
-func (r *Request) seqGap(m *kvcore.Model, out *Outcome, ev contract.EngineEvent, expected int64) {
+func (r *Request) seqGap(m *kvcore.Model, out *Outcome, ev contract.RequestEvent, expected int64) {
 	src := source(ev)
 	err := fmt.Errorf("%s (%s): expected seq %d, received %d: %w", src, ev.Kind, expected, ev.Seq, ErrSeqGap)
 	switch {
@@ -87,10 +90,10 @@ func (r *Request) dropHeld(out *Outcome) {
 }
 
 // source names an engine event in warnings.
-func source(ev contract.EngineEvent) string { return "event " + strconv.FormatInt(ev.Seq, 10) }
+func source(ev contract.RequestEvent) string { return "event " + strconv.FormatInt(ev.Seq, 10) }
 
 // dispatch routes one in-order engine event.
-func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	switch {
 	case r.Store.State == kvcore.StateErrored && ev.Kind != contract.EventFinished:
 		out.Ignored = "errored"
@@ -110,7 +113,7 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.EngineEven
 }
 
 // admit records the hash chain, prompt length and role.
-func (r *Request) admit(ev contract.EngineEvent) {
+func (r *Request) admit(ev contract.RequestEvent) {
 	r.Store.OnAdmit(ev.BlockHashes, ev.PromptTokens)
 	if ev.Consumer {
 		r.Store.Consumer = true
@@ -121,7 +124,7 @@ func (r *Request) admit(ev contract.EngineEvent) {
 }
 
 // hold queues ev behind a held allocation.
-func (r *Request) hold(out *Outcome, ev contract.EngineEvent) {
+func (r *Request) hold(out *Outcome, ev contract.RequestEvent) {
 	out.Held = true
 	if len(r.Held.Events) >= maxHeld {
 		r.fail(out, fmt.Errorf("%s: %d events held for lookup decision %q: %w", source(ev), maxHeld, r.Held.Alloc.DecisionID, ErrHeldOverflow))
@@ -132,7 +135,7 @@ func (r *Request) hold(out *Outcome, ev contract.EngineEvent) {
 }
 
 // release applies a step, a preemption or a finish to the trackers.
-func (r *Request) release(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+func (r *Request) release(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	var s kvcore.Step
 	switch ev.Kind {
 	case contract.EventScheduled:
@@ -164,7 +167,7 @@ func (r *Request) step(m *kvcore.Model, out *Outcome, src string, s kvcore.Step)
 // allocate binds the allocation to its lookup decision and applies both,
 // or holds it when the decision is missing and external tokens are
 // promised (which child they belong to is not known yet).
-func (r *Request) allocate(m *kvcore.Model, out *Outcome, ev contract.EngineEvent) {
+func (r *Request) allocate(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	d := r.bind(ev.DecisionID)
 	if d == nil && ev.ExternalTokens > 0 {
 		r.Held = &Held{Alloc: ev}

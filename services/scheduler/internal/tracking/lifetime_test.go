@@ -41,7 +41,7 @@ func TestSeqGapFailsClosed(t *testing.T) {
 		}, false},
 		{"preempted", func(h *harness) Outcome { return h.kind(contract.EventPreempted) }, false},
 		{"admitted", func(h *harness) Outcome {
-			return h.event(contract.EngineEvent{Kind: contract.EventAdmitted, BlockHashes: hashes(8)})
+			return h.event(contract.RequestEvent{Kind: contract.EventAdmitted, BlockHashes: hashes(8)})
 		}, false},
 		{"finished", func(h *harness) Outcome { return h.kind(contract.EventFinished) }, true},
 	}
@@ -83,7 +83,7 @@ func TestSeqGapFailsClosed(t *testing.T) {
 			if counts(o) != [3]int{} || o.Ignored != "" || len(h.r.Store.StaleSaves) != 0 || h.r.Coverage[0].SavedTokens != 0 {
 				t.Fatalf("stale save result %+v stale %v coverage %+v", o, h.r.Store.StaleSaves, h.r.Coverage)
 			}
-			if o := h.r.Engine(h.m, contract.EngineEvent{Seq: 3, Kind: contract.EventScheduled, Model: h.m.Name}); !o.Stale {
+			if o := h.r.Engine(h.m, h.m.Name, contract.RequestEvent{Seq: 3, Kind: contract.EventScheduled}); !o.Stale {
 				t.Fatalf("redelivered event 3 not stale: %+v", o)
 			}
 		})
@@ -98,7 +98,7 @@ func TestSeqGapFirstEvent(t *testing.T) {
 		t.Run(string(k), func(t *testing.T) {
 			h := newHarness(t)
 			r := New(h.m, "e1", "r2")
-			o := r.Engine(h.m, contract.EngineEvent{Seq: 3, Kind: k, Model: h.m.Name})
+			o := r.Engine(h.m, h.m.Name, contract.RequestEvent{Seq: 3, Kind: k})
 			if f := requestError(t, o); !strings.Contains(f.Error, "expected seq 1, received 3") || r.LastSeq != 3 {
 				t.Fatalf("first event seq 3: %+v last seq %d", o, r.LastSeq)
 			}

@@ -14,7 +14,7 @@ import (
 // chosen, the store tracker's LoadSpec ends with can_load = false and emits
 // nothing for it (scenarios 9 and 21), and the pd tracker issues the load
 // from the prefill engine.
-func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecision, alloc contract.EngineEvent) {
+func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecision, alloc contract.RequestEvent) {
 	src := source(alloc)
 	chosen := chosenChild(d)
 	if d == nil {
@@ -37,7 +37,7 @@ func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecis
 
 // allocatePD drives the pd tracker with the attempt, creating it the first
 // time pd is chosen, and reports whether pd serves the external tokens.
-func (r *Request) allocatePD(m *kvcore.Model, out *Outcome, src string, d *contract.LookupDecision, chosen string, alloc contract.EngineEvent) bool {
+func (r *Request) allocatePD(m *kvcore.Model, out *Outcome, src string, d *contract.LookupDecision, chosen string, alloc contract.RequestEvent) bool {
 	serve := chosen == ConnectorPD && d != nil && d.PD != nil && alloc.ExternalTokens > 0
 	if !serve && r.PD == nil {
 		return false
@@ -70,7 +70,7 @@ func newPD(m *kvcore.Model, store *kvcore.Tracker) *kvcore.Tracker {
 // abandon answers external tokens nobody can load: the engine gets
 // finished_recving with every allocated block as a load error, so it
 // recomputes instead of waiting for a load that never comes.
-func (r *Request) abandon(out *Outcome, src, chosen string, alloc contract.EngineEvent) {
+func (r *Request) abandon(out *Outcome, src, chosen string, alloc contract.RequestEvent) {
 	err := fmt.Errorf("%d external tokens from connector %q: %w", alloc.ExternalTokens, chosen, ErrUnservedConnector)
 	if chosen == ConnectorPD {
 		err = fmt.Errorf("%d external tokens from connector pd without a pd_source: %w", alloc.ExternalTokens, ErrUnservedConnector)

@@ -25,7 +25,7 @@ func newHarness(t *testing.T) *harness {
 		t.Fatal(err)
 	}
 	h := &harness{t: t, m: m, r: New(m, "e1", "r1")}
-	h.event(contract.EngineEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(8)})
+	h.event(contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hashes(8)})
 	return h
 }
 
@@ -47,24 +47,23 @@ func table(first, n int) kvcore.BlockTable {
 	return t
 }
 
-func (h *harness) event(ev contract.EngineEvent) Outcome {
+func (h *harness) event(ev contract.RequestEvent) Outcome {
 	h.t.Helper()
 	h.seq++
-	ev.Seq, ev.Model, ev.EngineID, ev.RequestID = h.seq, h.m.Name, "e1", "r1"
-	ev.EventID = fmt.Sprintf("ev-%d", h.seq)
-	return h.r.Engine(h.m, ev)
+	ev.Seq, ev.RequestID = h.seq, "r1"
+	return h.r.Engine(h.m, h.m.Name, ev)
 }
 
 func (h *harness) alloc(external int, tbl kvcore.BlockTable, decisionID string) Outcome {
-	return h.event(contract.EngineEvent{Kind: contract.EventAllocated, ExternalTokens: external, BlockTable: tbl, DecisionID: decisionID})
+	return h.event(contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: external, BlockTable: tbl, DecisionID: decisionID})
 }
 
 func (h *harness) step(s kvcore.Step) Outcome {
-	return h.event(contract.EngineEvent{Kind: contract.EventScheduled, Step: &s})
+	return h.event(contract.RequestEvent{Kind: contract.EventScheduled, Step: &s})
 }
 
 func (h *harness) kind(k contract.EventKind) Outcome {
-	return h.event(contract.EngineEvent{Kind: k})
+	return h.event(contract.RequestEvent{Kind: k})
 }
 
 // decision is a lookup decision over [pd?, store] choosing chosen.
@@ -205,7 +204,7 @@ func TestErroredRequests(t *testing.T) {
 		}, kvcore.ErrGroupCount},
 		{"wrong_model", func(h *harness) Outcome {
 			h.seq++
-			return h.r.Engine(h.m, contract.EngineEvent{Seq: h.seq, Kind: contract.EventAdmitted, Model: "other"})
+			return h.r.Engine(h.m, "other", contract.RequestEvent{Seq: h.seq, Kind: contract.EventAdmitted})
 		}, ErrWrongModel},
 	}
 	for _, c := range cases {
@@ -230,8 +229,8 @@ func TestErroredRequests(t *testing.T) {
 
 func TestStaleEventIgnored(t *testing.T) {
 	h := newHarness(t)
-	ev := contract.EngineEvent{Seq: 1, Kind: contract.EventFinished, Model: h.m.Name}
-	if o := h.r.Engine(h.m, ev); !o.Stale || h.r.Done() {
+	ev := contract.RequestEvent{Seq: 1, Kind: contract.EventFinished}
+	if o := h.r.Engine(h.m, h.m.Name, ev); !o.Stale || h.r.Done() {
 		t.Fatalf("stale finish applied: %+v", o)
 	}
 }

@@ -34,7 +34,9 @@ type Config struct {
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db); the sender checks which keys exist there"`
 	// Consumers is the number of consumer-group members in this process.
-	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles its partitions one task at a time)"`
+	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles up to KVMESH_SENDER_CONCURRENCY tasks of its partitions at once)"`
+	// Concurrency is the save tasks each consumer handles at once.
+	Concurrency int `env:"KVMESH_SENDER_CONCURRENCY" default:"16" doc:"save tasks each consumer-group member handles at once, in lanes by request id: the tasks of one request are handled in order, one at a time"`
 	// RetryAttempts bounds the attempts of an existence check or a put.
 	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
 	// RetryBase is the first retry's delay.
@@ -79,6 +81,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Consumers < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_CONSUMERS: %d is not positive", c.Consumers))
+	}
+	if c.Concurrency < 1 {
+		errs = append(errs, fmt.Errorf("KVMESH_SENDER_CONCURRENCY: %d is not positive", c.Concurrency))
 	}
 	if c.RetryAttempts < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_RETRY_ATTEMPTS: %d is not positive", c.RetryAttempts))
@@ -172,6 +177,7 @@ func (a *App) wire(cfg Config) error {
 	}
 	cc := cfg.ConsumerConfig(ConsumerGroup, []string{contract.TopicSaveTasks}, a.deps.Log)
 	cc.OnDeadLetter = a.processor.DeadLetter
+	cc.Concurrency = cfg.Concurrency
 	if err := a.deps.WatchConsumerLag(cc); err != nil {
 		return err
 	}

@@ -59,6 +59,7 @@ func TestREADMEConfig(t *testing.T) {
 func TestConfigRejectsBadValues(t *testing.T) {
 	cases := map[string]string{
 		"KVMESH_SENDER_CONSUMERS":      "0",
+		"KVMESH_SENDER_CONCURRENCY":    "0",
 		"KVMESH_SENDER_RETRY_ATTEMPTS": "0",
 		"KVMESH_SENDER_PUT_TIMEOUT":    "-1s",
 	}

@@ -73,7 +73,13 @@ type Options struct {
 }
 
 // Processor handles save tasks. It is safe for concurrent use by several
-// consumers of one process; they share one pressure gate.
+// consumers of one process and by the lanes of each
+// (KVMESH_SENDER_CONCURRENCY): every call keeps its task's state to itself,
+// and what calls share (the pressure gate, the metrics, the worker
+// registry's cache, the ledger's pool) is locked or safe for concurrent use.
+// The consumer hands the tasks of one request (one record key) to one lane,
+// so they are handled in order; a redelivered task is recognised by its
+// save_outcomes row, keyed by task id.
 type Processor struct {
 	model        *kvcore.Model
 	keys         kvcore.KeyBuilder

@@ -1,0 +1,591 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+)
+
+// ErrPartsCorrupt reports stored segments that disagree with their row's
+// parts meta.
+var ErrPartsCorrupt = errors.New("ledger: tracker parts do not match their row")
+
+// Change is one request's part of a Unit: the request it changes (of the
+// unit's engine) and how.
+type Change struct {
+	// RequestID names the request.
+	RequestID string
+	// Create lets the change start a request that has no row yet.
+	Create bool
+	// Apply changes the locked request and returns the messages to enqueue.
+	Apply ApplyFunc
+}
+
+// Unit is one consumed record: its id, recorded in processed_records, and
+// the requests it changes, in order. An engine step record is one unit
+// with a change per request event; a decision or a result has one change.
+type Unit struct {
+	// Record identifies the record (Create is ignored; see Change).
+	Record Record
+	// Changes are applied in order.
+	Changes []Change
+}
+
+// Statements of ApplyBatch. Arrays are passed whole (unnest), so each
+// statement costs one execution whatever the number of records; segment
+// contents travel as comma-joined text (hex hashes and block ids contain
+// no comma) because SQL arrays of arrays must be rectangular.
+const (
+	insertProcessedSet = `INSERT INTO processed_records (kind, engine_id, request_id, id)
+		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
+		ON CONFLICT DO NOTHING RETURNING kind, engine_id, request_id, id`
+	lockTrackers = `SELECT t.engine_id, t.request_id, t.tracker, t.extras, t.last_seq, t.parts, t.created_at
+		FROM trackers t JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON t.engine_id = k.e AND t.request_id = k.r
+		ORDER BY t.engine_id, t.request_id FOR UPDATE OF t`
+	insertTrackers = `INSERT INTO trackers (engine_id, request_id, model, state, tracker, extras, parts)
+		SELECT e, r, $3, $4, $5::jsonb, $6::jsonb, $7::jsonb FROM unnest($1::text[], $2::text[]) AS k(e, r)
+		ORDER BY e, r ON CONFLICT DO NOTHING`
+	selectHashes = `SELECT h.engine_id, h.request_id, h.start, h.hashes
+		FROM tracker_hashes h JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON h.engine_id = k.e AND h.request_id = k.r
+		ORDER BY h.engine_id, h.request_id, h.start`
+	selectBlocks = `SELECT b.engine_id, b.request_id, b.slot, b.grp, b.start, b.blocks
+		FROM tracker_blocks b JOIN unnest($1::text[], $2::text[], $3::int[], $4::int[]) AS k(e, r, g0, g1)
+		  ON b.engine_id = k.e AND b.request_id = k.r AND b.gen = CASE b.slot WHEN 0 THEN k.g0 ELSE k.g1 END
+		ORDER BY b.engine_id, b.request_id, b.slot, b.grp, b.start`
+	updateTrackers = `UPDATE trackers t SET model = u.model, state = u.state, tracker = u.tracker::jsonb,
+		    extras = u.extras::jsonb, last_seq = u.last_seq, error = NULLIF(u.error, ''), parts = u.parts::jsonb,
+		    updated_at = now(), finished_at = CASE WHEN u.done THEN coalesce(t.finished_at, now()) ELSE NULL END
+		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[],
+		            $8::text[], $9::text[], $10::bool[])
+		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done)
+		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id`
+	deleteHashes = `DELETE FROM tracker_hashes h USING unnest($1::text[], $2::text[]) AS k(e, r)
+		WHERE h.engine_id = k.e AND h.request_id = k.r`
+	insertHashes = `INSERT INTO tracker_hashes (engine_id, request_id, start, hashes)
+		SELECT e, r, s, string_to_array(h, ',') FROM unnest($1::text[], $2::text[], $3::int[], $4::text[]) AS k(e, r, s, h)`
+	deleteOldBlocks = `DELETE FROM tracker_blocks b USING unnest($1::text[], $2::text[], $3::int[], $4::int[]) AS k(e, r, s, g)
+		WHERE b.engine_id = k.e AND b.request_id = k.r AND b.slot = k.s AND b.gen < k.g`
+	insertBlocks = `INSERT INTO tracker_blocks (engine_id, request_id, slot, gen, grp, start, blocks)
+		SELECT e, r, s, g, p, st, string_to_array(b, ',')::bigint[]
+		FROM unnest($1::text[], $2::text[], $3::int[], $4::int[], $5::int[], $6::int[], $7::text[]) AS k(e, r, s, g, p, st, b)`
+)
+
+// loaded is one locked request of a batch.
+type loaded struct {
+	key   Key
+	req   *tracking.Request
+	born  int64
+	old   *parts // what the segments hold (empty for a legacy row)
+	dirty bool
+	next  *parts // after a store
+}
+
+// batchTx is the state of one ApplyBatch transaction.
+type batchTx struct {
+	l      *Ledger
+	tx     pgx.Tx
+	reqs   map[Key]*loaded
+	misses []*loaded
+}
+
+// ApplyBatch applies units in one transaction: it records their ids (a
+// unit whose id was applied before, or that repeats an earlier unit of the
+// batch, is a Duplicate and changes nothing), locks every request they
+// change in key order (creating the rows their changes may create), runs
+// the changes in unit order, writes back only what changed — each
+// request's small state in one set-based UPDATE, and the hash and block
+// segments it added — and enqueues the changes' messages in the outbox, in
+// order. Statuses answer units by index. An error rolls everything back.
+func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error) {
+	statuses := make([]Status, len(units))
+	fresh := l.dedupe(units, statuses)
+	if len(fresh) == 0 {
+		return statuses, nil
+	}
+	tx, err := l.pool.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
+	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}}
+	applied, err := b.lock(ctx, units, fresh)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.loadParts(ctx); err != nil {
+		return nil, err
+	}
+	var msgs []bus.Message
+	for _, i := range fresh {
+		if !applied[i] {
+			statuses[i] = Duplicate
+			continue
+		}
+		st, out, err := b.apply(units[i])
+		if err != nil {
+			return nil, err
+		}
+		statuses[i] = st
+		msgs = append(msgs, out...)
+	}
+	if err := b.write(ctx, msgs); err != nil {
+		return nil, err
+	}
+	if err := commit(ctx, tx); err != nil {
+		return nil, err
+	}
+	for _, r := range b.reqs {
+		p := r.old
+		if r.next != nil {
+			p = r.next
+		}
+		l.cache.put(r.key, r.born, p)
+	}
+	return statuses, nil
+}
+
+// dedupe marks units repeating an earlier unit's id as duplicates and
+// returns the indexes of the others.
+func (l *Ledger) dedupe(units []Unit, statuses []Status) []int {
+	seen := make(map[Record]bool, len(units))
+	fresh := make([]int, 0, len(units))
+	for i, u := range units {
+		id := u.Record
+		id.Create = false
+		if seen[id] {
+			statuses[i] = Duplicate
+			continue
+		}
+		seen[id] = true
+		fresh = append(fresh, i)
+	}
+	return fresh
+}
+
+// lock records the fresh units' ids and locks their requests' rows,
+// creating the missing rows a change may create; it reports which units
+// were not applied before.
+func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]bool, error) {
+	var kinds, engines, requests, ids []string
+	keys := map[Key]bool{}
+	creatable := map[Key]bool{}
+	for _, i := range fresh {
+		r := units[i].Record
+		kinds, engines, requests, ids = append(kinds, r.Kind), append(engines, r.EngineID), append(requests, r.RequestID), append(ids, r.ID)
+		for _, c := range units[i].Changes {
+			k := Key{EngineID: r.EngineID, RequestID: c.RequestID}
+			keys[k] = true
+			creatable[k] = creatable[k] || c.Create
+		}
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(insertProcessedSet, kinds, engines, requests, ids)
+	ke, kr := keyArrays(keys)
+	batch.Queue(lockTrackers, ke, kr)
+	br := b.tx.SendBatch(ctx, batch)
+	newIDs, err := scanProcessed(br)
+	if err == nil {
+		err = b.scanLocked(br)
+	}
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("ledger: lock: %w", cerr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	missing := map[Key]bool{}
+	for k := range keys {
+		if b.reqs[k] == nil && creatable[k] {
+			missing[k] = true
+		}
+	}
+	if err := b.create(ctx, missing); err != nil {
+		return nil, err
+	}
+	applied := make(map[int]bool, len(fresh))
+	for _, i := range fresh {
+		r := units[i].Record
+		r.Create = false
+		applied[i] = newIDs[r]
+	}
+	return applied, nil
+}
+
+// keyArrays returns the keys as two parallel arrays in key order.
+func keyArrays(keys map[Key]bool) (engines, requests []string) {
+	list := make([]Key, 0, len(keys))
+	for k := range keys {
+		list = append(list, k)
+	}
+	slices.SortFunc(list, func(a, b Key) int {
+		if c := strings.Compare(a.EngineID, b.EngineID); c != 0 {
+			return c
+		}
+		return strings.Compare(a.RequestID, b.RequestID)
+	})
+	engines, requests = make([]string, len(list)), make([]string, len(list))
+	for i, k := range list {
+		engines[i], requests[i] = k.EngineID, k.RequestID
+	}
+	return engines, requests
+}
+
+// scanProcessed reads the ids insertProcessedSet inserted.
+func scanProcessed(br pgx.BatchResults) (map[Record]bool, error) {
+	rows, err := br.Query()
+	if err != nil {
+		return nil, fmt.Errorf("ledger: record ids: %w", err)
+	}
+	out := map[Record]bool{}
+	var r Record
+	_, err = pgx.ForEachRow(rows, []any{&r.Kind, &r.EngineID, &r.RequestID, &r.ID}, func() error {
+		out[r] = true
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ledger: record ids: %w", err)
+	}
+	return out, nil
+}
+
+// scanLocked decodes the locked rows; a row whose parts are not cached is
+// a miss, read by loadParts.
+func (b *batchTx) scanLocked(br pgx.BatchResults) error {
+	rows, err := br.Query()
+	if err != nil {
+		return fmt.Errorf("ledger: lock: %w", err)
+	}
+	var k Key
+	var tb, xb, pb []byte
+	var seq int64
+	var created time.Time
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &tb, &xb, &seq, &pb, &created}, func() error {
+		return b.adopt(k, tb, xb, seq, pb, created)
+	})
+	if err != nil {
+		return fmt.Errorf("ledger: lock: %w", err)
+	}
+	return nil
+}
+
+// adopt decodes one locked row and finds its parts in the cache.
+func (b *batchTx) adopt(k Key, tb, xb []byte, seq int64, pb []byte, created time.Time) error {
+	req, err := decode(tb, xb, seq)
+	if err != nil {
+		return err
+	}
+	r := &loaded{key: k, req: req, born: created.UnixMicro()}
+	b.reqs[k] = r
+	if pb == nil {
+		// Written before migration 0006: the chain and tables are inline
+		// (decoded into req) and no segment holds them yet, so the next
+		// store writes them all.
+		r.old = &parts{}
+		return nil
+	}
+	var meta PartsMeta
+	if err := jsonUnmarshal(pb, &meta); err != nil {
+		return fmt.Errorf("ledger: parts of %s/%s: %w", k.EngineID, k.RequestID, err)
+	}
+	if p := b.l.cache.get(k, r.born, &meta); p != nil {
+		r.old = p
+		p.install(req)
+		return nil
+	}
+	r.old = &parts{meta: meta}
+	b.misses = append(b.misses, r)
+	return nil
+}
+
+// create inserts the missing rows (fresh trackers) and locks them.
+func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
+	if len(missing) == 0 {
+		return nil
+	}
+	fresh := tracking.New(b.l.model, "", "")
+	tb, xb, err := smallJSON(fresh, &PartsMeta{})
+	if err != nil {
+		return err
+	}
+	pb, err := jsonMarshal(PartsMeta{})
+	if err != nil {
+		return err
+	}
+	ke, kr := keyArrays(missing)
+	batch := &pgx.Batch{}
+	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, string(fresh.State()), string(tb), string(xb), string(pb))
+	batch.Queue(lockTrackers, ke, kr)
+	br := b.tx.SendBatch(ctx, batch)
+	_, err = br.Exec()
+	if err != nil {
+		err = fmt.Errorf("ledger: create %d trackers: %w", len(missing), err)
+	} else {
+		err = b.scanLocked(br)
+	}
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("ledger: create: %w", cerr)
+	}
+	if err != nil {
+		return err
+	}
+	for k := range missing {
+		r := b.reqs[k]
+		if r == nil {
+			return fmt.Errorf("ledger: create %s/%s: row not found after insert", k.EngineID, k.RequestID)
+		}
+		// A fresh row's tracker JSON carries no ids; they are the key's.
+		r.req.Store.EngineID, r.req.Store.RequestID = k.EngineID, k.RequestID
+	}
+	return nil
+}
+
+// loadParts reads the segments of the rows whose parts were not cached.
+func (b *batchTx) loadParts(ctx context.Context) error {
+	if len(b.misses) == 0 {
+		return nil
+	}
+	n := len(b.misses)
+	es, rs, g0, g1 := make([]string, n), make([]string, n), make([]int32, n), make([]int32, n)
+	byKey := make(map[Key]*loaded, n)
+	for i, r := range b.misses {
+		es[i], rs[i] = r.key.EngineID, r.key.RequestID
+		g0[i], g1[i] = int32(r.old.meta.Slots[slotStore].Gen), int32(r.old.meta.Slots[slotPD].Gen)
+		byKey[r.key] = r
+		r.old.tables = emptyTables(&r.old.meta)
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(selectHashes, es, rs)
+	batch.Queue(selectBlocks, es, rs, g0, g1)
+	br := b.tx.SendBatch(ctx, batch)
+	err := scanHashes(br, byKey)
+	if err == nil {
+		err = scanBlocks(br, byKey)
+	}
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("ledger: read parts: %w", cerr)
+	}
+	if err != nil {
+		return err
+	}
+	for _, r := range b.misses {
+		if err := r.old.check(r.key); err != nil {
+			return err
+		}
+		r.old.install(r.req)
+	}
+	return nil
+}
+
+// emptyTables returns the tables meta describes, with empty groups.
+func emptyTables(meta *PartsMeta) [numSlots]kvcore.BlockTable {
+	var out [numSlots]kvcore.BlockTable
+	for s, sm := range meta.Slots {
+		if sm.Lens != nil {
+			out[s] = make(kvcore.BlockTable, len(sm.Lens))
+		}
+	}
+	return out
+}
+
+func scanHashes(br pgx.BatchResults, byKey map[Key]*loaded) error {
+	rows, err := br.Query()
+	if err != nil {
+		return fmt.Errorf("ledger: read hashes: %w", err)
+	}
+	var k Key
+	var start int
+	var hs []string
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &start, &hs}, func() error {
+		p := byKey[k].old
+		if start != len(p.hashes) {
+			return fmt.Errorf("%s/%s: hash segment at %d after %d hashes: %w", k.EngineID, k.RequestID, start, len(p.hashes), ErrPartsCorrupt)
+		}
+		p.hashes = append(p.hashes, hs...)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("ledger: read hashes: %w", err)
+	}
+	return nil
+}
+
+func scanBlocks(br pgx.BatchResults, byKey map[Key]*loaded) error {
+	rows, err := br.Query()
+	if err != nil {
+		return fmt.Errorf("ledger: read blocks: %w", err)
+	}
+	var k Key
+	var slot, grp, start int
+	var bs []int64
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &slot, &grp, &start, &bs}, func() error {
+		p := byKey[k].old
+		if slot >= numSlots || p.tables[slot] == nil || grp >= len(p.tables[slot]) || start != len(p.tables[slot][grp]) {
+			return fmt.Errorf("%s/%s: block segment slot %d group %d at %d: %w", k.EngineID, k.RequestID, slot, grp, start, ErrPartsCorrupt)
+		}
+		for _, v := range bs {
+			p.tables[slot][grp] = append(p.tables[slot][grp], kvcore.BlockID(v))
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("ledger: read blocks: %w", err)
+	}
+	return nil
+}
+
+// check verifies the read segments against the meta.
+func (p *parts) check(k Key) error {
+	if len(p.hashes) != p.meta.Hashes {
+		return fmt.Errorf("%s/%s: %d hashes stored, row says %d: %w", k.EngineID, k.RequestID, len(p.hashes), p.meta.Hashes, ErrPartsCorrupt)
+	}
+	for s, sm := range p.meta.Slots {
+		for g, n := range sm.Lens {
+			if len(p.tables[s][g]) != n {
+				return fmt.Errorf("%s/%s: slot %d group %d holds %d blocks, row says %d: %w", k.EngineID, k.RequestID, s, g, len(p.tables[s][g]), n, ErrPartsCorrupt)
+			}
+		}
+	}
+	return nil
+}
+
+// apply runs one unit's changes on the locked requests.
+func (b *batchTx) apply(u Unit) (Status, []bus.Message, error) {
+	var msgs []bus.Message
+	found := false
+	for _, c := range u.Changes {
+		r := b.reqs[Key{EngineID: u.Record.EngineID, RequestID: c.RequestID}]
+		if r == nil {
+			continue
+		}
+		found = true
+		out, err := c.Apply(r.req)
+		if err != nil {
+			return "", nil, err
+		}
+		r.dirty = true
+		msgs = append(msgs, out...)
+	}
+	if !found && len(u.Changes) > 0 {
+		return NoRequest, nil, nil
+	}
+	return Applied, msgs, nil
+}
+
+// write stores every changed request and enqueues msgs, in one round trip.
+func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
+	batch := &pgx.Batch{}
+	var w writeSet
+	for _, r := range b.reqs {
+		if !r.dirty {
+			continue
+		}
+		if err := w.add(r); err != nil {
+			return err
+		}
+	}
+	w.queue(batch)
+	if err := database.EnqueueBatch(ctx, batch, msgs); err != nil {
+		return fmt.Errorf("ledger: %w", err)
+	}
+	if batch.Len() == 0 {
+		return nil
+	}
+	if err := b.tx.SendBatch(ctx, batch).Close(); err != nil {
+		return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
+	}
+	return nil
+}
+
+// writeSet collects the column arrays of one batch's writes.
+type writeSet struct {
+	// trackers rows
+	te, tr, model, state, tracker, extras, errs, partsJSON []string
+	seq                                                    []int64
+	done                                                   []bool
+	// hash segments (and chains to delete first)
+	he, hr, hh []string
+	hs         []int32
+	de, dr     []string
+	// block segments
+	be, br, bb             []string
+	bslot, bgen, bgrp, bst []int32
+	// older generations to delete
+	oe, or    []string
+	os, ogens []int32
+}
+
+func (w *writeSet) rows() int { return len(w.te) }
+
+// add records one changed request.
+func (w *writeSet) add(r *loaded) error {
+	nw, d := diff(r.old, r.req)
+	tb, xb, err := smallJSON(r.req, &nw.meta)
+	if err != nil {
+		return err
+	}
+	pb, err := jsonMarshal(nw.meta)
+	if err != nil {
+		return err
+	}
+	r.next = nw
+	k, t := r.key, r.req.Store
+	w.te, w.tr, w.model, w.state = append(w.te, k.EngineID), append(w.tr, k.RequestID), append(w.model, t.Model), append(w.state, string(t.State))
+	w.tracker, w.extras, w.errs, w.partsJSON = append(w.tracker, string(tb)), append(w.extras, string(xb)), append(w.errs, t.Error), append(w.partsJSON, string(pb))
+	w.seq, w.done = append(w.seq, r.req.LastSeq), append(w.done, r.req.Done())
+	if d.rewriteHashes {
+		w.de, w.dr = append(w.de, k.EngineID), append(w.dr, k.RequestID)
+	}
+	for _, h := range d.hashes {
+		w.he, w.hr, w.hs, w.hh = append(w.he, k.EngineID), append(w.hr, k.RequestID), append(w.hs, int32(h.start)), append(w.hh, strings.Join(h.hashes, ","))
+	}
+	for _, s := range d.blocks {
+		w.be, w.br, w.bb = append(w.be, k.EngineID), append(w.br, k.RequestID), append(w.bb, joinIDs(s.blocks))
+		w.bslot, w.bgen, w.bgrp, w.bst = append(w.bslot, int32(s.slot)), append(w.bgen, int32(s.gen)), append(w.bgrp, int32(s.grp)), append(w.bst, int32(s.start))
+	}
+	for _, s := range d.newGen {
+		w.oe, w.or, w.os, w.ogens = append(w.oe, k.EngineID), append(w.or, k.RequestID), append(w.os, int32(s)), append(w.ogens, int32(nw.meta.Slots[s].Gen))
+	}
+	return nil
+}
+
+// queue adds the set-based statements for what add collected.
+func (w *writeSet) queue(batch *pgx.Batch) {
+	if len(w.te) > 0 {
+		batch.Queue(updateTrackers, w.te, w.tr, w.model, w.state, w.tracker, w.extras, w.seq, w.errs, w.partsJSON, w.done)
+	}
+	if len(w.de) > 0 {
+		batch.Queue(deleteHashes, w.de, w.dr)
+	}
+	if len(w.he) > 0 {
+		batch.Queue(insertHashes, w.he, w.hr, w.hs, w.hh)
+	}
+	if len(w.oe) > 0 {
+		batch.Queue(deleteOldBlocks, w.oe, w.or, w.os, w.ogens)
+	}
+	if len(w.be) > 0 {
+		batch.Queue(insertBlocks, w.be, w.br, w.bslot, w.bgen, w.bgrp, w.bst, w.bb)
+	}
+}
+
+// joinIDs renders block ids as comma-separated decimal.
+func joinIDs(ids []int64) string {
+	buf := make([]byte, 0, len(ids)*6)
+	for i, v := range ids {
+		if i > 0 {
+			buf = append(buf, ',')
+		}
+		buf = strconv.AppendInt(buf, v, 10)
+	}
+	return string(buf)
+}

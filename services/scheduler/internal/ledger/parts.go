@@ -1,0 +1,317 @@
+package ledger
+
+import (
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+)
+
+// A request's trackers keep two parts that grow with the prompt: the hash
+// chain and the block tables. They are append-only between generations, so
+// the ledger writes them once, in segments (tables tracker_hashes and
+// tracker_blocks), and keeps them out of the tracker JSON that every event
+// rewrites. An event costs the small mutable state plus the segments it
+// adds, whatever the prompt's length.
+
+// Tracker slots in tracker_blocks and PartsMeta.Slots.
+const (
+	slotStore = 0
+	slotPD    = 1
+	numSlots  = 2
+)
+
+// PartsMeta is what the segments of one request hold (the trackers.parts
+// column): the chain length, and per tracker slot the table generation and
+// each group's length. A reader's cached parts are valid while they match.
+type PartsMeta struct {
+	// Hashes is the length of the hash chain.
+	Hashes int `json:"hashes"`
+	// PDHashes is the length of the pd tracker's chain, a prefix of the
+	// request's chain (-1: the pd tracker keeps its own chain inline).
+	PDHashes int `json:"pd_hashes,omitempty"`
+	// Slots are the block tables of the store tracker and the pd tracker.
+	Slots [numSlots]SlotMeta `json:"slots"`
+}
+
+// SlotMeta describes one tracker's block table.
+type SlotMeta struct {
+	// Gen is the table generation; a replaced table starts a new one.
+	Gen int `json:"gen"`
+	// Lens are the groups' lengths; nil is no table.
+	Lens []int `json:"lens"`
+}
+
+// equal reports whether m and o describe the same segments.
+func (m *PartsMeta) equal(o *PartsMeta) bool {
+	if m.Hashes != o.Hashes || m.PDHashes != o.PDHashes {
+		return false
+	}
+	for s := range m.Slots {
+		a, b := m.Slots[s], o.Slots[s]
+		if a.Gen != b.Gen || (a.Lens == nil) != (b.Lens == nil) || !slices.Equal(a.Lens, b.Lens) {
+			return false
+		}
+	}
+	return true
+}
+
+// parts is one request's chain and tables as stored: meta says what the
+// segments hold; hashes and tables are their contents.
+type parts struct {
+	meta   PartsMeta
+	hashes []string
+	tables [numSlots]kvcore.BlockTable
+}
+
+// hashSegment and blockSegment are rows to insert.
+type hashSegment struct {
+	start  int
+	hashes []string
+}
+
+type blockSegment struct {
+	slot, gen, grp, start int
+	blocks                []int64
+}
+
+// delta is what storing a request writes beyond its small state.
+type delta struct {
+	hashes []hashSegment
+	// rewriteHashes deletes the stored chain before hashes are inserted.
+	rewriteHashes bool
+	blocks        []blockSegment
+	// newGen lists the slots whose table was replaced: their rows of older
+	// generations are deleted.
+	newGen []int
+}
+
+// slotTrackers returns the request's trackers by slot (nil: none).
+func slotTrackers(req *tracking.Request) [numSlots]*kvcore.Tracker {
+	return [numSlots]*kvcore.Tracker{slotStore: req.Store, slotPD: req.PD}
+}
+
+// install puts p's chain and tables into req's trackers (clipped, so an
+// append by the tracker never writes into p's arrays).
+func (p *parts) install(req *tracking.Request) {
+	req.Store.Hashes = slices.Clip(p.hashes)
+	if req.PD != nil && p.meta.PDHashes >= 0 && p.meta.PDHashes <= len(p.hashes) {
+		req.PD.Hashes = slices.Clip(p.hashes[:p.meta.PDHashes])
+	}
+	for s, t := range slotTrackers(req) {
+		if t != nil {
+			t.Table = clipTable(p.tables[s])
+		}
+	}
+}
+
+// clipTable returns t with every group clipped to its length.
+func clipTable(t kvcore.BlockTable) kvcore.BlockTable {
+	if t == nil {
+		return nil
+	}
+	out := make(kvcore.BlockTable, len(t))
+	for g := range t {
+		out[g] = slices.Clip(t[g])
+	}
+	return out
+}
+
+// diff compares req's trackers with the stored parts old and returns the
+// new parts and the segments to write. The chain only grows; a table
+// either grows in every group (appended segments) or is replaced (a new
+// generation holding the whole table).
+func diff(old *parts, req *tracking.Request) (*parts, delta) {
+	var d delta
+	nw := &parts{meta: old.meta}
+	h := req.Store.Hashes
+	switch {
+	case len(h) > len(old.hashes) && slices.Equal(h[:len(old.hashes)], old.hashes):
+		d.hashes = append(d.hashes, hashSegment{start: len(old.hashes), hashes: h[len(old.hashes):]})
+	case !slices.Equal(h, old.hashes):
+		// kvcore never does this (the chain only grows); should it happen,
+		// the whole chain is written again.
+		d.rewriteHashes = true
+		if len(h) > 0 {
+			d.hashes = append(d.hashes, hashSegment{start: 0, hashes: h})
+		}
+	}
+	nw.hashes = h
+	nw.meta.Hashes = len(h)
+	nw.meta.PDHashes = 0
+	if req.PD != nil {
+		nw.meta.PDHashes = -1
+		if p := req.PD.Hashes; len(p) <= len(h) && slices.Equal(p, h[:len(p)]) {
+			nw.meta.PDHashes = len(p)
+		}
+	}
+	for s, t := range slotTrackers(req) {
+		var table kvcore.BlockTable
+		if t != nil {
+			table = t.Table
+		}
+		nw.tables[s] = table
+		d.table(&nw.meta.Slots[s], s, old.tables[s], table)
+	}
+	return nw, d
+}
+
+// table records the segments of one slot's table and updates its meta.
+func (d *delta) table(meta *SlotMeta, slot int, old, nw kvcore.BlockTable) {
+	if nw == nil {
+		if old != nil {
+			meta.Gen++
+			d.newGen = append(d.newGen, slot)
+		}
+		meta.Lens = nil
+		return
+	}
+	if old != nil && appended(old, nw) {
+		for g := range nw {
+			if len(nw[g]) > len(old[g]) {
+				d.blocks = append(d.blocks, blockSegment{slot: slot, gen: meta.Gen, grp: g, start: len(old[g]), blocks: ids(nw[g][len(old[g]):])})
+			}
+		}
+		meta.Lens = lens(nw)
+		return
+	}
+	if old != nil || meta.Lens != nil || meta.Gen > 0 {
+		meta.Gen++
+		d.newGen = append(d.newGen, slot)
+	}
+	for g := range nw {
+		if len(nw[g]) > 0 {
+			d.blocks = append(d.blocks, blockSegment{slot: slot, gen: meta.Gen, grp: g, start: 0, blocks: ids(nw[g])})
+		}
+	}
+	meta.Lens = lens(nw)
+}
+
+// appended reports whether nw is old with block ids appended per group.
+func appended(old, nw kvcore.BlockTable) bool {
+	if len(old) != len(nw) {
+		return false
+	}
+	for g := range old {
+		if len(nw[g]) < len(old[g]) || !slices.Equal(nw[g][:len(old[g])], old[g]) {
+			return false
+		}
+	}
+	return true
+}
+
+func lens(t kvcore.BlockTable) []int {
+	out := make([]int, len(t))
+	for g := range t {
+		out[g] = len(t[g])
+	}
+	return out
+}
+
+func ids(b []kvcore.BlockID) []int64 {
+	out := make([]int64, len(b))
+	for i, v := range b {
+		out[i] = int64(v)
+	}
+	return out
+}
+
+// smallJSON encodes the request's mutable state: its trackers without the
+// parts (the pd tracker keeps its chain inline only when it is not a
+// prefix of the request's, meta.PDHashes -1).
+func smallJSON(req *tracking.Request, meta *PartsMeta) (tracker, extras []byte, err error) {
+	st := *req.Store
+	st.Hashes, st.Table = nil, nil
+	if tracker, err = kvcore.MarshalTracker(&st); err != nil {
+		return nil, nil, fmt.Errorf("ledger: %w", err)
+	}
+	x := req.Extras
+	if req.PD != nil {
+		pd := *req.PD
+		pd.Table = nil
+		if meta.PDHashes >= 0 {
+			pd.Hashes = nil
+		}
+		x.PD = &pd
+	}
+	if extras, err = json.Marshal(x); err != nil {
+		return nil, nil, fmt.Errorf("ledger: encode extras of %s/%s: %w", req.Store.EngineID, req.Store.RequestID, err)
+	}
+	return tracker, extras, nil
+}
+
+// partsCache keeps the parts of recently applied requests, so an event
+// reads only the small row. An entry is used only while its meta equals
+// the row's (and the row is the same incarnation), so any writer — another
+// consumer, another replica — invalidates it by changing the row.
+type partsCache struct {
+	mu      sync.Mutex
+	max     int
+	entries map[Key]*cachedParts
+	order   []Key // insertion order, for eviction
+}
+
+type cachedParts struct {
+	born  int64 // the row's created_at, in µs: one incarnation of the key
+	parts *parts
+}
+
+// DefaultPartsCacheEntries bounds the parts cache (requests).
+const DefaultPartsCacheEntries = 65536
+
+func newPartsCache(n int) *partsCache {
+	return &partsCache{max: n, entries: map[Key]*cachedParts{}}
+}
+
+// get returns the cached parts of k when they match meta and born.
+func (c *partsCache) get(k Key, born int64, meta *PartsMeta) *parts {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e := c.entries[k]
+	if e == nil || e.born != born || !e.parts.meta.equal(meta) {
+		return nil
+	}
+	return e.parts
+}
+
+// put records k's parts after a commit.
+func (c *partsCache) put(k Key, born int64, p *parts) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.entries[k]; !ok {
+		c.order = append(c.order, k)
+	}
+	c.entries[k] = &cachedParts{born: born, parts: p}
+	for len(c.entries) > c.max && len(c.order) > 0 {
+		delete(c.entries, c.order[0])
+		c.order = c.order[1:]
+	}
+	if len(c.order) > 2*c.max {
+		c.order = slices.DeleteFunc(c.order, func(k Key) bool { _, ok := c.entries[k]; return !ok })
+	}
+}
+
+// drop forgets k (its row was deleted or its transaction failed).
+func (c *partsCache) drop(k Key) {
+	c.mu.Lock()
+	delete(c.entries, k)
+	c.mu.Unlock()
+}
+
+func jsonMarshal(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: encode: %w", err)
+	}
+	return b, nil
+}
+
+func jsonUnmarshal(b []byte, v any) error {
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("decode: %w", err)
+	}
+	return nil
+}
