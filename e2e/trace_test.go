@@ -402,7 +402,7 @@ func tree(spans []testenv.ExportedSpan) string {
 // treeAttrs picks the attributes worth showing in a tree.
 func treeAttrs(s testenv.ExportedSpan) string {
 	var parts []string
-	for _, k := range []string{"kvmesh.record", "kvmesh.reason", "kvmesh.group", "kvmesh.groups", "kvmesh.store.keys",
+	for _, k := range []string{"kvmesh.record", "kvmesh.change", "kvmesh.reason", "kvmesh.group", "kvmesh.groups", "kvmesh.store.keys",
 		"kvmesh.bytes", "kvmesh.result", "db.operation.batch.size"} {
 		if v, ok := s.Attrs[k]; ok {
 			parts = append(parts, strings.TrimPrefix(k, "kvmesh.")+"="+v)

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -111,5 +113,27 @@ func trackingOutcome() tracking.Outcome {
 		Saves:    []kvcore.SaveTask{{TaskID: "s", EngineID: "e", RequestID: "r"}},
 		Loads:    []kvcore.LoadTask{{TaskID: "l", EngineID: "e", RequestID: "r"}},
 		Feedback: []contract.EngineFeedback{{Feedback: kvcore.Feedback{Kind: kvcore.FeedbackFinishedSending, EngineID: "e", RequestID: "r"}}},
+	}
+}
+
+func TestClassifyApply(t *testing.T) {
+	cases := []struct {
+		name      string
+		err       error
+		permanent bool
+	}{
+		{"data exception", fmt.Errorf("ledger: store: %w", &pgconn.PgError{Code: "22021"}), true},
+		{"integrity", &pgconn.PgError{Code: "23505"}, true},
+		{"deadlock", &pgconn.PgError{Code: "40P01"}, false},
+		{"connection", errors.New("dial tcp: connection refused"), false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var pe *bus.PermanentError
+			got := errors.As(classifyApply(c.err), &pe)
+			if got != c.permanent || (got && pe.Reason != ReasonDatabaseRejected) {
+				t.Fatalf("classifyApply(%v): permanent %v (%+v), want %v", c.err, got, pe, c.permanent)
+			}
+		})
 	}
 }

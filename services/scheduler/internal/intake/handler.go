@@ -48,17 +48,6 @@ func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.L
 // (SQLSTATE class 22 or 23) every time it is applied alone.
 const ReasonDatabaseRejected = "database_rejected"
 
-// Handle is the bus.Handler of one record: a batch of one.
-func (h *Handler) Handle(ctx context.Context, rec bus.Received) error {
-	err := h.HandleBatch(ctx, []bus.Received{rec})
-	if re, ok := errors.AsType[bus.RecordErrors](err); ok {
-		for _, e := range re {
-			return e
-		}
-	}
-	return err
-}
-
 // HandleBatch is the bus.BatchHandler: it decodes every record and applies
 // the decodable ones in one ledger transaction (ledger.ApplyBatch). The
 // records that cannot be decoded or are invalid fail permanently, alone
@@ -160,14 +149,17 @@ func (h *Handler) startSpan(ctx context.Context, topic string, it item, c change
 		}
 		ctx = bus.ExtractContext(ctx, map[string]string{contract.HeaderTraceparent: c.traceparent})
 	}
-	return h.tracer.Start(ctx, "scheduler.apply", append(opts, trace.WithAttributes(
+	attrs := []attribute.KeyValue{
 		attribute.String("messaging.destination.name", topic),
 		attribute.String("kvmesh.engine_id", it.record.EngineID),
 		attribute.String("kvmesh.request_id", c.requestID),
 		attribute.String("kvmesh.record", it.label),
-		attribute.String("kvmesh.change", c.label),
 		attribute.String("kvmesh.model", h.model.Name),
-	))...)
+	}
+	if c.label != it.label {
+		attrs = append(attrs, attribute.String("kvmesh.change", c.label))
+	}
+	return h.tracer.Start(ctx, "scheduler.apply", append(opts, trace.WithAttributes(attrs...))...)
 }
 
 // finishSpan records a committed change's result on its span.

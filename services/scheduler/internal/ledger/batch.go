@@ -298,6 +298,10 @@ func (b *batchTx) adopt(k Key, tb, xb []byte, seq int64, pb []byte, created time
 	if err := jsonUnmarshal(pb, &meta); err != nil {
 		return fmt.Errorf("ledger: parts of %s/%s: %w", k.EngineID, k.RequestID, err)
 	}
+	if meta.empty() { // nothing stored yet: no segment to read
+		r.old = &parts{meta: meta}
+		return nil
+	}
 	if p := b.l.cache.get(k, r.born, &meta); p != nil {
 		r.old = p
 		p.install(req)

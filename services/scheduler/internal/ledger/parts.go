@@ -59,6 +59,12 @@ func (m *PartsMeta) equal(o *PartsMeta) bool {
 	return true
 }
 
+// empty reports whether m describes no segment at all.
+func (m *PartsMeta) empty() bool {
+	return m.Hashes == 0 && m.PDHashes == 0 && m.Slots[slotStore].Lens == nil && m.Slots[slotPD].Lens == nil &&
+		m.Slots[slotStore].Gen == 0 && m.Slots[slotPD].Gen == 0
+}
+
 // parts is one request's chain and tables as stored: meta says what the
 // segments hold; hashes and tables are their contents.
 type parts struct {
