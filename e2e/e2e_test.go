@@ -74,10 +74,10 @@ func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 	tag := sim.NewRunTag()
 	return sim.Config{
 		Model: m, Workload: w, PD: pd,
-		Engine:    sim.EngineConfig{PoolBlocks: 48, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
-		Decode:    sim.Endpoint{WorkerURL: s.url("gpuworker")},
-		Prefill:   sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")},
-		LookupURL: s.url("lookup"), SchedulerURL: s.url("scheduler"), SenderURL: s.url("sender"),
+		Engine:     sim.EngineConfig{PoolBlocks: 48, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
+		Decode:     sim.Endpoint{WorkerURL: s.url("gpuworker")},
+		Prefill:    sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")},
+		LookupURLs: s.urls("lookup"), SchedulerURLs: s.urls("scheduler"), SenderURLs: s.urls("sender"),
 		Brokers: s.brokers, RunTag: tag, Salt: tag, RedisURL: s.redisURL, ReusePreempted: true,
 		RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
 	}

@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"fmt"
+	"slices"
+	"strconv"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
@@ -27,6 +29,12 @@ type stackOptions struct {
 	// durableBroker persists the broker's topics and offsets so that the
 	// test can restart it (meshtest.NewDurable).
 	durableBroker bool
+	// replicas, when 2 or more, runs that many processes each of the
+	// scheduler, the sender and the lookup, named scheduler-1,
+	// scheduler-2, … (the first scheduler migrates); they share the
+	// database and the consumer groups. Otherwise one of each runs, named
+	// after its service.
+	replicas int
 }
 
 // stack is the mesh of one test: an in-process broker, a fresh database, the
@@ -39,7 +47,11 @@ type stack struct {
 	redisURL string
 	prefix   string // KVMESH_KEY_PREFIX
 	mesh     *meshtest.Mesh
+	replicas int // processes per replicated service (1: named after it)
 }
+
+// replicated are the services stackOptions.replicas multiplies.
+var replicated = []string{"scheduler", "lookup", "sender"}
 
 // newStack starts everything and waits until every service is ready; the
 // test's cleanup stops the services and deletes the stack's keys.
@@ -58,18 +70,48 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		// to its replacement quickly.
 		"KVMESH_KAFKA_SESSION_TIMEOUT=3s",
 	}, o.env...)...)
-	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m}
+	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m, replicas: max(o.replicas, 1)}
 	pool := fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)
-	s.add("scheduler", "scheduler", "KVMESH_MIGRATE=true")
-	s.start("scheduler") // it migrates the database the others check
-	s.add("lookup", "lookup", "KVMESH_LOOKUP_CONNECTORS="+o.connectors)
-	s.add("sender", "sender")
+	schedulers := s.names("scheduler")
+	for i, name := range schedulers {
+		s.add(name, "scheduler", "KVMESH_MIGRATE="+strconv.FormatBool(i == 0))
+	}
+	s.start(schedulers[0]) // it migrates the database the others check
+	for _, name := range s.names("lookup") {
+		s.add(name, "lookup", "KVMESH_LOOKUP_CONNECTORS="+o.connectors)
+	}
+	for _, name := range s.names("sender") {
+		s.add(name, "sender")
+	}
 	s.add("gpuworker", "gpuworker", "KVMESH_ENGINE_ID="+decodeEngine, pool)
 	s.add("gpuworker-prefill", "gpuworker", "KVMESH_ENGINE_ID="+prefillEngine, pool)
-	for _, name := range []string{"lookup", "sender", "gpuworker", "gpuworker-prefill"} {
+	rest := slices.Concat(schedulers[1:], s.names("lookup"), s.names("sender"), []string{"gpuworker", "gpuworker-prefill"})
+	for _, name := range rest {
 		s.start(name)
 	}
 	return s
+}
+
+// names are the process names of service: its replicas with
+// stackOptions.replicas, else the service's own name.
+func (s *stack) names(service string) []string {
+	if s.replicas < 2 || !slices.Contains(replicated, service) {
+		return []string{service}
+	}
+	out := make([]string, s.replicas)
+	for i := range out {
+		out[i] = fmt.Sprintf("%s-%d", service, i+1)
+	}
+	return out
+}
+
+// urls are the base URLs of service's processes (see names).
+func (s *stack) urls(service string) []string {
+	var out []string
+	for _, name := range s.names(service) {
+		out = append(out, s.url(name))
+	}
+	return out
 }
 
 // add registers process name running service with the stack's settings

@@ -92,6 +92,7 @@ type simOptions struct {
 type simValues struct {
 	preset, model, turns, system, user, output, brokers, level string
 	workers, prefillWorkers, engineIDs, prefillIDs             string
+	lookups, schedulers, senders                               string
 	requests, sysPrompts, pool, batch, running, watermark      int
 	engines                                                    int
 	rate                                                       float64
@@ -146,10 +147,10 @@ func defineWorkloadFlags(fs *flag.FlagSet, v *simValues) {
 
 // defineMeshFlags defines the addresses and the run's own settings.
 func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
-	fs.StringVar(&o.cfg.LookupURL, "lookup", envOr("KVMESH_LOOKUP_URL", "http://127.0.0.1:8081"), "lookup service base URL (env KVMESH_LOOKUP_URL)")
-	fs.StringVar(&o.cfg.SchedulerURL, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
+	fs.StringVar(&v.lookups, "lookup", envOr("KVMESH_LOOKUP_URL", "http://127.0.0.1:8081"), "lookup service base URL, or its replicas' comma-separated (a lookup a replica answers with a 5xx or not at all goes to the next) (env KVMESH_LOOKUP_URL)")
+	fs.StringVar(&v.schedulers, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, or its replicas' comma-separated, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
 	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
-	fs.StringVar(&o.cfg.SenderURL, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
+	fs.StringVar(&v.senders, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, or its replicas' comma-separated, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
 	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworker (and, with -pd, its own prefill engine and gpuworker); conversations are spread over them round robin")
 	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated, one per engine; one URL with -engines N stands for scripts/stack.sh's layout, engine i's worker at its port + 2i (env KVMESH_WORKER_URL)")
 	fs.StringVar(&v.prefillWorkers, "prefill-worker", envOr("KVMESH_PREFILL_WORKER_URL", "http://127.0.0.1:8085"), "the prefill engines' gpuworker base URLs with -pd, comma-separated, as -worker (env KVMESH_PREFILL_WORKER_URL)")
@@ -223,6 +224,7 @@ func finishOptions(o *simOptions, v *simValues) error {
 		return err
 	}
 	o.cfg.Model, o.cfg.Brokers = m, splitList(v.brokers)
+	o.cfg.LookupURLs, o.cfg.SchedulerURLs, o.cfg.SenderURLs = splitList(v.lookups), splitList(v.schedulers), splitList(v.senders)
 	o.cfg.RequestTimeout, o.cfg.SettleTimeout = v.reqTimeout, v.settle
 	if o.cfg.RunTag == "" {
 		o.cfg.RunTag = sim.NewRunTag()

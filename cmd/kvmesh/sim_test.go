@@ -36,8 +36,8 @@ func TestSimFlagsPresetDefaults(t *testing.T) {
 		t.Fatalf("run tag %q, salt %q: -fresh salts with the run tag", o.cfg.RunTag, o.cfg.Salt)
 	}
 	want := []sim.Pair{{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8084"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8085"}}}
-	if o.cfg.LookupURL != "http://127.0.0.1:8081" || o.cfg.SchedulerURL != "http://127.0.0.1:8082" ||
-		o.cfg.SenderURL != "http://127.0.0.1:8083" || !slices.Equal(o.cfg.Fleet, want) {
+	if !slices.Equal(o.cfg.LookupURLs, []string{"http://127.0.0.1:8081"}) || !slices.Equal(o.cfg.SchedulerURLs, []string{"http://127.0.0.1:8082"}) ||
+		!slices.Equal(o.cfg.SenderURLs, []string{"http://127.0.0.1:8083"}) || !slices.Equal(o.cfg.Fleet, want) {
 		t.Fatalf("addresses %+v", o.cfg)
 	}
 }
@@ -57,8 +57,23 @@ func TestSimFlagsOverride(t *testing.T) {
 	if !o.cfg.PD || o.cfg.Engine.PoolBlocks != 9 || o.cfg.Model.Name != "full-swa-mamba" || !o.json {
 		t.Fatalf("config %+v", o.cfg)
 	}
-	if o.cfg.RunTag != "x" || o.cfg.Salt != "" || o.cfg.SchedulerURL != "" {
-		t.Fatalf("run tag %q salt %q scheduler %q", o.cfg.RunTag, o.cfg.Salt, o.cfg.SchedulerURL)
+	if o.cfg.RunTag != "x" || o.cfg.Salt != "" || len(o.cfg.SchedulerURLs) != 0 || o.cfg.SchedulerURL != "" {
+		t.Fatalf("run tag %q salt %q scheduler %q", o.cfg.RunTag, o.cfg.Salt, o.cfg.SchedulerURLs)
+	}
+}
+
+// TestSimFlagsReplicas: -lookup, -scheduler and -sender take the
+// comma-separated base URLs of a service's replicas.
+func TestSimFlagsReplicas(t *testing.T) {
+	quiet(t)
+	o, err := simFlags([]string{"-lookup", "http://l1:1, http://l2:2", "-scheduler", "http://s1:1,http://s2:2,http://s3:3", "-sender", "http://x:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(o.cfg.LookupURLs, []string{"http://l1:1", "http://l2:2"}) ||
+		!slices.Equal(o.cfg.SchedulerURLs, []string{"http://s1:1", "http://s2:2", "http://s3:3"}) ||
+		!slices.Equal(o.cfg.SenderURLs, []string{"http://x:1"}) {
+		t.Fatalf("replicas: lookup %q scheduler %q sender %q", o.cfg.LookupURLs, o.cfg.SchedulerURLs, o.cfg.SenderURLs)
 	}
 }
 

@@ -116,7 +116,7 @@ func TestLookupOutageShorterThanTimeout(t *testing.T) {
 			srv, calls := lookupServer(t, tc.down)
 			e, _ := testEngine(t, "hybrid-mla-linear", 16)
 			e.timeout = tc.timeout
-			e.lookup = &lookupClient{base: srv.URL, hc: srv.Client()}
+			e.lookup = newLookupClient([]string{srv.URL}, srv.Client())
 			r := testRequest(e, "run-1", 40, 0)
 			r.ctx = context.Background()
 			deadline := time.Now().Add(10 * time.Second)

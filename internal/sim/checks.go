@@ -54,12 +54,12 @@ type trackerSummary struct {
 	TasksPending int    `json:"tasks_outstanding"`
 }
 
-// checkTrackers lists the scheduler's trackers of each engine and checks
-// those of the run.
-func checkTrackers(ctx context.Context, hc *http.Client, base string, engines []string, prefix string, want int) TrackerCheck {
+// checkTrackers lists the scheduler's trackers of each engine (from any of
+// its replicas) and checks those of the run.
+func checkTrackers(ctx context.Context, hc *http.Client, reps *replicas, engines []string, prefix string, want int) TrackerCheck {
 	c := TrackerCheck{NotDone: []string{}}
 	for _, e := range engines {
-		err := pages(ctx, hc, base+"/v1/requests", url.Values{"engine_id": {e}}, func(items []trackerSummary) {
+		err := pages(ctx, hc, reps, "/v1/requests", url.Values{"engine_id": {e}}, func(items []trackerSummary) {
 			for _, s := range items {
 				if !strings.HasPrefix(s.RequestID, prefix) {
 					continue
@@ -88,13 +88,14 @@ type deadLetter struct {
 	Group     *int   `json:"group"`
 }
 
-// checkDLQ lists the sender's dead letters of each engine and checks that
-// every request whose save results report dead-lettered keys has one.
-func checkDLQ(ctx context.Context, hc *http.Client, base string, engines []string, prefix string, deadLettered []string) DLQCheck {
+// checkDLQ lists the sender's dead letters of each engine (from any of its
+// replicas) and checks that every request whose save results report
+// dead-lettered keys has one.
+func checkDLQ(ctx context.Context, hc *http.Client, reps *replicas, engines []string, prefix string, deadLettered []string) DLQCheck {
 	c := DLQCheck{Reasons: map[string]int{}, Unlisted: []string{}}
 	listed := map[string]bool{}
 	for _, e := range engines {
-		err := pages(ctx, hc, base+"/v1/dlq", url.Values{"engine_id": {e}}, func(items []deadLetter) {
+		err := pages(ctx, hc, reps, "/v1/dlq", url.Values{"engine_id": {e}}, func(items []deadLetter) {
 			for _, d := range items {
 				if strings.HasPrefix(d.RequestID, prefix) {
 					c.Entries++
@@ -118,15 +119,21 @@ func checkDLQ(ctx context.Context, hc *http.Client, base string, engines []strin
 	return c
 }
 
-// pages reads every page of a paginated admin list ({items, next_cursor}).
-func pages[T any](ctx context.Context, hc *http.Client, base string, q url.Values, use func([]T)) error {
+// pages reads every page of a paginated admin list ({items, next_cursor})
+// at path; each page comes from whichever replica answers (the cursor is
+// the shared database's).
+func pages[T any](ctx context.Context, hc *http.Client, reps *replicas, path string, q url.Values, use func([]T)) error {
 	q.Set("limit", fmt.Sprint(pageLimit))
 	for range maxPages {
 		var page struct {
 			Items      []T    `json:"items"`
 			NextCursor string `json:"next_cursor"`
 		}
-		if err := getJSON(ctx, hc, base+"?"+q.Encode(), &page); err != nil {
+		err := reps.do(ctx, replicaDown, func(base string) error {
+			page.Items, page.NextCursor = nil, ""
+			return getJSON(ctx, hc, base+path+"?"+q.Encode(), &page)
+		})
+		if err != nil {
 			return err
 		}
 		use(page.Items)
@@ -135,5 +142,5 @@ func pages[T any](ctx context.Context, hc *http.Client, base string, q url.Value
 		}
 		q.Set("cursor", page.NextCursor)
 	}
-	return fmt.Errorf("%s: more than %d pages: %w", base, maxPages, ErrHTTP)
+	return fmt.Errorf("%s: more than %d pages: %w", path, maxPages, ErrHTTP)
 }

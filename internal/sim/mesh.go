@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -25,45 +26,63 @@ type lookupRequest struct {
 	KVTransferParams  *contract.PDSource `json:"kv_transfer_params,omitempty"`
 }
 
-// lookupClient calls the lookup service.
+// lookupClient calls the lookup service, failing over between its
+// replicas.
 type lookupClient struct {
-	base string
+	reps *replicas
 	hc   *http.Client
 }
 
-// lookup asks for the request's external tokens. A 503 or a transport
-// failure is ErrLookupUnavailable; any other non-200 answer is
-// ErrLookupRejected with the problem detail.
+func newLookupClient(urls []string, hc *http.Client) *lookupClient {
+	return &lookupClient{reps: newReplicas(urls), hc: hc}
+}
+
+// lookup asks for the request's external tokens, trying the next replica
+// when one answers 5xx or not at all. Such a failure on every replica is
+// ErrLookupUnavailable; any other non-200 answer is ErrLookupRejected with
+// the problem detail.
 func (c *lookupClient) lookup(ctx context.Context, req lookupRequest) (*contract.LookupDecision, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
 		return nil, fmt.Errorf("lookup %s: %w", req.RequestID, err)
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+"/v1/lookup", bytes.NewReader(body))
+	var d *contract.LookupDecision
+	err = c.reps.do(ctx, func(err error) bool { return errors.Is(err, ErrLookupUnavailable) }, func(base string) error {
+		var err error
+		d, err = c.lookupAt(ctx, base, req.RequestID, body)
+		return err
+	})
+	return d, err
+}
+
+// lookupAt asks one replica.
+func (c *lookupClient) lookupAt(ctx context.Context, base, id string, body []byte) (*contract.LookupDecision, error) {
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/lookup", bytes.NewReader(body))
 	if err != nil {
-		return nil, fmt.Errorf("lookup %s: %w", req.RequestID, err)
+		return nil, fmt.Errorf("lookup %s: %w", id, err)
 	}
 	hr.Header.Set("Content-Type", "application/json")
 	resp, err := c.hc.Do(hr)
 	if err != nil {
-		return nil, fmt.Errorf("lookup %s: %w: %w", req.RequestID, ErrLookupUnavailable, err)
+		return nil, fmt.Errorf("lookup %s: %w: %w", id, ErrLookupUnavailable, err)
 	}
 	defer drainClose(resp.Body)
 	switch {
 	case resp.StatusCode == http.StatusOK:
-	case resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode >= 500:
-		return nil, fmt.Errorf("lookup %s: %d %s: %w", req.RequestID, resp.StatusCode, problemText(resp.Body), ErrLookupUnavailable)
+	case resp.StatusCode >= 500:
+		return nil, fmt.Errorf("lookup %s at %s: %d %s: %w", id, base, resp.StatusCode, problemText(resp.Body), ErrLookupUnavailable)
 	default:
-		return nil, fmt.Errorf("lookup %s: %d %s: %w", req.RequestID, resp.StatusCode, problemText(resp.Body), ErrLookupRejected)
+		return nil, fmt.Errorf("lookup %s at %s: %d %s: %w", id, base, resp.StatusCode, problemText(resp.Body), ErrLookupRejected)
 	}
 	var d contract.LookupDecision
 	if err := json.NewDecoder(resp.Body).Decode(&d); err != nil {
-		return nil, fmt.Errorf("lookup %s: decode answer: %w: %w", req.RequestID, ErrLookupUnavailable, err)
+		return nil, fmt.Errorf("lookup %s: decode answer: %w: %w", id, ErrLookupUnavailable, err)
 	}
 	return &d, nil
 }
 
-// getJSON fetches url into out.
+// getJSON fetches url into out. A connection error, a time-out or a 5xx
+// is errReplicaDown.
 func getJSON(ctx context.Context, hc *http.Client, url string, out any) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -73,10 +92,13 @@ func getJSON(ctx context.Context, hc *http.Client, url string, out any) error {
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return fmt.Errorf("GET %s: %w", url, err)
+		return fmt.Errorf("GET %s: %w: %w", url, errReplicaDown, err)
 	}
 	defer drainClose(resp.Body)
-	if resp.StatusCode != http.StatusOK {
+	switch {
+	case resp.StatusCode >= 500:
+		return fmt.Errorf("GET %s: %d %s: %w: %w", url, resp.StatusCode, problemText(resp.Body), ErrHTTP, errReplicaDown)
+	case resp.StatusCode != http.StatusOK:
 		return fmt.Errorf("GET %s: %d %s: %w", url, resp.StatusCode, problemText(resp.Body), ErrHTTP)
 	}
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {

@@ -95,14 +95,24 @@ type Config struct {
 	// (EngineFor), every turn of a conversation on the same pair. Run
 	// fills in the engine ids it took from the workers.
 	Fleet []Pair
-	// LookupURL is the lookup service's base URL.
-	LookupURL string
-	// SchedulerURL, when set, is asked after the run for the run's
-	// trackers: each must be done with no task outstanding.
-	SchedulerURL string
-	// SenderURL, when set, is asked after the run for its dead letters:
-	// every dead-lettered save of the run must be listed.
-	SenderURL string
+	// LookupURL is the lookup service's base URL, or the comma-separated
+	// base URLs of its replicas; LookupURLs adds more. A lookup that a
+	// replica answers with a 5xx or not at all goes to the next replica at
+	// once; when every replica fails it is retried with backoff.
+	LookupURL  string
+	LookupURLs []string
+	// SchedulerURL (one URL or a comma-separated list), with SchedulerURLs,
+	// are the scheduler's replicas; when there are any, one is asked after
+	// the run for the run's trackers: each must be done with no task
+	// outstanding. A replica that answers 5xx or not at all is passed over.
+	SchedulerURL  string
+	SchedulerURLs []string
+	// SenderURL (one URL or a comma-separated list), with SenderURLs, are
+	// the sender's replicas; when there are any, one is asked after the run
+	// for its dead letters: every dead-lettered save of the run must be
+	// listed. A replica that answers 5xx or not at all is passed over.
+	SenderURL  string
+	SenderURLs []string
 	// RedisURL, when set, is the store pool (the services' KVMESH_REDIS_URL):
 	// after the run every key the run's saves stored (the sender's
 	// BlockStored events) is read back and its value checked against the
@@ -137,6 +147,9 @@ type Config struct {
 	// propagation.
 	HTTPClient *http.Client
 	ownClient  bool // HTTPClient was made here; Run closes its connections
+
+	// The replicas of each service, from the URL fields.
+	lookups, schedulers, senders []string
 }
 
 func (c *Config) defaults() error {
@@ -145,13 +158,16 @@ func (c *Config) defaults() error {
 		return fmt.Errorf("no model: %w", ErrConfig)
 	case len(c.Fleet) > 0 && (c.Decode != Endpoint{} || c.PD && c.Prefill != Endpoint{}):
 		return fmt.Errorf("set Fleet or Decode and Prefill, not both: %w", ErrConfig)
-	case c.LookupURL == "":
+	case len(replicaURLs(c.LookupURL, c.LookupURLs)) == 0:
 		return fmt.Errorf("the lookup URL is required: %w", ErrConfig)
 	case len(c.Brokers) == 0:
 		return fmt.Errorf("no brokers: %w", ErrConfig)
 	case c.Engine.MaxBatchTokens < 1 || c.Engine.MaxRunning < 1 || c.Engine.PoolBlocks < 0 || c.Engine.Watermark < 0:
 		return fmt.Errorf("engine %+v: %w", c.Engine, ErrConfig)
 	}
+	c.lookups = replicaURLs(c.LookupURL, c.LookupURLs)
+	c.schedulers = replicaURLs(c.SchedulerURL, c.SchedulerURLs)
+	c.senders = replicaURLs(c.SenderURL, c.SenderURLs)
 	if len(c.Fleet) == 0 {
 		c.Fleet = []Pair{{Decode: c.Decode, Prefill: c.Prefill}}
 	}
@@ -391,10 +407,11 @@ func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int
 // a decode engine tells its own prefill engine when it read a request's
 // blocks.
 func (r *run) build(pub *bus.Producer) {
+	lookup := newLookupClient(r.cfg.lookups, r.cfg.HTTPClient) // shared: a dead replica is passed over by every engine
 	deps := func(url string) engineDeps {
 		return engineDeps{
 			model: r.cfg.Model, runTag: r.cfg.RunTag, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
-			lookup: &lookupClient{base: r.cfg.LookupURL, hc: r.cfg.HTTPClient}, pub: pub,
+			lookup: lookup, pub: pub,
 			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout,
 			reusePreempted: r.cfg.ReusePreempted,
 		}
@@ -490,13 +507,13 @@ func (r *run) check(ctx context.Context, rep *Report) {
 		engines = append(engines, id)
 	}
 	prefix := r.cfg.RunTag + "-"
-	if r.cfg.SchedulerURL != "" {
-		c := checkTrackers(ctx, r.cfg.HTTPClient, r.cfg.SchedulerURL, engines, prefix, r.turns*len(r.engines)/len(r.pairs))
+	if len(r.cfg.schedulers) > 0 {
+		c := checkTrackers(ctx, r.cfg.HTTPClient, newReplicas(r.cfg.schedulers), engines, prefix, r.turns*len(r.engines)/len(r.pairs))
 		rep.Trackers = &c
 		rep.OK = rep.OK && c.OK
 	}
-	if r.cfg.SenderURL != "" {
-		c := checkDLQ(ctx, r.cfg.HTTPClient, r.cfg.SenderURL, engines, prefix, r.ledger.deadLettered())
+	if len(r.cfg.senders) > 0 {
+		c := checkDLQ(ctx, r.cfg.HTTPClient, newReplicas(r.cfg.senders), engines, prefix, r.ledger.deadLettered())
 		rep.DLQ = &c
 		rep.OK = rep.OK && c.OK
 	}

@@ -78,6 +78,9 @@ func (c *Consumer) readerConfig() kafka.ReaderConfig {
 		JoinGroupBackoff:  c.cfg.JoinGroupBackoff,
 		StartOffset:       kafka.FirstOffset,
 		ErrorLogger:       kafka.LoggerFunc(c.logReaderError),
+		// Deal all partitions of all topics out over all members
+		// (spreadBalancer); range only for a group with older members.
+		GroupBalancers: []kafka.GroupBalancer{spreadBalancer{}, kafka.RangeGroupBalancer{}},
 	}
 	if c.cfg.SyncCommit {
 		rc.CommitInterval = 0 // kafka-go: zero means synchronous commits

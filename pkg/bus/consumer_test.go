@@ -244,3 +244,18 @@ func TestFailedRecordsAreDeadLettered(t *testing.T) {
 		})
 	}
 }
+
+// TestGroupSpreadsPartitionsOfSeveralTopics runs more members than one
+// topic has partitions over two topics: every member gets a partition
+// (round robin over all partitions, not range per topic, which would give
+// both topics' partitions to the same two members).
+func TestGroupSpreadsPartitionsOfSeveralTopics(t *testing.T) {
+	const group = "group-spread"
+	topics := []string{"bus.test.spread-a", "bus.test.spread-b"}
+	e := newEnv(t)
+	e.topicsWith(2, topics...)
+	for range 4 {
+		e.run(e.consumerConfig(group, topics...), func(context.Context, bus.Received) error { return nil })
+	}
+	e.waitStable(group, 4)
+}
