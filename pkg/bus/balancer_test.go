@@ -63,4 +63,3 @@ func members(n int, topics ...string) []kafka.GroupMember {
 	}
 	return out
 }
-
