@@ -270,23 +270,9 @@ func (l *ledger) publishedSpans() map[string][]span {
 // pressure) or dead-lettered; and every save the engines' own steps imply
 // must have been published.
 type LedgerReport struct {
-	// SaveTasks counts the distinct save tasks published for the run.
-	SaveTasks int `json:"save_tasks"`
-	// Reported counts those with a result.
-	Reported int `json:"reported"`
-	// ExpectedChunks is the number of keys the tasks asked for.
-	ExpectedChunks int `json:"expected_chunks"`
-	// Stored, Existing, Skipped, DeadLettered and Failed are the sender's
-	// per-key outcomes summed over the results.
-	Stored       int `json:"stored"`
-	Existing     int `json:"existing"`
-	Skipped      int `json:"skipped"`
-	DeadLettered int `json:"dead_lettered"`
-	Failed       int `json:"failed"`
+	LedgerCounts
 	// Statuses counts the results by task status.
 	Statuses map[string]int `json:"statuses"`
-	// EngineExpectedSaves counts the saves the engines' steps imply.
-	EngineExpectedSaves int `json:"engine_expected_saves"`
 	// CoverageCompared counts requests preempted with saves in flight,
 	// whose published saves are compared with the engine's by the tokens
 	// they cover rather than span by span (the engine's tracker and the
@@ -319,23 +305,43 @@ type LedgerReport struct {
 	Engines []EngineLedger `json:"engines"`
 }
 
+// LedgerCounts are the save ledger's counts, in store keys: of the run
+// (LedgerReport) or of one engine (EngineLedger).
+type LedgerCounts struct {
+	// SaveTasks counts the distinct save tasks published.
+	SaveTasks int `json:"save_tasks"`
+	// Reported counts those with a result.
+	Reported int `json:"reported"`
+	// ExpectedChunks is the number of keys the tasks asked for.
+	ExpectedChunks int `json:"expected_chunks"`
+	// Stored, Existing, Skipped, DeadLettered and Failed are the sender's
+	// per-key outcomes summed over the results.
+	Stored       int `json:"stored"`
+	Existing     int `json:"existing"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+	// EngineExpectedSaves counts the saves the engines' steps imply.
+	EngineExpectedSaves int `json:"engine_expected_saves"`
+}
+
+// addGroups sums one result's per-key outcomes.
+func (c *LedgerCounts) addGroups(groups []contract.GroupOutcome) {
+	for _, g := range groups {
+		c.Stored += g.Stored
+		c.Existing += g.Existing
+		c.Skipped += g.Skipped
+		c.DeadLettered += g.DeadLettered
+		c.Failed += g.Failed
+	}
+}
+
 // EngineLedger is the save ledger of one engine's requests, in store keys.
 type EngineLedger struct {
 	// EngineID is the engine.
 	EngineID string `json:"engine_id"`
-	// SaveTasks, Reported, ExpectedChunks, Stored, Existing, Skipped,
-	// DeadLettered and Failed are LedgerReport's counts for the engine's
-	// save tasks.
-	SaveTasks      int `json:"save_tasks"`
-	Reported       int `json:"reported"`
-	ExpectedChunks int `json:"expected_chunks"`
-	Stored         int `json:"stored"`
-	Existing       int `json:"existing"`
-	Skipped        int `json:"skipped"`
-	DeadLettered   int `json:"dead_lettered"`
-	Failed         int `json:"failed"`
-	// EngineExpectedSaves counts the saves the engine's steps imply.
-	EngineExpectedSaves int `json:"engine_expected_saves"`
+	// LedgerCounts are the counts of the engine's save tasks.
+	LedgerCounts
 	// Differences counts the ledger differences of the engine's requests.
 	Differences int `json:"differences"`
 	// Balanced is set when the engine's requests show no difference.
@@ -358,7 +364,7 @@ func (l *ledger) report() LedgerReport {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	r := LedgerReport{
-		SaveTasks: len(l.tasks), Statuses: map[string]int{}, DuplicateTasks: l.dupTasks,
+		LedgerCounts: LedgerCounts{SaveTasks: len(l.tasks)}, Statuses: map[string]int{}, DuplicateTasks: l.dupTasks,
 		DuplicateResults: l.dupResults, MalformedTables: slices.Clone(l.badTables), Undecodable: l.undecodable,
 	}
 	for id, t := range l.tasks {
@@ -410,13 +416,7 @@ func (l *ledger) engineLedgers(diffs []LedgerDifference) []EngineLedger {
 			continue
 		}
 		e.Reported++
-		for _, g := range res.Groups {
-			e.Stored += g.Stored
-			e.Existing += g.Existing
-			e.Skipped += g.Skipped
-			e.DeadLettered += g.DeadLettered
-			e.Failed += g.Failed
-		}
+		e.addGroups(res.Groups)
 	}
 	for k, spans := range l.expect {
 		engine, _, _ := strings.Cut(k, "/")
@@ -440,13 +440,9 @@ func (l *ledger) engineLedgers(diffs []LedgerDifference) []EngineLedger {
 func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult) {
 	r.Statuses[res.Status]++
 	r.SaveBytes += res.Bytes
+	r.addGroups(res.Groups)
 	got, failed := 0, 0
 	for _, g := range res.Groups {
-		r.Stored += g.Stored
-		r.Existing += g.Existing
-		r.Skipped += g.Skipped
-		r.DeadLettered += g.DeadLettered
-		r.Failed += g.Failed
 		failed += g.Failed
 		got += g.Stored + g.Existing + g.Skipped + g.DeadLettered
 		if g.Failed > 0 {

@@ -349,7 +349,7 @@ func (rep *Report) writeEngines(w io.Writer) error {
 		line(e.ID, string(e.Role), e.EngineCounts, e.Ledger)
 	}
 	l := rep.Ledger
-	line("total", "", rep.Total, EngineLedger{SaveTasks: l.SaveTasks, Stored: l.Stored, Balanced: l.Balanced})
+	line("total", "", rep.Total, EngineLedger{LedgerCounts: l.LedgerCounts, Balanced: l.Balanced})
 	return tw.Flush()
 }
 
