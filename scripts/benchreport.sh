@@ -44,6 +44,20 @@ figure() {
   # published), against one raw pipelined EXISTS of the same keys (p50, µs).
   figure lookup_32k_p50 us BenchmarkLookup32K2Group/handler_block_hashes_published p50-us \
     BenchmarkLookup32K2Group/exists_raw p50-us
+  # Scheduler (BenchmarkScheduler, PostgreSQL with fsync on): request
+  # updates one scheduler applies per second from synthetic engines' step
+  # records with 2K and 32K prompts, against pgbench's single-row UPDATE
+  # tps on the same cluster.
+  for len in 2k 32k; do
+    figure "scheduler_updates_$len" updates/s "BenchmarkScheduler/updates_$len" updates/s \
+      BenchmarkScheduler/pgbench_update tps
+  done
+  # Engine-step record → save task p99 at half the 2K update rate, against
+  # pgbench's UPDATE p99 at the same rate of transactions (ms).
+  figure scheduler_p99_ms ms BenchmarkScheduler/p99 p99-ms BenchmarkScheduler/p99 pgbench_p99-ms
+  # Engines (256 running requests, 30 steps/s) one scheduler keeps up with,
+  # against the engines pgbench's tps carries at one UPDATE per request update.
+  figure fleet_engines engines BenchmarkScheduler/fleet engines BenchmarkScheduler/fleet baseline_engines
 } >"$out.tmp"
 mv "$out.tmp" "$out"
 cat "$out"

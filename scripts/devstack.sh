@@ -65,18 +65,62 @@ pg_home() {
   fi
 }
 
-# pg_durability: the private dev cluster is disposable, so by default it trades
-# crash safety of the *machine* for speed (tests create a database each).
-# Process crashes (what kvmesh's own tests inject) lose nothing either way.
-# KVMESH_DEV_PG_FSYNC=on restores the PostgreSQL defaults.
+# pg_durability DATA: the private dev cluster is disposable, so by default it
+# trades crash safety of the *machine* for speed (tests create a database
+# each). Process crashes (what kvmesh's own tests inject) lose nothing either
+# way. KVMESH_DEV_PG_FSYNC=on restores the PostgreSQL defaults. The settings
+# go in DATA/kvmesh-durability.conf, which postgresql.conf includes, rather
+# than on the command line (which no configuration file can override): fsync
+# and full_page_writes are reload-time settings, so `make bench` turns them on
+# for its PostgreSQL benchmarks with ALTER SYSTEM (postgresql.auto.conf,
+# read after the include) and resets them afterwards, without a restart.
 pg_durability() {
-  if [ "${KVMESH_DEV_PG_FSYNC:-off}" = on ]; then echo ""; else echo "-c fsync=off -c full_page_writes=off"; fi
+  local data=$1 conf=$1/kvmesh-durability.conf
+  {
+    echo "# Written by scripts/devstack.sh at each start of the dev cluster."
+    if [ "${KVMESH_DEV_PG_FSYNC:-off}" != on ]; then
+      echo "fsync = off"
+      echo "full_page_writes = off"
+    fi
+  } >"$conf"
+  grep -q "^include_if_exists = 'kvmesh-durability.conf'" "$data/postgresql.conf" ||
+    echo "include_if_exists = 'kvmesh-durability.conf'" >>"$data/postgresql.conf"
+  if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$conf" "$data/postgresql.conf"; fi
+}
+
+# pg_start BIN DATA HOME PORT starts the cluster.
+pg_start() {
+  pg_durability "$2"
+  as_pg "$1/pg_ctl" -D "$2" -l "$3/postgres.log" -w -t 30 start \
+    -o "-p $4 -k $3/run -c listen_addresses=127.0.0.1 -c max_connections=400" >/dev/null ||
+    die "postgres did not start; see $3/postgres.log"
+}
+
+# pg_fsync_check URL BIN DATA HOME PORT makes sure the running cluster's fsync
+# can be changed with ALTER SYSTEM: a cluster an older devstack.sh started with fsync on its
+# command line is restarted (once) the way pg_start starts it. It warns when
+# an ALTER SYSTEM override of fsync is in place (a benchmark that was killed
+# before it could reset it): the tests would run at fsync-on speed.
+pg_fsync_check() {
+  local url=$1 bin=$2 data=$3 home=$4 port=$5 src file
+  IFS='|' read -r src file < <(psql "$url" -Atqc "select source, coalesce(sourcefile, '') from pg_settings where name = 'fsync'")
+  if [ "$src" = "command line" ]; then
+    say "postgres: restarting it so that fsync is set in a configuration file (reloadable) instead of the command line"
+    as_pg "$bin/pg_ctl" -D "$data" -m fast -w stop >/dev/null || die "postgres did not stop"
+    pg_start "$bin" "$data" "$home" "$port"
+  elif [ "${file##*/}" = postgresql.auto.conf ]; then
+    say "warning: fsync is overridden with ALTER SYSTEM (an interrupted make bench?); undo it with:"
+    say "  psql \"$url\" -c 'ALTER SYSTEM RESET fsync' -c 'ALTER SYSTEM RESET full_page_writes' -c 'SELECT pg_reload_conf()'"
+  fi
 }
 
 pg_url_ok() { command -v psql >/dev/null && psql "$1" -Atqc 'select 1' >/dev/null 2>&1; }
 
 pg_up() {
-  if [ -n "${KVMESH_DATABASE_URL:-}" ] && pg_url_ok "$KVMESH_DATABASE_URL"; then
+  # The URL of the private cluster itself (a shell that sourced .dev/env)
+  # takes the private cluster's path below, which checks its settings.
+  if [ -n "${KVMESH_DATABASE_URL:-}" ] && [ "$KVMESH_DATABASE_URL" != "$(cat "$dev/pg.url" 2>/dev/null)" ] &&
+    pg_url_ok "$KVMESH_DATABASE_URL"; then
     say "postgres: using KVMESH_DATABASE_URL"
     echo "$KVMESH_DATABASE_URL" >"$dev/pg.url"
     return
@@ -92,6 +136,7 @@ pg_up() {
     url="postgres://kvmesh@127.0.0.1:$port/kvmesh?sslmode=disable"
     if "$bin/pg_isready" -q -h 127.0.0.1 -p "$port"; then
       say "postgres: already running on 127.0.0.1:$port"
+      pg_fsync_check "$url" "$bin" "$data" "$home" "$port"
       echo "$url" >"$dev/pg.url"
       return
     fi
@@ -107,10 +152,9 @@ pg_up() {
   if [ "$(id -u)" = 0 ]; then chown -R postgres:postgres "$home"; fi
   port=$(free_port "${KVMESH_DEV_PG_PORT:-15432}")
   echo "$port" >"$home/port"
-  as_pg "$bin/pg_ctl" -D "$data" -l "$home/postgres.log" -w -t 30 start \
-    -o "-p $port -k $home/run -c listen_addresses=127.0.0.1 -c max_connections=400 $(pg_durability)" >/dev/null ||
-    die "postgres did not start; see $home/postgres.log"
+  pg_start "$bin" "$data" "$home" "$port"
   url="postgres://kvmesh@127.0.0.1:$port/kvmesh?sslmode=disable"
+  pg_fsync_check "postgres://kvmesh@127.0.0.1:$port/postgres?sslmode=disable" "$bin" "$data" "$home" "$port"
   psql "postgres://kvmesh@127.0.0.1:$port/postgres?sslmode=disable" -Atqc \
     "select 1 from pg_database where datname='kvmesh'" | grep -q 1 ||
     psql "postgres://kvmesh@127.0.0.1:$port/postgres?sslmode=disable" -qc 'create database kvmesh' >/dev/null
