@@ -41,7 +41,7 @@ const (
 	DefaultBatchSize = 256
 	// DefaultBatchLinger is how long a batch consumer keeps a batch open
 	// for more records after its first record arrived.
-	DefaultBatchLinger = 2 * time.Millisecond
+	DefaultBatchLinger = 500 * time.Microsecond
 )
 
 // Received is one record handed to a Handler: the message and where it came

@@ -20,7 +20,7 @@ const tracerName = "github.com/kvmesh/kvmesh/pkg/bus"
 // DefaultBatchTimeout is how long the producer waits to fill a batch before
 // sending it. kafka-go's own default of 1 s would make every synchronous
 // publish of a control message take a second.
-const DefaultBatchTimeout = 2 * time.Millisecond
+const DefaultBatchTimeout = 500 * time.Microsecond
 
 // Producer publishes Messages to Kafka, each to its own topic, partitioned by
 // key (murmur2, as the Java client does) so that one key's records keep their

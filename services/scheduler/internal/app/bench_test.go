@@ -877,7 +877,11 @@ func newSaveReader(b *testing.B, brokers []string) *saveReader {
 			b.Fatal(p.Error)
 		}
 		r := kafka.NewReader(kafka.ReaderConfig{Brokers: brokers, Topic: contract.TopicSaveTasks, Partition: p.Partition,
-			MinBytes: 1, MaxBytes: 1 << 22, MaxWait: 10 * time.Millisecond})
+			MinBytes: 1, MaxBytes: 1 << 22,
+			// A short MaxWait makes kafka-go's fetch deadline race the
+			// broker's answer: a lost race reconnects, ~100 ms of the
+			// reader's own that would count as the scheduler's latency.
+			MaxWait: 250 * time.Millisecond})
 		if err := r.SetOffset(p.LastOffset); err != nil {
 			b.Fatal(err)
 		}

@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"fmt"
+	"io/fs"
 	"reflect"
 	"testing"
 
@@ -258,7 +259,7 @@ func TestDownMigrationFoldsPartsBack(t *testing.T) {
 	d.apply(scheduled("r1", kvcore.StepNew, 64, tbl(0, 4), chain))
 	d.apply(scheduled("r1", kvcore.StepRunning, 128, tbl(4, 4), nil))
 	ctx := context.Background()
-	if _, err := database.MigrateDown(ctx, pool, migrations.FS, 1); err != nil {
+	if _, err := database.MigrateDown(ctx, pool, migrations.FS, migrationsFrom(t, "0006")); err != nil {
 		t.Fatal(err)
 	}
 	var tb []byte
@@ -277,4 +278,21 @@ func TestDownMigrationFoldsPartsBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	d.check(ledger.New(pool, m), "r1")
+}
+
+// migrationsFrom counts the up migrations numbered first or later: the
+// steps down to the version before first.
+func migrationsFrom(t *testing.T, first string) int {
+	t.Helper()
+	ups, err := fs.Glob(migrations.FS, "*.up.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, f := range ups {
+		if f >= first {
+			n++
+		}
+	}
+	return n
 }
