@@ -89,6 +89,35 @@ func EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) err
 	return nil
 }
 
+// CopyThreshold is the size of message values above which a caller should
+// enqueue with EnqueueCopy rather than EnqueueBatch: binary COPY streams
+// the values instead of encoding them into one array parameter.
+const CopyThreshold = 1 << 20
+
+// EnqueueCopy writes msgs to the outbox inside tx with one binary COPY, in
+// order, with the headers as EnqueueBatch sets them. The outbox trigger
+// fires once for the COPY, as for one INSERT.
+func EnqueueCopy(ctx context.Context, tx pgx.Tx, msgs []bus.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	rows := make([][]any, len(msgs))
+	for i, m := range msgs {
+		if m.Topic == "" {
+			return fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
+		}
+		h := m.Headers
+		if _, ok := h[contract.HeaderTraceparent]; !ok {
+			h = traceHeaders(ctx, h)
+		}
+		rows[i] = []any{m.Topic, m.Key, m.Value, h}
+	}
+	if _, err := tx.CopyFrom(ctx, pgx.Identifier{"outbox"}, []string{"topic", "key", "value", "headers"}, pgx.CopyFromRows(rows)); err != nil {
+		return fmt.Errorf("database: copy %d messages into the outbox: %w", len(msgs), err)
+	}
+	return nil
+}
+
 // traceHeaders returns a copy of headers with ctx's trace context added.
 func traceHeaders(ctx context.Context, headers map[string]string) map[string]string {
 	out := make(map[string]string, len(headers)+2)

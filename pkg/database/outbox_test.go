@@ -405,3 +405,47 @@ func TestBacklogAndPurgeSent(t *testing.T) {
 		t.Errorf("%d rows left, want 3 (one recent sent, two unsent)", len(rows))
 	}
 }
+
+// TestEnqueueBatchAndCopyKeepOrderAndTraces enqueues through the two
+// set-based paths in one transaction: the relay publishes every message in
+// the order given, each with the trace context it carried or ctx's.
+func TestEnqueueBatchAndCopyKeepOrderAndTraces(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	sc := trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{2}, TraceFlags: trace.FlagsSampled,
+	})
+	ctx := trace.ContextWithSpanContext(t.Context(), sc)
+	own := "00-0a000000000000000000000000000000-0b00000000000000-01"
+	first := []bus.Message{msg("k", "0"), {Topic: "kvmesh.test", Key: "k", Value: []byte("1"), Headers: map[string]string{"traceparent": own}}}
+	second := []bus.Message{msg("k", "2"), msg("j", "3")}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		if err := database.EnqueueBatch(ctx, b, first); err != nil {
+			return err
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return err
+		}
+		return database.EnqueueCopy(ctx, tx, second)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := &fakePublisher{}
+	startRelay(t, pool, pub)
+	waitFor(t, "four messages", func() bool { return len(pub.published()) == 4 })
+	got := pub.published()
+	ctxTrace := "00-01000000000000000000000000000000-0200000000000000-01"
+	for i, want := range []string{ctxTrace, own, ctxTrace, ctxTrace} {
+		if string(got[i].Value) != fmt.Sprint(i) || got[i].Headers["traceparent"] != want {
+			t.Errorf("message %d: value %q traceparent %q, want %d and %s", i, got[i].Value, got[i].Headers["traceparent"], i, want)
+		}
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return database.EnqueueCopy(ctx, tx, []bus.Message{{Key: "k"}})
+	})
+	if !errors.Is(err, database.ErrEmptyTopic) {
+		t.Fatalf("EnqueueCopy without a topic: %v, want ErrEmptyTopic", err)
+	}
+}

@@ -499,16 +499,32 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 		}
 	}
 	w.queue(batch)
-	if err := database.EnqueueBatch(ctx, batch, msgs); err != nil {
-		return fmt.Errorf("ledger: %w", err)
+	large := valueBytes(msgs) > database.CopyThreshold
+	if !large {
+		if err := database.EnqueueBatch(ctx, batch, msgs); err != nil {
+			return fmt.Errorf("ledger: %w", err)
+		}
 	}
-	if batch.Len() == 0 {
-		return nil
+	if batch.Len() > 0 {
+		if err := b.tx.SendBatch(ctx, batch).Close(); err != nil {
+			return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
+		}
 	}
-	if err := b.tx.SendBatch(ctx, batch).Close(); err != nil {
-		return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
+	if large {
+		if err := database.EnqueueCopy(ctx, b.tx, msgs); err != nil {
+			return fmt.Errorf("ledger: %w", err)
+		}
 	}
 	return nil
+}
+
+// valueBytes sums the messages' value sizes.
+func valueBytes(msgs []bus.Message) int {
+	n := 0
+	for _, m := range msgs {
+		n += len(m.Value)
+	}
+	return n
 }
 
 // writeSet collects the column arrays of one batch's writes.
