@@ -72,12 +72,9 @@ func EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) err
 	topics, keys, headers := make([]string, len(msgs)), make([]string, len(msgs)), make([]string, len(msgs))
 	values := make([][]byte, len(msgs))
 	for i, m := range msgs {
-		if m.Topic == "" {
-			return fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
-		}
-		h := m.Headers
-		if _, ok := h[contract.HeaderTraceparent]; !ok {
-			h = traceHeaders(ctx, h)
+		h, err := rowHeaders(ctx, i, m)
+		if err != nil {
+			return err
 		}
 		hb, err := json.Marshal(h)
 		if err != nil {
@@ -103,12 +100,9 @@ func EnqueueCopy(ctx context.Context, tx pgx.Tx, msgs []bus.Message) error {
 	}
 	rows := make([][]any, len(msgs))
 	for i, m := range msgs {
-		if m.Topic == "" {
-			return fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
-		}
-		h := m.Headers
-		if _, ok := h[contract.HeaderTraceparent]; !ok {
-			h = traceHeaders(ctx, h)
+		h, err := rowHeaders(ctx, i, m)
+		if err != nil {
+			return err
 		}
 		rows[i] = []any{m.Topic, m.Key, m.Value, h}
 	}
@@ -116,6 +110,19 @@ func EnqueueCopy(ctx context.Context, tx pgx.Tx, msgs []bus.Message) error {
 		return fmt.Errorf("database: copy %d messages into the outbox: %w", len(msgs), err)
 	}
 	return nil
+}
+
+// rowHeaders checks message i of a set-based enqueue and returns the
+// headers to store: its own when they carry a traceparent, else a copy
+// with ctx's trace context.
+func rowHeaders(ctx context.Context, i int, m bus.Message) (map[string]string, error) {
+	if m.Topic == "" {
+		return nil, fmt.Errorf("database: enqueue message %d (key %q): %w", i, m.Key, ErrEmptyTopic)
+	}
+	if _, ok := m.Headers[contract.HeaderTraceparent]; ok {
+		return m.Headers, nil
+	}
+	return traceHeaders(ctx, m.Headers), nil
 }
 
 // traceHeaders returns a copy of headers with ctx's trace context added.
