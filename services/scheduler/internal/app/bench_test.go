@@ -870,6 +870,18 @@ func (bs *benchScheduler) explainMissing(b *testing.B, saves *saveReader, sent m
 		}
 	}
 	saves.mu.Unlock()
+	dl, err := bs.pool.Query(context.Background(), `SELECT topic, reason, left(detail, 300) FROM scheduler_dead_letters ORDER BY id LIMIT 10`)
+	if err == nil {
+		for dl.Next() {
+			var topic, reason, detail string
+			_ = dl.Scan(&topic, &reason, &detail)
+			b.Logf("scheduler dead letter on %s: %s: %s", topic, reason, detail)
+		}
+		dl.Close()
+	}
+	if len(missing) > 0 {
+		bs.explainOrder(b, missing[0])
+	}
 	for _, k := range missing {
 		engine, req, _ := strings.Cut(k, "/")
 		var state, tracker string
@@ -880,6 +892,48 @@ func (bs *benchScheduler) explainMissing(b *testing.B, saves *saveReader, sent m
 			FROM trackers t WHERE t.engine_id = $1 AND t.request_id = $2`, engine, req, contract.TopicSaveTasks).
 			Scan(&state, &tracker, &rows, &unsent)
 		b.Logf("missing save of %s: state %s, %d save rows in the outbox (%d unsent), %v; tracker %s", k, state, rows, unsent, err, tracker)
+	}
+}
+
+// explainOrder logs where the events of the request named by key (engine
+// id/request id) sit on kvmesh.engine.steps: offsets and seqs in topic
+// order.
+func (bs *benchScheduler) explainOrder(b *testing.B, key string) {
+	engine, req, _ := strings.Cut(key, "/")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for p := range contract.DefaultPartitions {
+		r := kafka.NewReader(kafka.ReaderConfig{Brokers: bs.env.Brokers, Topic: contract.TopicEngineSteps, Partition: p, MaxWait: 250 * time.Millisecond})
+		for {
+			m, err := r.ReadMessage(ctx)
+			if err != nil {
+				break
+			}
+			if string(m.Key) == engine {
+				var st contract.EngineStep
+				if json.Unmarshal(m.Value, &st) == nil {
+					for _, ev := range st.Requests {
+						if ev.RequestID == req {
+							b.Logf("order: %s partition %d offset %d time %s step %s: seq %d %s", key, p, m.Offset, m.Time.Format("15:04:05.000"), st.StepID, ev.Seq, ev.Kind)
+						}
+					}
+				}
+			}
+			if r.Lag() == 0 {
+				break
+			}
+		}
+		_ = r.Close()
+	}
+	rows, err := bs.pool.Query(ctx, `SELECT id, processed_at FROM processed_records WHERE engine_id = $1 ORDER BY processed_at DESC LIMIT 5`, engine)
+	if err == nil {
+		for rows.Next() {
+			var id string
+			var at time.Time
+			_ = rows.Scan(&id, &at)
+			b.Logf("order: latest processed step of %s: %s at %s", engine, id, at.Format("15:04:05.000"))
+		}
+		rows.Close()
 	}
 }
 
