@@ -152,7 +152,27 @@ func checkEvent(stepID string, i int, ev contract.RequestEvent) error {
 	default:
 		return invalid("step %s: request %s: kind %q", stepID, ev.RequestID, ev.Kind)
 	}
+	if err := hexChain(stepID, ev.RequestID, ev.BlockHashes); err != nil {
+		return err
+	}
+	if ev.Step != nil {
+		if err := hexChain(stepID, ev.RequestID, ev.Step.Hashes); err != nil {
+			return err
+		}
+	}
 	return validIDs(ev.RequestID, ev.DecisionID)
+}
+
+// hexChain refuses a hash chain with an element that is not lower-case
+// hex: such a hash could never name a store key, and the ledger stores
+// chains as comma-joined text.
+func hexChain(stepID, requestID string, hashes []string) error {
+	for i, h := range hashes {
+		if !kvcore.IsHashHex(h) {
+			return invalid("step %s: request %s: block hash %d %q is not lower-case hex", stepID, requestID, i, h)
+		}
+	}
+	return nil
 }
 
 func decodeDecision(b []byte) (item, error) {

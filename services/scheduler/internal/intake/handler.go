@@ -44,9 +44,15 @@ func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.L
 	return &Handler{ledger: l, model: m, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler")}
 }
 
-// ReasonDatabaseRejected marks a record PostgreSQL refuses for its data
-// (SQLSTATE class 22 or 23) every time it is applied alone.
-const ReasonDatabaseRejected = "database_rejected"
+// Dead-letter reasons of a record whose transaction fails for good.
+const (
+	// ReasonDatabaseRejected marks a record PostgreSQL refuses for its
+	// data (SQLSTATE class 22 or 23) every time it is applied alone.
+	ReasonDatabaseRejected = "database_rejected"
+	// ReasonPartsCorrupt marks a record changing a request whose stored
+	// hash or block segments disagree with its row (ledger.ErrPartsCorrupt).
+	ReasonPartsCorrupt = "tracker_parts_corrupt"
+)
 
 // HandleBatch is the bus.BatchHandler: it decodes every record and applies
 // the decodable ones in one ledger transaction (ledger.ApplyBatch). The
@@ -129,11 +135,16 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 }
 
 // classifyApply sorts a failed transaction: data PostgreSQL refuses
-// (SQLSTATE class 22, data exception, or 23, integrity constraint) is
-// permanent, anything else (an outage, a deadlock, a timeout) transient.
+// (SQLSTATE class 22, data exception, or 23, integrity constraint) and a
+// tracker whose stored parts disagree with its row are permanent (retrying
+// cannot help, and the record must not stall its partition); anything else
+// (an outage, a deadlock, a timeout) is transient.
 func classifyApply(err error) error {
 	if pe, ok := errors.AsType[*pgconn.PgError](err); ok && (strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23")) {
 		return bus.Permanent(ReasonDatabaseRejected, err)
+	}
+	if errors.Is(err, ledger.ErrPartsCorrupt) {
+		return bus.Permanent(ReasonPartsCorrupt, err)
 	}
 	return bus.Transient(err)
 }

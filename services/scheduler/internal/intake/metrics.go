@@ -65,7 +65,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	// Every dead-letter series exists from the start, at 0, for dashboards
 	// and alerts.
 	for _, topic := range Topics {
-		for _, reason := range []string{bus.ReasonUndecodable, ReasonInvalidRecord, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted} {
+		for _, reason := range []string{bus.ReasonUndecodable, ReasonInvalidRecord, ReasonDatabaseRejected, ReasonPartsCorrupt, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted} {
 			m.deadLetters.WithLabelValues(topic, reason)
 		}
 		m.records.WithLabelValues(topic, "applied")

@@ -2,6 +2,7 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"reflect"
@@ -295,4 +296,31 @@ func migrationsFrom(t *testing.T, first string) int {
 		}
 	}
 	return n
+}
+
+// TestCorruptPartsFailTheApply: a segment missing under a row's parts meta
+// is reported as ErrPartsCorrupt, never read as a shorter table.
+func TestCorruptPartsFailTheApply(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m, err := kvcore.Preset("dense")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newDriver(t, pool, m)
+	chain := hexChain(8)
+	d.apply(contract.RequestEvent{RequestID: "r1", Kind: contract.EventAdmitted, PromptTokens: 128, BlockHashes: chain})
+	d.apply(scheduled("r1", kvcore.StepNew, 64, kvcore.BlockTable{blocks(0, 4)}, chain))
+	d.apply(scheduled("r1", kvcore.StepRunning, 128, kvcore.BlockTable{blocks(4, 4)}, nil))
+	if _, err := pool.Exec(context.Background(), `DELETE FROM tracker_blocks WHERE start > 0`); err != nil {
+		t.Fatal(err)
+	}
+	fresh := ledger.New(pool, m) // no cache: reads the segments
+	_, err = fresh.Apply(context.Background(), ledger.Record{Kind: ledger.KindStep, ID: "x", EngineID: "e1", RequestID: "r1", Create: true},
+		func(*tracking.Request) ([]bus.Message, error) { return nil, nil })
+	if !errors.Is(err, ledger.ErrPartsCorrupt) {
+		t.Fatalf("apply over a missing segment: %v, want ErrPartsCorrupt", err)
+	}
+	if _, err := fresh.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "r1"}); !errors.Is(err, ledger.ErrPartsCorrupt) {
+		t.Fatalf("get over a missing segment: %v, want ErrPartsCorrupt", err)
+	}
 }
