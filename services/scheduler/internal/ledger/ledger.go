@@ -1,8 +1,10 @@
 // Package ledger is the scheduler's PostgreSQL state: one row per request
-// (table trackers) and the ids of the records already applied (table
-// processed_records). Apply runs one record's change in one transaction —
-// idempotency check, row lock, state update and outbox rows together — so a
-// crash at any point either applied the record with its tasks or not at all.
+// (table trackers, with its hash chain and block tables in the write-once
+// segment tables tracker_hashes and tracker_blocks) and the ids of the
+// records already applied (table processed_records). ApplyBatch runs a
+// batch of records in one transaction — idempotency check, row locks,
+// state updates and outbox rows together, set-based — so a crash at any
+// point either applied the records with their tasks or not at all.
 package ledger
 
 import (
