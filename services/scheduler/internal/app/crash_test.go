@@ -98,7 +98,8 @@ func TestKilledAfterCommitBeforePublish(t *testing.T) {
 	}
 	h.pool = connect(t, env.DatabaseURL)
 	transport := &kafka.Transport{}
-	h.writer = &kafka.Writer{Addr: kafka.TCP(env.Brokers...), Balancer: &kafka.Murmur2Balancer{}, BatchTimeout: 2 * time.Millisecond, Transport: transport}
+	h.writer = &kafka.Writer{Addr: kafka.TCP(env.Brokers...), Balancer: &kafka.Murmur2Balancer{}, BatchTimeout: 2 * time.Millisecond,
+		RequiredAcks: kafka.RequireAll, Transport: transport} // acknowledged: unacknowledged writes may land out of order
 	t.Cleanup(func() { _ = h.writer.Close(); transport.CloseIdleConnections() })
 
 	first := startProcess(t, bin, env, "KVMESH_OUTBOX_RELAY_DISABLED=true")
