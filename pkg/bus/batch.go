@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"runtime/debug"
 	"slices"
 	"strings"
 	"time"
@@ -268,9 +267,7 @@ func (c *Consumer) handleBatchWithRetry(ctx context.Context, span trace.Span, re
 func (c *Consumer) invokeBatch(ctx context.Context, recs []Received) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
-			c.cfg.Logger.Error("batch handler panicked", "group", c.cfg.GroupID, "records", len(recs),
-				"panic", fmt.Sprint(v), "stack", string(debug.Stack()))
-			err = Permanent(ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
+			err = c.panicked(v, "batch handler panicked", "group", c.cfg.GroupID, "records", len(recs))
 		}
 	}()
 	return c.batch(ctx, recs)

@@ -257,11 +257,17 @@ func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Rec
 func (c *Consumer) invoke(ctx context.Context, rec Received) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
-			c.cfg.Logger.Error("handler panicked", c.recordAttrs(rec, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
-			err = Permanent(ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
+			err = c.panicked(v, "handler panicked", c.recordAttrs(rec)...)
 		}
 	}()
 	return c.handler(ctx, rec)
+}
+
+// panicked logs a handler panic v (msg, attrs, the panic and its stack) and
+// returns it as a permanent failure with reason ReasonHandlerPanic.
+func (c *Consumer) panicked(v any, msg string, attrs ...any) error {
+	c.cfg.Logger.Error(msg, append(attrs, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
+	return Permanent(ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
 }
 
 func (c *Consumer) observe(topic string, o Outcome, start time.Time) {
