@@ -155,14 +155,20 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 	return statuses, nil
 }
 
+// id is the record's identity in processed_records (Create is not part
+// of it).
+func (r Record) id() Record {
+	r.Create = false
+	return r
+}
+
 // dedupe marks units repeating an earlier unit's id as duplicates and
 // returns the indexes of the others.
 func (l *Ledger) dedupe(units []Unit, statuses []Status) []int {
 	seen := make(map[Record]bool, len(units))
 	fresh := make([]int, 0, len(units))
 	for i, u := range units {
-		id := u.Record
-		id.Create = false
+		id := u.Record.id()
 		if seen[id] {
 			statuses[i] = Duplicate
 			continue
@@ -215,9 +221,7 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 	}
 	applied := make(map[int]bool, len(fresh))
 	for _, i := range fresh {
-		r := units[i].Record
-		r.Create = false
-		applied[i] = newIDs[r]
+		applied[i] = newIDs[units[i].Record.id()]
 	}
 	return applied, nil
 }
