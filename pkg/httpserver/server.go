@@ -130,6 +130,7 @@ type Server struct {
 	mux     *chi.Mux
 	http    *http.Server
 	builtin sync.Once
+	fresh   freshConns
 
 	mu      sync.Mutex
 	ln      net.Listener
@@ -164,8 +165,47 @@ func New(opts Options) (*Server, error) {
 		WriteTimeout:      opts.WriteTimeout,
 		IdleTimeout:       opts.IdleTimeout,
 		ErrorLog:          slog.NewLogLogger(opts.Logger.Handler(), slog.LevelWarn),
+		ConnState:         s.fresh.track,
 	}
+	s.http.RegisterOnShutdown(s.fresh.closeAll)
 	return s, nil
+}
+
+// freshConns tracks the connections that have not sent a request yet.
+// net/http's Shutdown waits for such a connection for 5 s before it counts
+// as idle — longer than a service's shutdown timeout — and an HTTP client
+// opens one whenever a dial it started is overtaken by an idle connection
+// of its pool. They hold no request, so shutdown closes them at once
+// (registered with RegisterOnShutdown, which runs once the listeners are
+// closed); a request arriving on one at that moment gets the connection
+// closed, as it would on a listener that stopped.
+type freshConns struct {
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+// track is the http.Server's ConnState hook.
+func (f *freshConns) track(c net.Conn, state http.ConnState) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if state == http.StateNew {
+		if f.conns == nil {
+			f.conns = map[net.Conn]struct{}{}
+		}
+		f.conns[c] = struct{}{}
+		return
+	}
+	delete(f.conns, c)
+}
+
+// closeAll closes every connection that has not sent a request yet.
+func (f *freshConns) closeAll() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for c := range f.conns {
+		_ = c.Close()
+		delete(f.conns, c)
+	}
 }
 
 // Router returns the router on which the service mounts its routes. More

@@ -425,3 +425,37 @@ func TestCloseReleasesUnstartedListener(t *testing.T) {
 		t.Fatalf("Run after Close = %v, want ErrRunning", err)
 	}
 }
+
+// TestShutdownClosesConnectionsWithoutRequests: a connection that never
+// sent a request (a client's spare dial) does not hold the shutdown, which
+// net/http would otherwise wait on for 5 s, past the shutdown timeout.
+func TestShutdownClosesConnectionsWithoutRequests(t *testing.T) {
+	srv, err := httpserver.New(httpserver.Options{Addr: "127.0.0.1:0", ShutdownTimeout: time.Second, Logger: discardLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	runDone := make(chan error, 1)
+	go func() { runDone <- srv.Run(ctx) }()
+	silent, err := net.Dial("tcp", srv.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	// The server accepts in order: once a later connection is answered,
+	// the silent one was accepted (and is in StateNew).
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	res, err := client.Get("http://" + srv.Addr() + "/healthz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	cancel()
+	if err := <-runDone; err != nil {
+		t.Fatalf("Run = %v, want nil: the silent connection held the shutdown", err)
+	}
+}
