@@ -62,13 +62,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	if err := telemetry.RegisterAll(reg, m.records, m.duplicates, m.tasks, m.feedback, m.errored, m.warnings, m.deadLetters, m.applySeconds); err != nil {
 		return nil, fmt.Errorf("scheduler metrics: %w", err)
 	}
-	// Every dead-letter series exists from the start, at 0, for dashboards
-	// and alerts.
+	// Every dead-letter and duplicate series exists from the start, at 0,
+	// for dashboards, alerts and readers of a replica's repeats.
 	for _, topic := range Topics {
 		for _, reason := range []string{bus.ReasonUndecodable, ReasonInvalidRecord, ReasonDatabaseRejected, ReasonPartsCorrupt, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted} {
 			m.deadLetters.WithLabelValues(topic, reason)
 		}
 		m.records.WithLabelValues(topic, "applied")
+		for _, by := range []string{"id", "seq"} {
+			m.duplicates.WithLabelValues(topic, by)
+		}
 	}
 	for _, kind := range []string{"save", "load"} {
 		m.tasks.WithLabelValues(kind)
