@@ -108,7 +108,7 @@ func (l *ledger) taskKeys(t *kvcore.SaveTask) int {
 	for _, gc := range t.Groups {
 		ranks := 1
 		if gc.Group >= 0 && gc.Group < len(l.model.Groups) {
-			ranks = len(l.model.Ranks(gc.Group))
+			ranks = len(l.model.Namespaces(gc.Group))
 		}
 		n += len(gc.Chunks) * ranks
 	}

@@ -181,7 +181,7 @@ func (c *Config) defaults() error {
 		}
 	}
 	for g := range c.Model.Groups {
-		if len(c.Model.Ranks(g)) != 1 {
+		if len(c.Model.Namespaces(g)) != 1 {
 			return fmt.Errorf("model %s has several rank namespaces; the simulator plays single-rank engines: %w", c.Model.Name, ErrConfig)
 		}
 	}

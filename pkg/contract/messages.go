@@ -166,6 +166,9 @@ type TransferResult struct {
 	Groups     []GroupOutcome   `json:"groups,omitempty"`
 	LoadErrors []kvcore.BlockID `json:"load_errors,omitempty"`
 	Bytes      int64            `json:"bytes"`
+	// Rank is the worker rank whose load this reports (loads of a
+	// multi-rank engine: one result per rank of the task's Ranks).
+	Rank *kvcore.Rank `json:"rank,omitempty"`
 }
 
 // FeedbackRequestError is the EngineFeedback kind that tells an engine a

@@ -42,7 +42,7 @@ type lookupCursor struct {
 // hash chain (at m.HashBlockSize) is hashes. The token count is aligned down
 // to the scheduler block size; every multiple h of it up to there is a
 // candidate hit. Each group contributes the chunks it needs at some candidate
-// (Group.Reaches), each in every rank namespace of Model.Ranks. A request
+// (Group.Reaches), each in every store namespace of Model.Namespaces. A request
 // shorter than one scheduler block gets a plan with no keys (and no hit).
 func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*LookupPlan, error) {
 	if err := m.Validate(); err != nil {
@@ -71,7 +71,7 @@ func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*Lo
 	for g, grp := range m.Groups {
 		p.groups[g], distinct[g] = p.planGroup(grp, m.HashBlockSize, chain.canon, seen)
 		p.groups[g].base = nkeys
-		p.groups[g].ranks = len(m.Ranks(g))
+		p.groups[g].ranks = len(m.Namespaces(g))
 		nkeys += p.groups[g].ranks * p.groups[g].stride
 	}
 	p.keys = p.writeKeys(m, kb, chain.hex, distinct, nkeys)
@@ -115,7 +115,7 @@ func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, hexes []string, distinct
 		for _, h := range distinct[g] {
 			hexLen += len(hexes[h])
 		}
-		for _, r := range m.Ranks(g) {
+		for _, r := range m.Namespaces(g) {
 			ns := kb.Namespace(r, g)
 			namespaces[g] = append(namespaces[g], ns)
 			size += len(distinct[g])*(len(ns)+1) + hexLen

@@ -183,7 +183,7 @@ func oracleHit(t *testing.T, m *Model, kb KeyBuilder, hashes []BlockHash, aligne
 				if !grp.Reaches(c, h) {
 					continue
 				}
-				for _, r := range m.Ranks(g) {
+				for _, r := range m.Namespaces(g) {
 					k := kb.Key(r, g, hashes[c.HashIndex(m.HashBlockSize)])
 					needed[k] = true
 					ok = ok && present[k]

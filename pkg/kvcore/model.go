@@ -17,11 +17,14 @@ const (
 	// KindFullAttention is standard full attention: one block per block_size tokens, per TP rank.
 	KindFullAttention Kind = "full_attention"
 	// KindMLA is multi-head latent attention: like full attention, but its KV is
-	// identical on every TP rank, so it is stored once (under tp_rank 0).
+	// identical on every TP rank, so the ranks share one store namespace and
+	// each chunk is written once (Model.Replication).
 	KindMLA Kind = "mla"
 	// KindSlidingWindow keeps only the last Window tokens' KV.
 	KindSlidingWindow Kind = "sliding_window"
-	// KindMamba is Mamba / linear-attention state: one state block at the hit position.
+	// KindMamba is Mamba / linear-attention state: one state block at the hit
+	// position. The state is sharded by TP rank: every rank has its own
+	// namespace and writes every one of its blocks.
 	KindMamba Kind = "mamba"
 )
 
@@ -33,21 +36,9 @@ type Group struct {
 	BlockSize int `json:"block_size" yaml:"block_size"`
 	// Window is the sliding window in tokens (sliding_window only).
 	Window int `json:"window,omitempty" yaml:"window,omitempty"`
-	// BytesPerBlock is the size of one block of this group on one rank.
+	// BytesPerBlock is the size of one block of this group on one worker
+	// rank (its shard of the heads and its pipeline stage's layers).
 	BytesPerBlock int64 `json:"bytes_per_block" yaml:"bytes_per_block"`
-}
-
-// Parallel gives the sizes of the parallel dimensions whose ranks get their
-// own store-key namespace. A zero size means 1.
-type Parallel struct {
-	// TP is the tensor-parallel size.
-	TP int `json:"tp,omitempty" yaml:"tp,omitempty"`
-	// PCP is the prefill context-parallel size.
-	PCP int `json:"pcp,omitempty" yaml:"pcp,omitempty"`
-	// DCP is the decode context-parallel size.
-	DCP int `json:"dcp,omitempty" yaml:"dcp,omitempty"`
-	// PP is the pipeline-parallel size.
-	PP int `json:"pp,omitempty" yaml:"pp,omitempty"`
 }
 
 // Model is the KV-cache layout of one served model, shared by every service.
@@ -59,7 +50,13 @@ type Model struct {
 	HashBlockSize int `json:"hash_block_size" yaml:"hash_block_size"`
 	// Groups are the model's KV-cache groups, in group-index order.
 	Groups []Group `json:"groups" yaml:"groups"`
-	// Parallel gives the rank namespaces.
+	// KVHeads is the model's total number of KV heads (vLLM's
+	// get_total_num_kv_heads). With fewer KV heads than TP ranks, groups of
+	// tp/kv_heads ranks hold the same attention bytes and share a store
+	// namespace. Zero means at least one head per rank (no sharing).
+	KVHeads int `json:"kv_heads,omitempty" yaml:"kv_heads,omitempty"`
+	// Parallel gives the engine's parallel layout: its worker ranks and,
+	// with the groups' kinds and KVHeads, their store namespaces.
 	Parallel Parallel `json:"parallel" yaml:"parallel"`
 }
 
@@ -107,7 +104,10 @@ func (m *Model) Validate() error {
 			return err
 		}
 	}
-	return m.Parallel.validate()
+	if m.KVHeads < 0 {
+		return &SpecError{"kv_heads", "must not be negative"}
+	}
+	return m.validateParallel()
 }
 
 func (g Group) validate(i, hashBS int) error {
@@ -136,18 +136,6 @@ func (g Group) validate(i, hashBS int) error {
 	return nil
 }
 
-func (p Parallel) validate() error {
-	for _, d := range []struct {
-		name string
-		v    int
-	}{{"parallel.tp", p.TP}, {"parallel.pcp", p.PCP}, {"parallel.dcp", p.DCP}, {"parallel.pp", p.PP}} {
-		if d.v < 0 {
-			return &SpecError{d.name, "must not be negative"}
-		}
-	}
-	return nil
-}
-
 // SchedulerBlockSize is the lcm of every group's block size: hits and saves
 // are aligned to it.
 func (m *Model) SchedulerBlockSize() int {
@@ -156,37 +144,6 @@ func (m *Model) SchedulerBlockSize() int {
 		l = lcm(l, g.BlockSize)
 	}
 	return l
-}
-
-// Ranks returns the rank namespaces that hold group g's blocks. Every rank
-// holds its own copy, except that MLA groups are identical across TP ranks
-// and live only under tp_rank 0.
-func (m *Model) Ranks(g int) []Rank {
-	p := m.Parallel
-	tp := size(p.TP)
-	if m.Groups[g].Kind == KindMLA {
-		tp = 1
-	}
-	var out []Rank
-	for pp := 0; pp < size(p.PP); pp++ {
-		for t := 0; t < tp; t++ {
-			for c := 0; c < size(p.PCP); c++ {
-				for d := 0; d < size(p.DCP); d++ {
-					out = append(out, Rank{TP: t, PCP: c, DCP: d, PP: pp})
-				}
-			}
-		}
-	}
-	return out
-}
-
-// StoreRank maps the rank an engine worker runs as to the namespace it reads
-// and writes for group g (an MLA group's TP ranks all share tp_rank 0).
-func (m *Model) StoreRank(g int, r Rank) Rank {
-	if m.Groups[g].Kind == KindMLA {
-		r.TP = 0
-	}
-	return r
 }
 
 // Fingerprint is a short stable digest of the layout, stored beside every

@@ -175,33 +175,6 @@ func TestSchedulerBlockSize(t *testing.T) {
 	}
 }
 
-func TestRanks(t *testing.T) {
-	m := lookupModel(16, grpFull(16), grpMLA(16))
-	m.Parallel = Parallel{TP: 2, PP: 2}
-	wantFull := []Rank{{TP: 0, PP: 0}, {TP: 1, PP: 0}, {TP: 0, PP: 1}, {TP: 1, PP: 1}}
-	if got := m.Ranks(0); !slices.Equal(got, wantFull) {
-		t.Errorf("full Ranks = %v, want %v", got, wantFull)
-	}
-	wantMLA := []Rank{{TP: 0, PP: 0}, {TP: 0, PP: 1}}
-	if got := m.Ranks(1); !slices.Equal(got, wantMLA) {
-		t.Errorf("MLA Ranks = %v, want %v", got, wantMLA)
-	}
-	m.Parallel = Parallel{PCP: 2, DCP: 3}
-	if got := len(m.Ranks(0)); got != 6 {
-		t.Errorf("pcp 2 dcp 3: %d ranks, want 6", got)
-	}
-	if got := len(m.Ranks(1)); got != 6 {
-		t.Errorf("MLA pcp 2 dcp 3: %d ranks, want 6 (only TP is replicated)", got)
-	}
-	r := Rank{TP: 1, PCP: 1, DCP: 0, PP: 1}
-	if got := m.StoreRank(0, r); got != r {
-		t.Errorf("full StoreRank(%v) = %v, want it unchanged", r, got)
-	}
-	if got, want := m.StoreRank(1, r), (Rank{TP: 0, PCP: 1, PP: 1}); got != want {
-		t.Errorf("MLA StoreRank(%v) = %v, want %v", r, got, want)
-	}
-}
-
 func TestFingerprint(t *testing.T) {
 	a := lookupModel(16, grpFull(16))
 	b := lookupModel(16, grpFull(16))

@@ -53,16 +53,18 @@ func (m *Model) groupChunks(start, end int) []GroupChunks {
 	return out
 }
 
-// PlanSend lists the blocks of one group of a save task that rank r puts:
-// the chunks the task lists for that group, keyed by each chunk's hash in
-// task.BlockHashes under the group's store namespace for r. A group the task
+// PlanSend lists the blocks of one group of a save task that worker rank r
+// puts: the chunks the task lists for that group that r writes
+// (Model.Writes: the ranks sharing a namespace write its chunks in turn),
+// keyed by each chunk's hash in task.BlockHashes under the group's store
+// namespace for r (Model.StoreRank). A group the task
 // does not list has nothing to put. Validation of the task is the caller's;
 // a chunk that would index outside the task is an ErrChunkOutOfRange error,
 // never a panic.
 func PlanSend(m *Model, kb KeyBuilder, task *SaveTask, group int, r Rank) ([]TransferItem, error) {
 	for _, gc := range task.Groups {
 		if gc.Group == group {
-			return planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r)
+			return planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r, true)
 		}
 	}
 	return nil, nil
@@ -81,12 +83,13 @@ func MissingOnly(items []TransferItem, exists []bool) []TransferItem {
 	return out
 }
 
-// PlanLoad lists the blocks rank r gets for a load task, group by group in
-// the order the task lists them.
+// PlanLoad lists the blocks worker rank r gets for a load task, group by
+// group in the order the task lists them: every chunk, from r's namespace
+// (each rank fills its own memory).
 func PlanLoad(m *Model, kb KeyBuilder, task *LoadTask, r Rank) ([]TransferItem, error) {
 	var out []TransferItem
 	for _, gc := range task.Groups {
-		items, err := planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r)
+		items, err := planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r, false)
 		if err != nil {
 			return nil, err
 		}
@@ -115,8 +118,9 @@ func LoadErrors(items []TransferItem, perKeyErr []error, batchErr error) []Block
 	return out
 }
 
-// planGroupItems keys one group's chunks for rank r.
-func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, hashes []string, r Rank) ([]TransferItem, error) {
+// planGroupItems keys one group's chunks for worker rank r; with writes
+// set, only the chunks r writes.
+func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, hashes []string, r Rank, writes bool) ([]TransferItem, error) {
 	g := gc.Group
 	if g < 0 || g >= len(m.Groups) {
 		return nil, fmt.Errorf("group %d of a %d-group model: %w", g, len(m.Groups), ErrChunkOutOfRange)
@@ -126,7 +130,11 @@ func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, h
 	}
 	sr := m.StoreRank(g, r)
 	out := make([]TransferItem, 0, len(gc.Chunks))
+	bs := m.Groups[g].BlockSize
 	for _, c := range gc.Chunks {
+		if writes && c.Start%bs == 0 && !m.Writes(g, r, c.Start/bs) {
+			continue
+		}
 		block, hashHex, err := chunkSource(m, g, c, table[g], hashes)
 		if err != nil {
 			return nil, fmt.Errorf("group %d chunk [%d,%d): %w", g, c.Start, c.End, err)

@@ -102,14 +102,22 @@ func TestPlanSendStoreRank(t *testing.T) {
 	hashes := promptHashes(m, 32, 4)
 	task := &SaveTask{Start: 0, End: 32, BlockTable: BlockTable{{3, 4}, {5, 6}}, BlockHashes: hexHashes(hashes), Groups: m.SaveGroups(0, 32)}
 	r := Rank{TP: 1}
-	for g, wantRank := range []Rank{{TP: 0}, {TP: 1}} {
+	// MLA: namespace tp0, rank 1 writes chunk 1 of the two; full
+	// attention: its own namespace, every chunk.
+	for g, want := range []struct {
+		rank   Rank
+		chunks []int
+	}{{Rank{TP: 0}, []int{1}}, {Rank{TP: 1}, []int{0, 1}}} {
 		items, err := PlanSend(m, kb, task, g, r)
 		if err != nil {
 			t.Fatalf("PlanSend group %d: %v", g, err)
 		}
+		if len(items) != len(want.chunks) {
+			t.Fatalf("group %d: %d items, want %d", g, len(items), len(want.chunks))
+		}
 		for i, it := range items {
-			if want := kb.Key(wantRank, g, hashes[i]); it.Key != want {
-				t.Fatalf("group %d item %d key %q, want %q", g, i, it.Key, want)
+			if key := kb.Key(want.rank, g, hashes[want.chunks[i]]); it.Key != key {
+				t.Fatalf("group %d item %d key %q, want %q", g, i, it.Key, key)
 			}
 		}
 	}

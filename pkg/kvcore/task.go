@@ -137,6 +137,11 @@ type LoadTask struct {
 	// Remote is set for a pd load: the blocks come from another engine's
 	// gpuworker instead of the store pool.
 	Remote *RemoteSource `json:"remote,omitempty"`
+	// Ranks are the engine's worker ranks that each load their share and
+	// report a result of their own (Model.WorkerRanks); the load is
+	// finished only when all of them reported. Absent for a single-rank
+	// engine.
+	Ranks []Rank `json:"ranks,omitempty"`
 }
 
 // RemoteSource is a disaggregated-prefill source: the engine whose pool

@@ -111,6 +111,10 @@ type Feedback struct {
 	// 0). On finished_recving it is the load task's epoch, which is always
 	// the current one: a load of an older epoch never yields feedback.
 	Epoch int `json:"epoch,omitempty"`
+	// MissingRanks lists, on finished_recving of a multi-rank load, the
+	// worker ranks that never reported (Tracker.ExpireLoads): every block of
+	// the load is then in LoadErrors.
+	MissingRanks []Rank `json:"missing_ranks,omitempty"`
 }
 
 // Effects is what one tracker event asks the caller to do. The tracker does
@@ -236,8 +240,26 @@ type Tracker struct {
 	StaleSaves []string `json:"stale_saves,omitempty"`
 	// StaleLoads are the ids of earlier epochs' loads not yet reported.
 	StaleLoads []string `json:"stale_loads,omitempty"`
+	// LoadWaits are the loads of a multi-rank engine (pending or stale) that
+	// not every rank has reported yet.
+	LoadWaits []LoadWait `json:"load_waits,omitempty"`
 	// Reports counts the reported save outcomes.
 	Reports SaveCounts `json:"save_reports"`
+}
+
+// LoadWait is one load task of a multi-rank engine that some of its ranks
+// have not reported: the load is finished when the last rank reports, with
+// the union of every rank's load errors.
+type LoadWait struct {
+	// TaskID is the load task.
+	TaskID string `json:"task_id"`
+	// Waiting are the ranks that have not reported.
+	Waiting []Rank `json:"waiting"`
+	// Errors is the union of the reported ranks' load errors.
+	Errors []BlockID `json:"errors,omitempty"`
+	// Blocks are every block the task loads into: the load errors of a rank
+	// that never reports.
+	Blocks []BlockID `json:"blocks"`
 }
 
 // NewTracker starts the tracker of one request of model m.
@@ -380,7 +402,7 @@ func liveBlocks(table BlockTable) []BlockID {
 // tasks included (their results are still counted).
 func (t *Tracker) settle(eff *Effects) Effects {
 	eff.Drop = t.State == StateDone && len(t.PendingSaves) == 0 && len(t.PendingLoads) == 0 &&
-		len(t.StaleSaves) == 0 && len(t.StaleLoads) == 0
+		len(t.StaleSaves) == 0 && len(t.StaleLoads) == 0 && len(t.LoadWaits) == 0
 	return *eff
 }
 

@@ -1,6 +1,9 @@
 package kvcore
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // StepKind says how one engine step saw a request.
 type StepKind string
@@ -313,23 +316,90 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 	return t.settle(&eff)
 }
 
-// OnLoadResult records a gpuworker's report for one load task of the
-// current epoch and emits finished_recving, naming the task, with the
-// blocks whose load failed (the engine recomputes them). A stale load (an
-// earlier epoch's) is only settled: its finished_recving could complete the
-// current attempt's load. Unknown or repeated task ids change nothing.
+// OnLoadResult records a gpuworker's report for one load task of a
+// single-rank engine (OnRankLoadResult with no rank).
 func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects {
+	return t.OnRankLoadResult(taskID, nil, loadErrorBlocks)
+}
+
+// OnRankLoadResult records one rank's report for a load task and, once
+// the task is finished, emits finished_recving, naming the task, with the
+// blocks whose load failed (the engine recomputes them). A load issued to
+// several ranks (LoadTask.Ranks) is finished when every one of them has
+// reported, with the union of their load errors; a report from a rank the
+// task does not wait for (a repeat, an unknown rank, or none) changes
+// nothing. A stale load (an earlier epoch's) is only settled: its
+// finished_recving could complete the current attempt's load. Unknown or
+// repeated task ids change nothing.
+func (t *Tracker) OnRankLoadResult(taskID string, rank *Rank, loadErrorBlocks []BlockID) Effects {
 	var eff Effects
+	if i := t.loadWait(taskID); i >= 0 {
+		w := &t.LoadWaits[i]
+		j := -1
+		if rank != nil {
+			j = slices.Index(w.Waiting, *rank)
+		}
+		if j < 0 {
+			return t.settle(&eff)
+		}
+		w.Waiting = slices.Delete(w.Waiting, j, j+1)
+		w.Errors = unionBlocks(w.Errors, loadErrorBlocks)
+		if len(w.Waiting) > 0 {
+			return t.settle(&eff)
+		}
+		loadErrorBlocks = w.Errors
+		t.LoadWaits = slices.Delete(t.LoadWaits, i, i+1)
+	}
+	t.finishLoad(&eff, taskID, loadErrorBlocks, nil)
+	return t.settle(&eff)
+}
+
+// ExpireLoads finishes the multi-rank loads of expired (nil: every one)
+// that some ranks never reported — their gpuworkers are gone or stuck —
+// failing closed: every block of such a load is a load error, and
+// finished_recving names the missing ranks. A stale load is only settled.
+func (t *Tracker) ExpireLoads(expired func(taskID string) bool) Effects {
+	var eff Effects
+	waits := t.LoadWaits
+	t.LoadWaits = nil
+	for _, w := range waits {
+		if expired != nil && !expired(w.TaskID) {
+			t.LoadWaits = append(t.LoadWaits, w)
+			continue
+		}
+		t.finishLoad(&eff, w.TaskID, unionBlocks(slices.Clone(w.Errors), w.Blocks), w.Waiting)
+	}
+	return t.settle(&eff)
+}
+
+// finishLoad retires a finished load: a stale one silently, a current one
+// with finished_recving.
+func (t *Tracker) finishLoad(eff *Effects, taskID string, loadErrorBlocks []BlockID, missing []Rank) {
 	var found bool
 	if t.StaleLoads, found = removeID(t.StaleLoads, taskID); found {
-		return t.settle(&eff)
+		return
 	}
 	if t.PendingLoads, found = removeID(t.PendingLoads, taskID); !found {
-		return t.settle(&eff)
+		return
 	}
 	eff.Feedback = append(eff.Feedback, Feedback{
 		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
 		LoadErrors: append([]BlockID{}, loadErrorBlocks...), TaskID: taskID, Epoch: t.Epoch,
+		MissingRanks: slices.Clone(missing),
 	})
-	return t.settle(&eff)
+}
+
+// loadWait is the index of taskID's wait in LoadWaits, or -1.
+func (t *Tracker) loadWait(taskID string) int {
+	return slices.IndexFunc(t.LoadWaits, func(w LoadWait) bool { return w.TaskID == taskID })
+}
+
+// unionBlocks appends the blocks of add not already in have, in order.
+func unionBlocks(have, add []BlockID) []BlockID {
+	for _, b := range add {
+		if !slices.Contains(have, b) {
+			have = append(have, b)
+		}
+	}
+	return have
 }

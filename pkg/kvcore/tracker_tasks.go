@@ -2,6 +2,7 @@ package kvcore
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 )
 
@@ -119,7 +120,24 @@ func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
 	t.Load.Issued = true
 	t.Load.Table = nil
 	t.PendingLoads = append(t.PendingLoads, task.TaskID)
+	if len(task.Ranks) > 0 {
+		t.LoadWaits = append(t.LoadWaits, LoadWait{TaskID: task.TaskID, Waiting: slices.Clone(task.Ranks), Blocks: taskBlocks(m, &task)})
+	}
 	eff.Loads = append(eff.Loads, task)
+}
+
+// taskBlocks lists the blocks a load task writes, each once, in task order.
+func taskBlocks(m *Model, task *LoadTask) []BlockID {
+	out := []BlockID{}
+	for _, gc := range task.Groups {
+		bs := m.Groups[gc.Group].BlockSize
+		for _, c := range gc.Chunks {
+			if bi := c.BlockIndex(bs); bi < len(task.BlockTable[gc.Group]) {
+				out = unionBlocks(out, task.BlockTable[gc.Group][bi:bi+1])
+			}
+		}
+	}
+	return out
 }
 
 // newLoadTask builds the load of [floor(vllm_cached, sbs), hit) into table.
@@ -157,7 +175,17 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
 		Groups:      groups,
 		Remote:      t.Remote.clone(),
+		Ranks:       loadRanks(m),
 	}, nil
+}
+
+// loadRanks are the ranks that must each report a load: every worker rank
+// of a multi-rank engine (each loads its own memory); none for one rank.
+func loadRanks(m *Model) []Rank {
+	if m.WorldSize() == 1 {
+		return nil
+	}
+	return m.WorkerRanks()
 }
 
 // clone returns a deep copy of r (nil for nil), so a task's snapshot never

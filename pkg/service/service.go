@@ -42,6 +42,8 @@ type Common struct {
 	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"how long a service waits for in-flight work when stopping"`
 	// Model is a preset name or the path of a YAML/JSON model spec.
 	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, full-swa-mamba) or a YAML/JSON file"`
+	// Parallel overrides the model spec's parallel sizes (zero keeps the spec's).
+	Parallel ParallelOverride
 	// KeyPrefix separates deployments that share one store pool.
 	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key prefix separating deployments that share a store pool (no '@' or whitespace; must be the same in every service); empty for none"`
 	// SessionTimeout is the Kafka consumer-group session timeout.
@@ -86,6 +88,14 @@ func (c *Common) Validate() error {
 	if c.SessionTimeout < 100*time.Millisecond {
 		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
 	}
+	for _, d := range []struct {
+		name string
+		v    int
+	}{{"KVMESH_TP", c.Parallel.TP}, {"KVMESH_PCP", c.Parallel.PCP}, {"KVMESH_DCP", c.Parallel.DCP}, {"KVMESH_PP", c.Parallel.PP}} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("%s: %d is negative", d.name, d.v))
+		}
+	}
 	if strings.TrimSpace(c.Model) == "" {
 		errs = append(errs, errors.New("KVMESH_MODEL: a preset name or a spec file is required"))
 	}
@@ -125,6 +135,47 @@ type Configurable interface {
 
 // Shared returns c itself, so that a Config embedding Common is Configurable.
 func (c *Common) Shared() *Common { return c }
+
+// ParallelOverride sets an engine's parallel layout over the model spec's,
+// so one spec serves at several sizes. Every service of a mesh (and the
+// engines) must use the same values: they are part of the model's
+// fingerprint.
+type ParallelOverride struct {
+	// TP overrides parallel.tp.
+	TP int `env:"KVMESH_TP" doc:"tensor-parallel size of the engines, over the model spec's parallel.tp (0: the spec's); the same in every service"`
+	// PCP overrides parallel.pcp.
+	PCP int `env:"KVMESH_PCP" doc:"prefill context-parallel size, over the spec's parallel.pcp (0: the spec's)"`
+	// DCP overrides parallel.dcp.
+	DCP int `env:"KVMESH_DCP" doc:"decode context-parallel size, over the spec's parallel.dcp (0: the spec's)"`
+	// PP overrides parallel.pp.
+	PP int `env:"KVMESH_PP" doc:"pipeline-parallel size, over the spec's parallel.pp (0: the spec's)"`
+}
+
+// Apply sets the non-zero sizes on m and validates the result: a layout
+// vLLM refuses is an error naming it.
+func (o ParallelOverride) Apply(m *kvcore.Model) error {
+	for _, d := range []struct {
+		v   int
+		dst *int
+	}{{o.TP, &m.Parallel.TP}, {o.PCP, &m.Parallel.PCP}, {o.DCP, &m.Parallel.DCP}, {o.PP, &m.Parallel.PP}} {
+		if d.v != 0 {
+			*d.dst = d.v
+		}
+	}
+	return m.Validate()
+}
+
+// LoadModel resolves KVMESH_MODEL and applies the parallel overrides.
+func (c *Common) LoadModel() (*kvcore.Model, error) {
+	m, err := LoadModel(c.Model)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.Parallel.Apply(m); err != nil {
+		return nil, fmt.Errorf("KVMESH_MODEL %s with KVMESH_TP/PCP/DCP/PP: %w", c.Model, err)
+	}
+	return m, nil
+}
 
 // LoadModel resolves a KVMESH_MODEL value: a preset name, else a file path.
 func LoadModel(spec string) (*kvcore.Model, error) {

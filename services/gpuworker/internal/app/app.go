@@ -127,7 +127,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if a.model, err = service.LoadModel(cfg.Model); err != nil {
+	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
 	keys, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)

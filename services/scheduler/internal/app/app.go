@@ -122,7 +122,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 			a.deps.Close()
 		}
 	}()
-	if a.model, err = service.LoadModel(cfg.Model); err != nil {
+	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-scheduler", cfg.Migrate); err != nil {

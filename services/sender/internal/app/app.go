@@ -127,7 +127,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if a.model, err = service.LoadModel(cfg.Model); err != nil {
+	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-sender", false); err != nil {

@@ -103,7 +103,7 @@ func TestConcurrentSavesOverlapAndCompleteOnce(t *testing.T) {
 	const engine = "gated"
 	var ranks []kvcore.Rank
 	for g := range s.model.Groups {
-		for _, r := range s.model.Ranks(g) {
+		for _, r := range s.model.Namespaces(g) {
 			if !slices.Contains(ranks, r) {
 				ranks = append(ranks, r)
 			}
@@ -181,7 +181,7 @@ func (s *stack) plannedKeys(t testing.TB, task *kvcore.SaveTask) []string {
 	var ranks []kvcore.Rank
 	byRank := map[kvcore.Rank][]string{}
 	for _, gc := range task.Groups {
-		for _, r := range s.model.Ranks(gc.Group) {
+		for _, r := range s.model.Namespaces(gc.Group) {
 			items, err := kvcore.PlanSend(s.model, kb, task, gc.Group, r)
 			if err != nil {
 				t.Fatal(err)

@@ -60,13 +60,14 @@ func (p *Processor) save(ctx context.Context, r *run, groups []int, gated bool) 
 	p.put(ctx, r, missing)
 }
 
-// plan lists the blocks of each group for every rank namespace holding it.
+// plan lists the blocks of each group that every worker rank of the engine
+// writes: each chunk once in every store namespace (kvcore.Model.Writes).
 func (p *Processor) plan(r *run, groups []int) []item {
 	var out []item
 	for _, g := range groups {
 		r.outcome.Record(g, kvcore.OutcomeStored, 0, kvcore.ReasonOK) // the group shows even with no keys
 		var gItems []item
-		for _, rank := range p.model.Ranks(g) {
+		for _, rank := range p.model.WorkerRanks() {
 			tis, err := kvcore.PlanSend(p.model, p.keys, r.task, g, rank)
 			if err != nil {
 				gItems = nil
