@@ -3,6 +3,7 @@ package kvcore
 import (
 	"encoding/json"
 	"fmt"
+	"time"
 )
 
 // TrackerState is the lifecycle state of a request tracker.
@@ -260,6 +261,10 @@ type LoadWait struct {
 	// Blocks are every block the task loads into: the load errors of a rank
 	// that never reports.
 	Blocks []BlockID `json:"blocks"`
+	// Deadline is when the caller gives up on the waiting ranks
+	// (ExpireLoads). The tracker never reads a clock: the scheduler stamps
+	// a zero Deadline when it persists the tracker.
+	Deadline time.Time `json:"deadline,omitzero"`
 }
 
 // NewTracker starts the tracker of one request of model m.

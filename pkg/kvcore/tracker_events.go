@@ -354,16 +354,17 @@ func (t *Tracker) OnRankLoadResult(taskID string, rank *Rank, loadErrorBlocks []
 	return t.settle(&eff)
 }
 
-// ExpireLoads finishes the multi-rank loads of expired (nil: every one)
-// that some ranks never reported — their gpuworkers are gone or stuck —
-// failing closed: every block of such a load is a load error, and
-// finished_recving names the missing ranks. A stale load is only settled.
-func (t *Tracker) ExpireLoads(expired func(taskID string) bool) Effects {
+// ExpireLoads finishes the multi-rank loads that expired says are overdue
+// (nil: every one) — some of their ranks never reported, their gpuworkers
+// gone or stuck — failing closed: every block of such a load is a load
+// error, and finished_recving names the missing ranks. A stale load is only
+// settled.
+func (t *Tracker) ExpireLoads(expired func(LoadWait) bool) Effects {
 	var eff Effects
 	waits := t.LoadWaits
 	t.LoadWaits = nil
 	for _, w := range waits {
-		if expired != nil && !expired(w.TaskID) {
+		if expired != nil && !expired(w) {
 			t.LoadWaits = append(t.LoadWaits, w)
 			continue
 		}

@@ -56,7 +56,7 @@ func TestExpireLoadsFailsClosed(t *testing.T) {
 	_, tr, task := rankLoad(t)
 	r1 := Rank{TP: 1}
 	noErr(t, tr.OnRankLoadResult(task.TaskID, &r1, nil))
-	if eff := tr.ExpireLoads(func(string) bool { return false }); len(eff.Feedback) != 0 || len(tr.LoadWaits) != 1 {
+	if eff := tr.ExpireLoads(func(LoadWait) bool { return false }); len(eff.Feedback) != 0 || len(tr.LoadWaits) != 1 {
 		t.Fatalf("nothing expired: feedback %+v, waits %d", eff.Feedback, len(tr.LoadWaits))
 	}
 	eff := noErr(t, tr.ExpireLoads(nil))
