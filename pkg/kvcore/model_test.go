@@ -129,10 +129,10 @@ func TestParseModel(t *testing.T) {
 
 func TestPresets(t *testing.T) {
 	names := PresetNames()
-	if want := []string{"dense", "full-swa-mamba", "hybrid-mla-linear"}; !slices.Equal(names, want) {
+	if want := []string{"dense", "full-swa-mamba", "hybrid-mla-linear", "hybrid-mla-linear-tp8"}; !slices.Equal(names, want) {
 		t.Fatalf("PresetNames() = %v, want %v", names, want)
 	}
-	sbs := map[string]int{"dense": 16, "full-swa-mamba": 32, "hybrid-mla-linear": 16}
+	sbs := map[string]int{"dense": 16, "full-swa-mamba": 32, "hybrid-mla-linear": 16, "hybrid-mla-linear-tp8": 16}
 	for _, name := range names {
 		t.Run(name, func(t *testing.T) {
 			m, err := Preset(name)

@@ -22,7 +22,7 @@ func PresetNames() []string {
 }
 
 // Preset returns a shipped model spec by file name (dense, hybrid-mla-linear,
-// full-swa-mamba). Each call returns a fresh copy.
+// hybrid-mla-linear-tp8, full-swa-mamba). Each call returns a fresh copy.
 func Preset(name string) (*Model, error) {
 	data, err := presetFS.ReadFile("presets/" + name + ".yaml")
 	if err != nil {

@@ -41,7 +41,7 @@ type Common struct {
 	// ShutdownTimeout bounds the graceful stop.
 	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"how long a service waits for in-flight work when stopping"`
 	// Model is a preset name or the path of a YAML/JSON model spec.
-	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, full-swa-mamba) or a YAML/JSON file"`
+	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, hybrid-mla-linear-tp8, full-swa-mamba) or a YAML/JSON file"`
 	// Parallel overrides the model spec's parallel sizes (zero keeps the spec's).
 	Parallel ParallelOverride
 	// KeyPrefix separates deployments that share one store pool.
