@@ -4,9 +4,12 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/service"
 )
 
 // Engine ids of the two gpuworkers every stack runs.
@@ -47,7 +50,8 @@ type stack struct {
 	redisURL string
 	prefix   string // KVMESH_KEY_PREFIX
 	mesh     *meshtest.Mesh
-	replicas int // processes per replicated service (1: named after it)
+	replicas int           // processes per replicated service (1: named after it)
+	ranks    []kvcore.Rank // the worker ranks of every engine
 }
 
 // replicated are the services stackOptions.replicas multiplies.
@@ -70,7 +74,8 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		// to its replacement quickly.
 		"KVMESH_KAFKA_SESSION_TIMEOUT=3s",
 	}, o.env...)...)
-	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m, replicas: max(o.replicas, 1)}
+	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m, replicas: max(o.replicas, 1),
+		ranks: workerRanks(t, o)}
 	pool := fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)
 	schedulers := s.names("scheduler")
 	for i, name := range schedulers {
@@ -83,13 +88,76 @@ func newStack(t *testing.T, o stackOptions) *stack {
 	for _, name := range s.names("sender") {
 		s.add(name, "sender")
 	}
-	s.add("gpuworker", "gpuworker", "KVMESH_ENGINE_ID="+decodeEngine, pool)
-	s.add("gpuworker-prefill", "gpuworker", "KVMESH_ENGINE_ID="+prefillEngine, pool)
-	rest := slices.Concat(schedulers[1:], s.names("lookup"), s.names("sender"), []string{"gpuworker", "gpuworker-prefill"})
+	for _, e := range []struct{ base, engine string }{{"gpuworker", decodeEngine}, {"gpuworker-prefill", prefillEngine}} {
+		for k, r := range s.ranks {
+			s.add(rankName(e.base, k), "gpuworker", "KVMESH_ENGINE_ID="+e.engine, pool,
+				fmt.Sprintf("KVMESH_RANK_TP=%d", r.TP), fmt.Sprintf("KVMESH_RANK_PCP=%d", r.PCP),
+				fmt.Sprintf("KVMESH_RANK_DCP=%d", r.DCP), fmt.Sprintf("KVMESH_RANK_PP=%d", r.PP))
+		}
+	}
+	rest := slices.Concat(schedulers[1:], s.names("lookup"), s.names("sender"), s.workerNames("gpuworker"), s.workerNames("gpuworker-prefill"))
 	for _, name := range rest {
 		s.start(name)
 	}
 	return s
+}
+
+// workerRanks resolves the worker ranks of o's model with the stack's
+// environment (KVMESH_TP and the like in o.env).
+func workerRanks(t *testing.T, o stackOptions) []kvcore.Rank {
+	t.Helper()
+	m, err := service.LoadModel(o.model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p service.ParallelOverride
+	for _, kv := range o.env {
+		name, v, _ := strings.Cut(kv, "=")
+		n, _ := strconv.Atoi(v)
+		switch name {
+		case "KVMESH_TP":
+			p.TP = n
+		case "KVMESH_PCP":
+			p.PCP = n
+		case "KVMESH_DCP":
+			p.DCP = n
+		case "KVMESH_PP":
+			p.PP = n
+		}
+	}
+	if err := p.Apply(m); err != nil {
+		t.Fatal(err)
+	}
+	return m.WorkerRanks()
+}
+
+// rankName is the process name of rank k of the engine whose rank-0 worker
+// is base.
+func rankName(base string, k int) string {
+	if k == 0 {
+		return base
+	}
+	return fmt.Sprintf("%s-rank%d", base, k)
+}
+
+// workerNames are the process names of every rank of the engine whose
+// rank-0 worker is base.
+func (s *stack) workerNames(base string) []string {
+	out := make([]string, len(s.ranks))
+	for k := range s.ranks {
+		out[k] = rankName(base, k)
+	}
+	return out
+}
+
+// workerURLs are the base URLs of every rank of the engine whose rank-0
+// worker is base, in rank order.
+func (s *stack) workerURLs(base string) []string {
+	var out []string
+	for _, name := range s.workerNames(base) {
+		out = append(out, s.url(name))
+	}
+	return out
 }
 
 // names are the process names of service: its replicas with

@@ -22,14 +22,26 @@ if [ -z "${KVMESH_REDIS_URL:-}" ] && [ -f "$root/.dev/env" ]; then
   export KVMESH_REDIS_URL
 fi
 
-"$root/bin/kvmesh" sim --preset seed --engines "$engines" "$@"
+# The model the stack serves (scripts/stack.sh up recorded it) and its ranks
+# per engine: each engine's gpuworkers are W consecutive ports.
+KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$root/.dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
+export KVMESH_MODEL
+# The parallel overrides scripts/stack.sh up recorded (KVMESH_TP, ...), unless given now.
+if [ -f "$root/.dev/parallel" ]; then
+  while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$root/.dev/parallel"
+fi
+world=$("$root/bin/kvmesh" model --world-size) || exit 1
+"$root/bin/kvmesh" sim --preset seed --model "$KVMESH_MODEL" ${KVMESH_TP:+--tp "$KVMESH_TP"} --engines "$engines" "$@"
 status=$?
 
-# The gpuworkers of engine pairs past the first (decode-i :8084+2i, prefill-i :8085+2i).
+# The gpuworkers of engine pairs past the first (rank 0 of decode-i at
+# :8084+2iW, of prefill-i at :8084+(2i+1)W; rank k k ports further).
+ranks=
+if [ "$world" -gt 1 ]; then ranks=", rank 0; ranks 1-$((world - 1)) on the next ports"; fi
 more=
 for ((i = 1; i < engines; i++)); do
-  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (decode-%d pool)' $((8084 + 2 * i)) "$i")
-  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (prefill-%d pool)' $((8085 + 2 * i)) "$i")
+  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (decode-%d pool%s)' $((8084 + 2 * i * world)) "$i" "$ranks")
+  more+=$(printf '\n             http://127.0.0.1:%d/v1/pool            (prefill-%d pool%s)' $((8084 + (2 * i + 1) * world)) "$i" "$ranks")
 done
 
 cat >&2 <<URLS
@@ -38,8 +50,8 @@ admin:
   scheduler  http://127.0.0.1:8082/v1/requests        (trackers; /v1/requests/{engine}/{request})
   sender     http://127.0.0.1:8083/v1/stats           (saves accounting)
              http://127.0.0.1:8083/v1/dlq             (dead letters)
-  gpuworker  http://127.0.0.1:8084/v1/pool            (decode-0 pool; /v1/devices for GPUs)
-             http://127.0.0.1:8085/v1/pool            (prefill-0 pool)${more}
+  gpuworker  http://127.0.0.1:8084/v1/pool            (decode-0 pool${ranks}; /v1/devices for GPUs)
+             http://127.0.0.1:$((8084 + world))/v1/pool            (prefill-0 pool${ranks})${more}
   lookup     http://127.0.0.1:8081/metrics            (every service serves /metrics, /healthz, /readyz, /openapi.yaml)
   CLI        bin/kvmesh status | dlq list | requests list | workers   (bin/kvmesh help)
 URLS

@@ -12,10 +12,18 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 engines=${KVMESH_ENGINES:-$(cat "$root/.dev/engines" 2>/dev/null || echo 1)}
 export KVMESH_ENGINES=$engines
-# Every gpuworker of the fleet: decode-i at :8084+2i, prefill-i at :8085+2i.
+# Every gpuworker of the fleet: W ranks per engine (the model scripts/stack.sh
+# up recorded), decode-i rank k at :8084+2iW+k, prefill-i at :8084+(2i+1)W+k.
+KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$root/.dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
+export KVMESH_MODEL
+# The parallel overrides scripts/stack.sh up recorded (KVMESH_TP, ...), unless given now.
+if [ -f "$root/.dev/parallel" ]; then
+  while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$root/.dev/parallel"
+fi
+world=$("$root/bin/kvmesh" model --world-size) || exit 1
 workers=
-for ((i = 0; i < engines; i++)); do
-  workers+="${workers:+,}http://127.0.0.1:$((8084 + 2 * i)),http://127.0.0.1:$((8085 + 2 * i))"
+for ((p = 0; p < 2 * engines * world; p++)); do
+  workers+="${workers:+,}http://127.0.0.1:$((8084 + p))"
 done
 
 "$root/scripts/demo.sh" "$@"

@@ -9,15 +9,23 @@
 # PostgreSQL and Redis come from scripts/devstack.sh (.dev/env). Logs and pids
 # live in .dev/logs and .dev/pids.
 #
+# The model is KVMESH_MODEL (default here hybrid-mla-linear-tp8: the seed's
+# MLA + linear-attention model at TP8) with the KVMESH_TP/PCP/DCP/PP
+# overrides; every engine runs one gpuworker per worker rank of it (W, from
+# `kvmesh model --world-size`: 8 for the default).
+#
 # KVMESH_ENGINES=N (default 1) starts a fleet of N engine pairs for
 # `kvmesh sim --engines N`: each decode engine decode-i and its prefill
-# engine prefill-i get a gpuworker of their own, at :8084+2i and :8085+2i
-# (decode-0 :8084, prefill-0 :8085, decode-1 :8086, prefill-1 :8087, …).
-# `up` remembers N in .dev/engines, so that status, down, scripts/run.sh and
-# scripts/demo.sh use it without the variable. Every process inherits the
-# environment: e.g. KVMESH_POOL_BLOCKS=4096 sizes every gpuworker's pool
-# (the long-context preset needs it; stop the stack first, a running
-# gpuworker keeps its pool).
+# engine prefill-i. Rank k of decode-i listens on :8084+2iW+k, rank k of
+# prefill-i on :8084+(2i+1)W+k — with W=1 decode-0 :8084, prefill-0 :8085,
+# decode-1 :8086, …; with W=8 decode-0 :8084-:8091, prefill-0 :8092-:8099.
+# `up` remembers N in .dev/engines and the model in .dev/model, so that
+# status, down, scripts/run.sh and scripts/demo.sh use them without the
+# variables. Every process inherits the environment: e.g.
+# KVMESH_POOL_BLOCKS=4096 sizes every gpuworker's pool (the long-context
+# preset needs it; stop the stack first, a running gpuworker keeps its
+# pool), KVMESH_MODEL=hybrid-mla-linear KVMESH_TP=1 runs single-rank
+# engines (the presets other than seed).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,15 +39,46 @@ die() { say "error: $*"; exit 1; }
 engines=${KVMESH_ENGINES:-$(cat "$dev/engines" 2>/dev/null || echo 1)}
 [[ $engines =~ ^[1-9][0-9]*$ ]] || die "KVMESH_ENGINES=$engines: want a positive number of engines"
 
-# name:port of each process (the contract ports, docs/contract.md). The demo is the seed's
-# setup: a 1P1D pair of engines, so two gpuworkers — decode-0 (the engine
-# kvmesh serves, :8084) and prefill-0 (the engine whose KV decode-0 pulls
-# through the pd connector, :8085) — and lookup's chain is pd,store. Engine
-# pair i > 0 of a fleet (KVMESH_ENGINES) adds gpuworker-i (decode-i,
-# :8084+2i) and gpuworker-prefill-i (prefill-i, :8085+2i).
-services=(lookup:8081 scheduler:8082 sender:8083 gpuworker:8084 gpuworker-prefill:8085)
-for ((i = 1; i < engines; i++)); do
-  services+=("gpuworker-$i:$((8084 + 2 * i))" "gpuworker-prefill-$i:$((8085 + 2 * i))")
+# The model every process serves: KVMESH_MODEL, else what `up` last
+# recorded, else the seed's; and its worker ranks ("tp pcp dcp pp" lines).
+KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
+export KVMESH_MODEL
+# The parallel overrides `up` recorded, unless given now.
+if [ "${1:-}" != up ] && [ -f "$dev/parallel" ]; then
+  while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$dev/parallel"
+fi
+ranks=()
+if [ -x "$root/bin/kvmesh" ]; then mapfile -t ranks < <("$root/bin/kvmesh" model --ranks); fi
+if [ ${#ranks[@]} -eq 0 ]; then
+  # up cannot go on without the layout; down and status still find every
+  # worker through its pid file.
+  [ "${1:-}" = up ] && die "cannot resolve the worker ranks of model $KVMESH_MODEL (bin/kvmesh model --ranks; make build first)"
+  ranks=("0 0 0 0")
+fi
+world=${#ranks[@]}
+
+# name:port of each process (the contract ports, docs/contract.md). The demo
+# is the seed's setup: a 1P1D pair of engines — decode-0 (the engine kvmesh
+# serves) and prefill-0 (the engine whose KV decode-0 pulls through the pd
+# connector) — each with one gpuworker per rank, and lookup's chain pd,store.
+# Worker names: gpuworker (decode-0), gpuworker-prefill (prefill-0),
+# gpuworker-i and gpuworker-prefill-i for pair i > 0; rank k > 0 of a
+# multi-rank engine adds -rank<k> (gpuworker-rank3, gpuworker-prefill-1-rank7).
+services=(lookup:8081 scheduler:8082 sender:8083)
+worker_name() { # PAIR ROLE RANK
+  local n=gpuworker
+  [ "$2" = prefill ] && n+=-prefill
+  [ "$1" -gt 0 ] && n+="-$1"
+  [ "$3" -gt 0 ] && n+="-rank$3"
+  echo "$n"
+}
+for ((i = 0; i < engines; i++)); do
+  for role in decode prefill; do
+    slot=$((2 * i)); [ $role = prefill ] && slot=$((2 * i + 1))
+    for ((k = 0; k < world; k++)); do
+      services+=("$(worker_name $i $role $k):$((8084 + slot * world + k))")
+    done
+  done
 done
 
 # binary NAME: the program a process runs.
@@ -52,15 +91,22 @@ binary() {
 
 # service_env NAME: the settings that differ per process (KVMESH_LOOKUP_CONNECTORS,
 # KVMESH_DEV_DECODE_ENGINE and KVMESH_DEV_PREFILL_ENGINE override them, the
-# latter two for engine pair 0).
+# latter two for engine pair 0): a gpuworker's engine id and rank.
 service_env() {
-  case $1 in
-    lookup) echo "KVMESH_LOOKUP_CONNECTORS=${KVMESH_LOOKUP_CONNECTORS:-pd,store}" ;;
-    gpuworker) echo "KVMESH_ENGINE_ID=${KVMESH_DEV_DECODE_ENGINE:-decode-0}" ;;
-    gpuworker-prefill) echo "KVMESH_ENGINE_ID=${KVMESH_DEV_PREFILL_ENGINE:-prefill-0}" ;;
-    gpuworker-prefill-*) echo "KVMESH_ENGINE_ID=prefill-${1##*-}" ;;
-    gpuworker-*) echo "KVMESH_ENGINE_ID=decode-${1##*-}" ;;
+  local name=$1 rank=0 pair=0 engine
+  case $name in
+    lookup) echo "KVMESH_LOOKUP_CONNECTORS=${KVMESH_LOOKUP_CONNECTORS:-pd,store}"; return ;;
+    gpuworker*) ;;
+    *) return ;;
   esac
+  if [[ $name =~ -rank([0-9]+)$ ]]; then rank=${BASH_REMATCH[1]}; name=${name%-rank*}; fi
+  if [[ $name =~ -([0-9]+)$ ]]; then pair=${BASH_REMATCH[1]}; fi
+  case $name in
+    gpuworker-prefill*) engine=${KVMESH_DEV_PREFILL_ENGINE:-prefill-0}; [ "$pair" -gt 0 ] && engine=prefill-$pair ;;
+    *) engine=${KVMESH_DEV_DECODE_ENGINE:-decode-0}; [ "$pair" -gt 0 ] && engine=decode-$pair ;;
+  esac
+  local r=(${ranks[$rank]})
+  echo "KVMESH_ENGINE_ID=$engine KVMESH_RANK_TP=${r[0]} KVMESH_RANK_PCP=${r[1]} KVMESH_RANK_DCP=${r[2]} KVMESH_RANK_PP=${r[3]}"
 }
 
 running() { [ -f "$dev/pids/$1" ] && kill -0 "$(cat "$dev/pids/$1")" 2>/dev/null; }
@@ -114,7 +160,7 @@ service_up() {
 # when nothing answers), with bash's /dev/tcp so that curl is not needed.
 readyz() {
   local code=000
-  if exec 3<>"/dev/tcp/127.0.0.1/$1" 2>/dev/null; then
+  if { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null; then
     printf 'GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
     read -r _ code _ <&3 || code=000
     exec 3<&-
@@ -129,13 +175,15 @@ up() {
   [ -f "$dev/admin-token" ] || head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/admin-token"
   broker_up
   echo "$engines" >"$dev/engines"
+  echo "$KVMESH_MODEL" >"$dev/model"
+  env | grep -E '^KVMESH_(TP|PCP|DCP|PP)=' >"$dev/parallel" || true
   local s
   for s in "${services[@]}"; do service_up "${s%%:*}" "${s##*:}"; done
   for s in "${services[@]}"; do
     wait_for "${s%%:*}" 60 ready "${s##*:}" ||
       die "${s%%:*} not ready on :${s##*:}; see $dev/logs/${s%%:*}.log"
   done
-  say "all services ready ($engines engine pair(s): gpuworkers on :8084-:$((8085 + 2 * (engines - 1))))"
+  say "all services ready (model $KVMESH_MODEL, $world rank(s) per engine, $engines engine pair(s): gpuworkers on :8084-:$((8084 + 2 * engines * world - 1)))"
 }
 
 stop_one() {
@@ -160,18 +208,18 @@ down() {
 
 status() {
   local s name port state
-  printf '%-20s %-7s %-22s %s\n' SERVICE PID ADDRESS READY
+  printf '%-26s %-7s %-22s %s\n' SERVICE PID ADDRESS READY
   for s in broker:0 "${services[@]}"; do
     name=${s%%:*} port=${s##*:}
     pid=-
     running "$name" && pid=$(cat "$dev/pids/$name")
     if [ "$name" = broker ]; then
       state=$([ "$pid" != - ] && echo up || echo down)
-      printf '%-20s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
+      printf '%-26s %-7s %-22s %s\n' "$name" "$pid" "$(cat "$dev/broker.addr" 2>/dev/null || echo -)" "$state"
       continue
     fi
     state=$(readyz "$port")
-    printf '%-20s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
+    printf '%-26s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
   done
 }
 

@@ -58,6 +58,9 @@ type Config struct {
 	BatchSize int `env:"KVMESH_SCHEDULER_BATCH" default:"256" doc:"most records (engine steps, lookup decisions, transfer results) one consumer applies in one PostgreSQL transaction (1-4096)"`
 	// MaintenanceInterval paces the gauges and the purge.
 	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
+	// LoadRankTimeout is how long a multi-rank load waits for every rank's
+	// result before it is finished with every block in error.
+	LoadRankTimeout time.Duration `env:"KVMESH_LOAD_RANK_TIMEOUT" default:"30s" doc:"how long a load of a multi-rank engine waits for every worker rank's result; then it is finished fail-closed (finished_recving with every block of the load in load_errors and missing_ranks naming the silent ranks). Checked every min(KVMESH_MAINTENANCE_INTERVAL, half of this)"`
 }
 
 // Validate checks the settings.
@@ -78,6 +81,9 @@ func (c *Config) Validate() error {
 	if c.MaintenanceInterval <= 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAINTENANCE_INTERVAL: %s is not positive", c.MaintenanceInterval))
 	}
+	if c.LoadRankTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_LOAD_RANK_TIMEOUT: %s is not positive", c.LoadRankTimeout))
+	}
 	return errors.Join(errs...)
 }
 
@@ -93,6 +99,7 @@ func (c *Config) ConfigDefaults() map[string]any {
 var codeDefaulted = []string{
 	"KVMESH_TRACKER_RETENTION", "KVMESH_TRACKER_IDLE_TIMEOUT",
 	"KVMESH_SCHEDULER_CONSUMERS", "KVMESH_SCHEDULER_BATCH", "KVMESH_MAINTENANCE_INTERVAL",
+	"KVMESH_LOAD_RANK_TIMEOUT",
 }
 
 // App is a wired scheduler, ready to Run.
@@ -103,6 +110,7 @@ type App struct {
 	srv       *httpserver.Server
 	relay     *database.Relay
 	ledger    *ledger.Ledger
+	handler   *intake.Handler
 	consumers []*bus.Consumer
 	gauges    *gauges
 }
@@ -131,7 +139,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
 	}
-	a.ledger = ledger.New(a.deps.Pool, a.model)
+	a.ledger = ledger.New(a.deps.Pool, a.model, ledger.WithLoadRankTimeout(cfg.LoadRankTimeout))
 	if err = a.buildConsumers(); err != nil {
 		return nil, err
 	}
@@ -159,6 +167,7 @@ func (a *App) buildConsumers() error {
 		return err
 	}
 	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log)
+	a.handler = h
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
 	cc.OnDeadLetter = h.DeadLetter
 	// A database outage must not dead-letter records: retry until it ends.

@@ -35,7 +35,8 @@ func TestREADMEConfig(t *testing.T) {
 func TestConfigValidate(t *testing.T) {
 	valid := func() app.Config {
 		return app.Config{Common: (&servicetest.Env{Brokers: []string{"127.0.0.1:1"}}).Common(), TrackerRetention: time.Hour,
-			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, BatchSize: 256, MaintenanceInterval: time.Second}
+			TrackerIdleTimeout: 24 * time.Hour, Consumers: 4, BatchSize: 256, MaintenanceInterval: time.Second,
+			LoadRankTimeout: 30 * time.Second}
 	}
 	tests := []struct {
 		name   string
@@ -51,6 +52,8 @@ func TestConfigValidate(t *testing.T) {
 		{"no batch", func(c *app.Config) { c.BatchSize = 0 }, "KVMESH_SCHEDULER_BATCH"},
 		{"huge batch", func(c *app.Config) { c.BatchSize = app.MaxBatchSize + 1 }, "KVMESH_SCHEDULER_BATCH"},
 		{"no maintenance interval", func(c *app.Config) { c.MaintenanceInterval = 0 }, "KVMESH_MAINTENANCE_INTERVAL"},
+		{"no load rank timeout", func(c *app.Config) { c.LoadRankTimeout = 0 }, "KVMESH_LOAD_RANK_TIMEOUT"},
+		{"negative load rank timeout", func(c *app.Config) { c.LoadRankTimeout = -time.Second }, "KVMESH_LOAD_RANK_TIMEOUT"},
 		{"common settings too", func(c *app.Config) { c.Brokers = nil }, "KVMESH_KAFKA_BROKERS"},
 	}
 	for _, tt := range tests {

@@ -92,6 +92,7 @@ type mesh struct {
 	pool    *pgxpool.Pool
 	model   *kvcore.Model
 	addr    string
+	app     *app.App
 	writer  *kafka.Writer
 	out     *collector
 }
@@ -154,7 +155,7 @@ func startMesh(t testing.TB, brokers []string, dbURL string, o meshOptions) *mes
 		_ = w.Close()
 		transport.CloseIdleConnections()
 	})
-	return &mesh{t: t, ctx: ctx, brokers: brokers, dbURL: dbURL, pool: pool, model: m, addr: a.Addr(),
+	return &mesh{t: t, ctx: ctx, brokers: brokers, dbURL: dbURL, pool: pool, model: m, addr: a.Addr(), app: a,
 		writer: w, out: newCollector(t, brokers, outputs)}
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/intake"
 )
 
 // gauges are the metrics the maintenance task refreshes.
@@ -46,21 +47,68 @@ func newGauges(reg prometheus.Registerer) (*gauges, error) {
 }
 
 // maintain refreshes the gauges and purges expired rows every
-// MaintenanceInterval, starting at once, until ctx ends. A failed round is
+// MaintenanceInterval, and expires overdue multi-rank loads every
+// expiryInterval, both starting at once, until ctx ends. A failed round is
 // logged and the next one tries again.
 func (a *App) maintain(ctx context.Context) error {
 	t := time.NewTicker(a.cfg.MaintenanceInterval)
 	defer t.Stop()
+	e := time.NewTicker(a.expiryInterval())
+	defer e.Stop()
+	a.maintainRound(ctx)
+	a.expireRound(ctx)
 	for {
-		if err := a.maintainOnce(ctx); err != nil && ctx.Err() == nil {
-			a.deps.Log.WarnContext(ctx, "maintenance round failed", "err", err)
-		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+			a.maintainRound(ctx)
+		case <-e.C:
+			a.expireRound(ctx)
 		}
 	}
+}
+
+// expiryInterval is how often overdue loads are looked for:
+// min(MaintenanceInterval, LoadRankTimeout/2), so a load whose ranks went
+// silent is finished at most about 1.5 timeouts after it was issued.
+func (a *App) expiryInterval() time.Duration {
+	return max(min(a.cfg.MaintenanceInterval, a.cfg.LoadRankTimeout/2), time.Millisecond)
+}
+
+// maintainRound runs maintainOnce, logging a failure.
+func (a *App) maintainRound(ctx context.Context) {
+	if err := a.maintainOnce(ctx); err != nil && ctx.Err() == nil {
+		a.deps.Log.WarnContext(ctx, "maintenance round failed", "err", err)
+	}
+}
+
+// maxExpiryBatches bounds the batches of overdue loads one expiry round
+// applies; the rest wait for the next round.
+const maxExpiryBatches = 16
+
+// expireRound runs ExpireLoads, logging a failure.
+func (a *App) expireRound(ctx context.Context) {
+	if _, err := a.ExpireLoads(ctx, time.Now()); err != nil && ctx.Err() == nil {
+		a.deps.Log.WarnContext(ctx, "load expiry round failed", "err", err)
+	}
+}
+
+// ExpireLoads runs one expiry round as of now, what the maintenance task
+// does every min(KVMESH_MAINTENANCE_INTERVAL, KVMESH_LOAD_RANK_TIMEOUT/2):
+// the multi-rank loads whose deadline passed are finished fail-closed
+// (intake.Handler.ExpireLoads), batch after batch while batches come back
+// full. It returns how many requests were found overdue.
+func (a *App) ExpireLoads(ctx context.Context, now time.Time) (int, error) {
+	total := 0
+	for range maxExpiryBatches {
+		n, err := a.handler.ExpireLoads(ctx, now, intake.ExpiryBatch)
+		total += n
+		if err != nil || n < intake.ExpiryBatch {
+			return total, err
+		}
+	}
+	return total, nil
 }
 
 // maintainOnce runs one round: counts, backlog, purge.

@@ -8,6 +8,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
 // Metrics are the scheduler's record-handling metrics.
@@ -20,6 +21,7 @@ type Metrics struct {
 	warnings     prometheus.Counter
 	deadLetters  *prometheus.CounterVec
 	applySeconds *prometheus.HistogramVec
+	ranksExpired *prometheus.CounterVec
 }
 
 // NewMetrics registers the record-handling metrics on reg.
@@ -58,8 +60,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help:    "Time to apply one record (one PostgreSQL transaction), by topic.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}, []string{"topic"}),
+		ranksExpired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_scheduler_load_ranks_expired_total",
+			Help: "Worker ranks given up on: one per rank that had not reported a multi-rank load by its deadline (KVMESH_LOAD_RANK_TIMEOUT), by the connector of the load (store, pd).",
+		}, []string{"connector"}),
 	}
-	if err := telemetry.RegisterAll(reg, m.records, m.duplicates, m.tasks, m.feedback, m.errored, m.warnings, m.deadLetters, m.applySeconds); err != nil {
+	if err := telemetry.RegisterAll(reg, m.records, m.duplicates, m.tasks, m.feedback, m.errored, m.warnings, m.deadLetters, m.applySeconds, m.ranksExpired); err != nil {
 		return nil, fmt.Errorf("scheduler metrics: %w", err)
 	}
 	// Every dead-letter and duplicate series exists from the start, at 0,
@@ -75,6 +81,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	for _, kind := range []string{"save", "load"} {
 		m.tasks.WithLabelValues(kind)
+	}
+	for _, connector := range []string{tracking.ConnectorStore, tracking.ConnectorPD} {
+		m.ranksExpired.WithLabelValues(connector)
 	}
 	return m, nil
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
@@ -65,10 +66,11 @@ const (
 		ORDER BY b.engine_id, b.request_id, b.slot, b.grp, b.start`
 	updateTrackers = `UPDATE trackers t SET model = u.model, state = u.state, tracker = u.tracker::jsonb,
 		    extras = u.extras::jsonb, last_seq = u.last_seq, error = NULLIF(u.error, ''), parts = u.parts::jsonb,
-		    updated_at = now(), finished_at = CASE WHEN u.done THEN coalesce(t.finished_at, now()) ELSE NULL END
+		    updated_at = now(), finished_at = CASE WHEN u.done THEN coalesce(t.finished_at, now()) ELSE NULL END,
+		    load_deadline = u.load_deadline
 		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[],
-		            $8::text[], $9::text[], $10::bool[])
-		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done)
+		            $8::text[], $9::text[], $10::bool[], $11::timestamptz[])
+		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline)
 		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id`
 	deleteHashes = `DELETE FROM tracker_hashes h USING unnest($1::text[], $2::text[]) AS k(e, r)
 		WHERE h.engine_id = k.e AND h.request_id = k.r`
@@ -97,6 +99,8 @@ type batchTx struct {
 	tx     pgx.Tx
 	reqs   map[Key]*loaded
 	misses []*loaded
+	// deadline is the deadline the batch gives the load waits it stores.
+	deadline time.Time
 }
 
 // ApplyBatch applies units in one transaction: it records their ids (a
@@ -126,6 +130,7 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 	if err := b.loadParts(ctx); err != nil {
 		return nil, err
 	}
+	b.deadline = l.stampTime()
 	var msgs []bus.Message
 	for _, i := range fresh {
 		if !applied[i] {
@@ -498,7 +503,7 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 		if !r.dirty {
 			continue
 		}
-		if err := w.add(r); err != nil {
+		if err := w.add(r, b.deadline); err != nil {
 			return err
 		}
 	}
@@ -537,6 +542,7 @@ type writeSet struct {
 	te, tr, model, state, tracker, extras, errs, partsJSON []string
 	seq                                                    []int64
 	done                                                   []bool
+	loadDeadline                                           []pgtype.Timestamptz
 	// hash segments (and chains to delete first)
 	he, hr, hh []string
 	hs         []int32
@@ -551,8 +557,9 @@ type writeSet struct {
 
 func (w *writeSet) rows() int { return len(w.te) }
 
-// add records one changed request.
-func (w *writeSet) add(r *loaded) error {
+// add records one changed request, giving its new load waits deadline.
+func (w *writeSet) add(r *loaded, deadline time.Time) error {
+	earliest, waits := r.req.StampLoadDeadlines(deadline)
 	nw, d := diff(r.old, r.req)
 	tb, xb, err := smallJSON(r.req, &nw.meta)
 	if err != nil {
@@ -567,6 +574,7 @@ func (w *writeSet) add(r *loaded) error {
 	w.te, w.tr, w.model, w.state = append(w.te, k.EngineID), append(w.tr, k.RequestID), append(w.model, t.Model), append(w.state, string(t.State))
 	w.tracker, w.extras, w.errs, w.partsJSON = append(w.tracker, string(tb)), append(w.extras, string(xb)), append(w.errs, t.Error), append(w.partsJSON, string(pb))
 	w.seq, w.done = append(w.seq, r.req.LastSeq), append(w.done, r.req.Done())
+	w.loadDeadline = append(w.loadDeadline, pgtype.Timestamptz{Time: earliest, Valid: waits})
 	if d.rewriteHashes {
 		w.de, w.dr = append(w.de, k.EngineID), append(w.dr, k.RequestID)
 	}
@@ -586,7 +594,7 @@ func (w *writeSet) add(r *loaded) error {
 // queue adds the set-based statements for what add collected.
 func (w *writeSet) queue(batch *pgx.Batch) {
 	if len(w.te) > 0 {
-		batch.Queue(updateTrackers, w.te, w.tr, w.model, w.state, w.tracker, w.extras, w.seq, w.errs, w.partsJSON, w.done)
+		batch.Queue(updateTrackers, w.te, w.tr, w.model, w.state, w.tracker, w.extras, w.seq, w.errs, w.partsJSON, w.done, w.loadDeadline)
 	}
 	if len(w.de) > 0 {
 		batch.Queue(deleteHashes, w.de, w.dr)

@@ -27,7 +27,14 @@ const (
 	KindStep     = "step"
 	KindDecision = "decision"
 	KindResult   = "result"
+	// KindLoadExpiry is the scheduler's own unit that gives up on the
+	// silent ranks of overdue multi-rank loads (Overdue.Record).
+	KindLoadExpiry = "load_expiry"
 )
+
+// DefaultLoadRankTimeout is how long a multi-rank load waits for all its
+// ranks' results unless WithLoadRankTimeout says otherwise.
+const DefaultLoadRankTimeout = 30 * time.Second
 
 // ErrNotFound reports a request the ledger has no row for.
 var ErrNotFound = errors.New("ledger: request not found")
@@ -65,14 +72,33 @@ type ApplyFunc func(req *tracking.Request) ([]bus.Message, error)
 
 // Ledger reads and writes the scheduler's tables.
 type Ledger struct {
-	pool  *pgxpool.Pool
-	model *kvcore.Model
-	cache *partsCache
+	pool        *pgxpool.Pool
+	model       *kvcore.Model
+	cache       *partsCache
+	loadTimeout time.Duration
+}
+
+// Option configures a Ledger.
+type Option func(*Ledger)
+
+// WithLoadRankTimeout sets how long after a multi-rank load is first
+// stored its ranks are given up on (its kvcore.LoadWait deadline); d <= 0
+// keeps DefaultLoadRankTimeout.
+func WithLoadRankTimeout(d time.Duration) Option {
+	return func(l *Ledger) {
+		if d > 0 {
+			l.loadTimeout = d
+		}
+	}
 }
 
 // New returns a ledger on pool for requests of model m.
-func New(pool *pgxpool.Pool, m *kvcore.Model) *Ledger {
-	return &Ledger{pool: pool, model: m, cache: newPartsCache(DefaultPartsCacheEntries)}
+func New(pool *pgxpool.Pool, m *kvcore.Model, opts ...Option) *Ledger {
+	l := &Ledger{pool: pool, model: m, cache: newPartsCache(DefaultPartsCacheEntries), loadTimeout: DefaultLoadRankTimeout}
+	for _, o := range opts {
+		o(l)
+	}
+	return l
 }
 
 // Apply applies one record changing one request (rec.RequestID, which

@@ -45,6 +45,23 @@ var (
 	// ErrSeqGap: a request's engine event skipped a seq; the missing event
 	// may have changed the request's block table, so nothing more is saved.
 	ErrSeqGap = errors.New("engine event sequence gap: an event of the request is missing")
+	// ErrUnknownRank: a load result of a multi-rank load names no rank, or
+	// a rank the engine does not have.
+	ErrUnknownRank = errors.New("load result from a rank the load does not wait for")
+	// ErrLoadRanksMissing: some ranks of a multi-rank load did not report
+	// before its deadline; the load was finished with every block in error.
+	ErrLoadRanksMissing = errors.New("load ranks did not report before the deadline")
+)
+
+// Reasons a load result changed nothing (Outcome.Ignored), beside
+// "unknown_task" and "unknown_kind".
+const (
+	// IgnoredRepeatRank: the rank already reported this load (a
+	// redelivered or repeated result).
+	IgnoredRepeatRank = "repeat_rank"
+	// IgnoredUnknownRank: the result names no rank, or one the engine
+	// does not have, for a load that waits for its ranks' results.
+	IgnoredUnknownRank = "unknown_rank"
 )
 
 // Request is the scheduler's state of one request.
@@ -109,6 +126,8 @@ type Outcome struct {
 	Held bool
 	// Ignored says why a record changed nothing ("" when it did).
 	Ignored string
+	// Expired are the multi-rank loads ExpireLoads gave up on.
+	Expired []ExpiredLoad
 }
 
 // New starts the state of a request of model m.

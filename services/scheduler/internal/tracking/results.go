@@ -16,6 +16,12 @@ import (
 // settles that task: it never advances the saved coverage, completes the
 // current load or frees the request. Results for tasks not outstanding
 // (repeats, unknown ids) change nothing.
+//
+// A load of a multi-rank engine (kvcore.LoadTask.Ranks) takes one result
+// per rank (res.Rank): finished_recving follows the last rank's, with the
+// union of every rank's load errors. A result from a rank that already
+// reported ("repeat_rank") or that the load does not wait for, or with no
+// rank ("unknown_rank"), changes nothing.
 func (r *Request) Result(m *kvcore.Model, res contract.TransferResult) Outcome {
 	var out Outcome
 	src := "result " + res.ResultID
@@ -23,7 +29,7 @@ func (r *Request) Result(m *kvcore.Model, res contract.TransferResult) Outcome {
 	case contract.TransferSave:
 		r.saveResult(m, &out, src, res)
 	case contract.TransferLoad:
-		r.loadResult(&out, src, res)
+		r.loadResult(m, &out, src, res)
 	default:
 		out.Ignored = "unknown_kind"
 	}
@@ -49,17 +55,75 @@ func (r *Request) saveResult(m *kvcore.Model, out *Outcome, src string, res cont
 	r.storeEffects(out, src, r.Store.OnSaveResult(res.TaskID, status))
 }
 
-// loadResult routes a load report to the tracker that issued the load.
-func (r *Request) loadResult(out *Outcome, src string, res contract.TransferResult) {
-	r.takeTask(res.TaskID)
-	switch {
-	case slices.Contains(r.Store.PendingLoads, res.TaskID), slices.Contains(r.Store.StaleLoads, res.TaskID):
-		r.storeEffects(out, src, r.Store.OnLoadResult(res.TaskID, res.LoadErrors))
-	case r.PD != nil && (slices.Contains(r.PD.PendingLoads, res.TaskID) || slices.Contains(r.PD.StaleLoads, res.TaskID)):
-		r.pdEffects(out, src, r.PD.OnLoadResult(res.TaskID, res.LoadErrors), false)
-	default:
+// loadResult routes a load report, with its rank, to the tracker that
+// issued the load. The task stays outstanding until its last rank reported.
+func (r *Request) loadResult(m *kvcore.Model, out *Outcome, src string, res contract.TransferResult) {
+	t, pd := r.loadTracker(res.TaskID)
+	if t == nil {
+		r.takeTask(res.TaskID)
 		out.Ignored = "unknown_task"
+		return
 	}
+	if why := rankIgnored(m, t, res); why != "" {
+		out.Ignored = why
+		if why == IgnoredUnknownRank {
+			r.warn(out, src, fmt.Errorf("load %s: rank %s: %w", res.TaskID, rankName(res.Rank), ErrUnknownRank))
+		}
+		return
+	}
+	eff := t.OnRankLoadResult(res.TaskID, res.Rank, res.LoadErrors)
+	if waitIndex(t, res.TaskID) < 0 {
+		r.takeTask(res.TaskID)
+	}
+	if pd {
+		r.pdEffects(out, src, eff, false)
+		return
+	}
+	r.storeEffects(out, src, eff)
+}
+
+// loadTracker is the tracker with taskID pending or stale (nil when
+// none), and whether it is the pd tracker.
+func (r *Request) loadTracker(taskID string) (*kvcore.Tracker, bool) {
+	has := func(t *kvcore.Tracker) bool {
+		return slices.Contains(t.PendingLoads, taskID) || slices.Contains(t.StaleLoads, taskID)
+	}
+	switch {
+	case has(r.Store):
+		return r.Store, false
+	case r.PD != nil && has(r.PD):
+		return r.PD, true
+	}
+	return nil, false
+}
+
+// rankIgnored says why a load result's rank makes it change nothing ("":
+// it does not): a multi-rank load takes one result from each of its
+// waiting ranks.
+func rankIgnored(m *kvcore.Model, t *kvcore.Tracker, res contract.TransferResult) string {
+	i := waitIndex(t, res.TaskID)
+	switch {
+	case i < 0:
+		return ""
+	case res.Rank == nil || !slices.Contains(m.WorkerRanks(), *res.Rank):
+		return IgnoredUnknownRank
+	case !slices.Contains(t.LoadWaits[i].Waiting, *res.Rank):
+		return IgnoredRepeatRank
+	}
+	return ""
+}
+
+// waitIndex is the index of taskID's wait in t.LoadWaits, or -1.
+func waitIndex(t *kvcore.Tracker, taskID string) int {
+	return slices.IndexFunc(t.LoadWaits, func(w kvcore.LoadWait) bool { return w.TaskID == taskID })
+}
+
+// rankName names a result's rank ("none" when absent).
+func rankName(r *kvcore.Rank) string {
+	if r == nil {
+		return "none"
+	}
+	return r.String()
 }
 
 // cover adds a save report to the per-group coverage. A group reported
