@@ -87,7 +87,45 @@ func (c *Config) Validate() error {
 	if c.HeartbeatInterval <= 0 || c.WorkerStaleAfter <= c.HeartbeatInterval {
 		errs = append(errs, errors.New("KVMESH_HEARTBEAT_INTERVAL must be positive and below KVMESH_WORKER_STALE_AFTER"))
 	}
+	if strings.TrimSpace(c.Model) != "" {
+		errs = append(errs, c.validateRank())
+	}
 	return errors.Join(errs...)
+}
+
+// validateRank checks that the configured rank is one of the model's worker
+// ranks (KVMESH_MODEL with the KVMESH_TP/PCP/DCP/PP overrides), so a worker
+// that no sender would ever put through, or that would load another rank's
+// namespace, refuses to start.
+func (c *Config) validateRank() error {
+	m, err := c.LoadModel()
+	if err != nil {
+		return fmt.Errorf("KVMESH_MODEL: %w", err)
+	}
+	r := c.Rank()
+	if r.TP < 0 || r.PCP < 0 || r.DCP < 0 || r.PP < 0 || m.IsWorkerRank(r) {
+		return nil // a negative rank is reported on its own
+	}
+	return fmt.Errorf("KVMESH_RANK_*: rank %s is not a worker rank of model %s: %s", r, m.Name, validRanks(m, r))
+}
+
+// validRanks describes the worker ranks of m for a refused rank r.
+func validRanks(m *kvcore.Model, r kvcore.Rank) string {
+	p := m.Parallel
+	tp, pcp, dcp, pp := max(p.TP, 1), max(p.PCP, 1), max(p.DCP, 1), max(p.PP, 1)
+	out := fmt.Sprintf("with tp %d, pcp %d, dcp %d and pp %d the valid ranks are KVMESH_RANK_TP 0..%d, KVMESH_RANK_PCP 0..%d, KVMESH_RANK_PP 0..%d and KVMESH_RANK_DCP = KVMESH_RANK_TP %% %d",
+		tp, pcp, dcp, pp, tp-1, pcp-1, pp-1, dcp)
+	if r.TP < tp {
+		out += fmt.Sprintf(" (%d for KVMESH_RANK_TP %d)", r.TP%dcp, r.TP)
+	}
+	if ranks := m.WorkerRanks(); len(ranks) <= 16 {
+		names := make([]string, len(ranks))
+		for i, w := range ranks {
+			names[i] = w.String()
+		}
+		out += ": " + strings.Join(names, ", ")
+	}
+	return out
 }
 
 // Rank is the configured rank.
@@ -170,6 +208,21 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	return a, nil
 }
 
+// The load-task consumer's fetch and commit settings. A fetch returns as
+// soon as a record arrives, so a longer wait costs no latency: it makes an
+// idle worker's fetch of each partition one long poll a second instead of
+// four. It does bound how long stopping (or a rebalance) waits for the
+// fetch in flight, so it stays well under the rebalance and shutdown
+// timeouts. Handled offsets are committed once a second (and on a clean
+// stop) instead of ten times: a crash redelivers at most that second's
+// tasks, which load again and publish the same result ids. With one worker
+// per rank (16 for two TP8 engines) the defaults kept a small machine busy
+// polling.
+const (
+	idleFetchWait      = time.Second
+	idleCommitInterval = time.Second
+)
+
 // newConsumer builds the load-task consumer of this engine rank.
 func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.Metrics) (*bus.Consumer, error) {
 	hc := dataplane.DefaultHTTPClient()
@@ -188,6 +241,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
 	cc.DLQTopic, cc.Producer = contract.TopicLoadDLQ, a.deps.Producer
+	cc.MaxWait, cc.CommitInterval = idleFetchWait, idleCommitInterval
 	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
 		m.Load(load.OutcomeDeadLettered, 0, 0)
 		a.deps.Log.ErrorContext(ctx, "load task dead-lettered to "+contract.TopicLoadDLQ+": no result can be published",

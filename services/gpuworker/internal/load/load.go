@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"go.opentelemetry.io/otel"
@@ -98,8 +99,9 @@ func New(cfg Config) *Loader {
 
 // Handle is the bus handler for kvmesh.load.tasks: tasks of other engines
 // are skipped before decoding when the record key tells, after otherwise;
-// an undecodable task is dead-lettered; every other task is loaded and its
-// result published (a publish failure is transient: the redelivered task is
+// an undecodable task is dead-lettered; a task whose Ranks do not list
+// this worker's rank is skipped (see Assigned); every other task is loaded
+// and its result published (a publish failure is transient: the redelivered task is
 // loaded again and republished with the same result id).
 func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
 	if m.Key != "" && m.Key != l.cfg.EngineID {
@@ -112,6 +114,12 @@ func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
 	}
 	if task.EngineID != l.cfg.EngineID {
 		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)
+		return nil
+	}
+	if !l.Assigned(task) {
+		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)
+		l.cfg.Log.DebugContext(ctx, "load task skipped: this rank is not one of its ranks", "task_id", task.TaskID,
+			"request_id", task.RequestID, "rank", l.cfg.Rank.String(), "ranks", rankNames(task.Ranks))
 		return nil
 	}
 	res := l.Load(ctx, task)
@@ -150,6 +158,33 @@ func DecodeTask(value []byte) (*kvcore.LoadTask, error) {
 	return &t, nil
 }
 
+// Assigned reports whether this worker's rank loads task: every rank does
+// when the task lists no Ranks, otherwise only the ranks it lists.
+func (l *Loader) Assigned(task *kvcore.LoadTask) bool {
+	return len(task.Ranks) == 0 || slices.Contains(task.Ranks, l.cfg.Rank)
+}
+
+// reportRank is the rank a load result names: this worker's, whenever the
+// task lists Ranks or the engine has more than one worker rank (the
+// scheduler waits for one result per rank); nil for a single-rank engine's
+// task without Ranks, whose result has always named no rank.
+func (l *Loader) reportRank(task *kvcore.LoadTask) *kvcore.Rank {
+	if len(task.Ranks) == 0 && l.cfg.Model.WorldSize() <= 1 {
+		return nil
+	}
+	r := l.cfg.Rank
+	return &r
+}
+
+// rankNames lists ranks by name, for the log.
+func rankNames(ranks []kvcore.Rank) []string {
+	out := make([]string, len(ranks))
+	for i, r := range ranks {
+		out[i] = r.String()
+	}
+	return out
+}
+
 // ResultID is the result id of rank r's load of a task: the same on every
 // redelivery, different per rank.
 func ResultID(taskID string, r kvcore.Rank) string {
@@ -158,6 +193,8 @@ func ResultID(taskID string, r kvcore.Rank) string {
 
 // Load moves the task's blocks into the pool and returns its result; it
 // never fails as a whole: whatever could not be loaded is a load error.
+// The result names this worker's rank on a multi-rank engine or when the
+// task lists Ranks.
 func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.TransferResult {
 	ctx, span := l.tracer.Start(ctx, "gpuworker.load", trace.WithAttributes(
 		attribute.String("kvmesh.engine_id", task.EngineID),
@@ -181,6 +218,7 @@ func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.Trans
 		TaskID:     task.TaskID,
 		EngineID:   task.EngineID,
 		RequestID:  task.RequestID,
+		Rank:       l.reportRank(task),
 		Status:     "done",
 		LoadErrors: res.failed.list,
 		Bytes:      res.bytes,
@@ -204,7 +242,7 @@ func (l *Loader) record(ctx context.Context, span trace.Span, task *kvcore.LoadT
 	if kind != OutcomeOK {
 		level = slog.LevelWarn
 	}
-	l.cfg.Log.Log(ctx, level, "load done", "task_id", task.TaskID, "request_id", task.RequestID,
+	l.cfg.Log.Log(ctx, level, "load done", "task_id", task.TaskID, "request_id", task.RequestID, "rank", l.cfg.Rank.String(),
 		"connector", task.Connector, "outcome", kind, "load_errors", len(res.failed.list), "bytes", res.bytes,
 		"duration_ms", took.Milliseconds(), "plan_error", errString(res.planErr), "first_error", errString(res.firstErr))
 }

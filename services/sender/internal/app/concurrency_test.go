@@ -93,7 +93,8 @@ func (w *gatedWorker) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
 // saves of different requests must overlap for any to finish. Each request
 // has two tasks (tokens [0,32) and [32,64)); they must be put one after the
 // other, in order, and every task must end with exactly one outcome and
-// one result, all stored.
+// one result, all stored. The model is TP1, so each task is one put (with
+// several ranks a task's puts overlap by design).
 func TestConcurrentSavesOverlapAndCompleteOnce(t *testing.T) {
 	const requests, lanes, gate = 12, 8, 4
 	s := newStack(t, stackOptions{config: func(c *app.Config) { c.Concurrency = lanes }})
@@ -101,15 +102,7 @@ func TestConcurrentSavesOverlapAndCompleteOnce(t *testing.T) {
 	srv := httptest.NewServer(w)
 	t.Cleanup(srv.Close)
 	const engine = "gated"
-	var ranks []kvcore.Rank
-	for g := range s.model.Groups {
-		for _, r := range s.model.Namespaces(g) {
-			if !slices.Contains(ranks, r) {
-				ranks = append(ranks, r)
-			}
-		}
-	}
-	for _, r := range ranks {
+	for _, r := range s.model.WorkerRanks() { // the ranks that put: one at TP1
 		if err := registry.Register(context.Background(), s.db, registry.Worker{EngineID: engine, Rank: r, Addr: srv.URL}); err != nil {
 			t.Fatal(err)
 		}
@@ -173,15 +166,16 @@ func TestConcurrentSavesOverlapAndCompleteOnce(t *testing.T) {
 	}
 }
 
-// plannedKeys lists the store keys the sender puts for task, in the order
-// of its put requests: by rank, each rank's groups in order.
+// plannedKeys lists the store keys the sender puts for task, by worker
+// rank (the order of its put requests at TP1; at larger sizes the ranks'
+// puts run at once), each rank's groups in order.
 func (s *stack) plannedKeys(t testing.TB, task *kvcore.SaveTask) []string {
 	t.Helper()
 	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}
 	var ranks []kvcore.Rank
 	byRank := map[kvcore.Rank][]string{}
 	for _, gc := range task.Groups {
-		for _, r := range s.model.Namespaces(gc.Group) {
+		for _, r := range s.model.WorkerRanks() {
 			items, err := kvcore.PlanSend(s.model, kb, task, gc.Group, r)
 			if err != nil {
 				t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -148,44 +149,87 @@ func itemGroups(items []item) []groupCount {
 	return out
 }
 
-// put sends the missing items to each rank's worker and records the
-// per-item answers; it drives the pressure gate.
+// put sends the missing items to every rank's worker at once and then
+// records the per-item answers rank by rank, in the order of byRank, on
+// this goroutine (a run is not safe for concurrent use); it drives the
+// pressure gate.
 func (p *Processor) put(ctx context.Context, r *run, items []item) {
-	var stored, noSpace bool
-	var notHeld []notHeldItem
-	for _, batch := range byRank(items) {
-		results, n, err := p.putRank(ctx, r, batch)
-		if err != nil {
+	batches := byRank(items)
+	answers := p.putRanks(ctx, r, batches)
+	var t putTally
+	for i, batch := range batches {
+		a := answers[i]
+		if a.err != nil {
 			if ctx.Err() == nil {
-				p.putFailed(r, batch, err)
+				p.putFailed(r, batch, a.err)
 			}
 			continue
 		}
-		r.bytes += n
-		p.metrics.bytes.Add(float64(n))
-		for i, res := range results {
-			it := batch[i]
-			switch res.Status {
-			case dataplane.PutStored:
-				stored = true
-				r.outcome.Record(it.Group, kvcore.OutcomeStored, 1, kvcore.ReasonOK)
-				r.stored[it.Group] = append(r.stored[it.Group], it.Key)
-			case dataplane.PutNoSpace:
-				noSpace = true
-				p.skipItems(r, batch[i:i+1])
-			case dataplane.PutNotHeld:
-				notHeld = append(notHeld, notHeldItem{it, res.Error})
-			default:
-				r.outcome.Record(it.Group, kvcore.OutcomeFailed, 1, kvcore.ReasonPutFailed)
-			}
-		}
+		r.bytes += a.bytes
+		p.metrics.bytes.Add(float64(a.bytes))
+		p.recordAnswers(r, batch, a.results, &t)
 	}
-	deadLetterNotHeld(r, notHeld)
+	deadLetterNotHeld(r, t.notHeld)
 	switch {
-	case noSpace:
+	case t.noSpace:
 		p.gate.onNoSpace(p.now())
-	case stored:
+	case t.stored:
 		p.gate.onPutOK()
+	}
+}
+
+// rankAnswer is what one rank's worker answered to its batch.
+type rankAnswer struct {
+	results []dataplane.PutResult
+	bytes   int64
+	err     error
+}
+
+// putTally gathers, over every rank's answers, what drives the pressure
+// gate and the items to dead-letter as not held.
+type putTally struct {
+	stored, noSpace bool
+	notHeld         []notHeldItem
+}
+
+// putRanks puts every batch through its rank's worker, one goroutine per
+// rank, and returns the answers in the order of batches. putRank only
+// reads the run, so the goroutines share it safely.
+func (p *Processor) putRanks(ctx context.Context, r *run, batches [][]item) []rankAnswer {
+	out := make([]rankAnswer, len(batches))
+	if len(batches) == 1 {
+		out[0].results, out[0].bytes, out[0].err = p.putRank(ctx, r, batches[0])
+		return out
+	}
+	var wg sync.WaitGroup
+	for i, batch := range batches {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out[i].results, out[i].bytes, out[i].err = p.putRank(ctx, r, batch)
+		}()
+	}
+	wg.Wait()
+	return out
+}
+
+// recordAnswers records one rank's per-item answers into r and t.
+func (p *Processor) recordAnswers(r *run, batch []item, results []dataplane.PutResult, t *putTally) {
+	for i, res := range results {
+		it := batch[i]
+		switch res.Status {
+		case dataplane.PutStored:
+			t.stored = true
+			r.outcome.Record(it.Group, kvcore.OutcomeStored, 1, kvcore.ReasonOK)
+			r.stored[it.Group] = append(r.stored[it.Group], it.Key)
+		case dataplane.PutNoSpace:
+			t.noSpace = true
+			p.skipItems(r, batch[i:i+1])
+		case dataplane.PutNotHeld:
+			t.notHeld = append(t.notHeld, notHeldItem{it, res.Error})
+		default:
+			r.outcome.Record(it.Group, kvcore.OutcomeFailed, 1, kvcore.ReasonPutFailed)
+		}
 	}
 }
 
@@ -211,22 +255,25 @@ func deadLetterNotHeld(r *run, items []notHeldItem) {
 	slices.Sort(groups)
 	for _, g := range groups {
 		list := byGroup[g]
-		r.deadLetter(g, kvcore.ReasonBlockNotHeld, fmt.Sprintf("%d block(s) no longer hold their chunk; first: block %d (chunk [%d,%d), key %s): %s",
-			len(list), list[0].Block, list[0].Chunk.Start, list[0].Chunk.End, list[0].Key, list[0].detail), len(list))
+		r.deadLetter(g, kvcore.ReasonBlockNotHeld, fmt.Sprintf("%d block(s) no longer hold their chunk; first: block %d of rank %s (chunk [%d,%d), key %s): %s",
+			len(list), list[0].Block, list[0].rank, list[0].Chunk.Start, list[0].Chunk.End, list[0].Key, list[0].detail), len(list))
 	}
 }
 
-// putFailed records a batch whose whole request failed. A rejected request
-// (the worker refused it as invalid) is counted failed; a worker that stayed
-// unavailable through every retry is counted failed and dead-lettered with
-// put_failed, so the group can be replayed.
+// putFailed records a rank's batch whose whole request failed. A rejected
+// request (the worker refused it as invalid) is counted failed; a worker
+// that stayed missing from the registry or unavailable through every retry
+// is counted failed and dead-lettered with put_failed, one dead letter per
+// group naming the rank, so the group can be replayed. The other ranks'
+// items are recorded on their own.
 func (p *Processor) putFailed(r *run, batch []item, err error) {
+	rank := batch[0].rank
 	for _, g := range itemGroups(batch) {
 		r.outcome.Record(g.group, kvcore.OutcomeFailed, g.n, kvcore.ReasonPutFailed)
 		if !errors.Is(err, dataplane.ErrRejected) {
 			group := g.group
 			r.addDeadLetter(&group, string(kvcore.ReasonPutFailed),
-				fmt.Sprintf("put of %d key(s) through the gpuworker failed %d times: %v", g.n, p.attempts(), err))
+				fmt.Sprintf("rank %s: put of %d key(s) through the gpuworker failed %d times: %v", rank, g.n, p.attempts(), err))
 		}
 	}
 }
@@ -277,16 +324,16 @@ func (p *Processor) putRank(ctx context.Context, r *run, batch []item) ([]datapl
 }
 
 func (p *Processor) putOnce(ctx context.Context, engineID string, rank kvcore.Rank, req []dataplane.PutItem) ([]dataplane.PutResult, int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.putTimeout) // the registry look-up too: a stuck one is retried
+	defer cancel()
 	putters, err := p.workers.Engine(ctx, engineID)
 	if err != nil {
 		return nil, 0, err
 	}
 	putter, ok := putters[rank]
 	if !ok {
-		return nil, 0, fmt.Errorf("engine %q rank %+v: %w", engineID, rank, registry.ErrNoWorker)
+		return nil, 0, fmt.Errorf("engine %q rank %s: %w", engineID, rank, registry.ErrNoWorker)
 	}
-	ctx, cancel := context.WithTimeout(ctx, p.putTimeout)
-	defer cancel()
 	results, n, err := putter.Put(ctx, req)
 	if err == nil && len(results) != len(req) {
 		err = fmt.Errorf("worker answered %d of %d items: %w", len(results), len(req), dataplane.ErrFrame)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -42,6 +43,7 @@ type Registry struct {
 	ttl    time.Duration
 	hc     *http.Client
 
+	flight  singleflight.Group
 	mu      sync.Mutex
 	engines map[string]cachedEngine
 	clients map[string]*dataplane.Client
@@ -63,7 +65,8 @@ func NewRegistry(pool *pgxpool.Pool, maxAge time.Duration, hc *http.Client) *Reg
 		engines: map[string]cachedEngine{}, clients: map[string]*dataplane.Client{}}
 }
 
-// Engine implements Workers.
+// Engine implements Workers. Concurrent look-ups of one engine (the
+// ranks of one task, put at once) share one registry query.
 func (r *Registry) Engine(ctx context.Context, engineID string) (map[kvcore.Rank]Putter, error) {
 	r.mu.Lock()
 	c, ok := r.engines[engineID]
@@ -71,6 +74,16 @@ func (r *Registry) Engine(ctx context.Context, engineID string) (map[kvcore.Rank
 	if ok && time.Since(c.at) < r.ttl {
 		return c.putters, nil
 	}
+	v, err, _ := r.flight.Do(engineID, func() (any, error) { return r.find(ctx, engineID) })
+	if err != nil {
+		return nil, err
+	}
+	putters, _ := v.(map[kvcore.Rank]Putter) // find's only result type
+	return putters, nil
+}
+
+// find reads the engine's live workers from the registry and caches them.
+func (r *Registry) find(ctx context.Context, engineID string) (map[kvcore.Rank]Putter, error) {
 	ws, err := registry.Find(ctx, r.pool, engineID, r.maxAge)
 	if err != nil {
 		return nil, err
