@@ -117,7 +117,9 @@ type DryRunGroup struct {
 type DryRunKey struct {
 	// Key is the store key.
 	Key string `json:"key"`
-	// Rank names the rank namespace, e.g. "tp0-pcp0-dcp0-pp0".
+	// Rank names the worker rank that writes the key (for a group whose
+	// ranks share a namespace, such as MLA, not the key's tp_rank), e.g.
+	// "tp3-pcp0-dcp0-pp0".
 	Rank string `json:"rank"`
 	// Block is the engine block the gpuworker would put.
 	Block kvcore.BlockID `json:"block"`

@@ -225,6 +225,15 @@ func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.Trans
 	}
 }
 
+// connectorLabel is the connector label of a load task: pd for a load from
+// another engine's worker, else store.
+func connectorLabel(task *kvcore.LoadTask) string {
+	if task.Remote != nil {
+		return "pd"
+	}
+	return "store"
+}
+
 // record puts a load's outcome on its span, in the metrics and in the log
 // (debug when clean, warn with the first cause otherwise).
 func (l *Loader) record(ctx context.Context, span trace.Span, task *kvcore.LoadTask, res outcome, took time.Duration) {
@@ -238,6 +247,7 @@ func (l *Loader) record(ctx context.Context, span trace.Span, task *kvcore.LoadT
 	}
 	span.SetAttributes(attribute.Int("kvmesh.load_errors", len(res.failed.list)), attribute.Int64("kvmesh.bytes", res.bytes))
 	l.cfg.Metrics.Load(kind, len(res.failed.list), res.bytes)
+	l.cfg.Metrics.LoadTime(connectorLabel(task), took)
 	level := slog.LevelDebug
 	if kind != OutcomeOK {
 		level = slog.LevelWarn

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -46,6 +47,7 @@ type Metrics struct {
 	loads      *prometheus.CounterVec
 	loadErrors prometheus.Counter
 	loadBytes  prometheus.Counter
+	loadTime   *prometheus.HistogramVec
 	notHeld    *prometheus.CounterVec
 }
 
@@ -69,12 +71,17 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 		loadBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_load_bytes_total", Help: "Block bytes written into the pool by loads.",
 		}),
+		loadTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvmesh_gpuworker_load_duration_seconds",
+			Help:    "Time this worker took to load its share of one load task, by connector (store, pd): the slowest rank of an engine sets when finished_recving can follow.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
+		}, []string{"connector"}),
 		notHeld: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_not_held_total",
 			Help: "Block reads refused because the block does not hold the asked hash (never written since start, evicted, rewritten or torn), by operation (put, read, pd_source).",
 		}, []string{"op"}),
 	}
-	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes, m.notHeld,
+	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes, m.loadTime, m.notHeld,
 		&poolCollector{stats: stats}, &gpuCollector{src: gpus}); err != nil {
 		return nil, fmt.Errorf("gpuworker metrics: %w", err)
 	}
@@ -90,6 +97,9 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 	}
 	for _, op := range []string{OpPut, OpRead, OpLoadSource} {
 		m.notHeld.WithLabelValues(op)
+	}
+	for _, c := range []string{"store", "pd"} {
+		m.loadTime.WithLabelValues(c)
 	}
 	return m, nil
 }
@@ -123,6 +133,11 @@ func (m *Metrics) Load(outcome string, errorBlocks int, bytes int64) {
 	m.loads.WithLabelValues(outcome).Inc()
 	m.loadErrors.Add(float64(errorBlocks))
 	m.loadBytes.Add(float64(bytes))
+}
+
+// LoadTime observes how long one load task took this worker, by connector.
+func (m *Metrics) LoadTime(connector string, took time.Duration) {
+	m.loadTime.WithLabelValues(connector).Observe(took.Seconds())
 }
 
 // RejectReason is the reason label of a refused value.
