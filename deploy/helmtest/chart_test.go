@@ -42,7 +42,7 @@ var cases = []renderCase{
 		workers: 2, secret: true, migrate: true},
 	{name: "multi-engine values", rel: helmtest.Release{Name: "prod", Namespace: "inference",
 		ValuesFiles: []string{"ci/multi-engine-values.yaml"}},
-		workers: 5, secret: true, monitor: true, migrate: true, admin: true},
+		workers: 6, secret: true, monitor: true, migrate: true, admin: true},
 	{name: "existing secret, scheduler migrates", rel: helmtest.Release{Name: "kv", Namespace: "default",
 		Set: []string{"existingSecret=kvmesh-credentials", "migrate.enabled=false", "serviceMonitor.enabled=true"}},
 		workers: 2, monitor: true, admin: true},
@@ -450,13 +450,19 @@ func TestChartMultiEngineRanks(t *testing.T) {
 	slices.Sort(got)
 	want := []string{
 		"decode-0 tp=0 pcp=0 dcp=0 pp=0 blocks=",
-		"decode-0 tp=0 pcp=0 dcp=0 pp=1 blocks=",
+		"decode-0 tp=1 pcp=0 dcp=0 pp=0 blocks=",
 		"decode-1 tp=0 pcp=0 dcp=0 pp=0 blocks=",
+		"decode-1 tp=1 pcp=0 dcp=0 pp=0 blocks=",
 		"prefill-0 tp=0 pcp=0 dcp=0 pp=0 blocks=4096",
 		"prefill-0 tp=1 pcp=0 dcp=0 pp=0 blocks=4096",
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("gpuworkers\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	for _, ct := range containers(t, m) {
+		if tp := ct.env["KVMESH_TP"]; tp != "2" {
+			t.Errorf("%s: KVMESH_TP %q, want the values' parallel.tp 2 in every service", ct.deployment.Name, tp)
+		}
 	}
 }
 

@@ -84,6 +84,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
   value: {{ include "kvmesh.envValue" .Values.kafka.partitions | quote }}
 - name: KVMESH_MODEL
   value: {{ .Values.model | quote }}
+{{- range $name, $size := dict "KVMESH_TP" .Values.parallel.tp "KVMESH_PCP" .Values.parallel.pcp "KVMESH_DCP" .Values.parallel.dcp "KVMESH_PP" .Values.parallel.pp }}
+{{- if $size }}
+- name: {{ $name }}
+  value: {{ include "kvmesh.envValue" $size | quote }}
+{{- end }}
+{{- end }}
 {{- with .Values.keyPrefix }}
 - name: KVMESH_KEY_PREFIX
   value: {{ . | quote }}
