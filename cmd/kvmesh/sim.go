@@ -66,8 +66,9 @@ func runSim(ctx context.Context, args []string) error {
 		if rep.Stored != nil {
 			wrong = rep.Stored.Wrong
 		}
-		return fmt.Errorf("%w: %d of %d requests failed, %d blocks mismatched, %d stored values wrong, ledger %s",
-			errSimFailed, rep.Requests.Failed, rep.Requests.Total, rep.Verification.Mismatched, wrong, map[bool]string{true: "balanced", false: "not balanced"}[rep.Ledger.Balanced])
+		return fmt.Errorf("%w: %d of %d requests failed (%d because a rank died), %d blocks mismatched, %d not verified, %d stored values wrong, %d dead ranks, ledger %s",
+			errSimFailed, rep.Requests.Failed, rep.Requests.Total, rep.Requests.FailedDeadRank, rep.Verification.Mismatched, rep.Verification.RankUnavailable,
+			wrong, len(rep.DeadRanks), map[bool]string{true: "balanced", false: "not balanced"}[rep.Ledger.Balanced])
 	}
 	return nil
 }
@@ -95,8 +96,9 @@ type simValues struct {
 	lookups, schedulers, senders                               string
 	requests, sysPrompts, pool, batch, running, watermark      int
 	engines                                                    int
+	parallel                                                   service.ParallelOverride
 	rate                                                       float64
-	think, reqTimeout, settle                                  time.Duration
+	think, reqTimeout, settle, rankTimeout                     time.Duration
 	seed                                                       uint64
 	pd, fresh, reusePreempted                                  bool
 }
@@ -128,6 +130,10 @@ func simFlags(args []string) (*simOptions, error) {
 func defineWorkloadFlags(fs *flag.FlagSet, v *simValues) {
 	fs.StringVar(&v.preset, "preset", "seed", "starting point: "+presetList())
 	fs.StringVar(&v.model, "model", "", "model preset or spec file; must be the services' KVMESH_MODEL (default: the preset's)")
+	fs.IntVar(&v.parallel.TP, "tp", 0, "tensor-parallel size over the model's parallel.tp; must be the services' KVMESH_TP (default: the model's)")
+	fs.IntVar(&v.parallel.PCP, "pcp", 0, "prefill context-parallel size over the model's; must be the services' KVMESH_PCP (default: the model's)")
+	fs.IntVar(&v.parallel.DCP, "dcp", 0, "decode context-parallel size over the model's; must be the services' KVMESH_DCP (default: the model's)")
+	fs.IntVar(&v.parallel.PP, "pp", 0, "pipeline-parallel size over the model's; must be the services' KVMESH_PP (default: the model's)")
 	fs.BoolVar(&v.pd, "pd", false, "1P1D: a prefill engine hands prompts to the decode engine through the pd connector (default: the preset's)")
 	fs.IntVar(&v.requests, "requests", 0, "requests (conversation turns) in all")
 	fs.StringVar(&v.turns, "turns", "", "turns per conversation, N or MIN-MAX")
@@ -151,9 +157,9 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.StringVar(&v.schedulers, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, or its replicas' comma-separated, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
 	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
 	fs.StringVar(&v.senders, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, or its replicas' comma-separated, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
-	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworker (and, with -pd, its own prefill engine and gpuworker); conversations are spread over them round robin")
-	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated, one per engine; one URL with -engines N stands for scripts/stack.sh's layout, engine i's worker at its port + 2i (env KVMESH_WORKER_URL)")
-	fs.StringVar(&v.prefillWorkers, "prefill-worker", envOr("KVMESH_PREFILL_WORKER_URL", "http://127.0.0.1:8085"), "the prefill engines' gpuworker base URLs with -pd, comma-separated, as -worker (env KVMESH_PREFILL_WORKER_URL)")
+	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworkers, one per rank (and, with -pd, its own prefill engine and gpuworkers); conversations are spread over them round robin")
+	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated: N×W of them for -engines N of W ranks each (W = tp × pcp × pp), engine by engine, each engine's ranks in worker-rank order (as kvmesh model --ranks lists them); or one URL standing for scripts/stack.sh's layout, decode engine i's rank k at its port + 2·i·W + k (env KVMESH_WORKER_URL)")
+	fs.StringVar(&v.prefillWorkers, "prefill-worker", os.Getenv("KVMESH_PREFILL_WORKER_URL"), "the prefill engines' gpuworker base URLs with -pd: N×W comma-separated as -worker, or one URL, prefill engine i's rank k at its port + 2·i·W + k; default: stack.sh's layout from -worker's first URL, prefill engine i's rank k at its port + (2i+1)·W + k (W=1: decode-i :8084+2i, prefill-i :8085+2i) (env KVMESH_PREFILL_WORKER_URL)")
 	fs.StringVar(&v.engineIDs, "engine", "", "the decode engines' ids, comma-separated, one per engine (default: each worker's)")
 	fs.StringVar(&v.prefillIDs, "prefill-engine", "", "the prefill engines' ids, comma-separated (default: each prefill worker's)")
 	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr)")
@@ -161,6 +167,7 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.BoolVar(&v.fresh, "fresh", true, "salt the block hashes with the run tag, so the run starts with a cold store; false shares store keys with earlier runs of the same workload")
 	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, for blocks at the head of the queue, and for a failing lookup, broker or gpuworker to come back")
 	fs.DurationVar(&v.settle, "settle-timeout", 30*time.Second, "longest wait for the last save results after the last request")
+	fs.DurationVar(&v.rankTimeout, "rank-timeout", 0, "how long a gpuworker may stay unreachable before its rank is dead for the rest of the run (its engine's requests then fail, naming it); default: -request-timeout")
 	fs.BoolVar(&o.json, "json", false, "print the report as JSON")
 	fs.StringVar(&o.progress, "progress", "auto", "progress on stderr: auto (a bar on a terminal, log lines otherwise), bar, log, off")
 	fs.StringVar(&v.level, "log-level", "warn", "log level on stderr: debug, info, warn, error")
@@ -205,12 +212,15 @@ func applyPreset(fs *flag.FlagSet, o *simOptions, v *simValues) error {
 	return err
 }
 
-// finishOptions resolves the model, the log level, the brokers and the run
-// tag and salt.
+// finishOptions resolves the model and its parallel layout, the log
+// level, the fleet, the brokers and the run tag and salt.
 func finishOptions(o *simOptions, v *simValues) error {
 	m, err := service.LoadModel(v.model)
 	if err != nil {
 		return fmt.Errorf("%w: -model: %w", errUsage, err)
+	}
+	if err := v.parallel.Apply(m); err != nil {
+		return fmt.Errorf("%w: -tp/-pcp/-dcp/-pp: %w", errUsage, err)
 	}
 	if err := o.logLevel.UnmarshalText([]byte(v.level)); err != nil {
 		return fmt.Errorf("%w: -log-level: %w", errUsage, err)
@@ -220,12 +230,12 @@ func finishOptions(o *simOptions, v *simValues) error {
 	default:
 		return fmt.Errorf("%w: -progress %q: want auto, bar, log or off", errUsage, o.progress)
 	}
-	if o.cfg.Fleet, err = simFleet(v, o.cfg.PD); err != nil {
+	if o.cfg.Fleet, err = simFleet(v, o.cfg.PD, m.WorldSize()); err != nil {
 		return err
 	}
 	o.cfg.Model, o.cfg.Brokers = m, splitList(v.brokers)
 	o.cfg.LookupURLs, o.cfg.SchedulerURLs, o.cfg.SenderURLs = splitList(v.lookups), splitList(v.schedulers), splitList(v.senders)
-	o.cfg.RequestTimeout, o.cfg.SettleTimeout = v.reqTimeout, v.settle
+	o.cfg.RequestTimeout, o.cfg.SettleTimeout, o.cfg.RankTimeout = v.reqTimeout, v.settle, v.rankTimeout
 	if o.cfg.RunTag == "" {
 		o.cfg.RunTag = sim.NewRunTag()
 	}
@@ -244,17 +254,22 @@ func presetList() string {
 	return strings.Join(out, "; ")
 }
 
-// simFleet builds the fleet of -engines N pairs from the worker URLs and
-// engine ids: a list of N URLs names every engine's worker; a single URL
-// stands for scripts/stack.sh's layout, engine i's worker at the URL's
-// port + 2i (decode-0 :8084 and prefill-0 :8085, decode-1 :8086 and
-// prefill-1 :8087, …). Engine ids, when given, are N, one per engine.
-func simFleet(v *simValues, pd bool) ([]sim.Pair, error) {
+// simFleet builds the fleet of -engines N pairs of engines of world ranks
+// each from the worker URLs and engine ids. A list of N×world URLs names
+// every rank's worker, engine by engine, each engine's ranks in
+// Model.WorkerRanks order. A single URL stands for scripts/stack.sh's
+// layout: decode engine i's rank k at its port + 2·i·world + k. The prefill
+// engines' workers come from -prefill-worker the same way, or, when it is
+// not given, from -worker's first URL: prefill engine i's rank k at its
+// port + (2i+1)·world + k (with one rank decode-0 :8084, prefill-0 :8085,
+// decode-1 :8086, …; with eight decode-0 :8084-:8091, prefill-0
+// :8092-:8099). Engine ids, when given, are N, one per engine.
+func simFleet(v *simValues, pd bool, world int) ([]sim.Pair, error) {
 	n := v.engines
 	if n < 1 {
 		return nil, fmt.Errorf("%w: -engines %d: want at least 1", errUsage, n)
 	}
-	decode, err := fleetURLs("worker", v.workers, n)
+	decode, err := rankURLs("worker", v.workers, n, world)
 	if err != nil {
 		return nil, err
 	}
@@ -262,9 +277,10 @@ func simFleet(v *simValues, pd bool) ([]sim.Pair, error) {
 	if err != nil {
 		return nil, err
 	}
-	var prefill, prefillIDs []string
+	var prefill [][]string
+	var prefillIDs []string
 	if pd {
-		if prefill, err = fleetURLs("prefill-worker", v.prefillWorkers, n); err != nil {
+		if prefill, err = prefillURLs(v, n, world); err != nil {
 			return nil, err
 		}
 		if prefillIDs, err = fleetIDs("prefill-engine", v.prefillIDs, n); err != nil {
@@ -273,30 +289,58 @@ func simFleet(v *simValues, pd bool) ([]sim.Pair, error) {
 	}
 	fleet := make([]sim.Pair, n)
 	for i := range fleet {
-		fleet[i].Decode = sim.Endpoint{EngineID: ids[i], WorkerURL: decode[i]}
+		fleet[i].Decode = sim.Endpoint{EngineID: ids[i], WorkerURLs: decode[i]}
 		if pd {
-			fleet[i].Prefill = sim.Endpoint{EngineID: prefillIDs[i], WorkerURL: prefill[i]}
+			fleet[i].Prefill = sim.Endpoint{EngineID: prefillIDs[i], WorkerURLs: prefill[i]}
 		}
 	}
 	return fleet, nil
 }
 
-// fleetURLs reads the comma-separated URLs of flag name for n engines.
-func fleetURLs(name, list string, n int) ([]string, error) {
+// prefillURLs are the prefill engines' worker URLs: -prefill-worker's, or
+// stack.sh's layout after -worker's first URL.
+func prefillURLs(v *simValues, n, world int) ([][]string, error) {
+	if v.prefillWorkers != "" {
+		return rankURLs("prefill-worker", v.prefillWorkers, n, world)
+	}
+	urls := splitList(v.workers)
+	if len(urls) == 0 {
+		return nil, fmt.Errorf("%w: -worker: no URL to derive the prefill engines' workers from", errUsage)
+	}
+	return layoutURLs("worker", urls[0], n, world, 1)
+}
+
+// rankURLs reads flag name's comma-separated URLs for n engines of world
+// ranks each: n×world URLs, engine-major, or one URL standing for
+// stack.sh's layout, engine i's rank k at its port + 2·i·world + k.
+func rankURLs(name, list string, n, world int) ([][]string, error) {
 	urls := splitList(list)
 	switch {
-	case len(urls) == n:
-		return urls, nil
-	case len(urls) != 1:
-		return nil, fmt.Errorf("%w: -%s lists %d URLs for %d engines: want %d, or one (stack.sh's layout)", errUsage, name, len(urls), n, n)
-	}
-	out := make([]string, n)
-	for i := range out {
-		u, err := shiftPort(urls[0], 2*i)
-		if err != nil {
-			return nil, fmt.Errorf("%w: -%s: %w", errUsage, name, err)
+	case len(urls) == n*world:
+		out := make([][]string, n)
+		for i := range out {
+			out[i] = urls[i*world : (i+1)*world]
 		}
-		out[i] = u
+		return out, nil
+	case len(urls) != 1:
+		return nil, fmt.Errorf("%w: -%s lists %d URLs for %d engines of %d ranks: want %d (engine by engine, ranks in worker-rank order), or one (stack.sh's layout)",
+			errUsage, name, len(urls), n, world, n*world)
+	}
+	return layoutURLs(name, urls[0], n, world, 0)
+}
+
+// layoutURLs lays n engines of world ranks out after anchor as stack.sh
+// does: engine i's rank k at its port + (2i+slot)·world + k.
+func layoutURLs(name, anchor string, n, world, slot int) ([][]string, error) {
+	out := make([][]string, n)
+	for i := range out {
+		for k := range world {
+			u, err := shiftPort(anchor, (2*i+slot)*world+k)
+			if err != nil {
+				return nil, fmt.Errorf("%w: -%s: %w", errUsage, name, err)
+			}
+			out[i] = append(out[i], u)
+		}
 	}
 	return out, nil
 }
@@ -325,7 +369,7 @@ func shiftPort(base string, delta int) (string, error) {
 	}
 	port, err := strconv.Atoi(u.Port())
 	if err != nil {
-		return "", fmt.Errorf("URL %q has no port to derive the other engines' workers from: list one URL per engine", base)
+		return "", fmt.Errorf("URL %q has no port to derive the other engines' and ranks' workers from: list one URL per engine and rank", base)
 	}
 	u.Host = net.JoinHostPort(u.Hostname(), strconv.Itoa(port+delta))
 	return u.String(), nil

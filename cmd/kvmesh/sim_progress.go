@@ -52,6 +52,9 @@ func (b *progressBar) update(p sim.Progress) {
 	elapsed := time.Since(b.start).Truncate(100 * time.Millisecond)
 	line := fmt.Sprintf("%d/%d requests  %d failed  hit %.1f%%  %d preemptions  %d mismatches  %s",
 		p.Done, p.Requests, p.Failed, 100*p.HitRate, p.Preemptions, p.Mismatches, elapsed)
+	if p.DeadRanks > 0 {
+		line += fmt.Sprintf("  %d DEAD RANKS", p.DeadRanks)
+	}
 	switch b.mode {
 	case "bar":
 		const width = 30

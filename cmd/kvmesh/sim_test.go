@@ -3,10 +3,13 @@ package main
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
 )
@@ -26,7 +29,7 @@ func TestSimFlagsPresetDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	seed, _ := sim.LookupPreset("seed")
-	if !o.cfg.PD || o.cfg.Workload != seed.Workload || o.cfg.Engine != seed.Engine || o.cfg.Model.Name != "hybrid-mla-linear" {
+	if !o.cfg.PD || o.cfg.Workload != seed.Workload || o.cfg.Engine != seed.Engine || o.cfg.Model.Name != "hybrid-mla-linear" || o.cfg.Model.WorldSize() != 8 {
 		t.Fatalf("seed preset not applied: %+v", o.cfg)
 	}
 	if strings.Join(o.cfg.Brokers, ",") != "10.0.0.1:9092,10.0.0.2:9092" {
@@ -35,17 +38,26 @@ func TestSimFlagsPresetDefaults(t *testing.T) {
 	if o.cfg.RunTag == "" || o.cfg.Salt != o.cfg.RunTag {
 		t.Fatalf("run tag %q, salt %q: -fresh salts with the run tag", o.cfg.RunTag, o.cfg.Salt)
 	}
-	want := []sim.Pair{{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8084"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8085"}}}
+	want := []sim.Pair{{Decode: sim.Endpoint{WorkerURLs: ports(8084, 8)}, Prefill: sim.Endpoint{WorkerURLs: ports(8092, 8)}}}
 	if !slices.Equal(o.cfg.LookupURLs, []string{"http://127.0.0.1:8081"}) || !slices.Equal(o.cfg.SchedulerURLs, []string{"http://127.0.0.1:8082"}) ||
-		!slices.Equal(o.cfg.SenderURLs, []string{"http://127.0.0.1:8083"}) || !slices.Equal(o.cfg.Fleet, want) {
+		!slices.Equal(o.cfg.SenderURLs, []string{"http://127.0.0.1:8083"}) || !reflect.DeepEqual(o.cfg.Fleet, want) {
 		t.Fatalf("addresses %+v", o.cfg)
 	}
+}
+
+// ports lists n loopback base URLs from port on.
+func ports(port, n int) []string {
+	var out []string
+	for i := range n {
+		out = append(out, fmt.Sprintf("http://127.0.0.1:%d", port+i))
+	}
+	return out
 }
 
 func TestSimFlagsOverride(t *testing.T) {
 	quiet(t)
 	o, err := simFlags([]string{"-preset", "smoke", "-requests", "5", "-turns", "1-2", "-pd", "-pool-blocks", "9",
-		"-model", "full-swa-mamba", "-fresh=false", "-run-tag", "x", "-json", "-scheduler", ""})
+		"-model", "full-swa-mamba", "-fresh=false", "-run-tag", "x", "-json", "-scheduler", "", "-rank-timeout", "5s"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,7 +66,7 @@ func TestSimFlagsOverride(t *testing.T) {
 	if w.Requests != 5 || w.Turns != (sim.Range{Min: 1, Max: 2}) || w.UserTokens != smoke.Workload.UserTokens {
 		t.Fatalf("workload %+v", w)
 	}
-	if !o.cfg.PD || o.cfg.Engine.PoolBlocks != 9 || o.cfg.Model.Name != "full-swa-mamba" || !o.json {
+	if !o.cfg.PD || o.cfg.Engine.PoolBlocks != 9 || o.cfg.Model.Name != "full-swa-mamba" || !o.json || o.cfg.RankTimeout != 5*time.Second {
 		t.Fatalf("config %+v", o.cfg)
 	}
 	if o.cfg.RunTag != "x" || o.cfg.Salt != "" || len(o.cfg.SchedulerURLs) != 0 || o.cfg.SchedulerURL != "" {
@@ -91,6 +103,9 @@ func TestSimFlagsErrors(t *testing.T) {
 		{"-engines", "0"},
 		{"-engines", "3", "-worker", "http://a:1,http://b:2"},
 		{"-engines", "2", "-worker", "http://host-without-port"},
+		{"-tp", "2", "-worker", "http://a:1,http://b:2,http://c:3"},
+		{"-tp", "2", "-prefill-worker", "http://a:1,http://b:2,http://c:3"},
+		{"-worker", "http://host-without-port"},
 		{"-engines", "2", "-engine", "only-one"},
 		{"-engines", "2", "-pd", "-prefill-engine", "p0,p1,p2"},
 	} {
@@ -115,6 +130,11 @@ func TestProgressBar(t *testing.T) {
 	log.done()
 	if out := b.String(); !strings.HasPrefix(out, "sim: 10/10 requests") || strings.Count(out, "\n") != 1 {
 		t.Fatalf("log %q", out)
+	}
+	b.Reset()
+	log.update(sim.Progress{Requests: 10, Done: 3, DeadRanks: 1})
+	if out := b.String(); !strings.Contains(out, "1 DEAD RANKS") {
+		t.Fatalf("log with a dead rank %q", out)
 	}
 	b.Reset()
 	off := newProgressBar(&b, "off")
@@ -152,30 +172,108 @@ func TestSimFlagsReuseAndStore(t *testing.T) {
 }
 
 // TestSimFlagsFleet: -engines N builds N pairs; one worker URL stands for
-// stack.sh's layout (engine i at the port + 2i, decode and prefill), a list
-// names every worker; engine ids come one per engine; without -pd the
-// pairs have no prefill engine.
+// stack.sh's layout (with one rank per engine, engine i at the port + 2i,
+// decode and prefill), a list names every worker; engine ids come one per
+// engine; without -pd the pairs have no prefill engine.
 func TestSimFlagsFleet(t *testing.T) {
 	quiet(t)
-	o, err := simFlags([]string{"-engines", "3"})
+	o, err := simFlags([]string{"-engines", "3", "-tp", "1"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := []sim.Pair{
-		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8084"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8085"}},
-		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8086"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8087"}},
-		{Decode: sim.Endpoint{WorkerURL: "http://127.0.0.1:8088"}, Prefill: sim.Endpoint{WorkerURL: "http://127.0.0.1:8089"}},
+		{Decode: sim.Endpoint{WorkerURLs: ports(8084, 1)}, Prefill: sim.Endpoint{WorkerURLs: ports(8085, 1)}},
+		{Decode: sim.Endpoint{WorkerURLs: ports(8086, 1)}, Prefill: sim.Endpoint{WorkerURLs: ports(8087, 1)}},
+		{Decode: sim.Endpoint{WorkerURLs: ports(8088, 1)}, Prefill: sim.Endpoint{WorkerURLs: ports(8089, 1)}},
 	}
-	if !slices.Equal(o.cfg.Fleet, want) {
-		t.Fatalf("seed preset, 3 engines: fleet %+v, want %+v", o.cfg.Fleet, want)
+	if !reflect.DeepEqual(o.cfg.Fleet, want) {
+		t.Fatalf("seed preset at TP1, 3 engines: fleet %+v, want %+v", o.cfg.Fleet, want)
 	}
 	o, err = simFlags([]string{"-preset", "smoke", "-engines", "2", "-worker", "http://w0:9000, http://w1:9100", "-engine", "a,b"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want = []sim.Pair{{Decode: sim.Endpoint{EngineID: "a", WorkerURL: "http://w0:9000"}}, {Decode: sim.Endpoint{EngineID: "b", WorkerURL: "http://w1:9100"}}}
-	if !slices.Equal(o.cfg.Fleet, want) {
+	want = []sim.Pair{{Decode: sim.Endpoint{EngineID: "a", WorkerURLs: []string{"http://w0:9000"}}}, {Decode: sim.Endpoint{EngineID: "b", WorkerURLs: []string{"http://w1:9100"}}}}
+	if !reflect.DeepEqual(o.cfg.Fleet, want) {
 		t.Fatalf("listed workers: fleet %+v, want %+v", o.cfg.Fleet, want)
+	}
+}
+
+// TestSimFlagsRankLayout: with W ranks per engine one -worker URL stands
+// for stack.sh's layout (decode engine i's rank k at the port + 2·i·W + k,
+// prefill engine i's at the port + (2i+1)·W + k), one -prefill-worker URL
+// anchors the prefill engines alone (+ 2·i·W + k), and lists name N×W
+// workers engine by engine.
+func TestSimFlagsRankLayout(t *testing.T) {
+	quiet(t)
+	for _, tc := range []struct {
+		name string
+		args []string
+		want []sim.Pair
+	}{
+		{"seed: TP8 1P1D", nil, []sim.Pair{{Decode: sim.Endpoint{WorkerURLs: ports(8084, 8)}, Prefill: sim.Endpoint{WorkerURLs: ports(8092, 8)}}}},
+		{"TP1 1P1D: today's layout", []string{"-tp", "1"}, []sim.Pair{{Decode: sim.Endpoint{WorkerURLs: ports(8084, 1)}, Prefill: sim.Endpoint{WorkerURLs: ports(8085, 1)}}}},
+		{"TP1, listed decode worker", []string{"-model", "hybrid-mla-linear", "-worker", "http://127.0.0.1:7000"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: ports(7000, 1)}, Prefill: sim.Endpoint{WorkerURLs: ports(7001, 1)}},
+		}},
+		{"TP2, two pairs", []string{"-tp", "2", "-engines", "2", "-worker", "http://127.0.0.1:7000"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: ports(7000, 2)}, Prefill: sim.Endpoint{WorkerURLs: ports(7002, 2)}},
+			{Decode: sim.Endpoint{WorkerURLs: ports(7004, 2)}, Prefill: sim.Endpoint{WorkerURLs: ports(7006, 2)}},
+		}},
+		{"TP2, prefill anchor", []string{"-tp", "2", "-engines", "2", "-worker", "http://127.0.0.1:7000", "-prefill-worker", "http://127.0.0.1:9000"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: ports(7000, 2)}, Prefill: sim.Endpoint{WorkerURLs: ports(9000, 2)}},
+			{Decode: sim.Endpoint{WorkerURLs: ports(7004, 2)}, Prefill: sim.Endpoint{WorkerURLs: ports(9004, 2)}},
+		}},
+		{"TP2, lists", []string{"-tp", "2", "-worker", "http://a:1,http://b:2", "-prefill-worker", "http://c:3, http://d:4"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: []string{"http://a:1", "http://b:2"}}, Prefill: sim.Endpoint{WorkerURLs: []string{"http://c:3", "http://d:4"}}},
+		}},
+		{"TP2, decode list, derived prefill", []string{"-tp", "2", "-worker", "http://127.0.0.1:7000,http://127.0.0.1:7001"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: ports(7000, 2)}, Prefill: sim.Endpoint{WorkerURLs: ports(7002, 2)}},
+		}},
+		{"TP2 PP2 without pd", []string{"-preset", "smoke", "-tp", "2", "-pp", "2", "-worker", "http://127.0.0.1:7000"}, []sim.Pair{
+			{Decode: sim.Endpoint{WorkerURLs: ports(7000, 4)}},
+		}},
+	} {
+		o, err := simFlags(tc.args)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !reflect.DeepEqual(o.cfg.Fleet, tc.want) {
+			t.Errorf("%s: fleet %+v, want %+v", tc.name, o.cfg.Fleet, tc.want)
+		}
+	}
+}
+
+// TestSimFlagsParallel: -tp/-pcp/-dcp/-pp override the model's layout (the
+// seed's TP8 by default), and a layout vLLM refuses is a usage error.
+func TestSimFlagsParallel(t *testing.T) {
+	quiet(t)
+	for _, tc := range []struct {
+		args  []string
+		world int
+		tp    int
+	}{
+		{nil, 8, 8},
+		{[]string{"-tp", "2"}, 2, 2},
+		{[]string{"-preset", "smoke"}, 1, 1},
+		{[]string{"-preset", "smoke", "-tp", "4", "-pp", "2", "-worker", "http://127.0.0.1:7000"}, 8, 4},
+	} {
+		o, err := simFlags(tc.args)
+		if err != nil {
+			t.Fatalf("%q: %v", tc.args, err)
+		}
+		if o.cfg.Model.WorldSize() != tc.world || max(1, o.cfg.Model.Parallel.TP) != tc.tp {
+			t.Errorf("%q: world %d, tp %d; want %d, %d", tc.args, o.cfg.Model.WorldSize(), o.cfg.Model.Parallel.TP, tc.world, tc.tp)
+		}
+	}
+	for _, args := range [][]string{
+		{"-tp", "-1"},
+		{"-tp", "4", "-dcp", "3"}, // DCP must divide TP
+		{"-pcp", "2"},             // context parallelism with a hybrid model
+	} {
+		if _, err := simFlags(args); !errors.Is(err, errUsage) {
+			t.Errorf("%q: %v, want a usage error", args, err)
+		}
 	}
 }
 
@@ -188,7 +286,7 @@ func TestSimFlagsLongContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	w, e := o.cfg.Workload, o.cfg.Engine
-	if o.cfg.PD || len(o.cfg.Fleet) != 1 || o.cfg.Model.Name != "hybrid-mla-linear" {
+	if o.cfg.PD || len(o.cfg.Fleet) != 1 || o.cfg.Model.Name != "hybrid-mla-linear" || o.cfg.Model.WorldSize() != 1 {
 		t.Fatalf("config %+v", o.cfg)
 	}
 	if w.SystemTokens.Min+w.UserTokens.Min < sim.LongContextMinPrompt || e.MaxBatchTokens >= sim.LongContextMaxPrompt ||

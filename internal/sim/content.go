@@ -34,10 +34,16 @@ type contents struct {
 
 func newContents(m *kvcore.Model) contents { return contents{m: m, fp: m.Fingerprint()} }
 
-// block returns the content of one block.
+// block returns the content of one block on worker rank rank.
 func (c contents) block(group int, rank kvcore.Rank, hash kvcore.BlockHash) []byte {
+	return c.nsBlock(group, c.m.StoreRank(group, rank), hash)
+}
+
+// nsBlock returns the content of one block in rank namespace sr (one of
+// Model.Namespaces(group)): the bytes every worker rank whose StoreRank is
+// sr holds.
+func (c contents) nsBlock(group int, sr kvcore.Rank, hash kvcore.BlockHash) []byte {
 	out := make([]byte, c.m.Groups[group].BytesPerBlock)
-	sr := c.m.StoreRank(group, rank)
 	h := sha256.New()
 	h.Write([]byte(contentDomain))
 	h.Write([]byte(c.fp))
@@ -53,10 +59,11 @@ func (c contents) block(group int, rank kvcore.Rank, hash kvcore.BlockHash) []by
 	return out
 }
 
-// matches reports whether got is exactly the content of the block.
-func (c contents) matches(got []byte, group int, rank kvcore.Rank, hash kvcore.BlockHash) bool {
+// matches reports whether got is exactly the content of the block in rank
+// namespace sr.
+func (c contents) matches(got []byte, group int, sr kvcore.Rank, hash kvcore.BlockHash) bool {
 	if int64(len(got)) != c.m.Groups[group].BytesPerBlock {
 		return false
 	}
-	return bytes.Equal(got, c.block(group, rank, hash))
+	return bytes.Equal(got, c.nsBlock(group, sr, hash))
 }

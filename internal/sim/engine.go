@@ -52,24 +52,29 @@ type EngineConfig struct {
 
 // engineDeps are the parts an engine talks to.
 type engineDeps struct {
-	model   *kvcore.Model
-	runTag  string // names the engine's step records (StepID)
-	rank    kvcore.Rank
-	worker  *dataplane.Client
+	model  *kvcore.Model
+	runTag string // names the engine's step records (StepID)
+	// ranks are the engine's worker ranks, each with its gpuworker, in
+	// Model.WorkerRanks order.
+	ranks   []*rankWorker
 	lookup  *lookupClient
 	pub     *bus.Producer
 	ledger  *ledger
 	stats   *stats
 	log     *slog.Logger
 	timeout time.Duration // longest wait for a feedback message, and bound of every retried call
+	// rankTimeout is how long a gpuworker call is retried before its rank
+	// is dead.
+	rankTimeout time.Duration
 	// reusePreempted frees a preempted request's blocks at once, as vLLM
 	// does, even while saves of them are in flight: the blocks are reused
 	// for other content while the sender may still read them.
 	reusePreempted bool
 }
 
-// engine is one simulated inference engine (one rank): vLLM's scheduler with
-// its KV-cache manager and the kvmesh connector, driving the real mesh.
+// engine is one simulated inference engine (all its ranks): vLLM's
+// scheduler with its KV-cache manager and the kvmesh connector, driving the
+// real mesh.
 type engine struct {
 	engineDeps
 	id    string
@@ -80,6 +85,10 @@ type engine struct {
 	pool  *blockPool
 	box   *mailbox
 	hooks engineHooks
+	// namespaces[g] are group g's store namespaces; nsIndex[g][k] is the
+	// one worker rank k (Model.WorkerRanks) reads and writes.
+	namespaces [][]kvcore.Rank
+	nsIndex    [][]int
 
 	live    map[string]*request
 	waiting []*request
@@ -139,12 +148,25 @@ type (
 )
 
 func newEngine(id string, role Role, cfg EngineConfig, deps engineDeps, hooks engineHooks) *engine {
-	return &engine{
+	if deps.rankTimeout <= 0 {
+		deps.rankTimeout = deps.timeout
+	}
+	e := &engine{
 		engineDeps: deps, id: id, role: role, cfg: cfg, sbs: deps.model.SchedulerBlockSize(),
 		cont: newContents(deps.model), pool: newBlockPool(len(deps.model.Groups), cfg.PoolBlocks),
 		box: newMailbox(), hooks: hooks, live: map[string]*request{}, pins: map[pinKey][][]blockRef{},
 		orphans: map[pinKey][][]blockRef{}, orphaned: map[blockRef]int{},
 	}
+	m, ranks := deps.model, deps.model.WorkerRanks()
+	for g := range m.Groups {
+		ns := m.Namespaces(g)
+		idx := make([]int, len(ranks))
+		for k, r := range ranks {
+			idx[k] = slices.Index(ns, m.StoreRank(g, r))
+		}
+		e.namespaces, e.nsIndex = append(e.namespaces, ns), append(e.nsIndex, idx)
+	}
+	return e
 }
 
 // submit hands a new request to the engine (safe from any goroutine).
@@ -190,8 +212,18 @@ func stopped(ctx context.Context, err error) error {
 	return err
 }
 
-// applyMail applies every message that arrived.
+// applyMail applies every message that arrived, and publishes what that
+// gave up.
 func (e *engine) applyMail(ctx context.Context) error {
+	out := newOutbox()
+	if err := e.applyEach(ctx, out); err != nil {
+		return err
+	}
+	return e.publish(ctx, out)
+}
+
+// applyEach applies the messages of the mailbox.
+func (e *engine) applyEach(ctx context.Context, out *outbox) error {
 	for _, m := range e.box.take() {
 		switch m := m.(type) {
 		case *request:
@@ -200,7 +232,7 @@ func (e *engine) applyMail(ctx context.Context) error {
 			e.live[m.id] = m
 			e.waiting = append(e.waiting, m)
 		case contract.EngineFeedback:
-			if err := e.feedback(ctx, m); err != nil {
+			if err := e.feedback(ctx, out, m); err != nil {
 				return err
 			}
 		case peerReleased:
@@ -219,7 +251,7 @@ func (e *engine) applyMail(ctx context.Context) error {
 }
 
 // feedback applies one message from the scheduler.
-func (e *engine) feedback(ctx context.Context, f contract.EngineFeedback) error {
+func (e *engine) feedback(ctx context.Context, out *outbox, f contract.EngineFeedback) error {
 	r := e.live[f.RequestID]
 	if r == nil {
 		return nil // a redelivered message for a request already gone
@@ -229,7 +261,7 @@ func (e *engine) feedback(ctx context.Context, f contract.EngineFeedback) error 
 		if r.phase != phaseLoading {
 			return nil // redelivered
 		}
-		return e.loaded(ctx, r, f.LoadErrors)
+		return e.loaded(ctx, out, r, f)
 	case kvcore.FeedbackFinishedSending:
 		if r.phase != phaseFinishing || r.sent {
 			return nil
@@ -302,6 +334,17 @@ func (e *engine) giveUp(out *outbox, r *request, reason string) {
 	}
 	e.hooks.abandoned(r)
 	e.maybeFinalize(r)
+}
+
+// failDead gives up on a request that needs the engine's dead rank d: the
+// engine cannot compute without every rank. The request is counted
+// against d unless it had failed for another reason before.
+func (e *engine) failDead(out *outbox, r *request, d *rankWorker) {
+	if r.failure == "" {
+		r.deadRank = e.id + "/" + d.label()
+		d.failedRequests++
+	}
+	e.giveUp(out, r, e.deadReason(d))
 }
 
 // poolState describes the block pool for a diagnostic.
@@ -463,7 +506,7 @@ func retryFor(ctx context.Context, bound time.Duration, f func() error) error {
 
 // permanent reports an error that retrying the same call cannot cure.
 func permanent(err error) bool {
-	return errors.Is(err, dataplane.ErrRejected) || errors.Is(err, dataplane.ErrIdentity)
+	return errors.Is(err, dataplane.ErrRejected) || errors.Is(err, dataplane.ErrIdentity) || errors.Is(err, errProtocol)
 }
 
 // mailbox is an unbounded queue with a wake-up signal.

@@ -13,8 +13,13 @@ import (
 // admit tries to start one waiting request: its local prefix-cache hit, a
 // check that its blocks fit, the lookup, the allocation and its events. It
 // reports false when the request must wait (no room, lookup pending or
-// unavailable); the request then stays at the head of the queue.
+// unavailable); the request then stays at the head of the queue. With a
+// dead rank the engine cannot serve it: it is given up at once.
 func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
+	if d := e.deadRank(); d != nil {
+		e.failDead(out, r, d)
+		return true
+	}
 	r.extendHashes(e.model.HashBlockSize)
 	num := r.numTokens()
 	if g, need, ok := e.everFits(num); !ok {

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"runtime"
@@ -8,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -23,9 +25,12 @@ type chunkBlock struct {
 }
 
 // compute "computes" the step's KV: every block a scheduled request
-// completes this step gets the bytes its hash implies, written into the
-// gpuworker; then the blocks enter the prefix cache.
+// completes this step gets the bytes its hash implies, written into every
+// rank's gpuworker; then the blocks enter the prefix cache.
 func (e *engine) compute(ctx context.Context, sched []scheduled) error {
+	if e.deadRank() != nil {
+		return nil
+	}
 	var todo []chunkBlock
 	for _, s := range sched {
 		todo = append(todo, e.completed(s.r, s.r.computed, s.r.computed+s.n)...)
@@ -50,89 +55,174 @@ func (e *engine) completed(r *request, from, to int) []chunkBlock {
 	return out
 }
 
-// write fills blocks with their contents and registers them in the cache.
+// write fills blocks with their contents on every rank, in parallel (each
+// rank the bytes of its own namespace), and registers them in the cache.
+// When a rank is dead, or dies on this write, nothing is registered: the
+// caller fails the requests that needed the blocks (engine.deadRank). An
+// error is a write refused for good.
 func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 	if len(todo) == 0 {
 		return nil
 	}
-	blocks := make([]dataplane.Block, len(todo))
-	parallel(len(todo), func(i int) {
-		cb := todo[i]
-		blocks[i] = dataplane.Block{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block},
-			Identity: dataplane.Identity{Hash: cb.key, RequestID: cb.req}, Data: e.cont.block(cb.group, e.rank, cb.hash)}
-	})
-	var n int64
-	for _, b := range blocks {
-		n += int64(len(b.Data))
-	}
 	for _, cb := range todo {
 		e.pool.hold(cb.group, cb.block) // even a failed write may have written some
 	}
-	if err := retryFor(ctx, e.timeout, func() error { return e.worker.Write(ctx, blocks) }); err != nil {
-		return fmt.Errorf("engine %s: write %d blocks: %w", e.id, len(blocks), err)
+	if e.deadRank() != nil {
+		return nil
+	}
+	content := e.contentOf(todo)
+	perRank := make([][]dataplane.Block, len(e.ranks))
+	for _, rw := range e.ranks {
+		perRank[rw.index] = e.rankBlocks(todo, content, rw)
+	}
+	err := e.onRanks(ctx, fmt.Sprintf("write %d blocks", len(todo)), func(ctx context.Context, rw *rankWorker) error {
+		if err := rw.client.Write(ctx, perRank[rw.index]); err != nil {
+			return err
+		}
+		rw.blocksWritten += len(todo)
+		for _, b := range perRank[rw.index] {
+			rw.bytesWritten += int64(len(b.Data))
+		}
+		return nil
+	})
+	if err != nil || e.deadRank() != nil {
+		return err
+	}
+	var total int64
+	for _, b := range perRank {
+		for _, x := range b {
+			total += int64(len(x.Data))
+		}
 	}
 	for _, cb := range todo {
 		e.pool.register(cb.group, cb.block, cb.key)
 	}
-	e.stats.update(func(st *stats) { st.bytesWritten += n })
+	e.stats.update(func(st *stats) { st.bytesWritten += total })
 	return nil
 }
 
-// loaded handles finished_recving: every loaded block is read back from the
-// gpuworker and compared byte for byte with what its hash implies; blocks
-// reported as load errors, blocks the worker no longer holds (lost KV: the
-// worker restarted since the load), and any mismatch, are recomputed
-// (rewritten), as vLLM recomputes failed loads. Then the request waits to be
-// scheduled.
-func (e *engine) loaded(ctx context.Context, r *request, loadErrors []kvcore.BlockID) error {
+// contentOf computes the content of every block in every namespace of its
+// group, in parallel: out[i][n] is block i's bytes in namespace n of its
+// group (engine.namespaces). Ranks that share a namespace share the bytes.
+func (e *engine) contentOf(blocks []chunkBlock) [][][]byte {
+	type job struct{ block, ns int }
+	var jobs []job
+	out := make([][][]byte, len(blocks))
+	for i, cb := range blocks {
+		out[i] = make([][]byte, len(e.namespaces[cb.group]))
+		for n := range out[i] {
+			jobs = append(jobs, job{i, n})
+		}
+	}
+	parallel(len(jobs), func(j int) {
+		jb := jobs[j]
+		cb := blocks[jb.block]
+		out[jb.block][jb.ns] = e.cont.nsBlock(cb.group, e.namespaces[cb.group][jb.ns], cb.hash)
+	})
+	return out
+}
+
+// rankBlocks are the frames rank rw gets for the blocks.
+func (e *engine) rankBlocks(todo []chunkBlock, content [][][]byte, rw *rankWorker) []dataplane.Block {
+	out := make([]dataplane.Block, len(todo))
+	for i, cb := range todo {
+		out[i] = dataplane.Block{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block},
+			Identity: dataplane.Identity{Hash: cb.key, RequestID: cb.req}, Data: content[i][e.nsIndex[cb.group][rw.index]]}
+	}
+	return out
+}
+
+// loaded handles finished_recving: every loaded block is read back from
+// every rank's gpuworker and compared byte for byte with what its hash
+// implies on that rank; blocks reported as load errors, blocks a worker no
+// longer holds (lost KV: the worker restarted since the load), and any
+// mismatch, are recomputed (rewritten on every rank), as vLLM recomputes
+// failed loads. Then the request waits to be scheduled. With a dead rank
+// the request cannot go on: it is given up (out gets its finish).
+func (e *engine) loaded(ctx context.Context, out *outbox, r *request, f contract.EngineFeedback) error {
 	var check, redo []chunkBlock
 	for _, gc := range r.load.groups {
 		bs := e.model.Groups[gc.Group].BlockSize
 		for _, c := range gc.Chunks {
 			hi := c.HashIndex(e.model.HashBlockSize)
 			cb := chunkBlock{group: gc.Group, block: r.table[gc.Group][c.BlockIndex(bs)], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id}
-			if slices.Contains(loadErrors, cb.block) {
+			if slices.Contains(f.LoadErrors, cb.block) {
 				redo = append(redo, cb)
 			} else {
 				check = append(check, cb)
 			}
 		}
 	}
+	e.missingRanks(f.MissingRanks)
 	bad, lost, err := e.verify(ctx, r, check)
 	if err != nil {
 		return err
 	}
 	again := slices.Concat(redo, bad, lost)
+	if err := e.write(ctx, again); err != nil {
+		return err
+	}
 	recomputed := 0
 	for _, cb := range again {
 		recomputed += cb.chunk.End - cb.chunk.Start
 	}
+	dead := e.deadRank()
 	e.stats.update(func(st *stats) {
 		st.loads++
 		st.loadErrorBlocks += len(redo)
 		st.lostBlocks += len(lost)
-		st.recomputedTokens += recomputed
+		if dead == nil {
+			st.recomputedTokens += recomputed
+		}
 	})
-	if err := e.write(ctx, again); err != nil {
-		return err
-	}
-	for _, id := range slices.Clone(r.shadow.PendingLoads) {
-		e.shadowEffects(r, r.shadow.OnLoadResult(id, nil))
-	}
+	e.shadowLoaded(r)
 	if r.load.connector == "pd" {
 		e.hooks.peerRead(r.id)
 	}
 	r.computed, r.load = r.load.end, nil
+	if dead != nil {
+		e.failDead(out, r, dead)
+		return nil
+	}
 	r.phase, r.since = phaseAllocated, time.Now()
 	e.waiting = append([]*request{r}, e.waiting...)
 	return nil
 }
 
-// verify reads blocks back, each asked by the hash it must hold, and
-// returns those whose bytes are wrong (each counted as a mismatch) and those
-// the worker refuses as not holding that hash (lost KV: the pool lives in
-// the worker process, so a restart loses it); the right ones enter the
-// prefix cache.
+// missingRanks counts, per rank, the loads the scheduler finished without
+// that rank's report (KVMESH_LOAD_RANK_TIMEOUT).
+func (e *engine) missingRanks(missing []kvcore.Rank) {
+	for _, m := range missing {
+		for _, rw := range e.ranks {
+			if rw.rank == m {
+				rw.loadsMissing++
+			}
+		}
+	}
+}
+
+// shadowLoaded reports the request's loads finished to its shadow tracker:
+// on every rank of a multi-rank engine (kvcore.Tracker.OnRankLoadResult),
+// as the scheduler's tracker saw them.
+func (e *engine) shadowLoaded(r *request) {
+	for _, id := range slices.Clone(r.shadow.PendingLoads) {
+		if e.model.WorldSize() == 1 {
+			e.shadowEffects(r, r.shadow.OnLoadResult(id, nil))
+			continue
+		}
+		for _, rk := range e.model.WorkerRanks() {
+			e.shadowEffects(r, r.shadow.OnRankLoadResult(id, &rk, nil))
+		}
+	}
+}
+
+// verify reads blocks back from every live rank, each asked by the hash it
+// must hold, and returns those whose bytes are wrong on some rank (each
+// rank's copy counted as a mismatch) and those a rank refuses as not
+// holding that hash (lost KV: the pool lives in the worker process, so a
+// restart loses it); blocks right on every rank enter the prefix cache. A
+// dead rank's copies are not verified (counted as unverified, never as
+// right), and nothing enters the cache then.
 func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (bad, lost []chunkBlock, err error) {
 	if len(check) == 0 {
 		return nil, nil, nil
@@ -141,47 +231,119 @@ func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (ba
 	for i, cb := range check {
 		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: cb.group, Block: cb.block}, Hash: cb.key}
 	}
-	var got []dataplane.ReadBlock
-	err = retryFor(ctx, e.timeout, func() error {
-		var err error
-		got, err = e.worker.Read(ctx, refs)
+	got := make([][]dataplane.ReadBlock, len(e.ranks))
+	err = e.onRanks(ctx, fmt.Sprintf("read back %d loaded blocks of %s", len(refs), r.id), func(ctx context.Context, rw *rankWorker) error {
+		blocks, err := rw.client.Read(ctx, refs)
+		if err == nil && len(blocks) != len(refs) {
+			err = fmt.Errorf("%d blocks answered for %d asked: %w", len(blocks), len(refs), errProtocol)
+		}
+		got[rw.index] = blocks
 		return err
 	})
-	if err == nil && len(got) != len(refs) {
-		err = fmt.Errorf("%d blocks answered for %d asked: %w", len(got), len(refs), ErrHTTP)
-	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("engine %s: read back %d loaded blocks of %s: %w", e.id, len(refs), r.id, err)
+		return nil, nil, err
 	}
-	ok := make([]bool, len(check))
-	parallel(len(check), func(i int) {
-		ok[i] = got[i].NotHeld == "" && e.cont.matches(got[i].Data, check[i].group, e.rank, check[i].hash)
-	})
-	var n int64
+	ok := e.compare(check, got)
+	var t verifyTally
 	for i, cb := range check {
-		n += int64(len(got[i].Data))
-		if got[i].NotHeld != "" {
+		switch t.block(e, r, cb, i, got, ok) {
+		case copyBad:
+			bad = append(bad, cb)
+		case copyLost:
 			lost = append(lost, cb)
-			continue
-		}
-		if ok[i] {
+		case copyRight:
 			e.pool.register(cb.group, cb.block, cb.key)
-			continue
 		}
-		bad = append(bad, cb)
-		e.stats.mismatch(Mismatch{EngineID: e.id, RequestID: r.id, Group: cb.group, Block: int64(cb.block),
-			Chunk: fmt.Sprintf("[%d,%d)", cb.chunk.Start, cb.chunk.End), Connector: r.load.connector})
 	}
-	e.stats.update(func(st *stats) { st.verifiedBlocks += len(check) - len(lost); st.bytesRead += n })
+	e.stats.update(func(st *stats) {
+		st.verifiedBlocks += t.copies
+		st.bytesRead += t.bytes
+		st.unverifiedBlocks += t.unavailable
+	})
 	return bad, lost, nil
 }
 
-// evict declares to the gpuworker, in one call, the blocks whose content the
-// engine dropped to reuse them (the block-lifetime contract: no read may be
-// served from them until they are rewritten). Blocks that a save in flight
-// still reads (preempted with reusePreempted) are counted. A failed evict is
-// counted and logged, not fatal: every write replaces a block's identity
-// anyway.
+// copyState is what a loaded block's copies on the ranks came to, the
+// worst rank's: a later state is worse.
+type copyState int
+
+const (
+	copyRight      copyState = iota // right on every rank
+	copyUnverified                  // right where verified, but a rank was dead
+	copyLost                        // not held on some rank
+	copyBad                         // wrong on some rank
+)
+
+// verifyTally counts one verification's block copies.
+type verifyTally struct {
+	copies, unavailable int
+	bytes               int64
+}
+
+// block checks loaded block i's copy on every rank, counting each rank's
+// outcome on the rank and each mismatch in the stats.
+func (t *verifyTally) block(e *engine, r *request, cb chunkBlock, i int, got [][]dataplane.ReadBlock, ok [][]bool) copyState {
+	state := copyRight
+	worse := func(s copyState) { state = max(state, s) }
+	for _, rw := range e.ranks {
+		if rw.dead != nil {
+			rw.unverified++
+			t.unavailable++
+			worse(copyUnverified)
+			continue
+		}
+		b := got[rw.index][i]
+		t.bytes += int64(len(b.Data))
+		switch {
+		case b.NotHeld != "":
+			rw.lost++
+			worse(copyLost)
+		case ok[rw.index][i]:
+			rw.verified++
+			t.copies++
+		default:
+			rw.verified++
+			rw.mismatched++
+			t.copies++
+			worse(copyBad)
+			e.stats.mismatch(Mismatch{EngineID: e.id, RequestID: r.id, Group: cb.group, Block: int64(cb.block),
+				Chunk: fmt.Sprintf("[%d,%d)", cb.chunk.Start, cb.chunk.End), Connector: r.load.connector, Rank: rw.label()})
+		}
+	}
+	return state
+}
+
+// compare checks every live rank's served copies against the content of
+// their namespace: ok[k][i] is rank k's copy of block i.
+func (e *engine) compare(check []chunkBlock, got [][]dataplane.ReadBlock) [][]bool {
+	content := e.contentOf(check)
+	ok := make([][]bool, len(e.ranks))
+	type job struct{ rank, block int }
+	var jobs []job
+	for _, rw := range e.ranks {
+		ok[rw.index] = make([]bool, len(check))
+		if rw.dead != nil {
+			continue
+		}
+		for i := range check {
+			jobs = append(jobs, job{rw.index, i})
+		}
+	}
+	parallel(len(jobs), func(j int) {
+		jb := jobs[j]
+		cb, b := check[jb.block], got[jb.rank][jb.block]
+		want := content[jb.block][e.nsIndex[cb.group][jb.rank]]
+		ok[jb.rank][jb.block] = b.NotHeld == "" && bytes.Equal(b.Data, want)
+	})
+	return ok
+}
+
+// evict declares to every rank's gpuworker, in one call each, the blocks
+// whose content the engine dropped to reuse them (the block-lifetime
+// contract: no read may be served from them until they are rewritten).
+// Blocks that a save in flight still reads (preempted with reusePreempted)
+// are counted. A failed evict is counted and logged, not fatal: every
+// write replaces a block's identity anyway. Dead ranks are skipped.
 func (e *engine) evict(ctx context.Context) {
 	evicted := e.pool.takeEvicted()
 	if len(evicted) == 0 {
@@ -195,21 +357,23 @@ func (e *engine) evict(ctx context.Context) {
 			reused++
 		}
 	}
-	var held int
-	err := retryFor(ctx, e.timeout, func() error {
-		var err error
-		held, err = e.worker.Evict(ctx, refs)
+	alive := e.deadRank() == nil
+	held := make([]int, len(e.ranks))
+	err := e.onRanks(ctx, fmt.Sprintf("evict %d blocks", len(refs)), func(ctx context.Context, rw *rankWorker) error {
+		n, err := rw.client.Evict(ctx, refs)
+		held[rw.index] = n
 		return err
 	})
+	failed := err != nil || alive && e.deadRank() != nil
 	if err != nil && ctx.Err() == nil {
 		e.log.Warn("evict failed", "engine", e.id, "blocks", len(refs), "err", err)
 	}
 	e.stats.update(func(st *stats) {
 		st.evictCalls++
 		st.evictedBlocks += len(refs)
-		st.evictedHeld += held
+		st.evictedHeld += slices.Max(append(held, 0))
 		st.reusedWhileSaving += reused
-		if err != nil {
+		if failed {
 			st.evictFailures++
 		}
 	})

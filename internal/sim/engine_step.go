@@ -23,9 +23,11 @@ type scheduled struct {
 // (lookup, allocation, then either a pending load or their first chunk).
 // Blocks whose content the step's allocations dropped are declared to the
 // gpuworker (Evict) before anything is written. The step's KV is "computed"
-// (written into the gpuworker) before its events are published, since a
-// save may read the blocks as soon as the scheduler sees the step. It
-// reports whether anything happened.
+// (written into every rank's gpuworker) before its events are published,
+// since a save may read the blocks as soon as the scheduler sees the step.
+// With a dead rank the step's requests are given up instead (the engine
+// cannot compute without every rank). It reports whether anything
+// happened.
 func (e *engine) step(ctx context.Context) (bool, error) {
 	out := newOutbox()
 	budget := e.cfg.MaxBatchTokens
@@ -43,6 +45,12 @@ func (e *engine) step(ctx context.Context) (bool, error) {
 	e.evict(ctx)
 	if err := e.compute(ctx, sched); err != nil {
 		return false, err
+	}
+	if d := e.deadRank(); d != nil {
+		for _, s := range sched {
+			e.failDead(out, s.r, d) // no forward pass without every rank
+		}
+		return true, e.publish(ctx, out)
 	}
 	for _, s := range sched {
 		e.advance(out, s)

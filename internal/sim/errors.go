@@ -15,6 +15,9 @@ var (
 	ErrLookupRejected = errors.New("lookup rejected")
 	// ErrHTTP reports an admin API answer the simulator cannot use.
 	ErrHTTP = errors.New("unexpected HTTP answer")
+	// errProtocol reports a gpuworker answer that does not fit the
+	// request (a bug, not an outage: not retried).
+	errProtocol = errors.New("gpuworker answer does not fit the request")
 	// errNoTopic reports a topic the brokers do not have.
 	errNoTopic = errors.New("topic not found")
 )

@@ -25,8 +25,10 @@ type ledger struct {
 	results                    map[string]contract.TransferResult // save results by task id
 	loads                      map[string]contract.TransferResult // load results by task id
 	expect                     map[string][]span                  // engine/request → saves the engine expects
-	stored                     map[string]bool                    // keys the run's BlockStored events named
+	stored                     map[string]string                  // keys the run's BlockStored events named → the first engine that stored it
 	announced, storedByResults int                                // keys in those events; keys the results report stored
+	hashIndex                  map[string]int                     // block hash (hex) → its index in the hash chain, from the tasks
+	namespaces                 [][]kvcore.Rank                    // each group's store namespaces
 
 	dupTasks, dupResults, undecodable int
 	badTables                         []string
@@ -49,14 +51,20 @@ type ledgerTask struct {
 	engine, request string
 	span            span
 	keys            int
+	// rankKeys counts the keys each worker rank writes (Model.Writer).
+	rankKeys map[kvcore.Rank]int
 }
 
 func newLedger(m *kvcore.Model, prefix string) *ledger {
-	return &ledger{
+	l := &ledger{
 		model: m, prefix: prefix, tasks: map[string]*ledgerTask{},
 		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
-		expect: map[string][]span{}, stored: map[string]bool{}, raced: map[string]bool{},
+		expect: map[string][]span{}, stored: map[string]string{}, raced: map[string]bool{}, hashIndex: map[string]int{},
 	}
+	for g := range m.Groups {
+		l.namespaces = append(l.namespaces, m.Namespaces(g))
+	}
+	return l
 }
 
 func (l *ledger) ours(requestID string) bool { return strings.HasPrefix(requestID, l.prefix) }
@@ -83,8 +91,11 @@ func (l *ledger) saveTask(rec Record) {
 	if !l.ours(task.RequestID) {
 		return
 	}
-	lt := &ledgerTask{engine: task.EngineID, request: task.RequestID, span: span{task.Start, task.End}, keys: l.taskKeys(task)}
+	lt := &ledgerTask{engine: task.EngineID, request: task.RequestID, span: span{task.Start, task.End}, keys: l.taskKeys(task), rankKeys: l.rankKeys(task)}
 	l.mu.Lock()
+	for i, h := range task.BlockHashes {
+		l.hashIndex[h] = i
+	}
 	if _, dup := l.tasks[task.TaskID]; dup {
 		l.dupTasks++
 		l.mu.Unlock()
@@ -115,6 +126,24 @@ func (l *ledger) taskKeys(t *kvcore.SaveTask) int {
 	return n
 }
 
+// rankKeys counts the keys of a task each worker rank writes: every chunk
+// in every namespace of its group goes to the rank Model.Writer names.
+func (l *ledger) rankKeys(t *kvcore.SaveTask) map[kvcore.Rank]int {
+	out := map[kvcore.Rank]int{}
+	for _, gc := range t.Groups {
+		if gc.Group < 0 || gc.Group >= len(l.model.Groups) {
+			continue
+		}
+		bs := l.model.Groups[gc.Group].BlockSize
+		for _, c := range gc.Chunks {
+			for _, ns := range l.namespaces[gc.Group] {
+				out[l.model.Writer(gc.Group, ns, c.Start/bs)]++
+			}
+		}
+	}
+	return out
+}
+
 // tableCovers reports whether a task's block table has one list per model
 // group and every listed chunk's block inside it: the seed bug published
 // saves whose table was empty.
@@ -143,8 +172,9 @@ func (l *ledger) transferResult(rec Record) {
 	}
 	l.mu.Lock()
 	if r.Kind == contract.TransferLoad {
-		if _, dup := l.loads[r.TaskID]; !dup {
-			l.loads[r.TaskID] = r
+		id := cmp.Or(r.ResultID, r.TaskID) // a multi-rank load has one result per rank
+		if _, dup := l.loads[id]; !dup {
+			l.loads[id] = r
 		}
 		l.mu.Unlock()
 		return
@@ -176,7 +206,9 @@ func (l *ledger) kvEvent(rec Record) {
 	defer l.mu.Unlock()
 	l.announced += len(ev.Keys)
 	for _, k := range ev.Keys {
-		l.stored[k] = true
+		if _, seen := l.stored[k]; !seen {
+			l.stored[k] = ev.EngineID
+		}
 	}
 }
 
@@ -296,13 +328,47 @@ type LedgerReport struct {
 	// SaveBytes and LoadBytes sum the bytes the results report.
 	SaveBytes int64 `json:"save_bytes"`
 	LoadBytes int64 `json:"load_bytes"`
-	// LoadTasks counts load results; LoadErrorBlocks their load errors.
+	// LoadTasks counts the load tasks reported, LoadResults their results
+	// (one per rank of a multi-rank engine), LoadErrorBlocks the load
+	// errors of those results.
 	LoadTasks       int `json:"load_tasks"`
+	LoadResults     int `json:"load_results"`
 	LoadErrorBlocks int `json:"load_error_blocks"`
 	// Engines splits the ledger by engine, in engine id order: the run's
 	// ledger balances when every engine's does and no run-wide difference
 	// is left.
 	Engines []EngineLedger `json:"engines"`
+	// Ranks splits the expected and stored keys by the worker rank that
+	// writes them, engine by engine in engine id order, ranks in
+	// Model.WorkerRanks order: a stored key is attributed through its
+	// namespace and chunk (kvcore.Model.Writer) to the one rank that writes
+	// it, and no rank may have stored more keys than it was asked to write.
+	Ranks []RankLedger `json:"ranks"`
+	// RanksUnattributed counts stored keys no rank writes: a namespace that
+	// is not one of its group's, or a hash no save task of the run named.
+	RanksUnattributed int `json:"ranks_unattributed"`
+	// RanksBalanced is set when every stored key is attributed to a rank
+	// and no rank stored more than it was asked to write.
+	RanksBalanced bool `json:"ranks_balanced"`
+}
+
+// RankLedger is the save ledger of one worker rank of one engine, in store
+// keys.
+type RankLedger struct {
+	// EngineID is the engine.
+	EngineID string `json:"engine_id"`
+	// Rank is the worker rank; Name its label (tp3-pcp0-dcp0-pp0).
+	Rank kvcore.Rank `json:"rank"`
+	Name string      `json:"name"`
+	// ExpectedKeys counts the keys the engine's save tasks ask this rank to
+	// write (every chunk in every namespace of its group, Model.Writer).
+	ExpectedKeys int `json:"expected_keys"`
+	// StoredKeys counts the distinct keys the engine's BlockStored events
+	// named that this rank writes.
+	StoredKeys int `json:"stored_keys"`
+	// Balanced is set when StoredKeys does not exceed ExpectedKeys (the
+	// rest existed, were skipped or were dead-lettered).
+	Balanced bool `json:"balanced"`
 }
 
 // LedgerCounts are the save ledger's counts, in store keys: of the run
@@ -377,12 +443,16 @@ func (l *ledger) report() LedgerReport {
 		r.Reported++
 		r.add(t, id, res)
 	}
+	loadTasks := map[string]bool{}
 	for _, res := range l.loads {
-		r.LoadTasks++
+		loadTasks[res.TaskID] = true
+		r.LoadResults++
 		r.LoadBytes += res.Bytes
 		r.LoadErrorBlocks += len(res.LoadErrors)
 	}
+	r.LoadTasks = len(loadTasks)
 	r.Differences = append(r.Differences, l.spanDifferences(&r)...)
+	r.Differences = append(r.Differences, l.rankLedgers(&r)...)
 	for _, id := range l.badTables {
 		t := l.tasks[id]
 		r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id, "block table does not cover the model's groups"})
@@ -396,6 +466,72 @@ func (l *ledger) report() LedgerReport {
 	r.Balanced = len(r.Differences) == 0
 	r.Engines = l.engineLedgers(r.Differences)
 	return r
+}
+
+// rankLedgers splits the expected and stored keys by writing rank and
+// returns the imbalances; l.mu must be held.
+func (l *ledger) rankLedgers(r *LedgerReport) []LedgerDifference {
+	type er struct {
+		engine string
+		rank   kvcore.Rank
+	}
+	expected, stored := map[er]int{}, map[er]int{}
+	engines := map[string]bool{}
+	for _, t := range l.tasks {
+		engines[t.engine] = true
+		for rk, n := range t.rankKeys {
+			expected[er{t.engine, rk}] += n
+		}
+	}
+	unattributed := map[string]int{}
+	for key, engine := range l.stored {
+		w, ok := l.writer(key)
+		if !ok {
+			unattributed[engine]++
+			continue
+		}
+		engines[engine] = true
+		stored[er{engine, w}]++
+	}
+	var diffs []LedgerDifference
+	for _, e := range slices.Sorted(maps.Keys(engines)) {
+		for _, rk := range l.model.WorkerRanks() {
+			k := er{e, rk}
+			rl := RankLedger{EngineID: e, Rank: rk, Name: rk.String(), ExpectedKeys: expected[k], StoredKeys: stored[k]}
+			rl.Balanced = rl.StoredKeys <= rl.ExpectedKeys
+			if !rl.Balanced {
+				diffs = append(diffs, LedgerDifference{EngineID: e, Problem: fmt.Sprintf("rank %s stored %d keys, its save tasks asked it to write %d", rl.Name, rl.StoredKeys, rl.ExpectedKeys)})
+			}
+			r.Ranks = append(r.Ranks, rl)
+		}
+		if n := unattributed[e]; n > 0 {
+			r.RanksUnattributed += n
+			diffs = append(diffs, LedgerDifference{EngineID: e, Problem: fmt.Sprintf("%d stored keys are written by no rank (a namespace not of their group, or a hash no save task named)", n)})
+		}
+	}
+	r.RanksBalanced = len(diffs) == 0
+	return diffs
+}
+
+// writer is the worker rank that writes a stored key: the key's namespace
+// and the chunk its hash ends (from the hash chains of the tasks); false
+// when the key is not one the run's tasks could have asked for. l.mu must
+// be held.
+func (l *ledger) writer(key string) (kvcore.Rank, bool) {
+	p, err := kvcore.ParseKey(key)
+	if err != nil || p.Group < 0 || p.Group >= len(l.model.Groups) || !slices.Contains(l.namespaces[p.Group], p.Rank) {
+		return kvcore.Rank{}, false
+	}
+	hi, ok := l.hashIndex[p.Hash.Hex()]
+	if !ok {
+		return kvcore.Rank{}, false
+	}
+	bs := l.model.Groups[p.Group].BlockSize
+	end := (hi + 1) * l.model.HashBlockSize
+	if end%bs != 0 {
+		return kvcore.Rank{}, false // a hash that ends no chunk of the group
+	}
+	return l.model.Writer(p.Group, p.Rank, end/bs-1), true
 }
 
 // engineLedgers splits the ledger by engine; l.mu must be held.

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -211,5 +212,64 @@ func TestUnionAndUncovered(t *testing.T) {
 	}
 	if got := uncovered(u, u); len(got) != 0 {
 		t.Fatalf("a set covers itself: %v", got)
+	}
+}
+
+// TestLedgerPerRank: at TP8 the expected keys of a save split over the
+// ranks that write them (each MLA chunk by one rank in turn, every rank
+// its own linear-attention states), the stored keys are attributed to
+// their writer through their namespace and chunk, and a stored key no rank
+// writes unbalances the ledger.
+func TestLedgerPerRank(t *testing.T) {
+	f := newLedgerFixture(t)
+	f.m = tpModel(t, 8)
+	f.l = newLedger(f.m, "run-")
+	f.l.expectSave("e", "run-1", span{0, 64})
+	task := f.task("t1", "run-1", 0, 64)
+	states := len(task.Groups[1].Chunks)
+	f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 4}, contract.GroupOutcome{Group: 1, Stored: 1, Existing: 8*states - 1})
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: f.m.Name}
+	hash := func(i int) kvcore.BlockHash { h, _ := hex.DecodeString(f.hashes[i]); return h }
+	var keys []string
+	for c := range 4 {
+		keys = append(keys, kb.Key(kvcore.Rank{}, 0, hash(c))) // the MLA namespace
+	}
+	last := task.Groups[1].Chunks[states-1]
+	keys = append(keys, kb.Key(kvcore.Rank{TP: 5}, 1, hash(last.HashIndex(16))))
+	f.l.kvEvent(Record{Value: mustJSON(contract.KVEvent{Kind: contract.BlockStored, EngineID: "e", RequestID: "run-1", Keys: keys})})
+	rep := f.l.report()
+	if !rep.Balanced || !rep.RanksBalanced || len(rep.Ranks) != 8 {
+		t.Fatalf("not balanced per rank: %+v", rep)
+	}
+	for k, rl := range rep.Ranks {
+		wantExp, wantStored := states, 0
+		if k < 4 {
+			wantExp, wantStored = states+1, 1
+		}
+		if k == 5 {
+			wantStored++
+		}
+		if rl.EngineID != "e" || rl.Rank.TP != k || rl.ExpectedKeys != wantExp || rl.StoredKeys != wantStored || !rl.Balanced {
+			t.Fatalf("rank %d: %+v, want %d expected, %d stored", k, rl, wantExp, wantStored)
+		}
+	}
+	stray := kb.Key(kvcore.Rank{TP: 3}, 0, hash(0)) // MLA has no tp_rank:3 namespace
+	f.l.kvEvent(Record{Value: mustJSON(contract.KVEvent{Kind: contract.BlockStored, EngineID: "e", RequestID: "run-1", Keys: []string{stray}})})
+	rep = f.l.report()
+	if rep.Balanced || rep.RanksBalanced || rep.RanksUnattributed != 1 {
+		t.Fatalf("a key no rank writes: balanced %v, per rank %v, unattributed %d", rep.Balanced, rep.RanksBalanced, rep.RanksUnattributed)
+	}
+}
+
+// TestLedgerRankLoadResults: a multi-rank load has one result per rank;
+// each counts, a redelivered one does not.
+func TestLedgerRankLoadResults(t *testing.T) {
+	f := newLedgerFixture(t)
+	for _, id := range []string{"l1/tp0", "l1/tp1", "l1/tp1"} {
+		r := contract.TransferResult{Kind: contract.TransferLoad, ResultID: id, TaskID: "l1", RequestID: "run-1", Bytes: 10}
+		f.l.transferResult(Record{Value: mustJSON(r)})
+	}
+	if rep := f.l.report(); rep.LoadTasks != 1 || rep.LoadResults != 2 || rep.LoadBytes != 20 {
+		t.Fatalf("load accounting %+v", rep)
 	}
 }

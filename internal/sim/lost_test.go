@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -77,14 +78,14 @@ func TestLoadedBlockLostIsRecomputed(t *testing.T) {
 	w := &restartedWorker{m: e.model}
 	srv := httptest.NewServer(w)
 	defer srv.Close()
-	e.worker = dataplane.NewClient(srv.URL, srv.Client())
+	e.ranks = newRankWorkers(e.model, []string{srv.URL}, srv.Client())
 	r := testRequest(e, "run-1", 40, 0)
 	if !e.allocate(r, 40, 0, 32) {
 		t.Fatal("allocate failed")
 	}
 	r.load = &expectedLoad{connector: "store", start: 0, end: 32, groups: e.model.LoadGroups(0, 32)}
 	r.phase = phaseLoading
-	if err := e.loaded(context.Background(), r, nil); err != nil {
+	if err := e.loaded(context.Background(), newOutbox(), r, contract.EngineFeedback{}); err != nil {
 		t.Fatal(err)
 	}
 	st := e.stats

@@ -12,6 +12,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
@@ -27,22 +28,51 @@ import (
 // meshOptions shape one test's mesh.
 type meshOptions struct {
 	model      string
-	connectors string // the lookup's chain
-	poolBlocks int    // every gpuworker's KVMESH_POOL_BLOCKS
-	engines    int    // decode engines, each with its gpuworker
-	pd         bool   // a prefill engine (and gpuworker) per decode engine
+	connectors string   // the lookup's chain
+	poolBlocks int      // every gpuworker's KVMESH_POOL_BLOCKS
+	engines    int      // decode engines, each with its gpuworkers
+	pd         bool     // a prefill engine (and gpuworkers) per decode engine
+	tp         int      // the services' KVMESH_TP (0: the model's); every engine runs one gpuworker per rank
+	env        []string // more settings of every service
+}
+
+// rankWorkerName is the process name of rank k's gpuworker of engine id.
+func rankWorkerName(id string, k int) string {
+	if k == 0 {
+		return meshtest.GPUWorkerName(id)
+	}
+	return fmt.Sprintf("%s-rank%d", meshtest.GPUWorkerName(id), k)
 }
 
 // simMesh starts the services of a fleet and returns a config pointing the
 // simulator at them (Fleet filled in, every check configured).
 func simMesh(t *testing.T, o meshOptions, w Workload, e EngineConfig) Config {
 	t.Helper()
+	cfg, _ := simMeshOf(t, o, w, e)
+	return cfg
+}
+
+// simMeshOf is simMesh that also returns the mesh, whose processes a test
+// may kill.
+func simMeshOf(t *testing.T, o meshOptions, w Workload, e EngineConfig) (Config, *meshtest.Mesh) {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("starts the mesh's services; skipped with -short")
 	}
-	m := meshtest.New(t, "sim",
-		"KVMESH_MODEL="+o.model, "KVMESH_LOG_LEVEL=info", "KVMESH_SHUTDOWN_TIMEOUT=3s",
-		"KVMESH_KAFKA_SESSION_TIMEOUT=3s", "KVMESH_ADMIN_TOKEN=sim-test-token")
+	model, err := kvcore.Preset(o.model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := append([]string{"KVMESH_MODEL=" + o.model, "KVMESH_LOG_LEVEL=info", "KVMESH_SHUTDOWN_TIMEOUT=3s",
+		"KVMESH_KAFKA_SESSION_TIMEOUT=3s", "KVMESH_ADMIN_TOKEN=sim-test-token"}, o.env...)
+	if o.tp > 0 {
+		model.Parallel.TP = o.tp
+		if err := model.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		env = append(env, fmt.Sprintf("KVMESH_TP=%d", o.tp))
+	}
+	m := meshtest.New(t, "sim", env...)
 	if _, err := m.Start("scheduler", "scheduler", "KVMESH_MIGRATE=true"); err != nil {
 		t.Fatal(err) // it migrates the database the others check
 	}
@@ -57,24 +87,26 @@ func simMesh(t *testing.T, o meshOptions, w Workload, e EngineConfig) Config {
 	errs := make([]error, 3)
 	wg.Go(func() { _, errs[0] = m.Start("lookup", "lookup", "KVMESH_LOOKUP_CONNECTORS="+o.connectors) })
 	wg.Go(func() { _, errs[1] = m.Start("sender", "sender") })
-	wg.Go(func() { _, errs[2] = m.StartGPUWorkers(ids, fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)) })
+	wg.Go(func() { errs[2] = startRankWorkers(m, model, ids, fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)) })
 	wg.Wait()
 	for _, err := range errs {
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
-	model, err := kvcore.Preset(o.model)
-	if err != nil {
-		t.Fatal(err)
-	}
 	url := func(name string) string { return m.Procs.Process(name).URL() }
+	endpoint := func(id string) Endpoint {
+		ep := Endpoint{EngineID: id}
+		for k := range model.WorldSize() {
+			ep.WorkerURLs = append(ep.WorkerURLs, url(rankWorkerName(id, k)))
+		}
+		return ep
+	}
 	var fleet []Pair
 	for i := range o.engines {
-		p := Pair{Decode: Endpoint{EngineID: fmt.Sprintf("decode-%d", i), WorkerURL: url(meshtest.GPUWorkerName(fmt.Sprintf("decode-%d", i)))}}
+		p := Pair{Decode: endpoint(fmt.Sprintf("decode-%d", i))}
 		if o.pd {
-			id := fmt.Sprintf("prefill-%d", i)
-			p.Prefill = Endpoint{EngineID: id, WorkerURL: url(meshtest.GPUWorkerName(id))}
+			p.Prefill = endpoint(fmt.Sprintf("prefill-%d", i))
 		}
 		fleet = append(fleet, p)
 	}
@@ -83,7 +115,28 @@ func simMesh(t *testing.T, o meshOptions, w Workload, e EngineConfig) Config {
 		Model: model, Workload: w, Engine: e, PD: o.pd, Fleet: fleet,
 		LookupURL: url("lookup"), SchedulerURL: url("scheduler"), SenderURL: url("sender"), RedisURL: m.RedisURL,
 		Brokers: m.Brokers, RunTag: tag, Salt: tag, RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
+	}, m
+}
+
+// startRankWorkers starts one gpuworker per engine id and worker rank
+// (rankWorkerName), concurrently, each with its engine id, rank and env,
+// and waits until all are ready.
+func startRankWorkers(m *meshtest.Mesh, model *kvcore.Model, ids []string, env ...string) error {
+	var g errgroup.Group
+	for _, id := range ids {
+		for k, r := range model.WorkerRanks() {
+			g.Go(func() error {
+				_, err := m.Start(rankWorkerName(id, k), "gpuworker", append([]string{"KVMESH_ENGINE_ID=" + id,
+					fmt.Sprintf("KVMESH_RANK_TP=%d", r.TP), fmt.Sprintf("KVMESH_RANK_PCP=%d", r.PCP),
+					fmt.Sprintf("KVMESH_RANK_DCP=%d", r.DCP), fmt.Sprintf("KVMESH_RANK_PP=%d", r.PP)}, env...)...)
+				if err != nil {
+					return fmt.Errorf("gpuworker of engine %s rank %s: %w", id, r, err)
+				}
+				return nil
+			})
+		}
 	}
+	return g.Wait()
 }
 
 // requireClean fails the test unless the report is clean: every request
@@ -91,9 +144,7 @@ func simMesh(t *testing.T, o meshOptions, w Workload, e EngineConfig) Config {
 // and engine by engine, every tracker done.
 func requireClean(t *testing.T, rep *Report) {
 	t.Helper()
-	var b strings.Builder
-	_ = rep.WriteText(&b)
-	t.Logf("report:\n%s", b.String())
+	logReport(t, rep)
 	if !rep.OK || rep.Requests.Failed != 0 || rep.Requests.OK != rep.Requests.Total || rep.Verification.Mismatched != 0 ||
 		!rep.Ledger.Balanced || rep.Trackers == nil || !rep.Trackers.OK || rep.Stored == nil || !rep.Stored.OK {
 		js, _ := json.MarshalIndent(rep, "", "  ")
@@ -107,6 +158,14 @@ func requireClean(t *testing.T, rep *Report) {
 			t.Fatalf("engine %s's ledger does not balance: %+v", l.EngineID, l)
 		}
 	}
+}
+
+// logReport logs the report's text.
+func logReport(t *testing.T, rep *Report) {
+	t.Helper()
+	var b strings.Builder
+	_ = rep.WriteText(&b)
+	t.Logf("report:\n%s", b.String())
 }
 
 // stepRecordsOf reads the run's engine step records and checks each is

@@ -41,11 +41,14 @@ const (
 var presetOrder = []string{"seed", "smoke", "dense", "swa", "long-context"}
 
 // presets are the shipped workloads. "seed" is the configuration of the
-// seed bug report: a 2-group hybrid model (MLA + linear attention), 1P1D
-// with the pd,store connector chain, and a deliberately small GPU pool so
-// prefixes are evicted and must be reloaded, and requests are preempted
-// with their blocks reused at once while saves of them are in flight (8
-// conversations a second keep the decode engine's pool under pressure).
+// seed bug report: a 2-group hybrid model (MLA + linear attention) at TP8,
+// so every engine runs eight gpuworkers (the MLA group one namespace whose
+// chunks the ranks write in turn, the linear-attention state one namespace
+// per rank), 1P1D with the pd,store connector chain, and a deliberately
+// small GPU pool so prefixes are evicted and must be reloaded, and
+// requests are preempted with their blocks reused at once while saves of
+// them are in flight (8 conversations a second keep the decode engine's
+// pool under pressure). The other presets play single-rank engines.
 //
 // "long-context" is document question answering: prompts of 8K to 32K
 // tokens (LongContextMinPrompt to LongContextMaxPrompt), each a shared
@@ -60,8 +63,8 @@ var presetOrder = []string{"seed", "smoke", "dense", "swa", "long-context"}
 // (KVMESH_POOL_BLOCKS=4096).
 var presets = map[string]Preset{
 	"seed": {
-		Summary: "hybrid-mla-linear, 1P1D (pd,store), small pool, 300 requests",
-		Model:   "hybrid-mla-linear", PD: true,
+		Summary: "hybrid-mla-linear at TP8 (8 gpuworkers per engine), 1P1D (pd,store), small pool, 300 requests",
+		Model:   "hybrid-mla-linear-tp8", PD: true,
 		Workload: Workload{Requests: 300, Turns: Range{Min: 2, Max: 5}, SystemPrompts: 4,
 			SystemTokens: Range{Min: 128, Max: 512}, UserTokens: Range{Min: 16, Max: 160},
 			OutputTokens: Range{Min: 8, Max: 48}, Rate: 8, ThinkTime: 20 * time.Millisecond, Seed: 54643, Vocab: 32000},

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // Report is the outcome of a run.
@@ -18,6 +20,11 @@ type Report struct {
 	Model string `json:"model"`
 	// PD is set for a 1P1D run.
 	PD bool `json:"pd"`
+	// Parallel is the model's parallel layout, Layout its name ("TP8"),
+	// WorldSize the worker ranks (gpuworkers) of every engine.
+	Parallel  kvcore.Parallel `json:"parallel"`
+	Layout    string          `json:"layout"`
+	WorldSize int             `json:"world_size"`
 	// Engines lists the engines played, in engine id order, each with its
 	// figures; Total sums them.
 	Engines []EngineSummary `json:"engines"`
@@ -51,6 +58,15 @@ type Report struct {
 	Bytes ByteCounts `json:"bytes"`
 	// Ledger is the save ledger.
 	Ledger LedgerReport `json:"ledger"`
+	// Ranks describes every worker rank of every engine, engine by engine
+	// in engine id order, ranks in Model.WorkerRanks order.
+	Ranks []RankSummary `json:"ranks"`
+	// SlowestRank is the rank with the most load time, when the gpuworkers
+	// expose kvmesh_gpuworker_load_duration_seconds and loaded anything.
+	SlowestRank *SlowestRank `json:"slowest_rank,omitempty"`
+	// DeadRanks lists the ranks whose gpuworker stayed unreachable for the
+	// rank timeout, in the order they died, with what that cost.
+	DeadRanks []DeadRank `json:"dead_ranks"`
 	// Trackers is the scheduler's view of the run (with Config.SchedulerURL).
 	Trackers *TrackerCheck `json:"trackers,omitempty"`
 	// DLQ is the sender's dead-letter queue for the run (with Config.SenderURL).
@@ -59,8 +75,8 @@ type Report struct {
 	// Config.RedisURL).
 	Stored *StoreCheck `json:"stored_values,omitempty"`
 	// OK is set when every request succeeded, no byte mismatched (loaded
-	// or stored), the ledger balanced and the configured checks passed: the
-	// run's exit status.
+	// or stored) or went unverified, no rank died, the ledger balanced and
+	// the configured checks passed: the run's exit status.
 	OK bool `json:"ok"`
 }
 
@@ -110,6 +126,9 @@ type RequestCounts struct {
 	Total  int `json:"total"`
 	OK     int `json:"ok"`
 	Failed int `json:"failed"`
+	// FailedDeadRank counts the failed turns that failed because a rank
+	// died (DeadRanks): a part of the turn needed the dead rank.
+	FailedDeadRank int `json:"failed_dead_rank"`
 	// Failures lists why engine requests failed (the first few).
 	Failures []RequestFailure `json:"failures"`
 }
@@ -148,10 +167,14 @@ type LookupCounts struct {
 type Verification struct {
 	// Loads counts finished loads.
 	Loads int `json:"loads"`
-	// VerifiedBlocks counts loaded blocks read back and compared.
+	// VerifiedBlocks counts loaded blocks read back and compared, once per
+	// worker rank (each rank holds its own copy).
 	VerifiedBlocks int `json:"verified_blocks"`
-	// Mismatched counts blocks whose bytes were wrong.
+	// Mismatched counts block copies whose bytes were wrong.
 	Mismatched int `json:"mismatched_blocks"`
+	// RankUnavailable counts loaded block copies not verified because
+	// their rank was dead: never counted as right.
+	RankUnavailable int `json:"rank_unavailable_blocks"`
 	// LoadErrorBlocks counts blocks reported as load errors (recomputed).
 	LoadErrorBlocks int `json:"load_error_blocks"`
 	// LostBlocks counts loaded blocks the gpuworker no longer held when
@@ -160,15 +183,16 @@ type Verification struct {
 	LostBlocks int `json:"lost_blocks"`
 	// Mismatches lists the first mismatched blocks.
 	Mismatches []Mismatch `json:"mismatches"`
-	// OK is set when no block mismatched.
+	// OK is set when no block mismatched and none went unverified.
 	OK bool `json:"ok"`
 }
 
 // ByteCounts counts the bytes moved by the engines and the mesh.
 type ByteCounts struct {
-	// Computed is what the engines wrote into their pools.
+	// Computed is what the engines wrote into their pools, every rank's
+	// copy counted.
 	Computed int64 `json:"computed"`
-	// Verified is what they read back to check loads.
+	// Verified is what they read back to check loads, from every rank.
 	Verified int64 `json:"verified"`
 	// Saved is what the sender's results report stored.
 	Saved int64 `json:"saved"`
@@ -187,6 +211,7 @@ func (r *run) report(elapsed time.Duration) *Report {
 	defer st.mu.Unlock()
 	rep := &Report{
 		RunTag: r.cfg.RunTag, Model: r.cfg.Model.Name, PD: r.cfg.PD, Workload: r.cfg.Workload,
+		Parallel: r.cfg.Model.Parallel, Layout: LayoutText(r.cfg.Model), WorldSize: r.cfg.Model.WorldSize(),
 		ElapsedSeconds: elapsed.Seconds(), Preemptions: st.preemptions,
 		Reuse: ReuseCounts{ReusePreempted: r.cfg.ReusePreempted, PreemptedWithSaves: st.preemptedWithSaves,
 			SavesInFlight: st.savesInFlightAtPreempt, ReusedWhileSaving: st.reusedWhileSaving,
@@ -198,7 +223,8 @@ func (r *run) report(elapsed time.Duration) *Report {
 			Anomalies: st.lookupAnomalies, Latency: percentiles(st.lookupLatency)},
 		TTFT: percentiles(st.ttft),
 		Verification: Verification{Loads: st.loads, VerifiedBlocks: st.verifiedBlocks, Mismatched: st.mismatchedBlocks,
-			LoadErrorBlocks: st.loadErrorBlocks, LostBlocks: st.lostBlocks, Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0},
+			RankUnavailable: st.unverifiedBlocks, LoadErrorBlocks: st.loadErrorBlocks, LostBlocks: st.lostBlocks,
+			Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0 && st.unverifiedBlocks == 0},
 		Ledger: r.ledger.report(),
 	}
 	failures := slices.Clone(st.failures)
@@ -228,12 +254,13 @@ func (r *run) report(elapsed time.Duration) *Report {
 		}
 	}
 	rep.Requests = RequestCounts{Total: st.requests, OK: st.done - st.failed, Failed: st.failed + st.requests - st.done, Failures: failures}
+	r.rankReport(rep, st)
 	rep.Bytes = ByteCounts{Computed: st.bytesWritten, Verified: st.bytesRead, Saved: rep.Ledger.SaveBytes, Loaded: rep.Ledger.LoadBytes}
 	rep.Bytes.Total = rep.Bytes.Computed + rep.Bytes.Verified + rep.Bytes.Saved + rep.Bytes.Loaded
 	if elapsed > 0 {
 		rep.Bytes.GiBPerSecond = float64(rep.Bytes.Total) / (1 << 30) / elapsed.Seconds()
 	}
-	rep.OK = rep.Requests.Failed == 0 && rep.Requests.OK == rep.Requests.Total && rep.Verification.OK && rep.Ledger.Balanced
+	rep.OK = rep.Requests.Failed == 0 && rep.Requests.OK == rep.Requests.Total && rep.Verification.OK && rep.Ledger.Balanced && len(rep.DeadRanks) == 0
 	rep.emptyLists()
 	return rep
 }
@@ -254,6 +281,15 @@ func (rep *Report) emptyLists() {
 	}
 	if rep.Ledger.Engines == nil {
 		rep.Ledger.Engines = []EngineLedger{}
+	}
+	if rep.Ledger.Ranks == nil {
+		rep.Ledger.Ranks = []RankLedger{}
+	}
+	if rep.Ranks == nil {
+		rep.Ranks = []RankSummary{}
+	}
+	if rep.DeadRanks == nil {
+		rep.DeadRanks = []DeadRank{}
 	}
 }
 
@@ -283,7 +319,7 @@ func (rep *Report) WriteText(w io.Writer) error {
 		engines = append(engines, fmt.Sprintf("%s (%s, %d blocks/group)", e.ID, e.Role, e.PoolBlocks))
 	}
 	l := rep.Ledger
-	row("run", "%s  model %s  %s  %.1f s", rep.RunTag, rep.Model, rep.shape(), rep.ElapsedSeconds)
+	row("run", "%s  model %s  %s%s  %.1f s", rep.RunTag, rep.Model, rep.shape(), rep.layoutText(), rep.ElapsedSeconds)
 	row("engines", "%s", strings.Join(engines, ", "))
 	row("requests", "%d total  %d ok  %d failed  (%d preemptions)", rep.Requests.Total, rep.Requests.OK, rep.Requests.Failed, rep.Preemptions)
 	row("prefix hit rate", "%.1f%%  (local %d, loaded %s of %d prompt tokens)", 100*rep.PrefixHitRate, rep.Tokens.LocalHit, loadedText(rep.Tokens.Loaded), rep.Tokens.Prompt)
@@ -293,10 +329,12 @@ func (rep *Report) WriteText(w io.Writer) error {
 	row("bytes", "%s computed, %s verified, %s saved, %s loaded: %.2f GiB/s", size(rep.Bytes.Computed), size(rep.Bytes.Verified), size(rep.Bytes.Saved), size(rep.Bytes.Loaded), rep.Bytes.GiBPerSecond)
 	row("lookup latency", "%s", rep.Lookups.Latency)
 	row("TTFT proxy", "%s", rep.TTFT)
-	row("verification", "%s: %d loads, %d blocks checked, %d mismatched, %d load-error blocks recomputed, %d blocks lost (recomputed)",
-		okText(rep.Verification.OK), rep.Verification.Loads, rep.Verification.VerifiedBlocks, rep.Verification.Mismatched, rep.Verification.LoadErrorBlocks, rep.Verification.LostBlocks)
+	v := rep.Verification
+	row("verification", "%s: %d loads, %d %s, %d mismatched, %d load-error blocks recomputed, %d blocks lost (recomputed)%s",
+		okText(v.OK), v.Loads, v.VerifiedBlocks, rep.checkedText(), v.Mismatched, v.LoadErrorBlocks, v.LostBlocks, unavailableText(v.RankUnavailable))
 	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
+	rep.writeRankRows(row)
 	if c := rep.Trackers; c != nil {
 		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing%s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, suffix(c.Error))
 	}
@@ -312,6 +350,9 @@ func (rep *Report) WriteText(w io.Writer) error {
 		return err
 	}
 	if err := rep.writeEngines(w); err != nil {
+		return err
+	}
+	if err := rep.writeRanks(w); err != nil {
 		return err
 	}
 	return rep.writeLists(w)
@@ -359,7 +400,7 @@ func (rep *Report) writeLists(w io.Writer) error {
 		fmt.Fprintf(&b, "  failed   %s %s: %s\n", f.EngineID, f.RequestID, f.Reason)
 	}
 	for _, m := range rep.Verification.Mismatches {
-		fmt.Fprintf(&b, "  mismatch %s %s: group %d block %d chunk %s (loaded by %s)\n", m.EngineID, m.RequestID, m.Group, m.Block, m.Chunk, m.Connector)
+		fmt.Fprintf(&b, "  mismatch %s %s: group %d block %d chunk %s (loaded by %s)%s\n", m.EngineID, m.RequestID, m.Group, m.Block, m.Chunk, m.Connector, suffix(m.Rank))
 	}
 	if rep.Trackers != nil {
 		for _, s := range first(rep.Trackers.NotDone) {

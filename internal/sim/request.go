@@ -66,9 +66,12 @@ type request struct {
 	lookupFailingSince, lookupRetryAt time.Time
 	lookupFailures                    int
 	failure                           string
-	holdForPeer                       bool // prefill engine: keep the blocks until the decode engine read them
-	sent                              bool // finished_sending arrived
-	leak                              bool // given up: its blocks stay allocated, since a late transfer may still use them
+	// deadRank names the engine/rank whose death failed the request
+	// (failure then says so), empty otherwise.
+	deadRank    string
+	holdForPeer bool // prefill engine: keep the blocks until the decode engine read them
+	sent        bool // finished_sending arrived
+	leak        bool // given up: its blocks stay allocated, since a late transfer may still use them
 }
 
 // expectedLoad is the load the engine accepted and waits for.
@@ -140,4 +143,7 @@ type turnState struct {
 	parts   int // engine requests not finalized yet
 	arrived time.Time
 	failed  []string
+	// deadRank names the first engine/rank whose death failed a part of
+	// the turn, empty when none did.
+	deadRank string
 }

@@ -75,7 +75,7 @@ func TestPreemptWithSavesInFlight(t *testing.T) {
 		e, _ := testEngine(t, "hybrid-mla-linear", 8)
 		e.reusePreempted = reuse
 		w := &evictRecorder{}
-		e.worker = w.start(t)
+		e.ranks = []*rankWorker{{client: w.start(t)}}
 		r := savingRequest(t, e, "run-1", 40) // 3 blocks per group; the save [0,32) pins 3
 		k := pinKey{"run-1", span{0, 32}}
 		e.preempt(newOutbox(), r)

@@ -1,15 +1,18 @@
 // Package sim is kvmesh's engine simulator: it plays a fleet of inference
 // engines against the real mesh: one or more decode engines, each with its
-// own gpuworker and, in a 1P1D run, its own prefill engine (and that
-// engine's gpuworker), with the workload's conversations spread over them
-// round robin. Each engine has vLLM's shape: a block manager over a small
-// pool with prefix caching, per-step scheduling with chunked prefill, and
-// preemption under pressure. For every request it hashes the tokens, asks
-// the lookup service, allocates, publishes one engine step record per step
-// (contract.EngineStep: the step's request events, each with its request's
-// trace context), "computes" the KV it does not load by
-// writing deterministic bytes into its gpuworker, waits for finished_recving
-// before computing past a load, checks every loaded block byte for byte, and
+// own gpuworkers and, in a 1P1D run, its own prefill engine (and that
+// engine's gpuworkers), with the workload's conversations spread over them
+// round robin. An engine runs one gpuworker per worker rank of the model's
+// parallel layout (kvcore.Model.WorkerRanks), as vLLM runs one worker
+// process per rank. Each engine has vLLM's shape: a block manager over a
+// small pool with prefix caching, per-step scheduling with chunked prefill,
+// and preemption under pressure. For every request it hashes the tokens,
+// asks the lookup service, allocates, publishes one engine step record per
+// step (contract.EngineStep: the step's request events, each with its
+// request's trace context), "computes" the KV it does not load by writing
+// deterministic bytes into every rank's gpuworker (each rank the bytes of
+// its own store namespace), waits for finished_recving before computing
+// past a load, checks every loaded block byte for byte on every rank, and
 // frees its blocks on finished_sending. A save ledger built from the save
 // tasks, the transfer results and the engines' own expectations shows that
 // no save was lost; with a store URL, every value the run's saves stored is
@@ -20,7 +23,12 @@
 // to 1 s) for up to the request timeout, so an outage of any service, the
 // broker, PostgreSQL or Redis shorter than that (a restart) fails no
 // request. Blocks a restarted gpuworker no longer holds are lost KV: they
-// are recomputed, not counted as mismatches.
+// are recomputed, not counted as mismatches. A gpuworker that stays
+// unreachable for the rank timeout is a dead rank: its engine cannot
+// compute any more (every forward pass needs every rank), so each of its
+// requests that needs the data path from then on fails with a reason
+// naming the rank, its loaded blocks are never counted as verified, and
+// the report says which rank died and how many requests it failed.
 //
 // With ReusePreempted (the seed preset) an engine frees a preempted
 // request's blocks at once, as vLLM does, even while saves of them are in
@@ -56,7 +64,7 @@ import (
 const tracerName = "kvmesh/sim"
 
 // Pair is one decode engine and, in a 1P1D run, its prefill partner, each
-// with a gpuworker of its own.
+// with gpuworkers of its own.
 type Pair struct {
 	// Decode is the decode engine (the only engine of the pair without PD).
 	Decode Endpoint `json:"decode"`
@@ -64,14 +72,34 @@ type Pair struct {
 	Prefill Endpoint `json:"prefill"`
 }
 
-// Endpoint is one engine and its gpuworker.
+// Endpoint is one engine and its gpuworkers, one per worker rank.
 type Endpoint struct {
-	// EngineID is the engine id the gpuworker was started with; empty takes
-	// the worker's (GET /v1/pool).
+	// EngineID is the engine id the gpuworkers were started with; empty
+	// takes the workers' (GET /v1/pool).
 	EngineID string `json:"engine_id"`
-	// WorkerURL is the gpuworker's base URL.
-	WorkerURL string `json:"worker_url"`
+	// WorkerURL is the gpuworker's base URL of a single-rank engine (the
+	// same as a one-element WorkerURLs).
+	WorkerURL string `json:"worker_url,omitempty"`
+	// WorkerURLs are the base URLs of the engine's gpuworkers, one per
+	// worker rank, in kvcore.Model.WorkerRanks order; it takes precedence
+	// over WorkerURL.
+	WorkerURLs []string `json:"worker_urls,omitempty"`
 }
+
+// URLs lists the engine's gpuworker base URLs, one per worker rank:
+// WorkerURLs, else WorkerURL alone, else none.
+func (ep Endpoint) URLs() []string {
+	switch {
+	case len(ep.WorkerURLs) > 0:
+		return ep.WorkerURLs
+	case ep.WorkerURL != "":
+		return []string{ep.WorkerURL}
+	}
+	return nil
+}
+
+// empty reports an endpoint with nothing set.
+func (ep Endpoint) empty() bool { return ep.EngineID == "" && len(ep.URLs()) == 0 }
 
 // Config configures one simulation run.
 type Config struct {
@@ -90,7 +118,8 @@ type Config struct {
 	Decode, Prefill Endpoint
 	// Fleet, when set, lists every engine pair of the run (Decode, and
 	// Prefill with PD, must then be empty): one decode engine per pair, with its
-	// prefill engine with PD, every engine with a gpuworker of its own. The
+	// prefill engine with PD, every engine with gpuworkers of its own (one
+	// per worker rank, Endpoint.WorkerURLs). The
 	// workload's conversations are spread over the pairs round robin
 	// (EngineFor), every turn of a conversation on the same pair. Run
 	// fills in the engine ids it took from the workers.
@@ -135,6 +164,11 @@ type Config struct {
 	// failing lookup, publish, gpuworker call or topic read to recover;
 	// default 60 s.
 	RequestTimeout time.Duration
+	// RankTimeout is how long a gpuworker may stay unreachable (every call
+	// to it failing) before its rank is dead for the rest of the run;
+	// default RequestTimeout. An outage shorter than it (a restart) is
+	// ridden out.
+	RankTimeout time.Duration
 	// SettleTimeout bounds the wait for the last save results once every
 	// request finished; default 30 s.
 	SettleTimeout time.Duration
@@ -156,7 +190,7 @@ func (c *Config) defaults() error {
 	switch {
 	case c.Model == nil:
 		return fmt.Errorf("no model: %w", ErrConfig)
-	case len(c.Fleet) > 0 && (c.Decode != Endpoint{} || c.PD && c.Prefill != Endpoint{}):
+	case len(c.Fleet) > 0 && (!c.Decode.empty() || c.PD && !c.Prefill.empty()):
 		return fmt.Errorf("set Fleet or Decode and Prefill, not both: %w", ErrConfig)
 	case len(replicaURLs(c.LookupURL, c.LookupURLs)) == 0:
 		return fmt.Errorf("the lookup URL is required: %w", ErrConfig)
@@ -172,24 +206,17 @@ func (c *Config) defaults() error {
 		c.Fleet = []Pair{{Decode: c.Decode, Prefill: c.Prefill}}
 	}
 	c.Fleet = slices.Clone(c.Fleet) // workers fills in engine ids: not in the caller's array
-	for i, p := range c.Fleet {
-		switch {
-		case p.Decode.WorkerURL == "":
-			return fmt.Errorf("engine %d: the gpuworker URL is required: %w", i, ErrConfig)
-		case c.PD && p.Prefill.WorkerURL == "":
-			return fmt.Errorf("engine %d: 1P1D needs the prefill engine's gpuworker URL: %w", i, ErrConfig)
-		}
-	}
-	for g := range c.Model.Groups {
-		if len(c.Model.Namespaces(g)) != 1 {
-			return fmt.Errorf("model %s has several rank namespaces; the simulator plays single-rank engines: %w", c.Model.Name, ErrConfig)
-		}
+	if err := c.checkFleetURLs(); err != nil {
+		return err
 	}
 	if c.RunTag == "" {
 		c.RunTag = NewRunTag()
 	}
 	if c.RequestTimeout <= 0 {
 		c.RequestTimeout = 60 * time.Second
+	}
+	if c.RankTimeout <= 0 {
+		c.RankTimeout = c.RequestTimeout
 	}
 	if c.SettleTimeout <= 0 {
 		c.SettleTimeout = 30 * time.Second
@@ -224,6 +251,7 @@ type run struct {
 	engines map[string]*engine
 	pairs   []*pair
 	ctx     context.Context
+	start   time.Time // when the engines started
 
 	mu      sync.Mutex
 	turns   int
@@ -252,8 +280,10 @@ func EngineFor(conv, engines int) int {
 
 // Run plays the workload against the mesh and returns the report. It
 // returns an error only when the run could not be carried out (bad config,
-// a broker or worker that stays unreachable); failed requests, mismatches
-// and an unbalanced ledger are in the report (Report.OK).
+// a gpuworker unreachable or of another layout at the start, a broker that
+// stays unreachable); failed requests, mismatches, dead ranks (a gpuworker
+// that stayed unreachable mid-run) and an unbalanced ledger are in the
+// report (Report.OK).
 func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
@@ -281,63 +311,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-"),
 		engines: map[string]*engine{}, allDone: make(chan struct{})}
 	r.build(pub)
-	start := time.Now()
+	r.scrapeRanks(ctx, true)
+	r.start = time.Now()
 	if err := r.play(ctx, from); err != nil {
 		return nil, err
 	}
-	elapsed := time.Since(start)
+	elapsed := time.Since(r.start)
+	r.scrapeRanks(ctx, false)
 	rep := r.report(elapsed)
 	r.check(ctx, rep)
 	return rep, nil
-}
-
-// workers asks every gpuworker for its pool: it fills in engine ids left
-// empty, checks the model layout, and caps the engines' pools at the
-// workers' smallest group pool.
-func (c *Config) workers(ctx context.Context) error {
-	var eps []*Endpoint
-	for i := range c.Fleet {
-		eps = append(eps, &c.Fleet[i].Decode)
-		if c.PD {
-			eps = append(eps, &c.Fleet[i].Prefill)
-		}
-	}
-	for _, ep := range eps {
-		info, err := workerPool(ctx, c.HTTPClient, ep.WorkerURL)
-		if err != nil {
-			return err
-		}
-		switch {
-		case ep.EngineID == "":
-			ep.EngineID = info.EngineID
-		case ep.EngineID != info.EngineID:
-			return fmt.Errorf("gpuworker %s holds engine %q, not %q: %w", ep.WorkerURL, info.EngineID, ep.EngineID, ErrConfig)
-		}
-		if fp := c.Model.Fingerprint(); info.Fingerprint != fp || info.Model != c.Model.Name {
-			return fmt.Errorf("gpuworker %s serves model %s (%s), the simulator %s (%s): %w", ep.WorkerURL, info.Model, info.Fingerprint, c.Model.Name, fp, ErrConfig)
-		}
-		if info.Rank != (kvcore.Rank{}) {
-			return fmt.Errorf("gpuworker %s is rank %s; the simulator plays rank 0 engines: %w", ep.WorkerURL, info.Rank, ErrConfig)
-		}
-		n := info.blocks()
-		if n < 1 {
-			return fmt.Errorf("gpuworker %s has an empty pool: %w", ep.WorkerURL, ErrHTTP)
-		}
-		if c.Engine.PoolBlocks == 0 || c.Engine.PoolBlocks > n {
-			c.Engine.PoolBlocks = n
-		}
-	}
-	seen := map[string]string{}
-	for _, ep := range eps {
-		if url, dup := seen[ep.EngineID]; dup {
-			return fmt.Errorf("gpuworkers %s and %s both hold engine %q; every engine needs a gpuworker of its own: %w", url, ep.WorkerURL, ep.EngineID, ErrConfig)
-		}
-		seen[ep.EngineID] = ep.WorkerURL
-	}
-	if c.Engine.Watermark >= c.Engine.PoolBlocks {
-		return fmt.Errorf("watermark %d with a pool of %d blocks: %w", c.Engine.Watermark, c.Engine.PoolBlocks, ErrConfig)
-	}
-	return nil
 }
 
 // warnUnfit logs a warning when the workload's longest request cannot fit
@@ -359,36 +342,6 @@ func (c *Config) warnUnfit(convs []*Conversation) {
 	}
 }
 
-// poolInfo is the part of a gpuworker's GET /v1/pool the simulator uses.
-type poolInfo struct {
-	EngineID    string      `json:"engine_id"`
-	Model       string      `json:"model"`
-	Fingerprint string      `json:"fingerprint"`
-	Rank        kvcore.Rank `json:"rank"`
-	Groups      []struct {
-		Blocks int `json:"blocks"`
-	} `json:"groups"`
-}
-
-// blocks is the smallest group pool.
-func (p poolInfo) blocks() int {
-	n := 0
-	for i, g := range p.Groups {
-		if i == 0 || g.Blocks < n {
-			n = g.Blocks
-		}
-	}
-	return n
-}
-
-func workerPool(ctx context.Context, hc *http.Client, base string) (poolInfo, error) {
-	var info poolInfo
-	if err := getJSON(ctx, hc, base+"/v1/pool", &info); err != nil {
-		return info, fmt.Errorf("gpuworker pool: %w", err)
-	}
-	return info, nil
-}
-
 // startOffsets records where the topics the simulator reads end now, before
 // it publishes anything, so nothing of the run is missed.
 func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int64, error) {
@@ -408,11 +361,11 @@ func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int
 // blocks.
 func (r *run) build(pub *bus.Producer) {
 	lookup := newLookupClient(r.cfg.lookups, r.cfg.HTTPClient) // shared: a dead replica is passed over by every engine
-	deps := func(url string) engineDeps {
+	deps := func(ep Endpoint) engineDeps {
 		return engineDeps{
-			model: r.cfg.Model, runTag: r.cfg.RunTag, worker: dataplane.NewClient(url, r.cfg.HTTPClient),
+			model: r.cfg.Model, runTag: r.cfg.RunTag, ranks: newRankWorkers(r.cfg.Model, ep.URLs(), r.cfg.HTTPClient),
 			lookup: lookup, pub: pub,
-			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout,
+			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout, rankTimeout: r.cfg.RankTimeout,
 			reusePreempted: r.cfg.ReusePreempted,
 		}
 	}
@@ -424,12 +377,12 @@ func (r *run) build(pub *bus.Producer) {
 			role = RoleDecode
 			hooks.peerRead = func(id string) { p.front.box.put(peerReleased{requestID: id}) }
 		}
-		p.decode = newEngine(ep.Decode.EngineID, role, r.cfg.Engine, deps(ep.Decode.WorkerURL), hooks)
+		p.decode = newEngine(ep.Decode.EngineID, role, r.cfg.Engine, deps(ep.Decode), hooks)
 		p.front = p.decode
 		r.engines[p.decode.id] = p.decode
 		if r.cfg.PD {
 			ph := engineHooks{generated: r.prefilled, abandoned: r.prefillAbandoned, finalized: r.finalized, peerRead: func(string) {}}
-			p.front = newEngine(ep.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(ep.Prefill.WorkerURL), ph)
+			p.front = newEngine(ep.Prefill.EngineID, RolePrefill, r.cfg.Engine, deps(ep.Prefill), ph)
 			r.engines[p.front.id] = p.front
 		}
 		r.pairs = append(r.pairs, p)
@@ -464,11 +417,9 @@ func (r *run) play(parent context.Context, from map[string]map[int]int64) error 
 	g.Go(func() error {
 		return tailTopic(gctx, brokers, contract.TopicTransferResults, from[contract.TopicTransferResults], bound, r.ledger.transferResult)
 	})
-	if r.cfg.RedisURL != "" {
-		g.Go(func() error {
-			return tailTopic(gctx, brokers, contract.TopicKVEvents, from[contract.TopicKVEvents], bound, r.ledger.kvEvent)
-		})
-	}
+	g.Go(func() error { // the stored keys, for the per-rank ledger and the stored-value check
+		return tailTopic(gctx, brokers, contract.TopicKVEvents, from[contract.TopicKVEvents], bound, r.ledger.kvEvent)
+	})
 	for _, e := range r.engines {
 		g.Go(func() error { return e.run(gctx) })
 	}
@@ -641,23 +592,27 @@ func (r *run) generated(req *request) {
 // prefillAbandoned books the decode part of a turn whose prefill the
 // prefill engine gave up on, and starts the conversation's next turn.
 func (r *run) prefillAbandoned(p *request) {
-	r.partDone(p.turn, p.turn.pair.decode.id, p.id, "not decoded: the prefill engine gave up on it")
+	r.partDone(p.turn, p.turn.pair.decode.id, p.id, "not decoded: the prefill engine gave up on it", p.deadRank)
 	r.generated(p)
 }
 
 // finalized books an engine request that is over.
 func (r *run) finalized(req *request) {
 	req.span.End()
-	r.partDone(req.turn, req.engine, req.id, req.failure)
+	r.partDone(req.turn, req.engine, req.id, req.failure, req.deadRank)
 }
 
-// partDone books one engine's part of a turn.
-func (r *run) partDone(ts *turnState, engine, id, failure string) {
+// partDone books one engine's part of a turn; deadRank names the
+// engine/rank whose death failed it, if one did.
+func (r *run) partDone(ts *turnState, engine, id, failure, deadRank string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if failure != "" {
 		ts.failed = append(ts.failed, failure)
-		r.stats.failure(engine, id, failure)
+		r.stats.failure(RequestFailure{EngineID: engine, RequestID: id, Reason: failure, DeadRank: deadRank})
+		if ts.deadRank == "" {
+			ts.deadRank = deadRank
+		}
 	}
 	r.stats.engine(engine, func(c *EngineCounts) {
 		c.Requests++
@@ -674,6 +629,9 @@ func (r *run) partDone(ts *turnState, engine, id, failure string) {
 		st.done++
 		if len(ts.failed) > 0 {
 			st.failed++
+		}
+		if ts.deadRank != "" {
+			st.deadTurns[ts.deadRank]++
 		}
 	})
 	r.left--

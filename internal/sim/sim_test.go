@@ -31,7 +31,7 @@ func TestRunRefusesBadConfig(t *testing.T) {
 		"pd without prefill": func(c *Config) { c.PD = true },
 		"no brokers":         func(c *Config) { c.Brokers = nil },
 		"no step budget":     func(c *Config) { c.Engine.MaxBatchTokens = 0 },
-		"several ranks":      func(c *Config) { c.Model = tp2 },
+		"one URL, two ranks": func(c *Config) { c.Model = tp2 },
 		"bad workload":       func(c *Config) { c.Workload.Requests = 0 },
 		"fleet and decode":   func(c *Config) { c.Fleet = []Pair{{Decode: Endpoint{WorkerURL: "http://127.0.0.1:2"}}} },
 		"fleet engine without worker": func(c *Config) {

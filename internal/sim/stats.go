@@ -32,9 +32,15 @@ type stats struct {
 	lookups, lookupRetries, lookupPending, lookupAnomalies int
 	lookupLatency, ttft                                    []time.Duration
 
-	verifiedBlocks, mismatchedBlocks int
-	mismatches                       []Mismatch
-	bytesWritten, bytesRead          int64
+	// verifiedBlocks counts loaded block copies compared (one per rank),
+	// unverifiedBlocks those a dead rank could not be asked for.
+	verifiedBlocks, mismatchedBlocks, unverifiedBlocks int
+	mismatches                                         []Mismatch
+	// deadTurns counts the turns failed because of each dead rank
+	// (engine/rank); deadRanks counts the dead ranks.
+	deadTurns               map[string]int
+	deadRanks               int
+	bytesWritten, bytesRead int64
 
 	engines map[string]*EngineCounts // by engine id
 }
@@ -86,6 +92,9 @@ type RequestFailure struct {
 	RequestID string `json:"request_id"`
 	// Reason says what went wrong.
 	Reason string `json:"reason"`
+	// DeadRank names the engine and rank ("decode-0/tp3-pcp0-dcp0-pp0")
+	// whose dead gpuworker failed the request, when one did.
+	DeadRank string `json:"dead_rank,omitempty"`
 }
 
 // Mismatch is one loaded block whose bytes were not what its hash implies.
@@ -102,10 +111,12 @@ type Mismatch struct {
 	Chunk string `json:"chunk"`
 	// Connector is the connector that loaded it.
 	Connector string `json:"connector"`
+	// Rank is the worker rank whose copy of the block was wrong.
+	Rank string `json:"rank,omitempty"`
 }
 
 func newStats() *stats {
-	return &stats{loadedTokens: map[string]int{}, engines: map[string]*EngineCounts{}}
+	return &stats{loadedTokens: map[string]int{}, engines: map[string]*EngineCounts{}, deadTurns: map[string]int{}}
 }
 
 func (s *stats) update(f func(s *stats)) {
@@ -132,10 +143,10 @@ func (s *stats) engineLocked(id string) *EngineCounts {
 
 // failure lists why an engine request failed (the turn is counted failed
 // when it is finalized).
-func (s *stats) failure(engine, req, reason string) {
+func (s *stats) failure(f RequestFailure) {
 	s.update(func(s *stats) {
 		if len(s.failures) < maxListed {
-			s.failures = append(s.failures, RequestFailure{EngineID: engine, RequestID: req, Reason: reason})
+			s.failures = append(s.failures, f)
 		}
 	})
 }
@@ -161,6 +172,8 @@ type Progress struct {
 	Mismatches int
 	// Preemptions counts preemptions so far.
 	Preemptions int
+	// DeadRanks counts the ranks found dead so far.
+	DeadRanks int
 }
 
 func (s *stats) progress() Progress {
@@ -168,7 +181,7 @@ func (s *stats) progress() Progress {
 	defer s.mu.Unlock()
 	return Progress{
 		Requests: s.requests, Done: s.done, Failed: s.failed,
-		HitRate: s.hitRateLocked(), Mismatches: s.mismatchedBlocks, Preemptions: s.preemptions,
+		HitRate: s.hitRateLocked(), Mismatches: s.mismatchedBlocks, Preemptions: s.preemptions, DeadRanks: s.deadRanks,
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
@@ -18,7 +19,9 @@ const storeCheckBatch = 256
 // a BlockStored event of a run request named is read from the store, and
 // its value must decode (dataplane.DecodeValue, the model's fingerprint) to
 // exactly the content its key implies (BlockContent of its group, rank
-// namespace and hash).
+// namespace and hash). A key belongs to exactly one namespace, which must
+// be one of its group's (kvcore.Model.Namespaces), and holds the bytes of
+// the worker ranks whose StoreRank that namespace is.
 type StoreCheck struct {
 	// Keys counts the distinct keys the run's BlockStored events named.
 	Keys int `json:"keys"`
@@ -121,6 +124,8 @@ func (c contents) checkValue(key string, value []byte) string {
 		return fmt.Sprintf("key of model %s, the run's is %s", p.Model, c.m.Name)
 	case p.Group < 0 || p.Group >= len(c.m.Groups):
 		return fmt.Sprintf("group %d of a %d-group model", p.Group, len(c.m.Groups))
+	case !slices.Contains(c.m.Namespaces(p.Group), p.Rank):
+		return fmt.Sprintf("rank namespace %s is not one of group %d's at %s", p.Rank, p.Group, LayoutText(c.m))
 	}
 	payload, err := dataplane.DecodeValue(c.fp, value)
 	if err != nil {

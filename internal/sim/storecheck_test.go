@@ -54,3 +54,29 @@ func TestCheckValues(t *testing.T) {
 		t.Fatalf("an unparseable key: %q", p)
 	}
 }
+
+// TestCheckValueNamespaces: at TP8 a value is right only under a namespace
+// of its group and with that namespace's bytes: the one MLA namespace, or
+// the linear-attention state of the rank the namespace names.
+func TestCheckValueNamespaces(t *testing.T) {
+	m := tpModel(t, 8)
+	kb := kvcore.KeyBuilder{Model: m.Name}
+	h := kvcore.HashChain(make([]uint32, 16), 16, nil)[0]
+	c, fp := newContents(m), m.Fingerprint()
+	value := func(g int, r kvcore.Rank) []byte { return dataplane.EncodeValue(fp, BlockContent(m, g, r, h)) }
+	for name, tc := range map[string]struct {
+		key   string
+		value []byte
+		want  string
+	}{
+		"MLA, from any rank":        {kb.Key(kvcore.Rank{}, 0, h), value(0, kvcore.Rank{TP: 6}), ""},
+		"MLA under tp_rank:3":       {kb.Key(kvcore.Rank{TP: 3}, 0, h), value(0, kvcore.Rank{TP: 3}), "not one of group 0's"},
+		"state of its rank":         {kb.Key(kvcore.Rank{TP: 3}, 1, h), value(1, kvcore.Rank{TP: 3}), ""},
+		"state of another rank":     {kb.Key(kvcore.Rank{TP: 3}, 1, h), value(1, kvcore.Rank{TP: 2}), "other bytes"},
+		"state beyond the TP ranks": {kb.Key(kvcore.Rank{TP: 8}, 1, h), value(1, kvcore.Rank{TP: 8}), "not one of group 1's"},
+	} {
+		if got := c.checkValue(tc.key, tc.value); (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) {
+			t.Errorf("%s: %q, want %q", name, got, tc.want)
+		}
+	}
+}
