@@ -323,6 +323,7 @@ func publishSaveTasks(ctx context.Context, t *testing.T, s *stack, msgs ...bus.M
 // dlqEntry is the part of a GET /v1/dlq item the test reads.
 type dlqEntry struct {
 	Reason    string `json:"reason"`
+	Detail    string `json:"detail"`
 	Group     *int   `json:"group"`
 	TaskID    string `json:"task_id"`
 	Topic     string `json:"topic"`
