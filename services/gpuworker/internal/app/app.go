@@ -53,6 +53,8 @@ type Config struct {
 	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address>, with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
 	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
 	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
+	// LoadMaxAge bounds how old a load task may be when it is consumed.
+	LoadMaxAge time.Duration `env:"KVMESH_LOAD_MAX_AGE" default:"60s" doc:"oldest load task the worker still loads (older: every block reported as a load error, nothing written; its blocks may have been reused since); 0 loads every task"`
 	// HeartbeatInterval is how often the worker heartbeats in the registry.
 	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" default:"5s" doc:"how often the worker refreshes its registration in PostgreSQL"`
 	// WorkerStaleAfter is how old a heartbeat may be for a pd source worker.
@@ -83,6 +85,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxBatchBytes < 1<<20 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAX_BATCH_BYTES: %d is below 1 MiB", c.MaxBatchBytes))
+	}
+	if c.LoadMaxAge < 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_LOAD_MAX_AGE: %s is negative", c.LoadMaxAge))
 	}
 	if c.HeartbeatInterval <= 0 || c.WorkerStaleAfter <= c.HeartbeatInterval {
 		errs = append(errs, errors.New("KVMESH_HEARTBEAT_INTERVAL must be positive and below KVMESH_WORKER_STALE_AFTER"))
@@ -236,7 +241,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 			}
 			return dataplane.NewClient(w.Addr, hc), nil
 		},
-		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log,
+		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log, MaxAge: a.cfg.LoadMaxAge,
 	})
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)

@@ -34,6 +34,10 @@ const (
 	OutcomeUnplanned    = "unplanned"
 	OutcomeIgnored      = "ignored"
 	OutcomeDeadLettered = "dead_lettered"
+	// OutcomeStale is a task consumed more than Config.MaxAge after it was
+	// published: nothing is loaded and every block is reported as a load
+	// error.
+	OutcomeStale = "stale"
 )
 
 // ConnectorPD is the connector name of a disaggregated-prefill load.
@@ -49,6 +53,8 @@ var (
 	// ErrSourceNotHeld reports a pd source block that no longer holds the
 	// chunk (its worker restarted, or the engine evicted or reused it).
 	ErrSourceNotHeld = errors.New("pd source block does not hold the chunk")
+	// ErrStaleTask reports a load task older than Config.MaxAge.
+	ErrStaleTask = errors.New("load task too old to load")
 )
 
 // Publisher publishes records (bus.Producer).
@@ -83,6 +89,16 @@ type Config struct {
 	Metrics *metrics.Metrics
 	// Log receives one line per load.
 	Log *slog.Logger
+	// MaxAge bounds how long after its publication a task is still
+	// loaded. An older one — history a new rank's consumer group reads
+	// from the topic's beginning, or a redelivery long after the
+	// scheduler failed the load closed (KVMESH_LOAD_RANK_TIMEOUT) — may
+	// name blocks the engine has since reused for other content, so it is
+	// refused (OutcomeStale) with every block a load error. Zero loads
+	// every task.
+	MaxAge time.Duration
+	// Now is the clock MaxAge is measured with (nil: time.Now).
+	Now func() time.Time
 }
 
 // Loader handles load tasks.
@@ -122,7 +138,12 @@ func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
 			"request_id", task.RequestID, "rank", l.cfg.Rank.String(), "ranks", rankNames(task.Ranks))
 		return nil
 	}
-	res := l.Load(ctx, task)
+	var res contract.TransferResult
+	if l.stale(m.Time) {
+		res = l.refuseStale(ctx, task, m.Time)
+	} else {
+		res = l.Load(ctx, task)
+	}
 	if err := ctx.Err(); err != nil {
 		return err // stopping: the task is not committed and will be redelivered
 	}
@@ -211,6 +232,34 @@ func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.Trans
 		res = l.loadStore(ctx, task)
 	}
 	l.record(ctx, span, task, res, time.Since(start))
+	return l.result(task, res)
+}
+
+// stale reports whether a task recorded at t is older than MaxAge.
+func (l *Loader) stale(t time.Time) bool {
+	if l.cfg.MaxAge <= 0 || t.IsZero() {
+		return false
+	}
+	now := time.Now
+	if l.cfg.Now != nil {
+		now = l.cfg.Now
+	}
+	return now().Sub(t) > l.cfg.MaxAge
+}
+
+// refuseStale answers a stale task without touching the pool: every block
+// it lists is a load error, so a request still waiting on it recomputes.
+func (l *Loader) refuseStale(ctx context.Context, task *kvcore.LoadTask, recorded time.Time) contract.TransferResult {
+	res := outcome{failed: newBlockSet(ListedBlocks(l.cfg.Model, task)),
+		firstErr: fmt.Errorf("%w: published %s, more than %s ago", ErrStaleTask, recorded.UTC().Format(time.RFC3339Nano), l.cfg.MaxAge)}
+	l.cfg.Metrics.Load(OutcomeStale, len(res.failed.list), 0)
+	l.cfg.Log.InfoContext(ctx, "stale load task refused", "task_id", task.TaskID, "request_id", task.RequestID,
+		"rank", l.cfg.Rank.String(), "load_errors", len(res.failed.list), "err", res.firstErr)
+	return l.result(task, res)
+}
+
+// result is the transfer result of a task's outcome.
+func (l *Loader) result(task *kvcore.LoadTask, res outcome) contract.TransferResult {
 	return contract.TransferResult{
 		Schema:     contract.SchemaTransferResult,
 		ResultID:   ResultID(task.TaskID, l.cfg.Rank),

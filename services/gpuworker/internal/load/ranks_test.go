@@ -4,8 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -53,6 +55,14 @@ func (p *published) results(t *testing.T) []contract.TransferResult {
 // namespaces for a 32-token prompt, and the load task of that prompt.
 func rankLoader(t *testing.T, tp int, r kvcore.Rank) (*load.Loader, *published, *kvcore.LoadTask) {
 	t.Helper()
+	l, pub, task, _ := rankLoaderAged(t, tp, r, 0)
+	return l, pub, task
+}
+
+// rankLoaderAged is rankLoader refusing tasks older than maxAge, and its
+// pool.
+func rankLoaderAged(t *testing.T, tp int, r kvcore.Rank, maxAge time.Duration) (*load.Loader, *published, *kvcore.LoadTask, *pool.Pool) {
+	t.Helper()
 	m, err := kvcore.Preset("hybrid-mla-linear")
 	if err != nil {
 		t.Fatal(err)
@@ -98,21 +108,51 @@ func rankLoader(t *testing.T, tp int, r kvcore.Rank) (*load.Loader, *published, 
 	pub := &published{}
 	l := load.New(load.Config{
 		Model: m, Keys: kb, EngineID: "e", Rank: r, Pool: p, Store: store, Publisher: pub,
-		MaxBatchBytes: 1 << 20, Metrics: met, Log: slog.New(slog.DiscardHandler),
+		MaxBatchBytes: 1 << 20, Metrics: met, Log: slog.New(slog.DiscardHandler), MaxAge: maxAge,
 	})
-	return l, pub, task
+	return l, pub, task, p
 }
 
 // handle runs task through the loader's bus handler.
 func handle(t *testing.T, l *load.Loader, task *kvcore.LoadTask) {
+	t.Helper()
+	handleAt(t, l, task, time.Time{})
+}
+
+// handleAt runs task through the handler as a record of time at.
+func handleAt(t *testing.T, l *load.Loader, task *kvcore.LoadTask, at time.Time) {
 	t.Helper()
 	v, err := json.Marshal(task)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := l.Handle(context.Background(), bus.Received{Message: bus.Message{
-		Topic: contract.TopicLoadTasks, Key: task.EngineID, Value: v}}); err != nil {
+		Topic: contract.TopicLoadTasks, Key: task.EngineID, Value: v}, Time: at}); err != nil {
 		t.Fatalf("Handle: %v", err)
+	}
+}
+
+// TestStaleLoadTaskIsRefused: a task older than the loader's MaxAge
+// (history a new rank's group reads from the topic's beginning, a
+// redelivery long after the scheduler gave up) loads nothing and reports
+// every block it lists as a load error; a recent one is loaded.
+func TestStaleLoadTaskIsRefused(t *testing.T) {
+	l, pub, task, p := rankLoaderAged(t, 2, kvcore.Rank{TP: 1}, time.Minute)
+	handleAt(t, l, task, time.Now().Add(-2*time.Minute))
+	got := pub.results(t)
+	if len(got) != 1 || got[0].Bytes != 0 || !slices.Equal(got[0].LoadErrors, []kvcore.BlockID{1, 2, 3}) {
+		t.Fatalf("stale task: results %+v, want one with every listed block [1 2 3] in error and no bytes", got)
+	}
+	for g := range 2 {
+		for _, b := range []kvcore.BlockID{1, 2, 3} {
+			if tag, err := p.Tag(g, b); err != nil || tag.Hash != "" {
+				t.Fatalf("stale task wrote group %d block %d (%+v, %v)", g, b, tag, err)
+			}
+		}
+	}
+	handleAt(t, l, task, time.Now().Add(-time.Second))
+	if got = pub.results(t); len(got) != 2 || len(got[1].LoadErrors) != 0 || got[1].Bytes == 0 {
+		t.Fatalf("fresh task: results %+v, want a clean load", got)
 	}
 }
 

@@ -63,7 +63,7 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 			Help: "Stored values a load refused to write into the pool, by reason (fingerprint, checksum, malformed, size).",
 		}, []string{"reason"}),
 		loads: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvmesh_gpuworker_loads_total", Help: "Load tasks handled, by outcome (ok, load_errors, unplanned, ignored, dead_lettered).",
+			Name: "kvmesh_gpuworker_loads_total", Help: "Load tasks handled, by outcome (ok, load_errors, unplanned, ignored, dead_lettered, stale: older than KVMESH_LOAD_MAX_AGE, refused with every block a load error).",
 		}, []string{"outcome"}),
 		loadErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_load_error_blocks_total", Help: "Blocks reported as load errors.",
@@ -106,7 +106,7 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 
 // loadOutcomes are the outcome label values of kvmesh_gpuworker_loads_total
 // (the load package's Outcome constants).
-var loadOutcomes = []string{"ok", "load_errors", "unplanned", "ignored", "dead_lettered"}
+var loadOutcomes = []string{"ok", "load_errors", "unplanned", "ignored", "dead_lettered", "stale"}
 
 // rejectReasons are the values of RejectReason.
 var rejectReasons = []string{"fingerprint", "checksum", "malformed", "size", "other"}
