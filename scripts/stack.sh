@@ -19,9 +19,9 @@
 # engine prefill-i. Rank k of decode-i listens on :8084+2iW+k, rank k of
 # prefill-i on :8084+(2i+1)W+k — with W=1 decode-0 :8084, prefill-0 :8085,
 # decode-1 :8086, …; with W=8 decode-0 :8084-:8091, prefill-0 :8092-:8099.
-# `up` remembers N in .dev/engines and the model in .dev/model, so that
-# status, down, scripts/run.sh and scripts/demo.sh use them without the
-# variables. Every process inherits the environment: e.g.
+# `up` remembers N in .dev/engines, the model in .dev/model and the
+# parallel overrides in .dev/parallel, so that status, down, scripts/run.sh
+# and scripts/demo.sh use them without the variables; `down` forgets them. Every process inherits the environment: e.g.
 # KVMESH_POOL_BLOCKS=4096 sizes every gpuworker's pool (the long-context
 # preset needs it; stop the stack first, a running gpuworker keeps its
 # pool), KVMESH_MODEL=hybrid-mla-linear KVMESH_TP=1 runs single-rank
@@ -204,6 +204,9 @@ down() {
     if [ -e "$f" ]; then stop_one "$(basename "$f")"; fi
   done
   stop_one broker
+  # What up recorded describes the stack that ran: the next up starts from
+  # the environment and the defaults again.
+  rm -f "$dev/engines" "$dev/model" "$dev/parallel"
 }
 
 status() {
