@@ -32,8 +32,18 @@ const (
 type Group struct {
 	// Kind is the attention kind of the group.
 	Kind Kind `json:"kind" yaml:"kind"`
-	// BlockSize is the number of tokens one block of this group covers.
+	// BlockSize is the number of tokens one block of this group covers:
+	// vLLM's scheduler-side block size of the group, which with context
+	// parallelism (a single group, PCP or DCP above 1) is
+	// cache_config.block_size × dcp × pcp (kv_cache_utils.py
+	// resolve_kv_cache_block_sizes). With CacheBlockSize set it is derived
+	// from it (Model.Resolve).
 	BlockSize int `json:"block_size" yaml:"block_size"`
+	// CacheBlockSize is the engine's cache_config.block_size (vLLM's
+	// --block-size): the tokens one block holds on one rank. When set,
+	// BlockSize is CacheBlockSize × dcp × pcp for a single-group model and
+	// CacheBlockSize otherwise; zero leaves BlockSize as written.
+	CacheBlockSize int `json:"cache_block_size,omitempty" yaml:"cache_block_size,omitempty"`
 	// Window is the sliding window in tokens (sliding_window only).
 	Window int `json:"window,omitempty" yaml:"window,omitempty"`
 	// BytesPerBlock is the size of one block of this group on one worker
@@ -103,6 +113,9 @@ func (m *Model) Validate() error {
 		if err := g.validate(i, m.HashBlockSize); err != nil {
 			return err
 		}
+		if want := m.derivedBlockSize(i); g.CacheBlockSize > 0 && g.BlockSize != want {
+			return &SpecError{fmt.Sprintf("groups[%d].block_size", i), fmt.Sprintf("%d, but cache_block_size %d with pcp × dcp %d makes it %d", g.BlockSize, g.CacheBlockSize, m.contextParallel(), want)}
+		}
 	}
 	if m.KVHeads < 0 {
 		return &SpecError{"kv_heads", "must not be negative"}
@@ -170,6 +183,35 @@ func gcd(a, b int) int {
 
 func lcm(a, b int) int { return a / gcd(a, b) * b }
 
+// Resolve derives every block size given as a CacheBlockSize from the
+// parallel layout, then validates the model. Call it after changing the
+// spec's parallel sizes (service.ParallelOverride does); a model in use is
+// never changed, since Validate only checks.
+func (m *Model) Resolve() error {
+	for i := range m.Groups {
+		if m.Groups[i].CacheBlockSize < 0 {
+			return &SpecError{fmt.Sprintf("groups[%d].cache_block_size", i), "must not be negative"}
+		}
+		if m.Groups[i].CacheBlockSize > 0 {
+			m.Groups[i].BlockSize = m.derivedBlockSize(i)
+		}
+	}
+	return m.Validate()
+}
+
+// derivedBlockSize is group g's block size from its CacheBlockSize.
+func (m *Model) derivedBlockSize(g int) int {
+	if len(m.Groups) == 1 {
+		return m.Groups[g].CacheBlockSize * m.contextParallel()
+	}
+	return m.Groups[g].CacheBlockSize
+}
+
+// contextParallel is pcp × dcp.
+func (m *Model) contextParallel() int {
+	return size(m.Parallel.PCP) * size(m.Parallel.DCP)
+}
+
 // ParseModel decodes and validates a model spec from JSON or YAML (JSON is
 // YAML, but JSON is decoded strictly: unknown fields are errors).
 func ParseModel(data []byte) (*Model, error) {
@@ -188,7 +230,12 @@ func ParseModel(data []byte) (*Model, error) {
 			return nil, fmt.Errorf("model spec: decode yaml: %w", err)
 		}
 	}
-	if err := m.Validate(); err != nil {
+	for i, g := range m.Groups {
+		if g.CacheBlockSize > 0 && g.BlockSize != 0 && g.BlockSize != m.derivedBlockSize(i) {
+			return nil, &SpecError{fmt.Sprintf("groups[%d].block_size", i), fmt.Sprintf("%d disagrees with cache_block_size %d (pcp × dcp %d): give one of them", g.BlockSize, g.CacheBlockSize, m.contextParallel())}
+		}
+	}
+	if err := m.Resolve(); err != nil {
 		return nil, err
 	}
 	return &m, nil

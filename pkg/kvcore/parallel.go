@@ -22,8 +22,9 @@ import "fmt"
 //     Every rank loads every chunk of its own namespace.
 //   - connector.py _validate_kv_cache_config: a hybrid model (more than one
 //     group) with PCP or DCP is refused; kv_cache_utils.py
-//     resolve_kv_cache_block_sizes: a single group's block size is
-//     cache_config.block_size × dcp × pcp.
+//     resolve_kv_cache_block_sizes and MooncakeStoreWorker.__init__: a
+//     single group's block size is cache_config.block_size × dcp × pcp
+//     (Group.CacheBlockSize, Model.Resolve).
 
 // Parallel gives the sizes of an engine's parallel dimensions. A zero size
 // means 1. The engine runs one worker per (tp, pcp, pp) rank; DCP divides
@@ -59,7 +60,7 @@ func (m *Model) validateParallel() error {
 		return &SpecError{"parallel", fmt.Sprintf("pcp %d × dcp %d with %d KV-cache groups: vLLM's MooncakeStoreConnector does not support context parallelism with hybrid attention", pcp, dcp, len(m.Groups))}
 	}
 	if cp := pcp * dcp; cp > 1 && m.Groups[0].BlockSize%cp != 0 {
-		return &SpecError{"groups[0].block_size", fmt.Sprintf("%d is not a multiple of pcp × dcp = %d: with context parallelism the block size is cache_config.block_size × dcp × pcp", m.Groups[0].BlockSize, cp)}
+		return &SpecError{"groups[0].block_size", fmt.Sprintf("%d is not a multiple of pcp × dcp = %d: with context parallelism the block size is cache_config.block_size × dcp × pcp (give cache_block_size to have it derived)", m.Groups[0].BlockSize, cp)}
 	}
 	if h := m.KVHeads; h > 0 && tp%h != 0 && h%tp != 0 {
 		return &SpecError{"kv_heads", fmt.Sprintf("%d KV heads cannot be split over %d TP ranks (one must divide the other)", h, tp)}

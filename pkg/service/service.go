@@ -151,8 +151,9 @@ type ParallelOverride struct {
 	PP int `env:"KVMESH_PP" doc:"pipeline-parallel size, over the spec's parallel.pp (0: the spec's)"`
 }
 
-// Apply sets the non-zero sizes on m and validates the result: a layout
-// vLLM refuses is an error naming it.
+// Apply sets the non-zero sizes on m, derives the block sizes given as
+// cache block sizes for the new layout (kvcore.Model.Resolve) and
+// validates the result: a layout vLLM refuses is an error naming it.
 func (o ParallelOverride) Apply(m *kvcore.Model) error {
 	for _, d := range []struct {
 		v   int
@@ -162,7 +163,7 @@ func (o ParallelOverride) Apply(m *kvcore.Model) error {
 			*d.dst = d.v
 		}
 	}
-	return m.Validate()
+	return m.Resolve()
 }
 
 // LoadModel resolves KVMESH_MODEL and applies the parallel overrides.

@@ -180,3 +180,26 @@ func TestDatabaseReadinessNeedsMigrations(t *testing.T) {
 		t.Fatalf("migrated database: readiness %v", err)
 	}
 }
+
+// TestParallelOverrideRederivesBlockSizes: KVMESH_DCP over a spec that
+// gives cache_block_size derives the block size for the new layout; a
+// layout vLLM refuses is an error.
+func TestParallelOverrideRederivesBlockSizes(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "m.json")
+	spec := `{"name":"m","hash_block_size":16,"kv_heads":1,"groups":[{"kind":"full_attention","cache_block_size":16,"bytes_per_block":1024}],"parallel":{"tp":4}}`
+	if err := os.WriteFile(path, []byte(spec), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := Common{Model: path, Parallel: ParallelOverride{DCP: 4}}
+	m, err := c.LoadModel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Groups[0].BlockSize != 64 || m.Parallel.DCP != 4 || m.WorldSize() != 4 {
+		t.Fatalf("model %+v: want block 16 × dcp 4 = 64 over 4 ranks", m)
+	}
+	c.Parallel = ParallelOverride{DCP: 3}
+	if _, err := c.LoadModel(); err == nil || !strings.Contains(err.Error(), "parallel.dcp") {
+		t.Fatalf("dcp 3 at tp 4: %v, want the refusal", err)
+	}
+}
