@@ -179,3 +179,46 @@ func IsHashHex(s string) bool {
 	}
 	return true
 }
+
+// ListedBlocks is every block a task names for the chunks it loads, each
+// once: the block of each chunk where the table has it, and every non-null
+// block of a group whose chunks cannot be mapped. It is the load-error list
+// of a load that cannot be planned or that failed as a whole (a rank that
+// never reported, a stale task), so the engine recomputes them all.
+func ListedBlocks(m *Model, task *LoadTask) []BlockID {
+	var out []BlockID
+	seen := map[BlockID]bool{}
+	add := func(b BlockID) {
+		if b != NullBlock && !seen[b] {
+			seen[b] = true
+			out = append(out, b)
+		}
+	}
+	for _, gc := range task.Groups {
+		g := gc.Group
+		if g < 0 || g >= len(task.BlockTable) {
+			continue
+		}
+		blocks := task.BlockTable[g]
+		mapped := g < len(m.Groups)
+		var picked []BlockID
+		for _, c := range gc.Chunks {
+			if !mapped {
+				break
+			}
+			bi := c.BlockIndex(m.Groups[g].BlockSize)
+			if c.Start < 0 || bi < 0 || bi >= len(blocks) {
+				mapped = false
+				break
+			}
+			picked = append(picked, blocks[bi])
+		}
+		if !mapped {
+			picked = blocks
+		}
+		for _, b := range picked {
+			add(b)
+		}
+	}
+	return out
+}

@@ -1,6 +1,7 @@
 package kvcore
 
 import (
+	"encoding/json"
 	"errors"
 	"reflect"
 	"slices"
@@ -197,5 +198,36 @@ func TestLoadErrors(t *testing.T) {
 		if got := LoadErrors(items, tc.perKey, tc.batch); !slices.Equal(got, tc.want) {
 			t.Errorf("%s: LoadErrors = %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+func TestListedBlocks(t *testing.T) {
+	m, err := Preset("hybrid-mla-linear")
+	if err != nil {
+		t.Fatal(err)
+	}
+	null := NullBlock
+	tests := []struct {
+		name   string
+		table  BlockTable
+		groups []GroupChunks
+		want   []BlockID
+	}{
+		{"each chunk's block", BlockTable{{1, 2, 3}, {null, null, 4}}, m.LoadGroups(0, 48), []BlockID{1, 2, 3, 4}},
+		{"only the loaded chunks", BlockTable{{1, 2, 3}, {null, null, 4}}, m.LoadGroups(32, 48), []BlockID{3, 4}},
+		{"a chunk past the table lists the whole group", BlockTable{{1, 2}, {null, null, 4}}, m.LoadGroups(0, 48), []BlockID{1, 2, 4}},
+		{"a group past the model lists its blocks", BlockTable{{1}, {2}, {5, null, 6}},
+			[]GroupChunks{{Group: 2, Chunks: []Chunk{{Start: 0, End: 16}}}}, []BlockID{5, 6}},
+		{"a group past the table lists nothing", BlockTable{{1}}, m.LoadGroups(0, 16), []BlockID{1}},
+		{"duplicates once", BlockTable{{7, 7}, {null, 7}}, m.LoadGroups(0, 32), []BlockID{7}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			task := &LoadTask{BlockTable: tc.table, Groups: tc.groups}
+			if got := ListedBlocks(m, task); !slices.Equal(got, tc.want) {
+				groups, _ := json.Marshal(tc.groups)
+				t.Fatalf("ListedBlocks(%v, %s) = %v, want %v", tc.table, groups, got, tc.want)
+			}
+		})
 	}
 }

@@ -121,23 +121,9 @@ func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
 	t.Load.Table = nil
 	t.PendingLoads = append(t.PendingLoads, task.TaskID)
 	if len(task.Ranks) > 0 {
-		t.LoadWaits = append(t.LoadWaits, LoadWait{TaskID: task.TaskID, Waiting: slices.Clone(task.Ranks), Blocks: taskBlocks(m, &task)})
+		t.LoadWaits = append(t.LoadWaits, LoadWait{TaskID: task.TaskID, Waiting: slices.Clone(task.Ranks), Blocks: ListedBlocks(m, &task)})
 	}
 	eff.Loads = append(eff.Loads, task)
-}
-
-// taskBlocks lists the blocks a load task writes, each once, in task order.
-func taskBlocks(m *Model, task *LoadTask) []BlockID {
-	out := []BlockID{}
-	for _, gc := range task.Groups {
-		bs := m.Groups[gc.Group].BlockSize
-		for _, c := range gc.Chunks {
-			if bi := c.BlockIndex(bs); bi < len(task.BlockTable[gc.Group]) {
-				out = unionBlocks(out, task.BlockTable[gc.Group][bi:bi+1])
-			}
-		}
-	}
-	return out
 }
 
 // newLoadTask builds the load of [floor(vllm_cached, sbs), hit) into table.

@@ -250,7 +250,7 @@ func (l *Loader) stale(t time.Time) bool {
 // refuseStale answers a stale task without touching the pool: every block
 // it lists is a load error, so a request still waiting on it recomputes.
 func (l *Loader) refuseStale(ctx context.Context, task *kvcore.LoadTask, recorded time.Time) contract.TransferResult {
-	res := outcome{failed: newBlockSet(ListedBlocks(l.cfg.Model, task)),
+	res := outcome{failed: newBlockSet(kvcore.ListedBlocks(l.cfg.Model, task)),
 		firstErr: fmt.Errorf("%w: published %s, more than %s ago", ErrStaleTask, recorded.UTC().Format(time.RFC3339Nano), l.cfg.MaxAge)}
 	l.cfg.Metrics.Load(OutcomeStale, len(res.failed.list), 0)
 	l.cfg.Log.InfoContext(ctx, "stale load task refused", "task_id", task.TaskID, "request_id", task.RequestID,
@@ -328,7 +328,7 @@ func (o *outcome) fail(b kvcore.BlockID, err error) {
 
 // unplanned is the outcome of a task that cannot be planned.
 func unplanned(m *kvcore.Model, task *kvcore.LoadTask, err error) outcome {
-	return outcome{failed: newBlockSet(ListedBlocks(m, task)), planErr: err}
+	return outcome{failed: newBlockSet(kvcore.ListedBlocks(m, task)), planErr: err}
 }
 
 // loadStore gets the task's keys from the store into the pool.
@@ -415,48 +415,6 @@ func (l *Loader) place(requestID string, it kvcore.TransferItem, value []byte) e
 		return fmt.Errorf("key %s: %w", it.Key, err)
 	}
 	return l.cfg.Pool.WriteBytes(it.Group, it.Block, dataplane.Identity{Hash: it.Hash, RequestID: requestID}, payload)
-}
-
-// ListedBlocks is every block a task names for the chunks it loads, each
-// once: the block of each chunk where the table has it, and every non-null
-// block of a group whose chunks cannot be mapped. It is the load-error list
-// of a task that cannot be planned, so the engine recomputes them all.
-func ListedBlocks(m *kvcore.Model, task *kvcore.LoadTask) []kvcore.BlockID {
-	var out []kvcore.BlockID
-	seen := map[kvcore.BlockID]bool{}
-	add := func(b kvcore.BlockID) {
-		if b != kvcore.NullBlock && !seen[b] {
-			seen[b] = true
-			out = append(out, b)
-		}
-	}
-	for _, gc := range task.Groups {
-		g := gc.Group
-		if g < 0 || g >= len(task.BlockTable) {
-			continue
-		}
-		blocks := task.BlockTable[g]
-		mapped := g < len(m.Groups)
-		var picked []kvcore.BlockID
-		for _, c := range gc.Chunks {
-			if !mapped {
-				break
-			}
-			bi := c.BlockIndex(m.Groups[g].BlockSize)
-			if c.Start < 0 || bi < 0 || bi >= len(blocks) {
-				mapped = false
-				break
-			}
-			picked = append(picked, blocks[bi])
-		}
-		if !mapped {
-			picked = blocks
-		}
-		for _, b := range picked {
-			add(b)
-		}
-	}
-	return out
 }
 
 func errString(err error) string {
