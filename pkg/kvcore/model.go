@@ -85,6 +85,15 @@ func (r Rank) String() string {
 	return fmt.Sprintf("tp%d-pcp%d-dcp%d-pp%d", r.TP, r.PCP, r.DCP, r.PP)
 }
 
+// RankNames names ranks (Rank.String), in order, for logs and reports.
+func RankNames(ranks []Rank) []string {
+	out := make([]string, len(ranks))
+	for i, r := range ranks {
+		out[i] = r.String()
+	}
+	return out
+}
+
 // SpecError is a model-spec validation error naming the offending field.
 type SpecError struct {
 	// Field is the path of the bad field, e.g. "groups[1].block_size".

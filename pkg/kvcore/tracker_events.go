@@ -333,7 +333,7 @@ func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects
 // repeated task ids change nothing.
 func (t *Tracker) OnRankLoadResult(taskID string, rank *Rank, loadErrorBlocks []BlockID) Effects {
 	var eff Effects
-	if i := t.loadWait(taskID); i >= 0 {
+	if i := t.LoadWait(taskID); i >= 0 {
 		w := &t.LoadWaits[i]
 		j := -1
 		if rank != nil {
@@ -390,8 +390,9 @@ func (t *Tracker) finishLoad(eff *Effects, taskID string, loadErrorBlocks []Bloc
 	})
 }
 
-// loadWait is the index of taskID's wait in LoadWaits, or -1.
-func (t *Tracker) loadWait(taskID string) int {
+// LoadWait is the index of taskID's wait in LoadWaits, or -1 when the
+// load waits for no rank.
+func (t *Tracker) LoadWait(taskID string) int {
 	return slices.IndexFunc(t.LoadWaits, func(w LoadWait) bool { return w.TaskID == taskID })
 }
 

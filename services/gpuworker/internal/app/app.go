@@ -124,11 +124,7 @@ func validRanks(m *kvcore.Model, r kvcore.Rank) string {
 		out += fmt.Sprintf(" (%d for KVMESH_RANK_TP %d)", r.TP%dcp, r.TP)
 	}
 	if ranks := m.WorkerRanks(); len(ranks) <= 16 {
-		names := make([]string, len(ranks))
-		for i, w := range ranks {
-			names[i] = w.String()
-		}
-		out += ": " + strings.Join(names, ", ")
+		out += ": " + strings.Join(kvcore.RankNames(ranks), ", ")
 	}
 	return out
 }

@@ -135,7 +135,7 @@ func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
 	if !l.Assigned(task) {
 		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)
 		l.cfg.Log.DebugContext(ctx, "load task skipped: this rank is not one of its ranks", "task_id", task.TaskID,
-			"request_id", task.RequestID, "rank", l.cfg.Rank.String(), "ranks", rankNames(task.Ranks))
+			"request_id", task.RequestID, "rank", l.cfg.Rank.String(), "ranks", kvcore.RankNames(task.Ranks))
 		return nil
 	}
 	var res contract.TransferResult
@@ -195,15 +195,6 @@ func (l *Loader) reportRank(task *kvcore.LoadTask) *kvcore.Rank {
 	}
 	r := l.cfg.Rank
 	return &r
-}
-
-// rankNames lists ranks by name, for the log.
-func rankNames(ranks []kvcore.Rank) []string {
-	out := make([]string, len(ranks))
-	for i, r := range ranks {
-		out[i] = r.String()
-	}
-	return out
 }
 
 // ResultID is the result id of rank r's load of a task: the same on every

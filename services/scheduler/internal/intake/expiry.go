@@ -102,15 +102,6 @@ func (h *Handler) observeExpiry(r *run, k ledger.Key) {
 		h.metrics.ranksExpired.WithLabelValues(e.Connector).Add(float64(len(e.Missing)))
 		h.log.WarnContext(r.ctx, "load ranks did not report by the deadline: load finished with every block in error",
 			"engine_id", k.EngineID, "request_id", k.RequestID, "task_id", e.TaskID, "connector", e.Connector,
-			"missing_ranks", rankList(e.Missing), "deadline", e.Deadline)
+			"missing_ranks", strings.Join(kvcore.RankNames(e.Missing), ","), "deadline", e.Deadline)
 	}
-}
-
-// rankList names ranks as "tp1-pcp0-dcp0-pp0,…".
-func rankList(ranks []kvcore.Rank) string {
-	names := make([]string, len(ranks))
-	for i, r := range ranks {
-		names[i] = r.String()
-	}
-	return strings.Join(names, ",")
 }

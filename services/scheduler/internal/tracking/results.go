@@ -72,7 +72,7 @@ func (r *Request) loadResult(m *kvcore.Model, out *Outcome, src string, res cont
 		return
 	}
 	eff := t.OnRankLoadResult(res.TaskID, res.Rank, res.LoadErrors)
-	if waitIndex(t, res.TaskID) < 0 {
+	if t.LoadWait(res.TaskID) < 0 {
 		r.takeTask(res.TaskID)
 	}
 	if pd {
@@ -101,7 +101,7 @@ func (r *Request) loadTracker(taskID string) (*kvcore.Tracker, bool) {
 // it does not): a multi-rank load takes one result from each of its
 // waiting ranks.
 func rankIgnored(m *kvcore.Model, t *kvcore.Tracker, res contract.TransferResult) string {
-	i := waitIndex(t, res.TaskID)
+	i := t.LoadWait(res.TaskID)
 	switch {
 	case i < 0:
 		return ""
@@ -111,11 +111,6 @@ func rankIgnored(m *kvcore.Model, t *kvcore.Tracker, res contract.TransferResult
 		return IgnoredRepeatRank
 	}
 	return ""
-}
-
-// waitIndex is the index of taskID's wait in t.LoadWaits, or -1.
-func waitIndex(t *kvcore.Tracker, taskID string) int {
-	return slices.IndexFunc(t.LoadWaits, func(w kvcore.LoadWait) bool { return w.TaskID == taskID })
 }
 
 // rankName names a result's rank ("none" when absent).
