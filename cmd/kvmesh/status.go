@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -15,11 +14,10 @@ import (
 	"sync"
 
 	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 func init() {
@@ -138,12 +136,12 @@ func statusOf(ctx context.Context, c *client, ep endpoint) serviceStatus {
 		s.MetricsError = err.Error()
 		return s
 	}
-	fams, err := parseMetrics(body)
+	fams, err := telemetry.ParseExposition(body)
 	if err != nil {
 		s.MetricsError = err.Error()
 		return s
 	}
-	s.ConsumerLag = sumFamily(fams[bus.MetricConsumerLag], "", "")
+	s.ConsumerLag = telemetry.SumSeries(fams[bus.MetricConsumerLag], "", "")
 	s.Counters = deriveCounters(fams, serviceCounters[ep.name])
 	return s
 }
@@ -166,23 +164,13 @@ func readyFailure(pe *problemError) string {
 	return "failed checks: " + strings.Join(parts, "; ")
 }
 
-// parseMetrics parses the Prometheus text exposition format.
-func parseMetrics(body []byte) (map[string]*dto.MetricFamily, error) {
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(bytes.NewReader(body))
-	if err != nil {
-		return nil, fmt.Errorf("parse /metrics: %w", err)
-	}
-	return fams, nil
-}
-
 // deriveCounters computes specs over fams, in order.
 func deriveCounters(fams map[string]*dto.MetricFamily, specs []counterSpec) []counter {
 	var out []counter
 	for _, sp := range specs {
 		fam := fams[sp.family]
 		if sp.byLabel == "" {
-			out = append(out, counter{Name: sp.name, Value: sumFamily(fam, sp.label, sp.value)})
+			out = append(out, counter{Name: sp.name, Value: telemetry.SumSeries(fam, sp.label, sp.value)})
 			continue
 		}
 		values := labelValues(fam, sp.byLabel)
@@ -190,62 +178,22 @@ func deriveCounters(fams map[string]*dto.MetricFamily, specs []counterSpec) []co
 			out = append(out, counter{Name: sp.name})
 		}
 		for _, v := range values {
-			out = append(out, counter{Name: sp.name + "." + v, Value: sumFamily(fam, sp.byLabel, v)})
+			out = append(out, counter{Name: sp.name + "." + v, Value: telemetry.SumSeries(fam, sp.byLabel, v)})
 		}
 	}
 	return out
-}
-
-// sumFamily sums the counter, gauge or untyped series of fam whose label
-// has value (every series when label is ""); nil when fam is absent or no
-// series matches.
-func sumFamily(fam *dto.MetricFamily, label, value string) *float64 {
-	if fam == nil {
-		return nil
-	}
-	var sum float64
-	found := false
-	for _, m := range fam.GetMetric() {
-		if label != "" && labelOf(m, label) != value {
-			continue
-		}
-		switch {
-		case m.GetCounter() != nil:
-			sum += m.GetCounter().GetValue()
-		case m.GetGauge() != nil:
-			sum += m.GetGauge().GetValue()
-		case m.GetUntyped() != nil:
-			sum += m.GetUntyped().GetValue()
-		default:
-			continue
-		}
-		found = true
-	}
-	if !found {
-		return nil
-	}
-	return &sum
 }
 
 // labelValues lists the sorted values of label across fam's series.
 func labelValues(fam *dto.MetricFamily, label string) []string {
 	var out []string
 	for _, m := range fam.GetMetric() {
-		if v := labelOf(m, label); v != "" && !slices.Contains(out, v) {
+		if v := telemetry.LabelValue(m, label); v != "" && !slices.Contains(out, v) {
 			out = append(out, v)
 		}
 	}
 	slices.Sort(out)
 	return out
-}
-
-func labelOf(m *dto.Metric, name string) string {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
 }
 
 // statusTable prints the rows.

@@ -1,17 +1,15 @@
 package sim
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // The gpuworker metrics the per-rank report reads (deltas over the run).
@@ -64,19 +62,16 @@ func scrapeWorker(ctx context.Context, hc *http.Client, base string) (workerMetr
 // parseWorkerMetrics picks the report's counters out of a Prometheus text
 // exposition.
 func parseWorkerMetrics(body []byte) (workerMetrics, error) {
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := parser.TextToMetricFamilies(bytes.NewReader(body))
+	fams, err := telemetry.ParseExposition(body)
 	if err != nil {
-		return workerMetrics{}, fmt.Errorf("parse /metrics: %w", err)
+		return workerMetrics{}, err
 	}
 	var w workerMetrics
-	for _, m := range fams[metricStoreBytes].GetMetric() {
-		if labelValue(m, "op") == "save_put" {
-			w.savePutBytes += metricValue(m)
-		}
+	if v := telemetry.SumSeries(fams[metricStoreBytes], "op", "save_put"); v != nil {
+		w.savePutBytes = *v
 	}
-	for _, m := range fams[metricLoadBytes].GetMetric() {
-		w.loadBytes += metricValue(m)
+	if v := telemetry.SumSeries(fams[metricLoadBytes], "", ""); v != nil {
+		w.loadBytes = *v
 	}
 	if f := fams[metricLoadSeconds]; f != nil {
 		w.hasLoadSeconds = true
@@ -85,27 +80,6 @@ func parseWorkerMetrics(body []byte) (workerMetrics, error) {
 		}
 	}
 	return w, nil
-}
-
-// metricValue is a counter's value (or an untyped or gauge series' value:
-// an exposition without TYPE lines).
-func metricValue(m *dto.Metric) float64 {
-	switch {
-	case m.GetCounter() != nil:
-		return m.GetCounter().GetValue()
-	case m.GetUntyped() != nil:
-		return m.GetUntyped().GetValue()
-	}
-	return m.GetGauge().GetValue()
-}
-
-func labelValue(m *dto.Metric, name string) string {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue()
-		}
-	}
-	return ""
 }
 
 // scrapeRanks scrapes every live rank's /metrics, into before at the

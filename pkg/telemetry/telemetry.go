@@ -1,5 +1,6 @@
 // Package telemetry sets up OpenTelemetry tracing for a kvmesh service, and
-// registers Prometheus collectors (RegisterOnce, RegisterAll).
+// registers Prometheus collectors (RegisterOnce, RegisterAll) and reads them
+// back from a /metrics body (ParseExposition, SumSeries).
 //
 // Setup always installs an SDK tracer provider, so every request and message
 // gets real trace and span ids that propagate across hops (W3C traceparent in
