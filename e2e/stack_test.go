@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
 )
@@ -110,20 +111,14 @@ func workerRanks(t *testing.T, o stackOptions) []kvcore.Rank {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var p service.ParallelOverride
+	env := map[string]string{}
 	for _, kv := range o.env {
 		name, v, _ := strings.Cut(kv, "=")
-		n, _ := strconv.Atoi(v)
-		switch name {
-		case "KVMESH_TP":
-			p.TP = n
-		case "KVMESH_PCP":
-			p.PCP = n
-		case "KVMESH_DCP":
-			p.DCP = n
-		case "KVMESH_PP":
-			p.PP = n
-		}
+		env[name] = v
+	}
+	var p service.ParallelOverride
+	if err := config.Load(&p, func(name string) (string, bool) { v, ok := env[name]; return v, ok }); err != nil {
+		t.Fatal(err)
 	}
 	if err := p.Apply(m); err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
 )
@@ -52,10 +53,13 @@ func showModel(args []string, out io.Writer) error {
 	fs.SetOutput(stderr)
 	spec := fs.String("model", envOr("KVMESH_MODEL", "hybrid-mla-linear"), "model preset or spec file (env KVMESH_MODEL)")
 	var o service.ParallelOverride
-	fs.IntVar(&o.TP, "tp", envInt("KVMESH_TP"), "tensor-parallel size over the spec's (env KVMESH_TP; 0: the spec's)")
-	fs.IntVar(&o.PCP, "pcp", envInt("KVMESH_PCP"), "prefill context-parallel size (env KVMESH_PCP)")
-	fs.IntVar(&o.DCP, "dcp", envInt("KVMESH_DCP"), "decode context-parallel size (env KVMESH_DCP)")
-	fs.IntVar(&o.PP, "pp", envInt("KVMESH_PP"), "pipeline-parallel size (env KVMESH_PP)")
+	if err := config.Load(&o, os.LookupEnv); err != nil {
+		return err
+	}
+	fs.IntVar(&o.TP, "tp", o.TP, "tensor-parallel size over the spec's (env KVMESH_TP; 0: the spec's)")
+	fs.IntVar(&o.PCP, "pcp", o.PCP, "prefill context-parallel size (env KVMESH_PCP)")
+	fs.IntVar(&o.DCP, "dcp", o.DCP, "decode context-parallel size (env KVMESH_DCP)")
+	fs.IntVar(&o.PP, "pp", o.PP, "pipeline-parallel size (env KVMESH_PP)")
 	world := fs.Bool("world-size", false, "print only the number of worker ranks per engine")
 	ranks := fs.Bool("ranks", false, "print the worker ranks, one a line: tp pcp dcp pp (for scripts)")
 	asJSON := fs.Bool("json", false, "print the layout as JSON")
@@ -121,14 +125,4 @@ func writeLayout(out io.Writer, l modelLayout) error {
 	}
 	_, err := io.WriteString(out, b.String())
 	return err
-}
-
-// envInt is the integer value of an environment variable, 0 when unset or
-// not a number (the overrides then keep the spec's size).
-func envInt(name string) int {
-	var n int
-	if _, err := fmt.Sscanf(os.Getenv(name), "%d", &n); err != nil {
-		return 0
-	}
-	return n
 }

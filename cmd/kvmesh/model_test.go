@@ -57,3 +57,17 @@ func TestModelCommandRefusesVLLMRefusals(t *testing.T) {
 		t.Fatalf("bad flag: %v, want a usage error", err)
 	}
 }
+
+// TestModelCommandEnv: KVMESH_TP is the -tp default, and a value that is
+// not a number is an error naming it, never a silent 0.
+func TestModelCommandEnv(t *testing.T) {
+	t.Setenv("KVMESH_TP", "4")
+	var out bytes.Buffer
+	if err := showModel([]string{"-model", "dense", "-world-size"}, &out); err != nil || out.String() != "4\n" {
+		t.Fatalf("KVMESH_TP=4: %q, %v; want 4", out.String(), err)
+	}
+	t.Setenv("KVMESH_TP", "abc")
+	if err := showModel([]string{"-model", "dense", "-world-size"}, &out); err == nil || !strings.Contains(err.Error(), "KVMESH_TP") {
+		t.Fatalf("KVMESH_TP=abc: %v, want an error naming it", err)
+	}
+}
