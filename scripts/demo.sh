@@ -12,7 +12,6 @@ set -uo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-engines=${KVMESH_ENGINES:-$(cat "$root/.dev/engines" 2>/dev/null || echo 1)}
 
 # The store pool's URL (devstack's .dev/env), so that the simulator reads
 # back and checks every value the run's saves stored.
@@ -22,15 +21,12 @@ if [ -z "${KVMESH_REDIS_URL:-}" ] && [ -f "$root/.dev/env" ]; then
   export KVMESH_REDIS_URL
 fi
 
-# The model the stack serves (scripts/stack.sh up recorded it) and its ranks
-# per engine: each engine's gpuworkers are W consecutive ports.
-KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$root/.dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
-export KVMESH_MODEL
-# The parallel overrides scripts/stack.sh up recorded (KVMESH_TP, ...), unless given now.
-if [ -f "$root/.dev/parallel" ]; then
-  while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$root/.dev/parallel"
-fi
-world=$("$root/bin/kvmesh" model --world-size) || exit 1
+# The stack's engines, model, parallel overrides and its ranks per engine
+# (each engine's gpuworkers are W consecutive ports), as scripts/stack.sh
+# up recorded them unless given now.
+env=$("$root/scripts/stack.sh" env) || exit 1
+eval "$env"
+engines=$KVMESH_ENGINES world=$KVMESH_WORLD
 "$root/bin/kvmesh" sim --preset seed --model "$KVMESH_MODEL" ${KVMESH_TP:+--tp "$KVMESH_TP"} --engines "$engines" "$@"
 status=$?
 

@@ -10,19 +10,14 @@
 # have been started with the same KVMESH_ENGINES.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-engines=${KVMESH_ENGINES:-$(cat "$root/.dev/engines" 2>/dev/null || echo 1)}
-export KVMESH_ENGINES=$engines
-# Every gpuworker of the fleet: W ranks per engine (the model scripts/stack.sh
-# up recorded), decode-i rank k at :8084+2iW+k, prefill-i at :8084+(2i+1)W+k.
-KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$root/.dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
-export KVMESH_MODEL
-# The parallel overrides scripts/stack.sh up recorded (KVMESH_TP, ...), unless given now.
-if [ -f "$root/.dev/parallel" ]; then
-  while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$root/.dev/parallel"
-fi
-world=$("$root/bin/kvmesh" model --world-size) || exit 1
+# The stack's engines, model, parallel overrides and world size, as
+# scripts/stack.sh up recorded them (unless given now).
+env=$("$root/scripts/stack.sh" env) || exit 1
+eval "$env"
+# Every gpuworker of the fleet: W ranks per engine, decode-i rank k at
+# :8084+2iW+k, prefill-i at :8084+(2i+1)W+k.
 workers=
-for ((p = 0; p < 2 * engines * world; p++)); do
+for ((p = 0; p < 2 * KVMESH_ENGINES * KVMESH_WORLD; p++)); do
   workers+="${workers:+,}http://127.0.0.1:$((8084 + p))"
 done
 

@@ -5,6 +5,10 @@
 #   scripts/stack.sh up      start what is not running; wait until every /readyz is 200
 #   scripts/stack.sh down    stop them (SIGTERM, then SIGKILL after 10 s)
 #   scripts/stack.sh status  one line per service with its readiness
+#   scripts/stack.sh env     the stack's layout as shell exports, for eval:
+#                            KVMESH_ENGINES, KVMESH_MODEL, the recorded
+#                            KVMESH_TP/PCP/DCP/PP and KVMESH_WORLD (gpuworkers
+#                            per engine)
 #
 # PostgreSQL and Redis come from scripts/devstack.sh (.dev/env). Logs and pids
 # live in .dev/logs and .dev/pids.
@@ -50,9 +54,9 @@ fi
 ranks=()
 if [ -x "$root/bin/kvmesh" ]; then mapfile -t ranks < <("$root/bin/kvmesh" model --ranks); fi
 if [ ${#ranks[@]} -eq 0 ]; then
-  # up cannot go on without the layout; down and status still find every
+  # up and env cannot go on without the layout; down and status still find every
   # worker through its pid file.
-  [ "${1:-}" = up ] && die "cannot resolve the worker ranks of model $KVMESH_MODEL (bin/kvmesh model --ranks; make build first)"
+  case ${1:-} in up | env) die "cannot resolve the worker ranks of model $KVMESH_MODEL (bin/kvmesh model --ranks; make build first)" ;; esac
   ranks=("0 0 0 0")
 fi
 world=${#ranks[@]}
@@ -226,9 +230,19 @@ status() {
   done
 }
 
+# env prints what run.sh, demo.sh and traces.sh need to know of the stack.
+env_exports() {
+  local v
+  printf 'export KVMESH_ENGINES=%q KVMESH_MODEL=%q KVMESH_WORLD=%q\n' "$engines" "$KVMESH_MODEL" "$world"
+  for v in KVMESH_TP KVMESH_PCP KVMESH_DCP KVMESH_PP; do
+    if [ -n "${!v:-}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
+  done
+}
+
 case "${1:-}" in
   up) up ;;
+  env) env_exports ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
 esac

@@ -181,10 +181,10 @@ main() {
   KVMESH_REDIS_URL=$(source "$dev/env" && echo "${KVMESH_REDIS_URL:-}")
   say "simulating $TRACES_REQUESTS requests (seed preset, run $tag)"
   # The model and layout the stack serves (stack.sh up recorded them).
-  local model
-  model=$(cat "$dev/model")
-  [ -f "$dev/parallel" ] && while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$dev/parallel"
-  KVMESH_REDIS_URL=$KVMESH_REDIS_URL "$root/bin/kvmesh" sim --preset seed --model "$model" ${KVMESH_TP:+--tp "$KVMESH_TP"} \
+  local env
+  env=$("$root/scripts/stack.sh" env)
+  eval "$env"
+  KVMESH_REDIS_URL=$KVMESH_REDIS_URL "$root/bin/kvmesh" sim --preset seed --model "$KVMESH_MODEL" ${KVMESH_TP:+--tp "$KVMESH_TP"} \
     --requests "$TRACES_REQUESTS" --run-tag "$tag" --progress off >"$dev/logs/traces-sim.txt" ||
     die "the simulation failed; see .dev/logs/traces-sim.txt"
 
