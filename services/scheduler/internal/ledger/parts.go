@@ -300,13 +300,6 @@ func (c *partsCache) put(k Key, born int64, p *parts) {
 	}
 }
 
-// drop forgets k (its row was deleted or its transaction failed).
-func (c *partsCache) drop(k Key) {
-	c.mu.Lock()
-	delete(c.entries, k)
-	c.mu.Unlock()
-}
-
 func jsonMarshal(v any) ([]byte, error) {
 	b, err := json.Marshal(v)
 	if err != nil {
