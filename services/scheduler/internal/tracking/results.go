@@ -105,7 +105,7 @@ func rankIgnored(m *kvcore.Model, t *kvcore.Tracker, res contract.TransferResult
 	switch {
 	case i < 0:
 		return ""
-	case res.Rank == nil || !slices.Contains(m.WorkerRanks(), *res.Rank):
+	case res.Rank == nil || !m.IsWorkerRank(*res.Rank):
 		return IgnoredUnknownRank
 	case !slices.Contains(t.LoadWaits[i].Waiting, *res.Rank):
 		return IgnoredRepeatRank
