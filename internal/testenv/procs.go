@@ -3,6 +3,7 @@ package testenv
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -150,11 +151,11 @@ func (p *Process) URL() string { return "http://" + p.addr }
 // not ready within 60 s; the error then carries the end of its log.
 func (p *Process) Start() error {
 	p.t.Helper()
-	done, err := p.launch()
+	done, logFrom, err := p.launch()
 	if err != nil {
 		return err
 	}
-	if err := p.waitReady(done); err != nil {
+	if err := p.waitReady(done, logFrom); err != nil {
 		return fmt.Errorf("%s: %w; log:\n%s", p.name, err, p.LogTail(logTailLines))
 	}
 	p.t.Logf("%s ready at %s", p.name, p.addr)
@@ -162,22 +163,28 @@ func (p *Process) Start() error {
 }
 
 // launch starts the binary with its output appended to the log and returns
-// the channel that closes when it has exited.
-func (p *Process) launch() (<-chan struct{}, error) {
+// the channel that closes when it has exited and the log's size before it
+// started.
+func (p *Process) launch() (<-chan struct{}, int64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.done != nil && !closed(p.done) {
-		return nil, fmt.Errorf("start %s: %w", p.name, errRunning)
+		return nil, 0, fmt.Errorf("start %s: %w", p.name, errRunning)
 	}
 	f, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
-		return nil, fmt.Errorf("start %s: %w", p.name, err)
+		return nil, 0, fmt.Errorf("start %s: %w", p.name, err)
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, 0, fmt.Errorf("start %s: %w", p.name, err)
 	}
 	cmd := exec.Command(p.bin)
 	cmd.Env, cmd.Stdout, cmd.Stderr = p.env, f, f
 	if err := cmd.Start(); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("start %s: %w", p.name, err)
+		return nil, 0, fmt.Errorf("start %s: %w", p.name, err)
 	}
 	done := make(chan struct{})
 	go func() {
@@ -186,13 +193,46 @@ func (p *Process) launch() (<-chan struct{}, error) {
 		close(done)
 	}()
 	p.cmd, p.done = cmd, done
-	return done, nil
+	return done, st.Size(), nil
 }
 
-// waitReady polls /readyz until it answers 200, the process exits (done
-// closes) or readyWithin passes.
-func (p *Process) waitReady(done <-chan struct{}) error {
-	return WaitReady(p.URL()+"/readyz", readyWithin, done)
+// waitReady polls /readyz until it answers 200 and the process's log, past
+// logFrom, says it listens on its address (so that a 200 from another
+// process that holds the port is not taken for this one's), the process
+// exits (done closes) or readyWithin passes.
+func (p *Process) waitReady(done <-chan struct{}, logFrom int64) error {
+	hc := probeClient()
+	defer hc.CloseIdleConnections()
+	return poll(readyWithin, done, func() error {
+		if err := probe(hc, p.URL()+"/readyz"); err != nil {
+			return err
+		}
+		return p.listening(logFrom)
+	})
+}
+
+// listening reports nil when the log, from byte from on, has a line that
+// says the process listens on its address ("listening" and the address).
+func (p *Process) listening(from int64) error {
+	f, err := os.Open(p.log)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Seek(from, io.SeekStart); err != nil {
+		return err
+	}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if line := sc.Text(); strings.Contains(line, "listening") && strings.Contains(line, p.addr) {
+			return nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return err
+	}
+	return fmt.Errorf("/readyz answers, but %s has not logged that it listens on %s: %w", p.name, p.addr, errNotListening)
 }
 
 // WaitReady polls GET url (each request bounded to 2 s) until it answers
@@ -201,11 +241,17 @@ func (p *Process) waitReady(done <-chan struct{}) error {
 func WaitReady(url string, within time.Duration, stop <-chan struct{}) error {
 	hc := probeClient()
 	defer hc.CloseIdleConnections()
+	return poll(within, stop, func() error { return probe(hc, url) })
+}
+
+// poll calls check every readyPoll until it returns nil, within passes or
+// stop closes (reported as ErrExited).
+func poll(within time.Duration, stop <-chan struct{}, check func() error) error {
 	deadline := time.Now().Add(within)
 	tick := time.NewTicker(readyPoll)
 	defer tick.Stop()
 	for {
-		err := probe(hc, url)
+		err := check()
 		if err == nil {
 			return nil
 		}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
@@ -122,6 +123,44 @@ func TestProcsStartFailsWhenTheProcessExits(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), "no configuration, giving up") {
 		t.Errorf("Start's error lacks the log's last line: %v", err)
+	}
+}
+
+// TestProcsStartIsNotFooledByAnotherListener holds a process's port with a
+// server of the test's own that answers /readyz 200: the process cannot bind,
+// and Start must report its exit instead of taking the impostor's 200 for
+// its readiness.
+func TestProcsStartIsNotFooledByAnotherListener(t *testing.T) {
+	ps := testenv.NewProcs(t)
+	p := addFake(t, ps, "svc")
+	l, err := net.Listen("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	impostor := &http.Server{Handler: http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})}
+	go func() { _ = impostor.Serve(l) }() // returns ErrServerClosed at Close
+	t.Cleanup(func() { impostor.Close() })
+	err = p.Start()
+	if !errors.Is(err, testenv.ErrExited) {
+		t.Fatalf("Start with the port held by another server: %v, want ErrExited", err)
+	}
+	if !strings.Contains(err.Error(), "address already in use") {
+		t.Errorf("Start's error lacks the bind failure: %v", err)
+	}
+}
+
+// TestProcsPortsAreNeverHandedOutTwice adds many processes and checks
+// that no two got the same address.
+func TestProcsPortsAreNeverHandedOutTwice(t *testing.T) {
+	ps := testenv.NewProcs(t)
+	seen := map[string]string{}
+	for i := range 500 {
+		name := fmt.Sprintf("svc-%d", i)
+		p := addFake(t, ps, name)
+		if other, ok := seen[p.Addr()]; ok {
+			t.Fatalf("%s got %s, already handed to %s", name, p.Addr(), other)
+		}
+		seen[p.Addr()] = name
 	}
 }
 

@@ -100,15 +100,49 @@ func freePort() (string, error) {
 	return port, err
 }
 
-// freeAddr returns a loopback address whose port was free a moment ago.
+// handedOut holds every port freeAddr has returned in this test binary, so
+// that two processes of one test never get the same port: the kernel may
+// hand a port it just freed to the next bind of port 0.
+var handedOut = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// freeAddr returns a loopback address whose port was free a moment ago and
+// was not returned before in this test binary.
 func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", fmt.Errorf("find a free port: %w", err)
+	for range freeAddrTries {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return "", fmt.Errorf("find a free port: %w", err)
+		}
+		addr := l.Addr().(*net.TCPAddr)
+		l.Close()
+		handedOut.Lock()
+		seen := handedOut.ports[addr.Port]
+		handedOut.ports[addr.Port] = true
+		handedOut.Unlock()
+		if !seen {
+			return addr.String(), nil
+		}
 	}
-	defer l.Close()
-	return l.Addr().String(), nil
+	return "", fmt.Errorf("find a free port: %d tries gave ports already handed out", freeAddrTries)
 }
+
+// FreeAddr returns a loopback address (host:port) whose port was free a
+// moment ago and was not handed out before in this test binary, for a
+// process the test starts itself; it fails the test when none is found.
+func FreeAddr(t testing.TB) string {
+	t.Helper()
+	addr, err := freeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
+
+// freeAddrTries bounds the binds of port 0 one freeAddr call makes.
+const freeAddrTries = 100
 
 // syncBuffer is a bytes.Buffer that a process may write while a test reads.
 type syncBuffer struct {

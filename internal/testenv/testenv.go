@@ -34,6 +34,9 @@ var (
 	errRunning = errors.New("already running")
 	// errNotStarted reports a process that was never started.
 	errNotStarted = errors.New("not started")
+	// errNotListening reports a process whose /readyz answers but whose log
+	// does not (yet) say that it listens on its address.
+	errNotListening = errors.New("not listening")
 	// errDuplicate reports an Add under a name already taken.
 	errDuplicate = errors.New("name already registered")
 )

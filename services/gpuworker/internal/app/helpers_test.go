@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"sync"
 	"testing"
@@ -278,16 +277,4 @@ func getJSON(t *testing.T, url string, v any) {
 	if err := json.Unmarshal(body, v); err != nil {
 		t.Fatalf("GET %s: %v in %s", url, err, body)
 	}
-}
-
-// freePort returns a TCP port that was free a moment ago on 127.0.0.1.
-func freePort(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	_, port, _ := net.SplitHostPort(l.Addr().String())
-	return port
 }

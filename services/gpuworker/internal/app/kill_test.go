@@ -125,7 +125,7 @@ type process struct {
 // runWorker starts bin with the environment of cfg and waits until ready.
 func runWorker(t *testing.T, bin string, cfg map[string]string) *process {
 	t.Helper()
-	p := &process{out: &bytes.Buffer{}, addr: "127.0.0.1:" + freePort(t)}
+	p := &process{out: &bytes.Buffer{}, addr: testenv.FreeAddr(t)}
 	p.cmd = exec.Command(bin)
 	p.cmd.Env = []string{"KVMESH_HTTP_ADDR=" + p.addr, "PATH=" + os.Getenv("PATH")}
 	for k, v := range cfg {

@@ -3,7 +3,6 @@ package app_test
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,17 +22,6 @@ import (
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
-// freeAddr returns a loopback address with a port free at the time of the call.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
-
 // process is a scheduler running as a subprocess.
 type process struct {
 	cmd  *exec.Cmd
@@ -46,7 +34,7 @@ type process struct {
 // and waits until it is ready.
 func startProcess(t *testing.T, bin string, env *servicetest.Env, extra ...string) *process {
 	t.Helper()
-	p := &process{addr: freeAddr(t), log: filepath.Join(t.TempDir(), "scheduler.log"), done: make(chan error, 1)}
+	p := &process{addr: testenv.FreeAddr(t), log: filepath.Join(t.TempDir(), "scheduler.log"), done: make(chan error, 1)}
 	logFile, err := os.Create(p.log)
 	if err != nil {
 		t.Fatal(err)

@@ -2,7 +2,6 @@ package app_test
 
 import (
 	"context"
-	"fmt"
 	"reflect"
 	"strconv"
 	"strings"
@@ -30,10 +29,10 @@ func TestSenderKilledMidBatch(t *testing.T) {
 	}
 	s.publish(t, all...)
 
-	port := freePort(t)
+	addr := testenv.FreeAddr(t)
 	env := map[string]string{
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
-		"KVMESH_REDIS_URL": s.redis, "KVMESH_HTTP_ADDR": fmt.Sprintf("127.0.0.1:%d", port), "KVMESH_KEY_PREFIX": s.prefix,
+		"KVMESH_REDIS_URL": s.redis, "KVMESH_HTTP_ADDR": addr, "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
 	}
 	bin := testenv.BuildBinary(t, "./services/sender")
@@ -50,7 +49,7 @@ func TestSenderKilledMidBatch(t *testing.T) {
 	t.Logf("killed after %d of %d tasks", atKill, tasks)
 
 	startProcess(t, bin, env)
-	servicetest.WaitReady(t, fmt.Sprintf("127.0.0.1:%d", port))
+	servicetest.WaitReady(t, addr)
 	poll(t, "every task completed", func() bool { return s.outcomes(t) == tasks })
 
 	var done []string
