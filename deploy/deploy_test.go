@@ -734,8 +734,8 @@ func TestDeployDashboardMetricsAreDefined(t *testing.T) {
 		t.Errorf("the dashboards query only %d metrics: %v", len(used), used)
 	}
 	for _, m := range used {
-		if !strings.HasPrefix(m, "kvmesh_") {
-			t.Errorf("dashboards query %s: only kvmesh_* families, which the live scrape test checks, are allowed", m)
+		if !slices.ContainsFunc(deploy.MetricPrefixes, func(p string) bool { return strings.HasPrefix(m, p) }) {
+			t.Errorf("dashboards query %s: only families starting %v, which the live scrape test checks, are allowed", m, deploy.MetricPrefixes)
 		}
 		if _, found := slices.BinarySearch(defined, m); !found {
 			t.Errorf("dashboards query %s, which no Go source under pkg/ or services/ defines", m)

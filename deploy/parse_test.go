@@ -60,6 +60,8 @@ func TestMetricNames(t *testing.T) {
 		{`query_result(topk(5, sum by (op) (kvmesh_store_keys_total)))`, []string{"kvmesh_store_keys_total"}},
 		{`rate(x:recorded:rate5m[1m])`, []string{"x:recorded:rate5m"}},
 		{`sum(kvmesh_a{l="with \" quote"}) + kvmesh_a`, []string{"kvmesh_a"}},
+		{`histogram_quantile(0.99, sum by (le, operation) (rate(vllm:mooncake_store_operation_time_seconds_bucket{status="ok"}[5m])))`,
+			[]string{"vllm:mooncake_store_operation_time_seconds_bucket"}},
 	} {
 		if got := deploy.MetricNames(tc.expr); !slices.Equal(got, tc.want) {
 			t.Errorf("MetricNames(%q) = %q, want %q", tc.expr, got, tc.want)
@@ -71,6 +73,7 @@ func TestFamily(t *testing.T) {
 	for in, want := range map[string]string{
 		"kvmesh_x_seconds_bucket": "kvmesh_x_seconds", "kvmesh_x_seconds_sum": "kvmesh_x_seconds",
 		"kvmesh_x_seconds_count": "kvmesh_x_seconds", "kvmesh_x_total": "kvmesh_x_total",
+		"vllm:mooncake_store_operation_time_seconds_bucket": "vllm:mooncake_store_operation_time_seconds",
 	} {
 		if got := deploy.Family(in); got != want {
 			t.Errorf("Family(%q) = %q, want %q", in, got, want)
@@ -99,7 +102,7 @@ var p = Opts{Name: "kvmesh_plain_seconds"}
 var notMetric = "kvmesh.topic.name"
 `)
 	write("services/s/internal/m/m.go", `package m
-var x = []string{"kvmesh_service_bytes_total"}
+var x = []string{"kvmesh_service_bytes_total", "vllm:served_under_vllms_name_total", "other:not_ours_total"}
 `)
 	write("services/s/internal/m/m_test.go", `package m
 var y = "kvmesh_only_in_a_test_total"
@@ -111,7 +114,8 @@ var z = "kvmesh_outside_pkg_and_services_total"
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []string{"kvmesh_literal_total", "kvmesh_plain_seconds", "kvmesh_service_bytes_total", "kvmesh_sub_composed_total"}
+	want := []string{"kvmesh_literal_total", "kvmesh_plain_seconds", "kvmesh_service_bytes_total", "kvmesh_sub_composed_total",
+		"vllm:served_under_vllms_name_total"}
 	if !slices.Equal(got, want) {
 		t.Errorf("DefinedMetrics = %q, want %q", got, want)
 	}

@@ -12,10 +12,16 @@ import (
 	"strings"
 )
 
-// metricName matches a kvmesh metric family name.
-var metricName = regexp.MustCompile(`^kvmesh_[a-z0-9_:]*[a-z0-9]$`)
+// MetricPrefixes start the names of the metric families kvmesh serves:
+// its own (kvmesh_) and those of vLLM's MooncakeStore connector that it
+// serves under vLLM's names (vllm:, see pkg/kvstore's VLLMMetric names).
+var MetricPrefixes = []string{"kvmesh_", "vllm:"}
 
-// DefinedMetrics returns the sorted kvmesh_* metric names that non-test Go
+// metricName matches a metric family name that starts with one of
+// MetricPrefixes.
+var metricName = regexp.MustCompile(`^(?:kvmesh_|vllm:)[a-z0-9_:]*[a-z0-9]$`)
+
+// DefinedMetrics returns the sorted kvmesh_* and vllm:* metric names that non-test Go
 // source under root's pkg/ and services/ spells out: every string literal
 // that is such a name, and every Namespace/Subsystem/Name composition in a
 // composite literal (prometheus.CounterOpts and friends) whose parts are

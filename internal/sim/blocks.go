@@ -6,8 +6,27 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
+// nullBlockID is the engine's null block, as in vLLM: BlockPool.__init__
+// (vllm/v1/core/block_pool.py) takes the first free block, block 0, as
+// null_block, and block tables carry NULL_BLOCK_ID = 0
+// (vllm/v1/attention/backends/utils.py) for slots that hold nothing (Mamba
+// states before the hit, sliding-window blocks out of the window). Block 0
+// is never handed out; real blocks are 1 … pool size − 1. The engine
+// declares it in every step record (contract.EngineStep.NullBlockID) and
+// in the kv_transfer_params it hands to its decode peer
+// (contract.PDSource.NullBlockID), so that the mesh sees vLLM's
+// convention end to end.
+const nullBlockID kvcore.BlockID = 0
+
+// declaredNullBlockID is nullBlockID as the contract declares it.
+func declaredNullBlockID() *int64 {
+	id := int64(nullBlockID)
+	return &id
+}
+
 // blockPool is the engine's block manager for one rank: for every KV group a
-// fixed number of blocks (the gpuworker's pool, or fewer), reference counts,
+// fixed number of blocks (the gpuworker's pool, or fewer; block 0 of them
+// is the null block, never handed out), reference counts,
 // a prefix cache of blocks whose bytes are known (keyed by the chunk's block
 // hash), and pins that keep a block from being reused while a save task may
 // still read it. Freed blocks with known contents stay cached, least recently
@@ -31,21 +50,28 @@ type groupBlocks struct {
 	held  []bool          // the worker may hold content in the block
 }
 
+// newBlockPool returns a pool of blocks ids per group, 0 … blocks − 1, of
+// which block 0 is the null block: blocks − 1 of them can be handed out.
 func newBlockPool(groups, blocks int) *blockPool {
 	p := &blockPool{groups: make([]*groupBlocks, groups)}
+	real := max(0, blocks-1)
 	for g := range p.groups {
 		gb := &groupBlocks{
 			ref: make([]int32, blocks), pin: make([]int32, blocks), key: make([]string, blocks),
-			index: map[string]int{}, lru: list.New(), elem: make([]*list.Element, blocks), avail: blocks,
+			index: map[string]int{}, lru: list.New(), elem: make([]*list.Element, blocks), avail: real,
 			held: make([]bool, blocks),
 		}
-		for b := blocks - 1; b >= 0; b-- {
+		for b := blocks - 1; b > int(nullBlockID); b-- {
 			gb.free = append(gb.free, b)
 		}
 		p.groups[g] = gb
 	}
 	return p
 }
+
+// usableBlocks is the number of real blocks a pool of blocks ids holds:
+// all but the null block.
+func usableBlocks(blocks int) int { return max(0, blocks-1) }
 
 // available is the number of blocks of group g that alloc can hand out.
 func (p *blockPool) available(g int) int { return p.groups[g].avail }
@@ -76,7 +102,7 @@ func (p *blockPool) alloc(g int) (kvcore.BlockID, bool) {
 		p.reuse(g, b)
 		return kvcore.BlockID(b), true
 	}
-	return kvcore.NullBlock, false
+	return nullBlockID, false
 }
 
 // reuse gives an unreferenced, unpinned block its first reference for new

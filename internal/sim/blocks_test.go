@@ -19,26 +19,35 @@ func allocN(t *testing.T, p *blockPool, g, n int) []kvcore.BlockID {
 	return out
 }
 
+// TestBlockPoolAllocUntilFull: a pool of 5 block ids hands out 4 real
+// blocks, 1 to 4: block 0 is the null block (vLLM's BlockPool reserves it
+// as null_block) and is never handed out.
 func TestBlockPoolAllocUntilFull(t *testing.T) {
-	p := newBlockPool(2, 4)
+	p := newBlockPool(2, 5)
+	if p.available(0) != 4 || usableBlocks(5) != 4 {
+		t.Fatalf("available %d (usable %d), want 4: the null block is not available", p.available(0), usableBlocks(5))
+	}
 	got := allocN(t, p, 0, 4)
 	seen := map[kvcore.BlockID]bool{}
 	for _, b := range got {
-		if b < 0 || b >= 4 || seen[b] {
-			t.Fatalf("handed out %v", got)
+		if b == nullBlockID || b < 1 || b >= 5 || seen[b] {
+			t.Fatalf("handed out %v, want 1..4 each once", got)
 		}
 		seen[b] = true
 	}
-	if _, ok := p.alloc(0); ok || p.available(0) != 0 {
-		t.Fatalf("a full group handed out a block (available %d)", p.available(0))
+	if b, ok := p.alloc(0); ok || b != nullBlockID || p.available(0) != 0 {
+		t.Fatalf("a full group handed out block %d (available %d)", b, p.available(0))
 	}
 	if p.available(1) != 4 {
 		t.Fatalf("group 1 available %d, want 4: groups are separate", p.available(1))
 	}
+	if d := declaredNullBlockID(); d == nil || *d != 0 {
+		t.Fatalf("declared null block id %v, want 0", d)
+	}
 }
 
 func TestBlockPoolPrefixCacheLRU(t *testing.T) {
-	p := newBlockPool(1, 3)
+	p := newBlockPool(1, 4)
 	bs := allocN(t, p, 0, 3)
 	for i, key := range []string{"a", "b", "c"} {
 		p.register(0, bs[i], key)
@@ -74,7 +83,7 @@ func TestBlockPoolPrefixCacheLRU(t *testing.T) {
 }
 
 func TestBlockPoolRegisterKeepsFirstHolder(t *testing.T) {
-	p := newBlockPool(1, 2)
+	p := newBlockPool(1, 3)
 	bs := allocN(t, p, 0, 2)
 	p.register(0, bs[0], "k")
 	p.register(0, bs[1], "k")
@@ -91,7 +100,7 @@ func TestBlockPoolRegisterKeepsFirstHolder(t *testing.T) {
 }
 
 func TestBlockPoolPins(t *testing.T) {
-	p := newBlockPool(1, 2)
+	p := newBlockPool(1, 3)
 	bs := allocN(t, p, 0, 2)
 	p.register(0, bs[0], "saved")
 	p.pin(0, bs[0]) // a save reads it

@@ -351,7 +351,7 @@ func (e *engine) failDead(out *outbox, r *request, d *rankWorker) {
 func (e *engine) poolState() string {
 	var parts []string
 	for g := range e.model.Groups {
-		parts = append(parts, fmt.Sprintf("group %d: %d of %d blocks free", g, e.pool.available(g), e.cfg.PoolBlocks))
+		parts = append(parts, fmt.Sprintf("group %d: %d of %d blocks free", g, e.pool.available(g), usableBlocks(e.cfg.PoolBlocks)))
 	}
 	n := 0
 	for _, sets := range e.pins {
@@ -378,7 +378,7 @@ func (e *engine) maybeFinalize(r *request) {
 func (e *engine) free(r *request) {
 	for g, ids := range r.table {
 		for _, b := range ids {
-			if b != kvcore.NullBlock {
+			if b != nullBlockID {
 				e.pool.release(g, b)
 			}
 		}
@@ -402,7 +402,7 @@ func (e *engine) pinSave(r *request, t kvcore.SaveTask) {
 				continue
 			}
 			b := t.BlockTable[gc.Group][i]
-			if b < 0 || int(b) >= e.cfg.PoolBlocks {
+			if b < 0 || b == nullBlockID || int(b) >= e.cfg.PoolBlocks {
 				continue
 			}
 			e.pool.pin(gc.Group, b)

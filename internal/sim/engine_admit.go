@@ -23,7 +23,7 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 	r.extendHashes(e.model.HashBlockSize)
 	num := r.numTokens()
 	if g, need, ok := e.everFits(num); !ok {
-		e.giveUp(out, r, fmt.Sprintf("%d tokens need %d blocks of group %d, the pool has %d (watermark %d)", num, need, g, e.cfg.PoolBlocks, e.cfg.Watermark))
+		e.giveUp(out, r, fmt.Sprintf("%d tokens need %d blocks of group %d, the pool has %d (watermark %d)", num, need, g, usableBlocks(e.cfg.PoolBlocks), e.cfg.Watermark))
 		return true
 	}
 	local := e.localHit(r, num)
@@ -99,7 +99,7 @@ func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision
 		storeExt = ext
 	}
 	e.shadowEffects(r, r.shadow.OnLookup(e.model, storeSpec))
-	e.shadowEffects(r, r.shadow.OnAllocate(e.model, storeExt, r.table))
+	e.shadowEffects(r, r.shadow.OnAllocate(e.model, storeExt, r.table.NormalizeNull(nullBlockID)))
 }
 
 // ask calls the lookup. It reports false when the request must wait for a
@@ -216,7 +216,7 @@ func (e *engine) cachedAt(r *request, h int) bool {
 // grow into) fits the pool at all; if not, the group and its need.
 func (e *engine) everFits(num int) (group, need int, ok bool) {
 	for g, grp := range e.model.Groups {
-		if need := ceilDiv(num, grp.BlockSize) + 1; need > e.cfg.PoolBlocks-e.cfg.Watermark {
+		if need := ceilDiv(num, grp.BlockSize) + 1; need > usableBlocks(e.cfg.PoolBlocks)-e.cfg.Watermark {
 			return g, need, false
 		}
 	}
@@ -255,7 +255,7 @@ func (e *engine) allocate(r *request, num, local, hit int) bool {
 		table[g] = make([]kvcore.BlockID, ceilDiv(num, grp.BlockSize))
 		for p := range table[g] {
 			c := kvcore.Chunk{Start: p * grp.BlockSize, End: (p + 1) * grp.BlockSize}
-			table[g][p] = kvcore.NullBlock
+			table[g][p] = nullBlockID
 			if c.End <= local && grp.Reaches(c, local) {
 				b, _ := e.pool.cached(g, e.chunkKey(r, c))
 				e.pool.acquire(g, b)

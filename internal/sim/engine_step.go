@@ -136,7 +136,9 @@ func (e *engine) advance(out *outbox, s scheduled) {
 			step.Hashes = r.hexes
 		}
 		e.event(out, r, contract.RequestEvent{Kind: contract.EventScheduled, Step: &step})
-		e.shadowEffects(r, r.shadow.Step(e.model, step))
+		shadow := step // the scheduler's view: the null block normalised at intake
+		shadow.Table = step.Table.NormalizeNull(nullBlockID)
+		e.shadowEffects(r, r.shadow.Step(e.model, shadow))
 	}
 	if r.computed == r.numTokens() {
 		e.sample(out, r)

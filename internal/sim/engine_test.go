@@ -69,17 +69,18 @@ func TestAllocateLayout(t *testing.T) {
 	if len(mla) != 4 || len(mamba) != 4 {
 		t.Fatalf("table %v: want 4 blocks per group for 50 tokens", r.table)
 	}
-	if slices.Contains(mla, kvcore.NullBlock) {
+	if slices.Contains(mla, nullBlockID) {
 		t.Fatalf("MLA blocks %v: every chunk is needed", mla)
 	}
-	if mamba[0] != kvcore.NullBlock || slices.Contains(mamba[1:], kvcore.NullBlock) {
+	if mamba[0] != nullBlockID || slices.Contains(mamba[1:], nullBlockID) {
 		t.Fatalf("Mamba blocks %v: only the state before the hit at 32 may be null", mamba)
 	}
-	if e.pool.available(0) != 28 || e.pool.available(1) != 29 {
-		t.Fatalf("available %d/%d, want 28/29", e.pool.available(0), e.pool.available(1))
+	// 31 real blocks per group (block 0 is the null block): 4 and 3 taken.
+	if e.pool.available(0) != 27 || e.pool.available(1) != 28 {
+		t.Fatalf("available %d/%d, want 27/28", e.pool.available(0), e.pool.available(1))
 	}
 	e.free(r)
-	if e.pool.available(0) != 32 || e.pool.available(1) != 32 || r.table != nil {
+	if e.pool.available(0) != 31 || e.pool.available(1) != 31 || r.table != nil {
 		t.Fatal("free did not return every block")
 	}
 }
@@ -128,13 +129,13 @@ func TestLocalHit(t *testing.T) {
 			t.Fatalf("group %d: the chunk before the hit is block %d, not the cached %d", g, r.table[g][3], b)
 		}
 	}
-	if r.table[1][0] != kvcore.NullBlock || r.table[1][1] != kvcore.NullBlock {
+	if r.table[1][0] != nullBlockID || r.table[1][1] != nullBlockID {
 		t.Fatalf("Mamba blocks %v: states before the local hit are not needed", r.table[1])
 	}
 }
 
 func TestFitsAndGrow(t *testing.T) {
-	e, _ := testEngine(t, "hybrid-mla-linear", 6)
+	e, _ := testEngine(t, "hybrid-mla-linear", 7) // 6 real blocks and the null block
 	if _, _, ok := e.everFits(80); ok {
 		t.Fatal("80 tokens (5 blocks + 1 to grow) fit a pool of 6 with watermark 1")
 	}
@@ -172,18 +173,18 @@ func TestPinsFollowShadowSaves(t *testing.T) {
 	out := newOutbox()
 	e.allocate(r, 40, 0, 0)
 	e.allocated(out, r, nil, 0, "")
-	step := kvcore.Step{Kind: kvcore.StepNew, Tokens: 40, Table: r.table.Clone(), Hashes: r.hexes}
+	step := kvcore.Step{Kind: kvcore.StepNew, Tokens: 40, Table: r.table.NormalizeNull(nullBlockID).Clone(), Hashes: r.hexes}
 	e.shadowEffects(r, r.shadow.Step(e.model, step))
 	k := pinKey{"run-1", span{0, 32}}
 	if len(e.pins[k]) != 1 || len(e.pins[k][0]) != 3 { // MLA [0,16) and [16,32), Mamba [16,32)
 		t.Fatalf("pins %v, want the save's 3 blocks", e.pins)
 	}
 	e.free(r)
-	if e.pool.available(0) != 6 || e.pool.available(1) != 7 {
+	if e.pool.available(0) != 5 || e.pool.available(1) != 6 { // 7 real blocks of 8 ids
 		t.Fatalf("available %d/%d after free: pinned blocks must stay out", e.pool.available(0), e.pool.available(1))
 	}
 	e.saveReported(k)
-	if e.pool.available(0) != 8 || e.pool.available(1) != 8 || len(e.pins) != 0 {
+	if e.pool.available(0) != 7 || e.pool.available(1) != 7 || len(e.pins) != 0 {
 		t.Fatal("unpin did not return the blocks")
 	}
 	if got := e.ledger.report().EngineExpectedSaves; got != 1 {
@@ -202,6 +203,18 @@ func TestPinsFollowShadowSaves(t *testing.T) {
 	}
 	if rec.Schema != contract.SchemaEngineStep || rec.EngineID != "e" || rec.Model != e.model.Name || rec.StepID != "e/run/1" || rec.Step != 1 {
 		t.Fatalf("step record %+v", rec)
+	}
+	// vLLM's convention on the wire: the record declares null block id 0,
+	// and the allocated table's real blocks are 1 or more.
+	if rec.NullBlockID == nil || *rec.NullBlockID != 0 {
+		t.Fatalf("step record declares null block id %v, want 0", rec.NullBlockID)
+	}
+	for _, ev := range rec.Requests {
+		for _, ids := range ev.BlockTable {
+			if slices.ContainsFunc(ids, func(b kvcore.BlockID) bool { return b < 1 }) {
+				t.Fatalf("allocated table %v: a real block below 1", ev.BlockTable)
+			}
+		}
 	}
 	var kinds []contract.EventKind
 	for _, ev := range rec.Requests {

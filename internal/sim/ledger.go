@@ -195,17 +195,21 @@ func (l *ledger) transferResult(rec Record) {
 	}
 }
 
-// kvEvent records one record of kvmesh.kv.events: the keys a BlockStored
-// event of a run request names.
+// kvEvent records one record of kvmesh.kv.events: the store keys a
+// BlockStored record of a run request names (contract.DecodeKVEventRecord:
+// the vLLM batch in the value, the namespace, full hashes and request in
+// the headers). BlockRemoved and AllBlocksCleared records, and records of
+// other runs, leave the ledger alone.
 func (l *ledger) kvEvent(rec Record) {
-	var ev contract.KVEvent
-	if err := json.Unmarshal(rec.Value, &ev); err != nil || ev.Kind != contract.BlockStored || !l.ours(ev.RequestID) {
+	ev, err := contract.DecodeKVEventRecord(rec.Value, rec.Headers)
+	if err != nil || ev.Kind() != contract.BlockStored || !l.ours(ev.RequestID) {
 		return
 	}
+	keys := ev.Keys()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.announced += len(ev.Keys)
-	for _, k := range ev.Keys {
+	l.announced += len(keys)
+	for _, k := range keys {
 		if _, seen := l.stored[k]; !seen {
 			l.stored[k] = ev.EngineID
 		}

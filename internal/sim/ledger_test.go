@@ -236,7 +236,9 @@ func TestLedgerPerRank(t *testing.T) {
 	}
 	last := task.Groups[1].Chunks[states-1]
 	keys = append(keys, kb.Key(kvcore.Rank{TP: 5}, 1, hash(last.HashIndex(16))))
-	f.l.kvEvent(Record{Value: mustJSON(contract.KVEvent{Kind: contract.BlockStored, EngineID: "e", RequestID: "run-1", Keys: keys})})
+	for _, rec := range storedRecords(t, "e", "run-1", keys) {
+		f.l.kvEvent(rec)
+	}
 	rep := f.l.report()
 	if !rep.Balanced || !rep.RanksBalanced || len(rep.Ranks) != 8 {
 		t.Fatalf("not balanced per rank: %+v", rep)
@@ -254,7 +256,9 @@ func TestLedgerPerRank(t *testing.T) {
 		}
 	}
 	stray := kb.Key(kvcore.Rank{TP: 3}, 0, hash(0)) // MLA has no tp_rank:3 namespace
-	f.l.kvEvent(Record{Value: mustJSON(contract.KVEvent{Kind: contract.BlockStored, EngineID: "e", RequestID: "run-1", Keys: []string{stray}})})
+	for _, rec := range storedRecords(t, "e", "run-1", []string{stray}) {
+		f.l.kvEvent(rec)
+	}
 	rep = f.l.report()
 	if rep.Balanced || rep.RanksBalanced || rep.RanksUnattributed != 1 {
 		t.Fatalf("a key no rank writes: balanced %v, per rank %v, unattributed %d", rep.Balanced, rep.RanksBalanced, rep.RanksUnattributed)
@@ -272,4 +276,42 @@ func TestLedgerRankLoadResults(t *testing.T) {
 	if rep := f.l.report(); rep.LoadTasks != 1 || rep.LoadResults != 2 || rep.LoadBytes != 20 {
 		t.Fatalf("load accounting %+v", rep)
 	}
+}
+
+// storedRecords are the kvmesh.kv.events records the sender publishes for
+// keys stored by one request: one BlockStored record per store namespace.
+func storedRecords(t *testing.T, engine, request string, keys []string) []Record {
+	t.Helper()
+	var order []string
+	byNS := map[string][]string{}
+	for _, k := range keys {
+		ns, h, ok := kvcore.SplitKey(k)
+		if !ok {
+			t.Fatalf("key %q", k)
+		}
+		if _, seen := byNS[ns]; !seen {
+			order = append(order, ns)
+		}
+		byNS[ns] = append(byNS[ns], h)
+	}
+	var out []Record
+	for _, ns := range order {
+		var wire []uint64
+		for _, h := range byNS[ns] {
+			b, err := kvcore.ParseBlockHash(h)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wire = append(wire, contract.WireHash(b))
+		}
+		key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
+			Batch:     contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: wire, TokenIDs: []uint32{}}}},
+			Namespace: ns, Hashes: byNS[ns], EngineID: engine, RequestID: request,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, Record{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+	}
+	return out
 }

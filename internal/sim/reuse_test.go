@@ -50,14 +50,14 @@ func savingRequest(t *testing.T, e *engine, id string, n int) *request {
 	}
 	for g := range r.table {
 		for _, b := range r.table[g] {
-			if b != kvcore.NullBlock {
+			if b != nullBlockID {
 				e.pool.hold(g, b) // computed
 			}
 		}
 	}
 	out := newOutbox()
 	e.allocated(out, r, nil, 0, "")
-	e.shadowEffects(r, r.shadow.Step(e.model, kvcore.Step{Kind: kvcore.StepNew, Tokens: n, Table: r.table.Clone(), Hashes: r.hexes}))
+	e.shadowEffects(r, r.shadow.Step(e.model, kvcore.Step{Kind: kvcore.StepNew, Tokens: n, Table: r.table.NormalizeNull(nullBlockID).Clone(), Hashes: r.hexes}))
 	e.running = append(e.running, r)
 	r.phase = phaseRunning
 	if r.failure != "" || len(e.pins) != 1 {
@@ -72,7 +72,7 @@ func savingRequest(t *testing.T, e *engine, id string, n int) *request {
 // as reused while a save was pending. Without it, the blocks stay pinned.
 func TestPreemptWithSavesInFlight(t *testing.T) {
 	for _, reuse := range []bool{true, false} {
-		e, _ := testEngine(t, "hybrid-mla-linear", 8)
+		e, _ := testEngine(t, "hybrid-mla-linear", 9) // 8 real blocks and the null block
 		e.reusePreempted = reuse
 		w := &evictRecorder{}
 		e.ranks = []*rankWorker{{client: w.start(t)}}
@@ -124,7 +124,7 @@ func TestPreemptWithSavesInFlight(t *testing.T) {
 // is listed as evicted when handed out again, once; a block never held is
 // not.
 func TestPoolListsEvictedHeldBlocks(t *testing.T) {
-	p := newBlockPool(1, 2)
+	p := newBlockPool(1, 3)
 	a, _ := p.alloc(0)
 	b, _ := p.alloc(0)
 	p.hold(0, a)

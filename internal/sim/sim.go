@@ -577,7 +577,7 @@ func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
 func (r *run) prefilled(p *request) {
 	pr := p.turn.pair
 	d := r.newRequest(p.turn, pr.decode, len(p.output))
-	d.pd = &contract.PDSource{EngineID: pr.front.id, BlockTable: p.table.Clone(), Tokens: len(p.prompt)}
+	d.pd = &contract.PDSource{EngineID: pr.front.id, BlockTable: p.table.Clone(), Tokens: len(p.prompt), NullBlockID: declaredNullBlockID()}
 	pr.decode.submit(d)
 }
 

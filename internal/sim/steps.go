@@ -84,7 +84,8 @@ func stepRecords(engineID, model, runTag string, step int64, events []contract.R
 		if len(parts) > 1 {
 			id = fmt.Sprintf("%s.%d", base, i+1)
 		}
-		out[i] = contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: id, EngineID: engineID, Model: model, Step: step, Requests: p}
+		out[i] = contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: id, EngineID: engineID, Model: model, Step: step,
+			NullBlockID: declaredNullBlockID(), Requests: p}
 	}
 	return out
 }

@@ -11,7 +11,7 @@ const (
 	SchemaLookupDecision = "kvmesh.lookup_decision.v1"
 	SchemaTransferResult = "kvmesh.transfer_result.v1"
 	SchemaEngineFeedback = "kvmesh.engine_feedback.v1"
-	SchemaKVEvent        = "kvmesh.kv_event.v1"
+	SchemaKVEvent        = "kvmesh.kv_event.v2"
 	SchemaDeadLetter     = "kvmesh.dead_letter.v1"
 )
 
@@ -56,6 +56,18 @@ type EngineStep struct {
 	Model    string `json:"model"`
 	// Step is the engine's step counter (informational; it only grows).
 	Step int64 `json:"step"`
+	// NullBlockID is the block id the engine's block tables use for the
+	// null block, when it uses one (vLLM: 0, the null_block BlockPool
+	// reserves, NULL_BLOCK_ID in vllm/v1/attention/backends/utils.py).
+	// Every table entry equal to it, in every event of the record
+	// (allocated's BlockTable, scheduled's Step.Table), is a null block:
+	// never loaded, never saved; such an engine cannot use that id as a
+	// real block. Absent (or null): the engine writes null blocks as JSON
+	// null, and every integer is a real block. JSON null is null either
+	// way. Non-negative. The scheduler's intake normalises it to
+	// kvcore.NullBlock (kvcore.BlockTable.NormalizeNull) as it decodes
+	// the record.
+	NullBlockID *int64 `json:"null_block_id,omitempty"`
 	// Requests are the request events of the step, at most MaxStepRequests.
 	Requests []RequestEvent `json:"requests"`
 }
@@ -103,6 +115,11 @@ type ChildDecision struct {
 	Tokens  int              `json:"tokens"`
 	Pending bool             `json:"pending,omitempty"`
 	Spec    *kvcore.LoadSpec `json:"load_spec,omitempty"`
+	// Failed is set when the child could not check its source (the
+	// store's existence check failed): the child answered 0 and the chain
+	// went on (fail open, as vLLM's store child answers 0). It names the
+	// failure: a kvstore status such as "unavailable" or "timeout".
+	Failed string `json:"failed,omitempty"`
 }
 
 // PDSource describes a disaggregated-prefill source: the engine whose
@@ -111,6 +128,11 @@ type PDSource struct {
 	EngineID   string            `json:"remote_engine_id"`
 	BlockTable kvcore.BlockTable `json:"remote_block_table"`
 	Tokens     int               `json:"remote_tokens"`
+	// NullBlockID is the null block id of the remote (prefill) engine's
+	// table, as EngineStep.NullBlockID: entries equal to it are null.
+	// The lookup normalises them to JSON null (kvcore.NullBlock) when it
+	// validates the request, so a decision never carries it.
+	NullBlockID *int64 `json:"remote_null_block_id,omitempty"`
 }
 
 // LookupDecision is the lookup service's answer for one request, on
@@ -186,25 +208,89 @@ type EngineFeedback struct {
 	Error string `json:"error,omitempty"`
 }
 
-// KVEventKind is BlockStored or BlockRemoved.
+// KVEventKind is the tag of a vLLM KV-cache event: BlockStored,
+// BlockRemoved or AllBlocksCleared (vllm/distributed/kv_events.py, the
+// KVCacheEvent subclasses).
 type KVEventKind string
 
-// KV event kinds.
+// KV event kinds, spelled as vLLM tags them.
 const (
-	BlockStored  KVEventKind = "BlockStored"
-	BlockRemoved KVEventKind = "BlockRemoved"
+	BlockStored      KVEventKind = "BlockStored"
+	BlockRemoved     KVEventKind = "BlockRemoved"
+	AllBlocksCleared KVEventKind = "AllBlocksCleared"
 )
 
-// KVEvent announces store keys that appeared or went, on TopicKVEvents,
-// keyed by request id.
+// KVEvent is one vLLM KV-cache event, with the fields of vLLM's
+// BlockStored / BlockRemoved / AllBlocksCleared structs
+// (vllm/distributed/kv_events.py) in their order; docs/contract.md gives
+// the wire form (EncodeKVEventBatch). A field that an event kind does not
+// have is left at its zero value.
 type KVEvent struct {
-	Schema    string      `json:"schema"`
-	Kind      KVEventKind `json:"kind"`
-	Model     string      `json:"model"`
-	EngineID  string      `json:"engine_id"`
-	RequestID string      `json:"request_id"`
-	Group     int         `json:"group"`
-	Keys      []string    `json:"keys"`
+	// Kind is the event's tag.
+	Kind KVEventKind
+	// BlockHashes are the blocks' hashes as vLLM puts them on the wire
+	// (WireHash: the low 64 bits of the hash, big-endian), in chain order.
+	BlockHashes []uint64
+	// ParentBlockHash is the wire hash of the block before the first one
+	// (BlockStored); nil when the first block starts the chain.
+	ParentBlockHash *uint64
+	// TokenIDs are the blocks' tokens where known (BlockStored); kvmesh's
+	// save tasks carry hashes only, so kvmesh sends an empty list.
+	TokenIDs []uint32
+	// BlockSize is the tokens per block of the group (BlockStored).
+	BlockSize int
+	// LoraID and LoraName are vLLM's LoRA fields (BlockStored); nil in kvmesh.
+	LoraID   *int
+	LoraName *string
+	// Medium names the tier holding the blocks; kvmesh sends MediumStore.
+	Medium *string
+	// GroupIdx is the KV-cache group (vLLM's group_idx).
+	GroupIdx *int
+	// SpecKind is the group's kv_cache_spec_kind (BlockStored): full_attention,
+	// mla_attention, sliding_window or mamba.
+	SpecKind string
+	// SlidingWindow is kv_cache_spec_sliding_window (BlockStored of a
+	// sliding-window group).
+	SlidingWindow *int
+}
+
+// KVEventBatch is vLLM's KVEventBatch: a timestamp, the events in order,
+// and the data-parallel rank of the publisher.
+type KVEventBatch struct {
+	// TS is the batch time in seconds since the Unix epoch.
+	TS float64
+	// Events are the batch's events, in order.
+	Events []KVEvent
+	// DataParallelRank is vLLM's data_parallel_rank; kvmesh sends 0, as a
+	// vLLM engine without data parallelism does.
+	DataParallelRank *int
+}
+
+// KVEventRecord is one record of TopicKVEvents: the vLLM KVEventBatch that
+// is the record value, and kvmesh's own fields that routers do not need,
+// carried in record headers (EncodeKVEventRecord). The record key is the
+// store namespace: every event about the keys of one namespace goes to one
+// partition, in the order it was published.
+type KVEventRecord struct {
+	// Batch is the record value.
+	Batch KVEventBatch
+	// Model is the model name of the keys (HeaderKVModel).
+	Model string
+	// Namespace is the store namespace of every block of the record
+	// (KeyBuilder.Namespace, HeaderKVNamespace); for AllBlocksCleared the
+	// deployment scope "[prefix@]model".
+	Namespace string
+	// Hashes are the blocks' full hashes in hex (HeaderKVBlockHashes), one
+	// per wire hash of the events, in the same order: Namespace + "@" + hash
+	// is the store key.
+	Hashes []string
+	// EngineID and RequestID name the save that stored the blocks
+	// (BlockStored; empty for events observed in the store).
+	EngineID  string
+	RequestID string
+	// Cause is why blocks were removed: the Redis event (evicted, expired,
+	// del) or "flushed" (HeaderKVCause); empty for BlockStored.
+	Cause string
 }
 
 // MaxDeadLetterPayload bounds the original record bytes a dead-letter

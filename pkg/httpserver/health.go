@@ -40,25 +40,36 @@ func (s *Server) health(w http.ResponseWriter, _ *http.Request) {
 }
 
 // ready runs every check and answers 200 with each result, or a 503 problem
-// naming the failed checks.
+// naming the failed checks. A failed Optional check does not make the
+// service unready: it is listed in the body's degraded member (200 or 503).
 func (s *Server) ready(w http.ResponseWriter, r *http.Request) {
 	results := s.runChecks(r.Context())
-	var failed []string
-	for name, res := range results {
-		if res.Status != StatusOK {
-			failed = append(failed, name)
+	var failed, degraded []string
+	for _, c := range s.opts.Ready {
+		switch {
+		case results[c.Name].Status == StatusOK:
+		case c.Optional:
+			degraded = append(degraded, c.Name)
+		default:
+			failed = append(failed, c.Name)
 		}
 	}
+	sort.Strings(degraded)
 	if len(failed) == 0 {
-		_ = WriteJSON(w, http.StatusOK, map[string]any{ // strings only: always encodes.
-			"status": "ready", "service": s.opts.Service, "checks": results,
-		})
+		body := map[string]any{"status": "ready", "service": s.opts.Service, "checks": results}
+		if len(degraded) > 0 {
+			body["degraded"] = degraded
+		}
+		_ = WriteJSON(w, http.StatusOK, body) // strings only: always encodes.
 		return
 	}
 	sort.Strings(failed)
+	extras := map[string]any{"failed": failed, "checks": results}
+	if len(degraded) > 0 {
+		extras["degraded"] = degraded
+	}
 	WriteProblem(w, r, http.StatusServiceUnavailable, "Not Ready",
-		"failed readiness checks: "+strings.Join(failed, ", "),
-		map[string]any{"failed": failed, "checks": results})
+		"failed readiness checks: "+strings.Join(failed, ", "), extras)
 }
 
 // runChecks runs the ready checks concurrently, each under ReadyTimeout.

@@ -55,6 +55,11 @@ type ReadyCheck struct {
 	// Check returns nil when the dependency is usable. Its context ends
 	// after Options.ReadyTimeout.
 	Check func(ctx context.Context) error
+	// Optional marks a dependency the service keeps serving without,
+	// degraded (the lookup's store: its store child fails open). Its
+	// failure is reported in the /readyz body (checks, and the degraded
+	// list) but does not make the service unready.
+	Optional bool
 }
 
 // Options configures a Server. Zero fields take the documented defaults.

@@ -2,6 +2,7 @@ package kvcore
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -15,6 +16,32 @@ type LookupPlan struct {
 	sbs       int
 	aligned   int
 	groups    []lookupGroup
+	// partial is set under partial hash hits (Model.PartialHashHits): every
+	// group's unit is one hash block (local[i] is hash i's slot), hits land
+	// on hash-block boundaries and specs drive the evaluation.
+	partial bool
+	hbs     int
+	specs   []lookupSpec
+}
+
+// lookupSpec is one of vLLM's spec groups: the groups of one identical spec,
+// which hit only where all of them do (coordinator.py
+// ExternalCachedBlockPool.get_cached_block).
+type lookupSpec struct {
+	ids  []int
+	full bool
+	bs   int
+}
+
+// TailKey names the token boundary whose hash keys a group's last loaded
+// chunk: the hit itself, or, under partial hash hits, a later hash boundary
+// of the same block where the group stored that block (worker.py
+// MooncakeStoreWorker._tail_key_boundaries, data.py TailKeyBoundary).
+type TailKey struct {
+	// Group is the KV-group index.
+	Group int `json:"group"`
+	// Tokens is the boundary, a multiple of the hash block size.
+	Tokens int `json:"tokens"`
 }
 
 // lookupGroup is one KV group's share of a plan.
@@ -41,9 +68,18 @@ type lookupCursor struct {
 // PlanLookup plans the lookup of a request of numTokens prompt tokens whose
 // hash chain (at m.HashBlockSize) is hashes. The token count is aligned down
 // to the scheduler block size; every multiple h of it up to there is a
-// candidate hit. Each group contributes the chunks it needs at some candidate
-// (Group.Reaches), each in every store namespace of Model.Namespaces. A request
-// shorter than one scheduler block gets a plan with no keys (and no hit).
+// candidate hit (vLLM aligns lookups the same way without partial hash hits,
+// which Model.Validate refuses). Each group contributes the chunks it needs
+// at some candidate (Group.Reaches), each in every store namespace of
+// Model.Namespaces; the hit is then the longest candidate every group
+// reaches fully, as vLLM's MooncakeStoreCoordinator._find_hit_blocks
+// converges to. A request shorter than one scheduler block gets a plan with
+// no keys (and no hit).
+//
+// With partial hash hits (Model.PartialHashHits) the token count is aligned
+// down to the hash block instead, every group is asked for every hash block
+// (worker.py MooncakeStoreWorker.lookup, fine_grained) and hits land on hash
+// boundaries (hitPartial); a request shorter than one hash block has no keys.
 func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*LookupPlan, error) {
 	if err := m.Validate(); err != nil {
 		return nil, err
@@ -52,7 +88,8 @@ func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*Lo
 		return nil, fmt.Errorf("lookup of %d tokens: %w", numTokens, ErrNegativeCount)
 	}
 	sbs := m.SchedulerBlockSize()
-	p := &LookupPlan{numTokens: numTokens, sbs: sbs, aligned: numTokens / sbs * sbs}
+	align := m.HitAlignment()
+	p := &LookupPlan{numTokens: numTokens, sbs: sbs, aligned: numTokens / align * align, partial: m.PartialHashHits(), hbs: m.HashBlockSize}
 	if p.aligned == 0 {
 		return p, nil
 	}
@@ -68,8 +105,15 @@ func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*Lo
 	distinct := make([][]int32, len(m.Groups))
 	seen := make([]int32, nh)
 	nkeys := 0
+	if p.partial {
+		p.specs = planSpecs(m)
+	}
 	for g, grp := range m.Groups {
-		p.groups[g], distinct[g] = p.planGroup(grp, m.HashBlockSize, chain.canon, seen)
+		if p.partial {
+			p.groups[g], distinct[g] = planGroupPartial(grp, chain.canon, seen)
+		} else {
+			p.groups[g], distinct[g] = p.planGroup(grp, m.HashBlockSize, chain.canon, seen)
+		}
 		p.groups[g].base = nkeys
 		p.groups[g].ranks = len(m.Namespaces(g))
 		nkeys += p.groups[g].ranks * p.groups[g].stride
@@ -103,6 +147,53 @@ func (p *LookupPlan) planGroup(g Group, hashBS int, canon, seen []int32) (lookup
 	}
 	lg.stride = len(distinct)
 	return lg, distinct
+}
+
+// planGroupPartial plans a group under partial hash hits: vLLM's fine-grained
+// MooncakeStoreWorker.lookup asks every group for every hash block of the
+// aligned prompt, in every namespace (worker.py, lookup_masks None).
+func planGroupPartial(g Group, canon, seen []int32) (lookupGroup, []int32) {
+	clear(seen)
+	lg := lookupGroup{group: g, prefix: g.Kind == KindFullAttention || g.Kind == KindMLA}
+	lg.local = make([]int32, len(canon))
+	var distinct []int32
+	for i, h := range canon {
+		if seen[h] == 0 {
+			distinct = append(distinct, h)
+			seen[h] = int32(len(distinct))
+		}
+		lg.local[i] = seen[h] - 1
+	}
+	lg.stride = len(distinct)
+	return lg, distinct
+}
+
+// planSpecs merges identical groups into vLLM's spec groups, in order of
+// first appearance, full attention and MLA first (coordinator.py
+// MooncakeStoreCoordinator._verify_and_split_kv_cache_groups; MLA's spec is
+// a FullAttentionSpec).
+func planSpecs(m *Model) []lookupSpec {
+	var specs []lookupSpec
+	var keys []Group
+	for g, grp := range m.Groups {
+		j := slices.Index(keys, grp)
+		if j < 0 {
+			keys = append(keys, grp)
+			specs = append(specs, lookupSpec{full: grp.Kind == KindFullAttention || grp.Kind == KindMLA, bs: grp.BlockSize})
+			j = len(specs) - 1
+		}
+		specs[j].ids = append(specs[j].ids, g)
+	}
+	slices.SortStableFunc(specs, func(a, b lookupSpec) int {
+		switch {
+		case a.full && !b.full:
+			return -1
+		case !a.full && b.full:
+			return 1
+		}
+		return 0
+	})
+	return specs
 }
 
 // writeKeys writes every key into one string and slices the keys out of it:
@@ -195,9 +286,12 @@ func (p *LookupPlan) NumTokens() int { return p.numTokens }
 // Hit returns the longest candidate h ≤ limitTokens such that every group
 // finds, in every rank namespace, every chunk it needs at h. exists[i]
 // answers Keys()[i]; a missing answer counts as absent. The result is a
-// multiple of the scheduler block size, at most limitTokens, and 0 when
-// nothing hits.
+// multiple of the scheduler block size (of the hash block size with partial
+// hash hits), at most limitTokens, and 0 when nothing hits.
 func (p *LookupPlan) Hit(exists []bool, limitTokens int) int {
+	if p.partial {
+		return p.hitPartial(exists, limitTokens)
+	}
 	top := min(limitTokens, p.aligned)
 	if top < p.sbs {
 		return 0
@@ -251,9 +345,148 @@ func (g *lookupGroup) present(i int, exists []bool) bool {
 	return true
 }
 
+// hitPartial is Hit under partial hash hits, as vLLM's
+// MooncakeStoreCoordinator._find_hit_blocks with alignment_tokens =
+// hash_block_size has it (coordinator.py): each full-attention spec is
+// found once, on the length left by the specs before it, and then caps the
+// hit; the other specs are found again on the shrinking length until it
+// stops shrinking (one pass for a full-plus-one hybrid). The result is a
+// multiple of the hash block size, at most limitTokens.
+func (p *LookupPlan) hitPartial(exists []bool, limitTokens int) int {
+	top := min(limitTokens, p.aligned) / p.hbs * p.hbs
+	if top < p.hbs {
+		return 0
+	}
+	var buf [8]int
+	fullHit := buf[:0]
+	if len(p.specs) > len(buf) {
+		fullHit = make([]int, 0, len(p.specs))
+	}
+	fullHit = fullHit[:len(p.specs)]
+	for i := range fullHit {
+		fullHit[i] = -1
+	}
+	simple := len(p.specs) == 2 && p.specs[0].full
+	hit := top
+	for {
+		curr := hit
+		for k, sp := range p.specs {
+			if sp.full {
+				if fullHit[k] < 0 {
+					fullHit[k] = p.findFull(sp, curr, exists)
+				}
+				curr = min(curr, fullHit[k])
+				continue
+			}
+			curr = p.findState(sp, curr, exists)
+		}
+		if curr >= hit {
+			return hit
+		}
+		hit = curr
+		if simple {
+			return hit
+		}
+	}
+}
+
+// specPresent reports whether every group of the spec has hash block i in
+// every namespace.
+func (p *LookupPlan) specPresent(sp lookupSpec, i int, exists []bool) bool {
+	for _, g := range sp.ids {
+		if !p.groups[g].present(i, exists) {
+			return false
+		}
+	}
+	return true
+}
+
+// findFull is FullAttentionManager.find_longest_cache_hit in fine-grained
+// mode (vllm/v1/core/single_type_kv_cache_manager.py): the run of whole
+// blocks present from the start (each keyed by its last hash block), then
+// the longest hash boundary present inside the first block that is not,
+// probed high to low; at most maxLen.
+func (p *LookupPlan) findFull(sp lookupSpec, maxLen int, exists []bool) int {
+	k := sp.bs / p.hbs
+	nh := p.aligned / p.hbs
+	n := 0
+	for n < maxLen/sp.bs && p.specPresent(sp, (n+1)*k-1, exists) {
+		n++
+	}
+	hi := min(n*k+k-1, maxLen/p.hbs, nh)
+	for i := hi - 1; i >= n*k; i-- {
+		if p.specPresent(sp, i, exists) {
+			return (i + 1) * p.hbs
+		}
+	}
+	return n * sp.bs
+}
+
+// findState is MambaManager.find_longest_cache_hit in fine-grained mode:
+// the longest hash boundary at most maxLen whose state is present.
+func (p *LookupPlan) findState(sp lookupSpec, maxLen int, exists []bool) int {
+	for i := min(maxLen/p.hbs, p.aligned/p.hbs) - 1; i >= 0; i-- {
+		if p.specPresent(sp, i, exists) {
+			return (i + 1) * p.hbs
+		}
+	}
+	return 0
+}
+
+// TailKeys returns, for a hit the plan resolved from exists, the boundary
+// whose hash keys each group's last chunk, as vLLM's
+// MooncakeStoreWorker._tail_key_boundaries (worker.py) has it: the hit when
+// the group has its hash, else the first later hash boundary of the hit's
+// block that the group has (a sub-block hit inside a block stored whole or
+// under a longer prompt tail). No keys for a hit of 0. Without partial hash
+// hits every group has the hit's hash, so every boundary is the hit. A group
+// with no such boundary (never for a hit Resolve returned from the same
+// answers) is an ErrChunkOutOfRange error, where vLLM's assertion fails.
+func (p *LookupPlan) TailKeys(exists []bool, hit int) ([]TailKey, error) {
+	if len(exists) != len(p.keys) {
+		return nil, fmt.Errorf("tail keys: %d answers for %d keys: %w", len(exists), len(p.keys), ErrAnswerCount)
+	}
+	if hit <= 0 {
+		return nil, nil
+	}
+	out := make([]TailKey, len(p.groups))
+	for g := range p.groups {
+		out[g] = TailKey{Group: g, Tokens: hit}
+		if !p.partial {
+			continue
+		}
+		lg := &p.groups[g]
+		bs := lg.group.BlockSize
+		hi := hit/p.hbs - 1
+		if hi >= len(lg.local) {
+			return nil, fmt.Errorf("tail keys: hit %d past the %d planned hash blocks: %w", hit, len(lg.local), ErrChunkOutOfRange)
+		}
+		if lg.present(hi, exists) {
+			continue
+		}
+		next := min(((hit+bs-1)/bs)*bs/p.hbs, len(lg.local))
+		found := false
+		for i := hi + 1; i < next; i++ {
+			if lg.present(i, exists) {
+				out[g].Tokens = (i + 1) * p.hbs
+				found = true
+				break
+			}
+		}
+		if !found {
+			return nil, fmt.Errorf("tail keys: group %d has no stored key for the block holding hit %d: %w", g, hit, ErrChunkOutOfRange)
+		}
+	}
+	return out, nil
+}
+
 // Resolve turns the store's answers into the request's hit, applying the
-// full-hit rule: a hit covering every prompt token is re-derived for one
-// token less (the engine must compute at least one), from the same answers.
+// full-hit rule as vLLM's MooncakeStoreWorker.lookup has it (worker.py of
+// the MooncakeStore connector): a hit covering every prompt token is
+// re-derived, from the same answers, at num_tokens − 1 aligned down to the
+// scheduler block size (the hash block size with partial hash hits), so the engine computes at least the last token (an
+// aligned prompt gives up a whole scheduler block); nothing when that
+// alignment is 0.
 func (p *LookupPlan) Resolve(exists []bool) (int, error) {
 	if len(exists) != len(p.keys) {
 		return 0, fmt.Errorf("lookup: %d answers for %d keys: %w", len(exists), len(p.keys), ErrAnswerCount)
@@ -265,8 +498,10 @@ func (p *LookupPlan) Resolve(exists []bool) (int, error) {
 	return hit, nil
 }
 
-// Decide turns a hit into the connector's answer: need = hit −
-// numComputedTokens external tokens, loaded asynchronously when loadAsync.
+// Decide turns a hit into the connector's answer, as vLLM's
+// MooncakeStoreScheduler.get_num_new_matched_tokens (scheduler.py): need =
+// hit − numComputedTokens external tokens, loaded asynchronously when
+// loadAsync.
 // need ≤ 0 gives 0 and no LoadSpec; otherwise the LoadSpec is
 // {numComputedTokens, hit, can_load=false} (allocation sets CanLoad).
 func Decide(hit, numComputedTokens int, loadAsync bool) (need int, spec *LoadSpec, async bool) {

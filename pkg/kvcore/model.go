@@ -49,7 +49,14 @@ type Group struct {
 	// BytesPerBlock is the size of one block of this group on one worker
 	// rank (its shard of the heads and its pipeline stage's layers).
 	BytesPerBlock int64 `json:"bytes_per_block" yaml:"bytes_per_block"`
+	// MambaCacheMode is vLLM's mamba_cache_mode of a Mamba group. Only
+	// "align" (the default when empty) is accepted: MooncakeStoreScheduler
+	// requires it, since only align mode keeps a state per cache block.
+	MambaCacheMode string `json:"mamba_cache_mode,omitempty" yaml:"mamba_cache_mode,omitempty"`
 }
+
+// MambaAlign is the only Mamba cache mode vLLM's store connector accepts.
+const MambaAlign = "align"
 
 // Model is the KV-cache layout of one served model, shared by every service.
 type Model struct {
@@ -129,7 +136,98 @@ func (m *Model) Validate() error {
 	if m.KVHeads < 0 {
 		return &SpecError{"kv_heads", "must not be negative"}
 	}
-	return m.validateParallel()
+	if err := m.validateParallel(); err != nil {
+		return err
+	}
+	return m.validateHybrid()
+}
+
+// validateHybrid applies vLLM's rules for Mamba groups in a model served
+// through the store connector:
+//
+//   - a Mamba group is in align mode (MooncakeStoreScheduler.__init__
+//     asserts mamba_cache_mode == "align");
+//   - its block size is the cache block size, the block size of the
+//     model's full-attention and MLA groups (in align mode vLLM gives Mamba
+//     cache_config.block_size; resolve_kv_cache_block_sizes in
+//     vllm/v1/core/kv_cache_utils.py treats any other size as a non-align
+//     layout and backs hashing off to the scheduler block size);
+//   - where it turns on vLLM's fine-grained partial hash hits
+//     (coordinator.py partial_hash_hits_enabled: a Mamba block larger than
+//     the hash block, or any Mamba group with DCP), the layout is one
+//     kvmesh models them for (validatePartial).
+func (m *Model) validateHybrid() error {
+	for i, g := range m.Groups {
+		field := func(f string) string { return fmt.Sprintf("groups[%d].%s", i, f) }
+		if g.Kind != KindMamba {
+			if g.MambaCacheMode != "" {
+				return &SpecError{field("mamba_cache_mode"), "only mamba groups have a cache mode"}
+			}
+			continue
+		}
+		if g.MambaCacheMode != "" && g.MambaCacheMode != MambaAlign {
+			return &SpecError{field("mamba_cache_mode"), fmt.Sprintf("%q: vLLM's store connector requires %q", g.MambaCacheMode, MambaAlign)}
+		}
+		for j, a := range m.Groups {
+			if (a.Kind == KindFullAttention || a.Kind == KindMLA) && a.BlockSize != g.BlockSize {
+				return &SpecError{field("block_size"), fmt.Sprintf("%d is not the cache block size %d of groups[%d]: in align mode a Mamba group's block is the cache block", g.BlockSize, a.BlockSize, j)}
+			}
+		}
+	}
+	if m.PartialHashHits() {
+		return m.validatePartial()
+	}
+	return nil
+}
+
+// validatePartial accepts the partial-hash-hit layouts kvmesh implements
+// (lookups at every hash block, sub-block prompt tails, loads of sub-block
+// chunks): full-attention, MLA and align-mode Mamba groups of one block
+// size, without DCP. vLLM's FullAttentionManager and MambaManager probe
+// interior hash boundaries (supports_fine_grained_hash_lookup in
+// vllm/v1/core/single_type_kv_cache_manager.py); a sliding-window group
+// under partial hits and DCP's rescaled Mamba specs
+// (kv_cache_utils.py resolve_dcp_kv_cache_spec) are not modelled, so those
+// layouts are refused rather than disagree with vLLM about hits.
+func (m *Model) validatePartial() error {
+	if size(m.Parallel.DCP) > 1 {
+		return &SpecError{"hash_block_size", fmt.Sprintf("%d with a Mamba group and DCP %d turns on vLLM's partial hash hits, which kvmesh does not model with DCP (its Mamba specs are rescaled per rank)", m.HashBlockSize, m.Parallel.DCP)}
+	}
+	for i, g := range m.Groups {
+		if g.Kind == KindSlidingWindow {
+			return &SpecError{"hash_block_size", fmt.Sprintf("%d is finer than a Mamba group's block, which turns on vLLM's partial hash hits; kvmesh models them for full-attention, MLA and Mamba groups only, not beside sliding-window groups[%d]; make hash_block_size the Mamba block size", m.HashBlockSize, i)}
+		}
+		if g.BlockSize != m.Groups[0].BlockSize {
+			return &SpecError{fmt.Sprintf("groups[%d].block_size", i), fmt.Sprintf("%d differs from groups[0]'s %d: with partial hash hits kvmesh needs one block size for every group", g.BlockSize, m.Groups[0].BlockSize)}
+		}
+	}
+	return nil
+}
+
+// HitAlignment is the granularity of a hit (coordinator.py
+// MooncakeStoreCoordinator.align_lookup_length): the hash block size with
+// partial hash hits, the scheduler block size otherwise.
+func (m *Model) HitAlignment() int {
+	if m.PartialHashHits() {
+		return m.HashBlockSize
+	}
+	return m.SchedulerBlockSize()
+}
+
+// PartialHashHits reports whether vLLM would turn on fine-grained partial
+// hash hits for this layout (coordinator.py partial_hash_hits_enabled): some
+// align-mode Mamba group's block is larger than the hash block, or, with
+// DCP, at least as large.
+func (m *Model) PartialHashHits() bool {
+	for _, g := range m.Groups {
+		if g.Kind != KindMamba || (g.MambaCacheMode != "" && g.MambaCacheMode != MambaAlign) {
+			continue
+		}
+		if size(m.Parallel.DCP) == 1 && g.BlockSize > m.HashBlockSize || size(m.Parallel.DCP) > 1 && g.BlockSize >= m.HashBlockSize {
+			return true
+		}
+	}
+	return false
 }
 
 func (g Group) validate(i, hashBS int) error {

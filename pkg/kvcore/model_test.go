@@ -54,7 +54,7 @@ func TestModelValidate(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			m := lookupModel(16, grpFull(32), grpSWA(16, 64), grpMamba(32))
+			m := lookupModel(16, grpFull(16), grpSWA(32, 64), grpMamba(16))
 			tc.edit(m)
 			err := m.Validate()
 			if tc.field == "" {

@@ -10,6 +10,13 @@ type ChildAnswer struct {
 	Pending bool `json:"pending,omitempty"`
 	// Spec is the LoadSpec the child kept, if any.
 	Spec *LoadSpec `json:"load_spec,omitempty"`
+	// Failed is set when the child could not check its source (a store
+	// outage). The child fails open: it answers 0 tokens and is never
+	// "not yet", whatever else it reported, and the chain goes on, as
+	// vLLM's store child does (MooncakeStoreWorker.lookup and
+	// LookupKeyClient.lookup answer MooncakeLookupResult(0) when the
+	// existence check or the lookup call raises).
+	Failed bool `json:"failed,omitempty"`
 }
 
 // NoChild is the Chosen index of a Selection that chose no child.
@@ -35,17 +42,21 @@ func (s Selection) Name(children []ChildAnswer) string {
 }
 
 // SelectChild combines the answers of every child of a connector chain, in
-// chain order. The caller asks every child (no short-circuit); if any child
-// is pending the answer is "not yet"; otherwise the first child with a
-// positive count is chosen and its count is the answer.
+// chain order, as vLLM's MultiConnector.get_num_new_matched_tokens does
+// (vllm/backends/distributed/kv_transfer/kv_connector/v1/multi_connector.py):
+// the caller asks every child (no short-circuit); if any child is pending
+// the answer is "not yet"; otherwise the first child with a positive count
+// is chosen and its count is the answer. A failed child (Failed) counts as
+// 0 and is never pending: a store outage fails open, so a later child's hit
+// still wins and, with no other hit, the answer is 0 external tokens.
 func SelectChild(children []ChildAnswer) Selection {
 	for _, c := range children {
-		if c.Pending {
+		if c.Pending && !c.Failed {
 			return Selection{Pending: true, Chosen: NoChild}
 		}
 	}
 	for i, c := range children {
-		if c.Tokens > 0 {
+		if c.Tokens > 0 && !c.Failed {
 			return Selection{Chosen: i, Tokens: c.Tokens}
 		}
 	}

@@ -22,16 +22,71 @@ type TransferItem struct {
 // tokens [saved, end) stores (Model.SaveChunks). A group with nothing to
 // store has an empty chunk list.
 func (m *Model) SaveGroups(saved, end int) []GroupChunks {
-	return m.groupChunks(saved, end)
+	return m.groupChunks(saved, end, m.SaveChunks)
+}
+
+// SaveGroupsHeld is SaveGroups without the chunks whose block table has
+// no block for them (past the group's list, or NullBlock): vLLM's sending
+// thread skips such "unavailable source blocks" (worker.py
+// KVCacheStoreSendingThread._handle_request), which with the dense
+// sliding-window store mask of SaveChunks are the window blocks the engine
+// already freed below an earlier hit. A table with fewer groups than the
+// model keeps the missing groups' chunk lists empty.
+func (m *Model) SaveGroupsHeld(table BlockTable, saved, end int) []GroupChunks {
+	out := m.SaveGroups(saved, end)
+	for g := range out {
+		var blocks []BlockID
+		if g < len(table) {
+			blocks = table[g]
+		}
+		held := out[g].Chunks[:0]
+		for _, c := range out[g].Chunks {
+			if bi := c.BlockIndex(m.Groups[g].BlockSize); bi < len(blocks) && blocks[bi] != NullBlock {
+				held = append(held, c)
+			}
+		}
+		out[g].Chunks = held
+	}
+	return out
 }
 
 // LoadGroups lists, for every group in index order, the chunks a load of
 // tokens [start, end) reads: start is floored to the scheduler block size,
-// and each group gets the chunks it needs to resume at end (the reach rule of
-// Model.SaveChunks).
+// and each group gets the chunks it needs to resume at end
+// (Model.LoadChunks).
 func (m *Model) LoadGroups(start, end int) []GroupChunks {
 	sbs := m.SchedulerBlockSize()
-	return m.groupChunks(start/sbs*sbs, end)
+	return m.groupChunks(start/sbs*sbs, end, m.LoadChunks)
+}
+
+// LoadGroupsTail is LoadGroups keyed by the lookup's tail keys
+// (LookupPlan.TailKeys), as vLLM's KVCacheStoreRecvingThread._handle_request
+// keys the chunk ending at token_len by its TailKeyBoundary (worker.py):
+// each group's last chunk, when it ends at end and its tail key names a
+// later boundary of the same block, ends at that boundary instead, so its
+// key is the hash there. The stored block holds the same prefix's KV up to
+// that boundary; the engine uses it up to end. A group without a tail key
+// keeps the chunk ending at end.
+func (m *Model) LoadGroupsTail(start, end int, tails []TailKey) []GroupChunks {
+	out := m.LoadGroups(start, end)
+	for _, tk := range tails {
+		if tk.Group < 0 || tk.Group >= len(out) || tk.Tokens <= end {
+			continue
+		}
+		cs := out[tk.Group].Chunks
+		if n := len(cs); n > 0 && cs[n-1].End == end && tk.Tokens <= cs[n-1].Start+m.Groups[tk.Group].BlockSize {
+			cs[n-1].End = tk.Tokens
+		}
+	}
+	return out
+}
+
+// PromptTailGroups lists, for every group in index order, the chunks of a
+// request's sub-block prompt tail (Model.PromptTailChunks): empty lists
+// without partial hash hits or when the prompt's last hash boundary is on
+// a block boundary.
+func (m *Model) PromptTailGroups(saved, numPromptTokens int) []GroupChunks {
+	return m.groupChunks(saved, numPromptTokens, m.PromptTailChunks)
 }
 
 // LoadRange is the token range a load for spec covers:
@@ -41,10 +96,10 @@ func (m *Model) LoadRange(spec LoadSpec) (start, end int) {
 	return spec.VLLMCachedTokens / sbs * sbs, spec.KVPoolCachedTokens
 }
 
-func (m *Model) groupChunks(start, end int) []GroupChunks {
+func (m *Model) groupChunks(start, end int, pick func(g, start, end int) []Chunk) []GroupChunks {
 	out := make([]GroupChunks, len(m.Groups))
 	for g := range m.Groups {
-		chunks := m.SaveChunks(g, start, end)
+		chunks := pick(g, start, end)
 		if chunks == nil {
 			chunks = []Chunk{}
 		}
@@ -147,8 +202,8 @@ func planGroupItems(m *Model, kb KeyBuilder, gc GroupChunks, table BlockTable, h
 // chunkSource finds chunk c's block id and hash, checking every index.
 func chunkSource(m *Model, g int, c Chunk, blocks []BlockID, hashes []string) (BlockID, string, error) {
 	bs := m.Groups[g].BlockSize
-	if c.Start < 0 || c.Start%bs != 0 || c.End != c.Start+bs {
-		return 0, "", fmt.Errorf("not a block of size %d: %w", bs, ErrChunkOutOfRange)
+	if err := checkChunkShape(m, bs, c); err != nil {
+		return 0, "", err
 	}
 	bi, hi := c.BlockIndex(bs), c.HashIndex(m.HashBlockSize)
 	if bi >= len(blocks) {
@@ -221,4 +276,18 @@ func ListedBlocks(m *Model, task *LoadTask) []BlockID {
 		}
 	}
 	return out
+}
+
+// checkChunkShape accepts a whole block of size bs and, with partial hash
+// hits, a chunk from a block's start to a hash-block boundary inside it.
+func checkChunkShape(m *Model, bs int, c Chunk) error {
+	if c.Start < 0 || c.Start%bs != 0 {
+		return fmt.Errorf("chunk [%d,%d) does not start a block of size %d: %w", c.Start, c.End, bs, ErrChunkOutOfRange)
+	}
+	whole := c.End == c.Start+bs
+	sub := m.PartialHashHits() && c.End > c.Start && c.End < c.Start+bs && c.End%m.HashBlockSize == 0
+	if !whole && !sub {
+		return fmt.Errorf("chunk [%d,%d) is not a block of size %d: %w", c.Start, c.End, bs, ErrChunkOutOfRange)
+	}
+	return nil
 }

@@ -18,20 +18,24 @@ func hexHashes(hashes []BlockHash) []string {
 }
 
 func TestSaveAndLoadGroups(t *testing.T) {
-	m, err := Preset("full-swa-mamba") // full 32, swa 16 window 128, mamba 32
+	m, err := Preset("full-swa-mamba") // full 16, swa 32 window 128, mamba 16
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := m.SaveGroups(64, 256)
+	full := Chunks(64, 256, 16)
 	want := []GroupChunks{
-		{Group: 0, Chunks: []Chunk{{64, 96}, {96, 128}, {128, 160}, {160, 192}, {192, 224}, {224, 256}}},
-		{Group: 1, Chunks: []Chunk{{128, 144}, {144, 160}, {160, 176}, {176, 192}, {192, 208}, {208, 224}, {224, 240}, {240, 256}}},
-		{Group: 2, Chunks: []Chunk{{224, 256}}},
+		{Group: 0, Chunks: full},
+		// The window's 4 blocks reach the whole 32-token segment: every block.
+		{Group: 1, Chunks: []Chunk{{64, 96}, {96, 128}, {128, 160}, {160, 192}, {192, 224}, {224, 256}}},
+		{Group: 2, Chunks: []Chunk{{240, 256}}},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("SaveGroups(64, 256) = %v, want %v", got, want)
 	}
-	// A load floors its start to the scheduler block size (32).
+	// A load floors its start to the scheduler block size (32) and reads
+	// the 4 window blocks before the hit.
+	want[1].Chunks = want[1].Chunks[2:]
 	if got := m.LoadGroups(80, 256); !reflect.DeepEqual(got, want) {
 		t.Fatalf("LoadGroups(80, 256) = %v, want %v", got, want)
 	}
@@ -58,7 +62,7 @@ func TestPlanSendErrors(t *testing.T) {
 			Start: 0, End: 48,
 			BlockTable:  BlockTable{{0, 1, 2}, {NullBlock, 4, 5}},
 			BlockHashes: hexHashes(promptHashes(m, 48, 1)),
-			Groups:      m.SaveGroups(0, 48),
+			Groups:      m.SaveGroupsHeld(BlockTable{{0, 1, 2}, {NullBlock, 4, 5}}, 0, 48),
 		}
 	}
 	cases := []struct {
@@ -148,7 +152,7 @@ func TestMissingOnly(t *testing.T) {
 }
 
 func TestPlanLoad(t *testing.T) {
-	m := lookupModel(16, grpFull(16), grpMamba(32))
+	m := lookupModel(16, grpFull(16), grpSWA(32, 2))
 	kb := KeyBuilder{Prefix: "dep", Model: m.Name}
 	hashes := promptHashes(m, 96, 9)
 	start, end := m.LoadRange(LoadSpec{VLLMCachedTokens: 40, KVPoolCachedTokens: 96})

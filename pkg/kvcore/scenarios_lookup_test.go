@@ -245,7 +245,7 @@ func scenarioSendMissing(t *testing.T) {
 		Start: 0, End: 64,
 		BlockTable:  BlockTable{{0, 1, 2, 3}, {NullBlock, NullBlock, 6, 7}},
 		BlockHashes: hexHashes(hashes),
-		Groups:      m.SaveGroups(0, 64),
+		Groups:      m.SaveGroupsHeld(BlockTable{{0, 1, 2, 3}, {NullBlock, NullBlock, 6, 7}}, 0, 64),
 	}
 	s := &storeFake{present: map[string]bool{}}
 	presentChunks(s, kb, 0, hashes, 0, 1)

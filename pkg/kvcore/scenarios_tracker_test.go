@@ -203,15 +203,16 @@ func scenario13(t *testing.T) {
 	})
 	// A resumed step for a running request is a preemption the tracker did
 	// not see: the epoch advances, a save still in flight becomes stale, and the
-	// saved offset stays (the stale save is not repeated).
+	// saved offset returns to 0 (vLLM: a resumed request saves from the start;
+	// issue 14 changed the start from 16 to 0).
 	for _, c := range []struct {
 		name      string
 		report    bool
 		wantStart int
 		wantStale []string
 	}{
-		{"replaces_stale_table", true, 16, nil},
-		{"replaces_stale_table_save_in_flight", false, 16, []string{"e1/r1/save/1"}},
+		{"replaces_stale_table", true, 0, nil},
+		{"replaces_stale_table_save_in_flight", false, 0, []string{"e1/r1/save/1"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			tr := newTrk(m)
@@ -299,21 +300,24 @@ func scenario17(t *testing.T) {
 	}
 }
 
-// scenario18: put answers "no space" twice → later saves skipped (counted)
-// until a put succeeds.
+// scenario18: puts of request a answer "no space" twice → a's later saves
+// are skipped (counted) until a put succeeds, probes going through; request
+// b's saves are put meanwhile (issue 14: pressure is scoped to the request
+// that hit it, as vLLM's _skip_store_requests; before, every request was
+// skipped); a put of b that succeeds lets a go.
 func scenario18(t *testing.T) {
 	g := PressureGate{ProbeEvery: 3, CoolDown: time.Hour}
 	now := time.Unix(1000, 0)
-	// answers the store gives to the puts that go through, in order.
+	// answers the store gives to a's puts that go through, in order.
 	answers := []bool{false, false, true} // no space, no space, ok
 	var got []Admission
 	for range 10 {
-		a := g.Admit(now)
+		a := g.Admit("a", now)
 		got = append(got, a)
-		if a == AdmitSkip {
-			continue
+		if b := g.Admit("b", now); b != AdmitPut {
+			t.Fatalf("request b admitted %s while a is under pressure, want put", b)
 		}
-		if len(answers) == 0 {
+		if a == AdmitSkip || len(answers) == 0 {
 			continue
 		}
 		ok := answers[0]
@@ -321,7 +325,7 @@ func scenario18(t *testing.T) {
 		if ok {
 			g.OnPutOK()
 		} else {
-			g.OnNoSpace(now)
+			g.OnNoSpace("a", now)
 		}
 	}
 	want := []Admission{AdmitPut, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitPut}
@@ -332,12 +336,18 @@ func scenario18(t *testing.T) {
 		t.Fatalf("gate %+v, want 6 skipped, inactive, 1 episode", g)
 	}
 	// The cool-down alone also lets a probe through.
-	g.OnNoSpace(now)
-	if a := g.Admit(now.Add(time.Minute)); a != AdmitSkip {
+	g.OnNoSpace("a", now)
+	if a := g.Admit("a", now.Add(time.Minute)); a != AdmitSkip {
 		t.Fatalf("before cool-down: %s", a)
 	}
-	if a := g.Admit(now.Add(time.Hour)); a != AdmitProbe {
+	if a := g.Admit("a", now.Add(time.Hour)); a != AdmitProbe {
 		t.Fatalf("after cool-down: %s", a)
+	}
+	// Another request's successful put ends a's pressure.
+	g.OnNoSpace("a", now)
+	g.OnPutOK()
+	if a := g.Admit("a", now); a != AdmitPut || g.Episodes != 2 {
+		t.Fatalf("after b's put: %s, episodes %d; want put, 2", a, g.Episodes)
 	}
 }
 
@@ -441,11 +451,13 @@ func scenarioSeqGap(t *testing.T) {
 }
 
 // scenarioPreemptSave: saves [0,32) (reported) and [32,48) (in flight) of
-// epoch 0, then preempted: epoch 1, the saved offset stays at 48, the
+// epoch 0, then preempted: epoch 1, the saved offset back to 0, the
 // in-flight save stale. Resumed on blocks 7,8,9 with the same 48 tokens:
-// no new save. The old save's result, stored or dead-lettered (its reused
-// blocks refused), settles it without advancing anything or freeing; the
-// finish then frees at once, since no save of epoch 1 is outstanding.
+// a save [0,48) of epoch 1 from the new table (vLLM saves a resumed request
+// from the start; before issue 14 the offset stayed at 48 and nothing was
+// saved). The old save's result, stored or dead-lettered (its reused blocks
+// refused), settles it without advancing anything or freeing; the finish
+// then waits for the epoch-1 save only.
 func scenarioPreemptSave(t *testing.T) {
 	m := trkDense(t)
 	for _, old := range []SaveStatus{SaveStored, SaveDeadLettered} {
@@ -458,24 +470,32 @@ func scenarioPreemptSave(t *testing.T) {
 			}
 			noErr(t, tr.OnSaveResult(a.TaskID, SaveStored))
 			noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
-			if tr.Epoch != 1 || tr.NumSavedTokens != 48 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{b.TaskID}) {
-				t.Fatalf("preempted: epoch %d saved %d pending %v stale %v; want 1, 48, none, [%s]",
+			if tr.Epoch != 1 || tr.NumSavedTokens != 0 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{b.TaskID}) {
+				t.Fatalf("preempted: epoch %d saved %d pending %v stale %v; want 1, 0, none, [%s]",
 					tr.Epoch, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves, b.TaskID)
 			}
 			noErr(t, tr.OnLookup(m, nil))
 			noErr(t, tr.OnAllocate(m, 0, tbl(ids(7, 3))))
 			eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
-			if len(eff.Saves) != 0 || !reflect.DeepEqual(tr.Table, tbl(ids(7, 3))) {
-				t.Fatalf("resumed: saves %+v table %v; want none and the new table", eff.Saves, tr.Table)
+			if len(eff.Saves) != 1 || !reflect.DeepEqual(tr.Table, tbl(ids(7, 3))) {
+				t.Fatalf("resumed: saves %+v table %v; want one and the new table", eff.Saves, tr.Table)
+			}
+			c := eff.Saves[0]
+			if c.Start != 0 || c.End != 48 || c.Epoch != 1 || !reflect.DeepEqual(c.BlockTable, tbl(ids(7, 3))) {
+				t.Fatalf("resumed save %+v, want [0,48) of epoch 1 from blocks 7,8,9", c)
 			}
 			eff = noErr(t, tr.OnSaveResult(b.TaskID, old))
-			if counts(eff) != [3]int{} || tr.NumSavedTokens != 48 || len(tr.PendingSaves) != 0 || len(tr.StaleSaves) != 0 {
-				t.Fatalf("old-epoch result: %+v saved %d pending %v stale %v", eff, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves)
+			if counts(eff) != [3]int{} || tr.NumSavedTokens != 48 || !reflect.DeepEqual(tr.PendingSaves, []string{c.TaskID}) ||
+				len(tr.StaleSaves) != 0 || len(tr.Unsaved) != 0 {
+				t.Fatalf("old-epoch result: %+v saved %d pending %v stale %v unsaved %v", eff, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves, tr.Unsaved)
 			}
-			eff = noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-			fb := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Immediate: true, Epoch: 1}}
-			if !reflect.DeepEqual(eff.Feedback, fb) || !eff.Drop || tr.Reports.Stored+tr.Reports.DeadLettered != 2 {
-				t.Fatalf("finish %+v reports %+v; want %+v and drop", eff, tr.Reports, fb)
+			if eff = noErr(t, tr.Step(m, Step{Kind: StepFinished})); len(eff.Feedback) != 0 || eff.Drop {
+				t.Fatalf("finish with the epoch-1 save outstanding %+v", eff)
+			}
+			eff = noErr(t, tr.OnSaveResult(c.TaskID, SaveStored))
+			fb := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Epoch: 1}}
+			if !reflect.DeepEqual(eff.Feedback, fb) || !eff.Drop || tr.Reports.Stored+tr.Reports.DeadLettered != 3 {
+				t.Fatalf("last save %+v reports %+v; want %+v and drop", eff, tr.Reports, fb)
 			}
 		})
 	}

@@ -1,18 +1,24 @@
 package kvcore
 
 import (
+	"maps"
 	"sort"
+	"strconv"
 	"time"
 )
 
 // Defaults of the sender's policies.
 const (
-	// DefaultProbeEvery is how many skipped saves pressure mode lets pass
-	// before it lets one through as a probe.
+	// DefaultProbeEvery is how many skipped saves of a request under
+	// pressure the gate lets pass before it lets one through as a probe.
 	DefaultProbeEvery = 16
-	// DefaultPressureCoolDown is how long pressure mode waits before it lets
-	// a probe through regardless of the skip count.
+	// DefaultPressureCoolDown is how long the gate waits before it lets a
+	// probe of a request under pressure through regardless of its skips.
 	DefaultPressureCoolDown = 5 * time.Second
+	// DefaultMaxPressureScopes bounds the requests the gate holds under
+	// pressure at once; past it the longest-waiting one is let go (its next
+	// save is put as usual).
+	DefaultMaxPressureScopes = 4096
 	// DefaultRetryAttempts is the number of attempts (the first included)
 	// before a failing store call is given up.
 	DefaultRetryAttempts = 4
@@ -27,41 +33,74 @@ type Admission string
 
 // Admissions.
 const (
-	// AdmitPut: no pressure; put as usual.
+	// AdmitPut: the task's request is not under pressure; put as usual.
 	AdmitPut Admission = "put"
-	// AdmitProbe: in pressure mode, this task goes through to test whether
-	// the store has room again.
+	// AdmitProbe: the request is under pressure, and this task goes
+	// through to test whether the store has room again.
 	AdmitProbe Admission = "probe"
-	// AdmitSkip: in pressure mode; skip the save (count and report it).
+	// AdmitSkip: the request is under pressure; skip the save (count and
+	// report it; the tracker saves the range again with the request's next
+	// save).
 	AdmitSkip Admission = "skip"
 )
 
-// PressureGate is the sender's pressure mode: after the store answers "no
-// space", saves are skipped (and counted) until a put succeeds. So that a
-// put can ever succeed, one task is let through as a probe every
-// ProbeEvery skipped tasks, or once CoolDown has passed since pressure began
-// or the last probe. It is a pure value: time is passed in, never read.
+// PressureScopeOf names the scope a "no space" answer to task t puts under
+// pressure: its request, of its engine, in its allocation epoch. A save of
+// an earlier epoch (a stale task) so never sentences the resumed request's
+// saves, as in vLLM only a live store job may mark its request skipped.
+func PressureScopeOf(t *SaveTask) string {
+	return strconv.Quote(t.EngineID) + " " + strconv.Quote(t.RequestID) + " " + strconv.Itoa(t.Epoch)
+}
+
+// PressureScope is one request under pressure.
+type PressureScope struct {
+	// SinceProbe counts the request's skips since it came under pressure or
+	// its last probe.
+	SinceProbe int `json:"since_probe"`
+	// LastProbe is when the request came under pressure, its last probe
+	// went out or the store last answered it "no space".
+	LastProbe time.Time `json:"last_probe"`
+}
+
+// PressureGate is the sender's store-pressure rule, vLLM's
+// (vllm/backends/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py,
+// KVCacheStoreSendingThread: _mark_request_skipped_for_pressure,
+// _should_skip_request, _clear_store_pressure): a "no space" answer puts
+// only the request whose put got it under pressure (its scope,
+// PressureScopeOf), and only that request's later saves are skipped (and
+// counted); every other request's saves are put as usual. The first put
+// that succeeds, of any request, shows the store has room again and lets
+// every request go. So that a request under pressure is not stuck when no
+// other request puts, one of its saves is let through as a probe every
+// ProbeEvery of its skips, or once CoolDown has passed since it came under
+// pressure or its last probe (kvmesh's addition). A skipped save is never
+// counted as saved: the tracker learns it from the save result and covers
+// the range again with the request's next save. It is a pure value: time is
+// passed in, never read.
 type PressureGate struct {
 	// ProbeEvery is the number of skips between probes (0: DefaultProbeEvery).
 	ProbeEvery int `json:"probe_every,omitempty"`
 	// CoolDown is the longest wait between probes (0: DefaultPressureCoolDown).
 	CoolDown time.Duration `json:"cool_down,omitempty"`
-	// Active is set in pressure mode.
+	// MaxScopes bounds Scopes (0: DefaultMaxPressureScopes).
+	MaxScopes int `json:"max_scopes,omitempty"`
+	// Active is set while some request is under pressure.
 	Active bool `json:"active"`
-	// SinceProbe counts the skips since pressure began or the last probe.
-	SinceProbe int `json:"since_probe"`
-	// LastProbe is when pressure began, the last probe went out or the
-	// store last answered "no space".
-	LastProbe time.Time `json:"last_probe"`
+	// Scopes are the requests under pressure, by PressureScopeOf.
+	Scopes map[string]PressureScope `json:"scopes,omitempty"`
 	// Skipped counts every skipped task.
 	Skipped int64 `json:"skipped"`
-	// Episodes counts how many times pressure mode began.
+	// Episodes counts how many times pressure began (no request under
+	// pressure before).
 	Episodes int64 `json:"episodes"`
+	// Released counts the requests let go to stay within MaxScopes.
+	Released int64 `json:"released,omitempty"`
 }
 
-// Admit decides what to do with the next save task at time now.
-func (g *PressureGate) Admit(now time.Time) Admission {
-	if !g.Active {
+// Admit decides what to do at time now with the next save task of scope.
+func (g *PressureGate) Admit(scope string, now time.Time) Admission {
+	s, ok := g.Scopes[scope]
+	if !ok {
 		return AdmitPut
 	}
 	every, cool := g.ProbeEvery, g.CoolDown
@@ -71,31 +110,71 @@ func (g *PressureGate) Admit(now time.Time) Admission {
 	if cool <= 0 {
 		cool = DefaultPressureCoolDown
 	}
-	if g.SinceProbe >= every || now.Sub(g.LastProbe) >= cool {
-		g.SinceProbe = 0
-		g.LastProbe = now
+	if s.SinceProbe >= every || now.Sub(s.LastProbe) >= cool {
+		g.Scopes[scope] = PressureScope{LastProbe: now}
 		return AdmitProbe
 	}
-	g.SinceProbe++
+	s.SinceProbe++
+	g.Scopes[scope] = s
 	g.Skipped++
 	return AdmitSkip
 }
 
-// OnNoSpace records a "no space" answer from the store: pressure mode
-// begins (or continues, restarting the cool-down).
-func (g *PressureGate) OnNoSpace(now time.Time) {
+// OnNoSpace records a "no space" answer from the store to a put of scope:
+// the request comes under pressure (or stays, its cool-down restarted).
+func (g *PressureGate) OnNoSpace(scope string, now time.Time) {
 	if !g.Active {
 		g.Active = true
 		g.Episodes++
-		g.SinceProbe = 0
 	}
-	g.LastProbe = now
+	if g.Scopes == nil {
+		g.Scopes = map[string]PressureScope{}
+	}
+	s, ok := g.Scopes[scope]
+	if !ok {
+		g.makeRoom()
+	}
+	s.LastProbe = now
+	g.Scopes[scope] = s
 }
 
-// OnPutOK records a successful put: pressure mode ends.
+// makeRoom lets go of the request waiting longest (the oldest LastProbe)
+// when Scopes is full, so the gate's memory stays bounded; that request's
+// next save is put as usual and may bring it back.
+func (g *PressureGate) makeRoom() {
+	limit := g.MaxScopes
+	if limit <= 0 {
+		limit = DefaultMaxPressureScopes
+	}
+	for len(g.Scopes) >= limit {
+		var oldest string
+		var at time.Time
+		first := true
+		for k, s := range g.Scopes {
+			if first || s.LastProbe.Before(at) || (s.LastProbe.Equal(at) && k < oldest) {
+				oldest, at, first = k, s.LastProbe, false
+			}
+		}
+		delete(g.Scopes, oldest)
+		g.Released++
+	}
+}
+
+// OnPutOK records a successful put: the store has room, and every request
+// is let go (vLLM's _clear_store_pressure).
 func (g *PressureGate) OnPutOK() {
 	g.Active = false
-	g.SinceProbe = 0
+	g.Scopes = nil
+}
+
+// UnderPressure is the number of requests under pressure.
+func (g *PressureGate) UnderPressure() int { return len(g.Scopes) }
+
+// Clone returns a copy of g that shares nothing with it.
+func (g *PressureGate) Clone() PressureGate {
+	c := *g
+	c.Scopes = maps.Clone(g.Scopes)
+	return c
 }
 
 // RetryAction is what to do after a failed store call.

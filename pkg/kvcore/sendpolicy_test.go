@@ -11,24 +11,26 @@ import (
 func TestPressureGateDefaults(t *testing.T) {
 	var g PressureGate
 	now := time.Unix(0, 0).UTC()
-	if g.Admit(now) != AdmitPut {
+	if g.Admit("a", now) != AdmitPut {
 		t.Fatal("no pressure must put")
 	}
-	g.OnNoSpace(now)
+	g.OnNoSpace("a", now)
 	for i := range DefaultProbeEvery {
-		if a := g.Admit(now); a != AdmitSkip {
+		if a := g.Admit("a", now); a != AdmitSkip {
 			t.Fatalf("skip %d: %s", i, a)
 		}
+		if a := g.Admit("b", now); a != AdmitPut {
+			t.Fatalf("another request under a's pressure: %s, want put", a)
+		}
 	}
-	if a := g.Admit(now); a != AdmitProbe {
+	if a := g.Admit("a", now); a != AdmitProbe {
 		t.Fatalf("after %d skips: %s, want probe", DefaultProbeEvery, a)
 	}
-	if a := g.Admit(now.Add(DefaultPressureCoolDown)); a != AdmitProbe {
+	if a := g.Admit("a", now.Add(DefaultPressureCoolDown)); a != AdmitProbe {
 		t.Fatalf("after the default cool-down: %s, want probe", a)
 	}
-	g.OnPutOK()
-	if g.Admit(now) != AdmitPut || g.Skipped != DefaultProbeEvery {
-		t.Fatalf("gate %+v", g)
+	if g.UnderPressure() != 1 || !g.Active {
+		t.Fatalf("gate %+v, want a under pressure", g)
 	}
 	b, err := json.Marshal(g)
 	if err != nil {
@@ -37,6 +39,51 @@ func TestPressureGateDefaults(t *testing.T) {
 	var back PressureGate
 	if err := json.Unmarshal(b, &back); err != nil || !reflect.DeepEqual(back, g) {
 		t.Fatalf("round trip: %v %+v", err, back)
+	}
+	c := g.Clone()
+	g.OnPutOK()
+	if g.Admit("a", now) != AdmitPut || g.Skipped != DefaultProbeEvery || g.Active || g.UnderPressure() != 0 {
+		t.Fatalf("gate %+v", g)
+	}
+	if c.UnderPressure() != 1 {
+		t.Fatalf("clone shares the gate's scopes: %+v", c)
+	}
+}
+
+func TestPressureGateBoundsScopes(t *testing.T) {
+	g := PressureGate{MaxScopes: 2, CoolDown: time.Hour}
+	now := time.Unix(100, 0)
+	g.OnNoSpace("a", now)
+	g.OnNoSpace("b", now.Add(time.Second))
+	g.OnNoSpace("a", now.Add(2*time.Second)) // a again: its cool-down restarts, b waits longest
+	g.OnNoSpace("c", now.Add(3*time.Second))
+	got := map[string]Admission{}
+	for _, k := range []string{"a", "b", "c"} {
+		got[k] = g.Admit(k, now.Add(4*time.Second))
+	}
+	want := map[string]Admission{"a": AdmitSkip, "b": AdmitPut, "c": AdmitSkip}
+	if !reflect.DeepEqual(got, want) || g.Released != 1 || g.Episodes != 1 || g.UnderPressure() != 2 {
+		t.Fatalf("admissions %v released %d episodes %d scopes %d; want %v, 1, 1, 2", got, g.Released, g.Episodes, g.UnderPressure(), want)
+	}
+}
+
+func TestPressureScopeOf(t *testing.T) {
+	cases := []struct {
+		name string
+		a, b SaveTask
+		same bool
+	}{
+		{"same request and epoch, other task", SaveTask{TaskID: "1", EngineID: "e", RequestID: "r"}, SaveTask{TaskID: "2", EngineID: "e", RequestID: "r"}, true},
+		{"other engine", SaveTask{EngineID: "e1", RequestID: "r"}, SaveTask{EngineID: "e2", RequestID: "r"}, false},
+		{"other epoch", SaveTask{EngineID: "e", RequestID: "r"}, SaveTask{EngineID: "e", RequestID: "r", Epoch: 1}, false},
+		{"ids that run together", SaveTask{EngineID: "e r", RequestID: "x"}, SaveTask{EngineID: "e", RequestID: "r x"}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if got := PressureScopeOf(&c.a) == PressureScopeOf(&c.b); got != c.same {
+				t.Fatalf("%q vs %q: same %v, want %v", PressureScopeOf(&c.a), PressureScopeOf(&c.b), got, c.same)
+			}
+		})
 	}
 }
 

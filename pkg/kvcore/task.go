@@ -14,10 +14,30 @@ const (
 // BlockID is the id of one block in an engine's paged KV pool. In JSON a
 // null block (a slot the engine freed, e.g. outside a sliding window) is
 // null; in Go it is NullBlock.
+//
+// An engine may instead use a block id of its own for the null block and
+// declare it (contract.EngineStep.NullBlockID, the lookup's
+// remote_null_block_id): vLLM's null block is block 0 — BlockPool.__init__
+// (vllm/v1/core/block_pool.py) takes the first free block as null_block,
+// and block tables carry NULL_BLOCK_ID = 0
+// (vllm/v1/attention/backends/utils.py). The edges that receive an engine's
+// tables turn its null id into NullBlock once (BlockTable.NormalizeNull),
+// so everything past them knows one representation: NullBlock.
 type BlockID int64
 
-// NullBlock stands for a JSON null in a block table.
+// NullBlock stands for a JSON null in a block table, and for an engine's
+// declared null block id once normalised.
 const NullBlock BlockID = -1
+
+// EngineNullBlock returns the null block id an engine declared: NullBlock
+// when it declared none (nil: its tables carry JSON null), else the id.
+// The caller refuses a negative declaration.
+func EngineNullBlock(declared *int64) BlockID {
+	if declared == nil {
+		return NullBlock
+	}
+	return BlockID(*declared)
+}
 
 // MarshalJSON writes NullBlock as null.
 func (b BlockID) MarshalJSON() ([]byte, error) {
@@ -44,6 +64,32 @@ func (b *BlockID) UnmarshalJSON(data []byte) error {
 // BlockTable is a request's block ids, one list per KV group:
 // [[0,1,2],[7]] for a two-group model. An empty table has zero groups.
 type BlockTable [][]BlockID
+
+// NormalizeNull returns the table with every entry equal to engineNull,
+// the null block id the engine declared, replaced by NullBlock; JSON nulls
+// stay NullBlock. With engineNull NullBlock (the default convention) it
+// returns t itself; otherwise a new table, leaving t untouched. Under a
+// declared null id of 0, an entry 0 is null: such an engine cannot use
+// block 0 as a real block (vLLM never does).
+func (t BlockTable) NormalizeNull(engineNull BlockID) BlockTable {
+	if engineNull == NullBlock || t == nil {
+		return t
+	}
+	out := make(BlockTable, len(t))
+	for g, ids := range t {
+		if ids == nil {
+			continue
+		}
+		out[g] = make([]BlockID, len(ids))
+		for i, b := range ids {
+			if b == engineNull {
+				b = NullBlock
+			}
+			out[g][i] = b
+		}
+	}
+	return out
+}
 
 // Clone returns a deep copy, so a task's snapshot never aliases a tracker.
 func (t BlockTable) Clone() BlockTable {

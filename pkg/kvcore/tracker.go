@@ -66,6 +66,40 @@ type SaveCounts struct {
 	Failed int `json:"failed"`
 }
 
+// SaveReport is the sender's report of one save task, as the tracker reads
+// it: the task's outcome and how many of its keys were neither stored nor
+// found present for a cause a later save of the request can cure — skipped
+// under store pressure (the store answered "no space", or the request was
+// under pressure) or failed puts. Dead-lettered keys are not counted: their
+// cause (an invalid group, a block that no longer holds its chunk, an
+// existence check that kept failing) is the dead letter's, and an operator's
+// replay is their second chance.
+type SaveReport struct {
+	// Status is the task's overall outcome.
+	Status SaveStatus `json:"status"`
+	// Skipped counts the task's keys skipped under store pressure.
+	Skipped int `json:"skipped,omitempty"`
+	// Failed counts the task's keys whose put failed.
+	Failed int `json:"failed,omitempty"`
+}
+
+// unsaved reports whether some of the task's range was not persisted for a
+// cause a later save can cure. A report without key counts says so by its
+// status alone (skipped or failed).
+func (r SaveReport) unsaved() bool {
+	return r.Skipped > 0 || r.Failed > 0 || r.Status == SaveSkipped || r.Status == SaveFailed
+}
+
+// SaveSpan is the token range [Start, End) of one save task.
+type SaveSpan struct {
+	// TaskID is the save task.
+	TaskID string `json:"task_id"`
+	// Start is the first token the task saves.
+	Start int `json:"start"`
+	// End is the token the task saves up to (exclusive).
+	End int `json:"end"`
+}
+
 // add counts one report.
 func (c *SaveCounts) add(s SaveStatus) {
 	switch s {
@@ -173,17 +207,30 @@ func (l *LoadState) expecting() bool {
 
 // Tracker is the scheduler-side state of one request for the store
 // connector: a plain value, persisted as JSON between events. Drive it with
-// OnAdmit, OnLookup, OnAllocate, Step, OnSaveResult and OnLoadResult; each
-// returns the Effects to carry out.
+// OnAdmit, OnLookup, OnAllocate, Step, OnSaveResult (or OnSaveReport) and
+// OnLoadResult; each returns the Effects to carry out.
 //
-// The saved offset (NumSavedTokens) advances when a save is emitted, like
-// vLLM's num_saved_tokens. A reported save is never re-emitted, whatever its
-// outcome. The offset only goes back at a preemption: it returns to the
-// start of the earliest save still in flight, because the engine freed the
-// blocks those saves read and the gpuworker refuses a read of a block that
-// no longer holds the expected chunk, so their outcome is unknown; the
-// resumed request saves that range again from its new table (a chunk that
-// the old save did store is then found present).
+// Saved offset and re-saves, as vLLM's MooncakeStore connector moves them
+// (vllm/backends/distributed/kv_transfer/kv_connector/v1/mooncake/store/,
+// data.py ReqMeta.from_request_tracker and worker.py
+// KVCacheStoreSendingThread._handle_request): NumSavedTokens, vLLM's
+// scheduler-side num_saved_tokens, advances when a save is emitted, and a
+// save is emitted only when it reaches a new full block. A save reported
+// not persisted (skipped under store pressure, or a failed put: SaveReport)
+// is not counted as saved: its range joins Unsaved, and the request's next
+// save starts at the lowest unsaved token instead of at NumSavedTokens — as
+// vLLM's sending thread resumes each job from the request's own high-water
+// mark of tokens actually persisted (_saved_offset), so skipped or failed
+// ranges are retried. What the earlier saves did store is then found
+// present and not put again.
+//
+// Preemption (scheduler.py build_connector_meta, RequestTracker.reset,
+// worker.py _close_ended_store_requests): the engine freed the request's
+// blocks, so the tracker is reset and the saved offset returns to 0; the
+// resumed request saves from the start of its new table (the chunks earlier
+// saves stored are found present). Its prefill range is the resumed step's
+// (Step.PrefillTokens: the prompt plus the tokens generated before the
+// preemption, all re-prefilled), so it saves past its original prompt.
 //
 // Allocation epoch: Epoch counts the times the engine released the
 // request's blocks while the request lived on (a preemption; a resumed step
@@ -191,8 +238,8 @@ func (l *LoadState) expecting() bool {
 // carries the epoch it was emitted in. At each advance the outstanding
 // tasks move to StaleSaves and StaleLoads: their results only settle them —
 // they are counted in Reports, but never emit finished_recving, never
-// complete the current attempt's load, never hold finished_sending and
-// never block a save of the new epoch.
+// complete the current attempt's load, never hold finished_sending, never
+// mark a range unsaved and never block a save of the new epoch.
 type Tracker struct {
 	// EngineID is the engine that owns the request.
 	EngineID string `json:"engine_id"`
@@ -223,8 +270,15 @@ type Tracker struct {
 	// Table is the scheduled block table, one list per group. It is only
 	// ever set from a table whose group count equals the model's.
 	Table BlockTable `json:"block_table"`
-	// NumSavedTokens is the saved offset: tokens covered by emitted saves.
+	// NumSavedTokens is the saved offset: tokens covered by the current
+	// epoch's emitted saves (vLLM's num_saved_tokens).
 	NumSavedTokens int `json:"num_saved_tokens"`
+	// SaveSpans are the token ranges of the PendingSaves, so a report can
+	// say which range was not persisted.
+	SaveSpans []SaveSpan `json:"save_spans,omitempty"`
+	// Unsaved are the current epoch's save ranges reported not persisted
+	// (skipped or failed); the next save starts at the lowest of them.
+	Unsaved []SaveSpan `json:"unsaved,omitempty"`
 	// Hashes is the request's hash chain (hex), one per hash block.
 	Hashes []string `json:"block_hashes,omitempty"`
 	// Load is the LoadSpec state of the current scheduling attempt.
@@ -359,10 +413,8 @@ func (t *Tracker) FailClosed(err error) Effects {
 
 // newEpoch advances the allocation epoch after the engine released the
 // request's blocks: every outstanding task becomes stale. The saved offset
-// stays: a stale save either stores what its blocks still held or is
-// refused by the gpuworker's identity check (block_not_held); the range of
-// a refused one is not saved again (re-saving failed ranges is vLLM's
-// retry rule, not a safety one).
+// is left to the caller: a preemption resets it (release), a sequence gap
+// (FailClosed) stops the request.
 func (t *Tracker) newEpoch() {
 	t.retireSaves()
 	t.StaleLoads = append(t.StaleLoads, t.PendingLoads...)
@@ -370,10 +422,23 @@ func (t *Tracker) newEpoch() {
 	t.Epoch++
 }
 
-// retireSaves moves the pending saves to the stale ones.
+// release applies a preemption: the allocation epoch advances and the saved
+// offset returns to 0, so the resumed request saves from the start of its
+// new table, as vLLM's does (scheduler.py build_connector_meta builds a
+// resumed request's tracker with num_saved_tokens=0; worker.py
+// _close_ended_store_requests drops the preempted request's resume offset).
+func (t *Tracker) release() {
+	t.newEpoch()
+	t.NumSavedTokens = 0
+}
+
+// retireSaves moves the pending saves to the stale ones; their ranges and
+// the unsaved ones belong to the old epoch's blocks and are dropped.
 func (t *Tracker) retireSaves() {
 	t.StaleSaves = append(t.StaleSaves, t.PendingSaves...)
 	t.PendingSaves = nil
+	t.SaveSpans = nil
+	t.Unsaved = nil
 }
 
 // abandonLoad reports an expected load as finished with every block of

@@ -15,9 +15,10 @@ const (
 	// StepRunning: already running; Table holds the new block ids per group
 	// (nil: none) and Tokens the token count after the step.
 	StepRunning StepKind = "running"
-	// StepResumed: resumed after preemption; Table replaces the tracker's.
-	// For a running request (a preemption the tracker did not see) it
-	// first applies the preemption: the allocation epoch advances.
+	// StepResumed: resumed after preemption; Table replaces the tracker's,
+	// and the request saves again from token 0. For a running request (a
+	// preemption the tracker did not see) it first applies the preemption:
+	// the allocation epoch advances and the saved offset returns to 0.
 	StepResumed StepKind = "resumed"
 	// StepDecode: a running request in its decode phase; like StepRunning,
 	// but a decode step never saves.
@@ -25,8 +26,9 @@ const (
 	// StepPendingLoad: allocated but not scheduled this step (waiting for
 	// its external KV).
 	StepPendingLoad StepKind = "pending_load"
-	// StepPreempted: preempted; the tracker is reset, load state dropped,
-	// the allocation epoch advances and the outstanding tasks become stale.
+	// StepPreempted: preempted; the tracker is reset (the saved offset to
+	// 0), load state dropped, the allocation epoch advances and the
+	// outstanding tasks become stale.
 	StepPreempted StepKind = "preempted"
 	// StepFinished: the request finished (vLLM's request_finished).
 	StepFinished StepKind = "finished"
@@ -45,6 +47,14 @@ type Step struct {
 	Table BlockTable `json:"block_table"`
 	// Hashes is the request's hash chain so far (hex); it may be omitted.
 	Hashes []string `json:"block_hashes,omitempty"`
+	// PrefillTokens is, on new and resumed steps, the end of the request's
+	// prefill range: vLLM's prefill_end_tokens, the prompt for a fresh
+	// request and, for one resumed after a preemption, every token it had
+	// (prompt plus generated), since all of them are prefilled again
+	// (0: not given — a new step keeps the admission's prompt length, a
+	// resumed one takes max(prompt length, Tokens)). Tokens past it are
+	// decode tokens and are not saved.
+	PrefillTokens int `json:"prefill_tokens,omitempty"`
 }
 
 // OnLookup records the store connector's lookup decision: its LoadSpec, or
@@ -193,29 +203,51 @@ func (t *Tracker) accepts(k StepKind, eff *Effects) bool {
 }
 
 // schedule handles a new or resumed request: the tracker is rebuilt from
-// the scheduled tokens and the scheduled block table. An accepted load not
-// yet issued is issued now, and then nothing is saved this step.
+// the scheduled tokens and the scheduled block table, as vLLM's
+// build_connector_meta builds a RequestTracker for scheduled_new_reqs and
+// for resumed_req_ids (scheduler.py): a resumed request saves from token 0
+// (its saved offset was reset at the preemption, or is reset now for a
+// preemption the tracker did not see) up to its new prefill end. An
+// accepted load not yet issued is issued now, and then nothing is saved
+// this step.
 func (t *Tracker) schedule(m *Model, s Step, eff *Effects) {
-	if s.Tokens < 0 {
-		t.fail(eff, fmt.Errorf("%s step with %d tokens: %w", s.Kind, s.Tokens, ErrNegativeCount), s.Table)
+	if s.Tokens < 0 || s.PrefillTokens < 0 {
+		t.fail(eff, fmt.Errorf("%s step with %d tokens, %d prefill tokens: %w", s.Kind, s.Tokens, s.PrefillTokens, ErrNegativeCount), s.Table)
 		return
 	}
 	if err := checkGroups(m, s.Table, string(s.Kind)+" step block table"); err != nil {
 		t.fail(eff, err, s.Table)
 		return
 	}
+	resumed := s.Kind == StepResumed || t.State == StatePreempted
 	if s.Kind == StepResumed && t.State == StateRunning {
-		t.newEpoch()
+		t.release()
 	}
 	t.State = StateRunning
 	t.Table = s.Table.Clone()
 	t.TokenLen = s.Tokens
+	t.setPrefillEnd(s, resumed)
 	t.extendHashes(s.Hashes)
 	if t.Load.canIssue() {
 		t.emitLoad(m, t.Table, eff)
 		return
 	}
 	t.maybeSave(m, eff)
+}
+
+// setPrefillEnd takes a scheduled step's prefill range. vLLM snapshots
+// prefill_end_tokens when it builds the tracker (scheduler.py
+// build_connector_meta: len(prefill tokens) for a new request,
+// len(all_token_ids) for a resumed one), so a resumed request keeps saving
+// past its original prompt. Without PrefillTokens a resumed request's range
+// is at least the tokens this step computed.
+func (t *Tracker) setPrefillEnd(s Step, resumed bool) {
+	switch {
+	case s.PrefillTokens > 0:
+		t.PrefillEnd = s.PrefillTokens
+	case resumed && t.PrefillEnd > 0:
+		t.PrefillEnd = max(t.PrefillEnd, s.Tokens)
+	}
 }
 
 // advance handles a running or decode step: new block ids are appended per
@@ -257,11 +289,14 @@ func (t *Tracker) pending(m *Model, eff *Effects) {
 	}
 }
 
-// preempt resets the tracker and drops its load state. The engine freed
-// the request's blocks, so the allocation epoch advances: the outstanding
-// tasks become stale (newEpoch); the saved offset is kept.
+// preempt resets the tracker and drops its load state (vLLM's
+// RequestTracker.reset at preempted_req_ids in build_connector_meta). The
+// engine freed the request's blocks, so the allocation epoch advances: the
+// outstanding tasks become stale, and the saved offset returns to 0
+// (release). The prompt length stays until the resumed step names the new
+// prefill range.
 func (t *Tracker) preempt() {
-	t.newEpoch()
+	t.release()
 	t.State = StatePreempted
 	t.Table = nil
 	t.TokenLen = 0
@@ -289,13 +324,26 @@ func (t *Tracker) finishedSending(immediate bool) Feedback {
 	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate, Epoch: t.Epoch}
 }
 
-// OnSaveResult records the sender's report for one save task. Every outcome
-// counts as reported; when the last outstanding save of the current epoch
-// of a finishing request is reported, finished_sending is emitted. A stale
-// save (an earlier epoch's) is only settled and counted. Unknown or
-// repeated task ids (redelivery) change nothing.
+// OnSaveResult records the sender's report for one save task by its status
+// alone (OnSaveReport without key counts: skipped or failed mark the task's
+// range unsaved).
 func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
+	return t.OnSaveReport(taskID, SaveReport{Status: status})
+}
+
+// OnSaveReport records the sender's report for one save task. Every outcome
+// counts as reported; when the last outstanding save of the current epoch
+// of a finishing request is reported, finished_sending is emitted. A
+// current save reported not persisted (SaveReport: skipped or failed keys)
+// marks its range unsaved, so the request's next save covers it again, as
+// vLLM's sending thread retries from its last persisted offset (worker.py
+// KVCacheStoreSendingThread._handle_request, _record_saved only on
+// success). A stale save (an earlier epoch's) is only settled and counted:
+// its range belongs to blocks the engine released. Unknown or repeated task
+// ids (redelivery) change nothing.
+func (t *Tracker) OnSaveReport(taskID string, r SaveReport) Effects {
 	var eff Effects
+	status := r.Status
 	if !status.Valid() {
 		eff.Err = fmt.Errorf("request %s/%s: save %s: status %q: %w", t.EngineID, t.RequestID, taskID, status, ErrUnknownSaveStatus)
 		return eff
@@ -309,11 +357,28 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 		return t.settle(&eff)
 	}
 	t.Reports.add(status)
+	span := t.takeSpan(taskID)
+	if r.unsaved() && t.State == StateRunning {
+		t.Unsaved = append(t.Unsaved, span)
+	}
 	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
 		t.State = StateDone
 		eff.Feedback = append(eff.Feedback, t.finishedSending(false))
 	}
 	return t.settle(&eff)
+}
+
+// takeSpan removes and returns the range of a pending save. A save pending
+// without a range (a tracker stored before ranges were kept) is taken to
+// cover everything emitted, [0, NumSavedTokens).
+func (t *Tracker) takeSpan(taskID string) SaveSpan {
+	i := slices.IndexFunc(t.SaveSpans, func(s SaveSpan) bool { return s.TaskID == taskID })
+	if i < 0 {
+		return SaveSpan{TaskID: taskID, End: t.NumSavedTokens}
+	}
+	s := t.SaveSpans[i]
+	t.SaveSpans = slices.Delete(t.SaveSpans, i, i+1)
+	return s
 }
 
 // OnLoadResult records a gpuworker's report for one load task of a

@@ -31,10 +31,13 @@ func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks
 	return nil
 }
 
-// maybeSave emits the save of full scheduler blocks from the saved offset
-// to the aligned end, if there is one. It never saves for the consumer
-// role, for a request not running, or while a load of the request is
-// expected or outstanding (its blocks are not filled yet).
+// maybeSave emits the save of full scheduler blocks up to the aligned end
+// when the end passed the saved offset (a new full block; vLLM's
+// ReqMeta.from_request_tracker skips the save otherwise). The save starts
+// at the saved offset, or at the lowest range reported unsaved, which it
+// covers again (saveStart). It never saves for the consumer role, for a
+// request not running, or while a load of the request is expected or
+// outstanding (its blocks are not filled yet).
 func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 	if t.Consumer || t.State != StateRunning || t.Load.expecting() || len(t.PendingLoads) > 0 {
 		return
@@ -46,14 +49,29 @@ func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 	if end <= t.NumSavedTokens {
 		return
 	}
-	task, err := t.newSaveTask(m, end)
+	start := t.saveStart()
+	task, err := t.newSaveTask(m, start, end)
 	if err != nil {
 		t.fail(eff, err, nil)
 		return
 	}
 	t.NumSavedTokens = end
+	t.Unsaved = nil
 	t.PendingSaves = append(t.PendingSaves, task.TaskID)
+	t.SaveSpans = append(t.SaveSpans, SaveSpan{TaskID: task.TaskID, Start: start, End: end})
 	eff.Saves = append(eff.Saves, task)
+}
+
+// saveStart is where the next save starts: the saved offset, or the start
+// of the lowest range of the current epoch reported unsaved (skipped or
+// failed), as vLLM's sending thread resumes a request's next job from its
+// last persisted offset (worker.py KVCacheStoreSendingThread._saved_offset).
+func (t *Tracker) saveStart() int {
+	start := t.NumSavedTokens
+	for _, u := range t.Unsaved {
+		start = min(start, u.Start)
+	}
+	return max(start, 0)
 }
 
 // saveEnd is where a save would end: floor(token_len, sbs), not past the
@@ -80,15 +98,15 @@ func (t *Tracker) saveEnd(m *Model) (end int, hashLimited bool) {
 	return end, false
 }
 
-// newSaveTask builds the save of [NumSavedTokens, end) from the tracker's
-// scheduled table. It is the only place a SaveTask is built, and it refuses
+// newSaveTask builds the save of [start, end) from the tracker's scheduled
+// table. It is the only place a SaveTask is built, and it refuses
 // a table whose group count is not the model's: the seed crash (a save with
 // an empty table on a hybrid model) cannot be built.
-func (t *Tracker) newSaveTask(m *Model, end int) (SaveTask, error) {
+func (t *Tracker) newSaveTask(m *Model, start, end int) (SaveTask, error) {
 	if err := checkGroups(m, t.Table, "tracker block table"); err != nil {
 		return SaveTask{}, err
 	}
-	groups := m.SaveGroups(t.NumSavedTokens, end)
+	groups := m.SaveGroups(start, end)
 	if err := chunksFit(m, t.Table, t.Hashes, groups); err != nil {
 		return SaveTask{}, err
 	}
@@ -100,7 +118,7 @@ func (t *Tracker) newSaveTask(m *Model, end int) (SaveTask, error) {
 		RequestID:   t.RequestID,
 		Model:       m.Name,
 		Epoch:       t.Epoch,
-		Start:       t.NumSavedTokens,
+		Start:       start,
 		End:         end,
 		BlockTable:  t.Table.Clone(),
 		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),

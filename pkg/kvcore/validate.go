@@ -41,7 +41,9 @@ const (
 	ReasonChunksMismatch Reason = "chunks_mismatch"
 	// ReasonTableTooShort: the group's block list ends before a chunk.
 	ReasonTableTooShort Reason = "table_too_short"
-	// ReasonNullBlock: a chunk's block is null.
+	// ReasonNullBlock: a chunk's block is null: JSON null, or the null
+	// block id its engine declared (normalised to NullBlock where the
+	// engine's table entered the mesh; BlockTable.NormalizeNull).
 	ReasonNullBlock Reason = "null_block"
 	// ReasonBlockOutOfRange: a chunk's block id is negative or beyond the pool.
 	ReasonBlockOutOfRange Reason = "block_out_of_range"

@@ -38,16 +38,21 @@ const (
 	StatusError       = "error"
 )
 
-// Metrics are the store metric families of one registry. Create them once
-// per registry with NewMetrics and share them between Instrument wrappers.
+// Metrics are the store metric families of one registry: kvmesh's own
+// (MetricOpDuration, MetricKeys, MetricFailedKeys) and vLLM's MooncakeStore
+// connector families (VLLMMetricOperationTime and the other VLLMMetric
+// names). Create them once per registry with NewMetrics and share them
+// between Instrument wrappers.
 type Metrics struct {
 	duration *prometheus.HistogramVec
 	keys     *prometheus.CounterVec
 	failed   *prometheus.CounterVec
+	vllm     *vllmFamilies
 }
 
-// NewMetrics registers the store families on reg. Families already
-// registered there (another NewMetrics on the same registry) are reused.
+// NewMetrics registers the store families, kvmesh's and vLLM's, on reg.
+// Families already registered there (another NewMetrics on the same
+// registry) are reused.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	duration := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    MetricOpDuration,
@@ -72,7 +77,11 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	if failed, err = telemetry.RegisterOnce(reg, failed); err != nil {
 		return nil, err
 	}
-	return &Metrics{duration: duration, keys: keys, failed: failed}, nil
+	vllm, err := newVLLMFamilies(reg)
+	if err != nil {
+		return nil, err
+	}
+	return &Metrics{duration: duration, keys: keys, failed: failed, vllm: vllm}, nil
 }
 
 // OpNames are the op label values under which an instrumented store records
@@ -110,10 +119,23 @@ func (o OpNames) withDefaults() OpNames {
 // context) carrying the op, key count, value bytes and failed keys. Ping and
 // Close pass through unrecorded. An Exists answer of "absent" is not a failure; a
 // Get or Remove of a missing key counts as failed with status not_found.
+//
+// Each call is also one operation record of vLLM's MooncakeStore connector
+// families, labelled with the wrapper's VLLMLabels (WithLabels) overridden
+// by those of the call's context (WithVLLMLabels), the op name as operation,
+// and a status as vLLM's store worker sets it
+// (vllm/backends/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py):
+// error with every key failed when the call failed as a whole,
+// partial_failure with the failed keys counted when some keys failed, else
+// ok. Its bytes are the value bytes a Put sent (failed items included, as
+// vLLM counts a batch's sizes) or a Get returned; an Exists moves none.
 type Instrumented struct {
 	next Store
 	m    *Metrics
-	ops  OpNames
+	// ops are the op names of the calls; named are those Instrument was
+	// given (without the defaults).
+	ops, named OpNames
+	labels     VLLMLabels
 }
 
 var _ Store = (*Instrumented)(nil)
@@ -132,7 +154,36 @@ func Instrument(s Store, m *Metrics, ops OpNames) *Instrumented {
 			m.failed.WithLabelValues(op, status)
 		}
 	}
-	return &Instrumented{next: s, m: m, ops: ops.withDefaults()}
+	return &Instrumented{next: s, m: m, ops: ops.withDefaults(), named: ops}
+}
+
+// WithLabels returns a wrapper of the same store and ops whose calls are
+// recorded in the vLLM families under l, except where the call's context
+// carries labels of its own (WithVLLMLabels). When l names both the model
+// and the engine (a gpuworker serves one engine), the vLLM series of every
+// op named in Instrument's ops exist from the start, at 0, for each status
+// the op can end with; a service whose engine differs per call gets its
+// series with each engine's first call.
+func (s *Instrumented) WithLabels(l VLLMLabels) *Instrumented {
+	out := *s
+	out.labels = l
+	if l.ModelName == "" || l.Engine == "" {
+		return &out
+	}
+	for _, d := range []struct {
+		op       string
+		statuses []string
+	}{
+		{s.named.Exists, existsStatuses},
+		{s.named.Put, batchStatuses},
+		{s.named.Get, batchStatuses},
+		{s.named.Remove, batchStatuses},
+	} {
+		if d.op != "" {
+			s.m.vllm.declare(l, d.op, d.statuses)
+		}
+	}
+	return &out
 }
 
 // failureStatuses are the values of FailureStatus.
@@ -141,7 +192,7 @@ var failureStatuses = []string{StatusNotFound, StatusNoSpace, StatusTooLarge, St
 
 // Exists implements Store.
 func (s *Instrumented) Exists(ctx context.Context, keys []string) ([]bool, error) {
-	c := s.begin(ctx, s.ops.Exists, len(keys))
+	c := s.begin(ctx, s.ops.Exists, len(keys), existsStatuses)
 	found, err := s.next.Exists(c.ctx, keys)
 	if err == nil {
 		c.span.SetAttributes(attribute.Int("kvmesh.store.found", countTrue(found)))
@@ -152,7 +203,7 @@ func (s *Instrumented) Exists(ctx context.Context, keys []string) ([]bool, error
 
 // Put implements Store.
 func (s *Instrumented) Put(ctx context.Context, items []Item) ([]error, error) {
-	c := s.begin(ctx, s.ops.Put, len(items))
+	c := s.begin(ctx, s.ops.Put, len(items), batchStatuses)
 	errs, err := s.next.Put(c.ctx, items)
 	var n int64
 	for _, it := range items {
@@ -164,7 +215,7 @@ func (s *Instrumented) Put(ctx context.Context, items []Item) ([]error, error) {
 
 // Get implements Store.
 func (s *Instrumented) Get(ctx context.Context, keys []string) ([][]byte, []error, error) {
-	c := s.begin(ctx, s.ops.Get, len(keys))
+	c := s.begin(ctx, s.ops.Get, len(keys), batchStatuses)
 	values, errs, err := s.next.Get(c.ctx, keys)
 	var n int64
 	for _, v := range values {
@@ -176,7 +227,7 @@ func (s *Instrumented) Get(ctx context.Context, keys []string) ([][]byte, []erro
 
 // Remove implements Store.
 func (s *Instrumented) Remove(ctx context.Context, keys []string) ([]error, error) {
-	c := s.begin(ctx, s.ops.Remove, len(keys))
+	c := s.begin(ctx, s.ops.Remove, len(keys), batchStatuses)
 	errs, err := s.next.Remove(c.ctx, keys)
 	s.end(c, 0, err, errs)
 	return errs, err
@@ -195,22 +246,34 @@ type call struct {
 	op    string
 	n     int
 	start time.Time
+	// statuses are the vLLM statuses a call of its method can end with.
+	statuses []string
 }
 
-// begin starts the span of one call of op over n keys.
-func (s *Instrumented) begin(ctx context.Context, op string, n int) call {
+// begin starts the span of one call of op over n keys, a call of a method
+// that can end with statuses.
+func (s *Instrumented) begin(ctx context.Context, op string, n int, statuses []string) call {
 	ctx, span := otel.Tracer(tracerName).Start(ctx, "store "+op, trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithAttributes(attribute.String("db.system.name", "redis"),
 			attribute.String("kvmesh.store.op", op), attribute.Int("kvmesh.store.keys", n)))
-	return call{ctx: ctx, span: span, op: op, n: n, start: time.Now()}
+	return call{ctx: ctx, span: span, op: op, n: n, start: time.Now(), statuses: statuses}
 }
 
 // end records c's metrics and ends its span; bytes is the value bytes the
 // call moved.
 func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error) {
 	defer c.span.End()
-	s.m.duration.WithLabelValues(c.op).Observe(time.Since(c.start).Seconds())
+	took := time.Since(c.start).Seconds()
+	s.m.duration.WithLabelValues(c.op).Observe(took)
 	s.m.keys.WithLabelValues(c.op).Add(float64(c.n))
+	failedKeys := c.n
+	if batchErr == nil {
+		failedKeys = countErrs(keyErrs)
+	}
+	s.m.vllm.observe(vllmLabelsFrom(c.ctx).merged(s.labels), vllmOperation{
+		name: c.op, statuses: c.statuses, seconds: took, keys: c.n, bytes: bytes,
+		status: vllmStatus(batchErr, failedKeys), failedKeys: failedKeys,
+	})
 	if bytes > 0 {
 		c.span.SetAttributes(attribute.Int64("kvmesh.bytes", bytes))
 	}
@@ -233,6 +296,17 @@ func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error)
 	if failed > 0 {
 		c.span.SetAttributes(attribute.Int("kvmesh.store.failed_keys", failed))
 	}
+}
+
+// countErrs counts the failed keys of a call's per-key errors.
+func countErrs(errs []error) int {
+	n := 0
+	for _, err := range errs {
+		if err != nil {
+			n++
+		}
+	}
+	return n
 }
 
 // countTrue counts the true answers of an Exists call.

@@ -198,11 +198,14 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if err != nil {
 		return nil, err
 	}
-	loadStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Get: metrics.OpLoadGet})
+	// A gpuworker serves one engine: its store calls carry vLLM's base
+	// labels from the start (kvstore.VLLMLabels).
+	vllmLabels := kvstore.VLLMLabels{ModelName: a.model.Name, Engine: cfg.EngineID}
+	loadStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Get: metrics.OpLoadGet}).WithLabels(vllmLabels)
 	if a.consumer, err = a.newConsumer(keys, loadStore, m); err != nil {
 		return nil, err
 	}
-	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut})
+	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut}).WithLabels(vllmLabels)
 	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).Mount(a.srv.Router())
 	a.mountAPI()
 	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}

@@ -39,7 +39,9 @@ const (
 
 // Metrics are the gpuworker's own metric families. Store latency, keys and
 // failed keys come from kvstore.Instrument (kvmesh_store_op_duration_seconds,
-// kvmesh_store_keys_total, kvmesh_store_failed_keys_total); this adds the
+// kvmesh_store_keys_total, kvmesh_store_failed_keys_total, and vLLM's
+// vllm:mooncake_store_operation_* families under the operations OpSavePut
+// and OpLoadGet, labelled with the worker's model and engine); this adds the
 // bytes moved and the values a load rejected after the store returned them.
 type Metrics struct {
 	storeBytes *prometheus.CounterVec

@@ -1,11 +1,13 @@
 package api
 
 import (
+	"fmt"
 	"reflect"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
 )
 
@@ -40,6 +42,13 @@ func TestBuildDecision(t *testing.T) {
 			result(connector.Answer{Tokens: 32, Spec: spec, Async: true, PD: src}, connector.Answer{Pending: true}),
 			contract.LookupDecision{Pending: true, Children: []contract.ChildDecision{
 				{Name: "pd", Tokens: 32, Spec: spec}, {Name: "store", Pending: true}}},
+		},
+		{
+			"failed store answers 0 and is named; pd wins",
+			result(connector.Answer{Tokens: 32, Spec: spec, Async: true, PD: src},
+				connector.Answer{Failed: fmt.Errorf("%w: %w", connector.ErrStore, kvstore.ErrUnavailable)}),
+			contract.LookupDecision{Chosen: "pd", ExternalTokens: 32, LoadAsync: true, PD: src, Children: []contract.ChildDecision{
+				{Name: "pd", Tokens: 32, Spec: spec}, {Name: "store", Failed: kvstore.StatusUnavailable}}},
 		},
 		{
 			"disabled: no children",

@@ -73,14 +73,16 @@ type Options struct {
 	Enabled bool
 	// LoadAsync is the default load_async.
 	LoadAsync bool
-	// Timeout bounds the chain and the publish of one lookup; default
+	// Timeout bounds the chain (the store check) of one lookup, and then,
+	// on its own, the publish of its decision, so that a store check that
+	// runs out of time still leaves the publish its whole bound; default
 	// DefaultTimeout.
 	Timeout time.Duration
 	// MaxBodyBytes limits the request body; default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
 	// Registry receives the lookup metrics.
 	Registry prometheus.Registerer
-	// Log receives store and publish failures; default discards.
+	// Log receives child (store) and publish failures; default discards.
 	Log *slog.Logger
 }
 
@@ -89,6 +91,8 @@ type Handler struct {
 	opts      Options
 	validator Validator
 	metrics   *metrics
+	// childFailures is kvmesh_lookup_child_failures_total{child,reason}.
+	childFailures *prometheus.CounterVec
 }
 
 // New returns the handler, registering its metrics on opts.Registry.
@@ -112,7 +116,11 @@ func New(opts Options) (*Handler, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Handler{opts: opts, validator: Validator{Model: opts.Model, LoadAsync: opts.LoadAsync}, metrics: m}, nil
+	failures, err := newChildFailures(opts.Registry, opts.Chain.Names())
+	if err != nil {
+		return nil, err
+	}
+	return &Handler{opts: opts, validator: Validator{Model: opts.Model, LoadAsync: opts.LoadAsync}, metrics: m, childFailures: failures}, nil
 }
 
 // Mount adds POST /v1/lookup, with its body limit, to r.
@@ -121,9 +129,12 @@ func (h *Handler) Mount(r chi.Router) {
 }
 
 // ServeHTTP answers one lookup: 200 with the decision; 4xx problem naming
-// the bad field; 503 with Retry-After when the store or the broker fails
-// (no count is ever guessed, and no decision is answered that the
-// scheduler did not receive).
+// the bad field; 503 with Retry-After when the decision cannot be
+// published (no decision is answered that the scheduler did not receive).
+// A store outage is not a 503: the store child fails open and answers 0
+// (the chain goes on, so a pd hit still wins), counted in
+// kvmesh_lookup_child_failures_total and logged at WARN with the error
+// and the request's trace; the decision names the failed child.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	ctx, span := otel.GetTracerProvider().Tracer(tracerName).Start(r.Context(), "lookup")
@@ -159,16 +170,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // lookup runs the chain and publishes the decision. On failure it returns
 // the result label of the failure.
+//
+// A child whose check failed answered 0 and the chain went on (fail open,
+// per child). Publishing the decision is no child: vLLM's scheduler has
+// no equivalent step (get_num_new_matched_tokens answers in-process), and
+// the scheduler of the mesh learns what the engine was told only from
+// this record, so a decision that was not published is never answered
+// (503 publish_failed) — an engine acting on it would allocate for a load
+// that no tracker expects.
 func (h *Handler) lookup(ctx context.Context, q *connector.Query, model string) (*contract.LookupDecision, string, error) {
-	ctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
-	defer cancel()
 	var res connector.Result
 	if h.opts.Enabled {
 		var err error
-		if res, err = h.opts.Chain.Lookup(ctx, q); err != nil {
-			if errors.Is(err, connector.ErrStore) {
-				return nil, ResultStoreUnavailable, err
-			}
+		if res, err = h.runChain(ctx, q); err != nil {
 			return nil, ResultError, err
 		}
 	} else {
@@ -180,10 +194,34 @@ func (h *Handler) lookup(ctx context.Context, q *connector.Query, model string) 
 		return nil, ResultError, fmt.Errorf("encode decision: %w", err)
 	}
 	msg := bus.Message{Topic: contract.TopicLookupDecisions, Key: q.RequestID, Value: value}
-	if err := h.opts.Publisher.Publish(ctx, msg); err != nil {
+	pctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
+	defer cancel()
+	if err := h.opts.Publisher.Publish(pctx, msg); err != nil {
 		return nil, ResultPublishFailed, err
 	}
 	return d, h.resultOf(d), nil
+}
+
+// runChain asks the chain under the lookup's timeout, then counts and logs
+// every child that failed open.
+func (h *Handler) runChain(ctx context.Context, q *connector.Query) (connector.Result, error) {
+	cctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
+	defer cancel()
+	res, err := h.opts.Chain.Lookup(cctx, q)
+	if err != nil {
+		return connector.Result{}, err
+	}
+	for _, i := range res.Failures() {
+		a := res.Answers[i]
+		reason := a.FailureReason()
+		h.childFailures.WithLabelValues(res.Names[i], reason).Inc()
+		trace.SpanFromContext(ctx).AddEvent("child failed open", trace.WithAttributes(
+			attribute.String("kvmesh.child", res.Names[i]), attribute.String("kvmesh.reason", reason),
+			attribute.String("error", a.Failed.Error())))
+		h.opts.Log.WarnContext(ctx, "lookup child failed; answered 0 (fail open)",
+			"child", res.Names[i], "reason", reason, "engine_id", q.EngineID, "request_id", q.RequestID, "err", a.Failed)
+	}
+	return res, nil
 }
 
 // resultOf labels an answered decision.
@@ -215,7 +253,7 @@ func buildDecision(id, model string, q *connector.Query, res connector.Result) *
 		Children:          make([]contract.ChildDecision, len(res.Answers)),
 	}
 	for i, a := range res.Answers {
-		d.Children[i] = contract.ChildDecision{Name: res.Names[i], Tokens: a.Tokens, Pending: a.Pending, Spec: a.Spec}
+		d.Children[i] = contract.ChildDecision{Name: res.Names[i], Tokens: a.Tokens, Pending: a.Pending, Spec: a.Spec, Failed: a.FailureReason()}
 	}
 	if chosen, ok := res.Chosen(); ok && !d.Pending {
 		d.Chosen = res.Names[res.Selection.Chosen]
@@ -266,7 +304,7 @@ func (h *Handler) refuse(span trace.Span, field string, err error) {
 }
 
 // fail answers a lookup that could not be decided: 503 with Retry-After
-// when the store or the broker failed, 500 otherwise.
+// when the decision could not be published, 500 otherwise.
 func (h *Handler) fail(w http.ResponseWriter, r *http.Request, span trace.Span, result string, err error) {
 	h.metrics.requests.WithLabelValues(result).Inc()
 	span.RecordError(err)
@@ -275,8 +313,6 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, span trace.Span, 
 	var detail string
 	status := http.StatusServiceUnavailable
 	switch result {
-	case ResultStoreUnavailable:
-		detail = "the store pool did not answer the existence check; retry later (no count is guessed)"
 	case ResultPublishFailed:
 		detail = "the decision could not be published to " + contract.TopicLookupDecisions + "; do not act on this lookup, retry later"
 	default:

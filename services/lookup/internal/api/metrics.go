@@ -20,7 +20,10 @@ const (
 	ResultDisabled = "disabled"
 	// ResultInvalid: the request was refused with a 4xx.
 	ResultInvalid = "invalid"
-	// ResultStoreUnavailable: the store check failed; 503.
+	// ResultStoreUnavailable is no longer produced: a failed store check
+	// fails open (the store child answers 0, counted in
+	// kvmesh_lookup_child_failures_total). The series stays at 0 so that
+	// dashboards and alerts on it keep resolving.
 	ResultStoreUnavailable = "store_unavailable"
 	// ResultPublishFailed: the decision could not be published; 503.
 	ResultPublishFailed = "publish_failed"

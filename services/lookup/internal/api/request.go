@@ -102,7 +102,7 @@ func (v Validator) Query(req *Request) (*connector.Query, error) {
 		if err := v.checkTransfer(req.KVTransferParams); err != nil {
 			return nil, err
 		}
-		q.Transfer = req.KVTransferParams
+		q.Transfer = normalizeTransfer(req.KVTransferParams)
 	}
 	q.NumComputedTokens = req.NumComputedTokens
 	return q, nil
@@ -204,7 +204,8 @@ func checkComputed(computed, numTokens int) *FieldError {
 }
 
 // checkTransfer checks the pd source: an engine, a non-negative token
-// count and one block table per KV group with valid block ids (or null).
+// count, a non-negative remote_null_block_id when given, and one block
+// table per KV group with valid block ids (or null).
 func (v Validator) checkTransfer(p *contract.PDSource) *FieldError {
 	const base = "kv_transfer_params."
 	if err := checkID(base+"remote_engine_id", p.EngineID); err != nil {
@@ -212,6 +213,9 @@ func (v Validator) checkTransfer(p *contract.PDSource) *FieldError {
 	}
 	if p.Tokens < 0 {
 		return fieldErr(base+"remote_tokens", "is %d, must not be negative", p.Tokens)
+	}
+	if p.NullBlockID != nil && *p.NullBlockID < 0 {
+		return fieldErr(base+"remote_null_block_id", "is %d, must not be negative (leave it out when null blocks are null)", *p.NullBlockID)
 	}
 	if len(p.BlockTable) != len(v.Model.Groups) {
 		return fieldErr(base+"remote_block_table", "has %d groups, model %s has %d",
@@ -225,4 +229,19 @@ func (v Validator) checkTransfer(p *contract.PDSource) *FieldError {
 		}
 	}
 	return nil
+}
+
+// normalizeTransfer returns the pd source with the remote engine's declared
+// null block id (remote_null_block_id; vLLM's is 0) turned into null in its
+// table, once, here at the edge: the decision, the scheduler and the load
+// task only know kvcore.NullBlock. A source without a declaration is
+// returned as it is.
+func normalizeTransfer(p *contract.PDSource) *contract.PDSource {
+	if p.NullBlockID == nil {
+		return p
+	}
+	out := *p
+	out.BlockTable = p.BlockTable.NormalizeNull(kvcore.EngineNullBlock(p.NullBlockID))
+	out.NullBlockID = nil
+	return &out
 }

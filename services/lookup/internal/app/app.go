@@ -35,7 +35,7 @@ type Config struct {
 	// LoadAsync is the default load_async of a positive answer.
 	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" default:"true" doc:"load external tokens asynchronously unless a lookup says otherwise"`
 	// Timeout bounds one lookup's store check and decision publish.
-	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" doc:"bound on one lookup's store check plus decision publish; past it the lookup answers 503"`
+	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" doc:"bound on one lookup's store check, and on its own on the decision publish; a store check past it fails open (the store child answers 0), a publish past it answers 503"`
 	// MaxBodyBytes limits a lookup request body.
 	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
 }
@@ -80,6 +80,8 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
+	// store is the store pool, opened by openStore and closed after deps.
+	store *kvstore.Redis
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -92,12 +94,13 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	defer func() {
 		if err != nil {
 			a.deps.Close()
+			a.closeStore()
 		}
 	}()
 	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenStore(ctx, cfg.RedisURL); err != nil {
+	if err = a.openStore(ctx, cfg.RedisURL); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
@@ -113,6 +116,34 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	h.Mount(a.srv.Router())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
+}
+
+// openStore connects to the store pool, as service.Deps.OpenStore does,
+// with an Optional readiness check: the store child fails open (a store
+// outage answers 0 external tokens, and a pd hit still wins), so the
+// lookup keeps serving and stays ready while the store is down — taking
+// it out of the engines' routing would fail every lookup, pd hits
+// included. /readyz still names the store: its check fails (checks.store,
+// with the error) and the body's degraded list holds "store"; the outage
+// also shows in kvmesh_lookup_child_failures_total and
+// kvmesh_store_failed_keys_total{op="lookup_exists"}. The broker check
+// stays required: a decision that cannot be published is a 503.
+func (a *App) openStore(ctx context.Context, url string) error {
+	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{})
+	if err != nil {
+		return fmt.Errorf("store: %w", err)
+	}
+	a.store, a.deps.Store = st, st
+	a.deps.AddCheck(httpserver.ReadyCheck{Name: "store", Optional: true, Check: st.Ping})
+	return nil
+}
+
+// closeStore closes the store pool, if open.
+func (a *App) closeStore() {
+	if a.store != nil {
+		_ = a.store.Close() // closing at shutdown: nothing left to report to
+		a.store = nil
+	}
 }
 
 // handler builds the connector chain over the instrumented store and the
@@ -133,7 +164,8 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 	chain, err := connector.Build(names, connector.Deps{
 		Model: a.model,
 		Keys:  kb,
-		Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}),
+		// The engine of each call comes with its query (connector.Store).
+		Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}),
 	})
 	if err != nil {
 		return nil, err
@@ -156,6 +188,7 @@ func (a *App) Addr() string { return a.srv.Addr() }
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
+	defer a.closeStore() // after deps: the HTTP server stops first
 	defer a.deps.Close()
 	return service.Run(ctx, a.deps.Log,
 		service.Task{Name: "http", Run: a.srv.Run},

@@ -69,6 +69,7 @@ func TestBadInput(t *testing.T) {
 		{"pd source with negative tokens", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1}}, "remote_tokens": -1})), "", 400, "kv_transfer_params.remote_tokens", "negative"},
 		{"pd table of the wrong group count", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1}, {2}}, "remote_tokens": 16})), "", 400, "kv_transfer_params.remote_block_table", "2 groups"},
 		{"pd table with a bad block id", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1, -7}}, "remote_tokens": 16})), "", 400, "kv_transfer_params.remote_block_table[0][1]", "-7"},
+		{"pd source with a negative null block id", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1}}, "remote_tokens": 16, "remote_null_block_id": -1})), "", 400, "kv_transfer_params.remote_null_block_id", "negative"},
 		{"oversized body", good(func(m map[string]any) { delete(m, "block_hashes"); m["token_ids"] = make([]int, 40000) }), "", 413, "", "exceeds 65536 bytes"},
 		{"not JSON", good(func(map[string]any) {}), "text/plain", 415, "", "text/plain"},
 	}

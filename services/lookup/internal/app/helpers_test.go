@@ -81,6 +81,12 @@ type lookupService struct {
 // unique key prefix, starts the app and waits until it is ready.
 func startLookup(t *testing.T, env *servicetest.Env, vars map[string]string) *lookupService {
 	t.Helper()
+	return startLookupLog(t, env, vars, slog.New(slog.DiscardHandler))
+}
+
+// startLookupLog is startLookup with the service logging to log.
+func startLookupLog(t *testing.T, env *servicetest.Env, vars map[string]string, log *slog.Logger) *lookupService {
+	t.Helper()
 	all := map[string]string{
 		"KVMESH_KAFKA_BROKERS":    strings.Join(env.Brokers, ","),
 		"KVMESH_KAFKA_PARTITIONS": "2",
@@ -96,7 +102,7 @@ func startLookup(t *testing.T, env *servicetest.Env, vars map[string]string) *lo
 	if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := all[k]; return v, ok }); err != nil {
 		t.Fatalf("config: %v", err)
 	}
-	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
+	a, err := app.New(context.Background(), cfg, log)
 	if err != nil {
 		t.Fatalf("app.New: %v", err)
 	}

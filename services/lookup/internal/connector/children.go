@@ -26,8 +26,17 @@ func NewStore(m *kvcore.Model, kb kvcore.KeyBuilder, store kvstore.Store) *Store
 func (s *Store) Name() string { return NameStore }
 
 // Lookup implements Connector. A prompt shorter than one scheduler block
-// plans no keys and is answered 0 without a store call. A failed existence
-// check returns an error wrapping ErrStore.
+// plans no keys and is answered 0 without a store call.
+//
+// A failed existence check fails open, as vLLM's store child does
+// (MooncakeStoreWorker.lookup in
+// vllm/backends/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py,
+// commit 055e47c28003156421365af985d676fc921cb075: a raising
+// batch_is_exist is recorded and logged and the lookup answers
+// MooncakeLookupResult(0); LookupKeyClient.lookup answers 0 likewise when
+// the lookup call raises): the child answers 0 tokens with no LoadSpec
+// and Answer.Failed set to an error wrapping ErrStore, and returns no
+// error, so the chain goes on. Only a query the plan refuses is an error.
 func (s *Store) Lookup(ctx context.Context, q *Query) (Answer, error) {
 	plan, err := kvcore.PlanLookup(s.model, s.keys, q.Hashes, q.NumTokens)
 	if err != nil {
@@ -37,13 +46,14 @@ func (s *Store) Lookup(ctx context.Context, q *Query) (Answer, error) {
 	if len(keys) == 0 {
 		return Answer{}, nil
 	}
-	exists, err := s.store.Exists(ctx, keys)
+	// vLLM's engine label of lookup_exists is the asking engine.
+	exists, err := s.store.Exists(kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: q.EngineID}), keys)
 	if err != nil {
-		return Answer{}, fmt.Errorf("%w: %w", ErrStore, err)
+		return Answer{Failed: fmt.Errorf("%w (%d keys): %w", ErrStore, len(keys), err)}, nil
 	}
 	hit, err := plan.Resolve(exists)
 	if err != nil {
-		return Answer{}, fmt.Errorf("%w: %w", ErrStore, err)
+		return Answer{Failed: fmt.Errorf("%w: %w", ErrStore, err)}, nil
 	}
 	need, spec, async := kvcore.Decide(hit, q.NumComputedTokens, q.LoadAsync)
 	return Answer{Tokens: need, Spec: spec, Async: async}, nil

@@ -27,8 +27,9 @@ func DefaultChain() []string { return []string{NameStore} }
 
 // Errors of the connector chain.
 var (
-	// ErrStore wraps a failed store existence check: the answer is unknown,
-	// never zero.
+	// ErrStore wraps a failed store existence check. The store child
+	// fails open: it answers 0 tokens and carries the error in
+	// Answer.Failed (it is never a guessed positive count).
 	ErrStore = errors.New("store existence check failed")
 	// ErrUnknownConnector is returned for a chain entry that names no child.
 	ErrUnknownConnector = errors.New("unknown connector")
@@ -70,14 +71,30 @@ type Answer struct {
 	Async bool
 	// PD is the prefill source a pd child would load from.
 	PD *contract.PDSource
+	// Failed is set when the child could not check its source (a store
+	// outage: it wraps ErrStore). The child then answers 0 (Tokens 0, no
+	// Spec, not pending) and the chain goes on: fail open, per child.
+	Failed error
+}
+
+// FailureReason names a failed answer's cause for metrics and the
+// decision: a kvstore failure status ("unavailable", "timeout",
+// "closed", …); "" when the answer did not fail.
+func (a Answer) FailureReason() string {
+	if a.Failed == nil {
+		return ""
+	}
+	return kvstore.FailureStatus(a.Failed)
 }
 
 // Connector is one child of the chain.
 type Connector interface {
 	// Name is the child's name in the chain ("store", "pd").
 	Name() string
-	// Lookup answers q. An error means the child cannot answer (the chain
-	// then has no answer): it must never be turned into a count.
+	// Lookup answers q. A source the child cannot check (a store outage)
+	// is an answer of 0 with Answer.Failed set: the chain goes on. An
+	// error is a query the child refuses (a bug, not an outage): the whole
+	// lookup fails, and it is never turned into a count.
 	Lookup(ctx context.Context, q *Query) (Answer, error)
 }
 
@@ -147,6 +164,15 @@ func NewChain(children ...Connector) (*Chain, error) {
 	return &Chain{children: children}, nil
 }
 
+// Names returns the children's names, in chain order.
+func (c *Chain) Names() []string {
+	out := make([]string, len(c.children))
+	for i, child := range c.children {
+		out[i] = child.Name()
+	}
+	return out
+}
+
 // Result is the chain's answer: every child's answer in chain order and
 // the selection among them.
 type Result struct {
@@ -170,14 +196,29 @@ func (r Result) Chosen() (Answer, bool) {
 func (r Result) ChildAnswers() []kvcore.ChildAnswer {
 	out := make([]kvcore.ChildAnswer, len(r.Answers))
 	for i, a := range r.Answers {
-		out[i] = kvcore.ChildAnswer{Name: r.Names[i], Tokens: a.Tokens, Pending: a.Pending, Spec: a.Spec}
+		out[i] = kvcore.ChildAnswer{Name: r.Names[i], Tokens: a.Tokens, Pending: a.Pending, Spec: a.Spec, Failed: a.Failed != nil}
+	}
+	return out
+}
+
+// Failures lists the children whose check failed, in chain order: the
+// index into Names and Answers of each answer with Failed set.
+func (r Result) Failures() []int {
+	var out []int
+	for i, a := range r.Answers {
+		if a.Failed != nil {
+			out = append(out, i)
+		}
 	}
 	return out
 }
 
 // Lookup asks every child, in order and with no short-circuit, then
-// selects: "not yet" if any child is pending, else the first child with a
-// positive count. A child's error fails the whole lookup.
+// selects (kvcore.SelectChild, after vLLM's
+// MultiConnector.get_num_new_matched_tokens): "not yet" if any child is
+// pending, else the first child with a positive count. A child whose
+// check failed answered 0 (Answer.Failed) and the chain went on; a
+// child's error fails the whole lookup.
 func (c *Chain) Lookup(ctx context.Context, q *Query) (Result, error) {
 	res := Result{Names: make([]string, len(c.children)), Answers: make([]Answer, len(c.children))}
 	for i, child := range c.children {

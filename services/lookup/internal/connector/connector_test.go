@@ -3,6 +3,7 @@ package connector_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"reflect"
 	"testing"
 
@@ -82,6 +83,63 @@ func TestChainChildErrorFailsTheLookup(t *testing.T) {
 	}
 	if _, err := chain.Lookup(context.Background(), &connector.Query{}); !errors.Is(err, boom) {
 		t.Fatalf("Lookup = %v, want the child's error", err)
+	}
+}
+
+// TestChainFailedChildFailsOpen: a child whose check failed answers 0 and
+// the chain goes on, as vLLM's MultiConnector does with a store child that
+// answered 0 after a failed lookup: a later child's hit wins, and with no
+// hit the answer is 0, never an error.
+func TestChainFailedChildFailsOpen(t *testing.T) {
+	outage := fmt.Errorf("%w: %w", connector.ErrStore, kvstore.ErrUnavailable)
+	cases := []struct {
+		name       string
+		answers    []connector.Answer
+		wantChosen int
+		wantTokens int
+		wantFailed []int
+	}{
+		{"store only", []connector.Answer{{Failed: outage}}, kvcore.NoChild, 0, []int{0}},
+		{"pd after a failed store wins", []connector.Answer{{Failed: outage}, {Tokens: 32}}, 1, 32, []int{0}},
+		{"pd before a failed store wins", []connector.Answer{{Tokens: 32}, {Failed: outage}}, 0, 32, []int{1}},
+		{"no failure", []connector.Answer{{}, {Tokens: 16}}, 1, 16, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var children []connector.Connector
+			var fakes []*scripted
+			for i, a := range tc.answers {
+				f := &scripted{name: string(rune('a' + i)), ans: a}
+				fakes, children = append(fakes, f), append(children, f)
+			}
+			chain, err := connector.NewChain(children...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := chain.Lookup(context.Background(), &connector.Query{})
+			if err != nil {
+				t.Fatalf("Lookup = %v, want no error (fail open)", err)
+			}
+			for _, f := range fakes {
+				if f.calls != 1 {
+					t.Errorf("child %s asked %d times, want 1", f.name, f.calls)
+				}
+			}
+			if sel := res.Selection; sel.Chosen != tc.wantChosen || sel.Tokens != tc.wantTokens || sel.Pending {
+				t.Errorf("selection %+v, want chosen %d tokens %d", sel, tc.wantChosen, tc.wantTokens)
+			}
+			if got := res.Failures(); !reflect.DeepEqual(got, tc.wantFailed) {
+				t.Errorf("Failures() = %v, want %v", got, tc.wantFailed)
+			}
+			for _, i := range tc.wantFailed {
+				if r := res.Answers[i].FailureReason(); r != kvstore.StatusUnavailable {
+					t.Errorf("answer %d FailureReason %q, want unavailable", i, r)
+				}
+			}
+			if want := []string{"a", "b"}[:len(tc.answers)]; !reflect.DeepEqual(chain.Names(), want) {
+				t.Errorf("Names() = %v, want %v", chain.Names(), want)
+			}
+		})
 	}
 }
 
@@ -178,8 +236,15 @@ func TestStoreChild(t *testing.T) {
 	if err := mem.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.Lookup(ctx, &connector.Query{NumTokens: 48, Hashes: hashes}); !errors.Is(err, connector.ErrStore) || !errors.Is(err, kvstore.ErrClosed) {
-		t.Fatalf("Lookup on a closed store = %v, want ErrStore wrapping ErrClosed", err)
+	// A failed check fails open: 0 tokens, no spec, the failure carried in
+	// the answer, and no error (the chain goes on).
+	got, err = s.Lookup(ctx, &connector.Query{NumTokens: 48, Hashes: hashes, LoadAsync: true})
+	if err != nil || got.Tokens != 0 || got.Spec != nil || got.Pending || got.Async ||
+		!errors.Is(got.Failed, connector.ErrStore) || !errors.Is(got.Failed, kvstore.ErrClosed) {
+		t.Fatalf("Lookup on a closed store = %+v, %v; want 0 with Failed wrapping ErrStore and ErrClosed, no error", got, err)
+	}
+	if r := got.FailureReason(); r != kvstore.StatusClosed {
+		t.Fatalf("FailureReason = %q, want %q", r, kvstore.StatusClosed)
 	}
 	// A prompt shorter than a block needs no store call, even a closed one.
 	if got, err := s.Lookup(ctx, &connector.Query{NumTokens: 12}); err != nil || got.Tokens != 0 || got.Spec != nil {

@@ -89,8 +89,9 @@ func droppedEvent(t *testing.T, h *mesh) {
 }
 
 // preemptedSaveInFlight: save [0,32) of epoch 0 is in flight when the
-// request is preempted; the resumed request (epoch 1, new blocks) keeps
-// its saved offset and saves only [32,48). The old save's result (stored)
+// request is preempted; the resumed request (epoch 1, new blocks) saves
+// from token 0 again, [0,48), as vLLM's does (before issue 14 it kept its
+// saved offset and saved only [32,48)). The old save's result (stored)
 // settles it without freeing the finished request; the new save's frees it.
 func preemptedSaveInFlight(t *testing.T, h *mesh) {
 	r := h.request("epoch")
@@ -102,8 +103,8 @@ func preemptedSaveInFlight(t *testing.T, h *mesh) {
 	r.allocate(0, table(7, 3), "")
 	r.step(kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: table(7, 3)})
 	cur := r.waitSaves(2)[1]
-	if old.Epoch != 0 || cur.Epoch != 1 || cur.Start != 32 || cur.End != 48 || !reflect.DeepEqual(cur.BlockTable, table(7, 3)) {
-		t.Fatalf("old save %+v, resumed save %+v; want [32,48) of epoch 1 on blocks 7-9", old, cur)
+	if old.Epoch != 0 || cur.Epoch != 1 || cur.Start != 0 || cur.End != 48 || !reflect.DeepEqual(cur.BlockTable, table(7, 3)) {
+		t.Fatalf("old save %+v, resumed save %+v; want [0,48) of epoch 1 on blocks 7-9", old, cur)
 	}
 	r.finish()
 	r.saved(old)

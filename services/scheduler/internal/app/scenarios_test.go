@@ -332,10 +332,11 @@ func s13(t *testing.T, h *mesh) {
 		r.step(kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: table(4, 3)})
 		// The resumed step is a preemption the tracker did not see: the
 		// save [0,16) still in flight becomes stale (epoch 0), and epoch 1
-		// saves on from the saved offset with the new table.
+		// saves from token 0 again with the new table (issue 14; it saved
+		// on from 16 before).
 		s := r.waitSaves(2)
 		d := r.settled()
-		if !reflect.DeepEqual(d.Tracker.Table, table(4, 3)) || s[1].Start != 16 || s[1].Epoch != 1 || !reflect.DeepEqual(s[1].BlockTable, table(4, 3)) {
+		if !reflect.DeepEqual(d.Tracker.Table, table(4, 3)) || s[1].Start != 0 || s[1].Epoch != 1 || !reflect.DeepEqual(s[1].BlockTable, table(4, 3)) {
 			t.Fatalf("table %v, second save %+v", d.Tracker.Table, s[1])
 		}
 	})

@@ -111,6 +111,10 @@ func decodeStep(b []byte) (item, error) {
 	if err := validIDs(st.StepID, st.EngineID, st.Model); err != nil {
 		return item{}, err
 	}
+	if st.NullBlockID != nil && *st.NullBlockID < 0 {
+		return item{}, invalid("step %s: null_block_id %d is negative (leave it out when null blocks are JSON null)", st.StepID, *st.NullBlockID)
+	}
+	null := kvcore.EngineNullBlock(st.NullBlockID)
 	it := item{
 		record:  ledger.Record{Kind: ledger.KindStep, ID: st.StepID, EngineID: st.EngineID},
 		label:   "step " + st.StepID,
@@ -121,6 +125,7 @@ func decodeStep(b []byte) (item, error) {
 		if err := checkEvent(st.StepID, i, ev); err != nil {
 			return item{}, err
 		}
+		normalizeNull(&ev, null)
 		it.changes = append(it.changes, change{
 			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
 			traceparent: ev.Traceparent,
@@ -130,6 +135,22 @@ func decodeStep(b []byte) (item, error) {
 		})
 	}
 	return it, nil
+}
+
+// normalizeNull turns the engine's null block id into kvcore.NullBlock in
+// the event's block tables (allocated's BlockTable, scheduled's
+// Step.Table), once, at the edge: past intake every table knows one null.
+// The step is copied, never changed in place.
+func normalizeNull(ev *contract.RequestEvent, null kvcore.BlockID) {
+	if null == kvcore.NullBlock {
+		return
+	}
+	ev.BlockTable = ev.BlockTable.NormalizeNull(null)
+	if ev.Step != nil {
+		step := *ev.Step
+		step.Table = step.Table.NormalizeNull(null)
+		ev.Step = &step
+	}
 }
 
 // checkEvent validates one request event of a step. An invalid event

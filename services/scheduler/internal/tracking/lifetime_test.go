@@ -127,29 +127,39 @@ func TestSeqGapWhileHeld(t *testing.T) {
 }
 
 // TestPreemptedSaveResultIsStale: a save in flight at the preemption is of
-// epoch 0 and becomes stale; the resumed request keeps its saved offset, so
-// the same 32 tokens are not saved again, and its finish frees at once
-// (no save of epoch 1 is outstanding). The old save's late result only
-// settles it (and counts in the coverage: its blocks were proven).
+// epoch 0 and becomes stale; the resumed request saves from token 0 again
+// (vLLM's rule; issue 14 changed it: the offset was kept and nothing was
+// saved), so its finish waits for the epoch-1 save only. The old save's
+// late result only settles it (and counts in the coverage: its blocks were
+// proven).
 func TestPreemptedSaveResultIsStale(t *testing.T) {
 	h := newHarness(t)
 	h.alloc(0, table(0, 3), "")
 	old := h.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: table(0, 2)}).Saves[0]
 	h.kind(contract.EventPreempted)
+	if h.r.Store.NumSavedTokens != 0 {
+		t.Fatalf("preempted: saved %d, want 0", h.r.Store.NumSavedTokens)
+	}
 	h.alloc(0, table(7, 3), "")
-	want(t, h.step(kvcore.Step{Kind: kvcore.StepResumed, Tokens: 32, Table: table(7, 2)}), [3]int{}, "resumed")
-	if old.Epoch != 0 || h.r.Store.Epoch != 1 || h.r.Store.NumSavedTokens != 32 || len(h.r.Tasks) != 1 || h.r.Tasks[0].Epoch != 0 {
+	o := h.step(kvcore.Step{Kind: kvcore.StepResumed, Tokens: 32, Table: table(7, 2)})
+	want(t, o, [3]int{1, 0, 0}, "resumed")
+	cur := o.Saves[0]
+	if cur.Start != 0 || cur.End != 32 || cur.Epoch != 1 || !reflect.DeepEqual(cur.BlockTable, table(7, 2)) {
+		t.Fatalf("resumed save %+v, want [0,32) of epoch 1 from the new table", cur)
+	}
+	if old.Epoch != 0 || h.r.Store.Epoch != 1 || h.r.Store.NumSavedTokens != 32 || len(h.r.Tasks) != 2 || h.r.Tasks[0].Epoch != 0 {
 		t.Fatalf("old %+v epoch %d saved %d outstanding %+v", old, h.r.Store.Epoch, h.r.Store.NumSavedTokens, h.r.Tasks)
 	}
-	o := h.kind(contract.EventFinished)
-	want(t, o, [3]int{0, 0, 1}, "finish frees at once")
-	if f := o.Feedback[0]; f.Kind != kvcore.FeedbackFinishedSending || !f.Immediate || f.Epoch != 1 {
-		t.Fatalf("feedback %+v", f)
-	}
+	want(t, h.kind(contract.EventFinished), [3]int{}, "finish waits for the epoch-1 save")
 	o = h.r.Result(h.m, contract.TransferResult{Kind: contract.TransferSave, TaskID: old.TaskID, Status: "stored"})
 	want(t, o, [3]int{}, "old-epoch result")
-	if len(h.r.Tasks) != 0 || h.r.Coverage[0].SavedTokens != 32 {
+	if len(h.r.Tasks) != 1 || h.r.Coverage[0].SavedTokens != 32 {
 		t.Fatalf("old-epoch result: outstanding %+v coverage %+v", h.r.Tasks, h.r.Coverage)
+	}
+	o = h.r.Result(h.m, contract.TransferResult{Kind: contract.TransferSave, TaskID: cur.TaskID, Status: "stored"})
+	want(t, o, [3]int{0, 0, 1}, "epoch-1 result frees")
+	if f := o.Feedback[0]; f.Kind != kvcore.FeedbackFinishedSending || f.Immediate || f.Epoch != 1 {
+		t.Fatalf("feedback %+v", f)
 	}
 }
 

@@ -11,6 +11,8 @@ import (
 // Result applies one transfer result. Every save outcome counts as
 // reported (finished_sending follows the last one of a finished request);
 // an unknown save status counts as failed so the request is still freed.
+// A save of the current epoch with skipped or failed keys is not counted
+// as saved: the request's next save covers its range again.
 // A load result yields finished_recving with its load errors. A result for
 // a task of an older allocation epoch (emitted before a preemption) only
 // settles that task: it never advances the saved coverage, completes the
@@ -52,7 +54,21 @@ func (r *Request) saveResult(m *kvcore.Model, out *Outcome, src string, res cont
 	if ok {
 		r.cover(m, ref, status, res.Groups)
 	}
-	r.storeEffects(out, src, r.Store.OnSaveResult(res.TaskID, status))
+	r.storeEffects(out, src, r.Store.OnSaveReport(res.TaskID, saveReport(status, res.Groups)))
+}
+
+// saveReport is what the tracker learns from a save result: its status and
+// the keys skipped under store pressure or whose put failed, summed over
+// the groups. A skipped or failed key marks the task's range unsaved, so
+// the request's next save covers it again (kvcore.Tracker.OnSaveReport),
+// even when a dead-lettered group set the task's status.
+func saveReport(status kvcore.SaveStatus, groups []contract.GroupOutcome) kvcore.SaveReport {
+	rep := kvcore.SaveReport{Status: status}
+	for _, g := range groups {
+		rep.Skipped += max(g.Skipped, 0)
+		rep.Failed += max(g.Failed, 0)
+	}
+	return rep
 }
 
 // loadResult routes a load report, with its rank, to the tracker that

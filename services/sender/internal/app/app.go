@@ -17,6 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
+	"github.com/kvmesh/kvmesh/services/sender/internal/evictions"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
@@ -53,6 +54,10 @@ type Config struct {
 	StoreTimeout time.Duration `env:"KVMESH_SENDER_STORE_TIMEOUT" doc:"time limit of one batched existence check"`
 	// PutTimeout bounds one put request to a gpuworker.
 	PutTimeout time.Duration `env:"KVMESH_SENDER_PUT_TIMEOUT" doc:"time limit of one put request to a gpuworker"`
+	// Evictions turns on the store-removal watcher (package evictions).
+	Evictions bool `env:"KVMESH_SENDER_EVICTIONS" default:"true" doc:"publish BlockRemoved to kvmesh.kv.events for every store key Redis evicts, expires or deletes, observed through keyspace notifications (one sender replica per deployment watches, elected through a PostgreSQL advisory lock); false turns the watcher off"`
+	// EvictionsConfigure lets the watcher set notify-keyspace-events.
+	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" default:"true" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
 }
 
 // ConfigDefaults gives the settings whose defaults other packages own
@@ -113,6 +118,7 @@ type App struct {
 	consumers []*bus.Consumer
 	relay     *database.Relay
 	workers   *sending.Registry
+	evictions *evictions.Watcher
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -166,7 +172,9 @@ func (a *App) wire(cfg Config) error {
 	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, nil)
 	a.processor, err = sending.New(sending.Options{
 		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
-		Store:      kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}),
+		Store: kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}).
+			WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}), // the engine comes with each task
+
 		Workers:    a.workers,
 		Retry:      kvcore.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
 		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
@@ -193,6 +201,9 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log), failures)
+	if a.evictions, err = a.newEvictions(cfg, kb); err != nil {
+		return err
+	}
 	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
 		Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
@@ -213,5 +224,24 @@ func (a *App) Run(ctx context.Context) error {
 	for i, c := range a.consumers {
 		tasks = append(tasks, service.Task{Name: fmt.Sprintf("consumer-%d", i), Run: c.Run})
 	}
+	if a.evictions != nil {
+		tasks = append(tasks, service.Task{Name: "evictions", Run: a.evictions.Run})
+	}
 	return service.Run(ctx, a.deps.Log, tasks...)
+}
+
+// newEvictions builds the store-removal watcher, or nil when
+// KVMESH_SENDER_EVICTIONS is off.
+func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher, error) {
+	if !cfg.Evictions {
+		return nil, nil
+	}
+	m, err := evictions.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	return evictions.New(evictions.Options{
+		RedisURL: cfg.RedisURL, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
+		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
+	})
 }

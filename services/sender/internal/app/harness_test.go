@@ -122,7 +122,7 @@ type collector struct {
 	mu      sync.Mutex
 	results []contract.TransferResult
 	dlq     []contract.DeadLetter
-	events  []contract.KVEvent
+	events  []contract.KVEventRecord
 }
 
 func (c *collector) handle(_ context.Context, m bus.Received) error {
@@ -141,8 +141,8 @@ func (c *collector) handle(_ context.Context, m bus.Received) error {
 			c.dlq = append(c.dlq, d)
 		}
 	case contract.TopicKVEvents:
-		var e contract.KVEvent
-		if err = json.Unmarshal(m.Value, &e); err == nil {
+		var e contract.KVEventRecord
+		if e, err = contract.DecodeKVEventRecord(m.Value, m.Headers); err == nil {
 			c.events = append(c.events, e)
 		}
 	}
@@ -167,20 +167,30 @@ func (c *collector) result(t testing.TB, taskID string) contract.TransferResult 
 	return out
 }
 
-// blockStored waits for the KV event of one request's group.
-func (c *collector) blockStored(t testing.TB, requestID string, group int) contract.KVEvent {
+// storedEvent is what the BlockStored records of one request's group
+// announce together (one record per store namespace).
+type storedEvent struct {
+	Kind  contract.KVEventKind
+	Model string
+	Keys  []string
+}
+
+// blockStored waits until the BlockStored records of one request's group
+// name at least want keys, and returns them together, in record order.
+func (c *collector) blockStored(t testing.TB, requestID string, group, want int) storedEvent {
 	t.Helper()
-	var out contract.KVEvent
-	poll(t, "the kv event of "+requestID, func() bool {
+	var out storedEvent
+	poll(t, "the kv events of "+requestID, func() bool {
 		c.mu.Lock()
 		defer c.mu.Unlock()
+		out = storedEvent{}
 		for _, e := range c.events {
-			if e.RequestID == requestID && e.Group == group {
-				out = e
-				return true
+			if e.RequestID == requestID && e.Kind() == contract.BlockStored && *e.Batch.Events[0].GroupIdx == group {
+				out.Kind, out.Model = e.Kind(), e.Model
+				out.Keys = append(out.Keys, e.Keys()...)
 			}
 		}
-		return false
+		return len(out.Keys) >= max(want, 1)
 	})
 	return out
 }

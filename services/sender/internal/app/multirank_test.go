@@ -156,7 +156,7 @@ func TestTP2EveryKeyStoredOnceThroughItsRanksWorker(t *testing.T) {
 		}
 	}
 	for g, n := range map[int]int{0: 4, 1: 2} {
-		if ev := s.got.blockStored(t, task.RequestID, g); len(ev.Keys) != n {
+		if ev := s.got.blockStored(t, task.RequestID, g, n); len(ev.Keys) != n {
 			t.Errorf("group %d BlockStored lists %d keys, want %d", g, len(ev.Keys), n)
 		}
 	}

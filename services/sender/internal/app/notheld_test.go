@@ -80,7 +80,7 @@ func TestSaveOfReusedBlockStoresNoWrongBytes(t *testing.T) {
 				e.TaskID != task.TaskID || !strings.Contains(e.Detail, "no longer hold") {
 				t.Fatalf("GET /v1/dlq = %+v", page.Items)
 			}
-			if ev := s.got.blockStored(t, tc.id, 0); len(ev.Keys) != 3 || containsKey(ev.Keys, s.keys(t, task, 0)[reused]) {
+			if ev := s.got.blockStored(t, tc.id, 0, 3); len(ev.Keys) != 3 || containsKey(ev.Keys, s.keys(t, task, 0)[reused]) {
 				t.Fatalf("group 0 kv event keys %v: want the 3 stored, not the refused one", ev.Keys)
 			}
 			s.checkStored(t, task, 1)

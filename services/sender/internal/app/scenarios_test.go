@@ -35,7 +35,7 @@ func TestSendingScenarios(t *testing.T) {
 		}
 		s.checkStored(t, task, 0)
 		s.checkStored(t, task, 1)
-		ev := s.got.blockStored(t, "s14", 0)
+		ev := s.got.blockStored(t, "s14", 0, 2)
 		if ev.Kind != contract.BlockStored || ev.Model != s.model.Name || strings.Join(ev.Keys, ",") != strings.Join(keys0[2:], ",") {
 			t.Fatalf("BlockStored event %+v, want the keys of hash blocks 2 and 3", ev)
 		}
@@ -153,19 +153,23 @@ func TestS17_ExistenceCheckFails_RetriedThenDeadLettered(t *testing.T) {
 	}
 }
 
-// Scenario 18: the store answers "no space" → later saves are skipped
-// (counted) until a put succeeds; probes go through.
+// Scenario 18: the store answers "no space" → the later saves of that
+// request are skipped (counted) until a put succeeds; probes go through.
+// (Issue 14 scoped pressure to the request: another request's saves are
+// put; see TestS66_PressureScopedToTheRequest.)
 func TestS18_NoSpace_SkippedUntilAPutSucceeds(t *testing.T) {
 	tiny := testenv.StartRedis(t, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction").URL()
 	s := newStack(t, stackOptions{engines: []string{"e1"}, workerRedis: tiny, senderRedis: tiny,
 		config: func(c *app.Config) { c.ProbeEvery = 2 }})
 	// Fill the store until a put answers no space.
 	var res contract.TransferResult
+	var full string // the request whose put got no space
 	for i := 0; res.Status != "skipped"; i++ {
 		if i == 20 {
 			t.Fatal("the tiny store never answered no space")
 		}
-		task := s.task(t, "e1", "s18-fill-"+itoa(i), 0, 32, kvcore.BlockID(2*i%60))
+		full = "s18-fill-" + itoa(i)
+		task := s.task(t, "e1", full, 0, 32, kvcore.BlockID(2*i%60))
 		s.publish(t, task)
 		res = s.got.result(t, task.TaskID)
 	}
@@ -183,8 +187,8 @@ func TestS18_NoSpace_SkippedUntilAPutSucceeds(t *testing.T) {
 		t.Fatalf("pressure mode off after no space: %+v", st.Pressure)
 	}
 	s.checkMetrics(t, "kvmesh_sender_pressure_mode 1")
-	// In pressure mode the next saves are skipped without a put.
-	skipped := s.task(t, "e1", "s18-skip", 0, 32, 40)
+	// Under pressure the request's next saves are skipped without a put.
+	skipped := s.taskWithTokens(t, "e1", full, tokensFor(s.prefix+"s18-skip", 32), 0, 32, 40)
 	s.publish(t, skipped)
 	if r := s.got.result(t, skipped.TaskID); r.Status != "skipped" || groupOf(r, 0).Skipped != 2 || groupOf(r, 0).Stored != 0 {
 		t.Fatalf("task in pressure mode %+v, want skipped", r)

@@ -9,7 +9,9 @@ import (
 )
 
 // gate is kvcore.PressureGate shared by the consumers and replays of one
-// process, with the pressure-mode gauge kept in step.
+// process, with the pressure-mode gauge kept in step. Pressure is scoped
+// to the request whose put the store answered "no space"
+// (kvcore.PressureScopeOf): only that request's saves are skipped.
 type gate struct {
 	mu      sync.Mutex
 	g       kvcore.PressureGate
@@ -19,19 +21,22 @@ type gate struct {
 // PressureState is the pressure gate as GET /v1/stats shows it.
 type PressureState = adminapi.PressureState
 
-func (g *gate) admit(now time.Time) kvcore.Admission {
+// admit is the gate's answer for the next save task t.
+func (g *gate) admit(t *kvcore.SaveTask, now time.Time) kvcore.Admission {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.g.Admit(now)
+	return g.g.Admit(kvcore.PressureScopeOf(t), now)
 }
 
-func (g *gate) onNoSpace(now time.Time) {
+// onNoSpace puts t's request under pressure.
+func (g *gate) onNoSpace(t *kvcore.SaveTask, now time.Time) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.g.OnNoSpace(now)
+	g.g.OnNoSpace(kvcore.PressureScopeOf(t), now)
 	g.metrics.pressure.Set(1)
 }
 
+// onPutOK lets every request go: the store took a put.
 func (g *gate) onPutOK() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -39,8 +44,9 @@ func (g *gate) onPutOK() {
 	g.metrics.pressure.Set(0)
 }
 
+// state is a copy of the gate that shares nothing with it.
 func (g *gate) state() kvcore.PressureGate {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.g
+	return g.g.Clone()
 }

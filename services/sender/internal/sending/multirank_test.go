@@ -214,8 +214,8 @@ func TestTP4EveryKeyPutOnceThroughItsRanksWorker(t *testing.T) {
 	if b.most != 4 {
 		t.Errorf("at most %d ranks' puts were in flight at once, want 4", b.most)
 	}
-	if n := len(f.outbox(t, contract.TopicKVEvents)); n != 2 {
-		t.Errorf("%d kv events, want one per group", n)
+	if n := len(f.outbox(t, contract.TopicKVEvents)); n != 5 {
+		t.Errorf("%d kv event records, want one per group and namespace (1 MLA + 4 Mamba)", n)
 	}
 }
 

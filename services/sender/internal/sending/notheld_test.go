@@ -2,7 +2,6 @@ package sending_test
 
 import (
 	"context"
-	"encoding/json"
 	"strings"
 	"testing"
 
@@ -76,14 +75,14 @@ func TestBlocksNotHeldAreDeadLetteredPerGroup(t *testing.T) {
 				refused[r] = true
 			}
 			storedKeys := map[int]map[string]bool{}
-			for _, ev := range f.outbox(t, contract.TopicKVEvents) {
-				var e contract.KVEvent
-				if err := json.Unmarshal(ev, &e); err != nil {
-					t.Fatal(err)
+			recs, _ := f.kvRecords(t)
+			for _, e := range recs {
+				g := *e.Batch.Events[0].GroupIdx
+				if storedKeys[g] == nil {
+					storedKeys[g] = map[string]bool{}
 				}
-				storedKeys[e.Group] = map[string]bool{}
-				for _, k := range e.Keys {
-					storedKeys[e.Group][k] = true
+				for _, k := range e.Keys() {
+					storedKeys[g][k] = true
 				}
 			}
 			for g := range f.model.Groups {

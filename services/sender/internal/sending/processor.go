@@ -57,7 +57,9 @@ type Options struct {
 	Metrics *Metrics
 	// Retry bounds the retries of existence checks and puts.
 	Retry kvcore.RetryPolicy
-	// ProbeEvery and CoolDown tune pressure mode (kvcore.PressureGate).
+	// ProbeEvery and CoolDown tune the probes of a request under store
+	// pressure (kvcore.PressureGate: pressure is scoped to the request
+	// whose put the store answered "no space").
 	ProbeEvery int
 	CoolDown   time.Duration
 	// StoreTimeout bounds one existence check (default DefaultStoreTimeout).
@@ -137,7 +139,8 @@ func New(o Options) (*Processor, error) {
 	return p, nil
 }
 
-// Pressure returns the pressure gate's state.
+// Pressure returns the pressure gate's state: Active while some request
+// is under pressure.
 func (p *Processor) Pressure() PressureState {
 	g := p.gate.state()
 	return PressureState{Active: g.Active, SkippedTasks: g.Skipped, SkippedKeys: p.skippedKeys.Load(), Episodes: g.Episodes}
@@ -224,7 +227,7 @@ func listedChunks(t *kvcore.SaveTask, group int) int {
 // counts them once committed.
 func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run) error {
 	res := r.result()
-	msgs, err := resultMessages(res, r.kvEvents(p.model.Name))
+	msgs, err := resultMessages(res, r.kvEvents(p.model, p.now()))
 	if err != nil {
 		return err
 	}
@@ -271,19 +274,22 @@ func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLette
 	}
 }
 
-// resultMessages encodes the TransferResult and the KV events.
-func resultMessages(res contract.TransferResult, events []contract.KVEvent) ([]bus.Message, error) {
+// resultMessages encodes the TransferResult and the KV-event records
+// (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
+// kvmesh's fields in headers, keyed by store namespace), which the ledger
+// writes to the outbox in the transaction that records the outcome.
+func resultMessages(res contract.TransferResult, events []contract.KVEventRecord) ([]bus.Message, error) {
 	v, err := json.Marshal(res)
 	if err != nil {
 		return nil, fmt.Errorf("encode transfer result: %w", err)
 	}
 	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
 	for _, e := range events {
-		ev, err := json.Marshal(e)
+		key, ev, headers, err := contract.EncodeKVEventRecord(e)
 		if err != nil {
 			return nil, fmt.Errorf("encode kv event: %w", err)
 		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: e.RequestID, Value: ev})
+		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: ev, Headers: headers})
 	}
 	return msgs, nil
 }

@@ -166,7 +166,7 @@ func (p *Processor) recordReplay(ctx context.Context, d ledger.DeadLetter, r *ru
 		}
 	} else {
 		var err error
-		if msgs, err = resultMessages(tr, r.kvEvents(p.model.Name)); err != nil {
+		if msgs, err = resultMessages(tr, r.kvEvents(p.model, p.now())); err != nil {
 			return Replayed{}, err
 		}
 		msgs = msgs[1:] // the task's result was reported when it was dead-lettered

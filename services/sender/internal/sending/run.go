@@ -1,7 +1,9 @@
 package sending
 
 import (
+	"maps"
 	"slices"
+	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -91,19 +93,84 @@ func (r *run) result() contract.TransferResult {
 	}
 }
 
-// kvEvents are the BlockStored events of the keys put, one per group.
-func (r *run) kvEvents(model string) []contract.KVEvent {
+// kvEvents are the BlockStored records of the keys put: one record per
+// group and store namespace, keyed by the namespace (contract.KVEventRecord),
+// whose vLLM batch has one BlockStored event per run of consecutive chunks
+// of the group's chain, as vLLM announces a run of blocks after its parent
+// (vllm/v1/core/block_pool.py, cache_full_blocks). kvmesh's save tasks
+// carry hashes, not tokens, so token_ids is empty; the hashes are the
+// store keys' own, on the wire as vLLM's maybe_convert_block_hash writes
+// them (contract.WireHash).
+func (r *run) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord {
 	groups := make([]int, 0, len(r.stored))
 	for g := range r.stored {
 		groups = append(groups, g)
 	}
 	slices.Sort(groups)
-	out := make([]contract.KVEvent, 0, len(groups))
+	chain := make(map[string]int, len(r.task.BlockHashes))
+	for i, h := range r.task.BlockHashes {
+		if _, dup := chain[h]; !dup {
+			chain[h] = i
+		}
+	}
+	var out []contract.KVEventRecord
 	for _, g := range groups {
-		out = append(out, contract.KVEvent{
-			Schema: contract.SchemaKVEvent, Kind: contract.BlockStored, Model: model,
-			EngineID: r.task.EngineID, RequestID: r.task.RequestID, Group: g, Keys: r.stored[g],
-		})
+		byNS := map[string][]string{}
+		for _, k := range r.stored[g] {
+			if ns, h, ok := kvcore.SplitKey(k); ok && !slices.Contains(byNS[ns], h) {
+				byNS[ns] = append(byNS[ns], h)
+			}
+		}
+		for _, ns := range slices.Sorted(maps.Keys(byNS)) {
+			out = append(out, r.storedRecord(m, g, ns, byNS[ns], chain, now))
+		}
 	}
 	return out
+}
+
+// storedRecord is the BlockStored record of one namespace's hashes of
+// group g: the hashes in chain order, one event per run of consecutive
+// chunks, each with the wire hash of the chunk before it as its parent.
+func (r *run) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, chain map[string]int, now time.Time) contract.KVEventRecord {
+	grp := m.Groups[g]
+	step := max(1, grp.BlockSize/max(1, m.HashBlockSize))
+	pos := func(h string) int {
+		if i, ok := chain[h]; ok {
+			return i
+		}
+		return -1 // not in the chain: a run of its own, with no parent
+	}
+	slices.SortStableFunc(hashes, func(a, b string) int { return pos(a) - pos(b) })
+	rec := contract.KVEventRecord{
+		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
+		Model: m.Name, Namespace: ns, EngineID: r.task.EngineID, RequestID: r.task.RequestID,
+	}
+	medium, group := contract.MediumStore, g
+	var window *int
+	if grp.Kind == kvcore.KindSlidingWindow {
+		window = &grp.Window
+	}
+	for i, h := range hashes {
+		rec.Hashes = append(rec.Hashes, h)
+		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
+		wire := contract.WireHash(b)
+		if i > 0 && pos(h) >= 0 && pos(h) == pos(hashes[i-1])+step {
+			last := &rec.Batch.Events[len(rec.Batch.Events)-1]
+			last.BlockHashes = append(last.BlockHashes, wire)
+			continue
+		}
+		ev := contract.KVEvent{
+			Kind: contract.BlockStored, BlockHashes: []uint64{wire}, TokenIDs: []uint32{},
+			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group,
+			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window,
+		}
+		if p := pos(h) - step; pos(h) >= 0 && p >= 0 {
+			if pb, err := kvcore.ParseBlockHash(r.task.BlockHashes[p]); err == nil {
+				parent := contract.WireHash(pb)
+				ev.ParentBlockHash = &parent
+			}
+		}
+		rec.Batch.Events = append(rec.Batch.Events, ev)
+	}
+	return rec
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
@@ -54,7 +55,7 @@ func (p *Processor) save(ctx context.Context, r *run, groups []int, gated bool) 
 	if len(missing) == 0 {
 		return
 	}
-	if gated && p.gate.admit(p.now()) == kvcore.AdmitSkip {
+	if gated && p.gate.admit(r.task, p.now()) == kvcore.AdmitSkip {
 		p.skipItems(r, missing)
 		return
 	}
@@ -90,6 +91,7 @@ func (p *Processor) exists(ctx context.Context, r *run, items []item) ([]bool, e
 	ctx, span := p.tracer.Start(ctx, "sender.exists", trace.WithAttributes(taskAttrs(r.task)...),
 		trace.WithAttributes(attribute.Int("keys", len(items)), groupsAttr(items)))
 	defer span.End()
+	ctx = kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: r.task.EngineID}) // vLLM's engine label of save_exists
 	keys := itemKeys(items)
 	for attempt := 1; ; attempt++ {
 		found, err := p.existsOnce(ctx, keys)
@@ -172,7 +174,7 @@ func (p *Processor) put(ctx context.Context, r *run, items []item) {
 	deadLetterNotHeld(r, t.notHeld)
 	switch {
 	case t.noSpace:
-		p.gate.onNoSpace(p.now())
+		p.gate.onNoSpace(r.task, p.now())
 	case t.stored:
 		p.gate.onPutOK()
 	}

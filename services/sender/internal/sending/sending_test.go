@@ -57,13 +57,12 @@ func TestValidTaskStoredOnceAndReported(t *testing.T) {
 			}
 		}
 	}
-	events := f.outbox(t, contract.TopicKVEvents)
+	events, _ := f.kvRecords(t)
 	if len(events) != 2 {
 		t.Fatalf("%d kv events, want one per group", len(events))
 	}
-	var ev contract.KVEvent
-	if err := json.Unmarshal(events[0], &ev); err != nil || ev.Kind != contract.BlockStored || len(ev.Keys) != 4 || ev.Group != 0 {
-		t.Fatalf("kv event %s (%v)", events[0], err)
+	if ev := events[0]; ev.Kind() != contract.BlockStored || len(ev.Keys()) != 4 || *ev.Batch.Events[0].GroupIdx != 0 {
+		t.Fatalf("kv event %+v", ev)
 	}
 
 	// Redelivered (same or another record): nothing new is published.
@@ -210,33 +209,39 @@ func TestPressureModeSkipsUntilAPutSucceeds(t *testing.T) {
 	if res, _ := f.outcome(t, fill.TaskID); res.Status != "stored" {
 		t.Fatalf("first task %+v, want stored", res)
 	}
-	status := func(id string, base kvcore.BlockID) contract.TransferResult {
+	// status handles a save of request id (the n-th of that request).
+	status := func(id string, n int, base kvcore.BlockID) contract.TransferResult {
 		task := saveTask(f.model, id, 0, 32, base)
+		task.TaskID = fmt.Sprintf("%s-%d", task.TaskID, n)
 		f.handle(t, encode(t, task))
 		res, _ := f.outcome(t, task.TaskID)
 		return res
 	}
-	first := status("a", 0)
+	first := status("a", 1, 0)
 	if first.Status != "skipped" || f.p.Pressure().Active != true {
 		t.Fatalf("second task %+v, pressure %+v: want skipped (no space) and pressure on", first, f.p.Pressure())
 	}
-	for i, id := range []string{"b", "c"} {
-		if res := status(id, kvcore.BlockID(10*(i+1))); res.Status != "skipped" || res.Groups[0].Stored != 0 {
-			t.Fatalf("task %s in pressure mode: %+v, want skipped", id, res)
+	// Request a is under pressure: its next saves are skipped without a put.
+	for n := 2; n <= 3; n++ {
+		if res := status("a", n, kvcore.BlockID(10*n)); res.Status != "skipped" || res.Groups[0].Stored != 0 {
+			t.Fatalf("save %d of a under pressure: %+v, want skipped", n, res)
 		}
 	}
 	if p := f.p.Pressure(); p.SkippedTasks != 2 || !p.Active {
 		t.Fatalf("pressure %+v, want two tasks skipped by the gate", p)
 	}
-	// Free the store: the next probe stores and ends pressure mode.
-	if _, err := store.Remove(context.Background(), append(f.keysOf(t, fill, 0), f.keysOf(t, fill, 1)...)); err != nil {
+	// Request b is not (issue 14: pressure is scoped to the request): its
+	// save is put, and the full store answers it no space.
+	if res := status("b", 1, 40); res.Status != "skipped" || res.Groups[0].Reason != string(kvcore.ReasonStorePressure) || f.p.Pressure().SkippedTasks != 2 {
+		t.Fatalf("b's save %+v, pressure %+v: want put and answered no space, no gate skip", res, f.p.Pressure())
+	}
+	// Free the store: the next put stores and ends pressure mode.
+	a := saveTask(f.model, "a", 0, 32, 0)
+	keys := append(append(f.keysOf(t, fill, 0), f.keysOf(t, fill, 1)...), append(f.keysOf(t, a, 0), f.keysOf(t, a, 1)...)...)
+	if _, err := store.Remove(context.Background(), keys); err != nil {
 		t.Fatal(err)
 	}
-	var res contract.TransferResult
-	for i := 0; i < 3 && res.Status != "stored"; i++ {
-		res = status("probe"+string(rune('a'+i)), kvcore.BlockID(40+i))
-	}
-	if res.Status != "stored" || f.p.Pressure().Active {
+	if res := status("c", 1, 44); res.Status != "stored" || f.p.Pressure().Active {
 		t.Fatalf("after space returned: %+v, pressure %+v", res, f.p.Pressure())
 	}
 }

@@ -1,0 +1,549 @@
+package contract
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// The KV events on TopicKVEvents are vLLM's own: the record value is a
+// KVEventBatch encoded as vLLM's ZmqEventPublisher encodes it
+// (vllm/distributed/kv_events.py, _publisher_thread: msgspec msgpack), so a
+// router that indexes vLLM's events (llm-d's kvevents VLLMAdapter, Dynamo's
+// KV router) decodes it with its own decoder. kvmesh's own fields travel in
+// record headers, which those decoders never read. docs/contract.md has the
+// schema.
+
+// MediumStore is the medium (vLLM's tier name; llm-d's device tier) of the
+// blocks kvmesh announces: the shared store pool, a tier apart from every
+// engine's own GPU and CPU tiers.
+const MediumStore = "KVMESH_STORE"
+
+// Headers of a TopicKVEvents record: kvmesh's fields beside the vLLM batch.
+const (
+	// HeaderKVSchema is SchemaKVEvent.
+	HeaderKVSchema = "kvmesh-schema"
+	// HeaderKVModel is the model name of the keys.
+	HeaderKVModel = "kvmesh-model"
+	// HeaderKVNamespace is the store namespace of every block of the record.
+	HeaderKVNamespace = "kvmesh-namespace"
+	// HeaderKVBlockHashes lists the full block hashes in hex, comma
+	// separated, one per wire hash of the batch's events, in order.
+	HeaderKVBlockHashes = "kvmesh-block-hashes"
+	// HeaderKVEngineID is the engine whose save stored the blocks.
+	HeaderKVEngineID = "kvmesh-engine-id"
+	// HeaderKVRequestID is the request whose save stored the blocks.
+	HeaderKVRequestID = "kvmesh-request-id"
+	// HeaderKVCause says why blocks went: evicted, expired, del or flushed.
+	HeaderKVCause = "kvmesh-cause"
+)
+
+// vLLM's kv_cache_spec_kind values (vllm/v1/kv_cache_interface.py,
+// KVCacheSpecKind) for kvmesh's group kinds.
+const (
+	specFullAttention = "full_attention"
+	specMLA           = "mla_attention"
+	specSlidingWindow = "sliding_window"
+	specMamba         = "mamba"
+)
+
+// Sentinel errors of the KV-event codec.
+var (
+	// ErrKVEventEncoding reports a record value or header set that is not a
+	// KV-event record kvmesh can read.
+	ErrKVEventEncoding = errors.New("contract: malformed kv event")
+)
+
+// WireHash is a block hash as vLLM puts it on the wire by default: the
+// hash's bytes read as a big-endian integer, cut to its low 64 bits
+// (vllm/v1/core/kv_cache_utils.py, maybe_convert_block_hash with
+// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1). llm-d reads a bytes hash the same
+// way (getHashAsUint64: its last 8 bytes, big-endian), so both forms index
+// alike. A hash shorter than 8 bytes is zero-padded in front.
+func WireHash(h kvcore.BlockHash) uint64 {
+	var b [8]byte
+	n := min(len(h), 8)
+	copy(b[8-n:], h[len(h)-n:])
+	return binary.BigEndian.Uint64(b[:])
+}
+
+// SpecKind is vLLM's kv_cache_spec_kind for a kvmesh group kind.
+func SpecKind(k kvcore.Kind) string {
+	switch k {
+	case kvcore.KindMLA:
+		return specMLA
+	case kvcore.KindSlidingWindow:
+		return specSlidingWindow
+	case kvcore.KindMamba:
+		return specMamba
+	}
+	return specFullAttention
+}
+
+// UnixSeconds is t as KVEventBatch.TS: seconds since the Unix epoch.
+func UnixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+// EncodeKVEventBatch encodes b as vLLM's ZmqEventPublisher does with vLLM
+// after vllm-project/vllm#42892: the batch is a positional array
+// [ts, events, data_parallel_rank] (data_parallel_rank left out when nil,
+// as msgspec's omit_defaults does), each event a map tagged under "type"
+// with vLLM's field names in declaration order. Fields with a default
+// (extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)
+// are left out when unset, the fields without one are always written.
+func EncodeKVEventBatch(b KVEventBatch) ([]byte, error) {
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	w := writer{enc: enc}
+	n := 2
+	if b.DataParallelRank != nil {
+		n = 3
+	}
+	w.arrayLen(n)
+	w.err = errors.Join(w.err, enc.EncodeFloat64(b.TS))
+	w.arrayLen(len(b.Events))
+	for _, e := range b.Events {
+		w.event(e)
+	}
+	if b.DataParallelRank != nil {
+		w.int(*b.DataParallelRank)
+	}
+	if w.err != nil {
+		return nil, fmt.Errorf("encode kv event batch: %w", w.err)
+	}
+	return buf.Bytes(), nil
+}
+
+// writer writes msgpack values, keeping the first error.
+type writer struct {
+	enc *msgpack.Encoder
+	err error
+}
+
+func (w *writer) arrayLen(n int) { w.keep(w.enc.EncodeArrayLen(n)) }
+func (w *writer) str(s string)   { w.keep(w.enc.EncodeString(s)) }
+func (w *writer) int(v int)      { w.keep(w.enc.EncodeInt(int64(v))) }
+func (w *writer) nil()           { w.keep(w.enc.EncodeNil()) }
+
+func (w *writer) keep(err error) {
+	if w.err == nil {
+		w.err = err
+	}
+}
+
+func (w *writer) optInt(v *int) {
+	if v == nil {
+		w.nil()
+		return
+	}
+	w.int(*v)
+}
+
+func (w *writer) optStr(v *string) {
+	if v == nil {
+		w.nil()
+		return
+	}
+	w.str(*v)
+}
+
+func (w *writer) hashes(hs []uint64) {
+	w.arrayLen(len(hs))
+	for _, h := range hs {
+		w.keep(w.enc.EncodeUint(h))
+	}
+}
+
+// event writes one event as a map tagged under "type" (msgspec puts the
+// tag first, then the fields in declaration order).
+func (w *writer) event(e KVEvent) {
+	type field struct {
+		name  string
+		write func()
+	}
+	var fields []field
+	switch e.Kind {
+	case BlockStored:
+		fields = []field{
+			{"block_hashes", func() { w.hashes(e.BlockHashes) }},
+			{"parent_block_hash", func() {
+				if e.ParentBlockHash == nil {
+					w.nil()
+					return
+				}
+				w.keep(w.enc.EncodeUint(*e.ParentBlockHash))
+			}},
+			{"token_ids", func() {
+				w.arrayLen(len(e.TokenIDs))
+				for _, t := range e.TokenIDs {
+					w.keep(w.enc.EncodeUint(uint64(t)))
+				}
+			}},
+			{"block_size", func() { w.int(e.BlockSize) }},
+			{"lora_id", func() { w.optInt(e.LoraID) }},
+			{"medium", func() { w.optStr(e.Medium) }},
+			{"lora_name", func() { w.optStr(e.LoraName) }},
+		}
+		if e.GroupIdx != nil {
+			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
+		}
+		if e.SpecKind != "" {
+			fields = append(fields, field{"kv_cache_spec_kind", func() { w.str(e.SpecKind) }})
+		}
+		if e.SlidingWindow != nil {
+			fields = append(fields, field{"kv_cache_spec_sliding_window", func() { w.int(*e.SlidingWindow) }})
+		}
+	case BlockRemoved:
+		fields = []field{
+			{"block_hashes", func() { w.hashes(e.BlockHashes) }},
+			{"medium", func() { w.optStr(e.Medium) }},
+		}
+		if e.GroupIdx != nil {
+			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
+		}
+	case AllBlocksCleared:
+	default:
+		w.keep(fmt.Errorf("event kind %q: %w", e.Kind, ErrKVEventEncoding))
+		return
+	}
+	w.keep(w.enc.EncodeMapLen(len(fields) + 1))
+	w.str("type")
+	w.str(string(e.Kind))
+	for _, f := range fields {
+		w.str(f.name)
+		f.write()
+	}
+}
+
+// DecodeKVEventBatch decodes a vLLM KVEventBatch: the batch as an array
+// [ts, events, data_parallel_rank?, ...] (or, for safety, a map with those
+// names), each event either a map tagged under "type" (vLLM after
+// vllm-project/vllm#42892) or a positional array [tag, fields...] (vLLM's
+// array_like structs before it), as llm-d's VLLMAdapter accepts. Unknown
+// fields and trailing array elements are skipped; hashes may be integers
+// or bytes (bytes read as WireHash does).
+func DecodeKVEventBatch(value []byte) (KVEventBatch, error) {
+	dec := msgpack.NewDecoder(bytes.NewReader(value))
+	v, err := dec.DecodeInterface()
+	if err != nil {
+		return KVEventBatch{}, fmt.Errorf("decode kv event batch: %v: %w", err, ErrKVEventEncoding)
+	}
+	var ts, events, rank any
+	switch b := v.(type) {
+	case []any:
+		if len(b) < 2 {
+			return KVEventBatch{}, fmt.Errorf("kv event batch of %d fields: %w", len(b), ErrKVEventEncoding)
+		}
+		ts, events = b[0], b[1]
+		if len(b) > 2 {
+			rank = b[2]
+		}
+	case map[string]any:
+		ts, events, rank = b["ts"], b["events"], b["data_parallel_rank"]
+	default:
+		return KVEventBatch{}, fmt.Errorf("kv event batch is a %T: %w", v, ErrKVEventEncoding)
+	}
+	var out KVEventBatch
+	var ok bool
+	if out.TS, ok = toFloat(ts); !ok {
+		return KVEventBatch{}, fmt.Errorf("kv event batch ts %v: %w", ts, ErrKVEventEncoding)
+	}
+	if rank != nil {
+		r, ok := toInt(rank)
+		if !ok {
+			return KVEventBatch{}, fmt.Errorf("kv event batch data_parallel_rank %v: %w", rank, ErrKVEventEncoding)
+		}
+		out.DataParallelRank = &r
+	}
+	list, ok := events.([]any)
+	if !ok {
+		return KVEventBatch{}, fmt.Errorf("kv event batch events are a %T: %w", events, ErrKVEventEncoding)
+	}
+	for i, raw := range list {
+		e, err := decodeEvent(raw)
+		if err != nil {
+			return KVEventBatch{}, fmt.Errorf("kv event %d: %w", i, err)
+		}
+		out.Events = append(out.Events, e)
+	}
+	return out, nil
+}
+
+// Positional field names of vLLM's array_like events after the tag, in
+// declaration order (vllm/distributed/kv_events.py).
+var (
+	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+	removedFields = []string{"block_hashes", "medium", "group_idx"}
+)
+
+// decodeEvent decodes one event, map or positional array, into a KVEvent.
+func decodeEvent(raw any) (KVEvent, error) {
+	fields := map[string]any{}
+	var tag any
+	switch ev := raw.(type) {
+	case map[string]any:
+		tag, fields = ev["type"], ev
+	case []any:
+		if len(ev) == 0 {
+			return KVEvent{}, fmt.Errorf("event without a tag: %w", ErrKVEventEncoding)
+		}
+		tag = ev[0]
+		names := storedFields
+		if tag == string(BlockRemoved) {
+			names = removedFields
+		}
+		for i, v := range ev[1:] {
+			if i < len(names) {
+				fields[names[i]] = v
+			}
+		}
+	default:
+		return KVEvent{}, fmt.Errorf("event is a %T: %w", raw, ErrKVEventEncoding)
+	}
+	kind, _ := tag.(string)
+	e := KVEvent{Kind: KVEventKind(kind)}
+	switch e.Kind {
+	case BlockStored, BlockRemoved:
+	case AllBlocksCleared:
+		return e, nil
+	default:
+		return KVEvent{}, fmt.Errorf("event tag %v: %w", tag, ErrKVEventEncoding)
+	}
+	var err error
+	if e.BlockHashes, err = decodeHashes(fields["block_hashes"]); err != nil {
+		return KVEvent{}, err
+	}
+	r := reader{fields: fields}
+	e.Medium = r.optStr("medium")
+	e.GroupIdx = r.optInt("group_idx")
+	if e.Kind == BlockStored {
+		if p := fields["parent_block_hash"]; p != nil {
+			h, ok := toHash(p)
+			if !ok {
+				return KVEvent{}, fmt.Errorf("parent_block_hash %v: %w", p, ErrKVEventEncoding)
+			}
+			e.ParentBlockHash = &h
+		}
+		e.TokenIDs = r.tokens("token_ids")
+		if bs := r.optInt("block_size"); bs != nil {
+			e.BlockSize = *bs
+		}
+		e.LoraID = r.optInt("lora_id")
+		e.LoraName = r.optStr("lora_name")
+		if k := r.optStr("kv_cache_spec_kind"); k != nil {
+			e.SpecKind = *k
+		}
+		e.SlidingWindow = r.optInt("kv_cache_spec_sliding_window")
+	}
+	return e, r.err
+}
+
+// reader reads typed fields of a decoded event, keeping the first error.
+type reader struct {
+	fields map[string]any
+	err    error
+}
+
+func (r *reader) fail(name string, v any) {
+	if r.err == nil {
+		r.err = fmt.Errorf("field %s = %v (%T): %w", name, v, v, ErrKVEventEncoding)
+	}
+}
+
+func (r *reader) optInt(name string) *int {
+	v := r.fields[name]
+	if v == nil {
+		return nil
+	}
+	n, ok := toInt(v)
+	if !ok {
+		r.fail(name, v)
+		return nil
+	}
+	return &n
+}
+
+func (r *reader) optStr(name string) *string {
+	v := r.fields[name]
+	if v == nil {
+		return nil
+	}
+	s, ok := v.(string)
+	if !ok {
+		r.fail(name, v)
+		return nil
+	}
+	return &s
+}
+
+func (r *reader) tokens(name string) []uint32 {
+	list, ok := r.fields[name].([]any)
+	if !ok {
+		if r.fields[name] != nil {
+			r.fail(name, r.fields[name])
+		}
+		return nil
+	}
+	out := make([]uint32, 0, len(list))
+	for _, v := range list {
+		n, ok := toInt(v)
+		if !ok || n < 0 || n > math.MaxUint32 {
+			r.fail(name, v)
+			return nil
+		}
+		out = append(out, uint32(n))
+	}
+	return out
+}
+
+func decodeHashes(v any) ([]uint64, error) {
+	list, ok := v.([]any)
+	if !ok {
+		return nil, fmt.Errorf("block_hashes = %v (%T): %w", v, v, ErrKVEventEncoding)
+	}
+	out := make([]uint64, 0, len(list))
+	for _, h := range list {
+		u, ok := toHash(h)
+		if !ok {
+			return nil, fmt.Errorf("block hash %v (%T): %w", h, h, ErrKVEventEncoding)
+		}
+		out = append(out, u)
+	}
+	return out, nil
+}
+
+// toHash reads an integer hash, or a bytes hash as WireHash does.
+func toHash(v any) (uint64, bool) {
+	if b, ok := v.([]byte); ok {
+		if len(b) == 0 {
+			return 0, false
+		}
+		return WireHash(b), true
+	}
+	switch n := v.(type) {
+	case uint64:
+		return n, true
+	case int64:
+		return uint64(n), true // a negative hash is the signed form of the same 64 bits
+	}
+	i, ok := toInt(v)
+	return uint64(i), ok && i >= 0
+}
+
+func toInt(v any) (int, bool) {
+	switch n := v.(type) {
+	case int8:
+		return int(n), true
+	case int16:
+		return int(n), true
+	case int32:
+		return int(n), true
+	case int64:
+		return int(n), true
+	case uint8:
+		return int(n), true
+	case uint16:
+		return int(n), true
+	case uint32:
+		return int(n), true
+	case uint64:
+		if n > math.MaxInt64 {
+			return 0, false
+		}
+		return int(n), true
+	}
+	return 0, false
+}
+
+func toFloat(v any) (float64, bool) {
+	switch n := v.(type) {
+	case float64:
+		return n, true
+	case float32:
+		return float64(n), true
+	}
+	i, ok := toInt(v)
+	return float64(i), ok
+}
+
+// EncodeKVEventRecord returns the record key, value and headers of r on
+// TopicKVEvents: the key is r.Namespace, the value the vLLM batch
+// (EncodeKVEventBatch), the headers kvmesh's fields (empty ones left out).
+func EncodeKVEventRecord(r KVEventRecord) (key string, value []byte, headers map[string]string, err error) {
+	if r.Namespace == "" {
+		return "", nil, nil, fmt.Errorf("kv event record without a namespace: %w", ErrKVEventEncoding)
+	}
+	n := 0
+	for _, e := range r.Batch.Events {
+		n += len(e.BlockHashes)
+	}
+	if n != len(r.Hashes) {
+		return "", nil, nil, fmt.Errorf("kv event record of %d wire hashes names %d hashes: %w", n, len(r.Hashes), ErrKVEventEncoding)
+	}
+	if value, err = EncodeKVEventBatch(r.Batch); err != nil {
+		return "", nil, nil, err
+	}
+	headers = map[string]string{HeaderKVSchema: SchemaKVEvent, HeaderKVModel: r.Model, HeaderKVNamespace: r.Namespace}
+	for name, v := range map[string]string{
+		HeaderKVBlockHashes: strings.Join(r.Hashes, ","), HeaderKVEngineID: r.EngineID,
+		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause,
+	} {
+		if v != "" {
+			headers[name] = v
+		}
+	}
+	return r.Namespace, value, headers, nil
+}
+
+// DecodeKVEventRecord reads a TopicKVEvents record back: its value as a
+// vLLM batch and kvmesh's fields from its headers. A record without
+// kvmesh's schema header (say, an engine's own vLLM events bridged onto
+// the topic) keeps its batch and leaves kvmesh's fields empty.
+func DecodeKVEventRecord(value []byte, headers map[string]string) (KVEventRecord, error) {
+	b, err := DecodeKVEventBatch(value)
+	if err != nil {
+		return KVEventRecord{}, err
+	}
+	r := KVEventRecord{Batch: b}
+	if headers[HeaderKVSchema] != SchemaKVEvent {
+		return r, nil
+	}
+	r.Model, r.Namespace = headers[HeaderKVModel], headers[HeaderKVNamespace]
+	r.EngineID, r.RequestID, r.Cause = headers[HeaderKVEngineID], headers[HeaderKVRequestID], headers[HeaderKVCause]
+	if h := headers[HeaderKVBlockHashes]; h != "" {
+		r.Hashes = strings.Split(h, ",")
+	}
+	n := 0
+	for _, e := range b.Events {
+		n += len(e.BlockHashes)
+	}
+	if n != len(r.Hashes) {
+		return KVEventRecord{}, fmt.Errorf("kv event record of %d wire hashes names %d hashes: %w", n, len(r.Hashes), ErrKVEventEncoding)
+	}
+	return r, nil
+}
+
+// Keys are the store keys of the record's blocks, in event order.
+func (r KVEventRecord) Keys() []string {
+	out := make([]string, len(r.Hashes))
+	for i, h := range r.Hashes {
+		out[i] = r.Namespace + "@" + h
+	}
+	return out
+}
+
+// Kind is the kind of the record's first event ("" for an empty batch):
+// kvmesh's records carry events of one kind each.
+func (r KVEventRecord) Kind() KVEventKind {
+	if len(r.Batch.Events) == 0 {
+		return ""
+	}
+	return r.Batch.Events[0].Kind
+}

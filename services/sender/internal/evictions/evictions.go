@@ -1,0 +1,556 @@
+// Package evictions turns the store's own removals into BlockRemoved
+// events: it subscribes to Redis keyevent notifications for evicted,
+// expired and del (notify-keyspace-events), maps every removed key of the
+// deployment's key space to a vLLM BlockRemoved event
+// (contract.KVEventRecord) and publishes it to kvmesh.kv.events.
+//
+// Redis pub/sub is at-most-once: a notification sent while the watcher is
+// not subscribed (a reconnect, a failover between sender replicas, a slow
+// consumer Redis disconnected) is lost, and so is the BlockRemoved it
+// would have become. The watcher counts every such window as a gap
+// (kvmesh_sender_evictions_gaps_total) and publishes nothing for it: an
+// AllBlocksCleared would wipe a router's whole view of the store for a
+// removal of a few keys. FLUSHALL and FLUSHDB send no keyspace event
+// (checked on Redis 7.0); the watcher notices them through a marker key
+// of its own that vanishes without a notification, and publishes
+// AllBlocksCleared for the deployment then. docs/contract.md has the
+// router's side of this.
+package evictions
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/retry"
+)
+
+// Causes of a removal: the Redis keyevent names the watcher subscribes to,
+// and CauseFlushed for a store found flushed. They label
+// kvmesh_sender_block_removed_total and fill contract.HeaderKVCause.
+const (
+	CauseEvicted = "evicted"
+	CauseExpired = "expired"
+	CauseDeleted = "del"
+	CauseFlushed = "flushed"
+)
+
+// causes are the keyevents the watcher subscribes to.
+var causes = []string{CauseEvicted, CauseExpired, CauseDeleted}
+
+// Defaults of Options.
+const (
+	// DefaultFlushEvery is how long removals of one namespace wait to be
+	// published together.
+	DefaultFlushEvery = 50 * time.Millisecond
+	// DefaultMaxBatch bounds the keys of one BlockRemoved record.
+	DefaultMaxBatch = 512
+	// DefaultMarkerEvery is how often the watcher checks its marker key to
+	// notice a flush.
+	DefaultMarkerEvery = 2 * time.Second
+)
+
+// DefaultBackoff is the reconnect backoff: 100 ms doubling to 10 s.
+var DefaultBackoff = retry.Backoff{Initial: 100 * time.Millisecond, Max: 10 * time.Second, Jitter: 0.2}
+
+// requiredFlags are the notify-keyspace-events classes the watcher needs:
+// E (keyevent channels), g (generic: del), x (expired), e (evicted).
+const requiredFlags = "Egxe"
+
+// Sentinel errors.
+var (
+	// ErrOptions reports Options that cannot work.
+	ErrOptions = errors.New("evictions: invalid options")
+	// ErrNotifyDisabled reports a Redis server whose notify-keyspace-events
+	// lacks what the watcher needs and that the watcher may not or could
+	// not change.
+	ErrNotifyDisabled = errors.New("evictions: redis keyspace notifications are off")
+)
+
+// Publisher publishes records; *bus.Producer is one.
+type Publisher interface {
+	Publish(ctx context.Context, msgs ...bus.Message) error
+}
+
+// Leader decides which of several sender replicas watches: Lead blocks
+// until this replica leads (or ctx ends) and returns a context that ends
+// when it stops leading. A nil Leader leads at once (one replica).
+type Leader interface {
+	Lead(ctx context.Context) (context.Context, context.CancelFunc, error)
+}
+
+// Options configures a Watcher.
+type Options struct {
+	// RedisURL locates the store pool (redis://host:port/db); the watcher
+	// listens on that database's keyevent channels.
+	RedisURL string
+	// Keys is the deployment's key space: removals of other keys are
+	// counted as unmapped and not published.
+	Keys kvcore.KeyBuilder
+	// Publisher publishes the records (the sender's producer).
+	Publisher Publisher
+	// Metrics receives the watcher's counters.
+	Metrics *Metrics
+	// Configure lets the watcher add the flags it needs to
+	// notify-keyspace-events with CONFIG SET; without it, or when the
+	// server refuses, the watcher fails unless they are already set.
+	Configure bool
+	// Leader picks the one replica that watches (nil: this one).
+	Leader Leader
+	// Backoff spaces reconnects (default DefaultBackoff).
+	Backoff retry.Backoff
+	// FlushEvery, MaxBatch and MarkerEvery default to DefaultFlushEvery,
+	// DefaultMaxBatch and DefaultMarkerEvery.
+	FlushEvery  time.Duration
+	MaxBatch    int
+	MarkerEvery time.Duration
+	// Logger receives reconnects and gaps (default slog.Default()).
+	Logger *slog.Logger
+	// Now is the clock of the batches' timestamps (default time.Now).
+	Now func() time.Time
+}
+
+// Watcher publishes the store's removals as BlockRemoved events. Run it once.
+type Watcher struct {
+	opts   Options
+	client *redis.Client
+	db     int
+	marker string
+	ready  chan struct{}
+}
+
+// New checks opts and makes a Watcher; it connects nothing until Run.
+func New(opts Options) (*Watcher, error) {
+	if opts.Publisher == nil || opts.Metrics == nil {
+		return nil, fmt.Errorf("publisher and metrics are required: %w", ErrOptions)
+	}
+	if err := opts.Keys.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+	}
+	ro, err := redis.ParseURL(opts.RedisURL)
+	if err != nil {
+		return nil, fmt.Errorf("redis url: %w: %w", err, ErrOptions)
+	}
+	if opts.Backoff.Initial <= 0 {
+		opts.Backoff = DefaultBackoff
+	}
+	if opts.FlushEvery <= 0 {
+		opts.FlushEvery = DefaultFlushEvery
+	}
+	if opts.MaxBatch <= 0 {
+		opts.MaxBatch = DefaultMaxBatch
+	}
+	if opts.MarkerEvery <= 0 {
+		opts.MarkerEvery = DefaultMarkerEvery
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	ro.ContextTimeoutEnabled = true
+	return &Watcher{
+		opts: opts, client: redis.NewClient(ro), db: ro.DB,
+		marker: markerKey(opts.Keys), ready: make(chan struct{}),
+	}, nil
+}
+
+// markerKey is the watcher's marker: a key outside the key space of
+// store keys (two or three '@'-separated fields, never seven or eight).
+func markerKey(kb kvcore.KeyBuilder) string {
+	if kb.Prefix == "" {
+		return kb.Model + "@kvmesh-evictions-marker"
+	}
+	return kb.Prefix + "@" + kb.Model + "@kvmesh-evictions-marker"
+}
+
+// scope is the deployment's scope "[prefix@]model", the namespace of an
+// AllBlocksCleared record.
+func (w *Watcher) scope() string {
+	if w.opts.Keys.Prefix == "" {
+		return w.opts.Keys.Model
+	}
+	return w.opts.Keys.Prefix + "@" + w.opts.Keys.Model
+}
+
+// Ready is closed once the watcher is first subscribed.
+func (w *Watcher) Ready() <-chan struct{} { return w.ready }
+
+// Run leads (see Options.Leader), watches and publishes until ctx ends,
+// reconnecting with backoff after a lost connection; each reconnect after
+// a subscription is a gap. It returns nil when ctx ends, and an error
+// wrapping ErrNotifyDisabled when the server's notifications cannot be
+// turned on.
+func (w *Watcher) Run(ctx context.Context) error {
+	defer w.client.Close()
+	st := &state{}
+	for attempt := 1; ctx.Err() == nil; {
+		lead, stop, err := w.lead(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		w.opts.Metrics.leader.Set(1)
+		subscribed, err := w.session(lead, st)
+		w.opts.Metrics.leader.Set(0)
+		stop()
+		if ctx.Err() != nil {
+			return nil
+		}
+		if errors.Is(err, ErrNotifyDisabled) {
+			return err
+		}
+		if subscribed {
+			attempt = 1
+			w.opts.Metrics.gaps.Inc()
+			w.opts.Logger.Warn("store removal watcher lost its subscription: removals until it is back are not announced", "err", err)
+		} else {
+			attempt++
+		}
+		if err := retry.Sleep(ctx, w.opts.Backoff.Delay(attempt)); err != nil {
+			return nil
+		}
+	}
+	return nil
+}
+
+func (w *Watcher) lead(ctx context.Context) (context.Context, context.CancelFunc, error) {
+	if w.opts.Leader == nil {
+		c, cancel := context.WithCancel(ctx)
+		return c, cancel, nil
+	}
+	return w.opts.Leader.Lead(ctx)
+}
+
+// state is what the watcher keeps across sessions.
+type state struct {
+	// markerSet: the watcher set its marker in an earlier session, so a
+	// marker found missing at a new session's start was flushed (or went
+	// unnoticed in the gap).
+	markerSet bool
+}
+
+// EnsureNotifications makes the server's notify-keyspace-events include
+// requiredFlags. With configure set it adds the missing flags with CONFIG
+// SET and fails with ErrNotifyDisabled when the server refuses CONFIG GET
+// or SET. Without it, it only checks: missing flags fail with
+// ErrNotifyDisabled, and a server that refuses CONFIG GET (a managed Redis
+// with CONFIG renamed) is taken at the operator's word, with a warning.
+func EnsureNotifications(ctx context.Context, c *redis.Client, configure bool, log *slog.Logger) error {
+	vals, err := c.ConfigGet(ctx, "notify-keyspace-events").Result()
+	if err != nil {
+		if !configure {
+			log.Warn("cannot read notify-keyspace-events; assuming it includes "+requiredFlags+" as KVMESH_SENDER_EVICTIONS_CONFIGURE=false says", "err", err)
+			return nil
+		}
+		return fmt.Errorf("%w: CONFIG GET notify-keyspace-events failed (%v); set it to include %q on the server and KVMESH_SENDER_EVICTIONS_CONFIGURE=false, or turn the watcher off (KVMESH_SENDER_EVICTIONS=false)", ErrNotifyDisabled, err, requiredFlags)
+	}
+	current := vals["notify-keyspace-events"]
+	missing := missingFlags(current)
+	if missing == "" {
+		return nil
+	}
+	if !configure {
+		return fmt.Errorf("%w: notify-keyspace-events is %q, lacking %q, and KVMESH_SENDER_EVICTIONS_CONFIGURE is false; set it on the server or turn the watcher off (KVMESH_SENDER_EVICTIONS=false)", ErrNotifyDisabled, current, missing)
+	}
+	if err := c.ConfigSet(ctx, "notify-keyspace-events", current+missing).Err(); err != nil {
+		return fmt.Errorf("%w: notify-keyspace-events is %q, lacking %q, and CONFIG SET failed (%v); set it on the server or turn the watcher off (KVMESH_SENDER_EVICTIONS=false)", ErrNotifyDisabled, current, missing, err)
+	}
+	return nil
+}
+
+// missingFlags are the flags of requiredFlags that flags lacks; 'A' stands
+// for every class (g$lshzxetd), so it covers g, x and e.
+func missingFlags(flags string) string {
+	var out []byte
+	for _, f := range []byte(requiredFlags) {
+		if strings.IndexByte(flags, f) >= 0 || f != 'E' && strings.IndexByte(flags, 'A') >= 0 {
+			continue
+		}
+		out = append(out, f)
+	}
+	return string(out)
+}
+
+// session connects, subscribes and publishes until the connection or ctx
+// ends. subscribed reports whether it got as far as a live subscription.
+func (w *Watcher) session(ctx context.Context, st *state) (subscribed bool, err error) {
+	if err := EnsureNotifications(ctx, w.client, w.opts.Configure, w.opts.Logger); err != nil {
+		return false, err
+	}
+	channels := make([]string, len(causes))
+	for i, c := range causes {
+		channels[i] = fmt.Sprintf("__keyevent@%d__:%s", w.db, c)
+	}
+	ps := w.client.Subscribe(ctx, channels...)
+	defer ps.Close()
+	for confirmed := 0; confirmed < len(channels); {
+		m, err := ps.Receive(ctx)
+		if err != nil {
+			return false, fmt.Errorf("subscribe: %w", err)
+		}
+		if _, ok := m.(*redis.Subscription); ok {
+			confirmed++
+		}
+	}
+	select {
+	case <-w.ready:
+	default:
+		close(w.ready)
+	}
+	b := newBatcher(w)
+	if err := w.checkMarker(ctx, ps, st, b, true); err != nil {
+		return true, err
+	}
+	nextMarker := time.Now().Add(w.opts.MarkerEvery)
+	for ctx.Err() == nil {
+		m, err := ps.ReceiveTimeout(ctx, w.opts.FlushEvery)
+		switch {
+		case err == nil:
+			if msg, ok := m.(*redis.Message); ok {
+				b.add(msg)
+			}
+		case isTimeout(err):
+		default:
+			return true, errors.Join(fmt.Errorf("receive: %w", err), b.flush(ctx))
+		}
+		if b.due() {
+			if err := b.flush(ctx); err != nil {
+				return true, err
+			}
+		}
+		if time.Now().After(nextMarker) {
+			nextMarker = time.Now().Add(w.opts.MarkerEvery)
+			if err := w.checkMarker(ctx, ps, st, b, false); err != nil {
+				return true, err
+			}
+		}
+	}
+	final, cancel := context.WithTimeout(context.WithoutCancel(ctx), finalFlushTimeout)
+	defer cancel()
+	return true, b.flush(final)
+}
+
+// finalFlushTimeout bounds publishing the last removals at shutdown.
+const finalFlushTimeout = 5 * time.Second
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// checkMarker notices a flush: the marker set earlier is gone although no
+// notification said it was removed. It then publishes AllBlocksCleared for
+// the deployment, and (re)sets the marker. Before it decides, it reads
+// every notification Redis sent before the marker was found gone: a PING
+// on the subscription answers after them, in order.
+func (w *Watcher) checkMarker(ctx context.Context, ps *redis.PubSub, st *state, b *batcher, first bool) error {
+	n, err := w.client.Exists(ctx, w.marker).Result()
+	if err != nil {
+		return fmt.Errorf("check marker: %w", err)
+	}
+	if n == 0 && st.markerSet && !b.markerRemoved && !first {
+		if err := drainUntilPong(ctx, ps, b); err != nil {
+			return err
+		}
+	}
+	if n == 0 && st.markerSet && !b.markerRemoved {
+		if err := b.flush(ctx); err != nil {
+			return err
+		}
+		if err := w.publishCleared(ctx, first); err != nil {
+			return err
+		}
+	}
+	b.markerRemoved = false
+	if n == 0 {
+		if err := w.client.Set(ctx, w.marker, strconv.FormatInt(time.Now().UnixNano(), 10), 0).Err(); err != nil {
+			return fmt.Errorf("set marker: %w", err)
+		}
+	}
+	st.markerSet = true
+	return nil
+}
+
+// drainTimeout bounds the wait for a PING's answer on the subscription.
+const drainTimeout = 5 * time.Second
+
+// drainUntilPong pings on the subscription and hands every notification
+// read before the answer to b.
+func drainUntilPong(ctx context.Context, ps *redis.PubSub, b *batcher) error {
+	if err := ps.Ping(ctx, "kvmesh-marker-check"); err != nil {
+		return fmt.Errorf("ping subscription: %w", err)
+	}
+	deadline := time.Now().Add(drainTimeout)
+	for time.Now().Before(deadline) {
+		m, err := ps.ReceiveTimeout(ctx, time.Until(deadline))
+		if err != nil {
+			return fmt.Errorf("drain subscription: %w", err)
+		}
+		switch m := m.(type) {
+		case *redis.Pong:
+			return nil
+		case *redis.Message:
+			b.add(m)
+		}
+	}
+	return fmt.Errorf("drain subscription: no answer to PING in %s", drainTimeout)
+}
+
+// publishCleared publishes AllBlocksCleared for the deployment.
+func (w *Watcher) publishCleared(ctx context.Context, afterGap bool) error {
+	rec := contract.KVEventRecord{
+		Batch: contract.KVEventBatch{
+			TS: contract.UnixSeconds(w.opts.Now()), DataParallelRank: new(int),
+			Events: []contract.KVEvent{{Kind: contract.AllBlocksCleared}},
+		},
+		Model: w.opts.Keys.Model, Namespace: w.scope(), Cause: CauseFlushed,
+	}
+	if err := w.publish(ctx, []contract.KVEventRecord{rec}); err != nil {
+		return err
+	}
+	w.opts.Metrics.cleared.Inc()
+	w.opts.Logger.Warn("store found flushed (marker key gone unannounced): published AllBlocksCleared", "after_gap", afterGap)
+	return nil
+}
+
+// publish encodes and publishes records, retrying with backoff until ctx
+// ends (the Kafka side is at-least-once once the watcher holds a removal).
+func (w *Watcher) publish(ctx context.Context, recs []contract.KVEventRecord) error {
+	msgs := make([]bus.Message, 0, len(recs))
+	for _, r := range recs {
+		key, value, headers, err := contract.EncodeKVEventRecord(r)
+		if err != nil {
+			return err
+		}
+		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+	}
+	_, err := retry.Do(ctx, w.opts.Backoff, func() (struct{}, error) {
+		return struct{}{}, w.opts.Publisher.Publish(ctx, msgs...)
+	}, func(err error, d time.Duration) {
+		w.opts.Logger.Warn("publishing BlockRemoved events failed; retrying", "err", err, "delay", d)
+	})
+	if err != nil {
+		return fmt.Errorf("publish kv events: %w", err)
+	}
+	return nil
+}
+
+// batcher gathers removals per (namespace, cause) until they are due.
+type batcher struct {
+	w             *Watcher
+	pending       map[batchKey]*pendingBatch
+	order         []batchKey
+	oldest        time.Time
+	markerRemoved bool
+}
+
+type batchKey struct{ namespace, cause string }
+
+type pendingBatch struct {
+	group  int
+	hashes []string
+	wire   []uint64
+}
+
+func newBatcher(w *Watcher) *batcher {
+	return &batcher{w: w, pending: map[batchKey]*pendingBatch{}}
+}
+
+// add maps one notification to its batch, or counts it as unmapped.
+func (b *batcher) add(msg *redis.Message) {
+	cause := msg.Channel[strings.LastIndexByte(msg.Channel, ':')+1:]
+	if !slices.Contains(causes, cause) {
+		return
+	}
+	key := msg.Payload
+	if key == b.w.marker {
+		b.markerRemoved = true
+		return
+	}
+	p, ok, err := b.w.opts.Keys.ParseOwn(key)
+	switch {
+	case err != nil:
+		b.w.opts.Metrics.unmapped.WithLabelValues(unmappedMalformed).Inc()
+		return
+	case !ok:
+		b.w.opts.Metrics.unmapped.WithLabelValues(unmappedForeign).Inc()
+		return
+	}
+	ns, hx, _ := kvcore.SplitKey(key)
+	k := batchKey{ns, cause}
+	pb := b.pending[k]
+	if pb == nil {
+		pb = &pendingBatch{group: p.Group}
+		b.pending[k] = pb
+		b.order = append(b.order, k)
+	}
+	if len(b.order) == 1 && len(pb.hashes) == 0 {
+		b.oldest = time.Now()
+	}
+	pb.hashes = append(pb.hashes, hx)
+	pb.wire = append(pb.wire, contract.WireHash(p.Hash))
+}
+
+// due reports whether the pending removals should be published now.
+func (b *batcher) due() bool {
+	if len(b.order) == 0 {
+		return false
+	}
+	if time.Since(b.oldest) >= b.w.opts.FlushEvery {
+		return true
+	}
+	for _, pb := range b.pending {
+		if len(pb.hashes) >= b.w.opts.MaxBatch {
+			return true
+		}
+	}
+	return false
+}
+
+// flush publishes every pending batch, at most MaxBatch keys a record.
+func (b *batcher) flush(ctx context.Context) error {
+	if len(b.order) == 0 {
+		return nil
+	}
+	medium := contract.MediumStore
+	ts := contract.UnixSeconds(b.w.opts.Now())
+	var recs []contract.KVEventRecord
+	counts := map[string]int{}
+	for _, k := range b.order {
+		pb := b.pending[k]
+		group := pb.group
+		for start := 0; start < len(pb.hashes); start += b.w.opts.MaxBatch {
+			end := min(start+b.w.opts.MaxBatch, len(pb.hashes))
+			recs = append(recs, contract.KVEventRecord{
+				Batch: contract.KVEventBatch{TS: ts, DataParallelRank: new(int), Events: []contract.KVEvent{{
+					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
+				}}},
+				Model: b.w.opts.Keys.Model, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
+			})
+		}
+		counts[k.cause] += len(pb.hashes)
+	}
+	if err := b.w.publish(ctx, recs); err != nil {
+		return err
+	}
+	for cause, n := range counts {
+		b.w.opts.Metrics.removed.WithLabelValues(cause).Add(float64(n))
+	}
+	b.pending, b.order = map[batchKey]*pendingBatch{}, nil
+	return nil
+}

@@ -1,0 +1,493 @@
+package evictions
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redis/go-redis/v9"
+	"github.com/segmentio/kafka-go"
+
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+)
+
+// rig is a watcher on a private redis-server publishing to the kfake
+// broker over TCP, and a kafka-go reader of kvmesh.kv.events.
+type rig struct {
+	t       *testing.T
+	redis   *testenv.RedisServer
+	client  *redis.Client
+	store   *kvstore.Redis
+	brokers []string
+	metrics *Metrics
+	w       *Watcher
+	done    chan error
+	cancel  context.CancelFunc
+
+	mu      sync.Mutex
+	records []contract.KVEventRecord
+	keys    []string // record keys, one per record
+	offsets map[int]int64
+}
+
+func newRig(t *testing.T, redisArgs []string, tweak func(*Options)) *rig {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	r := &rig{t: t, redis: testenv.StartRedis(t, redisArgs...), cancel: cancel, offsets: map[int]int64{}}
+	b, err := devbroker.Start(ctx, devbroker.Config{Addr: "127.0.0.1:0", Partitions: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	r.brokers = b.Addrs()
+	p, err := bus.NewProducer(r.brokers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	if r.metrics, err = NewMetrics(prometheus.NewRegistry()); err != nil {
+		t.Fatal(err)
+	}
+	opts := Options{
+		RedisURL: r.redis.URL(), Keys: kvcore.KeyBuilder{Prefix: "dep", Model: "m"}, Publisher: p, Metrics: r.metrics,
+		Configure: true, FlushEvery: 20 * time.Millisecond, MarkerEvery: time.Hour,
+	}
+	if tweak != nil {
+		tweak(&opts)
+	}
+	if r.w, err = New(opts); err != nil {
+		t.Fatal(err)
+	}
+	ro, _ := redis.ParseURL(r.redis.URL())
+	r.client = redis.NewClient(ro)
+	t.Cleanup(func() { _ = r.client.Close() })
+	if r.store, err = kvstore.NewRedis(ctx, r.redis.URL(), kvstore.RedisOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.store.Close() })
+	r.done = make(chan error, 1)
+	go func() { r.done <- r.w.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-r.done; err != nil {
+			t.Errorf("watcher: %v", err)
+		}
+	})
+	return r
+}
+
+// waitReady waits for the watcher's subscription.
+func (r *rig) waitReady() {
+	r.t.Helper()
+	select {
+	case <-r.w.Ready():
+	case err := <-r.done:
+		r.t.Fatalf("watcher ended before subscribing: %v", err)
+	case <-time.After(15 * time.Second):
+		r.t.Fatal("watcher did not subscribe in 15 s")
+	}
+}
+
+// read fetches the records published since the last read, every partition.
+func (r *rig) read() {
+	r.t.Helper()
+	for part := range 2 {
+		func() {
+			rd := kafka.NewReader(kafka.ReaderConfig{Brokers: r.brokers, Topic: contract.TopicKVEvents, Partition: part, MaxWait: 20 * time.Millisecond})
+			defer rd.Close()
+			if err := rd.SetOffset(r.offsets[part]); err != nil {
+				r.t.Fatal(err)
+			}
+			for {
+				ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+				m, err := rd.ReadMessage(ctx)
+				cancel()
+				if err != nil {
+					return // nothing more for now
+				}
+				h := map[string]string{}
+				for _, x := range m.Headers {
+					h[x.Key] = string(x.Value)
+				}
+				rec, err := contract.DecodeKVEventRecord(m.Value, h)
+				if err != nil {
+					r.t.Fatalf("record %d/%d: %v", part, m.Offset, err)
+				}
+				r.mu.Lock()
+				r.records = append(r.records, rec)
+				r.keys = append(r.keys, string(m.Key))
+				r.mu.Unlock()
+				r.offsets[part] = m.Offset + 1
+			}
+		}()
+	}
+}
+
+// removed maps every store key named by a BlockRemoved record to its cause.
+func (r *rig) removed() map[string]string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[string]string{}
+	for _, rec := range r.records {
+		if rec.Kind() == contract.BlockRemoved {
+			for _, k := range rec.Keys() {
+				out[k] = rec.Cause
+			}
+		}
+	}
+	return out
+}
+
+// until polls the topic until cond holds or the deadline passes.
+func (r *rig) until(what string, cond func() bool) {
+	r.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		r.read()
+		if cond() {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("%s: not seen in 20 s", what)
+		}
+	}
+}
+
+// TestEvictedKeysAreAnnounced fills a 2 MiB allkeys-lru Redis far past its
+// maxmemory with the blocks of many requests and checks that every key
+// Redis evicted got a BlockRemoved (cause evicted), that no key still
+// present did, and that a lookup over the real store never answers a hit
+// that needs a key the events say is gone.
+func TestEvictedKeysAreAnnounced(t *testing.T) {
+	m, err := kvcore.Preset("dense")
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	r := newRig(t, []string{"--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"}, func(o *Options) { o.Keys = kb })
+	r.waitReady()
+	const requests, blocks, valueBytes = 40, 8, 16 << 10
+	type request struct {
+		hashes []kvcore.BlockHash
+		keys   []string
+	}
+	var reqs []request
+	var all []string
+	ctx := context.Background()
+	for i := range requests {
+		tokens := make([]uint32, blocks*m.HashBlockSize)
+		for j := range tokens {
+			tokens[j] = uint32(i*100000 + j)
+		}
+		rq := request{hashes: kvcore.HashChain(tokens, m.HashBlockSize, nil)}
+		var items []kvstore.Item
+		for _, h := range rq.hashes {
+			k := kb.Key(kvcore.Rank{}, 0, h)
+			rq.keys = append(rq.keys, k)
+			items = append(items, kvstore.Item{Key: k, Value: make([]byte, valueBytes)})
+		}
+		if _, err := r.store.Put(ctx, items); err != nil {
+			t.Fatal(err)
+		}
+		reqs = append(reqs, rq)
+		all = append(all, rq.keys...)
+	}
+	found, err := r.store.Exists(ctx, all)
+	if err != nil {
+		t.Fatal(err)
+	}
+	present, evicted := map[string]bool{}, map[string]bool{}
+	for i, k := range all {
+		if found[i] {
+			present[k] = true
+		} else {
+			evicted[k] = true
+		}
+	}
+	t.Logf("%d of %d keys evicted, %d present", len(evicted), len(all), len(present))
+	if len(evicted) == 0 || len(present) == 0 {
+		t.Fatalf("%d keys evicted, %d present: the store did not fill past maxmemory as planned", len(evicted), len(present))
+	}
+	r.until(fmt.Sprintf("BlockRemoved for all %d evicted keys", len(evicted)), func() bool {
+		got := r.removed()
+		for k := range evicted {
+			if got[k] == "" {
+				return false
+			}
+		}
+		return true
+	})
+	got := r.removed()
+	for k, cause := range got {
+		if present[k] {
+			t.Errorf("key %s is still in the store but got a BlockRemoved (%s)", k, cause)
+		}
+		if cause != CauseEvicted {
+			t.Errorf("key %s removed with cause %q, want evicted", k, cause)
+		}
+	}
+	r.mu.Lock()
+	for i, rec := range r.records {
+		ev := rec.Batch.Events[0]
+		if rec.Kind() != contract.BlockRemoved || r.keys[i] != kb.Namespace(kvcore.Rank{}, 0) || rec.Namespace != r.keys[i] ||
+			ev.GroupIdx == nil || *ev.GroupIdx != 0 || ev.Medium == nil || *ev.Medium != contract.MediumStore ||
+			rec.Batch.DataParallelRank == nil || *rec.Batch.DataParallelRank != 0 {
+			t.Errorf("record %d: key %q, %+v", i, r.keys[i], rec)
+		}
+		for j, h := range rec.Hashes {
+			b, err := kvcore.ParseBlockHash(h)
+			if err != nil || ev.BlockHashes[j] != contract.WireHash(b) {
+				t.Errorf("record %d hash %d: wire %#x for %s (%v)", i, j, ev.BlockHashes[j], h, err)
+			}
+		}
+	}
+	r.mu.Unlock()
+	if n := testutil.ToFloat64(r.metrics.removed.WithLabelValues(CauseEvicted)); int(n) != len(got) {
+		t.Errorf("kvmesh_sender_block_removed_total{cause=evicted} = %v, want %d", n, len(got))
+	}
+
+	// The lookup over the real store never hits through an evicted key.
+	hits := 0
+	for _, rq := range reqs {
+		plan, err := kvcore.PlanLookup(m, kb, rq.hashes, len(rq.hashes)*m.HashBlockSize)
+		if err != nil {
+			t.Fatal(err)
+		}
+		exists, err := r.store.Exists(ctx, plan.Keys())
+		if err != nil {
+			t.Fatal(err)
+		}
+		hit := plan.Hit(exists, plan.NumTokens())
+		for i, k := range rq.keys {
+			if (i+1)*m.HashBlockSize <= hit && got[k] != "" {
+				t.Errorf("lookup hit %d tokens through %s, which was evicted", hit, k)
+			}
+		}
+		if hit > 0 {
+			hits++
+		}
+	}
+	if hits == 0 {
+		t.Error("no request hit at all: the check above checked nothing")
+	}
+}
+
+// TestExpiredAndDeletedKeysAreAnnounced checks the other two causes and
+// that keys outside the deployment's key space are counted, not published.
+func TestExpiredAndDeletedKeysAreAnnounced(t *testing.T) {
+	r := newRig(t, nil, nil)
+	r.waitReady()
+	ctx := context.Background()
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m"}
+	expiring := kb.Key(kvcore.Rank{TP: 1}, 1, kvcore.BlockHash{1, 2, 3})
+	deleted := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{4, 5, 6})
+	foreign := kvcore.KeyBuilder{Prefix: "dep", Model: "other"}.Key(kvcore.Rank{}, 0, kvcore.BlockHash{7})
+	for _, k := range []string{deleted, foreign, "junk"} {
+		if err := r.client.Set(ctx, k, "v", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.client.Set(ctx, expiring, "v", 30*time.Millisecond).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.client.Del(ctx, deleted, foreign, "junk").Err(); err != nil {
+		t.Fatal(err)
+	}
+	r.until("BlockRemoved for the expired and the deleted key", func() bool {
+		got := r.removed()
+		return got[expiring] == CauseExpired && got[deleted] == CauseDeleted
+	})
+	if got := r.removed(); len(got) != 2 {
+		t.Errorf("removed %v, want only the two keys of the deployment", got)
+	}
+	r.mu.Lock()
+	for _, rec := range r.records {
+		if rec.Kind() == contract.BlockRemoved && rec.Keys()[0] == expiring && *rec.Batch.Events[0].GroupIdx != 1 {
+			t.Errorf("expired key's event has group %d, want 1", *rec.Batch.Events[0].GroupIdx)
+		}
+	}
+	r.mu.Unlock()
+	for reason, want := range map[string]float64{unmappedForeign: 1, unmappedMalformed: 1} {
+		if n := testutil.ToFloat64(r.metrics.unmapped.WithLabelValues(reason)); n != want {
+			t.Errorf("unmapped{reason=%s} = %v, want %v", reason, n, want)
+		}
+	}
+}
+
+// TestFlushIsAnnouncedAsAllBlocksCleared: FLUSHALL sends no keyspace event;
+// the marker key going missing unannounced makes the watcher publish
+// AllBlocksCleared for the deployment.
+func TestFlushIsAnnouncedAsAllBlocksCleared(t *testing.T) {
+	r := newRig(t, nil, func(o *Options) { o.MarkerEvery = 50 * time.Millisecond })
+	r.waitReady()
+	ctx := context.Background()
+	key := kvcore.KeyBuilder{Prefix: "dep", Model: "m"}.Key(kvcore.Rank{}, 0, kvcore.BlockHash{9})
+	if err := r.client.Set(ctx, key, "v", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// The marker is there once the first check ran.
+	deadline := time.Now().Add(10 * time.Second)
+	for r.client.Exists(ctx, r.w.marker).Val() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("marker key never set")
+		}
+		time.Sleep(10 * time.Millisecond) // polling the store, not synchronising
+	}
+	if err := r.client.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	var cleared contract.KVEventRecord
+	r.until("AllBlocksCleared after FLUSHALL", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		for i, rec := range r.records {
+			if rec.Kind() == contract.AllBlocksCleared {
+				cleared = rec
+				return r.keys[i] == "dep@m"
+			}
+		}
+		return false
+	})
+	if cleared.Cause != CauseFlushed || cleared.Namespace != "dep@m" || len(cleared.Batch.Events) != 1 {
+		t.Errorf("AllBlocksCleared record %+v", cleared)
+	}
+	if _, ok := r.removed()[key]; ok {
+		t.Error("the flushed key got a BlockRemoved; FLUSHALL sends no keyspace event")
+	}
+	// A marker removed with a notification is no flush.
+	if err := r.client.Del(ctx, r.w.marker).Err(); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(10 * time.Second)
+	for r.client.Exists(ctx, r.w.marker).Val() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("marker key not set again")
+		}
+		time.Sleep(10 * time.Millisecond) // polling the store, not synchronising
+	}
+	r.read()
+	if n := testutil.ToFloat64(r.metrics.cleared); n != 1 {
+		t.Errorf("cleared = %v after a deleted marker, want still 1", n)
+	}
+}
+
+// TestNotificationsMustBeOn: the watcher refuses to run when it cannot
+// turn the notifications on and they are not on already.
+func TestNotificationsMustBeOn(t *testing.T) {
+	tests := []struct {
+		name      string
+		args      []string
+		configure bool
+		wantErr   bool
+	}{
+		{"off, CONFIG refused", []string{"--rename-command", "CONFIG", ""}, true, true},
+		{"off, may not configure", nil, false, true},
+		{"set on the server, CONFIG refused, not configuring", []string{"--notify-keyspace-events", "Egx", "--rename-command", "CONFIG", ""}, false, false},
+		{"partly set, configuring", []string{"--notify-keyspace-events", "Kg"}, true, false},
+		{"all classes", []string{"--notify-keyspace-events", "EA"}, false, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := testenv.StartRedis(t, tc.args...)
+			ro, _ := redis.ParseURL(srv.URL())
+			c := redis.NewClient(ro)
+			defer c.Close()
+			err := EnsureNotifications(context.Background(), c, tc.configure, slog.New(slog.DiscardHandler))
+			if tc.wantErr != errors.Is(err, ErrNotifyDisabled) || (err != nil) != tc.wantErr {
+				t.Fatalf("EnsureNotifications: %v, want error %v", err, tc.wantErr)
+			}
+			if !tc.wantErr && tc.configure {
+				flags := c.ConfigGet(context.Background(), "notify-keyspace-events").Val()["notify-keyspace-events"]
+				if missingFlags(flags) != "" {
+					t.Fatalf("flags %q after configuring", flags)
+				}
+			}
+		})
+	}
+	t.Run("run fails", func(t *testing.T) {
+		srv := testenv.StartRedis(t, "--rename-command", "CONFIG", "")
+		m, _ := NewMetrics(prometheus.NewRegistry())
+		w, err := New(Options{RedisURL: srv.URL(), Keys: kvcore.KeyBuilder{Model: "m"}, Publisher: nopPublisher{}, Metrics: m, Configure: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		if err := w.Run(ctx); !errors.Is(err, ErrNotifyDisabled) || !strings.Contains(err.Error(), "KVMESH_SENDER_EVICTIONS=false") {
+			t.Fatalf("Run: %v, want ErrNotifyDisabled naming the switch", err)
+		}
+	})
+}
+
+// TestOneReplicaWatches: of two watchers of one deployment with the
+// PostgreSQL leader, one subscribes; when it stops, the other takes over.
+func TestOneReplicaWatches(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	srv := testenv.StartRedis(t)
+	kb := kvcore.KeyBuilder{Prefix: fmt.Sprintf("lead%d", time.Now().UnixNano()), Model: "m"}
+	start := func() (*Watcher, func() error) {
+		m, _ := NewMetrics(prometheus.NewRegistry())
+		l := NewPGLeader(pool, kb)
+		l.Poll = 50 * time.Millisecond
+		w, err := New(Options{RedisURL: srv.URL(), Keys: kb, Publisher: nopPublisher{}, Metrics: m, Configure: true, Leader: l})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- w.Run(ctx) }()
+		stop := sync.OnceValue(func() error { cancel(); return <-done })
+		t.Cleanup(func() { _ = stop() })
+		return w, stop
+	}
+	a, stopA := start()
+	b, stopB := start()
+	var leader, other *Watcher
+	var stopLeader func() error
+	select {
+	case <-a.Ready():
+		leader, other, stopLeader = a, b, stopA
+	case <-b.Ready():
+		leader, other, stopLeader = b, a, stopB
+	case <-time.After(15 * time.Second):
+		t.Fatal("no watcher subscribed")
+	}
+	select {
+	case <-other.Ready():
+		t.Fatal("both watchers subscribed")
+	case <-time.After(500 * time.Millisecond): // the other keeps trying the lock meanwhile
+	}
+	if err := stopLeader(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-other.Ready():
+	case <-time.After(15 * time.Second):
+		t.Fatal("the other watcher did not take over")
+	}
+	if leader == other {
+		t.Fatal("unreachable")
+	}
+}
+
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(context.Context, ...bus.Message) error { return nil }

@@ -1,0 +1,65 @@
+package evictions
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+)
+
+// Reasons a removal notification was not mapped, the reason label of
+// kvmesh_sender_evictions_unmapped_total.
+const (
+	// unmappedForeign: a well-formed store key of another deployment or
+	// model sharing the store pool.
+	unmappedForeign = "foreign"
+	// unmappedMalformed: a key that is not a kvmesh store key at all.
+	unmappedMalformed = "malformed"
+)
+
+// Metrics are the watcher's Prometheus families.
+type Metrics struct {
+	removed  *prometheus.CounterVec
+	unmapped *prometheus.CounterVec
+	gaps     prometheus.Counter
+	cleared  prometheus.Counter
+	leader   prometheus.Gauge
+}
+
+// NewMetrics registers the watcher's families on reg, every label value
+// exported at 0 from the start.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{
+		removed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_sender_block_removed_total",
+			Help: "Store keys published as BlockRemoved on kvmesh.kv.events, by the Redis event that removed them (evicted, expired, del).",
+		}, []string{"cause"}),
+		unmapped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_sender_evictions_unmapped_total",
+			Help: "Redis removal notifications not published, by reason (foreign: another deployment's or model's key; malformed: not a kvmesh store key).",
+		}, []string{"reason"}),
+		gaps: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_sender_evictions_gaps_total",
+			Help: "Times the removal watcher lost its Redis subscription: removals until it resubscribed were not announced (pub/sub is at-most-once).",
+		}),
+		cleared: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_sender_evictions_cleared_total",
+			Help: "AllBlocksCleared events published because the store was found flushed.",
+		}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvmesh_sender_evictions_leader",
+			Help: "1 while this sender replica is the one that watches the store's removals, else 0.",
+		}),
+	}
+	if err := telemetry.RegisterAll(reg, m.removed, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
+		return nil, fmt.Errorf("eviction watcher metrics: %w", err)
+	}
+	for _, c := range causes {
+		m.removed.WithLabelValues(c)
+	}
+	for _, r := range []string{unmappedForeign, unmappedMalformed} {
+		m.unmapped.WithLabelValues(r)
+	}
+	return m, nil
+}

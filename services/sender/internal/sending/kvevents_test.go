@@ -1,0 +1,111 @@
+package sending_test
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+)
+
+// kvRecords decodes the kvmesh.kv.events records in the outbox, in order,
+// with their record keys.
+func (f *fixture) kvRecords(t testing.TB) ([]contract.KVEventRecord, []string) {
+	t.Helper()
+	rows, err := f.pool.Query(context.Background(), "SELECT key, value, headers FROM outbox WHERE topic = $1 ORDER BY id", contract.TopicKVEvents)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var recs []contract.KVEventRecord
+	var keys []string
+	for rows.Next() {
+		var key string
+		var value []byte
+		var headers map[string]string
+		if err := rows.Scan(&key, &value, &headers); err != nil {
+			t.Fatal(err)
+		}
+		rec, err := contract.DecodeKVEventRecord(value, headers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		recs, keys = append(recs, rec), append(keys, key)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return recs, keys
+}
+
+func wire(t *testing.T, hexHash string) uint64 {
+	t.Helper()
+	h, err := kvcore.ParseBlockHash(hexHash)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return contract.WireHash(h)
+}
+
+// TestBlockStoredRecordsFollowVLLM checks the BlockStored records of a
+// save whose second chunk already existed: one record per group and
+// namespace, keyed by the namespace, each run of consecutive stored chunks
+// one vLLM BlockStored event whose parent is the chunk before it, with the
+// group's block size, kind and kvmesh's medium.
+func TestBlockStoredRecordsFollowVLLM(t *testing.T) {
+	store := kvstore.NewMemory(kvstore.MemoryOptions{})
+	f := newFixture(t, dbtest.NewPool(t), store)
+	task := saveTask(f.model, "kv1", 0, 64, 3)
+	existing := f.keysOf(t, task, 0)[1] // the MLA chunk [16,32)
+	if _, err := store.Put(context.Background(), []kvstore.Item{{Key: existing, Value: []byte("x")}}); err != nil {
+		t.Fatal(err)
+	}
+	f.handle(t, encode(t, task))
+
+	recs, keys := f.kvRecords(t)
+	if len(recs) != 2 {
+		t.Fatalf("%d kv event records, want one per group (one namespace each)", len(recs))
+	}
+	h := task.BlockHashes
+	mla, mamba := recs[0], recs[1]
+	if keys[0] != f.keys.Namespace(kvcore.Rank{}, 0) || mla.Namespace != keys[0] || mla.Model != f.model.Name ||
+		mla.EngineID != task.EngineID || mla.RequestID != task.RequestID || mla.Kind() != contract.BlockStored {
+		t.Fatalf("MLA record key %q: %+v", keys[0], mla)
+	}
+	if want := []string{h[0], h[2], h[3]}; !slices.Equal(mla.Hashes, want) {
+		t.Fatalf("MLA hashes %v, want chunks 0, 2, 3 (1 existed)", mla.Hashes)
+	}
+	if len(mla.Batch.Events) != 2 {
+		t.Fatalf("MLA events %+v, want two runs: [0] and [2,3]", mla.Batch.Events)
+	}
+	first, second := mla.Batch.Events[0], mla.Batch.Events[1]
+	if first.ParentBlockHash != nil || !slices.Equal(first.BlockHashes, []uint64{wire(t, h[0])}) {
+		t.Errorf("first run %+v, want chunk 0 with no parent", first)
+	}
+	if second.ParentBlockHash == nil || *second.ParentBlockHash != wire(t, h[1]) ||
+		!slices.Equal(second.BlockHashes, []uint64{wire(t, h[2]), wire(t, h[3])}) {
+		t.Errorf("second run %+v, want chunks 2, 3 after chunk 1", second)
+	}
+	for _, e := range mla.Batch.Events {
+		if e.BlockSize != 16 || *e.GroupIdx != 0 || e.SpecKind != "mla_attention" || *e.Medium != contract.MediumStore ||
+			len(e.TokenIDs) != 0 || e.LoraID != nil || e.LoraName != nil {
+			t.Errorf("MLA event fields %+v", e)
+		}
+	}
+	ms := mamba.Batch.Events
+	if len(ms) != 1 || *ms[0].GroupIdx != 1 || ms[0].SpecKind != "mamba" || !slices.Equal(mamba.Hashes, []string{h[3]}) ||
+		ms[0].ParentBlockHash == nil || *ms[0].ParentBlockHash != wire(t, h[2]) || keys[1] != f.keys.Namespace(kvcore.Rank{}, 1) {
+		t.Errorf("Mamba record key %q: %+v", keys[1], mamba)
+	}
+	if got := append(mla.Keys(), mamba.Keys()...); !slices.Equal(got, []string{
+		f.keysOf(t, task, 0)[0], f.keysOf(t, task, 0)[2], f.keysOf(t, task, 0)[3], f.keysOf(t, task, 1)[0],
+	}) {
+		t.Errorf("store keys of the records %v", got)
+	}
+	if want := contract.UnixSeconds(f.now); mla.Batch.TS != want {
+		t.Errorf("batch ts %v, want the processor's clock %v", mla.Batch.TS, want)
+	}
+}
