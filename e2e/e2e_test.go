@@ -109,7 +109,13 @@ func TestSeedPreset(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	rep, err := sim.Run(ctx, simConfig(t, s, true, smallWorkload(36, 6)))
+	// Eight system prompts do not fit the prefill engine's 48-block pool
+	// together, so later turns find their prefix evicted locally and
+	// load it from the store whatever the timing; with two, the pool kept
+	// both and store loads happened only when saves were slow to land.
+	w := smallWorkload(36, 6)
+	w.SystemPrompts = 8
+	rep, err := sim.Run(ctx, simConfig(t, s, true, w))
 	if err != nil {
 		t.Fatal(err)
 	}

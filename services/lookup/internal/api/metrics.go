@@ -20,11 +20,6 @@ const (
 	ResultDisabled = "disabled"
 	// ResultInvalid: the request was refused with a 4xx.
 	ResultInvalid = "invalid"
-	// ResultStoreUnavailable is no longer produced: a failed store check
-	// fails open (the store child answers 0, counted in
-	// kvmesh_lookup_child_failures_total). The series stays at 0 so that
-	// dashboards and alerts on it keep resolving.
-	ResultStoreUnavailable = "store_unavailable"
 	// ResultPublishFailed: the decision could not be published; 503.
 	ResultPublishFailed = "publish_failed"
 	// ResultError: an unexpected failure; 500.
@@ -33,7 +28,7 @@ const (
 
 var allResults = []string{
 	ResultHit, ResultMiss, ResultPending, ResultDisabled, ResultInvalid,
-	ResultStoreUnavailable, ResultPublishFailed, ResultError,
+	ResultPublishFailed, ResultError,
 }
 
 // metrics are the lookup service's own families.
@@ -48,7 +43,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_lookup_requests_total",
-			Help: "Lookup requests, by result (hit, miss, pending, disabled, invalid, store_unavailable, publish_failed, error).",
+			Help: "Lookup requests, by result (hit, miss, pending, disabled, invalid, publish_failed, error); a failed store check fails open and is counted in kvmesh_lookup_child_failures_total.",
 		}, []string{"result"}),
 		hitTokens: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_lookup_hit_tokens_total",

@@ -44,10 +44,10 @@ type Config struct {
 	RetryBase time.Duration `env:"KVMESH_SENDER_RETRY_BASE" doc:"delay before the first retry; doubles per retry"`
 	// RetryMax caps the retry delay.
 	RetryMax time.Duration `env:"KVMESH_SENDER_RETRY_MAX" doc:"longest delay between retries"`
-	// ProbeEvery is the skips between pressure-mode probes.
-	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" doc:"in pressure mode, let one task through as a probe after this many skipped tasks"`
+	// ProbeEvery is the skips between probes of a request under pressure.
+	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" doc:"for a request under store pressure (its put got \"no space\"), let one of its tasks through as a probe after this many of its skipped tasks"`
 	// PressureCoolDown is the longest wait between probes.
-	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" doc:"in pressure mode, let a probe through at least this often"`
+	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" doc:"for a request under store pressure, let a probe through at least this often"`
 	// WorkerStaleAfter is how old a gpuworker heartbeat may be.
 	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a gpuworker whose last heartbeat is older is treated as gone"`
 	// StoreTimeout bounds one existence check.
@@ -62,7 +62,7 @@ type Config struct {
 
 // ConfigDefaults gives the settings whose defaults other packages own
 // (config.Defaulter): the contract's listen address, kvcore's retry and
-// pressure-mode policies, the registry's staleness and the processor's
+// store-pressure policies, the registry's staleness and the processor's
 // time limits.
 func (c *Config) ConfigDefaults() map[string]any {
 	return map[string]any{

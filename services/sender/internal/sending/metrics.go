@@ -73,7 +73,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"reason"}),
 		pressure: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvmesh_sender_pressure_mode",
-			Help: "1 while the sender is in pressure mode (the store answered no space), else 0.",
+			Help: "1 while some request is under store pressure (a put of it was answered no space and no put has succeeded since), else 0.",
 		}),
 		skipped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_sender_skipped_total",
