@@ -26,6 +26,7 @@ type ledger struct {
 	loads                      map[string]contract.TransferResult // load results by task id
 	expect                     map[string][]span                  // engine/request → saves the engine expects
 	stored                     map[string]string                  // keys the run's BlockStored events named → the first engine that stored it
+	removed                    map[string]bool                    // keys BlockRemoved events named (the store dropped them)
 	announced, storedByResults int                                // keys in those events; keys the results report stored
 	hashIndex                  map[string]int                     // block hash (hex) → its index in the hash chain, from the tasks
 	namespaces                 [][]kvcore.Rank                    // each group's store namespaces
@@ -59,7 +60,7 @@ func newLedger(m *kvcore.Model, prefix string) *ledger {
 	l := &ledger{
 		model: m, prefix: prefix, tasks: map[string]*ledgerTask{},
 		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
-		expect: map[string][]span{}, stored: map[string]string{}, raced: map[string]bool{}, hashIndex: map[string]int{},
+		expect: map[string][]span{}, stored: map[string]string{}, removed: map[string]bool{}, raced: map[string]bool{}, hashIndex: map[string]int{},
 	}
 	for g := range m.Groups {
 		l.namespaces = append(l.namespaces, m.Namespaces(g))
@@ -202,6 +203,10 @@ func (l *ledger) transferResult(rec Record) {
 // other runs, leave the ledger alone.
 func (l *ledger) kvEvent(rec Record) {
 	ev, err := contract.DecodeKVEventRecord(rec.Value, rec.Headers)
+	if err == nil && ev.Kind() == contract.BlockRemoved {
+		l.removedKeys(ev.Keys())
+		return
+	}
 	if err != nil || ev.Kind() != contract.BlockStored || !l.ours(ev.RequestID) {
 		return
 	}
@@ -214,6 +219,24 @@ func (l *ledger) kvEvent(rec Record) {
 			l.stored[k] = ev.EngineID
 		}
 	}
+}
+
+// removedKeys records keys a BlockRemoved event named. Removals carry no
+// request, so every one is kept; the stored-value check asks only about the
+// run's own keys.
+func (l *ledger) removedKeys(keys []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, k := range keys {
+		l.removed[k] = true
+	}
+}
+
+// wasRemoved reports whether a BlockRemoved event named key.
+func (l *ledger) wasRemoved(key string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.removed[key]
 }
 
 // storedKeys lists, sorted, the distinct keys the run's BlockStored events

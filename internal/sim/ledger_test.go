@@ -315,3 +315,35 @@ func storedRecords(t *testing.T, engine, request string, keys []string) []Record
 	}
 	return out
 }
+
+// TestLedgerRemovedKeys: a BlockRemoved record marks its keys removed, for
+// the stored-value check's count of announced evictions; a BlockStored
+// record does not.
+func TestLedgerRemovedKeys(t *testing.T) {
+	m := preset(t, "hybrid-mla-linear")
+	l := newLedger(m, "run-")
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	hashes := kvcore.HashChain(make([]uint32, 32), 16, []byte("salt"))
+	removed, kept := kb.Key(kvcore.Rank{}, 0, hashes[0]), kb.Key(kvcore.Rank{}, 0, hashes[1])
+	ns, h, ok := kvcore.SplitKey(removed)
+	if !ok {
+		t.Fatalf("key %q", removed)
+	}
+	key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
+		Batch:     contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockRemoved, BlockHashes: []uint64{contract.WireHash(hashes[0])}}}},
+		Namespace: ns, Hashes: []string{h},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.kvEvent(Record{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+	for _, rec := range storedRecords(t, "e", "run-1", []string{kept}) {
+		l.kvEvent(rec)
+	}
+	if !l.wasRemoved(removed) || l.wasRemoved(kept) {
+		t.Fatalf("removed: %v %v, want true false", l.wasRemoved(removed), l.wasRemoved(kept))
+	}
+	if keys, _ := l.storedKeys(); len(keys) != 1 || keys[0] != kept {
+		t.Fatalf("stored keys %v, want only %s", keys, kept)
+	}
+}

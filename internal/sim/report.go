@@ -342,8 +342,8 @@ func (rep *Report) WriteText(w io.Writer) error {
 		row("dead letters", "%s: %d entries for the run%s, %d dead-lettered saves not listed%s", okText(c.OK), c.Entries, reasonList(c.Reasons), len(c.Unlisted), suffix(c.Error))
 	}
 	if c := rep.Stored; c != nil {
-		row("stored values", "%s: checked %d, wrong %d, gone %d (evicted) of %d keys stored (%d announced, results report %d)%s",
-			okText(c.OK), c.Checked, c.Wrong, c.Gone, c.Keys, c.Announced, c.LedgerStored, suffix(c.Error))
+		row("stored values", "%s: checked %d, wrong %d, gone %d (evicted; %d announced by BlockRemoved) of %d keys stored (%d announced, results report %d)%s",
+			okText(c.OK), c.Checked, c.Wrong, c.Gone, c.GoneAnnounced, c.Keys, c.Announced, c.LedgerStored, suffix(c.Error))
 	}
 	row("result", "%s", okText(rep.OK))
 	if err := tw.Flush(); err != nil {

@@ -470,7 +470,7 @@ func (r *run) check(ctx context.Context, rep *Report) {
 	}
 	if r.cfg.RedisURL != "" {
 		keys, announced := r.ledger.storedKeys()
-		c := checkStored(ctx, r.cfg, keys, rep.Ledger.Stored)
+		c := checkStored(ctx, r.cfg, keys, rep.Ledger.Stored, r.ledger.wasRemoved)
 		c.Announced = announced
 		rep.Stored = &c
 		rep.OK = rep.OK && c.OK

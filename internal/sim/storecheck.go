@@ -37,6 +37,11 @@ type StoreCheck struct {
 	// Gone counts keys no longer in the store (evicted by the store's LRU,
 	// or removed): not wrong.
 	Gone int `json:"gone"`
+	// GoneAnnounced counts the gone keys a BlockRemoved event named by the
+	// time of the check (the sender's removal watcher saw Redis drop them).
+	// Fewer than Gone means removals still in flight or lost (Redis pub/sub
+	// is at-most-once): not a failure.
+	GoneAnnounced int `json:"gone_announced"`
 	// Wrongs lists the first wrong values.
 	Wrongs []WrongValue `json:"wrongs"`
 	// Error says why the check could not run (to its end).
@@ -55,7 +60,7 @@ type WrongValue struct {
 
 // checkStored reads every key from the store at cfg.RedisURL, in batches,
 // and checks its value.
-func checkStored(ctx context.Context, cfg Config, keys []string, ledgerStored int) StoreCheck {
+func checkStored(ctx context.Context, cfg Config, keys []string, ledgerStored int, removed func(string) bool) StoreCheck {
 	c := StoreCheck{Keys: len(keys), LedgerStored: ledgerStored, Wrongs: []WrongValue{}}
 	st, err := kvstore.NewRedis(ctx, cfg.RedisURL, kvstore.RedisOptions{})
 	if err != nil {
@@ -63,7 +68,7 @@ func checkStored(ctx context.Context, cfg Config, keys []string, ledgerStored in
 		return c
 	}
 	defer st.Close()
-	if err := checkValues(ctx, st, cfg.Model, cfg.RequestTimeout, keys, &c, storeCheckBatch); err != nil {
+	if err := checkValues(ctx, st, cfg.Model, cfg.RequestTimeout, keys, &c, storeCheckBatch, removed); err != nil {
 		c.Error = err.Error()
 		return c
 	}
@@ -72,8 +77,9 @@ func checkStored(ctx context.Context, cfg Config, keys []string, ledgerStored in
 }
 
 // checkValues checks the keys' values in st, batch keys per Get, counting
-// into c; a failing Get is retried for up to bound.
-func checkValues(ctx context.Context, st kvstore.Store, m *kvcore.Model, bound time.Duration, keys []string, c *StoreCheck, batchKeys int) error {
+// into c (a gone key also into GoneAnnounced when removed says a
+// BlockRemoved named it); a failing Get is retried for up to bound.
+func checkValues(ctx context.Context, st kvstore.Store, m *kvcore.Model, bound time.Duration, keys []string, c *StoreCheck, batchKeys int, removed func(string) bool) error {
 	cont := newContents(m)
 	for start := 0; start < len(keys); start += batchKeys {
 		batch := keys[start:min(start+batchKeys, len(keys))]
@@ -97,6 +103,9 @@ func checkValues(ctx context.Context, st kvstore.Store, m *kvcore.Model, bound t
 			switch {
 			case errors.Is(errs[i], kvstore.ErrNotFound):
 				c.Gone++
+				if removed(k) {
+					c.GoneAnnounced++
+				}
 				continue
 			case errs[i] != nil:
 				return fmt.Errorf("store get %s: %w", k, errs[i])

@@ -33,15 +33,17 @@ func TestCheckValues(t *testing.T) {
 	if _, err := st.Put(context.Background(), items); err != nil {
 		t.Fatal(err)
 	}
-	keys := []string{key(0, 0), key(1, 1), key(0, 2), key(1, 2), key(0, 3), key(1, 3)} // key(1,3): evicted
+	// key(1,3) and key(1,0) were evicted; a BlockRemoved named key(1,3) only.
+	keys := []string{key(0, 0), key(1, 1), key(0, 2), key(1, 2), key(0, 3), key(1, 3), key(1, 0)}
+	removed := func(k string) bool { return k == key(1, 3) || k == key(0, 0) }
 	for name, batch := range map[string]int{"one batch": 256, "small batches": 1} {
 		t.Run(name, func(t *testing.T) {
 			var c StoreCheck
-			if err := checkValues(context.Background(), st, m, time.Second, keys, &c, batch); err != nil {
+			if err := checkValues(context.Background(), st, m, time.Second, keys, &c, batch, removed); err != nil {
 				t.Fatal(err)
 			}
-			if c.Checked != 5 || c.Wrong != 3 || c.Gone != 1 || len(c.Wrongs) != 3 {
-				t.Fatalf("%+v: want 5 checked, 3 wrong, 1 gone", c)
+			if c.Checked != 5 || c.Wrong != 3 || c.Gone != 2 || c.GoneAnnounced != 1 || len(c.Wrongs) != 3 {
+				t.Fatalf("%+v: want 5 checked, 3 wrong, 2 gone of which 1 announced", c)
 			}
 			for _, w := range c.Wrongs {
 				if w.Key == key(0, 0) || w.Key == key(1, 1) || w.Problem == "" {
