@@ -2,7 +2,6 @@ package testenv
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"net"
 	"os/exec"
@@ -143,23 +142,3 @@ func FreeAddr(t testing.TB) string {
 
 // freeAddrTries bounds the binds of port 0 one freeAddr call makes.
 const freeAddrTries = 100
-
-// syncBuffer is a bytes.Buffer that a process may write while a test reads.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-// Write appends p to the buffer.
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// String returns a copy of what was written so far.
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}

@@ -23,7 +23,7 @@ type serverProcess struct {
 	name     string // the program, for messages
 	addr     string
 	cmd      *exec.Cmd
-	out      *syncBuffer
+	out      *SyncBuffer
 	done     chan struct{} // closed once the process exited and was reaped
 	stopOnce sync.Once
 }
@@ -31,7 +31,7 @@ type serverProcess struct {
 // launchServer starts bin with args, to listen on addr; it does not wait
 // for it.
 func launchServer(name, bin, addr string, args []string) (*serverProcess, error) {
-	s := &serverProcess{name: name, addr: addr, cmd: exec.Command(bin, args...), out: &syncBuffer{}, done: make(chan struct{})}
+	s := &serverProcess{name: name, addr: addr, cmd: exec.Command(bin, args...), out: &SyncBuffer{}, done: make(chan struct{})}
 	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
 	if err := s.cmd.Start(); err != nil {
 		return nil, err

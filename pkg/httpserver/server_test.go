@@ -201,7 +201,7 @@ func TestPanicBecomesProblemAndServerKeepsServing(t *testing.T) {
 	eventually(t, "access log of both requests", func() bool {
 		errorsLogged = errorsLogged[:0]
 		accessLines := 0
-		for _, rec := range ts.logs.records(t) {
+		for _, rec := range ts.logs.Records(t) {
 			if rec["level"] == "ERROR" {
 				errorsLogged = append(errorsLogged, rec)
 			}
@@ -250,7 +250,7 @@ func TestTracingNamesSpansByRoute(t *testing.T) {
 	}
 	var logged bool
 	eventually(t, "access log with trace id", func() bool {
-		for _, r := range ts.logs.records(t) {
+		for _, r := range ts.logs.Records(t) {
 			if r["route"] == "/v1/items/{id}" && r["trace_id"] == traceID {
 				logged = true
 			}

@@ -1,13 +1,11 @@
 package app_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -72,37 +70,6 @@ func (s *lookupService) readyz(t *testing.T) readiness {
 	return r
 }
 
-// syncBuffer is a bytes.Buffer safe for the service's goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// lines returns the JSON log records written so far.
-func (b *syncBuffer) lines(t *testing.T) []map[string]any {
-	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var out []map[string]any
-	for _, l := range strings.Split(strings.TrimSpace(b.buf.String()), "\n") {
-		if l == "" {
-			continue
-		}
-		var rec map[string]any
-		if err := json.Unmarshal([]byte(l), &rec); err != nil {
-			t.Fatalf("log line %q: %v", l, err)
-		}
-		out = append(out, rec)
-	}
-	return out
-}
-
 // TestStoreOutageFailsOpen stops the store pool (a private redis-server)
 // under a running store-only lookup: lookups answer 200 with 0 external
 // tokens — the store child fails open, as vLLM's store child answers 0
@@ -115,7 +82,7 @@ func (b *syncBuffer) lines(t *testing.T) []map[string]any {
 func TestStoreOutageFailsOpen(t *testing.T) {
 	rs := testenv.StartRedis(t)
 	env, _ := brokerEnv(t, rs.URL())
-	logs := &syncBuffer{}
+	logs := &testenv.SyncBuffer{}
 	log, err := logging.New(logs, "info", "lookup")
 	if err != nil {
 		t.Fatal(err)
@@ -166,7 +133,7 @@ func TestStoreOutageFailsOpen(t *testing.T) {
 		t.Errorf("published decision %+v, want 0 tokens and the store child failed", d)
 	}
 	warned := 0
-	for _, rec := range logs.lines(t) {
+	for _, rec := range logs.Records(t) {
 		if rec["level"] == "WARN" && rec["child"] == "store" {
 			warned++
 			if rec[logging.KeyTraceID] != engineTrace || !strings.Contains(rec["err"].(string), "store existence check failed") {
