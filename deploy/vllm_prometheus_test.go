@@ -3,7 +3,6 @@ package deploy_test
 import (
 	"context"
 	"fmt"
-	"net"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -15,7 +14,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"gopkg.in/yaml.v3"
 
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/internal/testenv"
@@ -183,28 +181,10 @@ func prometheusConfigFor(t *testing.T, root string, addrs map[string]string) str
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cfg map[string]any
-	if err := yaml.Unmarshal(data, &cfg); err != nil {
-		t.Fatal(err)
-	}
-	cfg["global"] = map[string]any{"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
-	scrapes, _ := cfg["scrape_configs"].([]any)
-	for _, sc := range scrapes {
-		job, _ := sc.(map[string]any)
-		statics, _ := job["static_configs"].([]any)
-		for _, st := range statics {
-			static, _ := st.(map[string]any)
-			list, _ := static["targets"].([]any)
-			for i, tg := range list {
-				host, _, err := net.SplitHostPort(fmt.Sprint(tg))
-				if err != nil || addrs[host] == "" {
-					t.Fatalf("%s: job %v scrapes %v, which the test does not serve", deploy.PrometheusFile, job["job_name"], tg)
-				}
-				list[i] = addrs[host]
-			}
-		}
-	}
-	out, err := yaml.Marshal(cfg)
+	out, _, err := deploy.RetargetPrometheus(data, "1s", func(host string) (string, bool) {
+		a, ok := addrs[host]
+		return a, ok && a != ""
+	})
 	if err != nil {
 		t.Fatal(err)
 	}

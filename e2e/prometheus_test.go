@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,8 +12,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"gopkg.in/yaml.v3"
 
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/internal/sim"
@@ -163,40 +160,17 @@ func prometheusConfig(t *testing.T, root string, s *stack) (string, int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cfg map[string]any
-	if err := yaml.Unmarshal(data, &cfg); err != nil {
-		t.Fatalf("%s: %v", deploy.PrometheusFile, err)
-	}
-	cfg["global"] = map[string]any{
-		"scrape_interval": promScrapeInterval, "scrape_timeout": promScrapeInterval,
-		"evaluation_interval": promScrapeInterval,
-	}
-	scrapes, _ := cfg["scrape_configs"].([]any)
-	n := 0
-	for _, sc := range scrapes {
-		job, _ := sc.(map[string]any)
-		delete(job, "scrape_interval")
-		delete(job, "scrape_timeout")
-		statics, _ := job["static_configs"].([]any)
-		for _, st := range statics {
-			static, _ := st.(map[string]any)
-			list, _ := static["targets"].([]any)
-			for i, tg := range list {
-				host, _, err := net.SplitHostPort(fmt.Sprint(tg))
-				if err != nil || !slices.Contains(stackProcesses, host) {
-					t.Fatalf("%s: job %v scrapes %v, which is no process of the stack %v", deploy.PrometheusFile, job["job_name"], tg, stackProcesses)
-				}
-				list[i] = s.mesh.Procs.Process(host).Addr()
-				n++
-			}
+	out, n, err := deploy.RetargetPrometheus(data, promScrapeInterval, func(host string) (string, bool) {
+		if !slices.Contains(stackProcesses, host) {
+			return "", false
 		}
+		return s.mesh.Procs.Process(host).Addr(), true
+	})
+	if err != nil {
+		t.Fatalf("%v (the stack runs %v)", err, stackProcesses)
 	}
 	if n != len(stackProcesses) {
 		t.Fatalf("%s scrapes %d targets, want one per process of the stack %v", deploy.PrometheusFile, n, stackProcesses)
-	}
-	out, err := yaml.Marshal(cfg)
-	if err != nil {
-		t.Fatal(err)
 	}
 	return string(out), n
 }
