@@ -102,6 +102,11 @@ type engine struct {
 	// such saves per block.
 	orphans  map[pinKey][][]blockRef
 	orphaned map[blockRef]int
+	// tailWritten lists the requests whose sub-block prompt tail (partial
+	// hash hits: kvcore.PromptTailEnd) this allocation was written: the
+	// KV up to the prompt's last hash boundary, in the block holding it,
+	// under that boundary's identity (engine.promptTail).
+	tailWritten map[string]bool
 
 	head      *request // the head of the queue when it was last looked at
 	headSince time.Time
@@ -155,7 +160,7 @@ func newEngine(id string, role Role, cfg EngineConfig, deps engineDeps, hooks en
 		engineDeps: deps, id: id, role: role, cfg: cfg, sbs: deps.model.SchedulerBlockSize(),
 		cont: newContents(deps.model), pool: newBlockPool(len(deps.model.Groups), cfg.PoolBlocks),
 		box: newMailbox(), hooks: hooks, live: map[string]*request{}, pins: map[pinKey][][]blockRef{},
-		orphans: map[pinKey][][]blockRef{}, orphaned: map[blockRef]int{},
+		orphans: map[pinKey][][]blockRef{}, orphaned: map[blockRef]int{}, tailWritten: map[string]bool{},
 	}
 	m, ranks := deps.model, deps.model.WorkerRanks()
 	for g := range m.Groups {
@@ -376,6 +381,7 @@ func (e *engine) maybeFinalize(r *request) {
 
 // free releases a request's blocks (valid ones stay in the prefix cache).
 func (e *engine) free(r *request) {
+	delete(e.tailWritten, r.id)
 	for g, ids := range r.table {
 		for _, b := range ids {
 			if b != nullBlockID {

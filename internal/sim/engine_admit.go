@@ -52,7 +52,14 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 	})
 	e.allocated(out, r, dec, ext, conn)
 	if ext > 0 {
-		r.load = &expectedLoad{connector: conn, start: local, end: hit, groups: e.model.LoadGroups(local, hit)}
+		// What the load task reads: each group's chunks to resume at the
+		// hit, the last one keyed by the decision's tail key (kvcore's
+		// Model.LoadGroupsTail, as the scheduler's tracker builds it).
+		var tails []kvcore.TailKey
+		if c := child(dec, conn); c != nil && c.Spec != nil {
+			tails = c.Spec.TailKeys
+		}
+		r.load = &expectedLoad{connector: conn, start: local, end: hit, groups: e.model.LoadGroupsTail(local, hit, tails)}
 		for _, gc := range r.load.groups {
 			bs := e.model.Groups[gc.Group].BlockSize
 			for _, c := range gc.Chunks {
@@ -162,7 +169,7 @@ func (e *engine) interpret(r *request, dec *contract.LookupDecision, num, local 
 		problem = fmt.Sprintf("load spec cached %d, engine computed %d", c.Spec.VLLMCachedTokens, local)
 	case c.Spec.KVPoolCachedTokens-local != dec.ExternalTokens:
 		problem = fmt.Sprintf("external tokens %d, load spec hit %d - cached %d", dec.ExternalTokens, c.Spec.KVPoolCachedTokens, local)
-	case c.Spec.KVPoolCachedTokens%e.sbs != 0 || c.Spec.KVPoolCachedTokens >= num:
+	case c.Spec.KVPoolCachedTokens%e.model.HitAlignment() != 0 || c.Spec.KVPoolCachedTokens >= num:
 		problem = fmt.Sprintf("hit %d is unaligned or not below the %d tokens", c.Spec.KVPoolCachedTokens, num)
 	}
 	if problem != "" {
@@ -190,8 +197,11 @@ func (e *engine) chunkKey(r *request, c kvcore.Chunk) string {
 // localHit is the engine's own prefix-cache hit: the longest h, a multiple
 // of the scheduler block size below num (the engine computes at least one
 // token), at which every group finds in the cache every chunk it needs to
-// resume (kvcore's reach rule: all earlier chunks for full attention, the
-// window for sliding window, the state at h for Mamba).
+// resume (kvcore's Model.LoadChunks, what a resume at h reads: all earlier
+// chunks for full attention, the window for sliding window, the state at h
+// for Mamba — vLLM's find_longest_cache_hit of each manager). The local
+// cache is not probed inside a block: a sub-block prefix (partial hash
+// hits) is only found in the store.
 func (e *engine) localHit(r *request, num int) int {
 	for h := (num - 1) / e.sbs * e.sbs; h >= e.sbs; h -= e.sbs {
 		if e.cachedAt(r, h) {
@@ -203,7 +213,7 @@ func (e *engine) localHit(r *request, num int) int {
 
 func (e *engine) cachedAt(r *request, h int) bool {
 	for g := range e.model.Groups {
-		for _, c := range e.model.SaveChunks(g, 0, h) {
+		for _, c := range e.model.LoadChunks(g, 0, h) {
 			if _, ok := e.pool.cached(g, e.chunkKey(r, c)); !ok {
 				return false
 			}
@@ -229,7 +239,7 @@ func (e *engine) everFits(num int) (group, need int, ok bool) {
 func (e *engine) fits(r *request, num, local int) bool {
 	for g, grp := range e.model.Groups {
 		need := ceilDiv(num, grp.BlockSize) - local/grp.BlockSize
-		for _, c := range e.model.SaveChunks(g, 0, local) {
+		for _, c := range e.model.LoadChunks(g, 0, local) {
 			b, _ := e.pool.cached(g, e.chunkKey(r, c))
 			if e.pool.reusable(g, b) {
 				need++

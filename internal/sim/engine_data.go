@@ -34,8 +34,40 @@ func (e *engine) compute(ctx context.Context, sched []scheduled) error {
 	var todo []chunkBlock
 	for _, s := range sched {
 		todo = append(todo, e.completed(s.r, s.r.computed, s.r.computed+s.n)...)
+		todo = append(todo, e.promptTail(s.r, s.r.computed+s.n)...)
 	}
 	return e.write(ctx, todo)
+}
+
+// promptTail lists, under partial hash hits, the sub-block prompt tail a
+// step that computed the request up to `to` makes available: once the
+// request's computed tokens reach P (kvcore.PromptTailEnd: the prompt
+// rounded down to the hash block, inside a block) while P's block is still
+// incomplete, every group's block holding P gets the content of the chunk
+// [block start, P), identified by P's hash — what vLLM's engine hands the
+// connector for _sub_block_tail_puts (the full-attention block's prefix up
+// to P, the Mamba state at P copied on write), and what the tracker's
+// prompt-tail save reads (kvcore Tracker.maybeSaveTail, the same rule). It
+// is written once per allocation; completing the block later replaces it
+// with the whole block's content.
+func (e *engine) promptTail(r *request, to int) []chunkBlock {
+	p := kvcore.PromptTailEnd(e.model, len(r.prompt))
+	if p == 0 || to < p || to >= ceilDiv(p, e.sbs)*e.sbs || e.tailWritten[r.id] {
+		return nil
+	}
+	e.tailWritten[r.id] = true
+	r.extendHashes(e.model.HashBlockSize)
+	hi := p/e.model.HashBlockSize - 1
+	var out []chunkBlock
+	for g, grp := range e.model.Groups {
+		bi := p / grp.BlockSize
+		if bi >= len(r.table[g]) || r.table[g][bi] == nullBlockID {
+			continue
+		}
+		c := kvcore.Chunk{Start: bi * grp.BlockSize, End: p}
+		out = append(out, chunkBlock{group: g, block: r.table[g][bi], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id})
+	}
+	return out
 }
 
 // completed lists the chunks whose last token lies in (from, to].

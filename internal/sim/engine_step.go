@@ -65,6 +65,13 @@ func (e *engine) scheduleRunning(out *outbox, budget *int) ([]scheduled, bool) {
 	for i := 0; i < len(e.running) && *budget > 0; {
 		r := e.running[i]
 		n := min(r.numTokens()-r.computed, *budget)
+		if limit, held := e.tailHeld(r); held {
+			n = min(n, limit-r.computed)
+		}
+		if n <= 0 {
+			i++ // waits for its prompt-tail save (tailHeld)
+			continue
+		}
 		added, ok := e.grow(r, r.computed+n)
 		for !ok {
 			victim := e.running[len(e.running)-1]
@@ -87,6 +94,28 @@ func (e *engine) scheduleRunning(out *outbox, budget *int) ([]scheduled, bool) {
 		i++
 	}
 	return sched, preempted
+}
+
+// tailHeld reports whether a prompt-tail save of the request (a save
+// whose span ends inside a scheduler block, kvcore Tracker.maybeSaveTail)
+// is still in flight, and then the most tokens the request may compute
+// meanwhile: one short of the end of the block holding the tail. The save
+// reads that block under the tail's identity; completing the block would
+// replace it with the whole block's (the gpuworker serves a block only
+// under the identity it holds), and the save would be dead-lettered. vLLM
+// has no such wait: its sending thread reads the tail's bytes, which later
+// tokens do not change, or the Mamba state's copy-on-write block.
+func (e *engine) tailHeld(r *request) (limit int, held bool) {
+	for k, sets := range e.pins {
+		if k.request != r.id || len(sets) == 0 || k.span.End%e.sbs == 0 {
+			continue
+		}
+		l := ceilDiv(k.span.End, e.sbs)*e.sbs - 1
+		if !held || l < limit {
+			limit, held = l, true
+		}
+	}
+	return limit, held
 }
 
 // scheduleWaiting admits waiting requests while blocks, budget and the

@@ -555,10 +555,12 @@ func (l *ledger) writer(key string) (kvcore.Rank, bool) {
 	}
 	bs := l.model.Groups[p.Group].BlockSize
 	end := (hi + 1) * l.model.HashBlockSize
-	if end%bs != 0 {
+	if end%bs != 0 && !l.model.PartialHashHits() {
 		return kvcore.Rank{}, false // a hash that ends no chunk of the group
 	}
-	return l.model.Writer(p.Group, p.Rank, end/bs-1), true
+	// Under partial hash hits a chunk may end inside its block (a prompt
+	// tail): its block is the one holding its last token.
+	return l.model.Writer(p.Group, p.Rank, (end-1)/bs), true
 }
 
 // engineLedgers splits the ledger by engine; l.mu must be held.

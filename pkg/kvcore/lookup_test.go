@@ -4,6 +4,7 @@ import (
 	"errors"
 	"maps"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"testing"
 )
@@ -161,7 +162,7 @@ func TestDecide(t *testing.T) {
 			if need != tc.wantNeed || async != tc.wantAsync {
 				t.Fatalf("Decide = (%d, %v), want (%d, %v)", need, async, tc.wantNeed, tc.wantAsync)
 			}
-			if (spec == nil) != (tc.wantSpec == nil) || spec != nil && *spec != *tc.wantSpec {
+			if !reflect.DeepEqual(spec, tc.wantSpec) {
 				t.Fatalf("Decide spec = %+v, want %+v", spec, tc.wantSpec)
 			}
 		})

@@ -129,10 +129,11 @@ func TestParseModel(t *testing.T) {
 
 func TestPresets(t *testing.T) {
 	names := PresetNames()
-	if want := []string{"dense", "full-swa-mamba", "hybrid-mla-linear", "hybrid-mla-linear-tp8"}; !slices.Equal(names, want) {
+	if want := []string{"dense", "full-swa-mamba", "hybrid-mla-linear", "hybrid-mla-linear-partial", "hybrid-mla-linear-tp8"}; !slices.Equal(names, want) {
 		t.Fatalf("PresetNames() = %v, want %v", names, want)
 	}
-	sbs := map[string]int{"dense": 16, "full-swa-mamba": 32, "hybrid-mla-linear": 16, "hybrid-mla-linear-tp8": 16}
+	sbs := map[string]int{"dense": 16, "full-swa-mamba": 32, "hybrid-mla-linear": 16, "hybrid-mla-linear-partial": 64, "hybrid-mla-linear-tp8": 16}
+	partial := map[string]bool{"hybrid-mla-linear-partial": true}
 	for _, name := range names {
 		t.Run(name, func(t *testing.T) {
 			m, err := Preset(name)
@@ -144,6 +145,9 @@ func TestPresets(t *testing.T) {
 			}
 			if got := m.SchedulerBlockSize(); got != sbs[name] {
 				t.Fatalf("SchedulerBlockSize = %d, want %d", got, sbs[name])
+			}
+			if got := m.PartialHashHits(); got != partial[name] {
+				t.Fatalf("PartialHashHits = %v, want %v", got, partial[name])
 			}
 			m.Groups[0].BlockSize = 999
 			again, err := Preset(name)

@@ -33,21 +33,40 @@ func (m *Model) SaveGroups(saved, end int) []GroupChunks {
 // already freed below an earlier hit. A table with fewer groups than the
 // model keeps the missing groups' chunk lists empty.
 func (m *Model) SaveGroupsHeld(table BlockTable, saved, end int) []GroupChunks {
-	out := m.SaveGroups(saved, end)
-	for g := range out {
+	return m.keepHeld(table, m.SaveGroups(saved, end))
+}
+
+// PromptTailGroupsHeld is PromptTailGroups without the chunks whose block
+// table has no block for them, as vLLM's _sub_block_tail_puts skips an
+// "unavailable partial-tail source block" (worker.py).
+func (m *Model) PromptTailGroupsHeld(table BlockTable, saved, numPromptTokens int) []GroupChunks {
+	return m.keepHeld(table, m.PromptTailGroups(saved, numPromptTokens))
+}
+
+// keepHeld drops, in place, the chunks of groups whose block table entry is
+// missing or NullBlock (Model.Holds).
+func (m *Model) keepHeld(table BlockTable, groups []GroupChunks) []GroupChunks {
+	for g := range groups {
 		var blocks []BlockID
 		if g < len(table) {
 			blocks = table[g]
 		}
-		held := out[g].Chunks[:0]
-		for _, c := range out[g].Chunks {
-			if bi := c.BlockIndex(m.Groups[g].BlockSize); bi < len(blocks) && blocks[bi] != NullBlock {
+		held := groups[g].Chunks[:0]
+		for _, c := range groups[g].Chunks {
+			if m.Holds(g, blocks, c) {
 				held = append(held, c)
 			}
 		}
-		out[g].Chunks = held
+		groups[g].Chunks = held
 	}
-	return out
+	return groups
+}
+
+// Holds reports whether a group's block list has a block for chunk c: an
+// entry at its block index that is not NullBlock.
+func (m *Model) Holds(g int, blocks []BlockID, c Chunk) bool {
+	bi := c.BlockIndex(m.Groups[g].BlockSize)
+	return bi >= 0 && bi < len(blocks) && blocks[bi] != NullBlock
 }
 
 // LoadGroups lists, for every group in index order, the chunks a load of

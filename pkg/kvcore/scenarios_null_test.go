@@ -93,28 +93,40 @@ func scenarioNullOtherID(t *testing.T) {
 }
 
 // S84: dense model, bs 16. The engine (null id 0) schedules 32 new tokens
-// on [[0,1]]: block index 0 is the null block, so the save of [0,32) names
-// a null block for chunk [0,16) and is refused null_block; the same table
-// from a JSON-null engine names block 0, a real block, and is valid.
+// on [[0,1]]: block index 0 is the null block, so the save of [0,32) leaves
+// chunk [0,16) out (vLLM's sending thread skips an unavailable source
+// block, worker.py KVCacheStoreSendingThread._handle_request) and lists
+// only [16,32), which is valid; a task that lists the null block's chunk
+// anyway is refused null_block. The same table from a JSON-null engine
+// names block 0, a real block: both chunks are saved.
 func scenarioNullNeverSaved(t *testing.T) {
 	m := trkDense(t)
 	for _, tc := range []struct {
-		name string
-		null BlockID
-		want Reason
+		name   string
+		null   BlockID
+		chunks []Chunk
 	}{
-		{"declared 0", 0, ReasonNullBlock},
-		{"default", NullBlock, ReasonOK},
+		{"declared 0", 0, []Chunk{{16, 32}}},
+		{"default", NullBlock, []Chunk{{0, 16}, {16, 32}}},
 	} {
 		tr := NewTracker(m, "e1", "r1")
 		tr.OnAdmit(trkHashes(2), 0)
 		eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl([]BlockID{0, 1}).NormalizeNull(tc.null)}))
-		if len(eff.Saves) != 1 {
-			t.Fatalf("%s: saves %+v, want one", tc.name, eff.Saves)
+		if len(eff.Saves) != 1 || !slices.Equal(eff.Saves[0].Groups[0].Chunks, tc.chunks) {
+			t.Fatalf("%s: saves %+v, want one listing %v", tc.name, eff.Saves, tc.chunks)
 		}
 		v := ValidateSave(m, []int{8}, &eff.Saves[0])
-		if len(v) != 1 || v[0].Reason != tc.want {
-			t.Fatalf("%s: verdicts %+v, want %q", tc.name, v, tc.want)
+		if len(v) != 1 || v[0].Reason != ReasonOK {
+			t.Fatalf("%s: verdicts %+v, want valid", tc.name, v)
+		}
+		forged := eff.Saves[0]
+		forged.Groups = []GroupChunks{{Group: 0, Chunks: m.SaveChunks(0, 0, 32)}}
+		want := ReasonOK
+		if tc.null == 0 {
+			want = ReasonNullBlock
+		}
+		if v := ValidateSave(m, []int{8}, &forged); len(v) != 1 || v[0].Reason != want {
+			t.Fatalf("%s: task listing every chunk: verdicts %+v, want %q", tc.name, v, want)
 		}
 	}
 }

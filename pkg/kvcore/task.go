@@ -111,6 +111,14 @@ type LoadSpec struct {
 	KVPoolCachedTokens int `json:"kvpool_cached_tokens"`
 	// CanLoad is set at allocation when the engine accepted the external tokens.
 	CanLoad bool `json:"can_load"`
+	// TailKeys name, per group, the boundary whose hash keys the group's
+	// last loaded chunk (LookupPlan.TailKeys): the hit itself, or, under
+	// partial hash hits, a later hash boundary of the hit's block where the
+	// group stored that block (vLLM's TailKeyBoundary, worker.py
+	// MooncakeStoreWorker._tail_key_boundaries). The load task's chunks
+	// follow them (Model.LoadGroupsTail). Absent: every group's last chunk
+	// is keyed by the hash at the hit.
+	TailKeys []TailKey `json:"tail_keys,omitempty"`
 }
 
 // GroupChunks names the chunks of one group that a task covers.

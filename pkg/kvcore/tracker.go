@@ -267,6 +267,16 @@ type Tracker struct {
 	// PrefillEnd is the prompt length (0: unknown); tokens past it are
 	// decode tokens and are not saved.
 	PrefillEnd int `json:"prefill_end,omitempty"`
+	// PromptTokens is the prompt length the engine admitted the request
+	// with (0: unknown), vLLM's request.num_prompt_tokens: the sub-block
+	// prompt tail is stored at its last hash boundary (maybeSaveTail). Unlike
+	// PrefillEnd it does not grow when a resumed request re-prefills the
+	// tokens it generated.
+	PromptTokens int `json:"prompt_tokens,omitempty"`
+	// TailSaved is set once the current epoch emitted the request's
+	// sub-block prompt-tail save (or found it due past its block): it is
+	// emitted at most once per epoch.
+	TailSaved bool `json:"tail_saved,omitempty"`
 	// Table is the scheduled block table, one list per group. It is only
 	// ever set from a table whose group count equals the model's.
 	Table BlockTable `json:"block_table"`
@@ -350,6 +360,7 @@ func (t *Tracker) OnAdmit(hashes []string, promptTokens int) {
 	t.extendHashes(hashes)
 	if promptTokens > 0 {
 		t.PrefillEnd = promptTokens
+		t.PromptTokens = promptTokens
 	}
 }
 
@@ -430,6 +441,7 @@ func (t *Tracker) newEpoch() {
 func (t *Tracker) release() {
 	t.newEpoch()
 	t.NumSavedTokens = 0
+	t.TailSaved = false
 }
 
 // retireSaves moves the pending saves to the stale ones; their ranges and

@@ -1,6 +1,7 @@
 package kvcore
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"strconv"
@@ -33,15 +34,24 @@ func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks
 
 // maybeSave emits the save of full scheduler blocks up to the aligned end
 // when the end passed the saved offset (a new full block; vLLM's
-// ReqMeta.from_request_tracker skips the save otherwise). The save starts
-// at the saved offset, or at the lowest range reported unsaved, which it
-// covers again (saveStart). It never saves for the consumer role, for a
-// request not running, or while a load of the request is expected or
+// ReqMeta.from_request_tracker skips the save otherwise), then the
+// request's sub-block prompt tail when it is due (maybeSaveTail). The save
+// starts at the saved offset, or at the lowest range reported unsaved,
+// which it covers again (saveStart). It never saves for the consumer role,
+// for a request not running, or while a load of the request is expected or
 // outstanding (its blocks are not filled yet).
 func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 	if t.Consumer || t.State != StateRunning || t.Load.expecting() || len(t.PendingLoads) > 0 {
 		return
 	}
+	t.maybeSaveSteps(m, eff)
+	if t.State == StateRunning {
+		t.maybeSaveTail(m, eff)
+	}
+}
+
+// maybeSaveSteps emits the save of full scheduler blocks (maybeSave).
+func (t *Tracker) maybeSaveSteps(m *Model, eff *Effects) {
 	end, hashLimited := t.saveEnd(m)
 	if hashLimited {
 		eff.Err = fmt.Errorf("request %s/%s: %d tokens, %d block hashes: save held back: %w", t.EngineID, t.RequestID, t.TokenLen, len(t.Hashes), ErrShortHashChain)
@@ -50,16 +60,98 @@ func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 		return
 	}
 	start := t.saveStart()
-	task, err := t.newSaveTask(m, start, end)
+	task, err := t.newSaveTask(m, start, end, m.SaveGroupsHeld(t.Table, start, end))
 	if err != nil {
 		t.fail(eff, err, nil)
 		return
 	}
 	t.NumSavedTokens = end
 	t.Unsaved = nil
+	t.emitSave(task, eff)
+}
+
+// emitSave records a save task as pending and hands it to the caller.
+func (t *Tracker) emitSave(task SaveTask, eff *Effects) {
 	t.PendingSaves = append(t.PendingSaves, task.TaskID)
-	t.SaveSpans = append(t.SaveSpans, SaveSpan{TaskID: task.TaskID, Start: start, End: end})
+	t.SaveSpans = append(t.SaveSpans, SaveSpan{TaskID: task.TaskID, Start: task.Start, End: task.End})
 	eff.Saves = append(eff.Saves, task)
+}
+
+// maybeSaveTail emits, under partial hash hits, the save of the request's
+// sub-block prompt tail (Model.PromptTailGroups) once per allocation
+// epoch: at the step whose computed tokens first reach P, the prompt
+// (PromptTokens, vLLM's request.num_prompt_tokens) rounded down to the
+// hash block, when P lies inside a block. It follows vLLM's hand-off of
+// the prompt tail: the managers' cache_blocks → _cache_partial_tail_block
+// registers the tail once num_tokens ≥ P, and the sending thread stores it
+// with the step's save job (worker.py KVCacheStoreSendingThread
+// ._maybe_offload_boundary_states → _sub_block_tail_puts), every group's
+// blocks from the saved offset's block to P's, P's block keyed by P's hash
+// and a Mamba group only that one. The task covers [start, P) with start
+// the saved offset after this step's save (its full blocks are that save's
+// keys, so nothing is stored twice), at most P's block; chunks whose block
+// the table does not hold are left out, as _sub_block_tail_puts skips an
+// "unavailable partial-tail source block".
+//
+// kvmesh stores the tail only while P's block is still incomplete (always
+// so at a fresh prompt's last step): once the engine computed the whole
+// block, its block holds the whole block's KV under the whole block's
+// identity, and a worker serves a block only under the identity it holds.
+func (t *Tracker) maybeSaveTail(m *Model, eff *Effects) {
+	if t.TailSaved || !m.PartialHashHits() {
+		return
+	}
+	p := PromptTailEnd(m, cmp.Or(t.PromptTokens, t.PrefillEnd))
+	if p == 0 || t.TokenLen < p {
+		return
+	}
+	sbs := m.SchedulerBlockSize()
+	if t.TokenLen >= ceilTo(p, sbs) {
+		t.TailSaved = true // the block is complete: the step saves cover it
+		return
+	}
+	if len(t.Hashes) < p/m.HashBlockSize {
+		return // a later step's hash chain may reach P
+	}
+	start := min(t.NumSavedTokens, p/sbs*sbs)
+	groups := m.PromptTailGroupsHeld(t.Table, start, p)
+	t.TailSaved = true
+	if !anyChunk(groups) {
+		return
+	}
+	task, err := t.newSaveTask(m, start, p, groups)
+	if err != nil {
+		t.fail(eff, err, nil)
+		return
+	}
+	t.emitSave(task, eff)
+}
+
+// PromptTailEnd is where a prompt of promptTokens stores its sub-block
+// tail under partial hash hits: the prompt rounded down to the hash block
+// when that lies inside a block (worker.py _sub_block_tail_puts'
+// boundary; single_type_kv_cache_manager.py _cache_partial_tail_block's
+// boundary_tokens); 0 when there is none (no partial hash hits, a
+// boundary on a scheduler block, or a prompt under one hash block).
+func PromptTailEnd(m *Model, promptTokens int) int {
+	if !m.PartialHashHits() || promptTokens <= 0 {
+		return 0
+	}
+	p := promptTokens / m.HashBlockSize * m.HashBlockSize
+	if p%m.SchedulerBlockSize() == 0 {
+		return 0
+	}
+	return p
+}
+
+// anyChunk reports whether some group lists a chunk.
+func anyChunk(groups []GroupChunks) bool {
+	for _, gc := range groups {
+		if len(gc.Chunks) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // saveStart is where the next save starts: the saved offset, or the start
@@ -99,14 +191,15 @@ func (t *Tracker) saveEnd(m *Model) (end int, hashLimited bool) {
 }
 
 // newSaveTask builds the save of [start, end) from the tracker's scheduled
-// table. It is the only place a SaveTask is built, and it refuses
-// a table whose group count is not the model's: the seed crash (a save with
-// an empty table on a hybrid model) cannot be built.
-func (t *Tracker) newSaveTask(m *Model, start, end int) (SaveTask, error) {
+// table, listing groups (Model.SaveGroupsHeld for a step's save,
+// Model.PromptTailGroupsHeld for the prompt tail). It is the only place a
+// SaveTask is built, and it refuses a table whose group count is not the
+// model's: the seed crash (a save with an empty table on a hybrid model)
+// cannot be built.
+func (t *Tracker) newSaveTask(m *Model, start, end int, groups []GroupChunks) (SaveTask, error) {
 	if err := checkGroups(m, t.Table, "tracker block table"); err != nil {
 		return SaveTask{}, err
 	}
-	groups := m.SaveGroups(start, end)
 	if err := chunksFit(m, t.Table, t.Hashes, groups); err != nil {
 		return SaveTask{}, err
 	}
@@ -144,19 +237,29 @@ func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
 	eff.Loads = append(eff.Loads, task)
 }
 
-// newLoadTask builds the load of [floor(vllm_cached, sbs), hit) into table.
+// newLoadTask builds the load of [floor(vllm_cached, sbs), hit) into table:
+// the hit is aligned to Model.HitAlignment (the hash block under partial
+// hash hits), and each group's last chunk is keyed by the LoadSpec's tail
+// key (Model.LoadGroupsTail), as vLLM's KVCacheStoreRecvingThread
+// ._handle_request keys it by its TailKeyBoundary (worker.py).
 func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 	if err := checkGroups(m, table, "load block table"); err != nil {
 		return LoadTask{}, err
 	}
 	start, end := m.LoadRange(*t.Load.Spec)
-	if sbs := m.SchedulerBlockSize(); start < 0 || end <= start || end%sbs != 0 {
-		return LoadTask{}, fmt.Errorf("load range [%d,%d) with scheduler block size %d: %w", start, end, sbs, ErrChunkOutOfRange)
+	if align := m.HitAlignment(); start < 0 || end <= start || end%align != 0 {
+		return LoadTask{}, fmt.Errorf("load range [%d,%d) with hit alignment %d: %w", start, end, align, ErrChunkOutOfRange)
 	}
-	if n := end / m.HashBlockSize; n > len(t.Hashes) {
-		return LoadTask{}, fmt.Errorf("load to %d needs %d block hashes, have %d: %w", end, n, len(t.Hashes), ErrShortHashChain)
+	groups := m.LoadGroupsTail(start, end, t.Load.Spec.TailKeys)
+	keyed := end // the hash chain must reach every chunk's key, tail keys past the hit included
+	for _, gc := range groups {
+		for _, c := range gc.Chunks {
+			keyed = max(keyed, c.End)
+		}
 	}
-	groups := m.LoadGroups(start, end)
+	if n := keyed / m.HashBlockSize; n > len(t.Hashes) {
+		return LoadTask{}, fmt.Errorf("load to %d (keys to %d) needs %d block hashes, have %d: %w", end, keyed, n, len(t.Hashes), ErrShortHashChain)
+	}
 	if err := chunksFit(m, table, t.Hashes, groups); err != nil {
 		return LoadTask{}, err
 	}
@@ -176,7 +279,7 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		Start:       start,
 		End:         end,
 		BlockTable:  table.Clone(),
-		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
+		BlockHashes: append([]string(nil), t.Hashes[:keyed/m.HashBlockSize]...),
 		Groups:      groups,
 		Remote:      t.Remote.clone(),
 		Ranks:       loadRanks(m),

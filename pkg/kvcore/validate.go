@@ -21,7 +21,8 @@ const (
 	// (or the model spec is unusable). Task-wide.
 	ReasonModelUnknown Reason = "model_unknown"
 	// ReasonTokenRangeInvalid: Start/End are negative, empty, reversed or
-	// not aligned to the scheduler block size. Task-wide.
+	// not aligned to the scheduler block size (End may instead be a
+	// sub-block prompt tail's end under partial hash hits). Task-wide.
 	ReasonTokenRangeInvalid Reason = "token_range_invalid"
 	// ReasonTableGroupCount: the block table lacks this group, or has more
 	// groups than the model (then every group gets it).
@@ -36,8 +37,9 @@ const (
 	ReasonHashCountMismatch Reason = "hash_count_mismatch"
 	// ReasonHashInvalid: a hash the group's chunks use is not lower-case hex.
 	ReasonHashInvalid Reason = "hash_invalid"
-	// ReasonChunksMismatch: the entry's chunks differ from Model.SaveChunks
-	// for the task's range.
+	// ReasonChunksMismatch: the entry's chunks differ from those of
+	// Model.SaveChunks (Model.PromptTailChunks for a prompt tail) for the
+	// task's range whose block the table holds.
 	ReasonChunksMismatch Reason = "chunks_mismatch"
 	// ReasonTableTooShort: the group's block list ends before a chunk.
 	ReasonTableTooShort Reason = "table_too_short"
@@ -160,10 +162,11 @@ func indexEntries(groups int, entries []GroupChunks) (first []int, extra []Group
 // taskWideFault finds a fault of the whole task, checked before any group.
 func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
 	sbs := m.SchedulerBlockSize()
+	endOK := t.End%sbs == 0 || isPromptTail(m, t)
 	switch {
-	case t.Start < 0 || t.End <= t.Start || t.Start%sbs != 0 || t.End%sbs != 0:
+	case t.Start < 0 || t.End <= t.Start || t.Start%sbs != 0 || !endOK:
 		return GroupVerdict{Reason: ReasonTokenRangeInvalid,
-			Detail: fmt.Sprintf("range [%d,%d) is not a non-empty range aligned to the scheduler block size %d", t.Start, t.End, sbs)}
+			Detail: fmt.Sprintf("range [%d,%d) is not a non-empty range aligned to the scheduler block size %d (nor a sub-block prompt tail)", t.Start, t.End, sbs)}
 	case t.End/m.HashBlockSize > len(t.BlockHashes):
 		return GroupVerdict{Reason: ReasonHashCountMismatch,
 			Detail: fmt.Sprintf("end %d needs %d block hashes, the task has %d", t.End, t.End/m.HashBlockSize, len(t.BlockHashes))}
@@ -174,14 +177,28 @@ func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
 	return GroupVerdict{}
 }
 
+// isPromptTail reports whether a task is a sub-block prompt-tail save
+// (Tracker.maybeSaveTail): under partial hash hits, End is a hash-block
+// boundary inside a scheduler block (PromptTailEnd).
+func isPromptTail(m *Model, t *SaveTask) bool {
+	return t.End > 0 && PromptTailEnd(m, t.End) == t.End
+}
+
 // checkGroup validates one listed group whose block list exists. The range
-// and hash count were checked task-wide, so SaveChunks is bounded by the
-// task's own size.
+// and hash count were checked task-wide, so the expected chunks are bounded
+// by the task's own size. The entry must list exactly the chunks the
+// tracker builds: those of Model.SaveChunks (Model.PromptTailChunks for a
+// prompt tail) whose block the table holds (Model.SaveGroupsHeld,
+// PromptTailGroupsHeld), as vLLM's sending thread skips unavailable source
+// blocks (worker.py KVCacheStoreSendingThread._handle_request,
+// _sub_block_tail_puts). It fails closed: a chunk the model does not
+// store is a mismatch, a listed chunk on a null or out-of-range block is
+// refused with that reason, and a held chunk left out is a mismatch.
 func checkGroup(m *Model, poolBlocks []int, t *SaveTask, e GroupChunks) (Reason, string) {
 	g := e.Group
 	want := m.SaveChunks(g, t.Start, t.End)
-	if !slices.Equal(want, e.Chunks) {
-		return ReasonChunksMismatch, fmt.Sprintf("group %d lists %d chunk(s) for [%d,%d), the model needs %d", g, len(e.Chunks), t.Start, t.End, len(want))
+	if isPromptTail(m, t) {
+		want = m.PromptTailChunks(g, t.Start, t.End)
 	}
 	blocks := t.BlockTable[g]
 	bs := m.Groups[g].BlockSize
@@ -189,7 +206,24 @@ func checkGroup(m *Model, poolBlocks []int, t *SaveTask, e GroupChunks) (Reason,
 	if g < len(poolBlocks) {
 		limit = poolBlocks[g]
 	}
+	held := make([]Chunk, 0, len(want))
 	for _, c := range want {
+		if m.Holds(g, blocks, c) {
+			held = append(held, c)
+		}
+	}
+	if !slices.Equal(held, e.Chunks) {
+		if !isSubsequence(e.Chunks, want) {
+			return ReasonChunksMismatch, fmt.Sprintf("group %d lists %d chunk(s) for [%d,%d), not a subset of the %d the model stores", g, len(e.Chunks), t.Start, t.End, len(want))
+		}
+		for _, c := range e.Chunks {
+			if r, d := checkChunk(c, bs, blocks, limit); r != ReasonOK {
+				return r, fmt.Sprintf("group %d chunk [%d,%d): %s", g, c.Start, c.End, d)
+			}
+		}
+		return ReasonChunksMismatch, fmt.Sprintf("group %d lists %d chunk(s) for [%d,%d), the model stores %d whose block is held", g, len(e.Chunks), t.Start, t.End, len(held))
+	}
+	for _, c := range held {
 		if r, d := checkChunk(c, bs, blocks, limit); r != ReasonOK {
 			return r, fmt.Sprintf("group %d chunk [%d,%d): %s", g, c.Start, c.End, d)
 		}
@@ -198,6 +232,18 @@ func checkGroup(m *Model, poolBlocks []int, t *SaveTask, e GroupChunks) (Reason,
 		}
 	}
 	return ReasonOK, ""
+}
+
+// isSubsequence reports whether every element of sub appears in seq, in
+// order, each at most once.
+func isSubsequence(sub, seq []Chunk) bool {
+	i := 0
+	for _, c := range seq {
+		if i < len(sub) && sub[i] == c {
+			i++
+		}
+	}
+	return i == len(sub)
 }
 
 // checkChunk checks the block a chunk is stored from; limit < 0 means the

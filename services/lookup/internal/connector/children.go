@@ -56,6 +56,18 @@ func (s *Store) Lookup(ctx context.Context, q *Query) (Answer, error) {
 		return Answer{Failed: fmt.Errorf("%w: %w", ErrStore, err)}, nil
 	}
 	need, spec, async := kvcore.Decide(hit, q.NumComputedTokens, q.LoadAsync)
+	if spec != nil && s.model.PartialHashHits() {
+		// Each group's last chunk is read from the key the store holds for
+		// the hit's block (worker.py MooncakeStoreWorker._tail_key_boundaries,
+		// carried to the receiving thread as TailKeyBoundary). Without
+		// partial hash hits every tail key is the hit itself, so the spec
+		// carries none.
+		tails, err := plan.TailKeys(exists, hit)
+		if err != nil {
+			return Answer{Failed: fmt.Errorf("%w: %w", ErrStore, err)}, nil
+		}
+		spec.TailKeys = tails
+	}
 	return Answer{Tokens: need, Spec: spec, Async: async}, nil
 }
 

@@ -251,3 +251,52 @@ func TestStoreChild(t *testing.T) {
 		t.Fatalf("12 tokens = %+v, %v; want 0, no spec, no error", got, err)
 	}
 }
+
+// TestStoreChildPartialTailKeys: under partial hash hits (MLA 64 + Mamba
+// 64, hash block 16) the store child's LoadSpec carries the tail keys of
+// the hit (worker.py MooncakeStoreWorker._tail_key_boundaries). The store
+// holds MLA's block 0 and its prompt tail at 96, and Mamba's state at 80:
+// a 112-token request hits 80 inside block 1, MLA's last chunk is keyed at
+// 96 (the later boundary of the block it stored), Mamba's at 80.
+func TestStoreChildPartialTailKeys(t *testing.T) {
+	ctx := context.Background()
+	m := &kvcore.Model{Name: "partial-unit", HashBlockSize: 16, Groups: []kvcore.Group{
+		{Kind: kvcore.KindMLA, BlockSize: 64, BytesPerBlock: 64},
+		{Kind: kvcore.KindMamba, BlockSize: 64, BytesPerBlock: 64, MambaCacheMode: kvcore.MambaAlign},
+	}}
+	if err := m.Validate(); err != nil || !m.PartialHashHits() {
+		t.Fatalf("model: %v, partial %v", err, m.PartialHashHits())
+	}
+	kb := kvcore.KeyBuilder{Prefix: "unit", Model: m.Name}
+	tokens := make([]uint32, 112)
+	for i := range tokens {
+		tokens[i] = uint32(i*11 + 3)
+	}
+	hashes := kvcore.HashChain(tokens, 16, nil)
+	mem := kvstore.NewMemory(kvstore.MemoryOptions{})
+	defer func() { _ = mem.Close() }()
+	var items []kvstore.Item
+	for _, k := range []struct{ g, h int }{{0, 3}, {0, 5}, {1, 3}, {1, 4}} {
+		items = append(items, kvstore.Item{Key: kb.Key(kvcore.Rank{}, k.g, hashes[k.h])})
+	}
+	if _, err := mem.Put(ctx, items); err != nil {
+		t.Fatal(err)
+	}
+	s := connector.NewStore(m, kb, mem)
+	got, err := s.Lookup(ctx, &connector.Query{NumTokens: 112, NumComputedTokens: 0, Hashes: hashes})
+	want := connector.Answer{Tokens: 80, Spec: &kvcore.LoadSpec{KVPoolCachedTokens: 80,
+		TailKeys: []kvcore.TailKey{{Group: 0, Tokens: 96}, {Group: 1, Tokens: 80}}}}
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("Lookup = %+v (spec %+v), %v; want %+v (spec %+v)", got, got.Spec, err, want, want.Spec)
+	}
+	// Without partial hash hits the spec carries no tail keys.
+	dense := denseModel()
+	dkb := kvcore.KeyBuilder{Prefix: "unit", Model: dense.Name}
+	if _, err := mem.Put(ctx, []kvstore.Item{{Key: dkb.Key(kvcore.Rank{}, 0, hashes[0])}}); err != nil {
+		t.Fatal(err)
+	}
+	got, err = connector.NewStore(dense, dkb, mem).Lookup(ctx, &connector.Query{NumTokens: 48, Hashes: hashes})
+	if err != nil || got.Spec == nil || got.Spec.KVPoolCachedTokens != 16 || got.Spec.TailKeys != nil {
+		t.Fatalf("dense Lookup = %+v, %v; want a hit of 16 without tail keys", got, err)
+	}
+}
