@@ -128,6 +128,18 @@ func (r *run) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord 
 	return out
 }
 
+// parentIndex is the chain index of the hash that ends the block before the
+// chunk whose key is the hash at chain index pos, with step hash blocks per
+// block, or −1 when the chunk is in the first block or not in the chain. A
+// chunk that ends inside its block (a sub-block prompt tail under partial
+// hash hits) has the same parent as the whole block.
+func parentIndex(pos, step int) int {
+	if pos < 0 {
+		return -1
+	}
+	return pos/step*step - 1
+}
+
 // storedRecord is the BlockStored record of one namespace's hashes of
 // group g: the hashes in chain order, one event per run of consecutive
 // chunks, each with the wire hash of the chunk before it as its parent.
@@ -164,7 +176,7 @@ func (r *run) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, c
 			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group,
 			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window,
 		}
-		if p := pos(h) - step; pos(h) >= 0 && p >= 0 {
+		if p := parentIndex(pos(h), step); p >= 0 {
 			if pb, err := kvcore.ParseBlockHash(r.task.BlockHashes[p]); err == nil {
 				parent := contract.WireHash(pb)
 				ev.ParentBlockHash = &parent
