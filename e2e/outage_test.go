@@ -2,9 +2,11 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -23,10 +25,12 @@ const outageWithin = 30 * time.Second
 // middle of a 1P1D run — the first two until the services' /readyz reports
 // them, the broker for two seconds — and brings each back: the run
 // completes with every request ok, no wrong byte loaded or stored and the
-// ledger balanced. Saves that fell in an outage are dead-lettered with a
-// reason or stored after retries, never lost; the store's restart loses its
-// values (no persistence), which later loads report as load errors and the
-// engine recomputes.
+// ledger balanced. During the store's outage the lookup stays ready with
+// the store listed as degraded (it fails open and answers 0, as vLLM's
+// store child does) while the sender is not ready. Saves that fell in an
+// outage are dead-lettered with a reason or stored after retries, never
+// lost; the store's restart loses its values (no persistence), which later
+// loads report as load errors and the engine recomputes.
 func TestBackendOutagesMidRun(t *testing.T) {
 	store := testenv.StartRedis(t)
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64,
@@ -39,10 +43,12 @@ func TestBackendOutagesMidRun(t *testing.T) {
 
 	waitProgress(t, progress, done, 10)
 	store.Stop()
-	waitReadyz(t, s.url("lookup"), http.StatusServiceUnavailable)
-	t.Log("store down: lookup not ready")
+	waitDegraded(t, s.url("lookup"), "store", true) // the lookup fails open: ready, the store degraded
+	waitReadyz(t, s.url("sender"), http.StatusServiceUnavailable)
+	t.Log("store down: lookup degraded, sender not ready")
 	store = testenv.RestartRedis(t, store) // the same address, empty
-	waitReadyz(t, s.url("lookup"), http.StatusOK)
+	waitDegraded(t, s.url("lookup"), "store", false)
+	waitReadyz(t, s.url("sender"), http.StatusOK)
 	t.Log("store back")
 
 	waitProgress(t, progress, done, 30)
@@ -110,6 +116,32 @@ func setConnections(t *testing.T, dbURL string, allow bool) {
 }
 
 // waitReadyz polls a service's /readyz until it answers want.
+// waitDegraded polls base's /readyz until it answers 200 with check listed
+// in its degraded member (degraded) or 200 without it (!degraded), failing
+// the test after outageWithin.
+func waitDegraded(t *testing.T, base, check string, degraded bool) {
+	t.Helper()
+	hc := &http.Client{Timeout: 2 * time.Second}
+	var last string
+	ok := poll(context.Background(), outageWithin, func() bool {
+		resp, err := hc.Get(base + "/readyz")
+		if err != nil {
+			last = err.Error()
+			return false
+		}
+		defer resp.Body.Close()
+		var body struct {
+			Degraded []string `json:"degraded"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&body)
+		last = fmt.Sprintf("%d, degraded %v (%v)", resp.StatusCode, body.Degraded, err)
+		return err == nil && resp.StatusCode == http.StatusOK && slices.Contains(body.Degraded, check) == degraded
+	})
+	if !ok {
+		t.Fatalf("%s/readyz: %s after %v, want 200 with %q degraded: %v", base, last, outageWithin, check, degraded)
+	}
+}
+
 func waitReadyz(t *testing.T, base string, want int) {
 	t.Helper()
 	hc := &http.Client{Timeout: 2 * time.Second}

@@ -38,6 +38,10 @@ var (
 	errRetryFailed = errors.New("some outbox retries failed")
 	// errNotReady reports a status run in which some service was not ready.
 	errNotReady = errors.New("not every service is ready")
+	// errDegraded reports a status run in which every service was ready
+	// but some failed an optional check (the lookup without its store
+	// fails open and answers 0).
+	errDegraded = errors.New("not every service is healthy")
 )
 
 // maxAnswerBytes bounds an answer the CLI reads.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -72,6 +73,10 @@ type serviceStatus struct {
 	// Error says why the service is not ready (failed checks, or
 	// unreachable).
 	Error string `json:"error,omitempty"`
+	// Degraded names the optional checks a ready service failed, with
+	// their errors (the /readyz body's degraded member): the lookup whose
+	// store is down answers 0 tokens rather than 503.
+	Degraded string `json:"degraded,omitempty"`
 	// ConsumerLag sums kvmesh_consumer_lag; nil when the service exports
 	// none.
 	ConsumerLag *float64  `json:"consumer_lag"`
@@ -105,14 +110,20 @@ func runStatus(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	notReady := 0
+	notReady, degraded := 0, 0
 	for _, r := range rows {
-		if !r.Ready {
+		switch {
+		case !r.Ready:
 			notReady++
+		case r.Degraded != "":
+			degraded++
 		}
 	}
-	if notReady > 0 {
+	switch {
+	case notReady > 0:
 		return fmt.Errorf("%w: %d of %d not ready", errNotReady, notReady, len(rows))
+	case degraded > 0:
+		return fmt.Errorf("%w: %d of %d degraded", errDegraded, degraded, len(rows))
 	}
 	return nil
 }
@@ -120,11 +131,12 @@ func runStatus(ctx context.Context, args []string) error {
 // statusOf reads one service's readiness and metrics.
 func statusOf(ctx context.Context, c *client, ep endpoint) serviceStatus {
 	s := serviceStatus{Service: ep.name, URL: ep.url}
-	_, err := c.do(ctx, ep, http.MethodGet, httpserver.PathReady, nil, false)
+	ready, err := c.do(ctx, ep, http.MethodGet, httpserver.PathReady, nil, false)
 	var pe *problemError
 	switch {
 	case err == nil:
 		s.Ready = true
+		s.Degraded = degradedChecks(ready)
 	case errors.As(err, &pe):
 		s.Error = readyFailure(pe)
 	default:
@@ -149,6 +161,32 @@ func statusOf(ctx context.Context, c *client, ep endpoint) serviceStatus {
 // readyFailure names the failed readiness checks with their errors.
 func readyFailure(pe *problemError) string {
 	checks, _ := pe.problem.Extras["checks"].(map[string]any)
+	if text := failedChecks(checks); text != "" {
+		return "failed checks: " + text
+	}
+	return pe.Error()
+}
+
+// degradedChecks names, with their errors, the optional checks a 200
+// /readyz body lists as degraded; "" when there are none or the body is
+// not JSON.
+func degradedChecks(body []byte) string {
+	var ready struct {
+		Checks   map[string]any `json:"checks"`
+		Degraded []string       `json:"degraded"`
+	}
+	if json.Unmarshal(body, &ready) != nil || len(ready.Degraded) == 0 {
+		return ""
+	}
+	if text := failedChecks(ready.Checks); text != "" {
+		return text
+	}
+	return strings.Join(ready.Degraded, ", ")
+}
+
+// failedChecks lists the checks of a /readyz body whose status is not ok,
+// by name, each with its error.
+func failedChecks(checks map[string]any) string {
 	var parts []string
 	for _, name := range slices.Sorted(maps.Keys(checks)) {
 		c, _ := checks[name].(map[string]any)
@@ -158,10 +196,7 @@ func readyFailure(pe *problemError) string {
 		msg, _ := c["error"].(string)
 		parts = append(parts, name+": "+msg)
 	}
-	if len(parts) == 0 {
-		return pe.Error()
-	}
-	return "failed checks: " + strings.Join(parts, "; ")
+	return strings.Join(parts, "; ")
 }
 
 // deriveCounters computes specs over fams, in order.
@@ -201,8 +236,11 @@ func statusTable(w io.Writer, rows []serviceStatus) error {
 	tw := newTable(w, "SERVICE", "URL", "READY", "CONSUMER LAG", "COUNTERS")
 	for _, r := range rows {
 		ready := "yes"
-		if !r.Ready {
+		switch {
+		case !r.Ready:
 			ready = "no: " + r.Error
+		case r.Degraded != "":
+			ready = "degraded: " + r.Degraded
 		}
 		counters := make([]string, 0, len(r.Counters))
 		for _, c := range r.Counters {

@@ -26,7 +26,7 @@ func TestSenderAnnouncesRemovedKeys(t *testing.T) {
 	rc := redis.NewClient(ro)
 	defer rc.Close()
 	ctx := context.Background()
-	marker := s.prefix + "@" + s.model.Name + "@kvmesh-evictions-marker"
+	marker := "kvmesh-evictions-marker@" + s.prefix + "@" + s.model.Name
 	poll(t, "the removal watcher's subscription (its marker key)", func() bool { return rc.Exists(ctx, marker).Val() == 1 })
 
 	task := s.task(t, "e1", "ev1", 0, 32, 2)

@@ -167,14 +167,19 @@ func New(opts Options) (*Watcher, error) {
 	}, nil
 }
 
-// markerKey is the watcher's marker: a key outside the key space of
-// store keys (two or three '@'-separated fields, never seven or eight).
+// markerKey is the watcher's marker: a key outside the deployment's key
+// space, "kvmesh-evictions-marker@[prefix@]model", so that a scan of the
+// deployment's keys (prefix@*, model@*) never meets it and it never parses
+// as a store key (two or three '@'-separated fields, never seven or eight).
 func markerKey(kb kvcore.KeyBuilder) string {
 	if kb.Prefix == "" {
-		return kb.Model + "@kvmesh-evictions-marker"
+		return markerPrefix + kb.Model
 	}
-	return kb.Prefix + "@" + kb.Model + "@kvmesh-evictions-marker"
+	return markerPrefix + kb.Prefix + "@" + kb.Model
 }
+
+// markerPrefix begins every watcher's marker key.
+const markerPrefix = "kvmesh-evictions-marker@"
 
 // scope is the deployment's scope "[prefix@]model", the namespace of an
 // AllBlocksCleared record.
@@ -188,11 +193,23 @@ func (w *Watcher) scope() string {
 // Ready is closed once the watcher is first subscribed.
 func (w *Watcher) Ready() <-chan struct{} { return w.ready }
 
+// started reports whether the watcher was ever subscribed.
+func (w *Watcher) started() bool {
+	select {
+	case <-w.ready:
+		return true
+	default:
+		return false
+	}
+}
+
 // Run leads (see Options.Leader), watches and publishes until ctx ends,
 // reconnecting with backoff after a lost connection; each reconnect after
 // a subscription is a gap. It returns nil when ctx ends, and an error
 // wrapping ErrNotifyDisabled when the server's notifications cannot be
-// turned on.
+// turned on before the first subscription; later, a server that comes back
+// without them is retried (and counted as a gap), never a reason to stop
+// the sender. An unreachable server is always retried.
 func (w *Watcher) Run(ctx context.Context) error {
 	defer w.client.Close()
 	st := &state{}
@@ -212,7 +229,14 @@ func (w *Watcher) Run(ctx context.Context) error {
 			return nil
 		}
 		if errors.Is(err, ErrNotifyDisabled) {
-			return err
+			if !w.started() {
+				return err // a configuration the operator must fix before the sender runs
+			}
+			// A store that came back without the notifications (restarted
+			// without them, CONFIG refused): the sender goes on saving and
+			// the watcher keeps trying; every removal meanwhile is a gap.
+			w.opts.Metrics.gaps.Inc()
+			w.opts.Logger.Error("store removal watcher cannot subscribe: removals are not announced until notifications are on", "err", err)
 		}
 		if subscribed {
 			attempt = 1
@@ -252,6 +276,9 @@ type state struct {
 // with CONFIG renamed) is taken at the operator's word, with a warning.
 func EnsureNotifications(ctx context.Context, c *redis.Client, configure bool, log *slog.Logger) error {
 	vals, err := c.ConfigGet(ctx, "notify-keyspace-events").Result()
+	if err != nil && !isServerReply(err) {
+		return fmt.Errorf("read notify-keyspace-events: %w", err) // the server is unreachable: retried, not a refusal
+	}
 	if err != nil {
 		if !configure {
 			log.Warn("cannot read notify-keyspace-events; assuming it includes "+requiredFlags+" as KVMESH_SENDER_EVICTIONS_CONFIGURE=false says", "err", err)
@@ -268,9 +295,19 @@ func EnsureNotifications(ctx context.Context, c *redis.Client, configure bool, l
 		return fmt.Errorf("%w: notify-keyspace-events is %q, lacking %q, and KVMESH_SENDER_EVICTIONS_CONFIGURE is false; set it on the server or turn the watcher off (KVMESH_SENDER_EVICTIONS=false)", ErrNotifyDisabled, current, missing)
 	}
 	if err := c.ConfigSet(ctx, "notify-keyspace-events", current+missing).Err(); err != nil {
+		if !isServerReply(err) {
+			return fmt.Errorf("set notify-keyspace-events: %w", err)
+		}
 		return fmt.Errorf("%w: notify-keyspace-events is %q, lacking %q, and CONFIG SET failed (%v); set it on the server or turn the watcher off (KVMESH_SENDER_EVICTIONS=false)", ErrNotifyDisabled, current, missing, err)
 	}
 	return nil
+}
+
+// isServerReply reports whether err is an error reply of the Redis server
+// (a refused command), as opposed to a failure to reach it.
+func isServerReply(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re)
 }
 
 // missingFlags are the flags of requiredFlags that flags lacks; 'A' stands
@@ -481,6 +518,9 @@ func (b *batcher) add(msg *redis.Message) {
 	if key == b.w.marker {
 		b.markerRemoved = true
 		return
+	}
+	if strings.HasPrefix(key, markerPrefix) {
+		return // another deployment's watcher's marker
 	}
 	p, ok, err := b.w.opts.Keys.ParseOwn(key)
 	switch {

@@ -491,3 +491,59 @@ func TestOneReplicaWatches(t *testing.T) {
 type nopPublisher struct{}
 
 func (nopPublisher) Publish(context.Context, ...bus.Message) error { return nil }
+
+// TestStoreRestartsNeverStopTheWatcher: the store going away, coming back
+// empty without notifications (the watcher turns them on again), and
+// coming back with CONFIG refused and notifications off (the watcher can
+// only wait) never ends the watcher — a store outage must not stop the
+// sender — and each time removals are announced again once it can
+// subscribe.
+func TestStoreRestartsNeverStopTheWatcher(t *testing.T) {
+	r := newRig(t, nil, func(o *Options) { o.Backoff.Initial, o.Backoff.Max = 20*time.Millisecond, 200*time.Millisecond })
+	r.waitReady()
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m"}
+	announced := func(phase string, h byte) {
+		t.Helper()
+		key := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{h})
+		ctx := context.Background()
+		r.until(phase+": BlockRemoved of a deleted key", func() bool {
+			// set and delete again each poll: the first DEL may precede the
+			// watcher's new subscription
+			_ = r.client.Set(ctx, key, "v", 0).Err()
+			_ = r.client.Del(ctx, key).Err()
+			return r.removed()[key] == CauseDeleted
+		})
+	}
+	running := func(phase string) {
+		t.Helper()
+		select {
+		case err := <-r.done:
+			t.Fatalf("%s: the watcher stopped: %v", phase, err)
+		default:
+		}
+	}
+	announced("before", 1)
+
+	r.redis.Stop()
+	r.redis = testenv.RestartRedis(t, r.redis) // empty, notify-keyspace-events ""
+	announced("after a restart", 2)
+	running("after a restart")
+
+	gaps := testutil.ToFloat64(r.metrics.gaps)
+	r.redis.Stop()
+	r.redis = testenv.RestartRedis(t, r.redis, "--rename-command", "CONFIG", "")
+	deadline := time.Now().Add(20 * time.Second)
+	for testutil.ToFloat64(r.metrics.gaps) < gaps+2 { // lost the subscription, then refused at least once
+		if time.Now().After(deadline) {
+			t.Fatalf("gaps %v, want at least %v while CONFIG is refused", testutil.ToFloat64(r.metrics.gaps), gaps+2)
+		}
+		running("while CONFIG is refused")
+		time.Sleep(20 * time.Millisecond) // polling interval of the metric, not a synchronisation
+	}
+	running("while CONFIG is refused")
+
+	r.redis.Stop()
+	r.redis = testenv.RestartRedis(t, r.redis)
+	announced("once notifications can be turned on again", 3)
+	running("at the end")
+}
