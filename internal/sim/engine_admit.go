@@ -141,7 +141,7 @@ func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract
 		return nil, false
 	case errors.Is(err, ErrLookupUnavailable) && r.lookupRetry(time.Now(), e.timeout):
 		e.stats.update(func(st *stats) { st.lookupRetries++ })
-		e.log.Warn("lookup failed; retrying", "engine", e.id, "request", r.id, "in", r.lookupRetryAt.Sub(time.Now()), "err", err)
+		e.log.Warn("lookup failed; retrying", "engine", e.id, "request", r.id, "in", time.Until(r.lookupRetryAt), "err", err)
 		return nil, false
 	case errors.Is(err, ErrLookupUnavailable):
 		r.fail(fmt.Sprintf("lookup unavailable for %v: %v", e.timeout, err))
