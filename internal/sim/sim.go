@@ -253,6 +253,11 @@ type run struct {
 	ctx     context.Context
 	start   time.Time // when the engines started
 
+	// stored is the stored-value check, made at the end of play while the
+	// kvmesh.kv.events reader still runs (nil without cfg.RedisURL or when
+	// the run did not settle).
+	stored *StoreCheck
+
 	mu      sync.Mutex
 	turns   int
 	left    int
@@ -439,7 +444,9 @@ func (r *run) play(parent context.Context, from map[string]map[int]int64) error 
 		defer cancel()
 		select {
 		case <-r.allDone:
-			r.settle(gctx)
+			if r.settle(gctx) {
+				r.checkStore(gctx)
+			}
 		case <-gctx.Done():
 		}
 		return nil
@@ -468,13 +475,34 @@ func (r *run) check(ctx context.Context, rep *Report) {
 		rep.DLQ = &c
 		rep.OK = rep.OK && c.OK
 	}
-	if r.cfg.RedisURL != "" {
-		keys, announced := r.ledger.storedKeys()
-		c := checkStored(ctx, r.cfg, keys, rep.Ledger.Stored, r.ledger.wasRemoved)
-		c.Announced = announced
-		rep.Stored = &c
+	if c := r.stored; c != nil {
+		c.LedgerStored = rep.Ledger.Stored
+		rep.Stored = c
 		rep.OK = rep.OK && c.OK
 	}
+}
+
+// checkStore reads back every value the run stored (checkStored) and then
+// waits, up to announceWait, for the BlockRemoved events of the keys it
+// found gone: reading the values takes memory, and a store at its
+// maxmemory evicts while it answers, so some keys go during the check
+// itself and are announced after it.
+func (r *run) checkStore(ctx context.Context) {
+	keys, announced := r.ledger.storedKeys()
+	c := checkStored(ctx, r.cfg, keys, r.ledger.wasRemoved)
+	c.Announced = announced
+	if len(c.gone) > 0 {
+		waitUntil(ctx, time.Now().Add(announceWait), func() bool {
+			return !slices.ContainsFunc(c.gone, func(k string) bool { return !r.ledger.wasRemoved(k) })
+		})
+		c.GoneAnnounced = 0
+		for _, k := range c.gone {
+			if r.ledger.wasRemoved(k) {
+				c.GoneAnnounced++
+			}
+		}
+	}
+	r.stored = &c
 }
 
 // announceWait bounds the wait for the BlockStored events of stored keys
@@ -483,16 +511,19 @@ const announceWait = 5 * time.Second
 
 // settle waits until every save of the run is published and reported, or
 // the settle timeout passes; then, for the stored-value check, a little
-// longer for the BlockStored events of the stored keys.
-func (r *run) settle(ctx context.Context) {
+// longer for the BlockStored events of the stored keys. It reports whether
+// the stored-value check should run: the run settled and a store is
+// configured.
+func (r *run) settle(ctx context.Context) bool {
 	deadline := time.Now().Add(r.cfg.SettleTimeout)
 	if !waitUntil(ctx, deadline, func() bool { return r.ledger.outstanding() == 0 }) || r.cfg.RedisURL == "" {
-		return
+		return false
 	}
 	if d := time.Now().Add(announceWait); d.Before(deadline) {
 		deadline = d
 	}
 	waitUntil(ctx, deadline, func() bool { return r.ledger.unannounced() == 0 })
+	return ctx.Err() == nil
 }
 
 // waitUntil polls done every 50 ms until it holds (true), the deadline

@@ -44,6 +44,8 @@ type StoreCheck struct {
 	GoneAnnounced int `json:"gone_announced"`
 	// Wrongs lists the first wrong values.
 	Wrongs []WrongValue `json:"wrongs"`
+	// gone lists the gone keys, for the wait for their BlockRemoved events.
+	gone []string
 	// Error says why the check could not run (to its end).
 	Error string `json:"error,omitempty"`
 	// OK is set when the check ran and no value was wrong.
@@ -60,8 +62,8 @@ type WrongValue struct {
 
 // checkStored reads every key from the store at cfg.RedisURL, in batches,
 // and checks its value.
-func checkStored(ctx context.Context, cfg Config, keys []string, ledgerStored int, removed func(string) bool) StoreCheck {
-	c := StoreCheck{Keys: len(keys), LedgerStored: ledgerStored, Wrongs: []WrongValue{}}
+func checkStored(ctx context.Context, cfg Config, keys []string, removed func(string) bool) StoreCheck {
+	c := StoreCheck{Keys: len(keys), Wrongs: []WrongValue{}}
 	st, err := kvstore.NewRedis(ctx, cfg.RedisURL, kvstore.RedisOptions{})
 	if err != nil {
 		c.Error = fmt.Sprintf("store: %v", err)
@@ -103,6 +105,7 @@ func checkValues(ctx context.Context, st kvstore.Store, m *kvcore.Model, bound t
 			switch {
 			case errors.Is(errs[i], kvstore.ErrNotFound):
 				c.Gone++
+				c.gone = append(c.gone, k)
 				if removed(k) {
 					c.GoneAnnounced++
 				}
