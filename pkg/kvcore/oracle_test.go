@@ -348,7 +348,11 @@ func stepEnds(rng *rand.Rand, n, sbs int) []int {
 	return ends
 }
 
-func TestOracleParity(t *testing.T) {
+// oracleRand returns the random source of one oracle test: seeded from
+// KVMESH_ORACLE_SEED when set, else from the clock, and logged so that a
+// failure can be replayed; stream tells the tests apart.
+func oracleRand(t *testing.T, stream uint64) *rand.Rand {
+	t.Helper()
 	seed := uint64(time.Now().UnixNano())
 	if v := os.Getenv("KVMESH_ORACLE_SEED"); v != "" {
 		var err error
@@ -357,7 +361,11 @@ func TestOracleParity(t *testing.T) {
 		}
 	}
 	t.Logf("seed %d (KVMESH_ORACLE_SEED=%d reproduces it)", seed, seed)
-	rng := rand.New(rand.NewPCG(seed, 14))
+	return rand.New(rand.NewPCG(seed, stream))
+}
+
+func TestOracleParity(t *testing.T) {
+	rng := oracleRand(t, 14)
 	const cases = 4000
 	hits, loads := 0, 0
 	defer func() { t.Logf("%d cases: %d with a hit, %d loads compared", cases, hits, loads) }()
@@ -696,15 +704,7 @@ func randomFineLayout(rng *rand.Rand) vlWorkload {
 // tokens), then a lookup whose hit, tail keys, answer and load chunks are
 // compared.
 func TestOracleParityPartial(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
-	if v := os.Getenv("KVMESH_ORACLE_SEED"); v != "" {
-		var err error
-		if seed, err = strconv.ParseUint(v, 10, 64); err != nil {
-			t.Fatalf("KVMESH_ORACLE_SEED=%q: %v", v, err)
-		}
-	}
-	t.Logf("seed %d (KVMESH_ORACLE_SEED=%d reproduces it)", seed, seed)
-	rng := rand.New(rand.NewPCG(seed, 38))
+	rng := oracleRand(t, 38)
 	const cases = 4000
 	hits, subBlock, tailed, loads := 0, 0, 0, 0
 	defer func() {

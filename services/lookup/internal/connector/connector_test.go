@@ -21,6 +21,23 @@ type scripted struct {
 	calls int
 }
 
+// scriptedChain is a chain of scripted children a, b, … answering answers
+// in order.
+func scriptedChain(t *testing.T, answers []connector.Answer) (*connector.Chain, []*scripted) {
+	t.Helper()
+	var children []connector.Connector
+	var fakes []*scripted
+	for i, a := range answers {
+		f := &scripted{name: string(rune('a' + i)), ans: a}
+		fakes, children = append(fakes, f), append(children, f)
+	}
+	chain, err := connector.NewChain(children...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return chain, fakes
+}
+
 func (s *scripted) Name() string { return s.name }
 
 func (s *scripted) Lookup(context.Context, *connector.Query) (connector.Answer, error) {
@@ -43,16 +60,7 @@ func TestChainAsksEveryChildAndSelects(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var children []connector.Connector
-			var fakes []*scripted
-			for i, a := range tc.answers {
-				f := &scripted{name: string(rune('a' + i)), ans: a}
-				fakes, children = append(fakes, f), append(children, f)
-			}
-			chain, err := connector.NewChain(children...)
-			if err != nil {
-				t.Fatal(err)
-			}
+			chain, fakes := scriptedChain(t, tc.answers)
 			res, err := chain.Lookup(context.Background(), &connector.Query{})
 			if err != nil {
 				t.Fatal(err)
@@ -106,16 +114,7 @@ func TestChainFailedChildFailsOpen(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var children []connector.Connector
-			var fakes []*scripted
-			for i, a := range tc.answers {
-				f := &scripted{name: string(rune('a' + i)), ans: a}
-				fakes, children = append(fakes, f), append(children, f)
-			}
-			chain, err := connector.NewChain(children...)
-			if err != nil {
-				t.Fatal(err)
-			}
+			chain, fakes := scriptedChain(t, tc.answers)
 			res, err := chain.Lookup(context.Background(), &connector.Query{})
 			if err != nil {
 				t.Fatalf("Lookup = %v, want no error (fail open)", err)
