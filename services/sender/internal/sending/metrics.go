@@ -77,7 +77,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		skipped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_sender_skipped_total",
-			Help: "Store keys not saved because of store pressure (skipped in pressure mode or answered no space).",
+			Help: "Store keys not saved because of store pressure (skipped while their request was under pressure, or answered no space); their request saves them again later.",
 		}),
 		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_sender_duplicate_tasks_total",
