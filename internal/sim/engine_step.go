@@ -161,8 +161,11 @@ func (e *engine) advance(out *outbox, s scheduled) {
 	e.stats.update(func(st *stats) { st.computedTokens += s.n; st.engineLocked(e.id).ComputedTokens += s.n })
 	if s.kind != kvcore.StepDecode || s.table != nil {
 		step := kvcore.Step{Kind: s.kind, Tokens: r.computed, Table: s.table}
-		if s.kind == kvcore.StepNew || s.kind == kvcore.StepResumed {
-			step.Hashes = r.hexes
+		switch s.kind {
+		case kvcore.StepNew: // vLLM's prefill_end_tokens: the prompt
+			step.Hashes, step.PrefillTokens = r.hexes, len(r.prompt)
+		case kvcore.StepResumed: // every token it had, all prefilled again
+			step.Hashes, step.PrefillTokens = r.hexes, r.numTokens()
 		}
 		e.event(out, r, contract.RequestEvent{Kind: contract.EventScheduled, Step: &step})
 		shadow := step // the scheduler's view: the null block normalised at intake

@@ -259,3 +259,26 @@ func TestPercentiles(t *testing.T) {
 		t.Fatal("no samples must give zeros")
 	}
 }
+
+// TestScheduledStepsCarryPrefillTokens: a new step declares the prompt as
+// its prefill end and a resumed one every token the request had (vLLM's
+// prefill_end_tokens), so the scheduler's tracker saves a resumed
+// request's generated tokens too.
+func TestScheduledStepsCarryPrefillTokens(t *testing.T) {
+	e, _ := testEngine(t, "hybrid-mla-linear", 8)
+	r := testRequest(e, "run-1", 40, 0)
+	r.generated = 2
+	table := kvcore.BlockTable{{1, 2, 3}, {4, 5, 6}}
+	out := newOutbox()
+	e.advance(out, scheduled{r: r, n: 16, kind: kvcore.StepNew, table: table})
+	e.advance(out, scheduled{r: r, n: 16, kind: kvcore.StepResumed, table: table})
+	var got []int
+	for _, ev := range out.events {
+		if ev.Kind == contract.EventScheduled && ev.Step != nil {
+			got = append(got, ev.Step.PrefillTokens)
+		}
+	}
+	if !slices.Equal(got, []int{40, 42}) {
+		t.Fatalf("prefill tokens of the new and the resumed step %v, want [40 42]", got)
+	}
+}

@@ -155,16 +155,24 @@ type Accounting struct {
 	DeadLetters map[string]int64 `json:"dead_letters"`
 }
 
-// PressureState is the state of a sender's store-pressure gate.
+// PressureState is the state of a sender's store-pressure gate. Pressure
+// is scoped to the requests whose puts the store answered "no space".
 type PressureState struct {
-	// Active is set in pressure mode.
+	// Active is set while some request is under store pressure.
 	Active bool `json:"active"`
+	// Requests is the number of requests under pressure now (their saves
+	// are skipped, and saved again by their next save).
+	Requests int `json:"requests"`
 	// SkippedTasks counts tasks skipped by the gate since start.
 	SkippedTasks int64 `json:"skipped_tasks"`
 	// SkippedKeys counts keys not saved because of store pressure since start.
 	SkippedKeys int64 `json:"skipped_keys"`
-	// Episodes counts how often pressure mode began since start.
+	// Episodes counts how often pressure began (no request under pressure
+	// before) since start.
 	Episodes int64 `json:"episodes"`
+	// Released counts the requests let go from pressure since start to
+	// keep the gate within its bound of requests (they are put as usual).
+	Released int64 `json:"released"`
 }
 
 // SenderStats is the answer of the sender's GET /v1/stats.

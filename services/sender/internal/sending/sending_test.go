@@ -227,12 +227,12 @@ func TestPressureModeSkipsUntilAPutSucceeds(t *testing.T) {
 			t.Fatalf("save %d of a under pressure: %+v, want skipped", n, res)
 		}
 	}
-	if p := f.p.Pressure(); p.SkippedTasks != 2 || !p.Active {
-		t.Fatalf("pressure %+v, want two tasks skipped by the gate", p)
+	if p := f.p.Pressure(); p.SkippedTasks != 2 || !p.Active || p.Requests != 1 {
+		t.Fatalf("pressure %+v, want two tasks skipped by the gate, one request under pressure", p)
 	}
 	// Request b is not (issue 14: pressure is scoped to the request): its
 	// save is put, and the full store answers it no space.
-	if res := status("b", 1, 40); res.Status != "skipped" || res.Groups[0].Reason != string(kvcore.ReasonStorePressure) || f.p.Pressure().SkippedTasks != 2 {
+	if res := status("b", 1, 40); res.Status != "skipped" || res.Groups[0].Reason != string(kvcore.ReasonStorePressure) || f.p.Pressure().SkippedTasks != 2 || f.p.Pressure().Requests != 2 {
 		t.Fatalf("b's save %+v, pressure %+v: want put and answered no space, no gate skip", res, f.p.Pressure())
 	}
 	// Free the store: the next put stores and ends pressure mode.
@@ -241,7 +241,7 @@ func TestPressureModeSkipsUntilAPutSucceeds(t *testing.T) {
 	if _, err := store.Remove(context.Background(), keys); err != nil {
 		t.Fatal(err)
 	}
-	if res := status("c", 1, 44); res.Status != "stored" || f.p.Pressure().Active {
+	if res := status("c", 1, 44); res.Status != "stored" || f.p.Pressure().Active || f.p.Pressure().Requests != 0 {
 		t.Fatalf("after space returned: %+v, pressure %+v", res, f.p.Pressure())
 	}
 }
