@@ -184,7 +184,7 @@ redis_up() {
   port=$(free_port "${KVMESH_DEV_REDIS_PORT:-16379}")
   echo "$port" >"$dev/redis/port"
   redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
-    --maxmemory "${KVMESH_DEV_REDIS_MAXMEMORY:-1gb}" --maxmemory-policy allkeys-lru \
+    --maxmemory "${KVMESH_DEV_REDIS_MAXMEMORY:-1gb}" --maxmemory-policy allkeys-lru --notify-keyspace-events Egxe \
     --dir "$dev/redis" --pidfile "$dev/redis/redis.pid" --logfile "$dev/redis/redis.log" \
     --daemonize yes >/dev/null
   for _ in $(seq 1 100); do
