@@ -180,15 +180,12 @@ func partialLoadChunks(grp Group, start, end int) []Chunk {
 // hits, for P on a block boundary (that state is a block-aligned snapshot,
 // SaveChunks), or for P = 0.
 func (m *Model) PromptTailChunks(g, saved, numPromptTokens int) []Chunk {
-	if !m.PartialHashHits() || saved < 0 || numPromptTokens <= 0 {
+	p := PromptTailEnd(m, numPromptTokens)
+	if p == 0 || saved < 0 {
 		return nil
 	}
 	grp := m.Groups[g]
 	bs := grp.BlockSize
-	p := numPromptTokens / m.HashBlockSize * m.HashBlockSize
-	if p == 0 || p%bs == 0 {
-		return nil
-	}
 	last := p / bs
 	first := min(saved/bs, last)
 	if grp.Kind == KindMamba {
@@ -199,4 +196,21 @@ func (m *Model) PromptTailChunks(g, saved, numPromptTokens int) []Chunk {
 		out = append(out, Chunk{Start: i * bs, End: min((i+1)*bs, p)})
 	}
 	return out
+}
+
+// PromptTailEnd is where a prompt of promptTokens stores its sub-block
+// tail under partial hash hits: the prompt rounded down to the hash block
+// when that lies inside a block (worker.py _sub_block_tail_puts'
+// boundary; single_type_kv_cache_manager.py _cache_partial_tail_block's
+// boundary_tokens); 0 when there is none (no partial hash hits, a
+// boundary on a scheduler block, or a prompt under one hash block).
+func PromptTailEnd(m *Model, promptTokens int) int {
+	if !m.PartialHashHits() || promptTokens <= 0 {
+		return 0
+	}
+	p := promptTokens / m.HashBlockSize * m.HashBlockSize
+	if p%m.SchedulerBlockSize() == 0 {
+		return 0
+	}
+	return p
 }

@@ -127,23 +127,6 @@ func (t *Tracker) maybeSaveTail(m *Model, eff *Effects) {
 	t.emitSave(task, eff)
 }
 
-// PromptTailEnd is where a prompt of promptTokens stores its sub-block
-// tail under partial hash hits: the prompt rounded down to the hash block
-// when that lies inside a block (worker.py _sub_block_tail_puts'
-// boundary; single_type_kv_cache_manager.py _cache_partial_tail_block's
-// boundary_tokens); 0 when there is none (no partial hash hits, a
-// boundary on a scheduler block, or a prompt under one hash block).
-func PromptTailEnd(m *Model, promptTokens int) int {
-	if !m.PartialHashHits() || promptTokens <= 0 {
-		return 0
-	}
-	p := promptTokens / m.HashBlockSize * m.HashBlockSize
-	if p%m.SchedulerBlockSize() == 0 {
-		return 0
-	}
-	return p
-}
-
 // anyChunk reports whether some group lists a chunk.
 func anyChunk(groups []GroupChunks) bool {
 	for _, gc := range groups {
