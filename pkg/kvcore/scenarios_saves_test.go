@@ -392,7 +392,7 @@ func TestSaveScenarioPressureScoped(t *testing.T) {
 		}
 		noErr(t, s.tr.OnSaveReport(eff.Saves[0].TaskID, rep))
 	}
-	if g.Skipped != 1 || g.Active || g.Episodes != 1 || a.Reports != (SaveCounts{Stored: 1, Skipped: 2}) || len(a.Unsaved) != 0 {
+	if g.Skipped != 1 || g.Active() || g.Episodes != 1 || a.Reports != (SaveCounts{Stored: 1, Skipped: 2}) || len(a.Unsaved) != 0 {
 		t.Fatalf("gate %+v, a's reports %+v unsaved %v", g, a.Reports, a.Unsaved)
 	}
 	// A stale task of a's (epoch 0) under pressure does not sentence a's

@@ -332,7 +332,7 @@ func scenario18(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("admissions %v, want %v", got, want)
 	}
-	if g.Skipped != 6 || g.Active || g.Episodes != 1 {
+	if g.Skipped != 6 || g.Active() || g.Episodes != 1 {
 		t.Fatalf("gate %+v, want 6 skipped, inactive, 1 episode", g)
 	}
 	// The cool-down alone also lets a probe through.

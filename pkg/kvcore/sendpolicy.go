@@ -84,8 +84,6 @@ type PressureGate struct {
 	CoolDown time.Duration `json:"cool_down,omitempty"`
 	// MaxScopes bounds Scopes (0: DefaultMaxPressureScopes).
 	MaxScopes int `json:"max_scopes,omitempty"`
-	// Active is set while some request is under pressure.
-	Active bool `json:"active"`
 	// Scopes are the requests under pressure, by PressureScopeOf.
 	Scopes map[string]PressureScope `json:"scopes,omitempty"`
 	// Skipped counts every skipped task.
@@ -123,8 +121,7 @@ func (g *PressureGate) Admit(scope string, now time.Time) Admission {
 // OnNoSpace records a "no space" answer from the store to a put of scope:
 // the request comes under pressure (or stays, its cool-down restarted).
 func (g *PressureGate) OnNoSpace(scope string, now time.Time) {
-	if !g.Active {
-		g.Active = true
+	if !g.Active() {
 		g.Episodes++
 	}
 	if g.Scopes == nil {
@@ -163,9 +160,11 @@ func (g *PressureGate) makeRoom() {
 // OnPutOK records a successful put: the store has room, and every request
 // is let go (vLLM's _clear_store_pressure).
 func (g *PressureGate) OnPutOK() {
-	g.Active = false
 	g.Scopes = nil
 }
+
+// Active reports whether some request is under pressure.
+func (g *PressureGate) Active() bool { return len(g.Scopes) > 0 }
 
 // UnderPressure is the number of requests under pressure.
 func (g *PressureGate) UnderPressure() int { return len(g.Scopes) }

@@ -29,7 +29,7 @@ func TestPressureGateDefaults(t *testing.T) {
 	if a := g.Admit("a", now.Add(DefaultPressureCoolDown)); a != AdmitProbe {
 		t.Fatalf("after the default cool-down: %s, want probe", a)
 	}
-	if g.UnderPressure() != 1 || !g.Active {
+	if g.UnderPressure() != 1 || !g.Active() {
 		t.Fatalf("gate %+v, want a under pressure", g)
 	}
 	b, err := json.Marshal(g)
@@ -42,7 +42,7 @@ func TestPressureGateDefaults(t *testing.T) {
 	}
 	c := g.Clone()
 	g.OnPutOK()
-	if g.Admit("a", now) != AdmitPut || g.Skipped != DefaultProbeEvery || g.Active || g.UnderPressure() != 0 {
+	if g.Admit("a", now) != AdmitPut || g.Skipped != DefaultProbeEvery || g.Active() || g.UnderPressure() != 0 {
 		t.Fatalf("gate %+v", g)
 	}
 	if c.UnderPressure() != 1 {

@@ -143,7 +143,7 @@ func New(o Options) (*Processor, error) {
 // is under pressure.
 func (p *Processor) Pressure() PressureState {
 	g := p.gate.state()
-	return PressureState{Active: g.Active, Requests: len(g.Scopes), SkippedTasks: g.Skipped, SkippedKeys: p.skippedKeys.Load(), Episodes: g.Episodes, Released: g.Released}
+	return PressureState{Active: g.Active(), Requests: g.UnderPressure(), SkippedTasks: g.Skipped, SkippedKeys: p.skippedKeys.Load(), Episodes: g.Episodes, Released: g.Released}
 }
 
 // Handle is the bus.Handler of kvmesh.save.tasks. It returns nil once the
