@@ -286,15 +286,13 @@ func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error)
 		c.span.SetStatus(codes.Error, status)
 		return
 	}
-	failed := 0
 	for _, err := range keyErrs {
 		if err != nil {
-			failed++
 			s.m.failed.WithLabelValues(c.op, FailureStatus(err)).Inc()
 		}
 	}
-	if failed > 0 {
-		c.span.SetAttributes(attribute.Int("kvmesh.store.failed_keys", failed))
+	if failedKeys > 0 {
+		c.span.SetAttributes(attribute.Int("kvmesh.store.failed_keys", failedKeys))
 	}
 }
 
