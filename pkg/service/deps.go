@@ -67,15 +67,28 @@ func (d *Deps) OpenDatabase(ctx context.Context, url, appName string, migrate bo
 	return nil
 }
 
-// OpenStore connects to the Redis store pool.
+// OpenStore connects to the Redis store pool; the service is not ready
+// while the store does not answer.
 func (d *Deps) OpenStore(ctx context.Context, url string) error {
+	return d.openStore(ctx, url, false)
+}
+
+// OpenOptionalStore connects to the Redis store pool for a service that
+// keeps serving without it (the lookup, whose store child fails open): a
+// store that does not answer leaves the service ready, and /readyz lists
+// it as failed and degraded (httpserver.ReadyCheck.Optional).
+func (d *Deps) OpenOptionalStore(ctx context.Context, url string) error {
+	return d.openStore(ctx, url, true)
+}
+
+func (d *Deps) openStore(ctx context.Context, url string, optional bool) error {
 	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{})
 	if err != nil {
 		return fmt.Errorf("store: %w", err)
 	}
 	d.Store = st
 	d.closers = append(d.closers, func() { _ = st.Close() })
-	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "store", Check: st.Ping})
+	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "store", Optional: optional, Check: st.Ping})
 	return nil
 }
 

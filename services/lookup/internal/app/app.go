@@ -80,8 +80,6 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
-	// store is the store pool, opened by openStore and closed after deps.
-	store *kvstore.Redis
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -94,13 +92,20 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	defer func() {
 		if err != nil {
 			a.deps.Close()
-			a.closeStore()
 		}
 	}()
 	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
-	if err = a.openStore(ctx, cfg.RedisURL); err != nil {
+	// The store's readiness check is optional: the store child fails open
+	// (a store outage answers 0 external tokens, and a pd hit still wins),
+	// so the lookup stays ready while the store is down — taking it out of
+	// the engines' routing would fail every lookup, pd hits included.
+	// /readyz still names the store (checks.store failed, "store" in
+	// degraded), as do kvmesh_lookup_child_failures_total and
+	// kvmesh_store_failed_keys_total{op="lookup_exists"}. The broker check
+	// stays required: a decision that cannot be published is a 503.
+	if err = a.deps.OpenOptionalStore(ctx, cfg.RedisURL); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
@@ -116,34 +121,6 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	h.Mount(a.srv.Router())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
-}
-
-// openStore connects to the store pool, as service.Deps.OpenStore does,
-// with an Optional readiness check: the store child fails open (a store
-// outage answers 0 external tokens, and a pd hit still wins), so the
-// lookup keeps serving and stays ready while the store is down — taking
-// it out of the engines' routing would fail every lookup, pd hits
-// included. /readyz still names the store: its check fails (checks.store,
-// with the error) and the body's degraded list holds "store"; the outage
-// also shows in kvmesh_lookup_child_failures_total and
-// kvmesh_store_failed_keys_total{op="lookup_exists"}. The broker check
-// stays required: a decision that cannot be published is a 503.
-func (a *App) openStore(ctx context.Context, url string) error {
-	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{})
-	if err != nil {
-		return fmt.Errorf("store: %w", err)
-	}
-	a.store, a.deps.Store = st, st
-	a.deps.AddCheck(httpserver.ReadyCheck{Name: "store", Optional: true, Check: st.Ping})
-	return nil
-}
-
-// closeStore closes the store pool, if open.
-func (a *App) closeStore() {
-	if a.store != nil {
-		_ = a.store.Close() // closing at shutdown: nothing left to report to
-		a.store = nil
-	}
 }
 
 // handler builds the connector chain over the instrumented store and the
@@ -188,7 +165,6 @@ func (a *App) Addr() string { return a.srv.Addr() }
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
-	defer a.closeStore() // after deps: the HTTP server stops first
 	defer a.deps.Close()
 	return service.Run(ctx, a.deps.Log,
 		service.Task{Name: "http", Run: a.srv.Run},
