@@ -96,6 +96,19 @@ func (o RedisOptions) apply(ro *redis.Options) {
 	ro.ContextTimeoutEnabled = true
 }
 
+// RedisClientOptions are the go-redis client options of the store pool at
+// url with opts' connection settings, for a client of the same server
+// beside the Store (the sender's watcher of keyspace notifications): the
+// same URL parsing, pool, timeouts and context deadlines as NewRedis.
+func RedisClientOptions(url string, opts RedisOptions) (*redis.Options, error) {
+	ro, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("kvstore: redis url: %w", err)
+	}
+	opts.apply(ro)
+	return ro, nil
+}
+
 // Redis is a Store backed by Redis or Valkey. Each batch is sent as
 // pipelines bounded by RedisOptions.MaxBatchKeys and MaxBatchBytes.
 type Redis struct {
@@ -110,11 +123,10 @@ var _ Store = (*Redis)(nil)
 // or rediss:// for TLS) and checks it with PING. A failed check wraps
 // ErrUnavailable.
 func NewRedis(ctx context.Context, url string, opts RedisOptions) (*Redis, error) {
-	ro, err := redis.ParseURL(url)
+	ro, err := RedisClientOptions(url, opts)
 	if err != nil {
-		return nil, fmt.Errorf("kvstore: redis url: %w", err)
+		return nil, err
 	}
-	opts.apply(ro)
 	r := &Redis{client: redis.NewClient(ro), opts: opts.withDefaults()}
 	if err := r.client.Ping(ctx).Err(); err != nil {
 		_ = r.client.Close() // the ping error is the one worth reporting

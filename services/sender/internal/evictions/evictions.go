@@ -33,6 +33,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
@@ -138,9 +139,9 @@ func New(opts Options) (*Watcher, error) {
 	if err := opts.Keys.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 	}
-	ro, err := redis.ParseURL(opts.RedisURL)
+	ro, err := kvstore.RedisClientOptions(opts.RedisURL, kvstore.RedisOptions{})
 	if err != nil {
-		return nil, fmt.Errorf("redis url: %w: %w", err, ErrOptions)
+		return nil, fmt.Errorf("%w: %w", err, ErrOptions)
 	}
 	if opts.Backoff.Initial <= 0 {
 		opts.Backoff = DefaultBackoff
@@ -160,7 +161,6 @@ func New(opts Options) (*Watcher, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	ro.ContextTimeoutEnabled = true
 	return &Watcher{
 		opts: opts, client: redis.NewClient(ro), db: ro.DB,
 		marker: markerKey(opts.Keys), ready: make(chan struct{}),
