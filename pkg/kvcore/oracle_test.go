@@ -276,6 +276,19 @@ func (o *vlOracle) loadChunks(hashes []string, g, vllmCached, hit int) []Chunk {
 
 // matched is get_num_new_matched_tokens: the external tokens and whether a
 // load spec is kept.
+// checkDecide holds Decide's answer for a hit of kvmesh's to vLLM's for
+// its own hit want (matched), failing case c on a difference, and returns
+// the LoadSpec (nil when vLLM keeps none).
+func checkDecide(t *testing.T, c, hit, computed, want int) *LoadSpec {
+	t.Helper()
+	need, spec, _ := Decide(hit, computed, true)
+	wantNeed, keep := matched(want, computed)
+	if need != wantNeed || (spec != nil) != keep {
+		t.Fatalf("case %d: Decide(%d, %d) = %d, %v; vLLM %d, %v", c, hit, computed, need, spec, wantNeed, keep)
+	}
+	return spec
+}
+
 func matched(hit, computed int) (int, bool) {
 	if hit < computed || hit-computed <= 0 {
 		return 0, false
@@ -450,12 +463,8 @@ func TestOracleParity(t *testing.T) {
 			hits++
 		}
 		computed := rng.IntN(n/sbs+1) * sbs
-		need, spec, _ := Decide(hit, computed, true)
-		wantNeed, keep := matched(want, computed)
-		if need != wantNeed || (spec != nil) != keep {
-			t.Fatalf("case %d: Decide(%d, %d) = %d, %v; vLLM %d, %v", c, hit, computed, need, spec, wantNeed, keep)
-		}
-		if !keep {
+		spec := checkDecide(t, c, hit, computed, want)
+		if spec == nil {
 			continue
 		}
 		loads++
@@ -822,12 +831,8 @@ func TestOracleParityPartial(t *testing.T) {
 			}
 		}
 		computed := rng.IntN(n + 1)
-		need, spec, _ := Decide(hit, computed, true)
-		wantNeed, keep := matched(want, computed)
-		if need != wantNeed || (spec != nil) != keep {
-			t.Fatalf("case %d: Decide(%d, %d) = %d, %v; vLLM %d, %v", c, hit, computed, need, spec, wantNeed, keep)
-		}
-		if !keep {
+		spec := checkDecide(t, c, hit, computed, want)
+		if spec == nil {
 			continue
 		}
 		loads++
