@@ -155,15 +155,24 @@ func (r *rig) removed() map[string]string {
 // until polls the topic until cond holds or the deadline passes.
 func (r *rig) until(what string, cond func() bool) {
 	r.t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	eventually(r.t, what, func() bool {
 		r.read()
-		if cond() {
-			return
-		}
+		return cond()
+	})
+}
+
+// eventually polls cond every 10 ms until it holds, failing the test
+// after 20 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
 		if time.Now().After(deadline) {
-			r.t.Fatalf("%s: not seen in 20 s", what)
+			t.Fatalf("%s: not seen in 20 s", what)
 		}
+		<-tick.C
 	}
 }
 
@@ -340,13 +349,7 @@ func TestFlushIsAnnouncedAsAllBlocksCleared(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The marker is there once the first check ran.
-	deadline := time.Now().Add(10 * time.Second)
-	for r.client.Exists(ctx, r.w.marker).Val() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("marker key never set")
-		}
-		time.Sleep(10 * time.Millisecond) // polling the store, not synchronising
-	}
+	eventually(t, "the marker key set", func() bool { return r.client.Exists(ctx, r.w.marker).Val() == 1 })
 	if err := r.client.FlushAll(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -372,13 +375,7 @@ func TestFlushIsAnnouncedAsAllBlocksCleared(t *testing.T) {
 	if err := r.client.Del(ctx, r.w.marker).Err(); err != nil {
 		t.Fatal(err)
 	}
-	deadline = time.Now().Add(10 * time.Second)
-	for r.client.Exists(ctx, r.w.marker).Val() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("marker key not set again")
-		}
-		time.Sleep(10 * time.Millisecond) // polling the store, not synchronising
-	}
+	eventually(t, "the marker key set again", func() bool { return r.client.Exists(ctx, r.w.marker).Val() == 1 })
 	r.read()
 	if n := testutil.ToFloat64(r.metrics.cleared); n != 1 {
 		t.Errorf("cleared = %v after a deleted marker, want still 1", n)
@@ -532,14 +529,10 @@ func TestStoreRestartsNeverStopTheWatcher(t *testing.T) {
 	gaps := testutil.ToFloat64(r.metrics.gaps)
 	r.redis.Stop()
 	r.redis = testenv.RestartRedis(t, r.redis, "--rename-command", "CONFIG", "")
-	deadline := time.Now().Add(20 * time.Second)
-	for testutil.ToFloat64(r.metrics.gaps) < gaps+2 { // lost the subscription, then refused at least once
-		if time.Now().After(deadline) {
-			t.Fatalf("gaps %v, want at least %v while CONFIG is refused", testutil.ToFloat64(r.metrics.gaps), gaps+2)
-		}
+	eventually(t, "two gaps while CONFIG is refused (the subscription lost, then refused)", func() bool {
 		running("while CONFIG is refused")
-		time.Sleep(20 * time.Millisecond) // polling interval of the metric, not a synchronisation
-	}
+		return testutil.ToFloat64(r.metrics.gaps) >= gaps+2
+	})
 	running("while CONFIG is refused")
 
 	r.redis.Stop()
