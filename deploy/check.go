@@ -29,6 +29,7 @@ const MigrateService = "migrate"
 // schemePorts are the default ports of URL schemes used in settings.
 var schemePorts = map[string]string{
 	"postgres": "5432", "postgresql": "5432", "redis": "6379", "rediss": "6379", "http": "80", "https": "443",
+	"redis+cluster": "6379", "rediss+cluster": "6379",
 }
 
 // ProgramServices returns the sorted names of the compose services whose

@@ -37,6 +37,7 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	_ = shutdown(context.Background())
+	testenv.StopRedisClusters()
 	if err := testenv.RemoveBinaries(); err != nil {
 		os.Stderr.WriteString("remove test binaries: " + err.Error() + "\n")
 	}

@@ -29,17 +29,29 @@ figure() {
 }
 
 {
-  # Save: task on kvmesh.save.tasks → bytes in Redis through the sender and
-  # the gpuworker, against raw SET of the same values (MB/s).
+  # Save: a steady stream of tasks on kvmesh.save.tasks → bytes in Redis
+  # through the sender and the gpuworker, against raw SET of the same values
+  # at the same parallelism (MB/s).
   for size in 256KiB:256k 1MiB:1m 2MiB:2m; do
     b=BenchmarkSaveThroughput/${size%%:*}/sender
     figure "save_${size#*:}" MB/s "$b" MB/s "$b" raw_set_MB/s
   done
-  # Load: load task → bytes in the pool, against raw GET (MiB/s).
+  # Load: load task → bytes in the pool, against raw GET at the same
+  # parallelism (MiB/s).
   for size in 256KiB:256k 1MiB:1m 2MiB:2m; do
     b=BenchmarkLoad/${size%%:*}
     figure "load_${size#*:}" MiB/s "$b" load_MiB/s "$b" raw_MiB/s
   done
+  # The same on a Redis Cluster (3 masters + 3 replicas on loopback):
+  # the store's Put and Get of 64 framed 1 MiB values spread over every
+  # master, against a raw go-redis ClusterClient pipeline of SET / GET of
+  # the same values at the same parallelism (MiB/s).
+  figure cluster_save_1m MiB/s BenchmarkClusterPut MiB/s BenchmarkClusterPut raw_MiB/s
+  figure cluster_load_1m MiB/s BenchmarkClusterGet MiB/s BenchmarkClusterGet raw_MiB/s
+  # Seed preset at --rate 0 (TP1 shape) through the full mesh: store bytes
+  # the gpuworkers moved (save_put + load_get) per second of the run,
+  # against raw SET of the same bytes in the model's block sizes (MB/s).
+  figure seed_saturated MB/s BenchmarkSeedSaturated store_MB/s BenchmarkSeedSaturated raw_set_MB/s
   # Lookup of a 32K-token, 2-group prompt through POST /v1/lookup (decision
   # published), against one raw pipelined EXISTS of the same keys (p50, µs).
   figure lookup_32k_p50 us BenchmarkLookup32K2Group/handler_block_hashes_published p50-us \

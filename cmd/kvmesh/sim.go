@@ -168,6 +168,7 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, for blocks at the head of the queue, and for a failing lookup, broker or gpuworker to come back")
 	fs.DurationVar(&v.settle, "settle-timeout", 30*time.Second, "longest wait for the last save results after the last request")
 	fs.DurationVar(&v.rankTimeout, "rank-timeout", 0, "how long a gpuworker may stay unreachable before its rank is dead for the rest of the run (its engine's requests then fail, naming it); default: -request-timeout")
+	fs.StringVar(&o.cfg.KVMemory, "kv-memory", "", "how computed KV reaches the gpuworkers: shm (a shared-memory segment per rank the engine owns, registered with its gpuworker, written in place), http (the data plane's write route); default shm for gpuworkers on this host that accept the registration, http for the others")
 	fs.BoolVar(&o.json, "json", false, "print the report as JSON")
 	fs.StringVar(&o.progress, "progress", "auto", "progress on stderr: auto (a bar on a terminal, log lines otherwise), bar, log, off")
 	fs.StringVar(&v.level, "log-level", "warn", "log level on stderr: debug, info, warn, error")

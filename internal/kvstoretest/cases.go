@@ -304,3 +304,28 @@ func testPingAndClose(t *testing.T, h *harness) {
 		t.Errorf("Put after Close: %v, want ErrClosed", err)
 	}
 }
+
+// testHashTagKeys stores keys with braces, which a Redis Cluster reads as
+// hash tags ({tag} picks the slot; "{}" and an unclosed "{" do not), mixed
+// in one batch with plain keys: each must read back its own value, in order.
+func testHashTagKeys(t *testing.T, h *harness) {
+	suffixes := []string{"{tag}a", "{tag}b", "{}x", "{unclosed", "}{tag}", "{a}{b}", "plain"}
+	items := make([]kvstore.Item, len(suffixes))
+	keys := make([]string, len(suffixes))
+	for i, sfx := range suffixes {
+		keys[i] = h.key(i) + sfx
+		items[i] = kvstore.Item{Key: keys[i], Value: valueFor(i, 64)}
+	}
+	h.put(items...)
+	slices.Reverse(keys)
+	values, errs := h.get(keys...)
+	for j := range keys {
+		i := len(keys) - 1 - j
+		h.wantValue(fmt.Sprintf("Get %q", keys[j]), values[j], errs[j], items[i].Value)
+	}
+	for j, ok := range h.exists(keys...) {
+		if !ok {
+			t.Errorf("Exists %q = false after Put", keys[j])
+		}
+	}
+}

@@ -37,6 +37,7 @@ func RunContractTests(t *testing.T, newStore func(t *testing.T) kvstore.Store) {
 		{"Overwrite", testOverwrite},
 		{"Remove", testRemove},
 		{"LargeBatchInOrder", testLargeBatch},
+		{"HashTagLikeKeys", testHashTagKeys},
 		{"NoAliasing", testNoAliasing},
 		{"CancelledContext", testCancelledContext},
 		{"ExpiredDeadline", testExpiredDeadline},

@@ -44,6 +44,21 @@ func (c contents) block(group int, rank kvcore.Rank, hash kvcore.BlockHash) []by
 // sr holds.
 func (c contents) nsBlock(group int, sr kvcore.Rank, hash kvcore.BlockHash) []byte {
 	out := make([]byte, c.m.Groups[group].BytesPerBlock)
+	_, _ = rand.NewChaCha8(c.seed(group, sr, hash)).Read(out) // ChaCha8.Read never fails
+	return out
+}
+
+// nsFill computes the content nsBlock returns straight into dst, the
+// block's regions in order (the stream continues across them).
+func (c contents) nsFill(dst [][]byte, group int, sr kvcore.Rank, hash kvcore.BlockHash) {
+	r := rand.NewChaCha8(c.seed(group, sr, hash))
+	for _, d := range dst {
+		_, _ = r.Read(d) // ChaCha8.Read never fails
+	}
+}
+
+// seed is the ChaCha8 key of one block's content.
+func (c contents) seed(group int, sr kvcore.Rank, hash kvcore.BlockHash) [32]byte {
 	h := sha256.New()
 	h.Write([]byte(contentDomain))
 	h.Write([]byte(c.fp))
@@ -55,8 +70,7 @@ func (c contents) nsBlock(group int, sr kvcore.Rank, hash kvcore.BlockHash) []by
 	h.Write(hash)
 	var seed [32]byte
 	copy(seed[:], h.Sum(nil))
-	_, _ = rand.NewChaCha8(seed).Read(out) // ChaCha8.Read never fails
-	return out
+	return seed
 }
 
 // matches reports whether got is exactly the content of the block in rank

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
@@ -56,7 +57,9 @@ type engineDeps struct {
 	runTag string // names the engine's step records (StepID)
 	// ranks are the engine's worker ranks, each with its gpuworker, in
 	// Model.WorkerRanks order.
-	ranks   []*rankWorker
+	ranks []*rankWorker
+	// hc asks the gpuworkers which KV memory they use (rankMemory.ensure).
+	hc      *http.Client
 	lookup  *lookupClient
 	pub     *bus.Producer
 	ledger  *ledger

@@ -102,48 +102,106 @@ func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 	if e.deadRank() != nil {
 		return nil
 	}
-	content := e.contentOf(todo)
+	content := e.contentOf(todo, e.buffered())
 	perRank := make([][]dataplane.Block, len(e.ranks))
 	for _, rw := range e.ranks {
 		perRank[rw.index] = e.rankBlocks(todo, content, rw)
 	}
+	var perRankBytes int64
+	for _, cb := range todo {
+		perRankBytes += e.model.Groups[cb.group].BytesPerBlock
+	}
 	err := e.onRanks(ctx, fmt.Sprintf("write %d blocks", len(todo)), func(ctx context.Context, rw *rankWorker) error {
-		if err := rw.client.Write(ctx, perRank[rw.index]); err != nil {
+		if err := e.writeRank(ctx, rw, todo, perRank[rw.index]); err != nil {
 			return err
 		}
 		rw.blocksWritten += len(todo)
-		for _, b := range perRank[rw.index] {
-			rw.bytesWritten += int64(len(b.Data))
-		}
+		rw.bytesWritten += perRankBytes
 		return nil
 	})
 	if err != nil || e.deadRank() != nil {
 		return err
 	}
-	var total int64
-	for _, b := range perRank {
-		for _, x := range b {
-			total += int64(len(x.Data))
+	var total, overHTTP int64
+	for _, rw := range e.ranks {
+		total += perRankBytes
+		if rw.mem == nil {
+			overHTTP += perRankBytes
 		}
 	}
 	for _, cb := range todo {
 		e.pool.register(cb.group, cb.block, cb.key)
 	}
-	e.stats.update(func(st *stats) { st.bytesWritten += total })
+	e.stats.update(func(st *stats) { st.bytesWritten += total; st.bytesWrittenHTTP += overHTTP })
 	return nil
 }
 
-// contentOf computes the content of every block in every namespace of its
-// group, in parallel: out[i][n] is block i's bytes in namespace n of its
-// group (engine.namespaces). Ranks that share a namespace share the bytes.
-func (e *engine) contentOf(blocks []chunkBlock) [][][]byte {
+// readRank reads one rank's loaded blocks back: from the KV memory the
+// engine registered with the rank's gpuworker (where the worker's loads
+// land; the worker is asked first whether the memory is still registered,
+// so an unreachable worker is found dead as before), or over the data
+// plane's read route.
+func (e *engine) readRank(ctx context.Context, rw *rankWorker, refs []dataplane.ReadRef) ([]dataplane.ReadBlock, error) {
+	if rw.mem == nil {
+		return rw.client.Read(ctx, refs)
+	}
+	if err := rw.mem.ensure(ctx, e.hc, rw.url); err != nil {
+		return nil, err
+	}
+	return rw.mem.read(refs), nil
+}
+
+// writeRank writes one rank's blocks: straight into the KV memory the
+// engine registered with its gpuworker (registering it again first when
+// the worker restarted), or over the data plane's write route.
+func (e *engine) writeRank(ctx context.Context, rw *rankWorker, todo []chunkBlock, blocks []dataplane.Block) error {
+	if rw.mem == nil {
+		return rw.client.Write(ctx, blocks)
+	}
+	if err := rw.mem.ensure(ctx, e.hc, rw.url); err != nil {
+		return err
+	}
+	return rw.mem.write(blocks, func(i int, segs [][]byte) {
+		cb := todo[i]
+		e.cont.nsFill(segs, cb.group, e.namespaces[cb.group][e.nsIndex[cb.group][rw.index]], cb.hash)
+	})
+}
+
+// buffered says which namespaces' content is computed into buffers of its
+// own (contentOf): buffered[g][n] is set when namespace n of group g is
+// shared by several ranks (computed once, copied to each) or one of its
+// ranks is written over HTTP. The content of the others is computed
+// straight into the one rank's KV memory (rankMemory.write).
+func (e *engine) buffered() [][]bool {
+	out := make([][]bool, len(e.namespaces))
+	for g := range e.namespaces {
+		out[g] = make([]bool, len(e.namespaces[g]))
+		ranks := make([]int, len(e.namespaces[g]))
+		for _, rw := range e.ranks {
+			n := e.nsIndex[g][rw.index]
+			ranks[n]++
+			if rw.mem == nil || ranks[n] > 1 {
+				out[g][n] = true
+			}
+		}
+	}
+	return out
+}
+
+// contentOf computes the content of every block in every buffered
+// namespace of its group (every namespace with buffered nil), in parallel:
+// out[i][n] is block i's bytes in namespace n of its group
+// (engine.namespaces), nil where the namespace is not buffered. Ranks that share a namespace share the bytes.
+func (e *engine) contentOf(blocks []chunkBlock, buffered [][]bool) [][][]byte {
 	type job struct{ block, ns int }
 	var jobs []job
 	out := make([][][]byte, len(blocks))
 	for i, cb := range blocks {
 		out[i] = make([][]byte, len(e.namespaces[cb.group]))
 		for n := range out[i] {
-			jobs = append(jobs, job{i, n})
+			if buffered == nil || buffered[cb.group][n] {
+				jobs = append(jobs, job{i, n})
+			}
 		}
 	}
 	parallel(len(jobs), func(j int) {
@@ -251,8 +309,9 @@ func (e *engine) shadowLoaded(r *request) {
 // verify reads blocks back from every live rank, each asked by the hash it
 // must hold, and returns those whose bytes are wrong on some rank (each
 // rank's copy counted as a mismatch) and those a rank refuses as not
-// holding that hash (lost KV: the pool lives in the worker process, so a
-// restart loses it); blocks right on every rank enter the prefix cache. A
+// holding that hash (lost KV: with KVMemoryHTTP the pool lives in the
+// worker process, so a restart loses it; with KVMemoryShm the blocks are
+// read from the engine's own segment, where the worker's loads land); blocks right on every rank enter the prefix cache. A
 // dead rank's copies are not verified (counted as unverified, never as
 // right), and nothing enters the cache then.
 func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (bad, lost []chunkBlock, err error) {
@@ -265,7 +324,7 @@ func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (ba
 	}
 	got := make([][]dataplane.ReadBlock, len(e.ranks))
 	err = e.onRanks(ctx, fmt.Sprintf("read back %d loaded blocks of %s", len(refs), r.id), func(ctx context.Context, rw *rankWorker) error {
-		blocks, err := rw.client.Read(ctx, refs)
+		blocks, err := e.readRank(ctx, rw, refs)
 		if err == nil && len(blocks) != len(refs) {
 			err = fmt.Errorf("%d blocks answered for %d asked: %w", len(blocks), len(refs), errProtocol)
 		}
@@ -348,7 +407,7 @@ func (t *verifyTally) block(e *engine, r *request, cb chunkBlock, i int, got [][
 // compare checks every live rank's served copies against the content of
 // their namespace: ok[k][i] is rank k's copy of block i.
 func (e *engine) compare(check []chunkBlock, got [][]dataplane.ReadBlock) [][]bool {
-	content := e.contentOf(check)
+	content := e.contentOf(check, nil)
 	ok := make([][]bool, len(e.ranks))
 	type job struct{ rank, block int }
 	var jobs []job
@@ -392,7 +451,11 @@ func (e *engine) evict(ctx context.Context) {
 	alive := e.deadRank() == nil
 	held := make([]int, len(e.ranks))
 	err := e.onRanks(ctx, fmt.Sprintf("evict %d blocks", len(refs)), func(ctx context.Context, rw *rankWorker) error {
-		n, err := rw.client.Evict(ctx, refs)
+		evict := rw.client.Evict
+		if rw.mem != nil {
+			evict = func(context.Context, []dataplane.BlockRef) (int, error) { return rw.mem.evict(refs) }
+		}
+		n, err := evict(ctx, refs)
 		held[rw.index] = n
 		return err
 	})

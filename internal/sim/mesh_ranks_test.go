@@ -35,8 +35,14 @@ func TestTP2OnMesh(t *testing.T) {
 	if rep.WorldSize != 2 || len(rep.Ranks) != 4 || !rep.Ledger.RanksBalanced || len(rep.DeadRanks) != 0 {
 		t.Fatalf("world %d, %d ranks, per-rank ledger balanced %v, dead %+v", rep.WorldSize, len(rep.Ranks), rep.Ledger.RanksBalanced, rep.DeadRanks)
 	}
+	if rep.Bytes.ComputedHTTP != 0 {
+		t.Fatalf("bytes %+v: local gpuworkers get the engine's KV in shared memory by default, nothing over HTTP", rep.Bytes)
+	}
 	stored := 0
 	for _, s := range rep.Ranks {
+		if s.KVMemory != KVMemoryShm {
+			t.Fatalf("rank %s/%s wrote over %s, want shm", s.EngineID, s.Name, s.KVMemory)
+		}
 		if s.BlocksWritten == 0 || s.MetricsError != "" || s.ExpectedKeys == 0 {
 			t.Fatalf("rank %s/%s: %+v", s.EngineID, s.Name, s)
 		}

@@ -189,6 +189,9 @@ type rankWorker struct {
 	dead   error
 	deadAt time.Time
 
+	// mem is the KV memory the engine owns and registered with the rank's
+	// gpuworker; nil writes over the data plane (KVMemoryHTTP).
+	mem            *rankMemory
 	blocksWritten  int   // blocks written into its pool
 	bytesWritten   int64 // their bytes
 	verified       int   // loaded blocks read back and compared on it

@@ -192,6 +192,10 @@ type ByteCounts struct {
 	// Computed is what the engines wrote into their pools, every rank's
 	// copy counted.
 	Computed int64 `json:"computed"`
+	// ComputedHTTP is the part of Computed sent over the gpuworkers' data
+	// plane write route; the rest the engines wrote straight into the KV
+	// memory they registered with their gpuworkers (Config.KVMemory).
+	ComputedHTTP int64 `json:"computed_http"`
 	// Verified is what they read back to check loads, from every rank.
 	Verified int64 `json:"verified"`
 	// Saved is what the sender's results report stored.
@@ -255,7 +259,7 @@ func (r *run) report(elapsed time.Duration) *Report {
 	}
 	rep.Requests = RequestCounts{Total: st.requests, OK: st.done - st.failed, Failed: st.failed + st.requests - st.done, Failures: failures}
 	r.rankReport(rep, st)
-	rep.Bytes = ByteCounts{Computed: st.bytesWritten, Verified: st.bytesRead, Saved: rep.Ledger.SaveBytes, Loaded: rep.Ledger.LoadBytes}
+	rep.Bytes = ByteCounts{Computed: st.bytesWritten, ComputedHTTP: st.bytesWrittenHTTP, Verified: st.bytesRead, Saved: rep.Ledger.SaveBytes, Loaded: rep.Ledger.LoadBytes}
 	rep.Bytes.Total = rep.Bytes.Computed + rep.Bytes.Verified + rep.Bytes.Saved + rep.Bytes.Loaded
 	if elapsed > 0 {
 		rep.Bytes.GiBPerSecond = float64(rep.Bytes.Total) / (1 << 30) / elapsed.Seconds()
@@ -326,7 +330,7 @@ func (rep *Report) WriteText(w io.Writer) error {
 	row("preemption", "%s", rep.Reuse)
 	row("tokens", "computed %d  recomputed after load errors %d", rep.Tokens.Computed, rep.Tokens.Recomputed)
 	row("saves", "%d tasks: stored %d  existing %d  skipped %d  dead-lettered %d  failed %d (keys)", l.SaveTasks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed)
-	row("bytes", "%s computed, %s verified, %s saved, %s loaded: %.2f GiB/s", size(rep.Bytes.Computed), size(rep.Bytes.Verified), size(rep.Bytes.Saved), size(rep.Bytes.Loaded), rep.Bytes.GiBPerSecond)
+	row("bytes", "%s computed (%s of it over HTTP, the rest in shared KV memory), %s verified, %s saved, %s loaded: %.2f GiB/s", size(rep.Bytes.Computed), size(rep.Bytes.ComputedHTTP), size(rep.Bytes.Verified), size(rep.Bytes.Saved), size(rep.Bytes.Loaded), rep.Bytes.GiBPerSecond)
 	row("lookup latency", "%s", rep.Lookups.Latency)
 	row("TTFT proxy", "%s", rep.TTFT)
 	v := rep.Verification

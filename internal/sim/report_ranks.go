@@ -24,6 +24,10 @@ type RankSummary struct {
 	// pool (computed or recomputed), BytesWritten their bytes.
 	BlocksWritten int   `json:"blocks_written"`
 	BytesWritten  int64 `json:"bytes_written"`
+	// KVMemory is how they reached the rank's gpuworker: "shm" (straight
+	// into the KV memory the engine registered with it) or "http" (the
+	// data plane's write route).
+	KVMemory string `json:"kv_memory"`
 	// SavedBytes is what the rank's gpuworker put into the store over the
 	// run (the delta of kvmesh_store_bytes_total{op="save_put"}), and
 	// LoadedBytes what loads wrote into its pool (the delta of
@@ -133,6 +137,10 @@ func rankSummary(id string, rw *rankWorker, l RankLedger) RankSummary {
 		EngineID: id, Rank: rw.rank, Name: rw.label(), URL: rw.url, BlocksWritten: rw.blocksWritten, BytesWritten: rw.bytesWritten,
 		VerifiedBlocks: rw.verified, MismatchedBlocks: rw.mismatched, LostBlocks: rw.lost, RankUnavailable: rw.unverified,
 		LoadsMissing: rw.loadsMissing, ExpectedKeys: l.ExpectedKeys, StoredKeys: l.StoredKeys, Dead: rw.dead != nil,
+		KVMemory: KVMemoryHTTP,
+	}
+	if rw.mem != nil {
+		s.KVMemory = KVMemoryShm
 	}
 	switch {
 	case rw.metricsErr != nil:

@@ -23,7 +23,9 @@
 // to 1 s) for up to the request timeout, so an outage of any service, the
 // broker, PostgreSQL or Redis shorter than that (a restart) fails no
 // request. Blocks a restarted gpuworker no longer holds are lost KV: they
-// are recomputed, not counted as mismatches. A gpuworker that stays
+// are recomputed, not counted as mismatches. (With Config.KVMemory shm the
+// KV lives in the engine's own segments and survives a worker restart: the
+// engine registers the segment with the new worker process.) A gpuworker that stays
 // unreachable for the rank timeout is a dead rank: its engine cannot
 // compute any more (every forward pass needs every rank), so each of its
 // requests that needs the data path from then on fails with a reason
@@ -177,6 +179,12 @@ type Config struct {
 	ProgressEvery time.Duration
 	// Log receives warnings; default discards.
 	Log *slog.Logger
+	// KVMemory is how computed KV reaches the gpuworkers: KVMemoryShm (a
+	// shared-memory segment per rank, owned by the engine and registered
+	// with its gpuworker), KVMemoryHTTP (the data plane's write route), or
+	// KVMemoryAuto (the default: shm for local gpuworkers that accept the
+	// registration, http for the others).
+	KVMemory string
 	// HTTPClient talks to lookup and the gpuworkers; default one with trace
 	// propagation.
 	HTTPClient *http.Client
@@ -231,6 +239,9 @@ func (c *Config) defaults() error {
 		c.HTTPClient = dataplane.DefaultHTTPClient()
 		c.HTTPClient.Timeout = 30 * time.Second
 		c.ownClient = true
+	}
+	if err := checkKVMemory(c.KVMemory); err != nil {
+		return err
 	}
 	return c.Workload.Validate()
 }
@@ -316,6 +327,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-"),
 		engines: map[string]*engine{}, allDone: make(chan struct{})}
 	r.build(pub)
+	detach, err := r.attachMemory(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer detach()
 	r.scrapeRanks(ctx, true)
 	r.start = time.Now()
 	if err := r.play(ctx, from); err != nil {
@@ -369,6 +385,7 @@ func (r *run) build(pub *bus.Producer) {
 	deps := func(ep Endpoint) engineDeps {
 		return engineDeps{
 			model: r.cfg.Model, runTag: r.cfg.RunTag, ranks: newRankWorkers(r.cfg.Model, ep.URLs(), r.cfg.HTTPClient),
+			hc:     r.cfg.HTTPClient,
 			lookup: lookup, pub: pub,
 			ledger: r.ledger, stats: r.stats, log: r.cfg.Log, timeout: r.cfg.RequestTimeout, rankTimeout: r.cfg.RankTimeout,
 			reusePreempted: r.cfg.ReusePreempted,

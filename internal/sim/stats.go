@@ -41,6 +41,9 @@ type stats struct {
 	deadTurns               map[string]int
 	deadRanks               int
 	bytesWritten, bytesRead int64
+	// bytesWrittenHTTP is the part of bytesWritten sent over the data
+	// plane's write route (the rest went straight into KV memory).
+	bytesWrittenHTTP int64
 
 	engines map[string]*EngineCounts // by engine id
 }

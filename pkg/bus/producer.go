@@ -36,6 +36,7 @@ type ProducerOption func(*producerConfig)
 
 type producerConfig struct {
 	batchTimeout time.Duration
+	batchSize    int
 	balancer     kafka.Balancer
 	autoCreate   bool
 	clientID     string
@@ -46,6 +47,15 @@ type producerConfig struct {
 // DefaultBatchTimeout).
 func WithBatchTimeout(d time.Duration) ProducerOption {
 	return func(c *producerConfig) { c.batchTimeout = d }
+}
+
+// WithBatchSize sets how many messages fill a batch (default kafka-go's,
+// 100). A full batch is sent at once; with 1 every publish is sent without
+// waiting for the batch timeout, which a synchronous publish on a
+// request's critical path wants (a sub-millisecond timer may take a
+// millisecond to fire on an idle process).
+func WithBatchSize(n int) ProducerOption {
+	return func(c *producerConfig) { c.batchSize = n }
 }
 
 // WithBalancer replaces the murmur2 key balancer.
@@ -86,14 +96,15 @@ func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
-	if cfg.batchTimeout <= 0 || cfg.balancer == nil {
-		return nil, fmt.Errorf("%w: batch timeout must be positive and balancer set", ErrInvalidConfig)
+	if cfg.batchTimeout <= 0 || cfg.batchSize < 0 || cfg.balancer == nil {
+		return nil, fmt.Errorf("%w: batch timeout must be positive, batch size not negative and balancer set", ErrInvalidConfig)
 	}
 	transport := &kafka.Transport{ClientID: cfg.clientID, DialTimeout: producerDialTimeout}
 	w := &kafka.Writer{
 		Addr:         kafka.TCP(brokers...),
 		Balancer:     cfg.balancer,
 		BatchTimeout: cfg.batchTimeout,
+		BatchSize:    cfg.batchSize,
 		RequiredAcks: kafka.RequireAll,
 		// Every caller retries a failed publish itself (the outbox relay, the
 		// consumer loop, an engine answered 503), so the writer gives up

@@ -88,6 +88,44 @@ func TestDecodeValueRejects(t *testing.T) {
 	}
 }
 
+// splits cuts payload into segments at the given offsets.
+func splits(payload []byte, at ...int) [][]byte {
+	var segs [][]byte
+	lo := 0
+	for _, hi := range append(at, len(payload)) {
+		segs = append(segs, payload[lo:hi])
+		lo = hi
+	}
+	return segs
+}
+
+func TestValueSegments(t *testing.T) {
+	fp := fingerprint(t)
+	payload := make([]byte, 200000)
+	for i := range payload {
+		payload[i] = byte(i * 7 / 3)
+	}
+	tests := []struct {
+		name string
+		at   []int
+	}{
+		{"one segment", nil},
+		{"two segments", []int{100000}},
+		{"uneven segments, one empty", []int{1, 1, 40000, 199999}},
+		{"segments across copy pieces", []int{32767, 65537, 131072}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			prefix := []byte("keep")
+			got := dataplane.AppendValueSegments(append([]byte(nil), prefix...), fp, splits(payload, tc.at...))
+			want := append(append([]byte(nil), prefix...), dataplane.EncodeValue(fp, payload)...)
+			if !bytes.Equal(got, want) {
+				t.Fatalf("AppendValueSegments differs from EncodeValue of the whole payload")
+			}
+		})
+	}
+}
+
 func TestFrameHeaderRoundTrip(t *testing.T) {
 	data := []byte("block data")
 	h := dataplane.FrameHeader{Group: 3, Block: 1 << 40, Len: len(data), Checksum: dataplane.Checksum(data)}

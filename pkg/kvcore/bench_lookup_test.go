@@ -62,3 +62,35 @@ func BenchmarkKey(b *testing.B) {
 		_ = kb.Key(r, 2, h)
 	}
 }
+
+// BenchmarkLookupPlan32K2Group plans the lookup of a 32768-token prompt on
+// the hybrid-mla-linear preset (4096 keys), the plan of the lookup
+// service's BenchmarkLookup32K2Group, and resolves it with every key present.
+func BenchmarkLookupPlan32K2Group(b *testing.B) {
+	const numTokens = 32768
+	m, err := Preset("hybrid-mla-linear")
+	if err != nil {
+		b.Fatal(err)
+	}
+	kb := KeyBuilder{Prefix: "lookupbench", Model: m.Name}
+	hashes := promptHashes(m, numTokens, 1)
+	p, err := PlanLookup(m, kb, hashes, numTokens)
+	if err != nil {
+		b.Fatal(err)
+	}
+	all := make([]bool, len(p.Keys()))
+	for i := range all {
+		all[i] = true
+	}
+	want := numTokens - m.SchedulerBlockSize()
+	b.ReportAllocs()
+	for b.Loop() {
+		p, err := PlanLookup(m, kb, hashes, numTokens)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if hit, err := p.Resolve(all); err != nil || hit != want {
+			b.Fatalf("Resolve = %d, %v; want %d", hit, err, want)
+		}
+	}
+}

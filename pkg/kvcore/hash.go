@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"hash"
 )
 
 // BlockHash is the chained prefix hash of one hash-block of tokens. kvmesh's
@@ -37,34 +38,51 @@ func ParseBlockHash(s string) (BlockHash, error) {
 // anything else the KV depends on (LoRA id, multimodal hashes, cache salt).
 // Length prefixes make the encoding unambiguous.
 func HashTokens(parent BlockHash, tokens []uint32, extra []byte) BlockHash {
-	h := sha256.New()
-	var n [4]byte
-	binary.LittleEndian.PutUint32(n[:], uint32(len(parent)))
-	h.Write(n[:])
-	h.Write(parent)
-	binary.LittleEndian.PutUint32(n[:], uint32(len(tokens)))
-	h.Write(n[:])
-	buf := make([]byte, 4*len(tokens))
-	for i, t := range tokens {
-		binary.LittleEndian.PutUint32(buf[4*i:], t)
+	var c chainHasher
+	return c.link(nil, parent, tokens, extra)
+}
+
+// chainHasher hashes the links of one chain with one digest and one token
+// buffer, so that a chain of thousands of blocks allocates neither per
+// block.
+type chainHasher struct {
+	h   hash.Hash
+	buf []byte
+}
+
+// link appends HashTokens(parent, tokens, extra) to dst and returns it.
+func (c *chainHasher) link(dst []byte, parent BlockHash, tokens []uint32, extra []byte) []byte {
+	if c.h == nil {
+		c.h = sha256.New()
 	}
-	h.Write(buf)
-	h.Write(extra)
-	return BlockHash(h.Sum(nil))
+	c.h.Reset()
+	c.buf = binary.LittleEndian.AppendUint32(c.buf[:0], uint32(len(parent)))
+	c.buf = append(c.buf, parent...)
+	c.buf = binary.LittleEndian.AppendUint32(c.buf, uint32(len(tokens)))
+	for _, t := range tokens {
+		c.buf = binary.LittleEndian.AppendUint32(c.buf, t)
+	}
+	c.buf = append(c.buf, extra...)
+	c.h.Write(c.buf)
+	return c.h.Sum(dst)
 }
 
 // HashChain hashes every full hash-block of tokens: element i is the hash of
 // tokens [0, (i+1)*hashBlockSize). A trailing partial block is not hashed.
+// The hashes share one backing array.
 func HashChain(tokens []uint32, hashBlockSize int, extra []byte) []BlockHash {
 	if hashBlockSize <= 0 {
 		return nil
 	}
 	n := len(tokens) / hashBlockSize
-	out := make([]BlockHash, 0, n)
+	out := make([]BlockHash, n)
+	all := make([]byte, 0, n*sha256.Size)
+	var c chainHasher
 	var parent BlockHash
-	for i := 0; i < n; i++ {
-		parent = HashTokens(parent, tokens[i*hashBlockSize:(i+1)*hashBlockSize], extra)
-		out = append(out, parent)
+	for i := range out {
+		all = c.link(all, parent, tokens[i*hashBlockSize:(i+1)*hashBlockSize], extra)
+		parent = BlockHash(all[i*sha256.Size : (i+1)*sha256.Size : (i+1)*sha256.Size])
+		out[i] = parent
 	}
 	return out
 }

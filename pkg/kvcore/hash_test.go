@@ -130,3 +130,26 @@ func TestParseBlockHash(t *testing.T) {
 		}
 	}
 }
+
+// TestHashChainGolden pins one hash and its store key as kvmesh has always
+// written them: keys already in a store pool must keep matching.
+func TestHashChainGolden(t *testing.T) {
+	toks := make([]uint32, 40)
+	for i := range toks {
+		toks[i] = uint32(i * 7919)
+	}
+	const want = "712f4e863ee5b5cd657310176fc34a6fff2f433bbc94f268f8f0479e17a088f5"
+	chain := HashChain(toks, 16, []byte("lora-1"))
+	if len(chain) != 2 || chain[1].Hex() != want {
+		t.Fatalf("chain %x, want 2 hashes ending in %s", chain, want)
+	}
+	kb := KeyBuilder{Prefix: "dep", Model: "m"}
+	if got := kb.Key(Rank{TP: 1}, 2, chain[1]); got != "dep@m@tp_rank:1@pcp0@dcp0@pp_rank:0@group:2@"+want {
+		t.Fatalf("key %q", got)
+	}
+	m := lookupModel(16, grpFull(16))
+	p, err := PlanLookup(m, kb, chain, 32)
+	if err != nil || len(p.Keys()) != 2 || p.Keys()[1] != kb.Key(Rank{}, 0, chain[1]) {
+		t.Fatalf("plan keys %q (%v), want KeyBuilder's", p.Keys(), err)
+	}
+}

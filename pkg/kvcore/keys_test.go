@@ -2,7 +2,9 @@ package kvcore
 
 import (
 	"bytes"
+	"encoding/hex"
 	"errors"
+	"strings"
 	"testing"
 )
 
@@ -121,5 +123,28 @@ func TestKeyAllocatesOnce(t *testing.T) {
 	r := Rank{TP: 3, PCP: 1, DCP: 2, PP: 12}
 	if n := testing.AllocsPerRun(100, func() { _ = kb.Key(r, 2, h) }); n != 1 {
 		t.Fatalf("Key allocates %v times, want 1 (the key itself)", n)
+	}
+}
+
+// TestEncodeHexMatchesEncodingHex: the plan's hex encoder writes what
+// encoding/hex does, for every byte value and for lengths around the
+// stack buffer of writeHex.
+func TestEncodeHexMatchesEncodingHex(t *testing.T) {
+	all := make([]byte, 256)
+	for i := range all {
+		all[i] = byte(i)
+	}
+	for _, n := range []int{0, 1, 2, 31, 32, 63, 64, 65, 129, 256} {
+		src := all[len(all)-n:]
+		dst := make([]byte, 2*n)
+		encodeHex(dst, src)
+		if want := hex.EncodeToString(src); string(dst) != want {
+			t.Fatalf("encodeHex of %d bytes = %s, want %s", n, dst, want)
+		}
+		var sb strings.Builder
+		writeHex(&sb, src)
+		if want := hex.EncodeToString(src); sb.String() != want {
+			t.Fatalf("writeHex of %d bytes = %s, want %s", n, sb.String(), want)
+		}
 	}
 }

@@ -1,9 +1,13 @@
 package kvcore
 
 import (
+	"bytes"
 	"fmt"
+	"hash/maphash"
+	"math/bits"
 	"slices"
 	"strings"
+	"sync"
 )
 
 // LookupPlan is the store lookup of one request: the flat, deduplicated list
@@ -97,13 +101,14 @@ func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*Lo
 	if len(hashes) < nh {
 		return nil, fmt.Errorf("lookup of %d tokens: %d block hashes, need %d: %w", numTokens, len(hashes), nh, ErrShortHashChain)
 	}
-	chain, err := newHexChain(hashes[:nh])
-	if err != nil {
+	chain := chainPool.Get().(*hexChain)
+	defer chainPool.Put(chain)
+	if err := chain.reset(hashes[:nh]); err != nil {
 		return nil, fmt.Errorf("lookup of %d tokens: %w", numTokens, err)
 	}
 	p.groups = make([]lookupGroup, len(m.Groups))
 	distinct := make([][]int32, len(m.Groups))
-	seen := make([]int32, nh)
+	seen := chain.seen
 	nkeys := 0
 	if p.partial {
 		p.specs = planSpecs(m)
@@ -118,7 +123,7 @@ func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*Lo
 		p.groups[g].ranks = len(m.Namespaces(g))
 		nkeys += p.groups[g].ranks * p.groups[g].stride
 	}
-	p.keys = p.writeKeys(m, kb, chain.hex, distinct, nkeys)
+	p.keys = p.writeKeys(m, kb, chain, distinct, nkeys)
 	return p, nil
 }
 
@@ -198,13 +203,13 @@ func planSpecs(m *Model) []lookupSpec {
 
 // writeKeys writes every key into one string and slices the keys out of it:
 // a plan of thousands of keys costs a handful of allocations.
-func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, hexes []string, distinct [][]int32, nkeys int) []string {
+func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, chain *hexChain, distinct [][]int32, nkeys int) []string {
 	namespaces := make([][]string, len(m.Groups))
 	size := 0
 	for g := range m.Groups {
 		hexLen := 0
 		for _, h := range distinct[g] {
-			hexLen += len(hexes[h])
+			hexLen += len(chain.at(h))
 		}
 		for _, r := range m.Namespaces(g) {
 			ns := kb.Namespace(r, g)
@@ -219,7 +224,7 @@ func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, hexes []string, distinct
 			for _, h := range distinct[g] {
 				sb.WriteString(ns)
 				sb.WriteByte(keySep)
-				sb.WriteString(hexes[h])
+				sb.Write(chain.at(h))
 			}
 		}
 	}
@@ -229,7 +234,7 @@ func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, hexes []string, distinct
 	for g, nss := range namespaces {
 		for _, ns := range nss {
 			for _, h := range distinct[g] {
-				n := len(ns) + 1 + len(hexes[h])
+				n := len(ns) + 1 + len(chain.at(h))
 				keys = append(keys, all[off:off+n])
 				off += n
 			}
@@ -239,41 +244,79 @@ func (p *LookupPlan) writeKeys(m *Model, kb KeyBuilder, hexes []string, distinct
 }
 
 // hexChain is a hash chain in hex, with duplicates folded: canon[i] is the
-// first index whose hash equals hash i.
+// first index whose hash equals hash i. It is scratch space of PlanLookup
+// (the keys copy the hex), kept in chainPool between lookups so that a
+// lookup of thousands of hashes allocates none of it.
 type hexChain struct {
-	hex   []string
+	// hex holds every hash's hex, back to back: hash i's is
+	// hex[off[i]:off[i+1]].
+	hex   []byte
+	off   []int32
 	canon []int32
+	// table is the open-addressing table of reset; seen the planners'
+	// scratch, one entry per hash.
+	table []int32
+	seen  []int32
 }
 
-func newHexChain(hashes []BlockHash) (hexChain, error) {
+// chainPool keeps hexChains between lookups.
+var chainPool = sync.Pool{New: func() any { return new(hexChain) }}
+
+// chainSeed seeds the hashing of reset's table, once per process, so that
+// no chain can be made to collide in it on purpose.
+var chainSeed = maphash.MakeSeed()
+
+// at is hash i's hex.
+func (c *hexChain) at(i int32) []byte { return c.hex[c.off[i]:c.off[i+1]] }
+
+// reset makes c the chain of hashes: their hex, and canon through an
+// open-addressing table of the hashes' maphash. The table is hand-written
+// because a Go map needs string keys: the hashes' bytes would be copied
+// into a string each (or the hex be made strings), for a table that lives
+// for one lookup.
+func (c *hexChain) reset(hashes []BlockHash) error {
 	size := 0
 	for i, h := range hashes {
 		if len(h) == 0 {
-			return hexChain{}, fmt.Errorf("block hash %d: %w", i, ErrEmptyHash)
+			return fmt.Errorf("block hash %d: %w", i, ErrEmptyHash)
 		}
 		size += 2 * len(h)
 	}
-	var sb strings.Builder
-	sb.Grow(size)
-	for _, h := range hashes {
-		writeHex(&sb, h)
-	}
-	all := sb.String()
-	c := hexChain{hex: make([]string, len(hashes)), canon: make([]int32, len(hashes))}
-	first := make(map[string]int32, len(hashes))
+	n := len(hashes)
+	c.hex = slices.Grow(c.hex[:0], size)[:size]
+	c.off = slices.Grow(c.off[:0], n+1)[:n+1]
+	c.canon = slices.Grow(c.canon[:0], n)[:n]
+	c.seen = slices.Grow(c.seen[:0], n)[:n]
+	tableLen := 1 << bits.Len(uint(2*n))
+	c.table = slices.Grow(c.table[:0], tableLen)[:tableLen]
+	clear(c.table)
+	mask := tableLen - 1
 	off := 0
 	for i, h := range hashes {
-		s := all[off : off+2*len(h)]
-		off += len(s)
-		c.hex[i] = s
-		j, dup := first[s]
-		if !dup {
-			j = int32(i)
-			first[s] = j
-		}
-		c.canon[i] = j
+		c.off[i] = int32(off)
+		encodeHex(c.hex[off:off+2*len(h)], h)
+		off += 2 * len(h)
+		c.canon[i] = c.fold(hashes, i, int(maphash.Bytes(chainSeed, h))&mask, mask)
 	}
-	return c, nil
+	c.off[n] = int32(off)
+	return nil
+}
+
+// fold returns the first index of hashes whose hash equals hashes[i],
+// probing the table from slot, and enters i when it is the first. A slot
+// holds 1 + an index, 0 when empty.
+func (c *hexChain) fold(hashes []BlockHash, i, slot, mask int) int32 {
+	for {
+		j := c.table[slot]
+		if j == 0 {
+			c.table[slot] = int32(i + 1)
+			return int32(i)
+		}
+		if bytes.Equal(hashes[j-1], hashes[i]) {
+			return j - 1
+		}
+		slot = (slot + 1) & mask
+	}
 }
 
 // Keys are the keys to check, deduplicated, in one batch. Callers must not
@@ -490,6 +533,13 @@ func (p *LookupPlan) TailKeys(exists []bool, hit int) ([]TailKey, error) {
 func (p *LookupPlan) Resolve(exists []bool) (int, error) {
 	if len(exists) != len(p.keys) {
 		return 0, fmt.Errorf("lookup: %d answers for %d keys: %w", len(exists), len(p.keys), ErrAnswerCount)
+	}
+	if !p.partial {
+		// Without partial hash hits, whether a candidate is valid does not
+		// depend on the limit, so Hit(n) is the largest valid candidate up
+		// to n; re-deriving at n − 1 when n itself is valid gives the same
+		// as asking at n − 1 straight away: one pass over the answers.
+		return p.Hit(exists, p.numTokens-1), nil
 	}
 	hit := p.Hit(exists, p.numTokens)
 	if hit >= p.numTokens && hit > 0 {

@@ -277,3 +277,59 @@ func TestHitProperties(t *testing.T) {
 		}
 	}
 }
+
+// TestPlanLookupKeysAreKeyBuilders: every plan's keys are exactly
+// KeyBuilder.Key's strings of the chain's distinct hashes, in order of
+// first appearance, for chains of many repeats and of every hash length,
+// and a plan's keys stay intact while later plans reuse the planner's
+// scratch space.
+func TestPlanLookupKeysAreKeyBuilders(t *testing.T) {
+	m := lookupModel(16, grpFull(16), grpMLA(16))
+	kb := KeyBuilder{Prefix: "dep", Model: m.Name}
+	chain := func(n, size, distinct int) []BlockHash {
+		out := make([]BlockHash, n)
+		for i := range out {
+			h := make(BlockHash, size)
+			h[0], h[size-1] = byte(i%distinct), byte(i%distinct*7)
+			out[i] = h
+		}
+		return out
+	}
+	cases := []struct {
+		name    string
+		hashes  []BlockHash
+		numKeys int
+	}{
+		{"distinct 32-byte", promptHashes(m, 4096, 3), 2 * 256},
+		{"repeats of 1 byte", chain(300, 1, 5), 2 * 5},
+		{"repeats of 64 bytes", chain(512, 64, 200), 2 * 200},
+		{"all equal", chain(64, 8, 1), 2},
+	}
+	var plans []*LookupPlan
+	var wants [][]string
+	for _, tc := range cases {
+		p, err := PlanLookup(m, kb, tc.hashes, 16*len(tc.hashes)+1)
+		if err != nil {
+			t.Fatalf("%s: PlanLookup: %v", tc.name, err)
+		}
+		var want []string
+		for g := range m.Groups {
+			seen := map[string]bool{}
+			for _, h := range tc.hashes {
+				if k := kb.Key(Rank{}, g, h); !seen[k] {
+					seen[k] = true
+					want = append(want, k)
+				}
+			}
+		}
+		if len(want) != tc.numKeys || !slices.Equal(p.Keys(), want) {
+			t.Fatalf("%s: %d keys, want %d: %q…", tc.name, len(p.Keys()), len(want), p.Keys()[:min(3, len(p.Keys()))])
+		}
+		plans, wants = append(plans, p), append(wants, want)
+	}
+	for i, p := range plans {
+		if !slices.Equal(p.Keys(), wants[i]) {
+			t.Fatalf("%s: keys changed after later plans", cases[i].name)
+		}
+	}
+}

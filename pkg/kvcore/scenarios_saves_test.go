@@ -3,7 +3,6 @@ package kvcore
 import (
 	"reflect"
 	"testing"
-	"time"
 )
 
 // The scenarios of issue 14's save rules: saves across preemption and
@@ -330,75 +329,5 @@ func TestSaveScenarioStoredTrackerUpgrade(t *testing.T) {
 	}
 	if eff := noErr(t, old.Step(m, Step{Kind: StepRunning, Tokens: 64})); len(eff.Saves) != 1 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 64 {
 		t.Fatalf("next save %+v, want [0,64)", eff.Saves)
-	}
-}
-
-// TestSaveScenarioPressureScoped (S66): store pressure is scoped to the
-// request whose put got "no space" (worker.py
-// _mark_request_skipped_for_pressure, _should_skip_request,
-// _clear_store_pressure), and the skipped range reaches the tracker through
-// the save result: request a's first save gets "no space", its second is
-// skipped by the gate, request b's is put and stored, which lets a go; a's
-// third save covers [0,64), the two skipped ranges included.
-func TestSaveScenarioPressureScoped(t *testing.T) {
-	m := trkDense(t)
-	g := PressureGate{ProbeEvery: 8, CoolDown: time.Hour}
-	now := time.Unix(2000, 0)
-	a, b := NewTracker(m, "e1", "a"), NewTracker(m, "e1", "b")
-	for _, tr := range []*Tracker{a, b} {
-		tr.OnAdmit(trkHashes(8), 0)
-	}
-	// send plays the sender for one task: the gate's admission, then the
-	// store's answer for every key when the task is put.
-	send := func(task *SaveTask, noSpace bool) (Admission, SaveReport) {
-		adm := g.Admit(PressureScopeOf(task), now)
-		out := NewSendOutcome(task)
-		keys := len(task.Groups[0].Chunks)
-		switch {
-		case adm == AdmitSkip:
-			out.Record(0, OutcomeSkipped, keys, ReasonStorePressure)
-		case noSpace:
-			out.Record(0, OutcomeSkipped, keys, ReasonStorePressure)
-			g.OnNoSpace(PressureScopeOf(task), now)
-		default:
-			out.Record(0, OutcomeStored, keys, ReasonOK)
-			g.OnPutOK()
-		}
-		tot := out.Totals()
-		return adm, SaveReport{Status: out.Status(), Skipped: tot.Skipped, Failed: tot.Failed}
-	}
-	type sent struct {
-		tr       *Tracker
-		step     Step
-		noSpace  bool
-		want     wantSave
-		admitted Admission
-		status   SaveStatus
-	}
-	steps := []sent{
-		{a, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}, true, wantSave{0, 32, 0}, AdmitPut, SaveSkipped},
-		{a, Step{Kind: StepRunning, Tokens: 48}, false, wantSave{0, 48, 0}, AdmitSkip, SaveSkipped},
-		{b, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(10, 2))}, false, wantSave{0, 32, 0}, AdmitPut, SaveStored},
-		{a, Step{Kind: StepRunning, Tokens: 64}, false, wantSave{0, 64, 0}, AdmitPut, SaveStored},
-	}
-	for i, s := range steps {
-		eff := noErr(t, s.tr.Step(m, s.step))
-		if len(eff.Saves) != 1 || (wantSave{eff.Saves[0].Start, eff.Saves[0].End, eff.Saves[0].Epoch}) != s.want {
-			t.Fatalf("step %d: saves %+v, want %v", i, eff.Saves, s.want)
-		}
-		adm, rep := send(&eff.Saves[0], s.noSpace)
-		if adm != s.admitted || rep.Status != s.status {
-			t.Fatalf("step %d: admitted %s, status %s; want %s, %s", i, adm, rep.Status, s.admitted, s.status)
-		}
-		noErr(t, s.tr.OnSaveReport(eff.Saves[0].TaskID, rep))
-	}
-	if g.Skipped != 1 || g.Active() || g.Episodes != 1 || a.Reports != (SaveCounts{Stored: 1, Skipped: 2}) || len(a.Unsaved) != 0 {
-		t.Fatalf("gate %+v, a's reports %+v unsaved %v", g, a.Reports, a.Unsaved)
-	}
-	// A stale task of a's (epoch 0) under pressure does not sentence a's
-	// resumed saves (epoch 1).
-	g.OnNoSpace(PressureScopeOf(&SaveTask{EngineID: "e1", RequestID: "a"}), now)
-	if adm := g.Admit(PressureScopeOf(&SaveTask{EngineID: "e1", RequestID: "a", Epoch: 1}), now); adm != AdmitPut {
-		t.Fatalf("epoch-1 save of a under epoch-0 pressure: %s, want put", adm)
 	}
 }

@@ -5,11 +5,11 @@ import (
 	"reflect"
 	"strings"
 	"testing"
-	"time"
 )
 
 // TestTrackerScenarios runs the scenarios of docs/architecture.md owned by the
-// tracker, validation, send policy and MultiConnector (bs 16, hash 16).
+// tracker, validation and MultiConnector (bs 16, hash 16); the send
+// policy's (S17, S18) run in services/sender/internal/sendpolicy.
 func TestTrackerScenarios(t *testing.T) {
 	cases := []struct {
 		name string
@@ -24,7 +24,6 @@ func TestTrackerScenarios(t *testing.T) {
 		{"S13_resumed", scenario13},
 		{"S16_seed_one_group_table_two_group_model", scenario16},
 		{"S17_exists_retry_dead_letter_put_failed_reported", scenario17},
-		{"S18_no_space_pressure_until_put_succeeds", scenario18},
 		{"S20_finish_waits_for_inflight_save", scenario20},
 		{"S21_multiconnector", scenario21},
 		{"B1_seq_gap_fails_closed", scenarioSeqGap},
@@ -234,7 +233,9 @@ func scenario13(t *testing.T) {
 
 // scenario16: a save with a 1-group table on a 2-group model → group 1
 // rejected with table_group_count and a detail, group 0 valid; the tracker
-// itself cannot build such a save, and the request still frees.
+// itself cannot build such a save, and the request still frees. (The
+// sender's account of such a task, dead_lettered: the sending package's
+// TestSaveOutcomeScenarios.)
 func scenario16(t *testing.T) {
 	m := trkHybrid(t)
 	task := SaveTask{
@@ -248,13 +249,6 @@ func scenario16(t *testing.T) {
 	if !strings.Contains(vs[1].Detail, "1 group") || !strings.Contains(vs[1].Detail, "group 1") {
 		t.Fatalf("detail %q does not explain", vs[1].Detail)
 	}
-	var out SendOutcome = NewSendOutcome(&task)
-	out.Record(0, OutcomeStored, 2, ReasonOK)
-	out.Record(1, OutcomeDeadLettered, 0, vs[1].Reason)
-	if out.Status() != SaveDeadLettered || out.Groups[0].Stored != 2 || out.Groups[1].DeadLettered != 1 {
-		t.Fatalf("outcome %+v", out)
-	}
-
 	tr := newTrk(m)
 	eff := isErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}), ErrGroupCount)
 	if len(eff.Saves) != 0 || tr.State != StateErrored {
@@ -266,88 +260,18 @@ func scenario16(t *testing.T) {
 }
 
 // scenario17: existence check fails → retried, then dead-lettered; put fails
-// → counted, reported, not silent.
+// → counted, reported, not silent. The retries are the sender's policy
+// (sendpolicy's TestS17ExistsRetriedThenDeadLettered) and its account of
+// the task, failed, the sending package's TestSaveOutcomeScenarios; here the
+// tracker hears the failed status and reports it.
 func scenario17(t *testing.T) {
-	p := RetryPolicy{MaxAttempts: 3, BaseDelay: 10 * time.Millisecond, MaxDelay: time.Second}
-	want := []RetryDecision{
-		{Action: RetryAgain, Delay: 10 * time.Millisecond},
-		{Action: RetryAgain, Delay: 20 * time.Millisecond},
-		{Action: RetryDeadLetter, Reason: ReasonExistsFailed},
-	}
-	for i, w := range want {
-		if got := p.ExistsFailed(i + 1); got != w {
-			t.Fatalf("after %d failures: %+v, want %+v", i+1, got, w)
-		}
-	}
-	if got := p.PutFailed(3); got.Action != RetryFail || got.Reason != ReasonPutFailed {
-		t.Fatalf("put give-up %+v", got)
-	}
-
 	m := trkHybrid(t)
 	tr := newTrk(m)
 	task := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(5, 2))})).Saves[0]
-	out := NewSendOutcome(&task)
-	out.Record(0, OutcomeDeadLettered, 2, ReasonExistsFailed)
-	out.Record(1, OutcomeFailed, 1, ReasonPutFailed)
-	tot := out.Totals()
-	if tot.DeadLettered != 2 || tot.Failed != 1 || out.Groups[1].Reason != ReasonPutFailed || out.Status() != SaveFailed {
-		t.Fatalf("outcome %+v totals %+v", out, tot)
-	}
 	noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-	eff := noErr(t, tr.OnSaveResult(task.TaskID, out.Status()))
+	eff := noErr(t, tr.OnSaveResult(task.TaskID, SaveFailed))
 	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || tr.Reports.Failed != 1 {
 		t.Fatalf("failed save not reported: %+v reports %+v", eff, tr.Reports)
-	}
-}
-
-// scenario18: puts of request a answer "no space" twice → a's later saves
-// are skipped (counted) until a put succeeds, probes going through; request
-// b's saves are put meanwhile (issue 14: pressure is scoped to the request
-// that hit it, as vLLM's _skip_store_requests; before, every request was
-// skipped); a put of b that succeeds lets a go.
-func scenario18(t *testing.T) {
-	g := PressureGate{ProbeEvery: 3, CoolDown: time.Hour}
-	now := time.Unix(1000, 0)
-	// answers the store gives to a's puts that go through, in order.
-	answers := []bool{false, false, true} // no space, no space, ok
-	var got []Admission
-	for range 10 {
-		a := g.Admit("a", now)
-		got = append(got, a)
-		if b := g.Admit("b", now); b != AdmitPut {
-			t.Fatalf("request b admitted %s while a is under pressure, want put", b)
-		}
-		if a == AdmitSkip || len(answers) == 0 {
-			continue
-		}
-		ok := answers[0]
-		answers = answers[1:]
-		if ok {
-			g.OnPutOK()
-		} else {
-			g.OnNoSpace("a", now)
-		}
-	}
-	want := []Admission{AdmitPut, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitSkip, AdmitSkip, AdmitSkip, AdmitProbe, AdmitPut}
-	if !reflect.DeepEqual(got, want) {
-		t.Fatalf("admissions %v, want %v", got, want)
-	}
-	if g.Skipped != 6 || g.Active() || g.Episodes != 1 {
-		t.Fatalf("gate %+v, want 6 skipped, inactive, 1 episode", g)
-	}
-	// The cool-down alone also lets a probe through.
-	g.OnNoSpace("a", now)
-	if a := g.Admit("a", now.Add(time.Minute)); a != AdmitSkip {
-		t.Fatalf("before cool-down: %s", a)
-	}
-	if a := g.Admit("a", now.Add(time.Hour)); a != AdmitProbe {
-		t.Fatalf("after cool-down: %s", a)
-	}
-	// Another request's successful put ends a's pressure.
-	g.OnNoSpace("a", now)
-	g.OnPutOK()
-	if a := g.Admit("a", now); a != AdmitPut || g.Episodes != 2 {
-		t.Fatalf("after b's put: %s, episodes %d; want put, 2", a, g.Episodes)
 	}
 }
 

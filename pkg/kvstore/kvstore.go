@@ -4,7 +4,7 @@
 //
 // Two implementations are provided: NewMemory, an in-process store for unit
 // tests and single-process demos, and NewRedis, backed by Redis or Valkey
-// through go-redis. Both pass the same contract suite (package kvstoretest).
+// through go-redis, a single server or a Redis Cluster. Both pass the same contract suite (package kvstoretest).
 // Cross-cutting concerns such as metrics are added by wrapping a Store.
 package kvstore
 
@@ -67,6 +67,20 @@ var (
 	ErrUnavailable = errors.New("kvstore: store unavailable")
 	// ErrClosed reports use of a store after Close.
 	ErrClosed = errors.New("kvstore: store closed")
+
+	// The store URL's parsing errors follow; each is wrapped with the part at fault.
+
+	// errNoSeeds reports a cluster URL without any host.
+	errNoSeeds = errors.New("cluster URL names no host")
+	// errBadSeed reports a seed node that is not host[:port] with a port in 1..65535.
+	errBadSeed = errors.New("seed node is not host:port")
+	// errClusterDB reports a database other than 0 in a cluster URL: a
+	// Redis Cluster has database 0 only.
+	errClusterDB = errors.New("a Redis Cluster has database 0 only")
+	// errNotCluster reports a single server's URL where a cluster's is needed.
+	errNotCluster = errors.New("URL names a single server, not a cluster (want redis+cluster://host:port,host:port,...)")
+	// errClusterURL reports a cluster URL where a single server's is needed.
+	errClusterURL = errors.New("URL names a Redis Cluster, not a single server (use RedisClusterOptions)")
 )
 
 // IsTransient reports whether err may go away if the same call is retried

@@ -73,7 +73,7 @@ type Mesh struct {
 // picks a key prefix starting with tag; env is added to every process's
 // settings. Without PostgreSQL or Redis the test is skipped, or fails when
 // KVMESH_REQUIRE_SERVICES=1.
-func New(t *testing.T, tag string, env ...string) *Mesh {
+func New(t testing.TB, tag string, env ...string) *Mesh {
 	t.Helper()
 	return newMesh(t, tag, "", env)
 }
@@ -81,12 +81,12 @@ func New(t *testing.T, tag string, env ...string) *Mesh {
 // NewDurable is New with a broker that keeps its topics, records and
 // committed offsets in a directory of the test's own, so that RestartBroker
 // can take it away and bring it back as a restarted Kafka would come back.
-func NewDurable(t *testing.T, tag string, env ...string) *Mesh {
+func NewDurable(t testing.TB, tag string, env ...string) *Mesh {
 	t.Helper()
 	return newMesh(t, tag, t.TempDir(), env)
 }
 
-func newMesh(t *testing.T, tag, brokerDir string, env []string) *Mesh {
+func newMesh(t testing.TB, tag, brokerDir string, env []string) *Mesh {
 	t.Helper()
 	redisURL := testenv.RedisURL(t) // skips (or fails) before anything is built
 	m := &Mesh{

@@ -39,7 +39,7 @@ type Config struct {
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
+	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
 	// EngineID is the engine whose pool this worker holds.
 	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
 	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
@@ -53,6 +53,10 @@ type Config struct {
 	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address>, with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
 	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
 	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
+	// StoreStreams is how many put sub-batches (over all puts) or sub-batches of one load are in flight at once.
+	StoreStreams int `env:"KVMESH_STORE_STREAMS" default:"4" doc:"sub-batches in flight at once, each its own store call on its own connection, so framing or verifying one overlaps the transfer of others: for puts over all the worker's puts together (they share this many framing buffers of KVMESH_STREAM_CHUNK_BYTES), for loads per load task (pd reads likewise); raise it for a store of many shards"`
+	// StreamChunkBytes bounds the value bytes of one sub-batch.
+	StreamChunkBytes int `env:"KVMESH_STREAM_CHUNK_BYTES" default:"4194304" doc:"value bytes of one put or load sub-batch (at most KVMESH_MAX_BATCH_BYTES; a larger block goes alone): smaller starts the first transfer sooner, larger costs fewer round trips"`
 	// LoadMaxAge bounds how old a load task may be when it is consumed.
 	LoadMaxAge time.Duration `env:"KVMESH_LOAD_MAX_AGE" default:"60s" doc:"oldest load task the worker still loads (older: every block reported as a load error, nothing written; its blocks may have been reused since); 0 loads every task"`
 	// HeartbeatInterval is how often the worker heartbeats in the registry.
@@ -85,6 +89,13 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxBatchBytes < 1<<20 {
 		errs = append(errs, fmt.Errorf("KVMESH_MAX_BATCH_BYTES: %d is below 1 MiB", c.MaxBatchBytes))
+	}
+	// Zero streams or chunk bytes (a Config built in code) take the defaults.
+	if c.StoreStreams < 0 || c.StoreStreams > 64 {
+		errs = append(errs, fmt.Errorf("KVMESH_STORE_STREAMS: %d is not in 1..64", c.StoreStreams))
+	}
+	if c.StreamChunkBytes != 0 && c.StreamChunkBytes < 64<<10 {
+		errs = append(errs, fmt.Errorf("KVMESH_STREAM_CHUNK_BYTES: %d is below 64 KiB", c.StreamChunkBytes))
 	}
 	if c.LoadMaxAge < 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_LOAD_MAX_AGE: %s is negative", c.LoadMaxAge))
@@ -206,7 +217,9 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 		return nil, err
 	}
 	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut}).WithLabels(vllmLabels)
-	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).Mount(a.srv.Router())
+	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).
+		WithStreams(dataplaneapi.Streams{N: cfg.StoreStreams, ChunkBytes: cfg.StreamChunkBytes}).Mount(a.srv.Router())
+	dataplaneapi.NewKVMemory(a.pool, a.model).Mount(a.srv.Router())
 	a.mountAPI()
 	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}
 	return a, nil
@@ -240,7 +253,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 			}
 			return dataplane.NewClient(w.Addr, hc), nil
 		},
-		MaxBatchBytes: a.cfg.MaxBatchBytes, Metrics: m, Log: a.deps.Log, MaxAge: a.cfg.LoadMaxAge,
+		MaxBatchBytes: a.cfg.MaxBatchBytes, Streams: a.cfg.StoreStreams, ChunkBytes: a.cfg.StreamChunkBytes, Metrics: m, Log: a.deps.Log, MaxAge: a.cfg.LoadMaxAge,
 	})
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)

@@ -5,14 +5,18 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/dataplaneapi"
 )
 
 // benchBatchBytes is the data one benchmark operation moves.
@@ -34,35 +38,89 @@ func benchWorker(b *testing.B, env *servicetest.Env, size int) *worker {
 	}
 	cfg := testConfig(env, fmt.Sprintf("engine-bench-%d", size))
 	cfg.Model, cfg.PoolBlocks, cfg.MaxBatchBytes = path, benchBatchBytes/size, benchBatchBytes
+	cfg.StoreStreams, cfg.StreamChunkBytes = benchStreams, benchChunkBytes
 	cfg.Common.LogLevel = "warn"
 	return startWorker(b, cfg, nil)
 }
 
-// rawGet fetches keys with one go-redis pipeline of GETs.
-func rawGet(ctx context.Context, c *redis.Client, keys []string) error {
-	_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for _, k := range keys {
-			p.Get(ctx, k)
-		}
-		return nil
-	})
-	return err
+// The benchmark worker's streaming settings, which the raw baselines copy:
+// as many concurrent pipelines, each of at most as many value bytes. They
+// are the defaults unless KVMESH_STORE_STREAMS or KVMESH_STREAM_CHUNK_BYTES
+// is set (KVMESH_STORE_STREAMS=1 KVMESH_STREAM_CHUNK_BYTES=67108864 plays
+// the unstreamed data plane: one whole-batch frame, one pipeline).
+var (
+	benchStreams    = benchSetting("KVMESH_STORE_STREAMS", dataplaneapi.DefaultStoreStreams)
+	benchChunkBytes = benchSetting("KVMESH_STREAM_CHUNK_BYTES", dataplaneapi.DefaultStreamChunkBytes)
+)
+
+// benchSetting is the positive integer in environment variable name, else def.
+func benchSetting(name string, def int) int {
+	if n, err := strconv.Atoi(os.Getenv(name)); err == nil && n > 0 {
+		return n
+	}
+	return def
 }
 
-// rawSet stores values with one go-redis pipeline of SETs.
+// rawParallel cuts n values of size bytes into sub-batches of at most
+// benchChunkBytes (at least one value each) and runs do on each, at most
+// benchStreams at once: the same parallelism as the worker's puts and loads.
+func rawParallel(n, size int, do func(lo, hi int) error) error {
+	var g errgroup.Group
+	g.SetLimit(benchStreams)
+	per := max(1, benchChunkBytes/size)
+	for lo := 0; lo < n; lo += per {
+		hi := min(n, lo+per)
+		g.Go(func() error { return do(lo, hi) })
+	}
+	return g.Wait()
+}
+
+// rawGet fetches keys with go-redis pipelines of GETs, benchStreams at once.
+func rawGet(ctx context.Context, c *redis.Client, keys []string, size int) error {
+	return rawParallel(len(keys), size, func(lo, hi int) error {
+		_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, k := range keys[lo:hi] {
+				p.Get(ctx, k)
+			}
+			return nil
+		})
+		return err
+	})
+}
+
+// rawSet stores values with go-redis pipelines of SETs, benchStreams at once.
 func rawSet(ctx context.Context, c *redis.Client, keys []string, values [][]byte) error {
-	_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, k := range keys {
-			p.Set(ctx, k, values[i], 0)
-		}
-		return nil
+	return rawParallel(len(keys), len(values[0]), func(lo, hi int) error {
+		_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i := lo; i < hi; i++ {
+				p.Set(ctx, keys[i], values[i], 0)
+			}
+			return nil
+		})
+		return err
 	})
-	return err
 }
 
-// BenchmarkLoad measures load throughput, task published → bytes in the
-// pool → result received, next to a raw pipelined Redis GET of the same keys
-// in the same run; load/raw is the load's throughput as a fraction of raw.
+// loadSlots is how many load tasks BenchmarkLoad keeps in flight, each
+// into blocks of its own: benchBatchBytes/loadSlots per task.
+const loadSlots = 2
+
+// loadSlot is one in-flight slot of BenchmarkLoad: its stored keys, and the
+// hash chain and block table of its tasks.
+type loadSlot struct {
+	keys   []string
+	hashes []string
+	table  kvcore.BlockTable
+}
+
+// BenchmarkLoad measures load throughput as a steady stream: loadSlots
+// load tasks in flight (the next published as a result arrives), each of
+// benchBatchBytes/loadSlots into blocks of its own, timed from the first
+// publish to the last result, next to raw pipelined Redis GETs of the same
+// keys at the same parallelism (the worker loads one task at a time, in
+// benchStreams sub-batches of at most benchChunkBytes at once; so do the
+// raw GETs) in the same run; load/raw is the load's throughput as a
+// fraction of raw.
 func BenchmarkLoad(b *testing.B) {
 	env := servicetest.NewEnv(b)
 	rs := watchResults(b, env)
@@ -72,40 +130,79 @@ func BenchmarkLoad(b *testing.B) {
 	for _, bs := range benchSizes {
 		// Set up once per size: b.Run calls its function once per b.N tried.
 		w := benchWorker(b, env, bs.size)
-		n := benchBatchBytes / bs.size
-		hashes := hexChain(w.model, tokens(16*n, uint32(bs.size)))
-		keys := make([]string, n)
-		table := kvcore.BlockTable{make([]kvcore.BlockID, n)}
-		for i := range n {
-			keys[i] = w.keys.KeyHex(kvcore.Rank{}, 0, hashes[i])
-			table[0][i] = kvcore.BlockID(i)
-			w.store(b, keys[i], dataplane.EncodeValue(w.model.Fingerprint(), w.randomBlock(0)))
+		per := benchBatchBytes / bs.size / loadSlots
+		slots := make([]loadSlot, loadSlots)
+		for s := range slots {
+			sl := &slots[s]
+			sl.hashes = hexChain(w.model, tokens(16*per, uint32(bs.size+s)))
+			sl.table = kvcore.BlockTable{make([]kvcore.BlockID, per)}
+			for i := range per {
+				sl.keys = append(sl.keys, w.keys.KeyHex(kvcore.Rank{}, 0, sl.hashes[i]))
+				sl.table[0][i] = kvcore.BlockID(s*per + i)
+				w.store(b, sl.keys[i], dataplane.EncodeValue(w.model.Fingerprint(), w.randomBlock(0)))
+			}
 		}
+		valueSize := bs.size + dataplane.ValueOverhead(len(w.model.Fingerprint()))
 		b.Run(bs.name, func(b *testing.B) {
-			var raw, loaded time.Duration
-			b.SetBytes(benchBatchBytes)
+			b.SetBytes(benchBatchBytes / loadSlots)
 			b.ResetTimer()
-			for range b.N {
+			var loaded, raw time.Duration
+			for lo := 0; lo < b.N; lo += loadRound {
+				ops := min(loadRound, b.N-lo)
+				loaded += loadStream(b, w, p, rs, slots, per, ops)
+				b.StopTimer() // MB/s is the load's alone
 				start := time.Now()
-				if err := rawGet(ctx, rdb, keys); err != nil {
-					b.Fatal(err)
+				for i := range ops {
+					if err := rawGet(ctx, rdb, slots[i%loadSlots].keys, valueSize); err != nil {
+						b.Fatal(err)
+					}
 				}
 				raw += time.Since(start)
-				task := w.loadTask(hashes, 16*n, table)
-				start = time.Now()
-				publishTask(b, p, task)
-				if res := rs.wait(b, task.TaskID); len(res.LoadErrors) != 0 {
-					b.Fatalf("load errors %v", res.LoadErrors)
-				}
-				loaded += time.Since(start)
+				b.StartTimer()
 			}
-			reportRatio(b, "load", loaded, raw)
+			reportRatio(b, "load", benchBatchBytes/loadSlots, loaded, raw)
 		})
 	}
 }
 
+// loadRound is how many load tasks BenchmarkLoad streams before the raw
+// GETs of as many: rounds of both, so that both see the same load on a
+// shared machine. Each round's stream starts full and drains at its end.
+const loadRound = 8
+
+// loadStream streams ops load tasks over the slots, loadSlots in flight,
+// and returns the time from the first publish to the last result.
+func loadStream(b *testing.B, w *worker, p *bus.Producer, rs *results, slots []loadSlot, per, ops int) time.Duration {
+	b.Helper()
+	start := time.Now()
+	var inFlight []string // task ids, oldest first: one worker loads them in order
+	for i := range ops {
+		if len(inFlight) == loadSlots {
+			waitLoad(b, rs, inFlight[0])
+			inFlight = inFlight[1:]
+		}
+		sl := slots[i%loadSlots]
+		task := w.loadTask(sl.hashes, 16*per, sl.table)
+		publishTask(b, p, task)
+		inFlight = append(inFlight, task.TaskID)
+	}
+	for _, id := range inFlight {
+		waitLoad(b, rs, id)
+	}
+	return time.Since(start)
+}
+
+// waitLoad waits for the result of load task id and fails on load errors.
+func waitLoad(b *testing.B, rs *results, id string) {
+	b.Helper()
+	if res := rs.wait(b, id); len(res.LoadErrors) != 0 {
+		b.Fatalf("load errors %v", res.LoadErrors)
+	}
+}
+
 // BenchmarkPut measures the data plane's put (pool → framed values in
-// Redis) next to a raw pipelined Redis SET of the same framed values.
+// Redis) next to raw pipelined Redis SETs of the same framed values at the
+// same parallelism.
 func BenchmarkPut(b *testing.B) {
 	env := servicetest.NewEnv(b)
 	rdb := redisClient(b, env.RedisURL)
@@ -147,14 +244,15 @@ func BenchmarkPut(b *testing.B) {
 				}
 				put += time.Since(start)
 			}
-			reportRatio(b, "put", put, raw)
+			reportRatio(b, "put", benchBatchBytes, put, raw)
 		})
 	}
 }
 
-// reportRatio reports both throughputs and their ratio.
-func reportRatio(b *testing.B, what string, kvmesh, raw time.Duration) {
-	mb := float64(b.N) * benchBatchBytes / (1 << 20)
+// reportRatio reports both throughputs of b.N operations of perOp bytes
+// and their ratio.
+func reportRatio(b *testing.B, what string, perOp int, kvmesh, raw time.Duration) {
+	mb := float64(b.N) * float64(perOp) / (1 << 20)
 	b.ReportMetric(mb/kvmesh.Seconds(), what+"_MiB/s")
 	b.ReportMetric(mb/raw.Seconds(), "raw_MiB/s")
 	b.ReportMetric(raw.Seconds()/kvmesh.Seconds(), what+"/raw")

@@ -166,6 +166,7 @@ func TestClientPutReportsNoSpace(t *testing.T) {
 	cfg := testConfig(env, "engine-full")
 	cfg.RedisURL = tiny.URL()
 	cfg.PoolBlocks = 24
+	cfg.StoreStreams = 1 // sub-batches in order: the first items get the space
 	w := startWorker(t, cfg, nil)
 	ctx := context.Background()
 	hashes := hexChain(w.model, tokens(24*16, 1))

@@ -57,6 +57,7 @@ func TestVLLMStoreFamiliesOfPutsAndLoads(t *testing.T) {
 	cfg := testConfig(env, "engine-vllm")
 	cfg.Model, cfg.PoolBlocks, cfg.RedisURL = "dense", 8, redis.URL()
 	cfg.MaxBatchBytes = 16 << 20 // a load's three values in one Get
+	cfg.StreamChunkBytes = 16 << 20
 	w := startWorker(t, cfg, nil)
 	rs := watchResults(t, env)
 	ctx := context.Background()

@@ -12,13 +12,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"slices"
 	"strconv"
 
 	"github.com/go-chi/chi/v5"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
@@ -42,6 +40,8 @@ type Handler struct {
 	// collections, unlike a sync.Pool): framing into memory already
 	// faulted in is several times faster than into fresh pages.
 	bufs chan *[]byte
+	// streams bounds a put's concurrent store calls (put.go).
+	streams Streams
 }
 
 // tracerName is the instrumentation scope of the data-plane spans.
@@ -60,10 +60,19 @@ func New(p *pool.Pool, st kvstore.Store, fingerprint string, maxBatch int, m *me
 
 // Mount adds the routes to r.
 func (h *Handler) Mount(r chi.Router) {
-	r.With(httpserver.BodyLimit(h.writeLimit())).Post(dataplane.PathWrite, h.write)
+	r.With(h.limitWrite).Post(dataplane.PathWrite, h.write)
 	r.Post(dataplane.PathRead, h.read)
 	r.With(httpserver.BodyLimit(putBodyLimit)).Post(dataplane.PathPut, h.put)
 	r.With(httpserver.BodyLimit(putBodyLimit)).Post(dataplane.PathEvict, h.evict)
+}
+
+// limitWrite bounds a write body by writeLimit at the time of the request:
+// a registered engine memory may hold another number of blocks than the
+// pool had when the routes were mounted.
+func (h *Handler) limitWrite(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		httpserver.BodyLimit(h.writeLimit())(next).ServeHTTP(w, r)
+	})
 }
 
 // writeLimit bounds a write body: every block of the pool once, framed. The
@@ -135,12 +144,14 @@ func writeBodyProblem(w http.ResponseWriter, r *http.Request, err error) {
 	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", err.Error(), nil)
 }
 
-// read answers one frame per asked block, checksummed, in order. Each block
-// is sent under its read lock (no copy), so a write or load of that block
-// waits until it is on the wire; a block that does not hold the asked hash
-// is answered with a not-held frame (no data, what it holds instead).
-// Content-Length is not known in advance (a refused block sends no data),
-// so the answer is chunked.
+// read answers one frame per asked block, checksummed, in order. Each
+// block is copied out of the pool first and its identity record checked
+// again after the copy (pool.ReadSegments): only bytes whose record held
+// the asked hash throughout are sent. A block that does not hold it, or
+// was rewritten during the copy (the engine writes its registered memory
+// itself), is answered with a not-held frame (no data, what it holds
+// instead). Content-Length is not known in advance (a refused block sends
+// no data), so the answer is chunked.
 func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	var req dataplane.ReadRequest
 	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
@@ -163,35 +174,49 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
 	w.WriteHeader(http.StatusOK)
 	hdr := make([]byte, 0, dataplane.FrameHeaderSize+2*dataplane.MaxHashLen)
+	var buf []byte
 	var sent int64
 	refused := 0
 	for _, ref := range req.Blocks {
-		err := h.pool.Read(ref.Group, ref.Block, ref.Hash, func(src []byte, tag pool.Tag) error {
-			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
-				Group: ref.Group, Block: ref.Block, Len: len(src), Checksum: dataplane.Checksum(src),
-				Generation: tag.Generation, Identity: tag.Identity,
-			})
-			if _, err := w.Write(hdr); err != nil {
-				return err
+		var tag pool.Tag
+		err := h.pool.ReadSegments(ref.Group, ref.Block, ref.Hash, func(segs [][]byte, t pool.Tag) error {
+			buf, tag = buf[:0], t
+			for _, s := range segs {
+				buf = append(buf, s...)
 			}
-			sent += int64(len(src))
-			_, err := w.Write(src)
-			return err
+			return nil
 		})
 		var nh *pool.NotHeldError
-		if errors.As(err, &nh) {
+		switch {
+		case errors.As(err, &nh):
 			refused++
 			h.metrics.NotHeld(metrics.OpRead)
 			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
 				Group: ref.Group, Block: ref.Block, NotHeld: true, Generation: nh.Held.Generation, Identity: nh.Held.Identity,
 			})
 			_, err = w.Write(hdr)
+		case err == nil:
+			err = writeFrame(w, hdr[:0], ref, tag, buf)
+			sent += int64(len(buf))
 		}
 		if err != nil {
-			return // the client went away; nothing more can be said to it
+			return // the client went away (or a device copy failed); nothing more can be said
 		}
 	}
 	span.SetAttributes(attribute.Int64("kvmesh.bytes", sent), attribute.Int("kvmesh.not_held", refused))
+}
+
+// writeFrame sends one verified block's frame: header, identity, bytes.
+func writeFrame(w http.ResponseWriter, hdr []byte, ref dataplane.ReadRef, tag pool.Tag, data []byte) error {
+	hdr = dataplane.AppendFrameHeader(hdr, dataplane.FrameHeader{
+		Group: ref.Group, Block: ref.Block, Len: len(data), Checksum: dataplane.Checksum(data),
+		Generation: tag.Generation, Identity: tag.Identity,
+	})
+	if _, err := w.Write(hdr); err != nil {
+		return err
+	}
+	_, err := w.Write(data)
+	return err
 }
 
 // evict clears the identity of the listed blocks.
@@ -214,159 +239,4 @@ func (h *Handler) evict(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	_ = httpserver.WriteJSON(w, http.StatusOK, ans)
-}
-
-// put frames the listed blocks and stores them, in batches of at most
-// maxBatch value bytes.
-func (h *Handler) put(w http.ResponseWriter, r *http.Request) {
-	var req dataplane.PutRequest
-	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
-		return
-	}
-	results := make([]dataplane.PutResult, len(req.Items))
-	var valid []int
-	for i, it := range req.Items {
-		switch err := h.pool.Check(it.Group, it.Block); {
-		case err != nil:
-			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: err.Error()}
-		case it.Key == "":
-			results[i] = dataplane.PutResult{Status: dataplane.PutFailed, Error: "empty store key"}
-		case it.Hash == "":
-			h.metrics.NotHeld(metrics.OpPut)
-			results[i] = dataplane.PutResult{Status: dataplane.PutNotHeld, Error: "no block hash: the block's content cannot be proven"}
-		default:
-			valid = append(valid, i)
-		}
-	}
-	ctx, span := otel.Tracer(tracerName).Start(r.Context(), "gpuworker.put", trace.WithAttributes(
-		attribute.Int("kvmesh.items", len(req.Items)), attribute.IntSlice("kvmesh.groups", putGroups(req.Items))))
-	defer span.End()
-	r = r.WithContext(ctx)
-	var stored int64
-	for len(valid) > 0 {
-		n, size := h.nextBatch(req.Items, valid)
-		bytes, err := h.putBatch(r, req.Items, valid[:n], size, results)
-		if err != nil {
-			span.RecordError(err)
-			span.SetStatus(codes.Error, "store unavailable")
-			httpserver.WriteProblem(w, r, http.StatusServiceUnavailable, "store unavailable", err.Error(), nil)
-			return
-		}
-		stored += bytes
-		valid = valid[n:]
-	}
-	span.SetAttributes(attribute.Int64("kvmesh.bytes", stored), attribute.Int("kvmesh.failed_items", failedItems(results)))
-	_ = httpserver.WriteJSON(w, http.StatusOK, dataplane.PutResponse{Results: results, Bytes: stored})
-}
-
-// putGroups lists the distinct groups of items, in first-seen order.
-func putGroups(items []dataplane.PutItem) []int {
-	var out []int
-	for _, it := range items {
-		if !slices.Contains(out, it.Group) {
-			out = append(out, it.Group)
-		}
-	}
-	return out
-}
-
-// failedItems counts the results that are not stored (failed or no space).
-func failedItems(results []dataplane.PutResult) int {
-	n := 0
-	for _, r := range results {
-		if r.Status != dataplane.PutStored {
-			n++
-		}
-	}
-	return n
-}
-
-// nextBatch is how many of the valid items the next Put carries (at least
-// one) and their framed size.
-func (h *Handler) nextBatch(items []dataplane.PutItem, valid []int) (n, size int) {
-	overhead := dataplane.ValueOverhead(len(h.fp))
-	for n < len(valid) {
-		bpb, _ := h.pool.BlockSize(items[valid[n]].Group) // checked by put
-		if n > 0 && size+overhead+bpb > h.maxBatch {
-			break
-		}
-		size += overhead + bpb
-		n++
-	}
-	return n, size
-}
-
-// putBatch frames the items at idx into one buffer and stores them in one
-// Put, filling their results. A block that does not hold its item's hash
-// is not framed: its result is PutNotHeld. It returns the framed bytes
-// stored, or the store's whole-batch error.
-func (h *Handler) putBatch(r *http.Request, items []dataplane.PutItem, idx []int, size int, results []dataplane.PutResult) (int64, error) {
-	bp := h.buffer(size)
-	defer h.release(bp)
-	buf := (*bp)[:0]
-	batch := make([]kvstore.Item, 0, len(idx))
-	framed := make([]int, 0, len(idx))
-	for _, i := range idx {
-		it := items[i]
-		err := h.pool.Read(it.Group, it.Block, it.Hash, func(src []byte, _ pool.Tag) error {
-			at := len(buf)
-			buf = dataplane.AppendValue(buf, h.fp, src)
-			batch = append(batch, kvstore.Item{Key: it.Key, Value: buf[at:len(buf):len(buf)]})
-			return nil
-		})
-		if err != nil { // the range was checked by put: the block does not hold the hash
-			h.metrics.NotHeld(metrics.OpPut)
-			results[i] = dataplane.PutResult{Status: dataplane.PutNotHeld, Error: err.Error()}
-			continue
-		}
-		framed = append(framed, i)
-	}
-	if len(batch) == 0 {
-		return 0, nil
-	}
-	errs, err := h.store.Put(r.Context(), batch)
-	if err != nil {
-		return 0, fmt.Errorf("store put of %d keys: %w", len(batch), err)
-	}
-	var stored int64
-	for j, i := range framed {
-		results[i] = putResult(errs[j])
-		if errs[j] == nil {
-			stored += int64(len(batch[j].Value))
-		}
-	}
-	h.metrics.StoreBytes(metrics.OpSavePut, stored)
-	return stored, nil
-}
-
-// buffer returns a kept buffer of at least size bytes capacity, or a new one.
-func (h *Handler) buffer(size int) *[]byte {
-	select {
-	case bp := <-h.bufs:
-		if cap(*bp) >= size {
-			return bp
-		}
-	default:
-	}
-	b := make([]byte, 0, size)
-	return &b
-}
-
-// release keeps bp for a later put unless enough are kept already.
-func (h *Handler) release(bp *[]byte) {
-	select {
-	case h.bufs <- bp:
-	default:
-	}
-}
-
-// putResult maps a per-key store error to a PutResult.
-func putResult(err error) dataplane.PutResult {
-	switch {
-	case err == nil:
-		return dataplane.PutResult{Status: dataplane.PutStored}
-	case errors.Is(err, kvstore.ErrNoSpace):
-		return dataplane.PutResult{Status: dataplane.PutNoSpace, Error: err.Error()}
-	}
-	return dataplane.PutResult{Status: dataplane.PutFailed, Error: err.Error()}
 }

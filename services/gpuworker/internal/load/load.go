@@ -12,11 +12,13 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -85,6 +87,15 @@ type Config struct {
 	// MaxBatchBytes bounds the value bytes one store Get (or remote read)
 	// brings into memory.
 	MaxBatchBytes int
+	// Streams is how many sub-batches of one load (store Gets, or remote
+	// reads of a pd load) are in flight at once; zero means
+	// DefaultStreams. Each sub-batch's values are verified and copied
+	// into the pool as soon as it arrives, while the others transfer.
+	Streams int
+	// ChunkBytes bounds the value bytes of one sub-batch (at most
+	// MaxBatchBytes; zero means DefaultChunkBytes). A load holds at most
+	// Streams × ChunkBytes of fetched values.
+	ChunkBytes int
 	// Metrics counts loads and store operations.
 	Metrics *metrics.Metrics
 	// Log receives one line per load.
@@ -101,6 +112,14 @@ type Config struct {
 	Now func() time.Time
 }
 
+// Defaults of Config fields left at zero.
+const (
+	// DefaultStreams is the default Config.Streams.
+	DefaultStreams = 4
+	// DefaultChunkBytes is the default Config.ChunkBytes.
+	DefaultChunkBytes = 4 << 20
+)
+
 // Loader handles load tasks.
 type Loader struct {
 	cfg    Config
@@ -110,6 +129,15 @@ type Loader struct {
 
 // New returns a loader.
 func New(cfg Config) *Loader {
+	if cfg.Streams <= 0 {
+		cfg.Streams = DefaultStreams
+	}
+	if cfg.ChunkBytes <= 0 {
+		cfg.ChunkBytes = DefaultChunkBytes
+	}
+	if cfg.MaxBatchBytes > 0 {
+		cfg.ChunkBytes = min(cfg.ChunkBytes, cfg.MaxBatchBytes)
+	}
 	return &Loader{cfg: cfg, fp: cfg.Model.Fingerprint(), tracer: otel.Tracer("kvmesh/gpuworker")}
 }
 
@@ -322,7 +350,8 @@ func unplanned(m *kvcore.Model, task *kvcore.LoadTask, err error) outcome {
 	return outcome{failed: newBlockSet(kvcore.ListedBlocks(m, task)), planErr: err}
 }
 
-// loadStore gets the task's keys from the store into the pool.
+// loadStore gets the task's keys from the store into the pool, in
+// sub-batches, Streams of them at once.
 func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
 	if task.Model != l.cfg.Model.Name {
 		return unplanned(l.cfg.Model, task, fmt.Errorf("model %q, worker serves %q: %w", task.Model, l.cfg.Model.Name, ErrNotPlanned))
@@ -333,11 +362,11 @@ func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
 	}
 	res := outcome{failed: newBlockSet(nil)}
 	errs := make([]error, len(items))
-	for lo := 0; lo < len(items); {
-		hi := l.batchEnd(items, lo)
-		res.bytes += l.getBatch(ctx, task.RequestID, items[lo:hi], errs[lo:hi])
-		lo = hi
-	}
+	var written atomic.Int64
+	l.eachBatch(len(items), func(i int) int64 { return l.cfg.Model.Groups[items[i].Group].BytesPerBlock }, func(lo, hi int) {
+		written.Add(l.getBatch(ctx, task.RequestID, items[lo:hi], errs[lo:hi]))
+	})
+	res.bytes = written.Load()
 	for i, it := range items {
 		if errs[i] != nil {
 			res.fail(it.Block, errs[i])
@@ -346,21 +375,28 @@ func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
 	return res
 }
 
-// batchEnd is the end of the batch of items starting at lo: at least one
-// item, at most MaxBatchBytes of expected values.
-func (l *Loader) batchEnd(items []kvcore.TransferItem, lo int) int {
+// eachBatch cuts n items into sub-batches of at most ChunkBytes of
+// expected values (at least one item each; size(i) is item i's block
+// bytes, the value overhead added) and calls do with each sub-batch's
+// bounds, at most Streams at once; it returns when every call has.
+func (l *Loader) eachBatch(n int, size func(i int) int64, do func(lo, hi int)) {
 	overhead := int64(dataplane.ValueOverhead(len(l.fp)))
-	var size int64
-	hi := lo
-	for hi < len(items) {
-		n := l.cfg.Model.Groups[items[hi].Group].BytesPerBlock + overhead
-		if hi > lo && size+n > int64(l.cfg.MaxBatchBytes) {
-			break
+	var g errgroup.Group
+	g.SetLimit(l.cfg.Streams)
+	for lo := 0; lo < n; {
+		hi, total := lo, int64(0)
+		for hi < n && (hi == lo || total+size(hi)+overhead <= int64(l.cfg.ChunkBytes)) {
+			total += size(hi) + overhead
+			hi++
 		}
-		size += n
-		hi++
+		from, to := lo, hi
+		g.Go(func() error { // waits while Streams sub-batches are in flight
+			do(from, to)
+			return nil
+		})
+		lo = hi
 	}
-	return hi
+	_ = g.Wait() // do reports through its own results
 }
 
 // getBatch gets one batch of keys with one store Get, verifies each value
@@ -405,7 +441,33 @@ func (l *Loader) place(requestID string, it kvcore.TransferItem, value []byte) e
 	if err != nil {
 		return fmt.Errorf("key %s: %w", it.Key, err)
 	}
-	return l.cfg.Pool.WriteBytes(it.Group, it.Block, dataplane.Identity{Hash: it.Hash, RequestID: requestID}, payload)
+	if bpb := l.cfg.Model.Groups[it.Group].BytesPerBlock; int64(len(payload)) != bpb { // before the block is touched
+		return fmt.Errorf("key %s: group %d: %d bytes for a %d-byte block: %w", it.Key, it.Group, len(payload), bpb, pool.ErrSize)
+	}
+	return l.cfg.Pool.WriteSegments(it.Group, it.Block, dataplane.Identity{Hash: it.Hash, RequestID: requestID}, func(segs [][]byte) error {
+		return copySegments(segs, payload)
+	})
+}
+
+// copySegments copies payload into a block's segments in order; payload
+// must be exactly as long as the segments together (pool.ErrSize).
+//
+// The checksum is verified before this copy rather than fused with it: a
+// value that fails any check must leave its block untouched (the write
+// clears the block's identity before the first byte changes), and the
+// value, just read from the socket, is still in cache for the copy.
+func copySegments(segs [][]byte, payload []byte) error {
+	size := 0
+	for _, s := range segs {
+		size += len(s)
+	}
+	if size != len(payload) {
+		return fmt.Errorf("%d bytes for a %d-byte block: %w", len(payload), size, pool.ErrSize)
+	}
+	for _, s := range segs {
+		payload = payload[copy(s, payload):]
+	}
+	return nil
 }
 
 func errString(err error) string {

@@ -3,6 +3,7 @@ package load
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -64,7 +65,7 @@ func remoteBlock(t kvcore.BlockTable, g, bi int) kvcore.BlockID {
 }
 
 // loadRemote reads the task's blocks from the prefill engine's worker of
-// the same rank, batch by batch, into the pool.
+// the same rank into the pool, in sub-batches, Streams of them at once.
 func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome {
 	items, unmapped, err := planRemote(l.cfg.Model, task)
 	if err != nil {
@@ -81,47 +82,49 @@ func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome 
 		}
 		return res
 	}
-	for lo := 0; lo < len(items); {
-		hi := lo
-		var size int64
-		for hi < len(items) && (hi == lo || size+l.cfg.Model.Groups[items[hi].group].BytesPerBlock <= int64(l.cfg.MaxBatchBytes)) {
-			size += l.cfg.Model.Groups[items[hi].group].BytesPerBlock
-			hi++
+	errs := make([]error, len(items))
+	var written atomic.Int64
+	l.eachBatch(len(items), func(i int) int64 { return l.cfg.Model.Groups[items[i].group].BytesPerBlock }, func(lo, hi int) {
+		written.Add(l.readBatch(ctx, client, task.RequestID, items[lo:hi], errs[lo:hi]))
+	})
+	res.bytes = written.Load()
+	for i, it := range items {
+		if errs[i] != nil {
+			res.fail(it.local, errs[i])
 		}
-		l.readBatch(ctx, client, task.RequestID, items[lo:hi], &res)
-		lo = hi
 	}
 	return res
 }
 
 // readBatch reads one batch from the remote worker (checksums verified by
 // the client, each block's hash checked by the remote worker) and writes
-// each block; failures, and blocks the remote worker no longer holds, are
-// recorded in res as load errors.
-func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, res *outcome) {
+// each block; errs[i] records why item i failed (blocks the remote worker
+// no longer holds included). It returns the bytes written.
+func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, errs []error) int64 {
 	refs := make([]dataplane.ReadRef, len(items))
 	for i, it := range items {
 		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: it.group, Block: it.remote}, Hash: it.hash}
 	}
 	blocks, err := c.Read(ctx, refs)
 	if err != nil {
-		for _, it := range items {
-			res.fail(it.local, err)
+		for i := range errs {
+			errs[i] = err
 		}
-		return
+		return 0
 	}
+	var written int64
 	for i, it := range items {
 		if blocks[i].NotHeld != "" {
 			l.cfg.Metrics.NotHeld(metrics.OpLoadSource)
-			res.fail(it.local, fmt.Errorf("remote group %d block %d: %s: %w", it.group, it.remote, blocks[i].NotHeld, ErrSourceNotHeld))
+			errs[i] = fmt.Errorf("remote group %d block %d: %s: %w", it.group, it.remote, blocks[i].NotHeld, ErrSourceNotHeld)
 			continue
 		}
-		if err := l.cfg.Pool.WriteBytes(it.group, it.local, dataplane.Identity{Hash: it.hash, RequestID: requestID}, blocks[i].Data); err != nil {
-			res.fail(it.local, err)
+		if errs[i] = l.cfg.Pool.WriteBytes(it.group, it.local, dataplane.Identity{Hash: it.hash, RequestID: requestID}, blocks[i].Data); errs[i] != nil {
 			continue
 		}
-		res.bytes += int64(len(blocks[i].Data))
+		written += int64(len(blocks[i].Data))
 	}
+	return written
 }
 
 // blockSet is an ordered set of block ids.

@@ -48,11 +48,25 @@ const (
 // tracerName names the tracer of lookup spans.
 const tracerName = "kvmesh/lookup"
 
-// Errors returned by New.
+// Errors of the handler.
 var (
-	// ErrOptions is returned for Options without a model, chain or publisher.
+	// ErrOptions is returned by New for Options without a model, chain or
+	// publisher.
 	ErrOptions = errors.New("lookup api: model, chain and publisher are required")
+	// ErrNoHead is a binary body (ContentTypeBinary) without a '\n' after
+	// its JSON head.
+	ErrNoHead = errors.New("a binary lookup body is a one-line JSON head, a '\\n', then the raw hashes; no '\\n' found")
 )
+
+// DecisionProducerOptions are the options of the producer a lookup
+// publishes its decisions with: batches of one message, so that a publish
+// is sent at once instead of after the batch timeout (which, at under a
+// millisecond, can take a millisecond to fire). The engine waits for each
+// decision's ack (no decision is answered that the scheduler may not
+// receive), so batching would only add to every lookup's latency.
+func DecisionProducerOptions() []bus.ProducerOption {
+	return []bus.ProducerOption{bus.WithBatchSize(1)}
+}
 
 // Publisher publishes decisions; *bus.Producer is one.
 type Publisher interface {
@@ -141,7 +155,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer span.End()
 	r = r.WithContext(ctx)
 	var req Request
-	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
+	if err := h.decode(w, r, &req); err != nil {
 		h.refuse(span, "", err)
 		return
 	}
@@ -166,6 +180,15 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	h.answered(span, d, result, time.Since(start))
 	_ = httpserver.WriteJSON(w, http.StatusOK, d) // a failed write is the client's loss; nothing to undo
+}
+
+// decode reads the request body, JSON or binary (ContentTypeBinary); on
+// failure it has written the problem.
+func (h *Handler) decode(w http.ResponseWriter, r *http.Request, req *Request) error {
+	if isBinary(r.Header.Get("Content-Type")) {
+		return decodeBinary(w, r, req, h.opts.MaxBodyBytes)
+	}
+	return httpserver.DecodeJSON(w, r, req)
 }
 
 // lookup runs the chain and publishes the decision. On failure it returns

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -27,7 +28,7 @@ type Config struct {
 	// HTTPAddr is the API and health listen address.
 	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
 	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db)"`
+	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
 	// Enabled turns lookups on; disabled, every lookup is answered 0.
 	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
@@ -80,6 +81,9 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
+	// decisions publishes the decisions, with api.DecisionProducerOptions
+	// (no waiting to fill a batch: the engine waits for the ack).
+	decisions *bus.Producer
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -91,7 +95,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	a := &App{deps: service.NewDeps(log)}
 	defer func() {
 		if err != nil {
-			a.deps.Close()
+			a.close()
 		}
 	}()
 	if a.model, err = cfg.LoadModel(); err != nil {
@@ -110,6 +114,9 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
+	}
+	if a.decisions, err = bus.NewProducer(cfg.Brokers, api.DecisionProducerOptions()...); err != nil {
+		return nil, fmt.Errorf("decision producer: %w", err)
 	}
 	h, err := a.handler(cfg)
 	if err != nil {
@@ -150,7 +157,7 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 	return api.New(api.Options{
 		Model:        a.model,
 		Chain:        chain,
-		Publisher:    a.deps.Producer,
+		Publisher:    a.decisions,
 		Enabled:      cfg.Enabled,
 		LoadAsync:    cfg.LoadAsync,
 		Timeout:      cfg.Timeout,
@@ -165,8 +172,16 @@ func (a *App) Addr() string { return a.srv.Addr() }
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
-	defer a.deps.Close()
+	defer a.close()
 	return service.Run(ctx, a.deps.Log,
 		service.Task{Name: "http", Run: a.srv.Run},
 	)
+}
+
+// close releases the decision producer, then every shared connection.
+func (a *App) close() {
+	if a.decisions != nil {
+		_ = a.decisions.Close() // flushes nothing: every publish was synchronous
+	}
+	a.deps.Close()
 }

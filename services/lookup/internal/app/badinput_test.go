@@ -31,6 +31,17 @@ func TestBadInput(t *testing.T) {
 		}
 		return string(b)
 	}
+	// b64 swaps the hex hashes for compact ones of size bytes each (0:
+	// block_hash_bytes left out).
+	b64 := func(hashes string, size int) func(map[string]any) {
+		return func(m map[string]any) {
+			delete(m, "block_hashes")
+			m["block_hashes_b64"] = hashes
+			if size != 0 {
+				m["block_hash_bytes"] = size
+			}
+		}
+	}
 	pd := func(p map[string]any) func(map[string]any) {
 		return func(m map[string]any) { m["kv_transfer_params"] = p }
 	}
@@ -65,6 +76,14 @@ func TestBadInput(t *testing.T) {
 		{"block hashes of two lengths", good(func(m map[string]any) { m["block_hashes"] = []string{"aa01", "bb02", "cc0304"} }), "", 400, "block_hashes[2]", "one length"},
 		{"oversized block hash", good(func(m map[string]any) { m["block_hashes"] = []string{strings.Repeat("ab", 65), "bb02", "cc03"} }), "", 400, "block_hashes[0]", "at most 64"},
 		{"extra with block_hashes", good(func(m map[string]any) { m["extra"] = "salt" }), "", 400, "extra", "token_ids"},
+		{"compact hashes not base64", good(b64("qgG7As*D", 2)), "", 400, "block_hashes_b64", "not padded standard base64"},
+		{"compact hashes of the wrong length", good(b64("qgG7AswD", 4)), "", 400, "block_hashes_b64", "not a whole number"},
+		{"too few compact hashes", good(b64("qgG7Ag==", 2)), "", 400, "block_hashes_b64", "at least 3"},
+		{"compact hashes with a line break", good(b64("qgG7\nAswD", 2)), "", 400, "block_hashes_b64", "line breaks"},
+		{"compact hashes without their size", good(b64("qgG7AswD", 0)), "", 400, "block_hash_bytes", "required"},
+		{"compact hash size over 64", good(b64("qgG7AswD", 65)), "", 400, "block_hash_bytes", "1 to 64"},
+		{"both hash forms", good(func(m map[string]any) { m["block_hashes_b64"], m["block_hash_bytes"] = "qgG7AswD", 2 }), "", 400, "block_hashes_b64", "not both"},
+		{"hash size without compact hashes", good(func(m map[string]any) { m["block_hash_bytes"] = 2 }), "", 400, "block_hash_bytes", "only applies"},
 		{"pd source without engine", good(pd(map[string]any{"remote_block_table": [][]int{{1}}, "remote_tokens": 16})), "", 400, "kv_transfer_params.remote_engine_id", "required"},
 		{"pd source with negative tokens", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1}}, "remote_tokens": -1})), "", 400, "kv_transfer_params.remote_tokens", "negative"},
 		{"pd table of the wrong group count", good(pd(map[string]any{"remote_engine_id": "p", "remote_block_table": [][]int{{1}, {2}}, "remote_tokens": 16})), "", 400, "kv_transfer_params.remote_block_table", "2 groups"},

@@ -20,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/evictions"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // ConsumerGroup is the sender's Kafka consumer group on kvmesh.save.tasks.
@@ -33,7 +34,7 @@ type Config struct {
 	// DatabaseURL locates PostgreSQL.
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL (redis://host:port/db); the sender checks which keys exist there"`
+	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS); the sender checks which keys exist there"`
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles up to KVMESH_SENDER_CONCURRENCY tasks of its partitions at once)"`
 	// Concurrency is the save tasks each consumer handles at once.
@@ -67,11 +68,11 @@ type Config struct {
 func (c *Config) ConfigDefaults() map[string]any {
 	return map[string]any{
 		"KVMESH_HTTP_ADDR":                contract.SenderAddr,
-		"KVMESH_SENDER_RETRY_ATTEMPTS":    kvcore.DefaultRetryAttempts,
-		"KVMESH_SENDER_RETRY_BASE":        kvcore.DefaultRetryBase,
-		"KVMESH_SENDER_RETRY_MAX":         kvcore.DefaultRetryMax,
-		"KVMESH_SENDER_PROBE_EVERY":       kvcore.DefaultProbeEvery,
-		"KVMESH_SENDER_PRESSURE_COOLDOWN": kvcore.DefaultPressureCoolDown,
+		"KVMESH_SENDER_RETRY_ATTEMPTS":    sendpolicy.DefaultRetryAttempts,
+		"KVMESH_SENDER_RETRY_BASE":        sendpolicy.DefaultRetryBase,
+		"KVMESH_SENDER_RETRY_MAX":         sendpolicy.DefaultRetryMax,
+		"KVMESH_SENDER_PROBE_EVERY":       sendpolicy.DefaultProbeEvery,
+		"KVMESH_SENDER_PRESSURE_COOLDOWN": sendpolicy.DefaultPressureCoolDown,
 		"KVMESH_WORKER_STALE_AFTER":       registry.DefaultStaleAfter,
 		"KVMESH_SENDER_STORE_TIMEOUT":     sending.DefaultStoreTimeout,
 		"KVMESH_SENDER_PUT_TIMEOUT":       sending.DefaultPutTimeout,
@@ -176,7 +177,7 @@ func (a *App) wire(cfg Config) error {
 			WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}), // the engine comes with each task
 
 		Workers:    a.workers,
-		Retry:      kvcore.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
+		Retry:      sendpolicy.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
 		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
 		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout,
 	})

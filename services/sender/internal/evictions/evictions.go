@@ -15,6 +15,12 @@
 // of its own that vanishes without a notification, and publishes
 // AllBlocksCleared for the deployment then. docs/contract.md has the
 // router's side of this.
+//
+// On a Redis Cluster (a redis+cluster:// store URL) notifications are
+// node-local: the watcher subscribes on every master, finds the masters
+// through the cluster's slot map every Options.TopologyEvery and follows
+// topology changes (a promoted replica is subscribed, a master that is no
+// more is let go); cluster.go has the details.
 package evictions
 
 import (
@@ -26,6 +32,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -60,6 +67,9 @@ const (
 	// DefaultMarkerEvery is how often the watcher checks its marker key to
 	// notice a flush.
 	DefaultMarkerEvery = 2 * time.Second
+	// DefaultTopologyEvery is how often the watcher of a Redis Cluster
+	// reads the cluster's masters.
+	DefaultTopologyEvery = time.Second
 )
 
 // DefaultBackoff is the reconnect backoff: 100 ms doubling to 10 s.
@@ -93,8 +103,10 @@ type Leader interface {
 
 // Options configures a Watcher.
 type Options struct {
-	// RedisURL locates the store pool (redis://host:port/db); the watcher
-	// listens on that database's keyevent channels.
+	// RedisURL locates the store pool: a single server
+	// (redis://host:port/db), whose database's keyevent channels the
+	// watcher listens on, or a Redis Cluster (redis+cluster://host:port,...,
+	// see kvstore.IsClusterURL), on whose every master it listens.
 	RedisURL string
 	// Keys is the deployment's key space: removals of other keys are
 	// counted as unmapped and not published.
@@ -111,11 +123,13 @@ type Options struct {
 	Leader Leader
 	// Backoff spaces reconnects (default DefaultBackoff).
 	Backoff retry.Backoff
-	// FlushEvery, MaxBatch and MarkerEvery default to DefaultFlushEvery,
-	// DefaultMaxBatch and DefaultMarkerEvery.
-	FlushEvery  time.Duration
-	MaxBatch    int
-	MarkerEvery time.Duration
+	// FlushEvery, MaxBatch, MarkerEvery and TopologyEvery default to
+	// DefaultFlushEvery, DefaultMaxBatch, DefaultMarkerEvery and
+	// DefaultTopologyEvery; TopologyEvery applies to a cluster only.
+	FlushEvery    time.Duration
+	MaxBatch      int
+	MarkerEvery   time.Duration
+	TopologyEvery time.Duration
 	// Logger receives reconnects and gaps (default slog.Default()).
 	Logger *slog.Logger
 	// Now is the clock of the batches' timestamps (default time.Now).
@@ -124,11 +138,29 @@ type Options struct {
 
 // Watcher publishes the store's removals as BlockRemoved events. Run it once.
 type Watcher struct {
-	opts   Options
+	opts Options
+	// single is the one server of a single-server store; nil on a cluster.
+	single *node
+	// cluster is the client of a Redis Cluster store; nil on a single server.
+	cluster   *redis.ClusterClient
+	ready     chan struct{}
+	readyOnce sync.Once
+}
+
+// node is one Redis server the watcher subscribes on: the single server,
+// or one master of a cluster. Its sessions run one at a time.
+type node struct {
+	addr   string
 	client *redis.Client
 	db     int
+	// marker is the node's marker key.
 	marker string
-	ready  chan struct{}
+	// pickMarker, on a cluster, finds the marker key at each session's
+	// start: one whose slot the node serves (slots move).
+	pickMarker func(ctx context.Context) (string, error)
+	// onSubscribed is called each time a session's subscription is confirmed.
+	onSubscribed func()
+	st           state
 }
 
 // New checks opts and makes a Watcher; it connects nothing until Run.
@@ -139,10 +171,29 @@ func New(opts Options) (*Watcher, error) {
 	if err := opts.Keys.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 	}
+	opts = opts.withDefaults()
+	w := &Watcher{opts: opts, ready: make(chan struct{})}
+	if kvstore.IsClusterURL(opts.RedisURL) {
+		co, err := kvstore.RedisClusterOptions(opts.RedisURL, kvstore.RedisOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", err, ErrOptions)
+		}
+		w.cluster = redis.NewClusterClient(co)
+		return w, nil
+	}
 	ro, err := kvstore.RedisClientOptions(opts.RedisURL, kvstore.RedisOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", err, ErrOptions)
 	}
+	w.single = &node{
+		addr: ro.Addr, client: redis.NewClient(ro), db: ro.DB, marker: markerKey(opts.Keys),
+		onSubscribed: w.markReady,
+	}
+	return w, nil
+}
+
+// withDefaults fills the zero fields of o that have defaults.
+func (opts Options) withDefaults() Options {
 	if opts.Backoff.Initial <= 0 {
 		opts.Backoff = DefaultBackoff
 	}
@@ -161,10 +212,10 @@ func New(opts Options) (*Watcher, error) {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Watcher{
-		opts: opts, client: redis.NewClient(ro), db: ro.DB,
-		marker: markerKey(opts.Keys), ready: make(chan struct{}),
-	}, nil
+	if opts.TopologyEvery <= 0 {
+		opts.TopologyEvery = DefaultTopologyEvery
+	}
+	return opts
 }
 
 // markerKey is the watcher's marker: a key outside the deployment's key
@@ -190,10 +241,15 @@ func (w *Watcher) scope() string {
 	return w.opts.Keys.Prefix + "@" + w.opts.Keys.Model
 }
 
-// Ready is closed once the watcher is first subscribed.
+// Ready is closed once the watcher is first subscribed: on a cluster, on
+// every master of the cluster it found.
 func (w *Watcher) Ready() <-chan struct{} { return w.ready }
 
-// started reports whether the watcher was ever subscribed.
+// markReady closes ready, once.
+func (w *Watcher) markReady() { w.readyOnce.Do(func() { close(w.ready) }) }
+
+// started reports whether Ready is closed: the watcher was subscribed (on
+// a cluster, on every master it found).
 func (w *Watcher) started() bool {
 	select {
 	case <-w.ready:
@@ -209,10 +265,11 @@ func (w *Watcher) started() bool {
 // wrapping ErrNotifyDisabled when the server's notifications cannot be
 // turned on before the first subscription; later, a server that comes back
 // without them is retried (and counted as a gap), never a reason to stop
-// the sender. An unreachable server is always retried.
+// the sender. An unreachable server is always retried. On a cluster each
+// master is watched, retried and counted so on its own (see
+// watchCluster), and a leadership handover is one gap.
 func (w *Watcher) Run(ctx context.Context) error {
-	defer w.client.Close()
-	st := &state{}
+	defer w.close()
 	for attempt := 1; ctx.Err() == nil; {
 		lead, stop, err := w.lead(ctx)
 		if err != nil {
@@ -222,34 +279,74 @@ func (w *Watcher) Run(ctx context.Context) error {
 			return err
 		}
 		w.opts.Metrics.leader.Set(1)
-		subscribed, err := w.session(lead, st)
+		var subscribed bool
+		if w.cluster != nil {
+			subscribed, err = w.watchCluster(lead)
+		} else {
+			subscribed, err = w.session(lead, w.single)
+		}
 		w.opts.Metrics.leader.Set(0)
 		stop()
 		if ctx.Err() != nil {
 			return nil
 		}
-		if errors.Is(err, ErrNotifyDisabled) {
-			if !w.started() {
-				return err // a configuration the operator must fix before the sender runs
-			}
-			// A store that came back without the notifications (restarted
-			// without them, CONFIG refused): the sender goes on saving and
-			// the watcher keeps trying; every removal meanwhile is a gap.
-			w.opts.Metrics.gaps.Inc()
-			w.opts.Logger.Error("store removal watcher cannot subscribe: removals are not announced until notifications are on", "err", err)
+		if err := w.ended(w.storeName(), subscribed, err); err != nil {
+			return err
 		}
-		if subscribed {
-			attempt = 1
-			w.opts.Metrics.gaps.Inc()
-			w.opts.Logger.Warn("store removal watcher lost its subscription: removals until it is back are not announced", "err", err)
-		} else {
-			attempt++
-		}
+		attempt = nextAttempt(attempt, subscribed)
 		if err := retry.Sleep(ctx, w.opts.Backoff.Delay(attempt)); err != nil {
 			return nil
 		}
 	}
 	return nil
+}
+
+// close releases the watcher's clients.
+func (w *Watcher) close() {
+	if w.cluster != nil {
+		_ = w.cluster.Close()
+		return
+	}
+	_ = w.single.client.Close()
+}
+
+// storeName names the store in logs: the server's address, or "cluster".
+func (w *Watcher) storeName() string {
+	if w.cluster != nil {
+		return "cluster"
+	}
+	return w.single.addr
+}
+
+// ended accounts for a session on the server addr that ended with err
+// while the watcher goes on: a subscription lost is a gap, and so is a
+// server that refuses the notifications once the watcher ran (restarted
+// without them, CONFIG refused): the sender goes on saving and the watcher
+// keeps trying. It returns err when the watcher must stop instead: the
+// notifications cannot be turned on before it ever subscribed, a
+// configuration the operator must fix before the sender runs.
+func (w *Watcher) ended(addr string, subscribed bool, err error) error {
+	if errors.Is(err, ErrNotifyDisabled) {
+		if !w.started() {
+			return err
+		}
+		w.opts.Metrics.gaps.Inc()
+		w.opts.Logger.Error("store removal watcher cannot subscribe: removals are not announced until notifications are on", "node", addr, "err", err)
+	}
+	if subscribed {
+		w.opts.Metrics.gaps.Inc()
+		w.opts.Logger.Warn("store removal watcher lost its subscription: removals until it is back are not announced", "node", addr, "err", err)
+	}
+	return nil
+}
+
+// nextAttempt is the reconnect attempt after a session: the first again
+// after one that subscribed, else the next.
+func nextAttempt(attempt int, subscribed bool) int {
+	if subscribed {
+		return 1
+	}
+	return attempt + 1
 }
 
 func (w *Watcher) lead(ctx context.Context) (context.Context, context.CancelFunc, error) {
@@ -260,7 +357,7 @@ func (w *Watcher) lead(ctx context.Context) (context.Context, context.CancelFunc
 	return w.opts.Leader.Lead(ctx)
 }
 
-// state is what the watcher keeps across sessions.
+// state is what the watcher keeps of a node across sessions.
 type state struct {
 	// markerSet: the watcher set its marker in an earlier session, so a
 	// marker found missing at a new session's start was flushed (or went
@@ -323,17 +420,27 @@ func missingFlags(flags string) string {
 	return string(out)
 }
 
-// session connects, subscribes and publishes until the connection or ctx
-// ends. subscribed reports whether it got as far as a live subscription.
-func (w *Watcher) session(ctx context.Context, st *state) (subscribed bool, err error) {
-	if err := EnsureNotifications(ctx, w.client, w.opts.Configure, w.opts.Logger); err != nil {
+// session connects to n, subscribes and publishes until the connection or
+// ctx ends. subscribed reports whether it got as far as a live
+// subscription.
+func (w *Watcher) session(ctx context.Context, n *node) (subscribed bool, err error) {
+	if err := EnsureNotifications(ctx, n.client, w.opts.Configure, w.opts.Logger); err != nil {
 		return false, err
+	}
+	if n.pickMarker != nil {
+		marker, err := n.pickMarker(ctx)
+		if err != nil {
+			return false, err
+		}
+		if marker != n.marker {
+			n.marker, n.st.markerSet = marker, false // a new marker is no flushed one
+		}
 	}
 	channels := make([]string, len(causes))
 	for i, c := range causes {
-		channels[i] = fmt.Sprintf("__keyevent@%d__:%s", w.db, c)
+		channels[i] = fmt.Sprintf("__keyevent@%d__:%s", n.db, c)
 	}
-	ps := w.client.Subscribe(ctx, channels...)
+	ps := n.client.Subscribe(ctx, channels...)
 	defer ps.Close()
 	for confirmed := 0; confirmed < len(channels); {
 		m, err := ps.Receive(ctx)
@@ -344,13 +451,10 @@ func (w *Watcher) session(ctx context.Context, st *state) (subscribed bool, err 
 			confirmed++
 		}
 	}
-	select {
-	case <-w.ready:
-	default:
-		close(w.ready)
-	}
-	b := newBatcher(w)
-	if err := w.checkMarker(ctx, ps, st, b, true); err != nil {
+	n.onSubscribed()
+	w.opts.Logger.Debug("store removal watcher subscribed", "node", n.addr, "marker", n.marker)
+	b := newBatcher(w, n.marker)
+	if err := w.checkMarker(ctx, ps, n, b, true); err != nil {
 		return true, err
 	}
 	nextMarker := time.Now().Add(w.opts.MarkerEvery)
@@ -372,7 +476,7 @@ func (w *Watcher) session(ctx context.Context, st *state) (subscribed bool, err 
 		}
 		if time.Now().After(nextMarker) {
 			nextMarker = time.Now().Add(w.opts.MarkerEvery)
-			if err := w.checkMarker(ctx, ps, st, b, false); err != nil {
+			if err := w.checkMarker(ctx, ps, n, b, false); err != nil {
 				return true, err
 			}
 		}
@@ -394,9 +498,13 @@ func isTimeout(err error) bool {
 // notification said it was removed. It then publishes AllBlocksCleared for
 // the deployment, and (re)sets the marker. Before it decides, it reads
 // every notification Redis sent before the marker was found gone: a PING
-// on the subscription answers after them, in order.
-func (w *Watcher) checkMarker(ctx context.Context, ps *redis.PubSub, st *state, b *batcher, first bool) error {
-	n, err := w.client.Exists(ctx, w.marker).Result()
+// on the subscription answers after them, in order. On a cluster each
+// master has a marker of its own; one found gone (a FLUSHALL is per node)
+// clears the whole deployment: the router then knows less than is stored,
+// never more.
+func (w *Watcher) checkMarker(ctx context.Context, ps *redis.PubSub, nd *node, b *batcher, first bool) error {
+	st := &nd.st
+	n, err := nd.client.Exists(ctx, nd.marker).Result()
 	if err != nil {
 		return fmt.Errorf("check marker: %w", err)
 	}
@@ -415,7 +523,7 @@ func (w *Watcher) checkMarker(ctx context.Context, ps *redis.PubSub, st *state, 
 	}
 	b.markerRemoved = false
 	if n == 0 {
-		if err := w.client.Set(ctx, w.marker, strconv.FormatInt(time.Now().UnixNano(), 10), 0).Err(); err != nil {
+		if err := nd.client.Set(ctx, nd.marker, strconv.FormatInt(time.Now().UnixNano(), 10), 0).Err(); err != nil {
 			return fmt.Errorf("set marker: %w", err)
 		}
 	}
@@ -490,6 +598,7 @@ func (w *Watcher) publish(ctx context.Context, recs []contract.KVEventRecord) er
 // batcher gathers removals per (namespace, cause) until they are due.
 type batcher struct {
 	w             *Watcher
+	marker        string // the node's marker key
 	pending       map[batchKey]*pendingBatch
 	order         []batchKey
 	oldest        time.Time
@@ -504,8 +613,8 @@ type pendingBatch struct {
 	wire   []uint64
 }
 
-func newBatcher(w *Watcher) *batcher {
-	return &batcher{w: w, pending: map[batchKey]*pendingBatch{}}
+func newBatcher(w *Watcher, marker string) *batcher {
+	return &batcher{w: w, marker: marker, pending: map[batchKey]*pendingBatch{}}
 }
 
 // add maps one notification to its batch, or counts it as unmapped.
@@ -515,12 +624,12 @@ func (b *batcher) add(msg *redis.Message) {
 		return
 	}
 	key := msg.Payload
-	if key == b.w.marker {
+	if key == b.marker {
 		b.markerRemoved = true
 		return
 	}
 	if strings.HasPrefix(key, markerPrefix) {
-		return // another deployment's watcher's marker
+		return // another deployment's or cluster node's marker
 	}
 	p, ok, err := b.w.opts.Keys.ParseOwn(key)
 	switch {

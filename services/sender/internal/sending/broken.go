@@ -37,31 +37,26 @@ type taskIDs struct {
 func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason string, cause error) error {
 	var ids taskIDs
 	_ = json.Unmarshal(src.Payload, &ids) // best effort: a record need not be JSON
-	t := &kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID}
-	r := newRun(t)
+	s := newSave(&kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID})
 	detail := ""
 	if cause != nil {
 		detail = truncate(cause.Error(), maxDetail)
 	}
-	r.addDeadLetter(nil, reason, detail)
-	entry := ledger.Entry{Source: src, DeadLetters: r.deadLetters}
+	s.addDeadLetter(nil, reason, detail)
+	entry := ledger.Entry{Source: src, DeadLetters: s.deadLetters}
 	// A record of another schema (a load task on the wrong topic, say) names
 	// no save task: reporting a save result for its id would confuse the
 	// scheduler.
 	complete := usableID(ids.TaskID) && usableID(ids.EngineID) && usableID(ids.RequestID) &&
 		(ids.Schema == "" || ids.Schema == kvcore.SchemaSaveTask)
-	var groups map[string]int
 	if complete {
 		for g := range p.model.Groups {
-			r.outcome.Record(g, kvcore.OutcomeDeadLettered, 1, kvcore.Reason(reason))
+			s.record(g, keysDeadLettered, 1, kvcore.Reason(reason))
 		}
-		res := r.result()
-		msgs, err := resultMessages(res, nil)
-		if err != nil {
+		var err error
+		if entry, err = s.entry(src, p.model, p.now()); err != nil {
 			return err
 		}
-		groups = r.groupCounts()
-		entry.Outcome, entry.Messages = &ledger.Outcome{Result: res, Groups: groups}, msgs
 	}
 	c, err := p.ledger.Commit(ctx, entry)
 	if err != nil {
@@ -74,10 +69,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 			p.metrics.tasks.WithLabelValues(bus.ReasonUndecodable).Inc()
 		}
 	case !c.Done:
-		p.metrics.tasks.WithLabelValues(string(r.outcome.Status())).Inc()
-		for name, n := range groups {
-			p.metrics.groups.WithLabelValues(name).Add(float64(n))
-		}
+		p.metrics.countOutcome(entry.Outcome)
 	}
 	return nil
 }

@@ -6,15 +6,16 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
-// gate is kvcore.PressureGate shared by the consumers and replays of one
+// gate is sendpolicy.PressureGate shared by the consumers and replays of one
 // process, with the pressure-mode gauge kept in step. Pressure is scoped
 // to the request whose put the store answered "no space"
-// (kvcore.PressureScopeOf): only that request's saves are skipped.
+// (sendpolicy.PressureScopeOf): only that request's saves are skipped.
 type gate struct {
 	mu      sync.Mutex
-	g       kvcore.PressureGate
+	g       sendpolicy.PressureGate
 	metrics *Metrics
 }
 
@@ -22,17 +23,17 @@ type gate struct {
 type PressureState = adminapi.PressureState
 
 // admit is the gate's answer for the next save task t.
-func (g *gate) admit(t *kvcore.SaveTask, now time.Time) kvcore.Admission {
+func (g *gate) admit(t *kvcore.SaveTask, now time.Time) sendpolicy.Admission {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.g.Admit(kvcore.PressureScopeOf(t), now)
+	return g.g.Admit(sendpolicy.PressureScopeOf(t), now)
 }
 
 // onNoSpace puts t's request under pressure.
 func (g *gate) onNoSpace(t *kvcore.SaveTask, now time.Time) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.g.OnNoSpace(kvcore.PressureScopeOf(t), now)
+	g.g.OnNoSpace(sendpolicy.PressureScopeOf(t), now)
 	g.metrics.pressure.Set(1)
 }
 
@@ -45,7 +46,7 @@ func (g *gate) onPutOK() {
 }
 
 // state is a copy of the gate that shares nothing with it.
-func (g *gate) state() kvcore.PressureGate {
+func (g *gate) state() sendpolicy.PressureGate {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.g.Clone()

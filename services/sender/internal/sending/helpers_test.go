@@ -22,6 +22,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // smallModel is hybrid-mla-linear's shape (MLA + Mamba, bs 16) with tiny
@@ -195,7 +196,7 @@ func newFixture(t testing.TB, pool *pgxpool.Pool, store kvstore.Store, opts ...f
 	}
 	o := sending.Options{
 		Model: m, Keys: f.keys, Store: store, Workers: engines{"e1": f.worker}, Ledger: f.ledger, Metrics: metrics,
-		Retry: kvcore.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
+		Retry: sendpolicy.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
 		Now:   func() time.Time { return f.now },
 	}
 	for _, opt := range opts {

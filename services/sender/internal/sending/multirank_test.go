@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // tp4Model is smallModel (MLA + Mamba) at TP4: the MLA group has one
@@ -146,7 +147,7 @@ func newRankFixture(t testing.TB, pool *pgxpool.Pool, inFlight int, opts ...fixt
 	}
 	o := sending.Options{
 		Model: m, Keys: f.keys, Store: store, Workers: ws, Ledger: f.ledger, Metrics: metrics,
-		Retry: kvcore.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
+		Retry: sendpolicy.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
 		Now:   func() time.Time { return f.now },
 	}
 	for _, opt := range opts {

@@ -7,7 +7,6 @@ package sending
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -21,10 +20,10 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // Defaults of Options.
@@ -56,9 +55,9 @@ type Options struct {
 	// Metrics receives the sender's counters.
 	Metrics *Metrics
 	// Retry bounds the retries of existence checks and puts.
-	Retry kvcore.RetryPolicy
+	Retry sendpolicy.RetryPolicy
 	// ProbeEvery and CoolDown tune the probes of a request under store
-	// pressure (kvcore.PressureGate: pressure is scoped to the request
+	// pressure (sendpolicy.PressureGate: pressure is scoped to the request
 	// whose put the store answered "no space").
 	ProbeEvery int
 	CoolDown   time.Duration
@@ -89,7 +88,7 @@ type Processor struct {
 	workers      Workers
 	ledger       *ledger.Ledger
 	metrics      *Metrics
-	retry        kvcore.RetryPolicy
+	retry        sendpolicy.RetryPolicy
 	storeTimeout time.Duration
 	putTimeout   time.Duration
 	log          *slog.Logger
@@ -117,7 +116,7 @@ func New(o Options) (*Processor, error) {
 		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
 		log: o.Logger, now: o.Now,
-		gate: &gate{g: kvcore.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
+		gate: &gate{g: sendpolicy.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
 	}
 	if p.storeTimeout <= 0 {
 		p.storeTimeout = DefaultStoreTimeout
@@ -165,12 +164,12 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 		p.metrics.duplicates.Inc()
 		return nil
 	}
-	r := newRun(task)
-	p.saveTask(ctx, r)
+	s := newSave(task)
+	p.saveTask(ctx, s)
 	if err := ctx.Err(); err != nil {
 		return err // interrupted: the record is delivered again
 	}
-	return bus.Transient(p.commit(ctx, src, r))
+	return bus.Transient(p.commit(ctx, src, s))
 }
 
 // decodeTask decodes a save task and checks that its ids can be stored
@@ -188,54 +187,16 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 	return t, nil
 }
 
-// saveTask validates every group and saves the valid ones.
-func (p *Processor) saveTask(ctx context.Context, r *run) {
-	valid := p.validate(ctx, r)
-	p.save(ctx, r, valid, true)
-}
-
-// validate dead-letters the task's invalid groups and returns the valid ones.
-func (p *Processor) validate(ctx context.Context, r *run) []int {
-	_, span := p.tracer.Start(ctx, "sender.validate", trace.WithAttributes(taskAttrs(r.task)...))
-	defer span.End()
-	var valid []int
-	for _, v := range kvcore.ValidateSave(p.model, nil, r.task) {
-		if v.OK() {
-			valid = append(valid, v.Group)
-			continue
-		}
-		span.AddEvent("group_invalid", trace.WithAttributes(
-			attribute.Int("kvmesh.group", v.Group), attribute.String("kvmesh.reason", string(v.Reason))))
-		r.deadLetter(v.Group, v.Reason, v.Detail, listedChunks(r.task, v.Group))
-	}
-	span.SetAttributes(attribute.Int("groups_valid", len(valid)))
-	return valid
-}
-
-// listedChunks counts the chunks the task lists for group.
-func listedChunks(t *kvcore.SaveTask, group int) int {
-	for _, gc := range t.Groups {
-		if gc.Group == group {
-			return len(gc.Chunks)
-		}
-	}
-	return 0
-}
-
-// commit writes the run's outcome, dead letters and messages in one
-// transaction, unless another delivery of the task got there first, and
-// counts them once committed.
-func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run) error {
-	res := r.result()
-	msgs, err := resultMessages(res, r.kvEvents(p.model, p.now()))
+// commit writes the save's ledger entry (outcome, dead letters and
+// messages) in one transaction, unless another delivery of the task got
+// there first, and counts it once committed.
+func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
+	e, err := s.entry(src, p.model, p.now())
 	if err != nil {
 		return err
 	}
-	groups := r.groupCounts()
-	c, err := p.ledger.Commit(ctx, ledger.Entry{
-		Source: src, Outcome: &ledger.Outcome{Result: res, Groups: groups},
-		DropIfDone: true, DeadLetters: r.deadLetters, Messages: msgs,
-	})
+	e.DropIfDone = true
+	c, err := p.ledger.Commit(ctx, e)
 	if err != nil {
 		return err
 	}
@@ -244,10 +205,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, r *run) error
 		p.metrics.duplicates.Inc()
 		return nil
 	}
-	p.metrics.tasks.WithLabelValues(res.Status).Inc()
-	for name, n := range groups {
-		p.metrics.groups.WithLabelValues(name).Add(float64(n))
-	}
+	p.metrics.countOutcome(e.Outcome)
 	return nil
 }
 
@@ -272,26 +230,6 @@ func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLette
 		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
 			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)
 	}
-}
-
-// resultMessages encodes the TransferResult and the KV-event records
-// (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
-// kvmesh's fields in headers, keyed by store namespace), which the ledger
-// writes to the outbox in the transaction that records the outcome.
-func resultMessages(res contract.TransferResult, events []contract.KVEventRecord) ([]bus.Message, error) {
-	v, err := json.Marshal(res)
-	if err != nil {
-		return nil, fmt.Errorf("encode transfer result: %w", err)
-	}
-	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
-	for _, e := range events {
-		key, ev, headers, err := contract.EncodeKVEventRecord(e)
-		if err != nil {
-			return nil, fmt.Errorf("encode kv event: %w", err)
-		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: ev, Headers: headers})
-	}
-	return msgs, nil
 }
 
 // sourceOf describes the record m for the ledger.

@@ -103,12 +103,12 @@ func (p *Processor) replay(ctx context.Context, id int64) (Replayed, error) {
 		}
 		return Replayed{}, invalid
 	}
-	r := newRun(task)
-	p.save(ctx, r, groups, false)
+	s := newSave(task)
+	p.saveGroups(ctx, s, groups, false)
 	if err := ctx.Err(); err != nil {
 		return Replayed{}, err
 	}
-	return p.recordReplay(ctx, d, r)
+	return p.recordReplay(ctx, d, s)
 }
 
 // recorded answers the recorded result of an entry replayed before.
@@ -154,19 +154,19 @@ func derefGroup(g *int) any {
 
 // recordReplay records the replay's result: replayed (with the BlockStored
 // events of the keys put) when every key is stored or present, else failed.
-func (p *Processor) recordReplay(ctx context.Context, d ledger.DeadLetter, r *run) (Replayed, error) {
-	tr := r.result()
+func (p *Processor) recordReplay(ctx context.Context, d ledger.DeadLetter, s *save) (Replayed, error) {
+	tr := s.result()
 	res := ReplayResult{Status: tr.Status, Groups: tr.Groups, Bytes: tr.Bytes}
 	status := ledger.ReplayDone
 	var msgs []bus.Message
-	if t := r.outcome.Totals(); t.Failed+t.DeadLettered+t.Skipped > 0 {
-		status, res.Reason = ledger.ReplayFailed, string(t.Reason)
-		for _, dl := range r.deadLetters {
+	if t := s.totals(); t.Failed+t.DeadLettered+t.Skipped > 0 {
+		status, res.Reason = ledger.ReplayFailed, t.Reason
+		for _, dl := range s.deadLetters {
 			res.Detail = dl.Detail
 		}
 	} else {
 		var err error
-		if msgs, err = resultMessages(tr, r.kvEvents(p.model, p.now())); err != nil {
+		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.now())); err != nil {
 			return Replayed{}, err
 		}
 		msgs = msgs[1:] // the task's result was reported when it was dead-lettered

@@ -65,9 +65,9 @@ func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 		return out, nil
 	}
 	out.Replayable, out.Expect = true, ExpectSave
-	r := newRun(task)
-	items := p.plan(r, groups)
-	for _, dl := range r.deadLetters {
+	s := newSave(task)
+	items := p.plan(s, groups)
+	for _, dl := range s.deadLetters {
 		out.fail(string(ReasonPlanFailed), dl.Detail)
 	}
 	if len(items) == 0 {
@@ -191,13 +191,4 @@ func dryRunGroups(items []item, exists []bool) []DryRunGroup {
 		g.Keys = append(g.Keys, k)
 	}
 	return out
-}
-
-// itemKeys lists the keys of items, in order.
-func itemKeys(items []item) []string {
-	keys := make([]string, len(items))
-	for i, it := range items {
-		keys[i] = it.Key
-	}
-	return keys
 }

@@ -1,10 +1,17 @@
-package kvcore
+// Package sendpolicy holds the sender's pure policies: the store-pressure
+// gate (PressureGate: which saves to skip while a request's puts are
+// answered "no space") and the retry policy of its store and worker calls
+// (RetryPolicy). Both are values: no I/O, and time is passed in, never
+// read. Only the sender uses them; the shared domain core (kvcore) keeps
+// what the other services read too (reason codes, SaveStatus).
+package sendpolicy
 
 import (
 	"maps"
-	"sort"
 	"strconv"
 	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // Defaults of the sender's policies.
@@ -48,7 +55,7 @@ const (
 // pressure: its request, of its engine, in its allocation epoch. A save of
 // an earlier epoch (a stale task) so never sentences the resumed request's
 // saves, as in vLLM only a live store job may mark its request skipped.
-func PressureScopeOf(t *SaveTask) string {
+func PressureScopeOf(t *kvcore.SaveTask) string {
 	return strconv.Quote(t.EngineID) + " " + strconv.Quote(t.RequestID) + " " + strconv.Itoa(t.Epoch)
 }
 
@@ -196,7 +203,7 @@ type RetryDecision struct {
 	// Delay is the backoff before the retry (RetryAgain only).
 	Delay time.Duration `json:"delay,omitempty"`
 	// Reason is the reason code when giving up.
-	Reason Reason `json:"reason,omitempty"`
+	Reason kvcore.Reason `json:"reason,omitempty"`
 }
 
 // RetryPolicy is a bounded exponential backoff: the delay before retry n
@@ -214,25 +221,30 @@ type RetryPolicy struct {
 // ExistsFailed decides after attempts failed existence checks of one task:
 // retry with backoff, or dead-letter with ReasonExistsFailed.
 func (p RetryPolicy) ExistsFailed(attempts int) RetryDecision {
-	return p.decide(attempts, RetryDeadLetter, ReasonExistsFailed)
+	return p.decide(attempts, RetryDeadLetter, kvcore.ReasonExistsFailed)
 }
 
 // PutFailed decides after attempts failed puts (other than "no space"):
 // retry with backoff, or report the group failed with ReasonPutFailed.
 func (p RetryPolicy) PutFailed(attempts int) RetryDecision {
-	return p.decide(attempts, RetryFail, ReasonPutFailed)
+	return p.decide(attempts, RetryFail, kvcore.ReasonPutFailed)
 }
 
 // decide retries until MaxAttempts, then gives up with giveUp and reason.
-func (p RetryPolicy) decide(attempts int, giveUp RetryAction, reason Reason) RetryDecision {
-	maxAttempts := p.MaxAttempts
-	if maxAttempts <= 0 {
-		maxAttempts = DefaultRetryAttempts
-	}
-	if attempts >= maxAttempts {
+func (p RetryPolicy) decide(attempts int, giveUp RetryAction, reason kvcore.Reason) RetryDecision {
+	if attempts >= p.Attempts() {
 		return RetryDecision{Action: giveUp, Reason: reason}
 	}
 	return RetryDecision{Action: RetryAgain, Delay: p.Backoff(attempts)}
+}
+
+// Attempts is the number of attempts the policy allows, the first
+// included.
+func (p RetryPolicy) Attempts() int {
+	if p.MaxAttempts > 0 {
+		return p.MaxAttempts
+	}
+	return DefaultRetryAttempts
 }
 
 // Backoff is the delay before retry n (n < 1 counts as 1).
@@ -252,127 +264,4 @@ func (p RetryPolicy) Backoff(n int) time.Duration {
 		d *= 2
 	}
 	return min(d, ceil)
-}
-
-// OutcomeKind classifies what happened to some keys of one group.
-type OutcomeKind string
-
-// Outcome kinds.
-const (
-	// OutcomeStored: keys put.
-	OutcomeStored OutcomeKind = "stored"
-	// OutcomeExisted: keys already in the store, not put again.
-	OutcomeExisted OutcomeKind = "existed"
-	// OutcomeSkipped: keys skipped in pressure mode.
-	OutcomeSkipped OutcomeKind = "skipped"
-	// OutcomeDeadLettered: the group was dead-lettered.
-	OutcomeDeadLettered OutcomeKind = "dead_lettered"
-	// OutcomeFailed: keys whose put failed.
-	OutcomeFailed OutcomeKind = "failed"
-)
-
-// GroupOutcome counts one group's keys by outcome.
-type GroupOutcome struct {
-	// Group is the KV-group index (as the task named it).
-	Group int `json:"group"`
-	// Stored counts keys put.
-	Stored int `json:"stored"`
-	// Existed counts keys already in the store.
-	Existed int `json:"existed"`
-	// Skipped counts keys skipped in pressure mode.
-	Skipped int `json:"skipped"`
-	// DeadLettered counts dead-lettered keys (at least 1 per dead-lettered group).
-	DeadLettered int `json:"dead_lettered"`
-	// Failed counts keys whose put failed (at least 1 per failure recorded).
-	Failed int `json:"failed"`
-	// Reason is the first reason recorded for the group.
-	Reason Reason `json:"reason,omitempty"`
-}
-
-// SendOutcome is the sender's account of one save task, reported on
-// transfer.results.
-type SendOutcome struct {
-	// TaskID is the save task's id.
-	TaskID string `json:"task_id"`
-	// EngineID is the engine that owns the request.
-	EngineID string `json:"engine_id"`
-	// RequestID is the request the task saves.
-	RequestID string `json:"request_id"`
-	// Groups holds one entry per group recorded, in group order.
-	Groups []GroupOutcome `json:"groups"`
-}
-
-// NewSendOutcome starts the account of task t.
-func NewSendOutcome(t *SaveTask) SendOutcome {
-	return SendOutcome{TaskID: t.TaskID, EngineID: t.EngineID, RequestID: t.RequestID, Groups: []GroupOutcome{}}
-}
-
-// Record adds n keys of group with outcome k. A dead-lettered or failed
-// record counts at least 1, so a fault is never counted as zero (a group
-// rejected before any key was built still shows). The first non-empty
-// reason of a group is kept.
-func (o *SendOutcome) Record(group int, k OutcomeKind, n int, reason Reason) {
-	n = max(n, 0)
-	if k == OutcomeDeadLettered || k == OutcomeFailed {
-		n = max(n, 1)
-	}
-	g := o.group(group)
-	switch k {
-	case OutcomeStored:
-		g.Stored += n
-	case OutcomeExisted:
-		g.Existed += n
-	case OutcomeSkipped:
-		g.Skipped += n
-	case OutcomeDeadLettered:
-		g.DeadLettered += n
-	case OutcomeFailed:
-		g.Failed += n
-	}
-	if g.Reason == ReasonOK {
-		g.Reason = reason
-	}
-}
-
-// group finds or inserts the entry of group, keeping group order.
-func (o *SendOutcome) group(group int) *GroupOutcome {
-	i := sort.Search(len(o.Groups), func(i int) bool { return o.Groups[i].Group >= group })
-	if i == len(o.Groups) || o.Groups[i].Group != group {
-		o.Groups = append(o.Groups, GroupOutcome{})
-		copy(o.Groups[i+1:], o.Groups[i:])
-		o.Groups[i] = GroupOutcome{Group: group}
-	}
-	return &o.Groups[i]
-}
-
-// Totals sums every group (Group is -1, Reason the first group's reason).
-func (o *SendOutcome) Totals() GroupOutcome {
-	t := GroupOutcome{Group: -1}
-	for _, g := range o.Groups {
-		t.Stored += g.Stored
-		t.Existed += g.Existed
-		t.Skipped += g.Skipped
-		t.DeadLettered += g.DeadLettered
-		t.Failed += g.Failed
-		if t.Reason == ReasonOK {
-			t.Reason = g.Reason
-		}
-	}
-	return t
-}
-
-// Status is the task's overall outcome for the tracker: failed if any key
-// failed, else dead_lettered if any group was, else skipped if any key was
-// skipped, else stored.
-func (o *SendOutcome) Status() SaveStatus {
-	t := o.Totals()
-	switch {
-	case t.Failed > 0:
-		return SaveFailed
-	case t.DeadLettered > 0:
-		return SaveDeadLettered
-	case t.Skipped > 0:
-		return SaveSkipped
-	}
-	return SaveStored
 }

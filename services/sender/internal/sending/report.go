@@ -1,0 +1,223 @@
+package sending
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+)
+
+// What a save reports, all read from its own account: the contract's
+// TransferResult (for the scheduler, whose tracker learns the skipped and
+// failed keys from its groups), the save_outcomes row, the ledger entry
+// with the outbox messages, and the BlockStored KV events of the keys put.
+
+// totals sums every group (Group is -1, Reason the first group's reason).
+func (s *save) totals() contract.GroupOutcome {
+	t := contract.GroupOutcome{Group: -1}
+	for _, g := range s.groups {
+		t.Stored += g.Stored
+		t.Existing += g.Existing
+		t.Skipped += g.Skipped
+		t.DeadLettered += g.DeadLettered
+		t.Failed += g.Failed
+		if t.Reason == string(kvcore.ReasonOK) {
+			t.Reason = g.Reason
+		}
+	}
+	return t
+}
+
+// status is the task's overall outcome for the tracker: failed if any key
+// failed, else dead_lettered if any group was, else skipped if any key was
+// skipped, else stored.
+func (s *save) status() kvcore.SaveStatus {
+	t := s.totals()
+	switch {
+	case t.Failed > 0:
+		return kvcore.SaveFailed
+	case t.DeadLettered > 0:
+		return kvcore.SaveDeadLettered
+	case t.Skipped > 0:
+		return kvcore.SaveSkipped
+	}
+	return kvcore.SaveStored
+}
+
+// classify names a group by its worst outcome.
+func classify(g contract.GroupOutcome) string {
+	switch {
+	case g.Failed > 0:
+		return groupFailed
+	case g.DeadLettered > 0:
+		return groupDeadLettered
+	case g.Skipped > 0:
+		return groupSkipped
+	case g.Stored > 0:
+		return groupStored
+	}
+	return groupExisting
+}
+
+// resultID is the TransferResult id of a task: stable across redelivery.
+func resultID(taskID string) string { return "save/" + taskID }
+
+// result is the task's TransferResult.
+func (s *save) result() contract.TransferResult {
+	return contract.TransferResult{
+		Schema: contract.SchemaTransferResult, ResultID: resultID(s.task.TaskID), Kind: contract.TransferSave,
+		TaskID: s.task.TaskID, EngineID: s.task.EngineID, RequestID: s.task.RequestID,
+		Status: string(s.status()), Groups: slices.Clone(s.groups), Bytes: s.bytes,
+	}
+}
+
+// outcome is the task's save_outcomes row: its result, and its groups
+// counted by their worst outcome.
+func (s *save) outcome() *ledger.Outcome {
+	counts := map[string]int{}
+	for _, g := range s.groups {
+		counts[classify(g)]++
+	}
+	return &ledger.Outcome{Result: s.result(), Groups: counts}
+}
+
+// entry is what the save leaves in the ledger: its outcome, its dead
+// letters and its messages (the result, then the BlockStored records of
+// the keys put, stamped now).
+func (s *save) entry(src ledger.Source, m *kvcore.Model, now time.Time) (ledger.Entry, error) {
+	o := s.outcome()
+	msgs, err := resultMessages(o.Result, s.kvEvents(m, now))
+	if err != nil {
+		return ledger.Entry{}, err
+	}
+	return ledger.Entry{Source: src, Outcome: o, DeadLetters: s.deadLetters, Messages: msgs}, nil
+}
+
+// countOutcome counts a committed outcome: the task by its status and its
+// groups by their outcomes.
+func (m *Metrics) countOutcome(o *ledger.Outcome) {
+	m.tasks.WithLabelValues(o.Result.Status).Inc()
+	for name, n := range o.Groups {
+		m.groups.WithLabelValues(name).Add(float64(n))
+	}
+}
+
+// resultMessages encodes the TransferResult and the KV-event records
+// (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
+// kvmesh's fields in headers, keyed by store namespace), which the ledger
+// writes to the outbox in the transaction that records the outcome.
+func resultMessages(res contract.TransferResult, events []contract.KVEventRecord) ([]bus.Message, error) {
+	v, err := json.Marshal(res)
+	if err != nil {
+		return nil, fmt.Errorf("encode transfer result: %w", err)
+	}
+	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
+	for _, e := range events {
+		key, ev, headers, err := contract.EncodeKVEventRecord(e)
+		if err != nil {
+			return nil, fmt.Errorf("encode kv event: %w", err)
+		}
+		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: ev, Headers: headers})
+	}
+	return msgs, nil
+}
+
+// kvEvents are the BlockStored records of the keys put: one record per
+// group and store namespace, keyed by the namespace (contract.KVEventRecord),
+// whose vLLM batch has one BlockStored event per run of consecutive chunks
+// of the group's chain, as vLLM announces a run of blocks after its parent
+// (vllm/v1/core/block_pool.py, cache_full_blocks). kvmesh's save tasks
+// carry hashes, not tokens, so token_ids is empty; the hashes are the
+// store keys' own, on the wire as vLLM's maybe_convert_block_hash writes
+// them (contract.WireHash).
+func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord {
+	groups := make([]int, 0, len(s.stored))
+	for g := range s.stored {
+		groups = append(groups, g)
+	}
+	slices.Sort(groups)
+	chain := make(map[string]int, len(s.task.BlockHashes))
+	for i, h := range s.task.BlockHashes {
+		if _, dup := chain[h]; !dup {
+			chain[h] = i
+		}
+	}
+	var out []contract.KVEventRecord
+	for _, g := range groups {
+		byNS := map[string][]string{}
+		for _, k := range s.stored[g] {
+			if ns, h, ok := kvcore.SplitKey(k); ok && !slices.Contains(byNS[ns], h) {
+				byNS[ns] = append(byNS[ns], h)
+			}
+		}
+		for _, ns := range slices.Sorted(maps.Keys(byNS)) {
+			out = append(out, s.storedRecord(m, g, ns, byNS[ns], chain, now))
+		}
+	}
+	return out
+}
+
+// parentIndex is the chain index of the hash that ends the block before the
+// chunk whose key is the hash at chain index pos, with step hash blocks per
+// block, or −1 when the chunk is in the first block or not in the chain. A
+// chunk that ends inside its block (a sub-block prompt tail under partial
+// hash hits) has the same parent as the whole block.
+func parentIndex(pos, step int) int {
+	if pos < 0 {
+		return -1
+	}
+	return pos/step*step - 1
+}
+
+// storedRecord is the BlockStored record of one namespace's hashes of
+// group g: the hashes in chain order, one event per run of consecutive
+// chunks, each with the wire hash of the chunk before it as its parent.
+func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, chain map[string]int, now time.Time) contract.KVEventRecord {
+	grp := m.Groups[g]
+	step := max(1, grp.BlockSize/max(1, m.HashBlockSize))
+	pos := func(h string) int {
+		if i, ok := chain[h]; ok {
+			return i
+		}
+		return -1 // not in the chain: a run of its own, with no parent
+	}
+	slices.SortStableFunc(hashes, func(a, b string) int { return pos(a) - pos(b) })
+	rec := contract.KVEventRecord{
+		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
+		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID,
+	}
+	medium, group := contract.MediumStore, g
+	var window *int
+	if grp.Kind == kvcore.KindSlidingWindow {
+		window = &grp.Window
+	}
+	for i, h := range hashes {
+		rec.Hashes = append(rec.Hashes, h)
+		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
+		wire := contract.WireHash(b)
+		if i > 0 && pos(h) >= 0 && pos(h) == pos(hashes[i-1])+step {
+			last := &rec.Batch.Events[len(rec.Batch.Events)-1]
+			last.BlockHashes = append(last.BlockHashes, wire)
+			continue
+		}
+		ev := contract.KVEvent{
+			Kind: contract.BlockStored, BlockHashes: []uint64{wire}, TokenIDs: []uint32{},
+			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group,
+			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window,
+		}
+		if p := parentIndex(pos(h), step); p >= 0 {
+			if pb, err := kvcore.ParseBlockHash(s.task.BlockHashes[p]); err == nil {
+				parent := contract.WireHash(pb)
+				ev.ParentBlockHash = &parent
+			}
+		}
+		rec.Batch.Events = append(rec.Batch.Events, ev)
+	}
+	return rec
+}
