@@ -7,6 +7,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strconv"
 	"sync"
@@ -47,11 +48,12 @@ type existsConn struct {
 	r      *bufio.Reader
 	buf    []byte
 	counts []int64
-	sends  int // round trips sent on the connection
+	value  []byte // the last value read, reused for the next
+	sends  int    // round trips sent on the connection
 }
 
 // keptExistsConns is how many idle connections an existsPipe keeps.
-const keptExistsConns = 4
+const keptExistsConns = 8
 
 // defaultExistsTimeout bounds one pipeline's I/O when the options set none
 // (go-redis's default read timeout).
@@ -251,6 +253,95 @@ func (cn *existsConn) readInt() (int64, error) {
 	}
 	return 0, fmt.Errorf("redis protocol: unexpected reply %q", line)
 }
+
+// getEach sends one pipeline of GET for keys on cn and calls use for each
+// present value, read into the connection's value buffer (reused: no
+// allocation or zeroing a value). errs gets each key's error: ErrNotFound
+// for an absent key, the server's error reply, or use's error. It returns
+// the largest value seen and how many replies were read, and a connection
+// failure as an error (cn is then closed).
+func (p *existsPipe) getEach(ctx context.Context, cn *existsConn, keys []string, errs []error, use func(int, []byte) error) (largest, answered int, err error) {
+	stop := p.deadline(ctx, cn)
+	defer stop()
+	b := cn.buf[:0]
+	for _, k := range keys {
+		b = append(b, "*2\r\n$3\r\nGET\r\n$"...)
+		b = strconv.AppendInt(b, int64(len(k)), 10)
+		b = append(b, "\r\n"...)
+		b = append(b, k...)
+		b = append(b, "\r\n"...)
+	}
+	cn.buf = b
+	p.mu.Lock()
+	p.roundTrips++
+	p.mu.Unlock()
+	_, err = cn.c.Write(b)
+	for i := 0; err == nil && i < len(keys); i++ {
+		var v []byte
+		v, err = cn.readBulk()
+		if err == nil || isReply(err) {
+			answered++
+		}
+		var re respError
+		switch {
+		case errors.As(err, &re):
+			errs[i], err = err, nil
+		case err != nil:
+		case v == nil:
+			errs[i] = ErrNotFound
+		default:
+			largest = max(largest, len(v))
+			errs[i] = use(i, v)
+		}
+	}
+	if err != nil {
+		_ = cn.c.Close()
+		return 0, answered, err
+	}
+	p.put(cn)
+	return largest, answered, nil
+}
+
+// readBulk reads one bulk-string reply into the connection's value
+// buffer: nil for the nil reply ($-1), a respError for an error reply.
+func (cn *existsConn) readBulk() ([]byte, error) {
+	line, err := cn.readLine()
+	if err != nil {
+		return nil, err
+	}
+	switch line[0] {
+	case '-':
+		return nil, respError(line[1:])
+	case '$':
+	default:
+		return nil, fmt.Errorf("redis protocol: unexpected reply %q", line)
+	}
+	if string(line) == "$-1" {
+		return nil, nil
+	}
+	n, err := parseCount(line)
+	if err != nil {
+		return nil, err
+	}
+	if n > maxBulk {
+		return nil, fmt.Errorf("redis protocol: value of %d bytes over %d", n, maxBulk)
+	}
+	if cap(cn.value) < int(n)+2 {
+		cn.value = make([]byte, int(n)+2)
+	}
+	v := cn.value[:n+2]
+	if _, err := io.ReadFull(cn.r, v); err != nil {
+		return nil, err
+	}
+	if v[n] != '\r' || v[n+1] != '\n' {
+		return nil, errors.New("redis protocol: bulk string without CRLF")
+	}
+	return v[:n:n], nil
+}
+
+// maxBulk bounds one value the pipe reads (Redis's own proto-max-bulk-len
+// default, 512 MiB).
+const maxBulk = 512 << 20
 
 // parseCount parses the non-negative integer of an integer reply line
 // (":N"); it allocates nothing, unlike strconv on a converted string.

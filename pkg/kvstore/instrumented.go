@@ -225,6 +225,30 @@ func (s *Instrumented) Get(ctx context.Context, keys []string) ([][]byte, []erro
 	return values, errs, err
 }
 
+// GetEach implements ValueVisitor when the wrapped store does; otherwise
+// it calls Get and hands each value to use. It counts what Get counts.
+func (s *Instrumented) GetEach(ctx context.Context, keys []string, use func(i int, value []byte) error) ([]error, error) {
+	c := s.begin(ctx, s.ops.Get, len(keys), batchStatuses)
+	var n int64
+	counted := func(i int, v []byte) error {
+		n += int64(len(v))
+		return use(i, v)
+	}
+	errs, err := GetEach(c.ctx, s.next, keys, counted)
+	s.end(c, n, err, errs)
+	return errs, err
+}
+
+// GetEach gets keys from st and calls use(i, value) for each present key
+// in input order: through st's own GetEach when it is a ValueVisitor, or
+// through Get otherwise. use's error becomes that key's error.
+func GetEach(ctx context.Context, st Store, keys []string, use func(i int, value []byte) error) ([]error, error) {
+	if v, ok := st.(ValueVisitor); ok {
+		return v.GetEach(ctx, keys, use)
+	}
+	return getEachOf(ctx, st.Get, keys, use)
+}
+
 // Remove implements Store.
 func (s *Instrumented) Remove(ctx context.Context, keys []string) ([]error, error) {
 	c := s.begin(ctx, s.ops.Remove, len(keys), batchStatuses)

@@ -90,3 +90,17 @@ var (
 func IsTransient(err error) bool {
 	return errors.Is(err, ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)
 }
+
+// ValueVisitor is implemented by stores that can hand each value of a Get
+// to the caller in a buffer of their own, reused for the next value,
+// instead of a fresh slice per value: a loader that verifies a value and
+// copies it into its destination at once saves the allocation, the zeroing
+// and the page faults of a fresh slice for every block.
+type ValueVisitor interface {
+	// GetEach gets keys like Get, but calls use(i, value) for each present
+	// key in input order, with value valid only until use returns; use's
+	// error becomes that key's error. The per-key error of an absent key
+	// wraps ErrNotFound (use is not called). A whole-batch error means the
+	// per-key results are nil; use may have been called for some keys.
+	GetEach(ctx context.Context, keys []string, use func(i int, value []byte) error) ([]error, error)
+}

@@ -141,7 +141,10 @@ type Redis struct {
 	closed atomic.Bool
 }
 
-var _ Store = (*Redis)(nil)
+var (
+	_ Store        = (*Redis)(nil)
+	_ ValueVisitor = (*Redis)(nil)
+)
 
 // NewRedis connects to the Redis server or cluster at url and checks it
 // with PING. A single server is redis://[user:pass@]host:port/db, or
@@ -307,6 +310,72 @@ func (r *Redis) Get(ctx context.Context, keys []string) ([][]byte, []error, erro
 		lo = hi
 	}
 	return values, errs, nil
+}
+
+// GetEach implements ValueVisitor. On a single server it reads each value
+// over the store's own connections into one reused buffer per connection,
+// in pipelines bounded as Get's are; against a cluster it calls Get.
+func (r *Redis) GetEach(ctx context.Context, keys []string, use func(i int, value []byte) error) ([]error, error) {
+	if err := r.usable(ctx, "get"); err != nil {
+		return nil, err
+	}
+	if r.fast == nil {
+		return getEachOf(ctx, r.Get, keys, use)
+	}
+	errs := make([]error, len(keys))
+	largest := initialGetEstimate
+	for lo := 0; lo < len(keys); {
+		hi := min(len(keys), lo+r.getChunkKeys(largest))
+		seen, err := r.getEachChunk(ctx, keys[lo:hi], errs[lo:hi], func(i int, v []byte) error { return use(lo+i, v) })
+		if err != nil {
+			return nil, r.batchErr(ctx, "get", err)
+		}
+		for i := lo; i < hi; i++ {
+			var re respError
+			if errs[i] != nil && errors.As(errs[i], &re) {
+				errs[i] = replyErr(errs[i])
+			}
+		}
+		if seen > 0 {
+			largest = seen
+		}
+		lo = hi
+	}
+	return errs, nil
+}
+
+// getEachChunk runs one GET pipeline on the store's own connections. A
+// pipeline on a reused connection that failed before its first reply is
+// tried once more on a new one (the server may have closed an idle
+// connection); GET is read-only, so retrying is safe.
+func (r *Redis) getEachChunk(ctx context.Context, keys []string, errs []error, use func(int, []byte) error) (int, error) {
+	cn, reused, err := r.fast.get(ctx)
+	if err != nil {
+		return 0, err
+	}
+	seen, answered, err := r.fast.getEach(ctx, cn, keys, errs, use)
+	if err != nil && reused && answered == 0 && ctx.Err() == nil {
+		if cn, _, err = r.fast.dialed(ctx); err == nil {
+			seen, _, err = r.fast.getEach(ctx, cn, keys, errs, use)
+		}
+	}
+	return seen, err
+}
+
+// getEachOf calls get and hands each present value to use.
+func getEachOf(ctx context.Context, get func(context.Context, []string) ([][]byte, []error, error),
+	keys []string, use func(int, []byte) error,
+) ([]error, error) {
+	values, errs, err := get(ctx, keys)
+	if err != nil {
+		return nil, err
+	}
+	for i, v := range values {
+		if errs[i] == nil {
+			errs[i] = use(i, v)
+		}
+	}
+	return errs, nil
 }
 
 // getChunkKeys is how many keys the next Get pipeline may hold when values

@@ -400,18 +400,25 @@ func (l *Loader) eachBatch(n int, size func(i int) int64, do func(lo, hi int)) {
 }
 
 // getBatch gets one batch of keys with one store Get, verifies each value
-// and writes it into its block; errs[i] records why item i failed. It
-// returns the payload bytes written.
+// and writes it into its block as it arrives (kvstore.GetEach: a store
+// that can hands the values over in a reused buffer, so no value is
+// allocated); errs[i] records why item i failed. It returns the payload
+// bytes written.
 func (l *Loader) getBatch(ctx context.Context, requestID string, items []kvcore.TransferItem, errs []error) int64 {
 	keys := make([]string, len(items))
 	for i, it := range items {
 		keys[i] = it.Key
 	}
-	values, keyErrs, err := l.cfg.Store.Get(ctx, keys)
-	var got int64
-	for _, v := range values {
-		got += int64(len(v))
-	}
+	var got, written int64
+	keyErrs, err := kvstore.GetEach(ctx, l.cfg.Store, keys, func(i int, value []byte) error {
+		got += int64(len(value))
+		if err := l.place(requestID, items[i], value); err != nil {
+			l.cfg.Metrics.Rejected(err)
+			return err
+		}
+		written += l.cfg.Model.Groups[items[i].Group].BytesPerBlock
+		return nil
+	})
 	l.cfg.Metrics.StoreBytes(metrics.OpLoadGet, got)
 	if err != nil {
 		for i := range errs {
@@ -419,17 +426,7 @@ func (l *Loader) getBatch(ctx context.Context, requestID string, items []kvcore.
 		}
 		return 0
 	}
-	var written int64
-	for i, it := range items {
-		if errs[i] = keyErrs[i]; errs[i] != nil {
-			continue
-		}
-		if errs[i] = l.place(requestID, it, values[i]); errs[i] != nil {
-			l.cfg.Metrics.Rejected(errs[i])
-			continue
-		}
-		written += l.cfg.Model.Groups[it.Group].BytesPerBlock
-	}
+	copy(errs, keyErrs)
 	return written
 }
 
