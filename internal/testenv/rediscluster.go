@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -233,12 +234,7 @@ func launchClusterNode(bin, dir string) (*serverProcess, error) {
 func (c *Cluster) URL() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	addrs := make([]string, 0, len(c.nodes))
-	for a := range c.nodes {
-		addrs = append(addrs, a)
-	}
-	slices.Sort(addrs)
-	return "redis+cluster://" + strings.Join(addrs, ",")
+	return "redis+cluster://" + strings.Join(slices.Sorted(maps.Keys(c.nodes)), ",")
 }
 
 // Masters returns the addresses of the masters serving slots, as last
@@ -523,13 +519,8 @@ func (c *Cluster) logTailsOnFailure(t testing.TB) {
 func (c *Cluster) logTails() string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	addrs := make([]string, 0, len(c.nodes))
-	for a := range c.nodes {
-		addrs = append(addrs, a)
-	}
-	slices.Sort(addrs)
 	var sb strings.Builder
-	for _, a := range addrs {
+	for _, a := range slices.Sorted(maps.Keys(c.nodes)) {
 		lines := strings.Split(strings.TrimRight(c.nodes[a].Output(), "\n"), "\n")
 		fmt.Fprintf(&sb, "--- redis cluster node %s log (last lines) ---\n%s\n", a,
 			strings.Join(lines[max(0, len(lines)-clusterLogLines):], "\n"))
