@@ -92,12 +92,14 @@ func (d *Deps) openStore(ctx context.Context, url string, optional bool) error {
 	return nil
 }
 
-// OpenBus makes sure every contract topic exists and creates the producer.
-func (d *Deps) OpenBus(ctx context.Context, c *Common) error {
+// OpenBus makes sure every contract topic exists and creates the producer
+// with opts (the lookup, whose every publish is on an engine's critical
+// path, sends each record at once).
+func (d *Deps) OpenBus(ctx context.Context, c *Common, opts ...bus.ProducerOption) error {
 	if err := bus.EnsureTopics(ctx, c.Brokers, contract.Topics, c.Partitions); err != nil {
 		return err
 	}
-	p, err := bus.NewProducer(c.Brokers)
+	p, err := bus.NewProducer(c.Brokers, opts...)
 	if err != nil {
 		return err
 	}

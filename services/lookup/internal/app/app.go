@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -81,9 +80,6 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
-	// decisions publishes the decisions, with api.DecisionProducerOptions
-	// (no waiting to fill a batch: the engine waits for the ack).
-	decisions *bus.Producer
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -95,7 +91,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	a := &App{deps: service.NewDeps(log)}
 	defer func() {
 		if err != nil {
-			a.close()
+			a.deps.Close()
 		}
 	}()
 	if a.model, err = cfg.LoadModel(); err != nil {
@@ -112,11 +108,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenOptionalStore(ctx, cfg.RedisURL); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
+	// The lookup publishes only decisions, each on the engine's critical
+	// path: its producer sends every record at once (api.DecisionProducerOptions).
+	if err = a.deps.OpenBus(ctx, &cfg.Common, api.DecisionProducerOptions()...); err != nil {
 		return nil, err
-	}
-	if a.decisions, err = bus.NewProducer(cfg.Brokers, api.DecisionProducerOptions()...); err != nil {
-		return nil, fmt.Errorf("decision producer: %w", err)
 	}
 	h, err := a.handler(cfg)
 	if err != nil {
@@ -157,7 +152,7 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 	return api.New(api.Options{
 		Model:        a.model,
 		Chain:        chain,
-		Publisher:    a.decisions,
+		Publisher:    a.deps.Producer,
 		Enabled:      cfg.Enabled,
 		LoadAsync:    cfg.LoadAsync,
 		Timeout:      cfg.Timeout,
@@ -172,16 +167,8 @@ func (a *App) Addr() string { return a.srv.Addr() }
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
-	defer a.close()
+	defer a.deps.Close()
 	return service.Run(ctx, a.deps.Log,
 		service.Task{Name: "http", Run: a.srv.Run},
 	)
-}
-
-// close releases the decision producer, then every shared connection.
-func (a *App) close() {
-	if a.decisions != nil {
-		_ = a.decisions.Close() // flushes nothing: every publish was synchronous
-	}
-	a.deps.Close()
 }
