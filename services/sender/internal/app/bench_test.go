@@ -223,8 +223,12 @@ func benchStack(b *testing.B, size int) *stack {
 	if err := os.WriteFile(path, []byte(spec), 0o644); err != nil {
 		b.Fatal(err)
 	}
+	// The worker runs as in production (info logs, not the tests' debug)
+	// with as many store streams as the raw baseline has pipelines: the
+	// same parallelism on both sides.
 	return newStack(b, stackOptions{engines: []string{"e1"}, modelFile: path, poolBlocks: benchInFlight * benchChunks,
-		config: func(c *app.Config) { c.Consumers, c.Concurrency = 2, benchInFlight/2 }})
+		config:    func(c *app.Config) { c.Consumers, c.Concurrency = 2, benchInFlight/2 },
+		workerEnv: map[string]string{"KVMESH_STORE_STREAMS": strconv.Itoa(benchInFlight), "KVMESH_LOG_LEVEL": "info"}})
 }
 
 // BenchmarkDeadLetterMalformedTask measures the end-to-end cost of one

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"os"
 	"os/exec"
@@ -230,7 +231,9 @@ type stack struct {
 	noWrites  bool              // task() leaves the pool as it is
 	modelSpec string            // KVMESH_MODEL of both services
 	pool      int               // KVMESH_POOL_BLOCKS of the workers
-	mu        sync.Mutex
+	// workerExtra overrides or adds settings of the workers' environment.
+	workerExtra map[string]string
+	mu          sync.Mutex
 }
 
 type stackOptions struct {
@@ -241,6 +244,8 @@ type stackOptions struct {
 	noSender    bool   // the test runs the sender itself
 	modelFile   string // a model spec file for both services (default hybrid-mla-linear)
 	poolBlocks  int    // blocks per group of each worker's pool (default 64)
+	// workerEnv overrides or adds settings of every worker's environment.
+	workerEnv map[string]string
 }
 
 func newStack(t testing.TB, o stackOptions) *stack {
@@ -259,6 +264,7 @@ func newStack(t testing.TB, o stackOptions) *stack {
 	if o.poolBlocks > 0 {
 		s.pool = o.poolBlocks
 	}
+	s.workerExtra = o.workerEnv
 	if o.workerRedis != "" {
 		s.redis = o.workerRedis
 	}
@@ -361,12 +367,14 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 
 // workerEnv is the environment of a gpuworker subprocess for engine.
 func (s *stack) workerEnv(engine string) map[string]string {
-	return map[string]string{
+	env := map[string]string{
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_ENGINE_ID": engine, "KVMESH_HTTP_ADDR": "127.0.0.1:0",
 		"KVMESH_MODEL": s.modelSpec, "KVMESH_POOL_BLOCKS": itoa(s.pool), "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",
 	}
+	maps.Copy(env, s.workerExtra)
+	return env
 }
 
 // startWorker runs the real gpuworker binary for engine and waits until it
