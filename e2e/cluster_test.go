@@ -104,25 +104,6 @@ func TestClusterFailoverMidRun(t *testing.T) {
 	checkRemovalAnnounced(ctx, t, s, c, promoted[0])
 }
 
-// requireStoreLoads replays the workload of first on a fresh engine (empty
-// local cache) with first's salt, so that its prompts hash to the keys
-// first saved: the replay must be clean and load prefixes from the
-// cluster, whatever the first run's own timing left to its local cache.
-func requireStoreLoads(ctx context.Context, t *testing.T, s *stack, first sim.Config) {
-	t.Helper()
-	again := simConfig(t, s, false, first.Workload)
-	again.Workload.Requests = min(first.Workload.Requests, 12)
-	again.Salt = first.Salt
-	rep, err := sim.Run(ctx, again)
-	if err != nil {
-		t.Fatal(err)
-	}
-	requireOK(t, rep)
-	if rep.Tokens.Loaded["store"] == 0 {
-		t.Fatalf("replay with the first run's salt: loaded tokens %v, want loads from the cluster", rep.Tokens.Loaded)
-	}
-}
-
 // checkRemovalAnnounced sets and deletes a key of the stack's deployment
 // that master serves until the sender's removal watcher announces it as
 // a BlockRemoved on kvmesh.kv.events: master is subscribed.

@@ -84,6 +84,27 @@ func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 	}
 }
 
+// requireStoreLoads replays the workload of first on a fresh engine (empty
+// local cache) with first's salt, so that its prompts hash to the keys
+// first saved: the replay must be clean and load prefixes from the store,
+// whatever the first run's own timing left to its local cache. It returns
+// the replay's report.
+func requireStoreLoads(ctx context.Context, t *testing.T, s *stack, first sim.Config) *sim.Report {
+	t.Helper()
+	again := simConfig(t, s, false, first.Workload)
+	again.Workload.Requests = min(first.Workload.Requests, 12)
+	again.Salt = first.Salt
+	rep, err := sim.Run(ctx, again)
+	if err != nil {
+		t.Fatal(err)
+	}
+	requireOK(t, rep)
+	if rep.Tokens.Loaded["store"] == 0 {
+		t.Fatalf("replay with the first run's salt: loaded tokens %v, want loads from the store", rep.Tokens.Loaded)
+	}
+	return rep
+}
+
 // requireOK fails the test unless the report is clean: every request ok,
 // every loaded byte right, every stored value right, the save ledger
 // balanced, every tracker done.

@@ -13,7 +13,9 @@ import (
 
 // TestPartialHashHits plays the partial-hash-hit preset
 // (hybrid-mla-linear-partial: MLA 64 + linear attention 64, hash block 16)
-// through the real mesh with the store connector alone: every request ok,
+// through the real mesh with the store connector alone, then replays it on
+// a fresh engine with the same salt (so that it loads from the store):
+// every request ok,
 // every loaded block right byte for byte (sub-block chunks included), the
 // save ledger balanced, some store loads ending inside a block (a hit on a
 // prompt tail, read from its tail key) and some prompt-tail saves, none
@@ -25,13 +27,20 @@ func TestPartialHashHits(t *testing.T) {
 	defer cancel()
 	w := smallWorkload(24, 6)
 	w.SystemPrompts = 4
-	rep, err := sim.Run(ctx, simConfig(t, s, false, w))
+	cfg := simConfig(t, s, false, w)
+	rep, err := sim.Run(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	requireOK(t, rep)
-	if rep.Verification.Mismatched != 0 || rep.Ledger.DeadLettered != 0 {
-		t.Fatalf("%d mismatched blocks, %d dead-lettered keys; want none", rep.Verification.Mismatched, rep.Ledger.DeadLettered)
+	// Whether the first run itself loads from the store depends on its
+	// timing (its local cache may hold every prefix); a replay on a fresh
+	// engine with the same salt must.
+	replay := requireStoreLoads(ctx, t, s, cfg)
+	for _, r := range []*sim.Report{rep, replay} {
+		if r.Verification.Mismatched != 0 || r.Ledger.DeadLettered != 0 {
+			t.Fatalf("%d mismatched blocks, %d dead-lettered keys; want none", r.Verification.Mismatched, r.Ledger.DeadLettered)
+		}
 	}
 	m, err := kvcore.Preset(partial)
 	if err != nil {
@@ -66,8 +75,8 @@ func TestPartialHashHits(t *testing.T) {
 			tails++
 		}
 	}
-	if inside == 0 || tails == 0 || rep.Tokens.Loaded["store"] == 0 {
-		t.Fatalf("%d store loads ending inside a block, %d prompt-tail saves, %d store-loaded tokens: want some of each", inside, tails, rep.Tokens.Loaded["store"])
+	if inside == 0 || tails == 0 {
+		t.Fatalf("%d store loads ending inside a block, %d prompt-tail saves: want some of each", inside, tails)
 	}
 	t.Logf("%d store loads ending inside a block, %d prompt-tail saves", inside, tails)
 }
