@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"net/http"
 	"net/url"
 	"slices"
@@ -145,16 +144,8 @@ func checkRemovalAnnounced(ctx context.Context, t *testing.T, s *stack, c *teste
 // not check the store and answered 0 (fail open).
 func failedOpenLookups(ctx context.Context, t *testing.T, s *stack) int {
 	t.Helper()
-	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicLookupDecisions)
-	if err != nil {
-		t.Fatal(err)
-	}
 	n := 0
-	for _, rec := range recs {
-		var d contract.LookupDecision
-		if err := json.Unmarshal(rec.Value, &d); err != nil {
-			t.Fatal(err)
-		}
+	for _, d := range lookupDecisions(ctx, t, s) {
 		for _, c := range d.Children {
 			if c.Name == "store" && c.Failed != "" {
 				if c.Tokens != 0 || c.Spec != nil {

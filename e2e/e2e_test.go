@@ -223,16 +223,8 @@ func checkTable(t *testing.T, m *kvcore.Model, task *kvcore.SaveTask) {
 // which the in-process connector turned into an empty-table save.
 func seedDecisions(ctx context.Context, t *testing.T, s *stack) int {
 	t.Helper()
-	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicLookupDecisions)
-	if err != nil {
-		t.Fatal(err)
-	}
 	n := 0
-	for _, rec := range recs {
-		var d contract.LookupDecision
-		if err := json.Unmarshal(rec.Value, &d); err != nil {
-			t.Fatal(err)
-		}
+	for _, d := range lookupDecisions(ctx, t, s) {
 		for _, c := range d.Children {
 			if d.Chosen == "pd" && c.Name == "store" && c.Spec != nil {
 				n++
@@ -240,6 +232,23 @@ func seedDecisions(ctx context.Context, t *testing.T, s *stack) int {
 		}
 	}
 	return n
+}
+
+// lookupDecisions reads every lookup decision published on the stack's
+// broker.
+func lookupDecisions(ctx context.Context, t *testing.T, s *stack) []contract.LookupDecision {
+	t.Helper()
+	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicLookupDecisions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]contract.LookupDecision, len(recs))
+	for i, rec := range recs {
+		if err := json.Unmarshal(rec.Value, &out[i]); err != nil {
+			t.Fatalf("lookup decision at %d/%d: %v", rec.Partition, rec.Offset, err)
+		}
+	}
+	return out
 }
 
 // TestMalformedSavesDeadLettered injects a save task whose table lacks a

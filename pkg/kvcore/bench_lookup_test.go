@@ -7,19 +7,10 @@ import "testing"
 // present, once with a full-attention chunk missing in the middle.
 func BenchmarkLookupPlan128K3Group(b *testing.B) {
 	const numTokens = 131072
-	m, err := Preset("full-swa-mamba")
-	if err != nil {
-		b.Fatal(err)
-	}
-	kb := KeyBuilder{Prefix: "bench", Model: m.Name}
-	hashes := promptHashes(m, numTokens, 1)
+	m, kb, hashes, all := lookupBenchSetup(b, "full-swa-mamba", "bench", numTokens)
 	p, err := PlanLookup(m, kb, hashes, numTokens)
 	if err != nil {
 		b.Fatal(err)
-	}
-	all := make([]bool, len(p.Keys()))
-	for i := range all {
-		all[i] = true
 	}
 	hole := append([]bool(nil), all...)
 	missing := kb.Key(Rank{}, 0, hashes[numTokens/2/m.HashBlockSize-1])
@@ -28,28 +19,12 @@ func BenchmarkLookupPlan128K3Group(b *testing.B) {
 			hole[i] = false
 		}
 	}
-	cases := []struct {
-		name    string
-		answers []bool
-		want    int
-	}{
-		{"all_present", all, numTokens - m.SchedulerBlockSize()},
-		{"miss_in_middle", hole, numTokens/2 - m.SchedulerBlockSize()},
-	}
-	for _, tc := range cases {
-		b.Run(tc.name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				p, err := PlanLookup(m, kb, hashes, numTokens)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if hit, err := p.Resolve(tc.answers); err != nil || hit != tc.want {
-					b.Fatalf("Resolve = %d, %v; want %d", hit, err, tc.want)
-				}
-			}
-		})
-	}
+	b.Run("all_present", func(b *testing.B) {
+		benchPlanResolve(b, m, kb, hashes, numTokens, all, numTokens-m.SchedulerBlockSize())
+	})
+	b.Run("miss_in_middle", func(b *testing.B) {
+		benchPlanResolve(b, m, kb, hashes, numTokens, hole, numTokens/2-m.SchedulerBlockSize())
+	})
 }
 
 // BenchmarkKey builds one store key with a prefix and a 32-byte hash.
@@ -68,11 +43,19 @@ func BenchmarkKey(b *testing.B) {
 // service's BenchmarkLookup32K2Group, and resolves it with every key present.
 func BenchmarkLookupPlan32K2Group(b *testing.B) {
 	const numTokens = 32768
-	m, err := Preset("hybrid-mla-linear")
+	m, kb, hashes, all := lookupBenchSetup(b, "hybrid-mla-linear", "lookupbench", numTokens)
+	benchPlanResolve(b, m, kb, hashes, numTokens, all, numTokens-m.SchedulerBlockSize())
+}
+
+// lookupBenchSetup returns preset's model, a key builder with prefix, the
+// hashes of a numTokens prompt and an all-present answer for its plan.
+func lookupBenchSetup(b *testing.B, preset, prefix string, numTokens int) (*Model, KeyBuilder, []BlockHash, []bool) {
+	b.Helper()
+	m, err := Preset(preset)
 	if err != nil {
 		b.Fatal(err)
 	}
-	kb := KeyBuilder{Prefix: "lookupbench", Model: m.Name}
+	kb := KeyBuilder{Prefix: prefix, Model: m.Name}
 	hashes := promptHashes(m, numTokens, 1)
 	p, err := PlanLookup(m, kb, hashes, numTokens)
 	if err != nil {
@@ -82,14 +65,19 @@ func BenchmarkLookupPlan32K2Group(b *testing.B) {
 	for i := range all {
 		all[i] = true
 	}
-	want := numTokens - m.SchedulerBlockSize()
+	return m, kb, hashes, all
+}
+
+// benchPlanResolve times planning the lookup and resolving it with answers,
+// checking the hit is want.
+func benchPlanResolve(b *testing.B, m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int, answers []bool, want int) {
 	b.ReportAllocs()
 	for b.Loop() {
 		p, err := PlanLookup(m, kb, hashes, numTokens)
 		if err != nil {
 			b.Fatal(err)
 		}
-		if hit, err := p.Resolve(all); err != nil || hit != want {
+		if hit, err := p.Resolve(answers); err != nil || hit != want {
 			b.Fatalf("Resolve = %d, %v; want %d", hit, err, want)
 		}
 	}

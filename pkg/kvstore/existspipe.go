@@ -10,7 +10,6 @@ import (
 	"io"
 	"net"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -38,8 +37,7 @@ type existsPipe struct {
 	idle          chan *existsConn
 	closed        atomic.Bool
 	// roundTrips counts the round trips sent (tests check them).
-	mu         sync.Mutex
-	roundTrips int
+	roundTrips atomic.Int64
 }
 
 // existsConn is one connection of an existsPipe with its buffers.
@@ -48,8 +46,8 @@ type existsConn struct {
 	r      *bufio.Reader
 	buf    []byte
 	counts []int64
-	value  []byte // the last value read, reused for the next
-	sends  int    // round trips sent on the connection
+	value  []byte        // the last value read, reused for the next
+	trips  *atomic.Int64 // the pipe's round-trip count
 }
 
 // keptExistsConns is how many idle connections an existsPipe keeps.
@@ -116,12 +114,8 @@ func (p *existsPipe) exists(ctx context.Context, keys []string, found []bool, ma
 // is returned as is, the connection kept, once every reply is read.
 func (p *existsPipe) roundTrip(ctx context.Context, cn *existsConn, keys []string, found []bool) (int, error) {
 	stop := p.deadline(ctx, cn)
-	sends := cn.sends
 	n, err := cn.pipeline(keys, found)
 	stop()
-	p.mu.Lock()
-	p.roundTrips += cn.sends - sends
-	p.mu.Unlock()
 	var re respError
 	if err != nil && !errors.As(err, &re) {
 		_ = cn.c.Close()
@@ -159,7 +153,7 @@ func (cn *existsConn) pipeline(keys []string, found []bool) (int, error) {
 	b := cn.buf[:0]
 	runs := 0
 	for lo := 0; lo < len(keys); lo += existsRun {
-		b = appendExists(b, keys[lo:min(len(keys), lo+existsRun)])
+		b = appendCommand(b, "EXISTS", keys[lo:min(len(keys), lo+existsRun)])
 		runs++
 	}
 	counts, err := cn.send(b, runs)
@@ -187,7 +181,7 @@ func (cn *existsConn) pipeline(keys []string, found []bool) (int, error) {
 	}
 	b = cn.buf[:0]
 	for _, i := range mixed {
-		b = appendExists(b, keys[i:i+1])
+		b = appendCommand(b, "EXISTS", keys[i:i+1])
 	}
 	counts, err = cn.send(b, len(mixed))
 	if err != nil {
@@ -199,19 +193,26 @@ func (cn *existsConn) pipeline(keys []string, found []bool) (int, error) {
 	return runs + len(mixed), nil
 }
 
-// appendExists appends one EXISTS command of keys to b.
-func appendExists(b []byte, keys []string) []byte {
+// appendCommand appends the RESP array of one command, name followed by
+// args, to b (every command the pipe sends: EXISTS, GET, AUTH, SELECT).
+func appendCommand(b []byte, name string, args []string) []byte {
 	b = append(b, '*')
-	b = strconv.AppendInt(b, int64(len(keys)+1), 10)
-	b = append(b, "\r\n$6\r\nEXISTS\r\n"...)
-	for _, k := range keys {
-		b = append(b, '$')
-		b = strconv.AppendInt(b, int64(len(k)), 10)
-		b = append(b, "\r\n"...)
-		b = append(b, k...)
-		b = append(b, "\r\n"...)
+	b = strconv.AppendInt(b, int64(len(args)+1), 10)
+	b = append(b, "\r\n"...)
+	b = appendBulk(b, name)
+	for _, a := range args {
+		b = appendBulk(b, a)
 	}
 	return b
+}
+
+// appendBulk appends one bulk string to b.
+func appendBulk(b []byte, a string) []byte {
+	b = append(b, '$')
+	b = strconv.AppendInt(b, int64(len(a)), 10)
+	b = append(b, "\r\n"...)
+	b = append(b, a...)
+	return append(b, "\r\n"...)
 }
 
 // send writes the commands in b (kept as the connection's buffer) and reads
@@ -219,7 +220,7 @@ func appendExists(b []byte, keys []string) []byte {
 // reply is returned once all n are read; a connection failure at once.
 func (cn *existsConn) send(b []byte, n int) ([]int64, error) {
 	cn.buf = b
-	cn.sends++
+	cn.trips.Add(1)
 	if _, err := cn.c.Write(b); err != nil {
 		return nil, err
 	}
@@ -264,17 +265,11 @@ func (p *existsPipe) getEach(ctx context.Context, cn *existsConn, keys []string,
 	stop := p.deadline(ctx, cn)
 	defer stop()
 	b := cn.buf[:0]
-	for _, k := range keys {
-		b = append(b, "*2\r\n$3\r\nGET\r\n$"...)
-		b = strconv.AppendInt(b, int64(len(k)), 10)
-		b = append(b, "\r\n"...)
-		b = append(b, k...)
-		b = append(b, "\r\n"...)
+	for i := range keys {
+		b = appendCommand(b, "GET", keys[i:i+1])
 	}
 	cn.buf = b
-	p.mu.Lock()
-	p.roundTrips++
-	p.mu.Unlock()
+	cn.trips.Add(1)
 	_, err = cn.c.Write(b)
 	for i := 0; err == nil && i < len(keys); i++ {
 		var v []byte
@@ -418,7 +413,7 @@ func (p *existsPipe) dialed(ctx context.Context) (*existsConn, bool, error) {
 		}
 		c = tc
 	}
-	cn := &existsConn{c: c, r: bufio.NewReaderSize(c, 64<<10)}
+	cn := &existsConn{c: c, r: bufio.NewReaderSize(c, 64<<10), trips: &p.roundTrips}
 	if err := p.handshake(ctx, cn); err != nil {
 		_ = c.Close()
 		return nil, false, err
@@ -444,17 +439,7 @@ func (p *existsPipe) handshake(ctx context.Context, cn *existsConn) error {
 	stop := p.deadline(ctx, cn)
 	defer stop()
 	for _, args := range cmds {
-		b := cn.buf[:0]
-		b = append(b, '*')
-		b = strconv.AppendInt(b, int64(len(args)), 10)
-		b = append(b, "\r\n"...)
-		for _, a := range args {
-			b = append(b, '$')
-			b = strconv.AppendInt(b, int64(len(a)), 10)
-			b = append(b, "\r\n"...)
-			b = append(b, a...)
-			b = append(b, "\r\n"...)
-		}
+		b := appendCommand(cn.buf[:0], args[0], args[1:])
 		cn.buf = b
 		if _, err := cn.c.Write(b); err != nil {
 			return err
@@ -486,11 +471,7 @@ func (p *existsPipe) close() {
 
 // pipelines returns and resets the number of round trips sent.
 func (p *existsPipe) pipelines() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	n := p.roundTrips
-	p.roundTrips = 0
-	return n
+	return int(p.roundTrips.Swap(0))
 }
 
 // respError is an error reply of the server. It is a redis.Error, so that
