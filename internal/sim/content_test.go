@@ -64,3 +64,34 @@ func TestBlockContentRanks(t *testing.T) {
 		t.Fatal("full-attention contents are the same on two TP ranks")
 	}
 }
+
+// TestContentStreamPieces: the stream is the same however it is cut into
+// fills (a block's regions need not be whole words), and its first word
+// is SplitMix64's for the key, so another implementation can check itself
+// against it.
+func TestContentStreamPieces(t *testing.T) {
+	whole := make([]byte, 1000)
+	s := contentStream{key: 42}
+	s.fill(whole)
+	for _, cuts := range [][]int{{1}, {3, 5, 7}, {8, 16, 17}, {999}, {0, 0, 13}} {
+		got := make([]byte, 0, len(whole))
+		p := contentStream{key: 42}
+		last := 0
+		for _, c := range append(cuts, len(whole)) {
+			piece := make([]byte, c-last)
+			p.fill(piece)
+			got = append(got, piece...)
+			last = c
+		}
+		if !bytes.Equal(got, whole) {
+			t.Fatalf("cuts %v: the stream differs from one fill", cuts)
+		}
+	}
+	// SplitMix64 seeded 42: its first output is 0xbdd732262feb6e95.
+	if w := streamWord(42, 0); w != 0xbdd732262feb6e95 {
+		t.Fatalf("first word %#x, want SplitMix64's 0xbdd732262feb6e95", w)
+	}
+	if whole[0] != 0x95 || whole[7] != 0xbd {
+		t.Fatalf("first word not little-endian: % x", whole[:8])
+	}
+}

@@ -13,7 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
@@ -92,74 +92,62 @@ func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 	b.ReportMetric(rawBusy.Seconds()/busy.Seconds(), "ratio_vs_raw_set")
 }
 
-// saveStream publishes n tasks keeping benchInFlight in flight: as a
-// slot's result arrives its keys are unlinked and the slot's next task is
-// published. It returns the time from the first publish to the last result.
+// saveStream streams n tasks, benchInFlight at once: each in-flight slot
+// runs in its own goroutine, as concurrent engines do, publishing its
+// next task, waiting for its result and unlinking its keys, like each raw
+// pipeline of rawSetStream. Tasks, records and keys are built before the
+// clock starts. It returns the time from the first publish to the last
+// result.
 func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, run string, n int) time.Duration {
 	b.Helper()
-	next := 0
-	inFlight := map[string]*slotTask{} // by task id
-	publish := func(slot int) {
-		id := "bench-" + run + "-" + strconv.Itoa(next)
-		next++
-		t := s.taskWithTokens(b, "e1", id, slots[slot], 0, 16*benchChunks, s.slotBase(slot))
-		inFlight[t.TaskID] = &slotTask{task: t, slot: slot}
-		s.publish(b, t)
+	work := make([][]slotTask, benchInFlight) // each slot's tasks, in order
+	for i := range n {
+		slot := i % benchInFlight
+		t := s.taskWithTokens(b, "e1", "bench-"+run+"-"+strconv.Itoa(i), slots[slot], 0, 16*benchChunks, s.slotBase(slot))
+		work[slot] = append(work[slot], slotTask{task: t, msg: s.taskMessage(b, t), keys: s.keys(b, t, 0)})
 	}
-	seen := s.got.resultCount() // results of the collector already looked at
+	ctx := context.Background()
+	var g errgroup.Group
 	start := time.Now()
-	for slot := range min(benchInFlight, n) {
-		publish(slot)
+	for _, tasks := range work {
+		g.Go(func() error {
+			for _, st := range tasks {
+				if err := s.saveOne(ctx, rdb, st); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 	}
-	deadline := time.Now().Add(waitFor)
-	for len(inFlight) > 0 {
-		results := s.got.resultsFrom(seen)
-		seen += len(results)
-		for _, r := range results {
-			st, ok := inFlight[r.TaskID]
-			if !ok {
-				continue
-			}
-			if r.Status != "stored" {
-				b.Fatalf("task %s: %+v", r.TaskID, r)
-			}
-			delete(inFlight, r.TaskID)
-			if err := rdb.Unlink(context.Background(), s.keys(b, st.task, 0)...).Err(); err != nil {
-				b.Fatal(err)
-			}
-			if next < n {
-				publish(st.slot)
-			}
-			deadline = time.Now().Add(waitFor)
-		}
-		if len(results) == 0 {
-			if time.Now().After(deadline) {
-				b.Fatalf("no save result for %s; %d tasks in flight", waitFor, len(inFlight))
-			}
-			time.Sleep(200 * time.Microsecond) // polling interval of a deadline-bounded wait
-		}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
 	}
 	return time.Since(start)
 }
 
-// slotTask is a task in flight and the slot its blocks are in.
+// saveOne publishes one task, waits for its result (stored, within
+// waitFor) and unlinks its keys.
+func (s *stack) saveOne(ctx context.Context, rdb *redis.Client, st slotTask) error {
+	res := s.got.await(st.task.TaskID)
+	if err := s.producer.Publish(ctx, st.msg); err != nil {
+		return err
+	}
+	select {
+	case r := <-res:
+		if r.Status != "stored" {
+			return fmt.Errorf("task %s: %+v", r.TaskID, r)
+		}
+	case <-time.After(waitFor):
+		return fmt.Errorf("no save result for %s within %v", st.task.TaskID, waitFor)
+	}
+	return rdb.Unlink(ctx, st.keys...).Err()
+}
+
+// slotTask is one task of a slot: the task, its record and its keys.
 type slotTask struct {
 	task *kvcore.SaveTask
-	slot int
-}
-
-// resultCount is how many transfer results the collector holds.
-func (c *collector) resultCount() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.results)
-}
-
-// resultsFrom returns the transfer results collected after the first from.
-func (c *collector) resultsFrom(from int) []contract.TransferResult {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return append([]contract.TransferResult(nil), c.results[from:]...)
+	msg  bus.Message
+	keys []string
 }
 
 // rawSetStream SETs the values of n tasks (benchChunks values of size

@@ -122,6 +122,7 @@ func poll(t testing.TB, what string, cond func() bool) {
 type collector struct {
 	mu      sync.Mutex
 	results []contract.TransferResult
+	waiters map[string]chan contract.TransferResult // by task id (await)
 	dlq     []contract.DeadLetter
 	events  []contract.KVEventRecord
 }
@@ -135,6 +136,10 @@ func (c *collector) handle(_ context.Context, m bus.Received) error {
 		var r contract.TransferResult
 		if err = json.Unmarshal(m.Value, &r); err == nil {
 			c.results = append(c.results, r)
+			if w, ok := c.waiters[r.TaskID]; ok {
+				w <- r
+				delete(c.waiters, r.TaskID)
+			}
 		}
 	case contract.TopicSaveDLQ:
 		var d contract.DeadLetter
@@ -148,6 +153,19 @@ func (c *collector) handle(_ context.Context, m bus.Received) error {
 		}
 	}
 	return err
+}
+
+// await returns a channel that gets the next TransferResult of taskID
+// collected from now on.
+func (c *collector) await(taskID string) <-chan contract.TransferResult {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.waiters == nil {
+		c.waiters = map[string]chan contract.TransferResult{}
+	}
+	w := make(chan contract.TransferResult, 1)
+	c.waiters[taskID] = w
+	return w
 }
 
 // result waits for the TransferResult of taskID.
@@ -502,13 +520,19 @@ func (s *stack) publish(t testing.TB, tasks ...*kvcore.SaveTask) {
 	t.Helper()
 	msgs := make([]bus.Message, len(tasks))
 	for i, task := range tasks {
-		v, err := json.Marshal(task)
-		if err != nil {
-			t.Fatal(err)
-		}
-		msgs[i] = bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: v}
+		msgs[i] = s.taskMessage(t, task)
 	}
 	s.publishRaw(t, msgs...)
+}
+
+// taskMessage is the save-task record of task, keyed by its request id.
+func (s *stack) taskMessage(t testing.TB, task *kvcore.SaveTask) bus.Message {
+	t.Helper()
+	v, err := json.Marshal(task)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bus.Message{Topic: contract.TopicSaveTasks, Key: task.RequestID, Value: v}
 }
 
 func (s *stack) publishRaw(t testing.TB, msgs ...bus.Message) {
