@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/auth"
 )
 
 // compose loads the repository's compose file.
@@ -312,6 +313,69 @@ func TestDeployServicesShareOneImage(t *testing.T) {
 	}
 	if shared["KVMESH_ADMIN_TOKEN"] == "" {
 		t.Error("KVMESH_ADMIN_TOKEN is empty: every mutating admin route would be refused")
+	}
+}
+
+// TestDeployAuth checks docker-compose.yml authenticates the mesh: every
+// kvmesh service and the simulator run with KVMESH_AUTH=required (set
+// explicitly, whatever the code's default), one auth key of at least
+// auth.MinKeyBytes bytes and one operator token, so that the simulator's
+// engine tokens verify at every service and its admin calls are admitted.
+// The migration one-shot talks to PostgreSQL only and needs none of them.
+func TestDeployAuth(t *testing.T) {
+	c, _ := compose(t)
+	shared := map[string]string{}
+	for _, name := range append(kvmeshServices(c), "sim") {
+		env := c.Services[name].Environment
+		if got := env["KVMESH_AUTH"]; got != auth.ModeRequired {
+			t.Errorf("%s: KVMESH_AUTH %q, want %q", name, got, auth.ModeRequired)
+		}
+		if key := env["KVMESH_AUTH_KEY"]; len(key) < auth.MinKeyBytes {
+			t.Errorf("%s: KVMESH_AUTH_KEY is %d bytes, want at least %d", name, len(key), auth.MinKeyBytes)
+		}
+		for _, k := range []string{"KVMESH_AUTH", "KVMESH_AUTH_KEY", "KVMESH_ADMIN_TOKEN"} {
+			v, ok := env[k]
+			if !ok || v == "" {
+				t.Errorf("%s does not set %s", name, k)
+				continue
+			}
+			if prev, seen := shared[k]; seen && prev != v {
+				t.Errorf("%s: %s = %q, another service has %q: it must be the same in the mesh and the simulator", name, k, v, prev)
+			}
+			shared[k] = v
+		}
+	}
+	for k := range c.Services[deploy.MigrateService].Environment {
+		if strings.HasPrefix(k, "KVMESH_AUTH") || k == "KVMESH_ADMIN_TOKEN" {
+			t.Errorf("%s sets %s, which `kvmesh migrate` does not read", deploy.MigrateService, k)
+		}
+	}
+}
+
+// TestDeployAuthCanBeOverridden checks the auth settings come from the
+// environment (.env) when set: a deployment replaces the development key
+// and token without editing the file, and can turn authentication off.
+func TestDeployAuthCanBeOverridden(t *testing.T) {
+	root := testenv.ModuleRoot(t)
+	data, err := os.ReadFile(filepath.Join(root, deploy.ComposeFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := map[string]string{
+		"KVMESH_AUTH":        auth.ModeOff,
+		"KVMESH_AUTH_KEY":    "a-key-of-the-operator-0123456789abcdef",
+		"KVMESH_ADMIN_TOKEN": "an-operator-token",
+	}
+	c, err := deploy.ParseCompose(data, func(k string) (string, bool) { v, ok := set[k]; return v, ok })
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range append(kvmeshServices(c), "sim") {
+		for k, want := range set {
+			if got := c.Services[name].Environment[k]; got != want {
+				t.Errorf("%s: %s %q with %s=%q in the environment, want it", name, k, got, k, want)
+			}
+		}
 	}
 }
 

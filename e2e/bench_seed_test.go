@@ -74,6 +74,7 @@ func BenchmarkSeedSaturated(b *testing.B) {
 			SenderURLs: []string{mesh.Procs.Process("sender").URL()},
 			Brokers:    mesh.Brokers, RunTag: tag, Salt: tag, RedisURL: mesh.RedisURL,
 			RequestTimeout: 2 * time.Minute, SettleTimeout: time.Minute,
+			Credentials: &sim.Credentials{Engine: sim.MintEngineTokens(mesh.AuthKey), Operator: mesh.AdminToken},
 		}
 		start := time.Now()
 		rep, err := sim.Run(ctx, cfg)
@@ -200,7 +201,7 @@ func rawSetBytes(b *testing.B, rdb *redis.Client, m *kvcore.Model, n int64) time
 }
 
 // mustParseRedis parses a redis:// URL.
-func mustParseRedis(b *testing.B, url string) *redis.Options {
+func mustParseRedis(b testing.TB, url string) *redis.Options {
 	b.Helper()
 	o, err := redis.ParseURL(url)
 	if err != nil {

@@ -73,7 +73,7 @@ func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 		t.Fatal(err)
 	}
 	tag := sim.NewRunTag()
-	return sim.Config{
+	return secured(sim.Config{
 		Model: m, Workload: w, PD: pd,
 		Engine:     sim.EngineConfig{PoolBlocks: 48, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
 		Decode:     sim.Endpoint{WorkerURL: s.url("gpuworker")},
@@ -81,7 +81,8 @@ func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
 		LookupURLs: s.urls("lookup"), SchedulerURLs: s.urls("scheduler"), SenderURLs: s.urls("sender"),
 		Brokers: s.brokers, RunTag: tag, Salt: tag, RedisURL: s.redisURL, ReusePreempted: true,
 		RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
-	}
+		Credentials: s.credentials(),
+	}, s.mesh.Secure)
 }
 
 // requireStoreLoads replays the workload of first on a fresh engine (empty
@@ -325,7 +326,7 @@ func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTas
 			Data:     sim.BlockContent(m, 0, kvcore.Rank{}, hashes[i]),
 		})
 	}
-	if err := dataplane.NewClient(s.url("gpuworker"), nil).Write(ctx, blocks); err != nil {
+	if err := s.engineClient(s.url("gpuworker"), decodeEngine).Write(ctx, blocks); err != nil {
 		t.Fatal(err)
 	}
 	value, err := json.Marshal(task)
@@ -372,7 +373,12 @@ type dlqEntry struct {
 func dlq(t *testing.T, s *stack, q url.Values) []dlqEntry {
 	t.Helper()
 	q.Set("limit", "1000")
-	resp, err := http.Get(s.url("sender") + "/v1/dlq?" + q.Encode())
+	req, err := http.NewRequest(http.MethodGet, s.url("sender")+"/v1/dlq?"+q.Encode(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+adminToken)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

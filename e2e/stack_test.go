@@ -2,11 +2,17 @@ package e2e
 
 import (
 	"fmt"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/auth"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+
+	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -33,6 +39,8 @@ type stackOptions struct {
 	// durableBroker persists the broker's topics and offsets so that the
 	// test can restart it (meshtest.NewDurable).
 	durableBroker bool
+	// secure runs the stack over TLS and SASL everywhere (meshtest.NewSecure).
+	secure bool
 	// replicas, when 2 or more, runs that many processes each of the
 	// scheduler, the sender and the lookup, named scheduler-1,
 	// scheduler-2, … (the first scheduler migrates); they share the
@@ -63,8 +71,11 @@ var replicated = []string{"scheduler", "lookup", "sender"}
 func newStack(t *testing.T, o stackOptions) *stack {
 	t.Helper()
 	newMesh := meshtest.New
-	if o.durableBroker {
+	switch {
+	case o.durableBroker:
 		newMesh = meshtest.NewDurable
+	case o.secure:
+		newMesh = meshtest.NewSecure
 	}
 	m := newMesh(t, "e2e", append([]string{
 		"KVMESH_MODEL=" + o.model,
@@ -101,6 +112,35 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		s.start(name)
 	}
 	return s
+}
+
+// credentials are what a simulator presents to the stack: engine tokens
+// minted with the mesh's auth key and the stack's operator token.
+func (s *stack) credentials() *sim.Credentials {
+	return &sim.Credentials{Engine: sim.MintEngineTokens(s.mesh.AuthKey), Operator: adminToken}
+}
+
+// secured is cfg for a stack over TLS and SASL (sec non-nil): the
+// simulator's Kafka clients use SCRAM over TLS, its store check the TLS
+// Redis, and its HTTP client verifies the services' certificates.
+func secured(cfg sim.Config, sec *meshtest.Secure) sim.Config {
+	if sec == nil {
+		return cfg
+	}
+	cfg.Kafka, cfg.RedisTLS = sec.Kafka, sec.RedisTLS
+	tr := dataplane.DefaultTransport()
+	tr.TLSClientConfig = sec.HTTPClient
+	cfg.HTTPClient = dataplane.HTTPClient(tr)
+	cfg.HTTPClient.Timeout = 30 * time.Second
+	return cfg
+}
+
+// engineClient is a data-plane client of the gpuworker at url carrying
+// engine's token, as that engine's compute writes.
+func (s *stack) engineClient(url, engine string) *dataplane.Client {
+	hc := &http.Client{Transport: auth.Transport(nil, auth.Static(s.mesh.EngineToken(s.t, engine)))}
+	s.t.Cleanup(hc.CloseIdleConnections)
+	return dataplane.NewClient(url, hc)
 }
 
 // workerRanks resolves the worker ranks of o's model with the stack's

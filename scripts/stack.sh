@@ -155,6 +155,7 @@ service_up() {
   env KVMESH_HTTP_ADDR="127.0.0.1:$port" \
     KVMESH_KAFKA_BROKERS="$(cat "$dev/broker.addr")" \
     KVMESH_ADMIN_TOKEN="${KVMESH_ADMIN_TOKEN:-$(cat "$dev/admin-token")}" \
+    $(auth_env) \
     $(service_env "$name") \
     nohup "$root/bin/$(binary "$name")" >"$dev/logs/$name.log" 2>&1 &
   echo $! >"$dev/pids/$name"
@@ -174,9 +175,21 @@ readyz() {
 
 ready() { [ "$(readyz "$1")" = 200 ]; }
 
+# auth_env prints the services' authentication settings: required, with
+# the stack's auth key file (made once by up), unless KVMESH_AUTH=off was
+# given.
+auth_env() {
+  if [ "${KVMESH_AUTH:-required}" = off ]; then
+    echo "KVMESH_AUTH=off"
+  else
+    echo "KVMESH_AUTH=required KVMESH_AUTH_KEY_FILE=$dev/auth.key"
+  fi
+}
+
 up() {
   [ -f "$dev/env" ] || die "run scripts/devstack.sh up first (make up does)"
   [ -f "$dev/admin-token" ] || head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/admin-token"
+  [ -f "$dev/auth.key" ] || (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/auth.key")
   broker_up
   echo "$engines" >"$dev/engines"
   echo "$KVMESH_MODEL" >"$dev/model"
@@ -234,6 +247,11 @@ status() {
 env_exports() {
   local v
   printf 'export KVMESH_ENGINES=%q KVMESH_MODEL=%q KVMESH_WORLD=%q\n' "$engines" "$KVMESH_MODEL" "$world"
+  # The credentials of the stack's clients (kvmesh sim and the admin
+  # commands): its auth key file and operator token.
+  local a
+  for a in $(auth_env); do printf 'export %q\n' "$a"; done
+  printf 'export KVMESH_ADMIN_TOKEN=%q\n' "${KVMESH_ADMIN_TOKEN:-$(cat "$dev/admin-token" 2>/dev/null)}"
   for v in KVMESH_TP KVMESH_PCP KVMESH_DCP KVMESH_PP; do
     if [ -n "${!v:-}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
   done

@@ -150,7 +150,7 @@ type client struct {
 // newClient returns a client with o's timeout and token; close releases
 // its connections.
 func newClient(o *clientOptions) *client {
-	return &client{hc: &http.Client{Timeout: o.timeout, Transport: &http.Transport{}}, token: o.token}
+	return &client{hc: &http.Client{Timeout: o.timeout, Transport: cliTransport()}, token: o.token}
 }
 
 // close releases the client's idle connections.
@@ -220,7 +220,7 @@ func (c *client) do(ctx context.Context, ep endpoint, method, path string, q url
 // getJSON GETs path from ep and decodes the answer into out; it returns the
 // raw answer too.
 func (c *client) getJSON(ctx context.Context, ep endpoint, path string, q url.Values, out any) ([]byte, error) {
-	body, err := c.do(ctx, ep, http.MethodGet, path, q, false)
+	body, err := c.do(ctx, ep, http.MethodGet, path, q, true)
 	if err != nil {
 		return nil, err
 	}

@@ -10,6 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/auth"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
+
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
@@ -70,8 +73,14 @@ func (s *cliStack) url(name string) string {
 	return ""
 }
 
-// flags are the CLI flags pointing at the stack's services.
+// flags are the CLI flags pointing at the stack's services, with the
+// operator token (every admin route needs it, reads included).
 func (s *cliStack) flags() []string {
+	return append(s.tokenless(), "--token", cliToken)
+}
+
+// tokenless are flags without the operator token.
+func (s *cliStack) tokenless() []string {
 	return []string{"--lookup-url", s.url("lookup"), "--scheduler-url", s.url("scheduler"),
 		"--sender-url", s.url("sender"), "--gpuworker-url", s.url("gpuworker"), "--timeout", "20s"}
 }
@@ -91,10 +100,23 @@ func (s *cliStack) publish(msgs ...bus.Message) {
 	}
 }
 
+// engineClient is a data-plane client of the gpuworker at url carrying
+// engine's token.
+func (s *cliStack) engineClient(url, engine string) *dataplane.Client {
+	hc := &http.Client{Transport: auth.Transport(nil, auth.Static(s.mesh.EngineToken(s.t, engine)))}
+	s.t.Cleanup(hc.CloseIdleConnections)
+	return dataplane.NewClient(url, hc)
+}
+
 // getJSON GETs url and decodes the JSON answer into v.
 func (s *cliStack) getJSON(url string, v any) {
 	s.t.Helper()
-	resp, err := http.Get(url)
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+cliToken)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		s.t.Fatal(err)
 	}

@@ -30,8 +30,13 @@ func runDevbroker(ctx context.Context, args []string) error {
 		return err
 	}
 	defer b.Close()
+	users := make([]string, len(cfg.SASLUsers)) // mechanism:name, never the password
+	for i, u := range cfg.SASLUsers {
+		users[i] = u.String()
+	}
 	logger.Info("broker ready", "addr", strings.Join(b.Addrs(), ","), "topics", b.Topics(),
-		"partitions", cfg.Partitions, "data_dir", cfg.DataDir)
+		"partitions", cfg.Partitions, "data_dir", cfg.DataDir,
+		"tls", cfg.TLS.CertFile != "", "mutual_tls", cfg.TLS.CAFile != "", "sasl_users", users)
 	<-ctx.Done()
 	logger.Info("broker stopping")
 	return nil
@@ -55,12 +60,24 @@ func devbrokerConfig(args []string) (devbroker.Config, error) {
 	fs.IntVar(&cfg.Partitions, "partitions", partitions, "partitions per topic (env KVMESH_BROKER_PARTITIONS)")
 	fs.StringVar(&cfg.DataDir, "data-dir", os.Getenv("KVMESH_BROKER_DATA_DIR"),
 		"directory persisting topics, records and offsets; empty keeps them in memory (env KVMESH_BROKER_DATA_DIR)")
+	fs.StringVar(&cfg.TLS.CertFile, "tls-cert", os.Getenv("KVMESH_BROKER_TLS_CERT_FILE"),
+		"PEM server certificate: with it (and -tls-key) the broker accepts TLS connections only (env KVMESH_BROKER_TLS_CERT_FILE)")
+	fs.StringVar(&cfg.TLS.KeyFile, "tls-key", os.Getenv("KVMESH_BROKER_TLS_KEY_FILE"),
+		"PEM private key of -tls-cert (env KVMESH_BROKER_TLS_KEY_FILE)")
+	fs.StringVar(&cfg.TLS.CAFile, "tls-client-ca", os.Getenv("KVMESH_BROKER_TLS_CLIENT_CA_FILE"),
+		"PEM CA bundle: every client must present a certificate it verifies (mutual TLS; needs -tls-cert) (env KVMESH_BROKER_TLS_CLIENT_CA_FILE)")
+	users := fs.String("sasl-users", os.Getenv("KVMESH_BROKER_SASL_USERS"),
+		"require SASL as one of these users: comma-separated MECHANISM:NAME:PASSWORD, MECHANISM plain, scram-sha-256 or scram-sha-512; "+
+			"prefer the env variable, a flag shows in the process list (env KVMESH_BROKER_SASL_USERS)")
 	rest, err := parseFlags(fs, args)
 	if err != nil {
 		return cfg, err
 	}
 	if len(rest) > 0 {
 		return cfg, fmt.Errorf("%w: unexpected arguments %q", errUsage, rest)
+	}
+	if cfg.SASLUsers, err = devbroker.ParseSASLUsers(*users); err != nil {
+		return cfg, fmt.Errorf("%w: -sasl-users: %w", errUsage, err)
 	}
 	if cfg.Partitions < 1 {
 		return cfg, fmt.Errorf("%w: partitions must be at least 1", errUsage)

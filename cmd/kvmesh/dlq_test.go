@@ -38,7 +38,7 @@ func lateTasks(m *kvcore.Model, prefix string) []kvcore.SaveTask {
 // writeTaskBlocks writes random bytes into the blocks the task's chunks
 // name, each with its chunk's identity, as the engine's compute would: the
 // worker stores only blocks that hold the chunk a put names.
-func writeTaskBlocks(t *testing.T, workerURL string, m *kvcore.Model, task kvcore.SaveTask) {
+func writeTaskBlocks(t *testing.T, s *cliStack, workerURL string, m *kvcore.Model, task kvcore.SaveTask) {
 	t.Helper()
 	var blocks []dataplane.Block
 	for _, gc := range task.Groups {
@@ -55,7 +55,7 @@ func writeTaskBlocks(t *testing.T, workerURL string, m *kvcore.Model, task kvcor
 			})
 		}
 	}
-	if err := dataplane.NewClient(workerURL, nil).Write(context.Background(), blocks); err != nil {
+	if err := s.engineClient(workerURL, task.EngineID).Write(context.Background(), blocks); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -84,7 +84,7 @@ func seedDeadLetters(t *testing.T, s *cliStack) dlqIDs {
 	}
 	for i := range 3 {
 		task := seedTask(m, s.prefix, cliEngine, fmt.Sprintf("seed-%d", i), kvcore.BlockTable{{kvcore.BlockID(2 * i), kvcore.BlockID(2*i + 1)}})
-		writeTaskBlocks(t, s.url("gpuworker"), m, task) // group 0 is stored from proven blocks
+		writeTaskBlocks(t, s, s.url("gpuworker"), m, task) // group 0 is stored from proven blocks
 		add(task)
 	}
 	for _, task := range lateTasks(m, s.prefix) {
@@ -183,10 +183,10 @@ func testDLQShow(t *testing.T, s *cliStack, ids dlqIDs) {
 
 func testTokenErrors(t *testing.T, s *cliStack, ids dlqIDs) {
 	id := strconv.FormatInt(ids["put_failed"][0], 10)
-	runCLI(t, append([]string{"dlq", "replay", id}, s.flags()...)...).
+	runCLI(t, append([]string{"dlq", "replay", id}, s.tokenless()...)...).
 		fails(t, "Unauthorized: this route needs an Authorization: Bearer", "pass --token or set KVMESH_ADMIN_TOKEN")
-	runCLI(t, append([]string{"dlq", "replay", id, "--dry-run", "--token", "guess"}, s.flags()...)...).
-		fails(t, "Forbidden: the admin token is not valid", "pass --token or set KVMESH_ADMIN_TOKEN")
+	runCLI(t, append([]string{"dlq", "replay", id, "--dry-run", "--token", "guess"}, s.tokenless()...)...).
+		fails(t, "Unauthorized: auth: not authenticated: the token is neither the operator token nor a signed token", "pass --token or set KVMESH_ADMIN_TOKEN")
 	var d deadLetter
 	s.getJSON(s.url("sender")+"/v1/dlq/"+id, &d)
 	if d.ReplayCount != 0 {
@@ -233,7 +233,7 @@ func testReplayByReason(t *testing.T, s *cliStack, ids dlqIDs) {
 		t.Fatal(err)
 	}
 	for _, task := range lateTasks(m, s.prefix) {
-		writeTaskBlocks(t, s.url("gpuworker-late"), m, task) // the engine computed them once its worker was up
+		writeTaskBlocks(t, s, s.url("gpuworker-late"), m, task) // the engine computed them once its worker was up
 	}
 	after := runCLI(t, append([]string{"dlq", "replay", "--reason", "put_failed", "--dry-run"}, admin...)...).ok(t)
 	if !strings.Contains(after.stdout, "dry run: 4 dead letter(s), 4 would replay") ||

@@ -35,7 +35,9 @@ func runProbe(ctx context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", target, err)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	hc := &http.Client{Transport: cliTransport()}
+	defer hc.CloseIdleConnections()
+	resp, err := hc.Do(req)
 	if err != nil {
 		return err
 	}

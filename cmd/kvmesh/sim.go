@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
@@ -33,6 +34,12 @@ var errSimFailed = errors.New("simulation failed")
 func runSim(ctx context.Context, args []string) error {
 	opts, err := simFlags(args)
 	if err != nil {
+		return err
+	}
+	if opts.cfg.Credentials, err = simCredentials(); err != nil {
+		return err
+	}
+	if opts.cfg.HTTPClient, err = simHTTPClient(); err != nil {
 		return err
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: opts.logLevel}))
@@ -95,7 +102,8 @@ type simValues struct {
 	workers, prefillWorkers, engineIDs, prefillIDs             string
 	lookups, schedulers, senders                               string
 	requests, sysPrompts, pool, batch, running, watermark      int
-	engines                                                    int
+	engines, tenants                                           int
+	tenantPrefix                                               string
 	parallel                                                   service.ParallelOverride
 	rate                                                       float64
 	think, reqTimeout, settle, rankTimeout                     time.Duration
@@ -144,6 +152,8 @@ func defineWorkloadFlags(fs *flag.FlagSet, v *simValues) {
 	fs.Float64Var(&v.rate, "rate", 0, "conversations started per second (0: all at once)")
 	fs.DurationVar(&v.think, "think-time", 0, "pause between a reply and the next turn")
 	fs.Uint64Var(&v.seed, "seed", 0, "workload seed")
+	fs.IntVar(&v.tenants, "tenants", 0, "tenants the conversations belong to, round robin (conversation i to tenant i mod N); each request sends its tenant in its lookup and admitted event, so tenants share no store keys; 0 or 1: no tenant")
+	fs.StringVar(&v.tenantPrefix, "tenant-prefix", "", "tenant names with -tenants: the prefix and the tenant's index, e.g. tenant-0 (default "+sim.DefaultTenantPrefix+")")
 	fs.IntVar(&v.pool, "pool-blocks", 0, "KV blocks per group per engine (capped at the gpuworker's KVMESH_POOL_BLOCKS)")
 	fs.IntVar(&v.batch, "max-batch-tokens", 0, "token budget of one engine step (chunked prefill)")
 	fs.IntVar(&v.running, "max-running", 0, "most requests running at once per engine")
@@ -156,13 +166,17 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
 	fs.StringVar(&v.lookups, "lookup", envOr("KVMESH_LOOKUP_URL", "http://127.0.0.1:8081"), "lookup service base URL, or its replicas' comma-separated (a lookup a replica answers with a 5xx or not at all goes to the next) (env KVMESH_LOOKUP_URL)")
 	fs.StringVar(&v.schedulers, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, or its replicas' comma-separated, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
 	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
+	fs.StringVar(&o.cfg.RedisTLS.CAFile, "redis-ca-file", os.Getenv("KVMESH_REDIS_CA_FILE"), "PEM CA bundle that verifies the store pool's certificate with a rediss:// -redis URL (default: the system roots) (env KVMESH_REDIS_CA_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.CertFile, "redis-cert-file", os.Getenv("KVMESH_REDIS_CERT_FILE"), "PEM client certificate presented to the store pool, with -redis-key-file (env KVMESH_REDIS_CERT_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.KeyFile, "redis-key-file", os.Getenv("KVMESH_REDIS_KEY_FILE"), "PEM private key of -redis-cert-file (env KVMESH_REDIS_KEY_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.ServerName, "redis-server-name", os.Getenv("KVMESH_REDIS_SERVER_NAME"), "name checked against the store pool's certificate instead of the -redis URL's host (env KVMESH_REDIS_SERVER_NAME)")
 	fs.StringVar(&v.senders, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, or its replicas' comma-separated, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
 	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworkers, one per rank (and, with -pd, its own prefill engine and gpuworkers); conversations are spread over them round robin")
 	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated: N×W of them for -engines N of W ranks each (W = tp × pcp × pp), engine by engine, each engine's ranks in worker-rank order (as kvmesh model --ranks lists them); or one URL standing for scripts/stack.sh's layout, decode engine i's rank k at its port + 2·i·W + k (env KVMESH_WORKER_URL)")
 	fs.StringVar(&v.prefillWorkers, "prefill-worker", os.Getenv("KVMESH_PREFILL_WORKER_URL"), "the prefill engines' gpuworker base URLs with -pd: N×W comma-separated as -worker, or one URL, prefill engine i's rank k at its port + 2·i·W + k; default: stack.sh's layout from -worker's first URL, prefill engine i's rank k at its port + (2i+1)·W + k (W=1: decode-i :8084+2i, prefill-i :8085+2i) (env KVMESH_PREFILL_WORKER_URL)")
 	fs.StringVar(&v.engineIDs, "engine", "", "the decode engines' ids, comma-separated, one per engine (default: each worker's)")
 	fs.StringVar(&v.prefillIDs, "prefill-engine", "", "the prefill engines' ids, comma-separated (default: each prefill worker's)")
-	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr)")
+	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr); TLS and SASL come from the services' KVMESH_KAFKA_TLS, KVMESH_KAFKA_*_FILE, KVMESH_KAFKA_SERVER_NAME and KVMESH_KAFKA_SASL_* variables")
 	fs.StringVar(&o.cfg.RunTag, "run-tag", "", "prefix of every request id (default a random sim-xxxxxx)")
 	fs.BoolVar(&v.fresh, "fresh", true, "salt the block hashes with the run tag, so the run starts with a cold store; false shares store keys with earlier runs of the same workload")
 	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, for blocks at the head of the queue, and for a failing lookup, broker or gpuworker to come back")
@@ -193,6 +207,8 @@ func applyPreset(fs *flag.FlagSet, o *simOptions, v *simValues) error {
 		"rate":             func() error { w.Rate = v.rate; return nil },
 		"think-time":       func() error { w.ThinkTime = v.think; return nil },
 		"seed":             func() error { w.Seed = v.seed; return nil },
+		"tenants":          func() error { w.Tenants = v.tenants; return nil },
+		"tenant-prefix":    func() error { w.TenantPrefix = v.tenantPrefix; return nil },
 		"pool-blocks":      func() error { e.PoolBlocks = v.pool; return nil },
 		"max-batch-tokens": func() error { e.MaxBatchTokens = v.batch; return nil },
 		"max-running":      func() error { e.MaxRunning = v.running; return nil },
@@ -214,7 +230,8 @@ func applyPreset(fs *flag.FlagSet, o *simOptions, v *simValues) error {
 }
 
 // finishOptions resolves the model and its parallel layout, the log
-// level, the fleet, the brokers and the run tag and salt.
+// level, the fleet, the brokers and their TLS and SASL security (the
+// services' KVMESH_KAFKA_* variables), and the run tag and salt.
 func finishOptions(o *simOptions, v *simValues) error {
 	m, err := service.LoadModel(v.model)
 	if err != nil {
@@ -235,6 +252,9 @@ func finishOptions(o *simOptions, v *simValues) error {
 		return err
 	}
 	o.cfg.Model, o.cfg.Brokers = m, splitList(v.brokers)
+	if o.cfg.Kafka, err = bus.LoadSecurity(os.LookupEnv); err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
 	o.cfg.LookupURLs, o.cfg.SchedulerURLs, o.cfg.SenderURLs = splitList(v.lookups), splitList(v.schedulers), splitList(v.senders)
 	o.cfg.RequestTimeout, o.cfg.SettleTimeout, o.cfg.RankTimeout = v.reqTimeout, v.settle, v.rankTimeout
 	if o.cfg.RunTag == "" {

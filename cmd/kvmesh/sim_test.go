@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"reflect"
 	"slices"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 )
 
 func quiet(t *testing.T) {
@@ -295,5 +297,50 @@ func TestSimFlagsLongContext(t *testing.T) {
 	}
 	if !strings.Contains(presetList(), "long-context (") {
 		t.Fatalf("preset list %q lacks long-context", presetList())
+	}
+}
+
+func TestSimFlagsKafkaSecurity(t *testing.T) {
+	quiet(t)
+	dir := t.TempDir()
+	pwFile := dir + "/kafka-password"
+	if err := os.WriteFile(pwFile, []byte("sim-secret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("KVMESH_KAFKA_SASL_MECHANISM", "scram-sha-512")
+	t.Setenv("KVMESH_KAFKA_SASL_USERNAME", "kvmesh")
+	t.Setenv("KVMESH_KAFKA_SASL_PASSWORD_FILE", pwFile)
+	o, err := simFlags(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := bus.Security{SASLMechanism: bus.SASLScramSHA512, SASLUsername: "kvmesh", SASLPassword: "sim-secret"}
+	if o.cfg.Kafka != want {
+		t.Fatalf("Kafka security %v, want %v", o.cfg.Kafka, want)
+	}
+
+	t.Setenv("KVMESH_KAFKA_SASL_MECHANISM", "kerberos")
+	if _, err := simFlags(nil); !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "KVMESH_KAFKA_SASL_MECHANISM") {
+		t.Fatalf("simFlags with an unknown mechanism = %v, want a usage error naming the variable", err)
+	}
+}
+
+// TestSimFlagsTenants: -tenants and -tenant-prefix set the workload's
+// tenants; without them the preset's workload has none.
+func TestSimFlagsTenants(t *testing.T) {
+	quiet(t)
+	o, err := simFlags([]string{"-preset", "smoke", "-tenants", "3", "-tenant-prefix", "acme-"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := o.cfg.Workload; w.Tenants != 3 || w.TenantPrefix != "acme-" {
+		t.Fatalf("workload tenants %d prefix %q, want 3 acme-", w.Tenants, w.TenantPrefix)
+	}
+	o, err = simFlags([]string{"-preset", "seed"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := o.cfg.Workload; w.Tenants != 0 || w.TenantPrefix != "" {
+		t.Fatalf("seed workload tenants %d prefix %q, want none", w.Tenants, w.TenantPrefix)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/deploy/helmtest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
@@ -34,11 +35,17 @@ type renderCase struct {
 	monitor bool // the chart renders a ServiceMonitor
 	migrate bool // init containers migrate (else the scheduler does)
 	admin   bool // KVMESH_ADMIN_TOKEN is set
+	authOff bool // auth.mode=off: KVMESH_AUTH=off and no KVMESH_AUTH_KEY
 }
+
+// testAuthKey is the auth.key of the renders that need one (the chart
+// requires it with auth.mode=required, its default).
+const testAuthKey = "helmtest-auth-key-0123456789abcdef"
 
 // cases are the renders every check runs on.
 var cases = []renderCase{
-	{name: "default values", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh"},
+	{name: "default values", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh",
+		Set: []string{"auth.key=" + testAuthKey}},
 		workers: 2, secret: true, migrate: true},
 	{name: "multi-engine values", rel: helmtest.Release{Name: "prod", Namespace: "inference",
 		ValuesFiles: []string{"ci/multi-engine-values.yaml"}},
@@ -46,6 +53,9 @@ var cases = []renderCase{
 	{name: "existing secret, scheduler migrates", rel: helmtest.Release{Name: "kv", Namespace: "default",
 		Set: []string{"existingSecret=kvmesh-credentials", "migrate.enabled=false", "serviceMonitor.enabled=true"}},
 		workers: 2, monitor: true, admin: true},
+	{name: "auth off, no key", rel: helmtest.Release{Name: "dev", Namespace: "dev",
+		Set: []string{"auth.mode=off"}},
+		workers: 2, secret: true, migrate: true, authOff: true},
 }
 
 // render renders c, failing t on an error.
@@ -271,6 +281,7 @@ func TestChartEnvMatchesConfig(t *testing.T) {
 				if _, ok := ct.env["KVMESH_ADMIN_TOKEN"]; ok != c.admin {
 					t.Errorf("%s: KVMESH_ADMIN_TOKEN set %v, want %v", ct.deployment.Name, ok, c.admin)
 				}
+				reportAll(t, checkAuth(c, ct))
 			}
 			want := map[string]int{"lookup": 1, "scheduler": 1, "sender": 1, "gpuworker": c.workers}
 			if fmt.Sprint(seen) != fmt.Sprint(want) {
@@ -283,6 +294,38 @@ func TestChartEnvMatchesConfig(t *testing.T) {
 			}
 		})
 	}
+}
+
+// checkAuth reports how a container's authentication settings disagree
+// with its render case: KVMESH_AUTH set explicitly (whatever the code's
+// default) to required or off, and, when required, KVMESH_AUTH_KEY from
+// the release's Secret (a reference that must resolve: not optional), a
+// key of at least auth.MinKeyBytes bytes; no key at all when off.
+func checkAuth(c renderCase, ct container) []error {
+	name := ct.deployment.Name
+	want := auth.ModeRequired
+	if c.authOff {
+		want = auth.ModeOff
+	}
+	var errs []error
+	if got, ok := ct.env["KVMESH_AUTH"]; !ok || got != want {
+		errs = append(errs, fmt.Errorf("%s: KVMESH_AUTH %q (set %v), want %q", name, got, ok, want))
+	}
+	key, ok := ct.env["KVMESH_AUTH_KEY"]
+	ref := ct.refs["KVMESH_AUTH_KEY"]
+	switch {
+	case c.authOff && ok:
+		errs = append(errs, fmt.Errorf("%s: KVMESH_AUTH_KEY is set with auth.mode=off", name))
+	case c.authOff:
+	case ref == nil:
+		errs = append(errs, fmt.Errorf("%s: KVMESH_AUTH_KEY is not read from a Secret", name))
+	case ref.Key != "KVMESH_AUTH_KEY" || ref.Optional != nil && *ref.Optional:
+		errs = append(errs, fmt.Errorf("%s: KVMESH_AUTH_KEY from key %s (optional %v), want the required key KVMESH_AUTH_KEY",
+			name, ref.Key, ref.Optional != nil && *ref.Optional))
+	case len(key) < auth.MinKeyBytes:
+		errs = append(errs, fmt.Errorf("%s: KVMESH_AUTH_KEY is %d bytes, want at least %d", name, len(key), auth.MinKeyBytes))
+	}
+	return errs
 }
 
 // TestChartSecrets checks that credentials come from the Secret only: no
@@ -316,6 +359,9 @@ func TestChartSecrets(t *testing.T) {
 				}
 				if _, ok := m.SecretValue(s.Name, "KVMESH_ADMIN_TOKEN"); ok != c.admin {
 					t.Errorf("Secret %s: KVMESH_ADMIN_TOKEN present %v, want %v", s.Name, ok, c.admin)
+				}
+				if _, ok := m.SecretValue(s.Name, "KVMESH_AUTH_KEY"); ok == c.authOff {
+					t.Errorf("Secret %s: KVMESH_AUTH_KEY present %v, want %v", s.Name, ok, !c.authOff)
 				}
 			}
 		})
@@ -620,6 +666,101 @@ func TestChartImage(t *testing.T) {
 	}
 }
 
+// TestChartTLS checks HTTPS between the services: with tls.secretName,
+// every kvmesh container mounts that Secret read-only and points
+// KVMESH_HTTP_TLS_CERT_FILE, KVMESH_HTTP_TLS_KEY_FILE and (with
+// tls.verifyCA) KVMESH_HTTP_CA_FILE at its files, the kubelet probes over
+// HTTPS, the gpuworkers register https:// data-plane URLs, and every
+// variable is one the program's Config reads; without it, none of that.
+// (TestChartEnvMatchesConfig's full load cannot run here: it would read
+// the certificate files.)
+func TestChartTLS(t *testing.T) {
+	tests := []struct {
+		name   string
+		set    []string
+		dir    string // mount path; empty: no TLS
+		secret string
+		ca     bool
+	}{
+		{name: "off", set: nil},
+		{name: "secret with a CA", set: []string{"tls.secretName=kvmesh-tls"},
+			dir: "/etc/kvmesh/tls", secret: "kvmesh-tls", ca: true},
+		{name: "system roots, own mount path", set: []string{"tls.secretName=certs", "tls.verifyCA=false", "tls.mountPath=/certs/"},
+			dir: "/certs", secret: "certs"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rel := helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: append([]string{"auth.key=" + testAuthKey}, tt.set...)}
+			m, err := helmtest.Render(testenv.ModuleRoot(t), rel)
+			if err != nil {
+				t.Fatal(err)
+			}
+			scheme := map[bool]corev1.URIScheme{false: corev1.URISchemeHTTP, true: corev1.URISchemeHTTPS}[tt.dir != ""]
+			for _, ct := range containers(t, m) {
+				name := ct.deployment.Name
+				fields := fieldsOf(t, ct.program)
+				reportAll(t, deploy.CheckEnvironment(name, ct.env, fields, deploy.ConfigPrototype(fields)))
+				reportAll(t, checkPorts(m, ct))
+				want := map[string]string{}
+				if tt.dir != "" {
+					want["KVMESH_HTTP_TLS_CERT_FILE"] = tt.dir + "/tls.crt"
+					want["KVMESH_HTTP_TLS_KEY_FILE"] = tt.dir + "/tls.key"
+					if tt.ca {
+						want["KVMESH_HTTP_CA_FILE"] = tt.dir + "/ca.crt"
+					}
+				}
+				for _, k := range []string{"KVMESH_HTTP_TLS_CERT_FILE", "KVMESH_HTTP_TLS_KEY_FILE", "KVMESH_HTTP_CA_FILE",
+					"KVMESH_HTTP_TLS_CLIENT_CA_FILE", "KVMESH_HTTP_CLIENT_CERT_FILE", "KVMESH_HTTP_CLIENT_KEY_FILE"} {
+					if got, ok := ct.env[k]; got != want[k] || ok != (want[k] != "") {
+						t.Errorf("%s: %s %q (set %v), want %q", name, k, got, ok, want[k])
+					}
+				}
+				if got := tlsMount(ct); got != tt.dir+"|"+tt.secret && !(tt.dir == "" && got == "") {
+					t.Errorf("%s: TLS mount %q, want %q", name, got, tt.dir+"|"+tt.secret)
+				}
+				for _, p := range []*corev1.Probe{ct.c.StartupProbe, ct.c.LivenessProbe, ct.c.ReadinessProbe} {
+					if p == nil || p.HTTPGet == nil {
+						t.Errorf("%s: a probe is not an HTTP GET", name)
+					} else if p.HTTPGet.Scheme != scheme {
+						t.Errorf("%s: probe of %s over %q, want %s", name, p.HTTPGet.Path, p.HTTPGet.Scheme, scheme)
+					}
+				}
+				if u := ct.env["KVMESH_DATAPLANE_URL"]; ct.program == "gpuworker" && !strings.HasPrefix(u, strings.ToLower(string(scheme))+"://") {
+					t.Errorf("%s: KVMESH_DATAPLANE_URL %q, want %s", name, u, strings.ToLower(string(scheme)))
+				}
+			}
+			if want := strings.ToLower(string(scheme)) + "://"; !strings.Contains(m.Notes, want) {
+				t.Errorf("NOTES.txt names no %s URL:\n%s", want, m.Notes)
+			}
+		})
+	}
+}
+
+// tlsMount is "mount path|Secret" of the read-only Secret volume (mode
+// 0440) a container mounts besides /tmp, empty when there is none.
+func tlsMount(ct container) string {
+	var out []string
+	for _, vm := range ct.c.VolumeMounts {
+		if vm.MountPath == "/tmp" {
+			continue
+		}
+		for _, v := range ct.deployment.Spec.Template.Spec.Volumes {
+			if v.Name != vm.Name {
+				continue
+			}
+			switch {
+			case v.Secret == nil || !vm.ReadOnly:
+				out = append(out, vm.MountPath+"|not a read-only Secret")
+			case v.Secret.DefaultMode == nil || *v.Secret.DefaultMode != 0o440:
+				out = append(out, fmt.Sprintf("%s|%s mode %v, want 0440 (the pod's group only)", vm.MountPath, v.Secret.SecretName, v.Secret.DefaultMode))
+			default:
+				out = append(out, vm.MountPath+"|"+v.Secret.SecretName)
+			}
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
 // TestChartRejectsBadValues checks the chart refuses values that would
 // deploy a broken mesh, rather than rendering them.
 func TestChartRejectsBadValues(t *testing.T) {
@@ -634,10 +775,17 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"no brokers", []string{"kafka.brokers=null"}, "kafka.brokers"},
 		{"no database", []string{"postgres.url="}, "postgres.url is required"},
 		{"no engines", []string{"gpuworker.engines=null"}, "gpuworker.engines"},
+		{"auth required without a key", []string{"auth.key="},
+			"auth.key is required with auth.mode=required: set it to a random key of at least 32 bytes"},
+		{"auth required by default without a key", []string{"auth.mode=", "auth.key="}, "auth.key is required"},
+		{"a short auth key", []string{"auth.key=0123456789abcdef"}, "auth.key is 16 bytes: it must be at least 32"},
+		{"an unknown auth mode", []string{"auth.mode=optional"}, `auth.mode: "optional" is neither required nor off`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: tt.set})
+			// A valid key first, so that each case fails for its own reason.
+			set := append([]string{"auth.key=" + testAuthKey}, tt.set...)
+			_, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: set})
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("render error %v, want one saying %q", err, tt.want)
 			}
@@ -666,12 +814,21 @@ func TestChartChecksCatchDrift(t *testing.T) {
 		{"a loopback broker", []string{"kafka.brokers[0]=127.0.0.1:9092"}, "lookup", envCheck, "loopback"},
 		{"a secret in plain env", []string{"lookup.env.KVMESH_ADMIN_TOKEN=hunter2"}, "lookup",
 			secretCheck, "KVMESH_ADMIN_TOKEN is set in plain env"},
+		{"an auth key in plain env", []string{"lookup.env.KVMESH_AUTH_KEY=" + testAuthKey}, "lookup",
+			secretCheck, "KVMESH_AUTH_KEY is set in plain env"},
+		{"auth off where required", []string{"auth.mode=off"}, "sender",
+			authCheck(renderCase{}), `KVMESH_AUTH "off"`},
+		{"an auth key where auth is off", nil, "sender",
+			authCheck(renderCase{authOff: true}), "KVMESH_AUTH_KEY is set with auth.mode=off"},
+		{"an auth key from plain env", []string{"existingSecret=x", "scheduler.env.KVMESH_AUTH_KEY=" + testAuthKey}, "scheduler",
+			authCheck(renderCase{}), "twice"},
 		{"a password in plain env", []string{"gpuworker.env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://u:pw@collector:4318/v1/traces"},
 			"gpuworker", secretCheck, "plain env"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			m, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: tt.set})
+			set := append([]string{"auth.key=" + testAuthKey}, tt.set...)
+			m, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: set})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -689,6 +846,14 @@ func TestChartChecksCatchDrift(t *testing.T) {
 }
 
 func envCheck(t *testing.T, _ *helmtest.Manifests, c container) []error { return checkEnv(t, c) }
+
+// authCheck is checkAuth against the expectations of c, plus checkEnv
+// (which sees a variable set twice).
+func authCheck(c renderCase) func(*testing.T, *helmtest.Manifests, container) []error {
+	return func(t *testing.T, _ *helmtest.Manifests, ct container) []error {
+		return append(checkAuth(c, ct), checkEnv(t, ct)...)
+	}
+}
 
 func secretCheck(t *testing.T, m *helmtest.Manifests, c container) []error {
 	return checkSecrets(t, m, c)

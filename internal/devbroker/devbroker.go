@@ -3,12 +3,16 @@
 // TCP, with every contract topic created before Start returns.
 //
 // It serves `make run`, `kvmesh devbroker` and the tests; production uses a
-// real Kafka cluster. kfake keeps every record in memory (about 1 GB per 1.3M
+// real Kafka cluster. It can require TLS (Config.TLS, mutual TLS with a
+// client CA) and SASL authentication (Config.SASLUsers: PLAIN,
+// SCRAM-SHA-256 and SCRAM-SHA-512), so that clients' security settings can
+// be tried against a real broker. kfake keeps every record in memory (about 1 GB per 1.3M
 // small records), so it suits development volumes only.
 package devbroker
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -22,6 +26,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/tlsfiles"
 )
 
 // DefaultPartitions is the partition count of each topic unless configured:
@@ -62,6 +67,15 @@ type Config struct {
 	// timeout the broker accepts (kfake's default is 6 s). Tests lower it so
 	// that groups rebalance quickly. Zero keeps the default.
 	GroupMinSessionTimeout time.Duration
+	// SASLUsers, when set, makes every client authenticate with SASL as one
+	// of them before any other request; each is a kfake superuser, allowed
+	// everything. Empty accepts clients without SASL.
+	SASLUsers []SASLUser
+	// TLS, when TLS.CertFile is set, makes the broker accept TLS connections
+	// only, presenting TLS.CertFile and TLS.KeyFile; with TLS.CAFile set as
+	// well every client must present a certificate TLS.CAFile verifies
+	// (mutual TLS). TLS.ServerName is unused. Zero listens in plaintext.
+	TLS tlsfiles.Files
 }
 
 // withDefaults returns c with every unset field given its default.
@@ -96,7 +110,11 @@ func (c Config) Validate() error {
 	if c.GroupMinSessionTimeout < 0 {
 		return fmt.Errorf("%w: negative group min session timeout", ErrInvalidConfig)
 	}
-	return nil
+	if err := validateUsers(c.SASLUsers); err != nil {
+		return err
+	}
+	_, err := c.serverTLS()
+	return err
 }
 
 // listenPort checks that addr is a loopback host:port and returns the port.
@@ -135,7 +153,11 @@ func Start(ctx context.Context, cfg Config) (*Broker, error) {
 	if err != nil {
 		return nil, err
 	}
-	cluster, err := kfake.NewCluster(clusterOptions(cfg, port)...)
+	tc, err := cfg.serverTLS()
+	if err != nil {
+		return nil, err
+	}
+	cluster, err := kfake.NewCluster(clusterOptions(cfg, port, tc)...)
 	if err != nil {
 		return nil, fmt.Errorf("devbroker: start: %w", err)
 	}
@@ -144,7 +166,7 @@ func Start(ctx context.Context, cfg Config) (*Broker, error) {
 		b.Close()
 		return nil, err
 	}
-	if err := waitTopics(ctx, b.addrs, cfg.Topics); err != nil {
+	if err := b.waitTopics(ctx, cfg, tc); err != nil {
 		b.Close()
 		return nil, err
 	}
@@ -152,8 +174,8 @@ func Start(ctx context.Context, cfg Config) (*Broker, error) {
 }
 
 // clusterOptions translates a defaulted, valid Config into kfake options
-// for one broker listening on port.
-func clusterOptions(cfg Config, port int) []kfake.Opt {
+// for one broker listening on port, with tc (nil: plaintext).
+func clusterOptions(cfg Config, port int, tc *tls.Config) []kfake.Opt {
 	opts := []kfake.Opt{
 		kfake.Ports(port),
 		kfake.ClusterID(clusterID),
@@ -165,6 +187,15 @@ func clusterOptions(cfg Config, port int) []kfake.Opt {
 	}
 	if cfg.GroupMinSessionTimeout > 0 {
 		opts = append(opts, kfake.GroupMinSessionTimeout(cfg.GroupMinSessionTimeout))
+	}
+	if len(cfg.SASLUsers) > 0 {
+		opts = append(opts, kfake.EnableSASL())
+		for _, u := range cfg.SASLUsers {
+			opts = append(opts, kfake.Superuser(u.Mechanism.KafkaName(), u.Name, u.Password))
+		}
+	}
+	if tc != nil {
+		opts = append(opts, kfake.TLS(tc))
 	}
 	return opts
 }
@@ -185,16 +216,26 @@ func (b *Broker) createTopics(topics []string, partitions int) error {
 	return nil
 }
 
-// waitTopics asks the broker for metadata over TCP, as any client would, and
-// polls until every topic has partitions with leaders or ctx ends.
-func waitTopics(ctx context.Context, addrs []string, topics []string) error {
-	transport := &kafka.Transport{}
-	defer transport.CloseIdleConnections()
-	client := &kafka.Client{Addr: kafka.TCP(addrs...), Transport: transport, Timeout: 5 * time.Second}
+// waitTopics asks the broker for metadata over TCP, as any client would
+// (over TLS trusting the broker's own certificate, authenticated as the
+// first SASL user), and polls until every topic has partitions with leaders
+// or ctx ends. With mutual TLS, which it has no client certificate for, it
+// polls the cluster in process instead.
+func (b *Broker) waitTopics(ctx context.Context, cfg Config, tc *tls.Config) error {
+	ready := func() error { return b.topicsCreated(cfg.Topics) }
+	if tc == nil || tc.ClientAuth != tls.RequireAndVerifyClientCert {
+		transport, err := selfTransport(cfg, tc)
+		if err != nil {
+			return err
+		}
+		defer transport.CloseIdleConnections()
+		client := &kafka.Client{Addr: kafka.TCP(b.addrs...), Transport: transport, Timeout: 5 * time.Second}
+		ready = func() error { return topicsReady(ctx, client, cfg.Topics) }
+	}
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		err := topicsReady(ctx, client, topics)
+		err := ready()
 		if err == nil {
 			return nil
 		}
@@ -204,6 +245,16 @@ func waitTopics(ctx context.Context, addrs []string, topics []string) error {
 		case <-tick.C:
 		}
 	}
+}
+
+// topicsCreated reports whether the cluster holds every topic.
+func (b *Broker) topicsCreated(topics []string) error {
+	for _, t := range topics {
+		if b.cluster.TopicInfo(t) == nil {
+			return fmt.Errorf("topic %s not created", t)
+		}
+	}
+	return nil
 }
 
 // topicsReady reports whether metadata lists every topic with partitions.

@@ -57,11 +57,7 @@ func writer(t *testing.T, addrs []string, topic string) *kafka.Writer {
 }
 
 func TestConfigValidate(t *testing.T) {
-	tests := []struct {
-		name string
-		cfg  devbroker.Config
-		ok   bool
-	}{
+	tests := []validateCase{
 		{"zero value takes defaults", devbroker.Config{}, true},
 		{"port zero", devbroker.Config{Addr: "127.0.0.1:0"}, true},
 		{"localhost", devbroker.Config{Addr: "localhost:19092"}, true},
@@ -75,17 +71,7 @@ func TestConfigValidate(t *testing.T) {
 		{"empty topic name", devbroker.Config{Topics: []string{""}}, false},
 		{"negative session timeout", devbroker.Config{GroupMinSessionTimeout: -time.Second}, false},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			err := tt.cfg.Validate()
-			if tt.ok && err != nil {
-				t.Fatalf("Validate() = %v, want nil", err)
-			}
-			if !tt.ok && !errors.Is(err, devbroker.ErrInvalidConfig) {
-				t.Fatalf("Validate() = %v, want ErrInvalidConfig", err)
-			}
-		})
-	}
+	checkValidate(t, tests)
 }
 
 func TestStartCreatesContractTopics(t *testing.T) {
@@ -202,5 +188,29 @@ func consumeAndCommit(ctx context.Context, t *testing.T, addrs []string, topic, 
 		if err := r.CommitMessages(ctx, m); err != nil {
 			t.Fatalf("CommitMessages: %v", err)
 		}
+	}
+}
+
+// validateCase is a Config and whether Validate accepts it.
+type validateCase struct {
+	name string
+	cfg  devbroker.Config
+	ok   bool
+}
+
+// checkValidate runs Validate on each case: nil for the valid ones,
+// ErrInvalidConfig for the others.
+func checkValidate(t *testing.T, tests []validateCase) {
+	t.Helper()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.cfg.Validate()
+			if tt.ok && err != nil {
+				t.Fatalf("Validate() = %v, want nil", err)
+			}
+			if !tt.ok && !errors.Is(err, devbroker.ErrInvalidConfig) {
+				t.Fatalf("Validate() = %v, want ErrInvalidConfig", err)
+			}
+		})
 	}
 }

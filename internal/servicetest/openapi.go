@@ -19,11 +19,6 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 )
 
-// PublicExtension is the operation member of an OpenAPI document that marks
-// a mutating route as deliberately open (no admin token); its value says
-// why (e.g. "engine API" or "data plane: cluster-internal").
-const PublicExtension = "x-kvmesh-public"
-
 // pathParam matches a {name} parameter of a path template.
 var pathParam = regexp.MustCompile(`\{([^{}/]+)\}`)
 
@@ -87,16 +82,6 @@ func (d *OpenAPI) Secured(r httpserver.Route) bool {
 		reqs = *op.Security
 	}
 	return slices.ContainsFunc(reqs, func(req openapi3.SecurityRequirement) bool { return len(req) > 0 })
-}
-
-// public returns the operation's x-kvmesh-public reason, or "".
-func (d *OpenAPI) public(r httpserver.Route) string {
-	op := d.operations[r]
-	if op == nil {
-		return ""
-	}
-	s, _ := op.Extensions[PublicExtension].(string)
-	return s
 }
 
 // CheckOpenAPI fails the test unless doc documents exactly the served
@@ -213,15 +198,16 @@ func schemaErrorMessage(err *openapi3.SchemaError) string {
 	return fmt.Sprintf("at /%s: %s", strings.Join(err.JSONPointer(), "/"), err.Reason)
 }
 
-// CheckAdminAuth probes the running service at baseURL (http://host:port)
-// and fails the test unless every mutating route it serves (any method but
-// GET, HEAD and OPTIONS) is either secured in the document or marked
-// deliberately open with x-kvmesh-public, and every secured operation
-// answers 401 (problem+json, with a Bearer challenge) without a token, 403
-// (problem+json) with a wrong one, and neither with token. Open mutating
-// routes must not ask for a token. Every answer must also be one the
-// document declares for the operation (CheckResponse). Path parameters are
-// filled from values ("1" when absent); requests have no body.
+// CheckAdminAuth probes the running service at baseURL (http://host:port),
+// which must run with authentication required and token as its operator
+// token, and fails the test unless every mutating route it serves (any
+// method but GET, HEAD and OPTIONS) is secured in the document, and every
+// secured operation answers 401 (problem+json, with a Bearer challenge)
+// without a token and with a wrong one, and, with the operator token, runs
+// when its security lists adminToken and answers 403 otherwise (a route
+// of engines or services). Every answer must also be one the document
+// declares for the operation (CheckResponse). Path parameters are filled
+// from values ("1" when absent); requests have no body.
 func CheckAdminAuth(t testing.TB, baseURL, token string, served []httpserver.Route, d *OpenAPI, values map[string]string) {
 	t.Helper()
 	for _, r := range served {
@@ -229,36 +215,32 @@ func CheckAdminAuth(t testing.TB, baseURL, token string, served []httpserver.Rou
 		case http.MethodGet, http.MethodHead, http.MethodOptions:
 			continue
 		}
-		if !d.Secured(r) && d.public(r) == "" {
-			t.Errorf("%s mutates but is neither secured nor marked %s", r, PublicExtension)
+		if !d.Secured(r) {
+			t.Errorf("%s mutates but is not secured", r)
 		}
 	}
 	for _, r := range d.Routes() {
-		target := baseURL + fillPath(r.Pattern, values)
-		switch {
-		case d.Secured(r):
-			d.checkSecured(t, r, target, token)
-		case d.public(r) != "" && slices.Contains(served, r):
-			req, code, header, body := send(t, r.Method, target, "")
-			if code == http.StatusUnauthorized || code == http.StatusForbidden {
-				t.Errorf("%s is open but answered %d without a token: %s", r, code, clip(body))
-			}
-			d.CheckResponse(t, r, req, code, header, body)
+		if d.Secured(r) {
+			d.checkSecured(t, r, baseURL+fillPath(r.Pattern, values), token)
 		}
 	}
 }
 
-// checkSecured probes one secured route with no, a wrong and the right
+// checkSecured probes one secured route with no, a wrong and the operator
 // token.
 func (d *OpenAPI) checkSecured(t testing.TB, r httpserver.Route, target, token string) {
 	t.Helper()
+	operator := 0 // the route runs
+	if !d.schemes(r)["adminToken"] {
+		operator = http.StatusForbidden
+	}
 	tests := []struct {
 		name, auth string
 		want       int
 	}{
 		{"missing token", "", http.StatusUnauthorized},
-		{"wrong token", "Bearer wrong-" + token, http.StatusForbidden},
-		{"right token", "Bearer " + token, 0},
+		{"wrong token", "Bearer wrong-" + token, http.StatusUnauthorized},
+		{"operator token", "Bearer " + token, operator},
 	}
 	for _, tt := range tests {
 		req, code, header, body := send(t, r.Method, target, tt.auth)
@@ -276,6 +258,21 @@ func (d *OpenAPI) checkSecured(t testing.TB, r httpserver.Route, target, token s
 			t.Errorf("%s with a %s: WWW-Authenticate %q, want a Bearer challenge", r, tt.name, header.Get("WWW-Authenticate"))
 		}
 	}
+}
+
+// schemes are the security schemes the operation's requirements name.
+func (d *OpenAPI) schemes(r httpserver.Route) map[string]bool {
+	out := map[string]bool{}
+	op := d.operations[r]
+	if op == nil || op.Security == nil {
+		return out
+	}
+	for _, req := range *op.Security {
+		for name := range req {
+			out[name] = true
+		}
+	}
+	return out
 }
 
 // send makes one request without a body and returns it with the answer's

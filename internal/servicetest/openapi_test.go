@@ -168,8 +168,8 @@ func TestCheckAdminAuthProbesTheServer(t *testing.T) {
 		w.WriteHeader(http.StatusNotFound)
 	})
 	srv.Router().Post("/v1/open/{id}", noop) // documented as secured, but not guarded
-	srv.Router().Delete("/v1/items", noop)   // mutating, neither secured nor public
-	srv.Router().Post("/v1/engine", noop)    // deliberately open
+	srv.Router().Delete("/v1/items", noop)   // mutating, not secured
+	srv.Router().Post("/v1/engine", noop)    // not secured either
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -184,7 +184,6 @@ func TestCheckAdminAuthProbesTheServer(t *testing.T) {
   /v1/engine:
     post:
       operationId: engine
-      x-kvmesh-public: engine API
       responses: {"200": {description: ok}}
 `
 	d := servicetest.ParseOpenAPI(t, []byte(doc))
@@ -193,10 +192,12 @@ func TestCheckAdminAuthProbesTheServer(t *testing.T) {
 		servicetest.CheckAdminAuth(tb, "http://"+srv.Addr(), "tok", routes, d, map[string]string{"id": "7"})
 	})
 	want := []string{
-		"DELETE /v1/items mutates but is neither secured nor marked x-kvmesh-public",
+		"POST /v1/engine mutates but is not secured",
+		"DELETE /v1/items mutates but is not secured",
 		"POST /v1/open/{id} with a missing token: 200",
 		"POST /v1/open/{id} with a missing token: WWW-Authenticate",
 		"POST /v1/open/{id} with a wrong token: 200",
+		"POST /v1/open/{id} with a wrong token: WWW-Authenticate",
 	}
 	if len(got) != len(want) {
 		t.Fatalf("failures %q, want %d", got, len(want))

@@ -12,6 +12,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/migrations"
+	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/service"
 )
@@ -52,7 +53,13 @@ func NewEnv(t testing.TB) *Env {
 	return &Env{Brokers: b.Addrs(), DatabaseURL: dbURL, RedisURL: redisURL}
 }
 
-// Common returns shared service settings pointing at the env.
+// AuthKey is the auth key of services a test runs with authentication
+// (Env.SecuredCommon).
+const AuthKey = "kvmesh-servicetest-auth-key-0123456789"
+
+// Common returns shared service settings pointing at the env, without
+// authentication (KVMESH_AUTH=off): tests of other things call the
+// routes without credentials. Admin mutations still need "test-token".
 func (e *Env) Common() service.Common {
 	return service.Common{
 		LogLevel:        "debug",
@@ -62,7 +69,16 @@ func (e *Env) Common() service.Common {
 		ShutdownTimeout: 2 * time.Second,
 		SessionTimeout:  2 * time.Second,
 		Model:           "hybrid-mla-linear",
+		Auth:            auth.Config{Mode: auth.ModeOff},
 	}
+}
+
+// SecuredCommon is Common with authentication required, keyed AuthKey,
+// "test-token" being the operator token.
+func (e *Env) SecuredCommon() service.Common {
+	c := e.Common()
+	c.Auth = auth.Config{Mode: auth.ModeRequired, Key: AuthKey}
+	return c
 }
 
 // Start runs run in the background. When the test ends the context is

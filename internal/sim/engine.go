@@ -183,6 +183,7 @@ func (e *engine) submit(r *request) { e.box.put(r) }
 // run is the engine loop: apply what arrived, run a step, and wait when
 // there is nothing to do, until ctx ends or a step fails for good.
 func (e *engine) run(ctx context.Context) error {
+	ctx = withEngine(ctx, e.id) // its calls carry its own token
 	_, e.span = otel.Tracer(tracerName).Start(ctx, "sim.engine", trace.WithAttributes(
 		attribute.String("kvmesh.engine_id", e.id), attribute.String("kvmesh.role", string(e.role))))
 	defer e.span.End()

@@ -45,6 +45,9 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 		if ext > 0 {
 			st.loadedTokens[conn] += ext
 		}
+		if r.tenant != "" {
+			st.tenantLocked(r.tenant, r.turn != nil && r.turn.index == 0, num, local, ext, conn)
+		}
 		c := st.engineLocked(e.id)
 		c.PromptTokens += num
 		c.LocalHitTokens += local
@@ -88,7 +91,8 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision, ext int, conn string) {
 	if !r.admitted {
 		r.admitted = true
-		e.event(out, r, contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes})
+		e.event(out, r, contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes, Tenant: r.tenant})
+		r.shadow.Tenant = r.tenant
 		r.shadow.OnAdmit(r.hexes, len(r.prompt))
 	}
 	ev := contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: ext, BlockTable: r.table.Clone()}
@@ -122,10 +126,10 @@ func (e *engine) ask(ctx context.Context, r *request, num, local int) (*contract
 		return nil, false
 	}
 	req := lookupRequest{
-		EngineID: e.id, RequestID: r.id, Model: e.model.Name, BlockHashes: r.hexes,
+		EngineID: e.id, RequestID: r.id, Model: e.model.Name, Tenant: r.tenant, BlockHashes: r.hexes,
 		NumTokens: num, NumComputedTokens: local, KVTransferParams: r.pd,
 	}
-	dec, err := e.lookup.lookup(r.ctx, req)
+	dec, err := e.lookup.lookup(withEngine(r.ctx, e.id), req)
 	took := time.Since(now)
 	if err == nil || !errors.Is(err, ErrLookupUnavailable) {
 		r.lookupFailingSince, r.lookupRetryAt, r.lookupFailures = time.Time{}, time.Time{}, 0
@@ -191,7 +195,18 @@ func child(dec *contract.LookupDecision, name string) *contract.ChildDecision {
 
 // chunkKey is the prefix-cache key of a chunk's contents.
 func (e *engine) chunkKey(r *request, c kvcore.Chunk) string {
-	return r.hexes[c.HashIndex(e.model.HashBlockSize)]
+	return cacheKey(r.tenant, r.hexes[c.HashIndex(e.model.HashBlockSize)])
+}
+
+// cacheKey is the prefix-cache key of a block of hash hashHex of tenant:
+// the hash alone for no tenant, else the tenant and the hash, so that, as
+// a vLLM engine whose requests carry a cache_salt, an engine never serves
+// one tenant's blocks to another.
+func cacheKey(tenant, hashHex string) string {
+	if tenant == "" {
+		return hashHex
+	}
+	return tenant + "@" + hashHex
 }
 
 // localHit is the engine's own prefix-cache hit: the longest h, a multiple

@@ -22,6 +22,9 @@ type chunkBlock struct {
 	hash  kvcore.BlockHash
 	key   string // the hash in hex: the block's identity
 	req   string // the request that computes or loads it
+	// tenant is the request's tenant: the prefix cache keeps its blocks
+	// apart from other tenants' (cacheKey).
+	tenant string
 }
 
 // compute "computes" the step's KV: every block a scheduled request
@@ -65,7 +68,7 @@ func (e *engine) promptTail(r *request, to int) []chunkBlock {
 			continue
 		}
 		c := kvcore.Chunk{Start: bi * grp.BlockSize, End: p}
-		out = append(out, chunkBlock{group: g, block: r.table[g][bi], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id})
+		out = append(out, chunkBlock{group: g, block: r.table[g][bi], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id, tenant: r.tenant})
 	}
 	return out
 }
@@ -81,7 +84,7 @@ func (e *engine) completed(r *request, from, to int) []chunkBlock {
 				continue
 			}
 			hi := c.HashIndex(e.model.HashBlockSize)
-			out = append(out, chunkBlock{group: g, block: r.table[g][p], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id})
+			out = append(out, chunkBlock{group: g, block: r.table[g][p], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id, tenant: r.tenant})
 		}
 	}
 	return out
@@ -130,7 +133,7 @@ func (e *engine) write(ctx context.Context, todo []chunkBlock) error {
 		}
 	}
 	for _, cb := range todo {
-		e.pool.register(cb.group, cb.block, cb.key)
+		e.pool.register(cb.group, cb.block, cacheKey(cb.tenant, cb.key))
 	}
 	e.stats.update(func(st *stats) { st.bytesWritten += total; st.bytesWrittenHTTP += overHTTP })
 	return nil
@@ -235,7 +238,7 @@ func (e *engine) loaded(ctx context.Context, out *outbox, r *request, f contract
 		bs := e.model.Groups[gc.Group].BlockSize
 		for _, c := range gc.Chunks {
 			hi := c.HashIndex(e.model.HashBlockSize)
-			cb := chunkBlock{group: gc.Group, block: r.table[gc.Group][c.BlockIndex(bs)], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id}
+			cb := chunkBlock{group: gc.Group, block: r.table[gc.Group][c.BlockIndex(bs)], chunk: c, hash: r.hashes[hi], key: r.hexes[hi], req: r.id, tenant: r.tenant}
 			if slices.Contains(f.LoadErrors, cb.block) {
 				redo = append(redo, cb)
 			} else {
@@ -343,7 +346,7 @@ func (e *engine) verify(ctx context.Context, r *request, check []chunkBlock) (ba
 		case copyLost:
 			lost = append(lost, cb)
 		case copyRight:
-			e.pool.register(cb.group, cb.block, cb.key)
+			e.pool.register(cb.group, cb.block, cacheKey(cb.tenant, cb.key))
 		}
 	}
 	e.stats.update(func(st *stats) {

@@ -95,6 +95,7 @@ func (r *run) attachMemory(ctx context.Context) (func(), error) {
 // which workers capped), so registering it changes no block id's range
 // for anyone else using the worker.
 func (r *run) newRankMemory(ctx context.Context, engineID string, rw *rankWorker) (*rankMemory, error) {
+	ctx = withEngine(ctx, engineID)
 	info, err := workerPool(ctx, r.cfg.HTTPClient, rw.url)
 	if err != nil {
 		return nil, err

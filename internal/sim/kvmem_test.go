@@ -94,7 +94,7 @@ func TestWorkerRestartReregisters(t *testing.T) {
 	default:
 		t.Fatal("the run ended before the worker was restarted")
 	}
-	cur, err := kvmem.Current(ctx, http.DefaultClient, victim.URL())
+	cur, err := kvmem.Current(ctx, withCredentials(http.DefaultClient, cfg.Credentials), victim.URL())
 	if err != nil || cur.Kind != kvmem.KindShm || !strings.Contains(cur.Path, cfg.RunTag) {
 		t.Fatalf("the restarted worker's memory: %+v, %v; want the run's segment registered again", cur, err)
 	}

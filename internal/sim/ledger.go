@@ -35,6 +35,12 @@ type ledger struct {
 	badTables                         []string
 	onSaved                           func(engine, request string, rep savedReport)
 	raced                             map[string]bool // engine/request preempted with saves in flight
+
+	// tenants maps each run request to its tenant (nil: no request has
+	// one); wrongTenant lists the save tasks and stored keys that are not
+	// of their request's tenant.
+	tenants     map[string]string
+	wrongTenant []LedgerDifference
 }
 
 // span is one save's token range.
@@ -91,6 +97,10 @@ func (l *ledger) saveTask(rec Record) {
 	}
 	if !l.ours(task.RequestID) {
 		return
+	}
+	if want := l.tenants[task.RequestID]; task.Tenant != want {
+		l.tenantDifference(LedgerDifference{task.EngineID, task.RequestID, task.TaskID,
+			fmt.Sprintf("save task of tenant %q, the request's tenant is %q", task.Tenant, want)})
 	}
 	lt := &ledgerTask{engine: task.EngineID, request: task.RequestID, span: span{task.Start, task.End}, keys: l.taskKeys(task), rankKeys: l.rankKeys(task)}
 	l.mu.Lock()
@@ -211,6 +221,13 @@ func (l *ledger) kvEvent(rec Record) {
 		return
 	}
 	keys := ev.Keys()
+	want := l.tenants[ev.RequestID]
+	for _, k := range keys {
+		if p, err := kvcore.ParseKey(k); err == nil && p.Tenant != want {
+			l.tenantDifference(LedgerDifference{ev.EngineID, ev.RequestID, "",
+				fmt.Sprintf("stored key %s is of tenant %q, the request's tenant is %q", k, p.Tenant, want)})
+		}
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.announced += len(keys)
@@ -219,6 +236,30 @@ func (l *ledger) kvEvent(rec Record) {
 			l.stored[k] = ev.EngineID
 		}
 	}
+}
+
+// tenantDifference records a save task or stored key of another tenant
+// than its request's (the first maxListed of them are listed).
+func (l *ledger) tenantDifference(d LedgerDifference) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.wrongTenant) < maxListed {
+		l.wrongTenant = append(l.wrongTenant, d)
+	}
+}
+
+// storedByTenant counts the distinct stored keys of each tenant (the
+// tenant segment of the key; "" for none).
+func (l *ledger) storedByTenant() map[string]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := map[string]int{}
+	for k := range l.stored {
+		if p, err := kvcore.ParseKey(k); err == nil {
+			out[p.Tenant]++
+		}
+	}
+	return out
 }
 
 // removedKeys records keys a BlockRemoved event named. Removals carry no
@@ -487,6 +528,7 @@ func (l *ledger) report() LedgerReport {
 	if l.undecodable > 0 {
 		r.Differences = append(r.Differences, LedgerDifference{Problem: fmt.Sprintf("%d undecodable save records keyed by run requests", l.undecodable)})
 	}
+	r.Differences = append(r.Differences, l.wrongTenant...)
 	slices.SortFunc(r.Differences, func(a, b LedgerDifference) int {
 		return cmp.Or(cmp.Compare(a.RequestID, b.RequestID), cmp.Compare(a.EngineID, b.EngineID), cmp.Compare(a.TaskID, b.TaskID))
 	})

@@ -20,6 +20,7 @@ type lookupRequest struct {
 	EngineID          string             `json:"engine_id"`
 	RequestID         string             `json:"request_id"`
 	Model             string             `json:"model"`
+	Tenant            string             `json:"tenant,omitempty"`
 	BlockHashes       []string           `json:"block_hashes"`
 	NumTokens         int                `json:"num_tokens"`
 	NumComputedTokens int                `json:"num_computed_tokens"`

@@ -115,6 +115,7 @@ func simMeshOf(t *testing.T, o meshOptions, w Workload, e EngineConfig) (Config,
 		Model: model, Workload: w, Engine: e, PD: o.pd, Fleet: fleet,
 		LookupURL: url("lookup"), SchedulerURL: url("scheduler"), SenderURL: url("sender"), RedisURL: m.RedisURL,
 		Brokers: m.Brokers, RunTag: tag, Salt: tag, RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,
+		Credentials: &Credentials{Engine: MintEngineTokens(m.AuthKey), Operator: "sim-test-token"},
 	}, m
 }
 

@@ -52,6 +52,9 @@ type Report struct {
 	// TTFT is the time from a turn's arrival to its first token (the decode
 	// engine's, in 1P1D): the time-to-first-token proxy.
 	TTFT Percentiles `json:"ttft"`
+	// Tenants lists, in a run with tenants (Workload.Tenants), each
+	// tenant's admissions, hits and stored keys; absent without tenants.
+	Tenants []TenantCounts `json:"tenants,omitempty"`
 	// Verification is the byte-for-byte check of every loaded block.
 	Verification Verification `json:"verification"`
 	// Bytes counts the bytes moved.
@@ -231,6 +234,7 @@ func (r *run) report(elapsed time.Duration) *Report {
 			Mismatches: slices.Clone(st.mismatches), OK: st.mismatchedBlocks == 0 && st.unverifiedBlocks == 0},
 		Ledger: r.ledger.report(),
 	}
+	rep.Tenants = st.tenantsLocked(r.ledger.storedByTenant())
 	failures := slices.Clone(st.failures)
 	partners := map[string]string{}
 	for _, p := range r.pairs {
@@ -339,6 +343,10 @@ func (rep *Report) WriteText(w io.Writer) error {
 	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
 	rep.writeRankRows(row)
+	for _, tc := range rep.Tenants {
+		row("tenant "+tc.Tenant, "%d admissions (%d first turns): %d prompt tokens, local hit %d, store loaded %d (first turns %d), %d keys stored",
+			tc.Admissions, tc.FirstTurnAdmissions, tc.PromptTokens, tc.LocalHitTokens, tc.StoreLoadedTokens, tc.FirstTurnStoreLoadedTokens, tc.StoredKeys)
+	}
 	if c := rep.Trackers; c != nil {
 		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing%s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, suffix(c.Error))
 	}

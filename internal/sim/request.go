@@ -44,6 +44,7 @@ type request struct {
 	maxOut    int      // tokens to generate (1 on a prefill engine)
 	generated int
 	salt      []byte // extra bytes of every block hash
+	tenant    string // the conversation's tenant (Conversation.Tenant)
 	hashes    []kvcore.BlockHash
 	hexes     []string
 

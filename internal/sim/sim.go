@@ -60,6 +60,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 )
 
 // tracerName names the simulator's spans.
@@ -149,12 +150,19 @@ type Config struct {
 	// BlockStored events) is read back and its value checked against the
 	// content the key implies.
 	RedisURL string
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// RedisURL (the services' KVMESH_REDIS_CA_FILE, ...).
+	RedisTLS kvstore.RedisTLS
 	// ReusePreempted frees a preempted request's blocks at once, even while
 	// saves of them are in flight (as vLLM does), instead of pinning them
 	// until the sender reports the saves.
 	ReusePreempted bool
 	// Brokers are the Kafka bootstrap brokers.
 	Brokers []string
+	// Kafka is the TLS and SASL security of the simulator's Kafka
+	// connections (its producer and its topic readers), as the services'
+	// KVMESH_KAFKA_* settings give it; the zero value is plaintext.
+	Kafka bus.Security
 	// RunTag prefixes every request id; default a random "sim-xxxxxx".
 	RunTag string
 	// Salt is mixed into every block hash (as vLLM's cache_salt is): runs
@@ -189,6 +197,9 @@ type Config struct {
 	// propagation.
 	HTTPClient *http.Client
 	ownClient  bool // HTTPClient was made here; Run closes its connections
+	// Credentials, when set, are presented on every call to the mesh
+	// (engine tokens per engine, the operator token for admin reads).
+	Credentials *Credentials
 
 	// The replicas of each service, from the URL fields.
 	lookups, schedulers, senders []string
@@ -206,6 +217,9 @@ func (c *Config) defaults() error {
 		return fmt.Errorf("no brokers: %w", ErrConfig)
 	case c.Engine.MaxBatchTokens < 1 || c.Engine.MaxRunning < 1 || c.Engine.PoolBlocks < 0 || c.Engine.Watermark < 0:
 		return fmt.Errorf("engine %+v: %w", c.Engine, ErrConfig)
+	}
+	if err := c.Kafka.Validate(); err != nil {
+		return fmt.Errorf("kafka security: %w: %w", err, ErrConfig)
 	}
 	c.lookups = replicaURLs(c.LookupURL, c.LookupURLs)
 	c.schedulers = replicaURLs(c.SchedulerURL, c.SchedulerURLs)
@@ -240,6 +254,7 @@ func (c *Config) defaults() error {
 		c.HTTPClient.Timeout = 30 * time.Second
 		c.ownClient = true
 	}
+	c.HTTPClient = withCredentials(c.HTTPClient, c.Credentials)
 	if err := checkKVMemory(c.KVMemory); err != nil {
 		return err
 	}
@@ -315,17 +330,18 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 	cfg.warnUnfit(convs)
-	pub, err := bus.NewProducer(cfg.Brokers)
+	pub, err := bus.NewProducer(cfg.Brokers, bus.WithSecurity(cfg.Kafka))
 	if err != nil {
 		return nil, fmt.Errorf("producer: %w", err)
 	}
 	defer pub.Close()
-	from, err := startOffsets(ctx, cfg.Brokers)
+	from, err := startOffsets(ctx, cfg.Brokers, cfg.Kafka)
 	if err != nil {
 		return nil, err
 	}
 	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-"),
 		engines: map[string]*engine{}, allDone: make(chan struct{})}
+	r.ledger.tenants = r.requestTenants()
 	r.build(pub)
 	detach, err := r.attachMemory(ctx)
 	if err != nil {
@@ -365,10 +381,10 @@ func (c *Config) warnUnfit(convs []*Conversation) {
 
 // startOffsets records where the topics the simulator reads end now, before
 // it publishes anything, so nothing of the run is missed.
-func startOffsets(ctx context.Context, brokers []string) (map[string]map[int]int64, error) {
+func startOffsets(ctx context.Context, brokers []string, sec bus.Security) (map[string]map[int]int64, error) {
 	out := map[string]map[int]int64{}
 	for _, t := range []string{contract.TopicEngineFeedback, contract.TopicSaveTasks, contract.TopicTransferResults, contract.TopicKVEvents} {
-		off, err := topicOffsets(ctx, brokers, t, false)
+		off, err := topicOffsets(ctx, brokers, sec, t, false)
 		if err != nil {
 			return nil, err
 		}
@@ -429,18 +445,18 @@ func (r *run) play(parent context.Context, from map[string]map[int]int64) error 
 	defer cancel()
 	r.ctx = ctx
 	g, gctx := errgroup.WithContext(ctx)
-	brokers, bound := r.cfg.Brokers, r.cfg.RequestTimeout
+	brokers, sec, bound := r.cfg.Brokers, r.cfg.Kafka, r.cfg.RequestTimeout
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicEngineFeedback, from[contract.TopicEngineFeedback], bound, r.routeFeedback)
+		return tailTopic(gctx, brokers, sec, contract.TopicEngineFeedback, from[contract.TopicEngineFeedback], bound, r.routeFeedback)
 	})
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicSaveTasks, from[contract.TopicSaveTasks], bound, r.ledger.saveTask)
+		return tailTopic(gctx, brokers, sec, contract.TopicSaveTasks, from[contract.TopicSaveTasks], bound, r.ledger.saveTask)
 	})
 	g.Go(func() error {
-		return tailTopic(gctx, brokers, contract.TopicTransferResults, from[contract.TopicTransferResults], bound, r.ledger.transferResult)
+		return tailTopic(gctx, brokers, sec, contract.TopicTransferResults, from[contract.TopicTransferResults], bound, r.ledger.transferResult)
 	})
 	g.Go(func() error { // the stored keys, for the per-rank ledger and the stored-value check
-		return tailTopic(gctx, brokers, contract.TopicKVEvents, from[contract.TopicKVEvents], bound, r.ledger.kvEvent)
+		return tailTopic(gctx, brokers, sec, contract.TopicKVEvents, from[contract.TopicKVEvents], bound, r.ledger.kvEvent)
 	})
 	for _, e := range r.engines {
 		g.Go(func() error { return e.run(gctx) })
@@ -593,7 +609,7 @@ func (r *run) submitTurn(c *Conversation, t int) {
 		return
 	}
 	p := r.pairs[EngineFor(c.Index, len(r.pairs))]
-	ts := &turnState{conv: c, index: t, id: fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t), pair: p, parts: 1, arrived: time.Now()}
+	ts := &turnState{conv: c, index: t, id: r.turnID(c, t), pair: p, parts: 1, arrived: time.Now()}
 	if r.cfg.PD {
 		ts.parts = 2
 	}
@@ -609,6 +625,26 @@ func (r *run) submitTurn(c *Conversation, t int) {
 	p.front.submit(req)
 }
 
+// turnID is the request id of turn t of conversation c.
+func (r *run) turnID(c *Conversation, t int) string {
+	return fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t)
+}
+
+// requestTenants maps every request id of the run to its conversation's
+// tenant; nil when no conversation has one.
+func (r *run) requestTenants() map[string]string {
+	if r.cfg.Workload.Tenants < 2 {
+		return nil
+	}
+	out := map[string]string{}
+	for _, c := range r.convs {
+		for t := range c.Turns {
+			out[r.turnID(c, t)] = c.Tenant
+		}
+	}
+	return out
+}
+
 // newRequest starts one engine's request of a turn, in its own span.
 func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
 	ctx, span := otel.Tracer(tracerName).Start(ts.ctx, "sim.request", trace.WithAttributes(
@@ -616,7 +652,7 @@ func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
 		attribute.String("kvmesh.role", string(e.role)),
 	))
 	turn := ts.conv.Turns[ts.index]
-	return &request{salt: []byte(r.cfg.Salt), id: ts.id, engine: e.id, turn: ts, ctx: ctx, span: span, traceparent: traceparent(ctx),
+	return &request{salt: []byte(r.cfg.Salt), tenant: ts.conv.Tenant, id: ts.id, engine: e.id, turn: ts, ctx: ctx, span: span, traceparent: traceparent(ctx),
 		prompt: ts.conv.Prompt(ts.index), output: turn.Output, maxOut: maxOut}
 }
 

@@ -46,6 +46,7 @@ type stats struct {
 	bytesWrittenHTTP int64
 
 	engines map[string]*EngineCounts // by engine id
+	tenants map[string]*TenantCounts // by tenant (runs with tenants)
 }
 
 // EngineCounts are one engine's figures of a run (the report's per-engine

@@ -64,7 +64,7 @@ type WrongValue struct {
 // and checks its value.
 func checkStored(ctx context.Context, cfg Config, keys []string, removed func(string) bool) StoreCheck {
 	c := StoreCheck{Keys: len(keys), Wrongs: []WrongValue{}}
-	st, err := kvstore.NewRedis(ctx, cfg.RedisURL, kvstore.RedisOptions{})
+	st, err := kvstore.NewRedis(ctx, cfg.RedisURL, kvstore.RedisOptions{TLS: cfg.RedisTLS})
 	if err != nil {
 		c.Error = fmt.Sprintf("store: %v", err)
 		return c

@@ -8,6 +8,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
@@ -30,8 +31,11 @@ const readerMaxWait = 50 * time.Millisecond
 
 // topicOffsets returns, per partition of topic, its first offset (first) or
 // the offset the next record will get.
-func topicOffsets(ctx context.Context, brokers []string, topic string, first bool) (map[int]int64, error) {
-	tr := &kafka.Transport{}
+func topicOffsets(ctx context.Context, brokers []string, sec bus.Security, topic string, first bool) (map[int]int64, error) {
+	tr, err := sec.Transport()
+	if err != nil {
+		return nil, err
+	}
 	defer tr.CloseIdleConnections()
 	c := &kafka.Client{Addr: kafka.TCP(brokers...), Timeout: 10 * time.Second, Transport: tr}
 	meta, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
@@ -70,9 +74,13 @@ func topicOffsets(ctx context.Context, brokers []string, topic string, first boo
 	return out, nil
 }
 
-func newPartitionReader(brokers []string, topic string, partition int, offset int64) (*kafka.Reader, error) {
+func newPartitionReader(brokers []string, sec bus.Security, topic string, partition int, offset int64) (*kafka.Reader, error) {
+	dialer, err := sec.Dialer()
+	if err != nil {
+		return nil, err
+	}
 	r := kafka.NewReader(kafka.ReaderConfig{
-		Brokers: brokers, Topic: topic, Partition: partition,
+		Brokers: brokers, Dialer: dialer, Topic: topic, Partition: partition,
 		MinBytes: 1, MaxBytes: 16 << 20, MaxWait: readerMaxWait, ReadLagInterval: -1,
 	})
 	if err := r.SetOffset(offset); err != nil {
@@ -92,13 +100,13 @@ func toRecord(m kafka.Message) Record {
 
 // tailTopic delivers the records of topic from the given offsets to fn, one
 // goroutine per partition (fn must be safe for concurrent use), until ctx
-// ends. A reader that fails (the broker restarting) is reopened after the
+// ends, connecting with sec. A reader that fails (the broker restarting) is reopened after the
 // last record delivered, with backoff; tailTopic returns an error only when
 // a partition's reads kept failing for bound. It returns nil when ctx ended.
-func tailTopic(ctx context.Context, brokers []string, topic string, from map[int]int64, bound time.Duration, fn func(Record)) error {
+func tailTopic(ctx context.Context, brokers []string, sec bus.Security, topic string, from map[int]int64, bound time.Duration, fn func(Record)) error {
 	g, ctx := errgroup.WithContext(ctx)
 	for p, off := range from {
-		g.Go(func() error { return tailPartition(ctx, brokers, topic, p, off, bound, fn) })
+		g.Go(func() error { return tailPartition(ctx, brokers, sec, topic, p, off, bound, fn) })
 	}
 	return g.Wait()
 }
@@ -109,12 +117,12 @@ func tailTopic(ctx context.Context, brokers []string, topic string, from map[int
 const healthyRead = 10 * time.Second
 
 // tailPartition is tailTopic's reader of one partition.
-func tailPartition(ctx context.Context, brokers []string, topic string, p int, next int64, bound time.Duration, fn func(Record)) error {
+func tailPartition(ctx context.Context, brokers []string, sec bus.Security, topic string, p int, next int64, bound time.Duration, fn func(Record)) error {
 	var failingSince time.Time
 	failures := 0 // since the last record or healthy read
 	for {
 		opened := time.Now()
-		err := readFrom(ctx, brokers, topic, p, &next, func(m Record) {
+		err := readFrom(ctx, brokers, sec, topic, p, &next, func(m Record) {
 			failingSince, failures = time.Time{}, 0
 			fn(m)
 		})
@@ -140,8 +148,8 @@ func tailPartition(ctx context.Context, brokers []string, topic string, p int, n
 
 // readFrom reads partition p from *next, delivering every record to fn and
 // advancing *next past it, until a read fails or ctx ends.
-func readFrom(ctx context.Context, brokers []string, topic string, p int, next *int64, fn func(Record)) error {
-	r, err := newPartitionReader(brokers, topic, p, *next)
+func readFrom(ctx context.Context, brokers []string, sec bus.Security, topic string, p int, next *int64, fn func(Record)) error {
+	r, err := newPartitionReader(brokers, sec, topic, p, *next)
 	if err != nil {
 		return err
 	}
@@ -157,19 +165,25 @@ func readFrom(ctx context.Context, brokers []string, topic string, p int, next *
 }
 
 // ReadAll returns every record of topic that the brokers hold when it is
-// called, partition by partition in offset order.
+// called, partition by partition in offset order, over plaintext without
+// SASL (ReadAllWith for secured brokers).
 func ReadAll(ctx context.Context, brokers []string, topic string) ([]Record, error) {
-	first, err := topicOffsets(ctx, brokers, topic, true)
+	return ReadAllWith(ctx, brokers, bus.Security{}, topic)
+}
+
+// ReadAllWith is ReadAll connecting with sec's TLS and SASL settings.
+func ReadAllWith(ctx context.Context, brokers []string, sec bus.Security, topic string) ([]Record, error) {
+	first, err := topicOffsets(ctx, brokers, sec, topic, true)
 	if err != nil {
 		return nil, err
 	}
-	last, err := topicOffsets(ctx, brokers, topic, false)
+	last, err := topicOffsets(ctx, brokers, sec, topic, false)
 	if err != nil {
 		return nil, err
 	}
 	var out []Record
 	for p, start := range first {
-		recs, err := readRange(ctx, brokers, topic, p, start, last[p])
+		recs, err := readRange(ctx, brokers, sec, topic, p, start, last[p])
 		if err != nil {
 			return nil, err
 		}
@@ -179,11 +193,11 @@ func ReadAll(ctx context.Context, brokers []string, topic string) ([]Record, err
 }
 
 // readRange reads the records of one partition in [start, end).
-func readRange(ctx context.Context, brokers []string, topic string, p int, start, end int64) ([]Record, error) {
+func readRange(ctx context.Context, brokers []string, sec bus.Security, topic string, p int, start, end int64) ([]Record, error) {
 	if end <= start {
 		return nil, nil
 	}
-	r, err := newPartitionReader(brokers, topic, p, start)
+	r, err := newPartitionReader(brokers, sec, topic, p, start)
 	if err != nil {
 		return nil, err
 	}

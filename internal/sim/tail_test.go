@@ -66,7 +66,7 @@ func TestTailFromEnd(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	publish(t, brokers, "old-1", "old-2")
-	from, err := topicOffsets(ctx, brokers, "t", false)
+	from, err := topicOffsets(ctx, brokers, bus.Security{}, "t", false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +75,7 @@ func TestTailFromEnd(t *testing.T) {
 	tctx, stop := context.WithCancel(ctx)
 	errc := make(chan error, 1)
 	go func() {
-		errc <- tailTopic(tctx, brokers, "t", from, time.Minute, func(r Record) {
+		errc <- tailTopic(tctx, brokers, bus.Security{}, "t", from, time.Minute, func(r Record) {
 			mu.Lock()
 			defer mu.Unlock()
 			got[r.Key]++

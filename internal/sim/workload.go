@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // Range is an inclusive integer range [Min, Max], drawn uniformly.
@@ -78,6 +80,38 @@ type Workload struct {
 	Seed uint64 `json:"seed"`
 	// Vocab is the token-id range [0, Vocab).
 	Vocab int `json:"vocab"`
+	// Tenants is the number of tenants the conversations belong to,
+	// assigned round robin (conversation i to TenantName(TenantPrefix,
+	// i mod Tenants)); 0 or 1 plays no tenant at all, as before. Every
+	// request of a conversation names its tenant in its lookup and its
+	// admitted event, so tenants share no store keys, even for identical
+	// prompts.
+	Tenants int `json:"tenants,omitempty"`
+	// TenantPrefix names the tenants (TenantName); empty is
+	// DefaultTenantPrefix. Two runs of one workload with different prefixes
+	// play the same prompts as different tenants.
+	TenantPrefix string `json:"tenant_prefix,omitempty"`
+}
+
+// DefaultTenantPrefix is the tenant prefix of a workload that sets none.
+const DefaultTenantPrefix = "tenant-"
+
+// TenantName is the name of tenant i under prefix (DefaultTenantPrefix when
+// empty): the prefix and i in decimal, e.g. "tenant-0".
+func TenantName(prefix string, i int) string {
+	if prefix == "" {
+		prefix = DefaultTenantPrefix
+	}
+	return prefix + strconv.Itoa(i)
+}
+
+// tenantOf is the tenant of conversation conv: none with fewer than two
+// tenants.
+func (w Workload) tenantOf(conv int) string {
+	if w.Tenants < 2 {
+		return ""
+	}
+	return TenantName(w.TenantPrefix, conv%w.Tenants)
 }
 
 // Validate reports a workload that cannot be generated.
@@ -97,6 +131,13 @@ func (w Workload) Validate() error {
 		return fmt.Errorf("think time %v: %w", w.ThinkTime, ErrWorkload)
 	case w.Vocab < 2:
 		return fmt.Errorf("vocab %d: %w", w.Vocab, ErrWorkload)
+	case w.Tenants < 0:
+		return fmt.Errorf("tenants %d: want 0 or more: %w", w.Tenants, ErrWorkload)
+	}
+	if w.Tenants >= 2 {
+		if err := kvcore.ValidateTenant(TenantName(w.TenantPrefix, w.Tenants-1)); err != nil {
+			return fmt.Errorf("tenant prefix %q: %w: %w", w.TenantPrefix, err, ErrWorkload)
+		}
 	}
 	for name, r := range map[string]Range{"turns": w.Turns, "system tokens": w.SystemTokens, "user tokens": w.UserTokens, "output tokens": w.OutputTokens} {
 		if err := r.validate(name); err != nil {
@@ -116,6 +157,9 @@ type Conversation struct {
 	System []uint32
 	// Turns are the user messages and the replies the engine will generate.
 	Turns []Turn
+	// Tenant is the conversation's tenant (Workload.Tenants); empty for
+	// none.
+	Tenant string
 }
 
 // Turn is one user message and the reply to it.
@@ -150,7 +194,7 @@ func Generate(w Workload) ([]*Conversation, error) {
 	var convs []*Conversation
 	var at time.Duration
 	for left := w.Requests; left > 0; {
-		c := &Conversation{Index: len(convs), Start: at, System: systems[rng.IntN(len(systems))]}
+		c := &Conversation{Index: len(convs), Start: at, System: systems[rng.IntN(len(systems))], Tenant: w.tenantOf(len(convs))}
 		n := min(w.Turns.draw(rng), left)
 		for range n {
 			c.Turns = append(c.Turns, Turn{

@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"bufio"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net/http"
@@ -47,6 +48,16 @@ type Procs struct {
 
 	mu    sync.Mutex
 	procs map[string]*Process
+	tls   *tls.Config // UseHTTPS: the processes serve HTTPS, verified with it
+}
+
+// UseHTTPS says that the processes added from now on serve HTTPS (they are
+// given a certificate in their environment): their URLs are https:// and
+// their readiness is probed over TLS verified with client.
+func (ps *Procs) UseHTTPS(client *tls.Config) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	ps.tls = client
 }
 
 // Process is one process of a Procs. Its standard output and error go to a
@@ -58,6 +69,7 @@ type Process struct {
 	env  []string
 	addr string
 	log  string
+	tls  *tls.Config // nil: plain HTTP
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -92,6 +104,7 @@ func (ps *Procs) Add(name, bin string, env ...string) (*Process, error) {
 	}
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
+	p.tls = ps.tls
 	if _, ok := ps.procs[name]; ok {
 		return nil, fmt.Errorf("add %s: %w", name, errDuplicate)
 	}
@@ -142,8 +155,14 @@ func (ps *Procs) logTailsOnFailure() {
 // Addr returns the process's HTTP address, host:port.
 func (p *Process) Addr() string { return p.addr }
 
-// URL returns the process's base URL, http://host:port.
-func (p *Process) URL() string { return "http://" + p.addr }
+// URL returns the process's base URL, http://host:port (https:// after
+// Procs.UseHTTPS).
+func (p *Process) URL() string {
+	if p.tls != nil {
+		return "https://" + p.addr
+	}
+	return "http://" + p.addr
+}
 
 // Start starts the process, or restarts it after Kill or Stop on the same
 // address, and waits until GET /readyz answers 200. It fails when the
@@ -202,6 +221,9 @@ func (p *Process) launch() (<-chan struct{}, int64, error) {
 // exits (done closes) or readyWithin passes.
 func (p *Process) waitReady(done <-chan struct{}, logFrom int64) error {
 	hc := probeClient()
+	if p.tls != nil {
+		hc.Transport = &http.Transport{TLSClientConfig: p.tls}
+	}
 	defer hc.CloseIdleConnections()
 	return poll(readyWithin, done, func() error {
 		if err := probe(hc, p.URL()+"/readyz"); err != nil {

@@ -20,16 +20,19 @@ const topicPollInterval = 20 * time.Millisecond
 // partition count and the cluster's default replication factor, then waits
 // until metadata lists all of them. Existing topics are left as they are,
 // whatever their partition count, so it is safe to call on every start.
-func EnsureTopics(ctx context.Context, brokers, topics []string, partitions int) error {
+// WithSecurity sets the TLS and SASL settings of its connections.
+func EnsureTopics(ctx context.Context, brokers, topics []string, partitions int, opts ...ClientOption) error {
 	if len(brokers) == 0 || partitions < 1 {
 		return fmt.Errorf("%w: need brokers and a positive partition count", ErrInvalidConfig)
 	}
 	if len(topics) == 0 {
 		return nil
 	}
-	transport := &kafka.Transport{}
+	client, transport, err := newClientConfig(opts).adminClient(brokers)
+	if err != nil {
+		return err
+	}
 	defer transport.CloseIdleConnections()
-	client := &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport, Timeout: adminTimeout}
 
 	req := &kafka.CreateTopicsRequest{}
 	for _, t := range topics {
@@ -84,14 +87,17 @@ func missingTopics(ctx context.Context, client *kafka.Client, topics []string) (
 }
 
 // Ping asks the cluster for its metadata: a readiness check that the brokers
-// answer the Kafka protocol, not only that a port is open.
-func Ping(ctx context.Context, brokers []string) error {
+// answer the Kafka protocol, not only that a port is open (and, with
+// WithSecurity, that the TLS handshake and SASL authentication succeed).
+func Ping(ctx context.Context, brokers []string, opts ...ClientOption) error {
 	if len(brokers) == 0 {
 		return fmt.Errorf("%w: no brokers", ErrInvalidConfig)
 	}
-	transport := &kafka.Transport{}
+	client, transport, err := newClientConfig(opts).adminClient(brokers)
+	if err != nil {
+		return err
+	}
 	defer transport.CloseIdleConnections()
-	client := &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport, Timeout: adminTimeout}
 	if _, err := client.Metadata(ctx, &kafka.MetadataRequest{}); err != nil {
 		return fmt.Errorf("bus: ping %v: %w", brokers, err)
 	}

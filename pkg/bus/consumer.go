@@ -37,8 +37,11 @@ type Consumer struct {
 	// handler over a batch of one.
 	handler Handler
 	// batch is the batch handler of a batch consumer, else nil.
-	batch   BatchHandler
-	tracer  tracerSource
+	batch  BatchHandler
+	tracer tracerSource
+	// dialer connects the reader with cfg.Security; nil for kafka-go's
+	// default (plaintext, no SASL).
+	dialer  *kafka.Dialer
 	running atomic.Bool
 }
 
@@ -57,6 +60,13 @@ func newConsumer(cfg ConsumerConfig, h Handler) (*Consumer, error) {
 		return nil, err
 	}
 	c := &Consumer{cfg: cfg, handler: h, tracer: tracerSource{tp: cfg.TracerProvider}}
+	if !cfg.Security.isZero() {
+		d, err := cfg.Security.Dialer()
+		if err != nil {
+			return nil, err
+		}
+		c.dialer = d
+	}
 	rc := c.readerConfig()
 	if err := rc.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -68,6 +78,7 @@ func newConsumer(cfg ConsumerConfig, h Handler) (*Consumer, error) {
 func (c *Consumer) readerConfig() kafka.ReaderConfig {
 	rc := kafka.ReaderConfig{
 		Brokers:           c.cfg.Brokers,
+		Dialer:            c.dialer,
 		GroupID:           c.cfg.GroupID,
 		GroupTopics:       c.cfg.Topics,
 		MaxWait:           c.cfg.MaxWait,

@@ -153,6 +153,10 @@ type Hooks struct {
 type ConsumerConfig struct {
 	// Brokers are the bootstrap addresses.
 	Brokers []string
+	// Security is the TLS and SASL settings of the consumer's connections
+	// (the dead-letter Producer has its own); the zero value is plaintext
+	// without authentication.
+	Security Security
 	// GroupID is the consumer group.
 	GroupID string
 	// Topics are the topics to consume.
@@ -269,6 +273,9 @@ func (c ConsumerConfig) validate() error {
 		return fmt.Errorf("%w: concurrency %d is not positive", ErrInvalidConfig, c.Concurrency)
 	case c.BatchSize < 1:
 		return fmt.Errorf("%w: batch size %d is not positive", ErrInvalidConfig, c.BatchSize)
+	}
+	if err := c.Security.Validate(); err != nil {
+		return err
 	}
 	return c.Retry.validate()
 }

@@ -47,10 +47,12 @@ type lagWatch struct {
 	topics []string
 }
 
-// NewLagCollector returns a collector asking brokers; Close releases its
-// connections.
-func NewLagCollector(brokers []string) *LagCollector {
-	client, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.RetryTimeout(lagTimeout))
+// NewLagCollector returns a collector asking brokers, with the TLS and SASL
+// settings WithSecurity gives; Close releases its connections. A setting
+// that cannot be used (an unreadable TLS file) makes every read fail with
+// its error.
+func NewLagCollector(brokers []string, opts ...ClientOption) *LagCollector {
+	client, err := newLagClient(brokers, newClientConfig(opts).security)
 	c := &LagCollector{
 		client:    client,
 		clientErr: err,
@@ -66,6 +68,15 @@ func NewLagCollector(brokers []string) *LagCollector {
 		c.admin = kadm.NewClient(client)
 	}
 	return c
+}
+
+// newLagClient returns the franz-go client of a LagCollector.
+func newLagClient(brokers []string, s Security) (*kgo.Client, error) {
+	secOpts, err := s.kgoOpts()
+	if err != nil {
+		return nil, err
+	}
+	return kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RetryTimeout(lagTimeout)}, secOpts...)...)
 }
 
 // Watch adds group's lag on topics to what the collector reports. Watching

@@ -31,8 +31,16 @@ type Producer struct {
 	tracer    tracerSource
 }
 
-// ProducerOption configures NewProducer.
-type ProducerOption func(*producerConfig)
+// ProducerOption configures NewProducer: the With functions below, and
+// WithSecurity.
+type ProducerOption interface {
+	applyProducer(*producerConfig)
+}
+
+// producerOptionFunc is a ProducerOption that is a function.
+type producerOptionFunc func(*producerConfig)
+
+func (f producerOptionFunc) applyProducer(c *producerConfig) { f(c) }
 
 type producerConfig struct {
 	batchTimeout time.Duration
@@ -41,12 +49,13 @@ type producerConfig struct {
 	autoCreate   bool
 	clientID     string
 	tp           trace.TracerProvider
+	security     Security
 }
 
 // WithBatchTimeout sets how long a publish waits to fill a batch (default
 // DefaultBatchTimeout).
 func WithBatchTimeout(d time.Duration) ProducerOption {
-	return func(c *producerConfig) { c.batchTimeout = d }
+	return producerOptionFunc(func(c *producerConfig) { c.batchTimeout = d })
 }
 
 // WithBatchSize sets how many messages fill a batch (default kafka-go's,
@@ -55,29 +64,29 @@ func WithBatchTimeout(d time.Duration) ProducerOption {
 // request's critical path wants (a sub-millisecond timer may take a
 // millisecond to fire on an idle process).
 func WithBatchSize(n int) ProducerOption {
-	return func(c *producerConfig) { c.batchSize = n }
+	return producerOptionFunc(func(c *producerConfig) { c.batchSize = n })
 }
 
 // WithBalancer replaces the murmur2 key balancer.
 func WithBalancer(b kafka.Balancer) ProducerOption {
-	return func(c *producerConfig) { c.balancer = b }
+	return producerOptionFunc(func(c *producerConfig) { c.balancer = b })
 }
 
 // WithAutoTopicCreation lets publishing to an unknown topic create it, where
 // the broker allows it. By default topics come from EnsureTopics.
 func WithAutoTopicCreation() ProducerOption {
-	return func(c *producerConfig) { c.autoCreate = true }
+	return producerOptionFunc(func(c *producerConfig) { c.autoCreate = true })
 }
 
 // WithClientID sets the Kafka client id the producer reports to brokers.
 func WithClientID(id string) ProducerOption {
-	return func(c *producerConfig) { c.clientID = id }
+	return producerOptionFunc(func(c *producerConfig) { c.clientID = id })
 }
 
 // WithTracerProvider sets the tracer provider of publish spans; by default
 // the global one at the time of each publish.
 func WithTracerProvider(tp trace.TracerProvider) ProducerOption {
-	return func(c *producerConfig) { c.tp = tp }
+	return producerOptionFunc(func(c *producerConfig) { c.tp = tp })
 }
 
 // Writer limits: a failed write is given up after about two seconds.
@@ -87,19 +96,27 @@ const (
 )
 
 // NewProducer returns a producer for the brokers. It connects lazily, on the
-// first publish.
+// first publish, with the TLS and SASL settings given by WithSecurity (by
+// default plaintext without authentication); TLS files are read now.
 func NewProducer(brokers []string, opts ...ProducerOption) (*Producer, error) {
 	if len(brokers) == 0 {
 		return nil, fmt.Errorf("%w: no brokers", ErrInvalidConfig)
 	}
 	cfg := producerConfig{batchTimeout: DefaultBatchTimeout, balancer: kafka.Murmur2Balancer{}}
 	for _, o := range opts {
-		o(&cfg)
+		o.applyProducer(&cfg)
 	}
 	if cfg.batchTimeout <= 0 || cfg.batchSize < 0 || cfg.balancer == nil {
 		return nil, fmt.Errorf("%w: batch timeout must be positive, batch size not negative and balancer set", ErrInvalidConfig)
 	}
-	transport := &kafka.Transport{ClientID: cfg.clientID, DialTimeout: producerDialTimeout}
+	if err := cfg.security.Validate(); err != nil {
+		return nil, err
+	}
+	transport, err := cfg.security.Transport()
+	if err != nil {
+		return nil, err
+	}
+	transport.ClientID, transport.DialTimeout = cfg.clientID, producerDialTimeout
 	w := &kafka.Writer{
 		Addr:         kafka.TCP(brokers...),
 		Balancer:     cfg.balancer,

@@ -22,6 +22,9 @@
 //     in one of the two places only.
 //   - doc: a one-line description for Describe and MarkdownTable.
 //   - secret:"true": the value is never shown; Describe masks it as "***".
+//     A secret may also be given in a file: NAME_FILE names a file whose
+//     content (trailing newlines trimmed) is the value, as container
+//     secrets are mounted. Setting both NAME and NAME_FILE is an error.
 //   - required:"true": Load fails when neither the variable nor a default
 //     gives a value.
 //
@@ -35,6 +38,7 @@ import (
 	"encoding"
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"strconv"
 	"strings"
@@ -53,7 +57,14 @@ var (
 	ErrMissing = errors.New("config: missing required variable")
 	// ErrUnsupportedType means a tagged field has a type Load cannot set.
 	ErrUnsupportedType = errors.New("config: unsupported field type")
+	// ErrSecretFile means a secret's NAME_FILE could not be read, or was set
+	// next to NAME.
+	ErrSecretFile = errors.New("config: secret file")
 )
+
+// FileSuffix is appended to a secret setting's variable name to name the
+// variable that holds the path of a file with its value.
+const FileSuffix = "_FILE"
 
 // Validator is implemented by configuration structs that check their own
 // consistency. Load calls Validate after every field has been set.
@@ -128,6 +139,15 @@ func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (st
 	name := sf.Tag.Get("env")
 	raw, ok := lookup(name)
 	source := name
+	if isTrue(sf.Tag.Get("secret")) {
+		fromFile, found, err := secretFile(name, raw, ok, lookup)
+		if err != nil {
+			return err
+		}
+		if found {
+			raw, ok, source = fromFile, true, name+FileSuffix
+		}
+	}
 	if !ok || raw == "" {
 		def, hasDefault := defaultOf(sf, defs)
 		if !hasDefault || def == "" {
@@ -146,6 +166,24 @@ func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (st
 		return fmt.Errorf("%s=%s: %w", source, shown, err)
 	}
 	return nil
+}
+
+// secretFile reads a secret's value from the file NAME_FILE names, when
+// it is set: found reports that it was. Setting both NAME (set is ok with
+// a non-empty raw) and NAME_FILE is refused, as is an unreadable file.
+func secretFile(name, raw string, set bool, lookup func(string) (string, bool)) (value string, found bool, err error) {
+	path, ok := lookup(name + FileSuffix)
+	if !ok || path == "" {
+		return "", false, nil
+	}
+	if set && raw != "" {
+		return "", false, fmt.Errorf("%w: %s and %s%s are both set; set one", ErrSecretFile, name, name, FileSuffix)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", false, fmt.Errorf("%w: %s%s: %w", ErrSecretFile, name, FileSuffix, err)
+	}
+	return strings.TrimRight(string(b), "\r\n"), true, nil
 }
 
 func docSuffix(sf reflect.StructField) string {

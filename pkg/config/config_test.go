@@ -3,6 +3,8 @@ package config_test
 import (
 	"errors"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -209,5 +211,36 @@ func TestLoadCallsValidator(t *testing.T) {
 	err := config.Load(&v, lookupFrom(map[string]string{"T_WORKERS": "1"}))
 	if !errors.Is(err, errTooFewWorkers) {
 		t.Fatalf("Load error = %v, want the validator's error", err)
+	}
+}
+
+// TestLoadSecretFromFile: a secret's NAME_FILE gives its value (trailing
+// newline trimmed); both set, or an unreadable file, is an error that does
+// not show the secret.
+func TestLoadSecretFromFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "db-url")
+	if err := os.WriteFile(path, []byte("postgres://u:hunter2@db/x\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var s settings
+	if err := config.Load(&s, lookupFrom(map[string]string{"T_DATABASE_URL_FILE": path})); err != nil {
+		t.Fatalf("Load: %v", err)
+	}
+	if s.DatabaseURL != "postgres://u:hunter2@db/x" {
+		t.Fatalf("DatabaseURL = %q, want the file's content without its newline", s.DatabaseURL)
+	}
+	for name, env := range map[string]map[string]string{
+		"both set":     {"T_DATABASE_URL": "postgres://other", "T_DATABASE_URL_FILE": path},
+		"missing file": {"T_DATABASE_URL_FILE": filepath.Join(dir, "nope")},
+	} {
+		err := config.Load(&s, lookupFrom(env))
+		if !errors.Is(err, config.ErrSecretFile) || strings.Contains(err.Error(), "hunter2") {
+			t.Errorf("%s: Load error = %v, want ErrSecretFile without the secret", name, err)
+		}
+	}
+	// A setting that is not secret has no _FILE form.
+	if err := config.Load(&s, lookupFrom(map[string]string{"T_ADDR_FILE": path})); err != nil || s.HTTPAddr != ":8082" {
+		t.Fatalf("T_ADDR_FILE: err %v, HTTPAddr %q; want it ignored", err, s.HTTPAddr)
 	}
 }

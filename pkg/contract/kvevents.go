@@ -44,6 +44,9 @@ const (
 	HeaderKVRequestID = "kvmesh-request-id"
 	// HeaderKVCause says why blocks went: evicted, expired, del or flushed.
 	HeaderKVCause = "kvmesh-cause"
+	// HeaderKVTenant is the tenant whose keys the record is about
+	// (kvcore.KeyBuilder.Tenant); absent for the empty tenant.
+	HeaderKVTenant = "kvmesh-tenant"
 )
 
 // vLLM's kv_cache_spec_kind values (vllm/v1/kv_cache_interface.py,
@@ -493,7 +496,7 @@ func EncodeKVEventRecord(r KVEventRecord) (key string, value []byte, headers map
 	headers = map[string]string{HeaderKVSchema: SchemaKVEvent, HeaderKVModel: r.Model, HeaderKVNamespace: r.Namespace}
 	for name, v := range map[string]string{
 		HeaderKVBlockHashes: strings.Join(r.Hashes, ","), HeaderKVEngineID: r.EngineID,
-		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause,
+		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause, HeaderKVTenant: r.Tenant,
 	} {
 		if v != "" {
 			headers[name] = v
@@ -517,6 +520,7 @@ func DecodeKVEventRecord(value []byte, headers map[string]string) (KVEventRecord
 	}
 	r.Model, r.Namespace = headers[HeaderKVModel], headers[HeaderKVNamespace]
 	r.EngineID, r.RequestID, r.Cause = headers[HeaderKVEngineID], headers[HeaderKVRequestID], headers[HeaderKVCause]
+	r.Tenant = headers[HeaderKVTenant]
 	if h := headers[HeaderKVBlockHashes]; h != "" {
 		r.Hashes = strings.Split(h, ",")
 	}

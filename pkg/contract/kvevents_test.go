@@ -363,3 +363,36 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 		t.Errorf("short hash header: error %v", err)
 	}
 }
+
+// TestKVEventRecordTenant: a tenant's record carries its tenant in a
+// header and its keys in the tenant's namespace; the empty tenant sends no
+// header.
+func TestKVEventRecordTenant(t *testing.T) {
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m", Tenant: "acme"}
+	ns := kb.Namespace(kvcore.Rank{}, 0)
+	h := kvcore.HashTokens(nil, []uint32{1}, nil)
+	rec := KVEventRecord{
+		Batch: KVEventBatch{TS: 2, DataParallelRank: ptr(0), Events: []KVEvent{
+			{Kind: BlockStored, BlockHashes: []uint64{WireHash(h)}, TokenIDs: []uint32{}, BlockSize: 16, Medium: ptr(MediumStore), GroupIdx: ptr(0), SpecKind: "full_attention"},
+		}},
+		Model: "m", Namespace: ns, Hashes: []string{h.Hex()}, EngineID: "e1", RequestID: "r1", Tenant: "acme",
+	}
+	_, value, headers, err := EncodeKVEventRecord(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if headers[HeaderKVTenant] != "acme" {
+		t.Fatalf("headers %v: want tenant acme", headers)
+	}
+	back, err := DecodeKVEventRecord(value, headers)
+	if err != nil || back.Tenant != "acme" {
+		t.Fatalf("round trip tenant %q, %v", back.Tenant, err)
+	}
+	if keys := back.Keys(); len(keys) != 1 || keys[0] != kb.Key(kvcore.Rank{}, 0, h) {
+		t.Fatalf("keys %q, want the tenant's key", keys)
+	}
+	rec.Tenant = ""
+	if _, _, headers, _ = EncodeKVEventRecord(rec); headers[HeaderKVTenant] != "" {
+		t.Fatalf("empty tenant sent as a header: %v", headers)
+	}
+}

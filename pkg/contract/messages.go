@@ -92,6 +92,11 @@ type RequestEvent struct {
 	// PromptTokens and BlockHashes (hex chain at hash_block_size) come with admitted.
 	PromptTokens int      `json:"prompt_tokens,omitempty"`
 	BlockHashes  []string `json:"block_hashes,omitempty"`
+	// Tenant comes with admitted: the request's tenant
+	// (kvcore.ValidateTenant; absent: none), the one its lookup named. The
+	// scheduler keeps it with the request and puts it on every task, so
+	// the request only saves and loads its tenant's keys.
+	Tenant string `json:"tenant,omitempty"`
 	// Consumer marks a kv_consumer request (never saves).
 	Consumer bool `json:"consumer,omitempty"`
 	// ExternalTokens and BlockTable come with allocated.
@@ -138,11 +143,13 @@ type PDSource struct {
 // LookupDecision is the lookup service's answer for one request, on
 // TopicLookupDecisions, keyed by request id.
 type LookupDecision struct {
-	Schema            string          `json:"schema"`
-	DecisionID        string          `json:"decision_id"`
-	EngineID          string          `json:"engine_id"`
-	RequestID         string          `json:"request_id"`
-	Model             string          `json:"model"`
+	Schema     string `json:"schema"`
+	DecisionID string `json:"decision_id"`
+	EngineID   string `json:"engine_id"`
+	RequestID  string `json:"request_id"`
+	Model      string `json:"model"`
+	// Tenant is the tenant the lookup checked the keys of (absent: none).
+	Tenant            string          `json:"tenant,omitempty"`
 	NumTokens         int             `json:"num_tokens"`
 	NumComputedTokens int             `json:"num_computed_tokens"`
 	Pending           bool            `json:"pending,omitempty"`
@@ -291,6 +298,10 @@ type KVEventRecord struct {
 	// Cause is why blocks were removed: the Redis event (evicted, expired,
 	// del) or "flushed" (HeaderKVCause); empty for BlockStored.
 	Cause string
+	// Tenant is the tenant whose keys the record is about
+	// (HeaderKVTenant); empty for the empty tenant. The tenant is also
+	// part of Namespace.
+	Tenant string
 }
 
 // MaxDeadLetterPayload bounds the original record bytes a dead-letter

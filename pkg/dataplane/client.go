@@ -43,11 +43,24 @@ func NewClient(baseURL string, hc *http.Client) *Client {
 // trace context on every request and enough idle connections per worker for
 // concurrent batches.
 func DefaultHTTPClient() *http.Client {
+	return HTTPClient(DefaultTransport())
+}
+
+// DefaultTransport is the transport of DefaultHTTPClient before trace
+// propagation: enough idle connections per worker for concurrent batches
+// and large socket buffers. Services add TLS and credentials to it.
+func DefaultTransport() *http.Transport {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConnsPerHost = 32
 	tr.WriteBufferSize = 256 << 10
 	tr.ReadBufferSize = 256 << 10
-	return &http.Client{Transport: otelhttp.NewTransport(tr)}
+	return tr
+}
+
+// HTTPClient is a data-plane client over rt that propagates W3C trace
+// context on every request.
+func HTTPClient(rt http.RoundTripper) *http.Client {
+	return &http.Client{Transport: otelhttp.NewTransport(rt)}
 }
 
 // Put reads the listed pool blocks, frames each value (model fingerprint +

@@ -11,8 +11,8 @@ import (
 const AdminTokenEnv = "KVMESH_ADMIN_TOKEN"
 
 // RequireAdmin returns middleware that admits only requests carrying
-// "Authorization: Bearer <token>". A missing or non-bearer header gets 401
-// with a WWW-Authenticate challenge, a wrong token 403. When token is empty
+// "Authorization: Bearer <token>". A missing or non-bearer header, or a
+// wrong token, gets 401 with a WWW-Authenticate challenge. When token is empty
 // the server has no admin token and every request is refused with 403 (fail
 // closed). Tokens are compared in constant time.
 func RequireAdmin(token string) func(http.Handler) http.Handler {
@@ -33,7 +33,8 @@ func RequireAdmin(token string) func(http.Handler) http.Handler {
 			}
 			sum := sha256.Sum256([]byte(got))
 			if subtle.ConstantTimeCompare(sum[:], want[:]) != 1 {
-				WriteProblem(w, r, http.StatusForbidden, "", "the admin token is not valid", nil)
+				w.Header().Set("WWW-Authenticate", `Bearer realm="kvmesh", error="invalid_token"`)
+				WriteProblem(w, r, http.StatusUnauthorized, "", "the admin token is not valid", nil)
 				return
 			}
 			next.ServeHTTP(w, r)

@@ -14,6 +14,7 @@ package httpserver
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -26,6 +27,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvmesh/kvmesh/pkg/auth"
 )
 
 // Defaults applied by New to zero Options fields.
@@ -77,6 +80,15 @@ type Options struct {
 	Registry *prometheus.Registry
 	// AdminToken guards routes wrapped with Server.RequireAdmin.
 	AdminToken string
+	// Auth verifies the credentials of every route the OpenAPI document
+	// (ServeOpenAPI) does not make public; nil authenticates nothing but
+	// the routes wrapped with RequireAdmin.
+	Auth *auth.Verifier
+	// EngineID, when set, is the engine this service serves (a
+	// gpuworker's): engine credentials of other engines are refused.
+	EngineID string
+	// TLS, when set, serves HTTPS with this configuration (tlsfiles).
+	TLS *tls.Config
 	// MaxBodyBytes limits request bodies; default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
 	// ReadHeaderTimeout sets http.Server.ReadHeaderTimeout; default
@@ -136,6 +148,7 @@ type Server struct {
 	http    *http.Server
 	builtin sync.Once
 	fresh   freshConns
+	access  access
 
 	mu      sync.Mutex
 	ln      net.Listener
@@ -161,6 +174,7 @@ func New(opts Options) (*Server, error) {
 		recoverPanic(opts.Logger),
 		limitBody(opts.MaxBodyBytes),
 	)
+	s.mux.Use(s.authorize)
 	s.mux.NotFound(notFound)
 	s.mux.MethodNotAllowed(s.methodNotAllowed)
 	s.http = &http.Server{
@@ -171,6 +185,7 @@ func New(opts Options) (*Server, error) {
 		IdleTimeout:       opts.IdleTimeout,
 		ErrorLog:          slog.NewLogLogger(opts.Logger.Handler(), slog.LevelWarn),
 		ConnState:         s.fresh.track,
+		TLSConfig:         opts.TLS,
 	}
 	s.http.RegisterOnShutdown(s.fresh.closeAll)
 	return s, nil
@@ -293,6 +308,13 @@ func (s *Server) Run(ctx context.Context) error {
 	ln, err := s.claim()
 	if err != nil {
 		return err
+	}
+	if s.opts.Auth != nil && s.access.err != nil {
+		_ = ln.Close()
+		return s.access.err
+	}
+	if s.opts.TLS != nil {
+		ln = tls.NewListener(ln, s.opts.TLS)
 	}
 	s.Handler()
 	s.http.BaseContext = func(net.Listener) context.Context { return context.WithoutCancel(ctx) }

@@ -13,6 +13,9 @@ var (
 	// ErrBadKeyPrefix is returned for a key prefix or model name that would
 	// make store keys ambiguous.
 	ErrBadKeyPrefix = errors.New("invalid store-key prefix")
+	// ErrBadTenant is returned for a tenant that cannot be a store-key
+	// segment (ValidateTenant).
+	ErrBadTenant = errors.New("invalid tenant")
 	// ErrNegativeCount is returned for a negative token count.
 	ErrNegativeCount = errors.New("negative token count")
 	// ErrShortHashChain is returned when a request carries fewer block hashes

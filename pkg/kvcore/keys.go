@@ -10,9 +10,12 @@ import (
 
 // Store keys follow Mooncake's layout, so a store pool can be shared with vLLM:
 //
-//	[{prefix}@]{model}@tp_rank:{r}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{block_hash_hex}
+//	[{prefix}@]{model}[@tenant:{t}]@tp_rank:{r}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{block_hash_hex}
 //
-// Everything before the last '@' is the key's namespace: one per (rank, group).
+// The tenant segment is written only for a non-empty tenant: keys of the
+// empty tenant are Mooncake's, byte for byte, and stay shareable with vLLM.
+// Everything before the last '@' is the key's namespace: one per (tenant,
+// rank, group).
 const (
 	keySep     = '@'
 	tagTP      = "@tp_rank:"
@@ -20,17 +23,23 @@ const (
 	tagDCP     = "@dcp"
 	tagPP      = "@pp_rank:"
 	tagGroup   = "@group:"
-	keyFields  = 7 // model, tp, pcp, dcp, pp, group, hash
+	keyFields  = 7 // model, tp, pcp, dcp, pp, group, hash (prefix and tenant optional)
 	maxIntText = 20
 )
 
 // KeyBuilder builds the store keys of one model under an optional deployment
-// prefix. The zero Prefix means no prefix segment.
+// prefix and an optional tenant. The zero Prefix means no prefix segment;
+// the zero Tenant no tenant segment.
 type KeyBuilder struct {
 	// Prefix separates deployments sharing one store; it may not contain '@'.
 	Prefix string
 	// Model is the model name (Model.Name).
 	Model string
+	// Tenant separates the key spaces of tenants of one deployment
+	// (ValidateTenant): two tenants never share a key, even for equal
+	// block hashes. A service's builder has none; each task's keys are
+	// built with the task's tenant (ForTenant).
+	Tenant string
 }
 
 // NewKeyBuilder returns a validated KeyBuilder.
@@ -43,19 +52,21 @@ func NewKeyBuilder(prefix, model string) (KeyBuilder, error) {
 }
 
 // Validate reports a prefix or model name that would make keys ambiguous:
-// neither may contain '@' or whitespace, and the model name may not be empty.
+// neither may contain '@' or whitespace, the model name may not be empty
+// nor start with the tenant tag ("tenant:"), and the tenant must pass
+// ValidateTenant (ErrBadTenant).
 func (kb KeyBuilder) Validate() error {
 	if strings.ContainsAny(kb.Prefix, "@ \t\r\n") {
 		return fmt.Errorf("key prefix %q: %w", kb.Prefix, ErrBadKeyPrefix)
 	}
-	if kb.Model == "" || strings.ContainsAny(kb.Model, "@ \t\r\n") {
+	if kb.Model == "" || strings.ContainsAny(kb.Model, "@ \t\r\n") || strings.HasPrefix(kb.Model, tagTenant[1:]) {
 		return fmt.Errorf("key model name %q: %w", kb.Model, ErrBadKeyPrefix)
 	}
-	return nil
+	return ValidateTenant(kb.Tenant)
 }
 
 // Namespace is the key up to (not including) the '@' before the block hash:
-// the part shared by every key of one rank and group.
+// the part shared by every key of one tenant, rank and group.
 func (kb KeyBuilder) Namespace(r Rank, group int) string {
 	var sb strings.Builder
 	sb.Grow(kb.namespaceLen(r, group))
@@ -89,6 +100,9 @@ func (kb KeyBuilder) namespaceLen(r Rank, group int) int {
 	if kb.Prefix != "" {
 		n += len(kb.Prefix) + 1
 	}
+	if kb.Tenant != "" {
+		n += len(tagTenant) + len(kb.Tenant)
+	}
 	return n
 }
 
@@ -98,6 +112,10 @@ func (kb KeyBuilder) writeNamespace(sb *strings.Builder, r Rank, group int) {
 		sb.WriteByte(keySep)
 	}
 	sb.WriteString(kb.Model)
+	if kb.Tenant != "" {
+		sb.WriteString(tagTenant)
+		sb.WriteString(kb.Tenant)
+	}
 	writeTagged(sb, tagTP, r.TP)
 	writeTagged(sb, tagPCP, r.PCP)
 	writeTagged(sb, tagDCP, r.DCP)
@@ -165,6 +183,8 @@ type KeyParts struct {
 	Prefix string
 	// Model is the model name.
 	Model string
+	// Tenant is the tenant, empty when the key has no tenant segment.
+	Tenant string
 	// Rank is the rank namespace.
 	Rank Rank
 	// Group is the KV-group index.
@@ -175,28 +195,51 @@ type KeyParts struct {
 
 // Key puts the parts back together.
 func (p KeyParts) Key() string {
-	return KeyBuilder{Prefix: p.Prefix, Model: p.Model}.Key(p.Rank, p.Group, p.Hash)
+	return KeyBuilder{Prefix: p.Prefix, Model: p.Model, Tenant: p.Tenant}.Key(p.Rank, p.Group, p.Hash)
 }
 
 // ParseKey takes a store key apart. It accepts exactly the keys KeyBuilder
-// writes: seven or eight '@'-separated fields, canonical decimal numbers and
-// a non-empty lower-case hex hash.
+// writes: seven to nine '@'-separated fields (the prefix and the tenant
+// segment "tenant:{t}" after the model are optional), canonical decimal
+// numbers, a valid tenant and a non-empty lower-case hex hash. A model name
+// starting with "tenant:" is refused, as KeyBuilder.Validate refuses it.
 func ParseKey(s string) (KeyParts, error) {
 	fields := strings.Split(s, string(keySep))
 	var p KeyParts
+	hasTenant := false
 	switch len(fields) {
 	case keyFields:
 	case keyFields + 1:
+		hasTenant = strings.HasPrefix(fields[1], tagTenant[1:])
+		if !hasTenant {
+			p.Prefix, fields = fields[0], fields[1:]
+			if p.Prefix == "" {
+				return KeyParts{}, keyError(s, "empty prefix")
+			}
+		}
+	case keyFields + 2:
+		hasTenant = true
 		p.Prefix, fields = fields[0], fields[1:]
 		if p.Prefix == "" {
 			return KeyParts{}, keyError(s, "empty prefix")
 		}
 	default:
-		return KeyParts{}, keyError(s, fmt.Sprintf("%d '@'-separated fields, want %d or %d", len(fields), keyFields, keyFields+1))
+		return KeyParts{}, keyError(s, fmt.Sprintf("%d '@'-separated fields, want %d to %d", len(fields), keyFields, keyFields+2))
 	}
 	p.Model = fields[0]
-	if p.Model == "" {
+	switch {
+	case p.Model == "":
 		return KeyParts{}, keyError(s, "empty model name")
+	case strings.HasPrefix(p.Model, tagTenant[1:]):
+		return KeyParts{}, keyError(s, fmt.Sprintf("model name %q starts with the tenant tag", p.Model))
+	}
+	if hasTenant {
+		t, ok := strings.CutPrefix(fields[1], tagTenant[1:])
+		if !ok || t == "" || ValidateTenant(t) != nil {
+			return KeyParts{}, keyError(s, fmt.Sprintf("tenant field %q, want %s<tenant> of [A-Za-z0-9._-]", fields[1], tagTenant[1:]))
+		}
+		p.Tenant = t
+		fields = append(fields[:1:1], fields[2:]...)
 	}
 	nums := []struct {
 		tag string

@@ -84,9 +84,15 @@ type lookupCursor struct {
 // down to the hash block instead, every group is asked for every hash block
 // (worker.py MooncakeStoreWorker.lookup, fine_grained) and hits land on hash
 // boundaries (hitPartial); a request shorter than one hash block has no keys.
+//
+// Every key is in kb's tenant's key space (KeyBuilder.Tenant): a tenant
+// only ever hits its own keys. A bad tenant is an ErrBadTenant error.
 func PlanLookup(m *Model, kb KeyBuilder, hashes []BlockHash, numTokens int) (*LookupPlan, error) {
 	if err := m.Validate(); err != nil {
 		return nil, err
+	}
+	if err := ValidateTenant(kb.Tenant); err != nil {
+		return nil, fmt.Errorf("lookup: %w", err)
 	}
 	if numTokens < 0 {
 		return nil, fmt.Errorf("lookup of %d tokens: %w", numTokens, ErrNegativeCount)

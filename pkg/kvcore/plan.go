@@ -131,11 +131,17 @@ func (m *Model) groupChunks(start, end int, pick func(g, start, end int) []Chunk
 // puts: the chunks the task lists for that group that r writes
 // (Model.Writes: the ranks sharing a namespace write its chunks in turn),
 // keyed by each chunk's hash in task.BlockHashes under the group's store
-// namespace for r (Model.StoreRank). A group the task
-// does not list has nothing to put. Validation of the task is the caller's;
-// a chunk that would index outside the task is an ErrChunkOutOfRange error,
-// never a panic.
+// namespace for r (Model.StoreRank), in the task's tenant's key space:
+// kb's tenant is replaced by task.Tenant, so a save never writes another
+// tenant's keys. A group the task does not list has nothing to put.
+// Validation of the task is the caller's; a chunk that would index outside
+// the task is an ErrChunkOutOfRange error and a bad tenant an ErrBadTenant
+// error, never a panic.
 func PlanSend(m *Model, kb KeyBuilder, task *SaveTask, group int, r Rank) ([]TransferItem, error) {
+	if err := ValidateTenant(task.Tenant); err != nil {
+		return nil, err
+	}
+	kb = kb.ForTenant(task.Tenant)
 	for _, gc := range task.Groups {
 		if gc.Group == group {
 			return planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r, true)
@@ -159,8 +165,14 @@ func MissingOnly(items []TransferItem, exists []bool) []TransferItem {
 
 // PlanLoad lists the blocks worker rank r gets for a load task, group by
 // group in the order the task lists them: every chunk, from r's namespace
-// (each rank fills its own memory).
+// (each rank fills its own memory) in the task's tenant's key space (kb's
+// tenant is replaced by task.Tenant, so a load never reads another
+// tenant's keys). A bad tenant is an ErrBadTenant error.
 func PlanLoad(m *Model, kb KeyBuilder, task *LoadTask, r Rank) ([]TransferItem, error) {
+	if err := ValidateTenant(task.Tenant); err != nil {
+		return nil, err
+	}
+	kb = kb.ForTenant(task.Tenant)
 	var out []TransferItem
 	for _, gc := range task.Groups {
 		items, err := planGroupItems(m, kb, gc, task.BlockTable, task.BlockHashes, r, false)

@@ -142,6 +142,9 @@ type SaveTask struct {
 	RequestID string `json:"request_id"`
 	// Model is the model name (Model.Name).
 	Model string `json:"model"`
+	// Tenant is the request's tenant (ValidateTenant; absent: none): the
+	// task's keys are built in its key space (PlanSend).
+	Tenant string `json:"tenant,omitempty"`
 	// Epoch is the request's allocation epoch when the task was emitted
 	// (absent: 0); it advances each time the engine released the request's
 	// blocks (a preemption). A result for a task of an older epoch only
@@ -172,6 +175,9 @@ type LoadTask struct {
 	RequestID string `json:"request_id"`
 	// Model is the model name (Model.Name).
 	Model string `json:"model"`
+	// Tenant is the request's tenant (ValidateTenant; absent: none): the
+	// task's keys are built in its key space (PlanLoad).
+	Tenant string `json:"tenant,omitempty"`
 	// Connector is the chosen connector ("store" or "pd").
 	Connector string `json:"connector"`
 	// Epoch is the request's allocation epoch when the task was emitted

@@ -247,6 +247,10 @@ type Tracker struct {
 	RequestID string `json:"request_id"`
 	// Model is the model name (Model.Name); events for another model are refused.
 	Model string `json:"model"`
+	// Tenant is the request's tenant (ValidateTenant; absent: none), as
+	// the engine admitted it: every task the tracker emits carries it, so
+	// the request's keys are its tenant's. The caller sets it at admission.
+	Tenant string `json:"tenant,omitempty"`
 	// Connector names the connector on load tasks ("" means DefaultTrackerConnector).
 	// A tracker of another connector prefixes its task ids' kind with the
 	// connector's name ("pd-load"), so two trackers of one request never

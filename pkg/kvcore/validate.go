@@ -20,6 +20,9 @@ const (
 	// ReasonModelUnknown: the task names a model the sender does not serve
 	// (or the model spec is unusable). Task-wide.
 	ReasonModelUnknown Reason = "model_unknown"
+	// ReasonTenantInvalid: the task's tenant cannot be a store-key segment
+	// (ValidateTenant). Task-wide.
+	ReasonTenantInvalid Reason = "tenant_invalid"
 	// ReasonTokenRangeInvalid: Start/End are negative, empty, reversed or
 	// not aligned to the scheduler block size (End may instead be a
 	// sub-block prompt tail's end under partial hash hits). Task-wide.
@@ -80,8 +83,9 @@ func (v GroupVerdict) OK() bool { return v.Reason == ReasonOK }
 // returns exactly one verdict per model group, in group order, followed by
 // one verdict per task entry that names a group outside the model or
 // repeats one. A group is never rejected because another group is bad; only
-// task-wide faults (model_unknown, token_range_invalid, hash_count_mismatch,
-// a table with more groups than the model) reject every group. poolBlocks
+// task-wide faults (model_unknown, tenant_invalid, token_range_invalid,
+// hash_count_mismatch, a table with more groups than the model) reject
+// every group. poolBlocks
 // gives the number of blocks per group in the engine's pool; nil (or a
 // missing entry) skips the upper-bound check. A nil model yields one
 // model_unknown verdict per task entry; a nil task is an empty one.
@@ -163,6 +167,9 @@ func indexEntries(groups int, entries []GroupChunks) (first []int, extra []Group
 func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
 	sbs := m.SchedulerBlockSize()
 	endOK := t.End%sbs == 0 || isPromptTail(m, t)
+	if err := ValidateTenant(t.Tenant); err != nil {
+		return GroupVerdict{Reason: ReasonTenantInvalid, Detail: err.Error()}
+	}
 	switch {
 	case t.Start < 0 || t.End <= t.Start || t.Start%sbs != 0 || !endOK:
 		return GroupVerdict{Reason: ReasonTokenRangeInvalid,

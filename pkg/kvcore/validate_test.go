@@ -44,6 +44,11 @@ func TestValidateSaveReasons(t *testing.T) {
 			s.Model = "other"
 			s.Groups = append(s.Groups, GroupChunks{Group: 7})
 		}, pool, verdicts{0: ReasonModelUnknown, 1: ReasonModelUnknown}, []GroupVerdict{{Group: 7, Reason: ReasonGroupOutOfRange}}},
+		{"valid tenant", func(s *SaveTask) { s.Tenant = "acme-1" }, pool, verdicts{}, nil},
+		{"tenant_invalid charset", func(s *SaveTask) { s.Tenant = "acme@1" }, pool,
+			verdicts{0: ReasonTenantInvalid, 1: ReasonTenantInvalid}, nil},
+		{"tenant_invalid length", func(s *SaveTask) { s.Tenant = strings.Repeat("t", MaxTenantBytes+1) }, pool,
+			verdicts{0: ReasonTenantInvalid, 1: ReasonTenantInvalid}, nil},
 		{"token_range_invalid unaligned", func(s *SaveTask) { s.Start = 8 }, pool,
 			verdicts{0: ReasonTokenRangeInvalid, 1: ReasonTokenRangeInvalid}, nil},
 		{"token_range_invalid reversed", func(s *SaveTask) { s.End = s.Start }, pool,

@@ -406,10 +406,15 @@ func (p *existsPipe) dialed(ctx context.Context) (*existsConn, bool, error) {
 		if cfg.ServerName == "" {
 			cfg.ServerName, _, _ = net.SplitHostPort(p.addr)
 		}
+		// The dial timeout bounds the handshake too: a server that accepts
+		// the connection but never answers must not hold the call.
+		hctx, cancel := context.WithTimeout(ctx, p.dialTimeout)
 		tc := tls.Client(c, cfg)
-		if err := tc.HandshakeContext(ctx); err != nil {
+		err := tc.HandshakeContext(hctx)
+		cancel()
+		if err != nil {
 			_ = c.Close()
-			return nil, false, err
+			return nil, false, fmt.Errorf("tls handshake with %s: %w", p.addr, err)
 		}
 		c = tc
 	}

@@ -81,6 +81,12 @@ var (
 	errNotCluster = errors.New("URL names a single server, not a cluster (want redis+cluster://host:port,host:port,...)")
 	// errClusterURL reports a cluster URL where a single server's is needed.
 	errClusterURL = errors.New("URL names a Redis Cluster, not a single server (use RedisClusterOptions)")
+	// errTLSPlain reports TLS settings (RedisTLS) given with a plain
+	// redis:// or redis+cluster:// URL.
+	errTLSPlain = errors.New("TLS files or a server name are set but the URL is not TLS (use rediss:// or rediss+cluster://)")
+	// errPlainToTLS explains a plain connection the server closed at once,
+	// which is how a TLS-only port answers one.
+	errPlainToTLS = errors.New("the server closed the plain connection: if it speaks TLS, use rediss:// or rediss+cluster://")
 )
 
 // IsTransient reports whether err may go away if the same call is retried

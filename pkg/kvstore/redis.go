@@ -2,10 +2,13 @@ package kvstore
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -57,6 +60,10 @@ type RedisOptions struct {
 	// the expected reply bytes of one Get pipeline, estimated from the
 	// largest value seen so far in the call (default DefaultRedisMaxBatchBytes).
 	MaxBatchBytes int
+	// TLS names the CA bundle, client certificate and server name of a
+	// rediss:// or rediss+cluster:// URL (zero: go-redis's defaults, the
+	// system roots); with a plain URL any setting is an error.
+	TLS RedisTLS
 }
 
 func (o RedisOptions) withDefaults() RedisOptions {
@@ -114,14 +121,18 @@ func (o RedisOptions) setConn(pool *int, dial, read, write *time.Duration, retri
 // url with opts' connection settings, for a client of the same server
 // beside the Store (the sender's watcher of keyspace notifications): the
 // same URL parsing, pool, timeouts and context deadlines as NewRedis. A
-// cluster URL (IsClusterURL) is an error: use RedisClusterOptions.
+// cluster URL (IsClusterURL) is an error: use RedisClusterOptions. The
+// TLS configuration of a rediss:// URL is built from opts.TLS.
 func RedisClientOptions(url string, opts RedisOptions) (*redis.Options, error) {
 	if IsClusterURL(url) {
 		return nil, fmt.Errorf("kvstore: redis url: %w", errClusterURL)
 	}
 	ro, err := redis.ParseURL(url)
 	if err != nil {
-		return nil, fmt.Errorf("kvstore: redis url: %w", err)
+		return nil, fmt.Errorf("kvstore: redis url: %w", urlError(err))
+	}
+	if ro.TLSConfig, err = opts.TLS.config(ro.TLSConfig); err != nil {
+		return nil, fmt.Errorf("kvstore: redis tls: %w", err)
 	}
 	opts.apply(ro)
 	return ro, nil
@@ -154,23 +165,29 @@ var (
 func NewRedis(ctx context.Context, url string, opts RedisOptions) (*Redis, error) {
 	r := &Redis{opts: opts.withDefaults()}
 	var where string
+	var tlsCfg *tls.Config
 	if IsClusterURL(url) {
 		co, err := RedisClusterOptions(url, opts)
 		if err != nil {
 			return nil, err
 		}
-		r.client, where = redis.NewClusterClient(co), "cluster "+strings.Join(co.Addrs, ",")
+		r.client, where, tlsCfg = redis.NewClusterClient(co), "cluster "+strings.Join(co.Addrs, ","), co.TLSConfig
 	} else {
 		ro, err := RedisClientOptions(url, opts)
 		if err != nil {
 			return nil, err
 		}
-		r.client, where = redis.NewClient(ro), ro.Addr
+		r.client, where, tlsCfg = redis.NewClient(ro), ro.Addr, ro.TLSConfig
 		r.fast = newExistsPipe(ro)
 	}
 	if err := r.client.Ping(ctx).Err(); err != nil {
 		_ = r.client.Close() // the ping error is the one worth reporting
-		return nil, r.commandErr(ctx, "connect "+where, err)
+		err = r.commandErr(ctx, "connect "+where, err)
+		if tlsCfg == nil && (errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)) {
+			// What a TLS port does to a plain client: it drops the connection.
+			err = fmt.Errorf("%w (%w)", err, errPlainToTLS)
+		}
+		return nil, err
 	}
 	return r, nil
 }

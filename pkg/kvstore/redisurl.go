@@ -51,14 +51,19 @@ func IsClusterURL(rawURL string) bool {
 // (rediss+cluster:// for TLS), or go-redis's form
 // redis://[user:pass@]host1:port1[/0]?addr=host2:port2&addr=...; the
 // options are go-redis's cluster URL options (max_redirects,
-// read_timeout, pool_size, ...), which opts' non-zero fields override.
+// read_timeout, pool_size, ...), which opts' non-zero fields override. A
+// rediss+cluster:// URL's TLS configuration, shared by every node's client,
+// is built from opts.TLS.
 func RedisClusterOptions(rawURL string, opts RedisOptions) (*redis.ClusterOptions, error) {
 	if !IsClusterURL(rawURL) {
 		return nil, fmt.Errorf("kvstore: redis cluster url: %w", errNotCluster)
 	}
 	co, err := parseClusterURL(rawURL)
 	if err != nil {
-		return nil, fmt.Errorf("kvstore: redis cluster url: %w", err)
+		return nil, fmt.Errorf("kvstore: redis cluster url: %w", urlError(err))
+	}
+	if co.TLSConfig, err = opts.TLS.config(co.TLSConfig); err != nil {
+		return nil, fmt.Errorf("kvstore: redis cluster tls: %w", err)
 	}
 	opts.applyCluster(co)
 	return co, nil

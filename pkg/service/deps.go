@@ -67,22 +67,24 @@ func (d *Deps) OpenDatabase(ctx context.Context, url, appName string, migrate bo
 	return nil
 }
 
-// OpenStore connects to the Redis store pool; the service is not ready
-// while the store does not answer.
-func (d *Deps) OpenStore(ctx context.Context, url string) error {
-	return d.openStore(ctx, url, false)
+// OpenStore connects to the Redis store pool at url, over TLS as tlsFiles
+// says for a rediss:// URL; the service is not ready while the store does
+// not answer.
+func (d *Deps) OpenStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS) error {
+	return d.openStore(ctx, url, tlsFiles, false)
 }
 
-// OpenOptionalStore connects to the Redis store pool for a service that
-// keeps serving without it (the lookup, whose store child fails open): a
-// store that does not answer leaves the service ready, and /readyz lists
-// it as failed and degraded (httpserver.ReadyCheck.Optional).
-func (d *Deps) OpenOptionalStore(ctx context.Context, url string) error {
-	return d.openStore(ctx, url, true)
+// OpenOptionalStore connects to the Redis store pool, as OpenStore does,
+// for a service that keeps serving without it (the lookup, whose store
+// child fails open): a store that does not answer leaves the service
+// ready, and /readyz lists it as failed and degraded
+// (httpserver.ReadyCheck.Optional).
+func (d *Deps) OpenOptionalStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS) error {
+	return d.openStore(ctx, url, tlsFiles, true)
 }
 
-func (d *Deps) openStore(ctx context.Context, url string, optional bool) error {
-	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{})
+func (d *Deps) openStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS, optional bool) error {
+	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{TLS: tlsFiles})
 	if err != nil {
 		return fmt.Errorf("store: %w", err)
 	}
@@ -94,12 +96,14 @@ func (d *Deps) openStore(ctx context.Context, url string, optional bool) error {
 
 // OpenBus makes sure every contract topic exists and creates the producer
 // with opts (the lookup, whose every publish is on an engine's critical
-// path, sends each record at once).
+// path, sends each record at once). Every connection, the readiness ping's
+// too, uses c.Kafka's TLS and SASL settings.
 func (d *Deps) OpenBus(ctx context.Context, c *Common, opts ...bus.ProducerOption) error {
-	if err := bus.EnsureTopics(ctx, c.Brokers, contract.Topics, c.Partitions); err != nil {
+	sec := bus.WithSecurity(c.Kafka)
+	if err := bus.EnsureTopics(ctx, c.Brokers, contract.Topics, c.Partitions, sec); err != nil {
 		return err
 	}
-	p, err := bus.NewProducer(c.Brokers, opts...)
+	p, err := bus.NewProducer(c.Brokers, append([]bus.ProducerOption{sec}, opts...)...)
 	if err != nil {
 		return err
 	}
@@ -107,17 +111,18 @@ func (d *Deps) OpenBus(ctx context.Context, c *Common, opts ...bus.ProducerOptio
 	d.closers = append(d.closers, func() { _ = p.Close() })
 	brokers := c.Brokers
 	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "kafka", Check: func(ctx context.Context) error {
-		return bus.Ping(ctx, brokers)
+		return bus.Ping(ctx, brokers, sec)
 	}})
 	return nil
 }
 
 // WatchConsumerLag reports the lag of cc's consumer group on cc's topics as
 // kvmesh_consumer_lag on the service's registry (read from the brokers at
-// scrape time). Watching one group several times is harmless.
+// scrape time), connecting with cc.Security. Watching one group several
+// times is harmless.
 func (d *Deps) WatchConsumerLag(cc bus.ConsumerConfig) error {
 	if d.lag == nil {
-		lag := bus.NewLagCollector(cc.Brokers)
+		lag := bus.NewLagCollector(cc.Brokers, bus.WithSecurity(cc.Security))
 		if err := d.Registry.Register(lag); err != nil {
 			lag.Close()
 			return fmt.Errorf("register consumer lag: %w", err)
@@ -135,10 +140,30 @@ func (d *Deps) AddCheck(c httpserver.ReadyCheck) {
 	d.checks = append(d.checks, c)
 }
 
+// ServerOption adjusts the HTTP server HTTPServer builds.
+type ServerOption func(*httpserver.Options)
+
+// ForEngine makes the server refuse engine credentials of engines other
+// than engineID (a gpuworker serves one engine).
+func ForEngine(engineID string) ServerOption {
+	return func(o *httpserver.Options) { o.EngineID = engineID }
+}
+
 // HTTPServer creates the service's HTTP server with every readiness check
 // registered so far and binds its address, so Addr is known before Run.
-func (d *Deps) HTTPServer(addr, name string, c *Common) (*httpserver.Server, error) {
-	srv, err := httpserver.New(httpserver.Options{
+// The server authenticates its routes as c.Auth says (the rules come from
+// the OpenAPI document the service gives ServeOpenAPI) and serves HTTPS
+// when c.HTTPTLS names a certificate.
+func (d *Deps) HTTPServer(addr, name string, c *Common, opts ...ServerOption) (*httpserver.Server, error) {
+	verifier, err := c.Auth.Verifier(c.AdminToken)
+	if err != nil {
+		return nil, err
+	}
+	tlsCfg, err := c.HTTPTLS.Server()
+	if err != nil {
+		return nil, err
+	}
+	o := httpserver.Options{
 		Addr:            addr,
 		Service:         name,
 		Logger:          d.Log,
@@ -146,7 +171,13 @@ func (d *Deps) HTTPServer(addr, name string, c *Common) (*httpserver.Server, err
 		Registry:        d.Registry,
 		AdminToken:      c.AdminToken,
 		ShutdownTimeout: c.ShutdownTimeout,
-	})
+		Auth:            verifier,
+		TLS:             tlsCfg,
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	srv, err := httpserver.New(o)
 	if err != nil {
 		return nil, err
 	}

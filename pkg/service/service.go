@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -34,10 +35,16 @@ type Common struct {
 	LogLevel string `env:"KVMESH_LOG_LEVEL" default:"info" doc:"log level: debug, info, warn or error"`
 	// Brokers are the Kafka bootstrap brokers.
 	Brokers []string `env:"KVMESH_KAFKA_BROKERS" doc:"Kafka bootstrap brokers, comma-separated"`
+	// Kafka is the TLS and SASL security of every Kafka connection.
+	Kafka bus.Security
 	// Partitions is the partition count used when a service creates a missing topic.
 	Partitions int `env:"KVMESH_KAFKA_PARTITIONS" doc:"partitions for topics a service creates when they are missing"`
 	// AdminToken guards mutating admin routes.
-	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"bearer token for mutating admin routes; when unset they are refused"`
+	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"the operator token: bearer token of the admin routes (with KVMESH_AUTH=off only their mutations need it); when unset they are refused"`
+	// Auth is how routes are authenticated (engine and service tokens).
+	Auth auth.Config
+	// HTTPTLS is the TLS of the HTTP server and of calls to other services.
+	HTTPTLS HTTPTLS
 	// ShutdownTimeout bounds the graceful stop.
 	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"how long a service waits for in-flight work when stopping"`
 	// Model is a preset name or the path of a YAML/JSON model spec.
@@ -85,6 +92,9 @@ func (c *Common) Validate() error {
 	if _, err := kvcore.NewKeyBuilder(c.KeyPrefix, "model"); err != nil {
 		errs = append(errs, fmt.Errorf("KVMESH_KEY_PREFIX: %w", err))
 	}
+	if err := c.Kafka.Validate(); err != nil {
+		errs = append(errs, err)
+	}
 	if c.SessionTimeout < 100*time.Millisecond {
 		errs = append(errs, fmt.Errorf("KVMESH_KAFKA_SESSION_TIMEOUT: %s is below 100ms", c.SessionTimeout))
 	}
@@ -96,6 +106,12 @@ func (c *Common) Validate() error {
 			errs = append(errs, fmt.Errorf("%s: %d is negative", d.name, d.v))
 		}
 	}
+	if err := c.Auth.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.HTTPTLS.validate(); err != nil {
+		errs = append(errs, err)
+	}
 	if strings.TrimSpace(c.Model) == "" {
 		errs = append(errs, errors.New("KVMESH_MODEL: a preset name or a spec file is required"))
 	}
@@ -103,13 +119,15 @@ func (c *Common) Validate() error {
 }
 
 // ConsumerConfig is the base of a service's consumer-group settings: the
-// brokers, the group and its topics, the logger, and session, heartbeat
+// brokers and their TLS and SASL security, the group and its topics, the
+// logger, and session, heartbeat
 // and rebalance timeouts derived from SessionTimeout. Callers add their
 // dead-letter hook and retry policy.
 func (c *Common) ConsumerConfig(group string, topics []string, log *slog.Logger) bus.ConsumerConfig {
 	session := c.SessionTimeout
 	return bus.ConsumerConfig{
 		Brokers:           c.Brokers,
+		Security:          c.Kafka,
 		GroupID:           group,
 		Topics:            topics,
 		Logger:            log,

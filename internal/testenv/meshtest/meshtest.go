@@ -10,8 +10,11 @@ package meshtest
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +24,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/auth"
 )
 
 // Settings of the infrastructure.
@@ -63,6 +67,16 @@ type Mesh struct {
 	Env []string
 	// Procs runs the services with Env.
 	Procs *testenv.Procs
+	// AuthKey signs the engine and service tokens of the mesh's services
+	// (KVMESH_AUTH_KEY in Env): every mesh authenticates its routes.
+	AuthKey auth.Key
+	// AuthSecret is AuthKey's text, for tests that craft their own tokens.
+	AuthSecret string
+	// AdminToken is the mesh's operator token (KVMESH_ADMIN_TOKEN in Env).
+	AdminToken string
+	// Secure is the transport security of a mesh made by NewSecure, nil
+	// for New's.
+	Secure *Secure
 
 	bins      map[string]string
 	broker    *devbroker.Broker // nil while stopped
@@ -88,29 +102,74 @@ func NewDurable(t testing.TB, tag string, env ...string) *Mesh {
 
 func newMesh(t testing.TB, tag, brokerDir string, env []string) *Mesh {
 	t.Helper()
+	return build(t, tag, brokerDir, nil, env)
+}
+
+// build makes a mesh; with sec it runs over TLS and SASL (NewSecure).
+func build(t testing.TB, tag, brokerDir string, sec *Secure, env []string) *Mesh {
+	t.Helper()
 	redisURL := testenv.RedisURL(t) // skips (or fails) before anything is built
 	m := &Mesh{
-		DatabaseURL: dbtest.NewDatabase(t),
-		RedisURL:    redisURL,
-		Prefix:      testenv.KeyPrefix(tag),
-		bins:        testenv.ServiceBinaries(t, Services...),
+		RedisURL: redisURL,
+		Prefix:   testenv.KeyPrefix(tag),
+		bins:     testenv.ServiceBinaries(t, Services...),
+		Secure:   sec,
 	}
 	m.brokerCfg = devbroker.Config{Addr: "127.0.0.1:0", GroupMinSessionTimeout: groupMinSession, DataDir: brokerDir}
+	var secEnv []string
+	if sec != nil {
+		secEnv = sec.setUp(t, m)
+	} else {
+		m.DatabaseURL = dbtest.NewDatabase(t)
+		t.Cleanup(func() { testenv.DropKeys(t, redisURL, m.Prefix) })
+	}
 	if err := m.startBroker(); err != nil {
 		t.Fatalf("broker: %v", err)
 	}
 	t.Cleanup(m.StopBroker)
 	m.Brokers = m.broker.Addrs()
 	m.brokerCfg.Addr = m.Brokers[0] // a restart listens where the services look
-	t.Cleanup(func() { testenv.DropKeys(t, redisURL, m.Prefix) })
-	m.Env = append([]string{
+	secret, admin := randomSecret(t), randomSecret(t)
+	key, err := auth.NewKey(secret)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.AuthKey, m.AuthSecret, m.AdminToken = key, secret, admin
+	m.Env = slices.Concat([]string{
 		"KVMESH_KAFKA_BROKERS=" + strings.Join(m.Brokers, ","),
 		"KVMESH_DATABASE_URL=" + m.DatabaseURL,
-		"KVMESH_REDIS_URL=" + redisURL,
+		"KVMESH_REDIS_URL=" + m.RedisURL,
 		"KVMESH_KEY_PREFIX=" + m.Prefix,
-	}, env...)
+		"KVMESH_AUTH=" + auth.ModeRequired,
+		"KVMESH_AUTH_KEY=" + secret,
+		"KVMESH_ADMIN_TOKEN=" + admin,
+	}, secEnv, env)
 	m.Procs = testenv.NewProcs(t, m.Env...)
+	if sec != nil {
+		m.Procs.UseHTTPS(sec.HTTPClient)
+	}
 	return m
+}
+
+// randomSecret is 32 random bytes in hex.
+func randomSecret(t testing.TB) string {
+	t.Helper()
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// EngineToken mints a token of engine id, serving every tenant, valid for
+// an hour.
+func (m *Mesh) EngineToken(t testing.TB, id string) string {
+	t.Helper()
+	tok, err := m.AuthKey.Mint(auth.KindEngine, id, []string{auth.AnyTenant}, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
 }
 
 // startBroker starts the broker with brokerCfg.

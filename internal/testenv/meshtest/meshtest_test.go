@@ -49,6 +49,7 @@ func TestMeshRunsAServiceAndCleansUp(t *testing.T) {
 		want := []string{
 			"KVMESH_KAFKA_BROKERS=" + strings.Join(m.Brokers, ","), "KVMESH_DATABASE_URL=" + m.DatabaseURL,
 			"KVMESH_REDIS_URL=" + m.RedisURL, "KVMESH_KEY_PREFIX=" + m.Prefix,
+			"KVMESH_AUTH=required", "KVMESH_AUTH_KEY=" + m.AuthSecret, "KVMESH_ADMIN_TOKEN=" + m.AdminToken,
 			"KVMESH_MODEL=hybrid-mla-linear", "KVMESH_SHUTDOWN_TIMEOUT=3s",
 		}
 		if !slices.Equal(m.Env, want) || !strings.HasPrefix(m.Prefix, "mesh") {
@@ -100,7 +101,12 @@ func TestStartGPUWorkers(t *testing.T) {
 		var pool struct {
 			EngineID string `json:"engine_id"`
 		}
-		resp, err := http.Get(p.URL() + "/v1/pool")
+		req, err := http.NewRequest(http.MethodGet, p.URL()+"/v1/pool", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+m.EngineToken(t, ids[i])) // its own engine's token
+		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}

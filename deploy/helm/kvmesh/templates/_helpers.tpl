@@ -27,6 +27,39 @@
 {{- default (include "kvmesh.fullname" .) .Values.existingSecret }}
 {{- end }}
 
+{{/* KVMESH_AUTH: auth.mode, required or off (anything else fails the render). */}}
+{{- define "kvmesh.authMode" -}}
+{{- $mode := "required" }}
+{{- with .Values.auth }}{{ $mode = default "required" .mode | toString }}{{ end }}
+{{- if not (has $mode (list "required" "off")) }}
+{{- fail (printf "auth.mode: %q is neither required nor off" $mode) }}
+{{- end }}
+{{- $mode }}
+{{- end }}
+
+{{/* KVMESH_AUTH_KEY for the chart's Secret: auth.key, required and at least 32 bytes. */}}
+{{- define "kvmesh.authKey" -}}
+{{- $key := "" }}
+{{- with .Values.auth }}{{ $key = default "" .key | toString }}{{ end }}
+{{- if not $key }}
+{{- fail "auth.key is required with auth.mode=required: set it to a random key of at least 32 bytes (head -c 32 /dev/urandom | base64), or set existingSecret to a Secret holding KVMESH_AUTH_KEY, or set auth.mode=off (development only)" }}
+{{- end }}
+{{- if lt (len $key) 32 }}
+{{- fail (printf "auth.key is %d bytes: it must be at least 32 (head -c 32 /dev/urandom | base64)" (len $key)) }}
+{{- end }}
+{{- $key }}
+{{- end }}
+
+{{/* The HTTP scheme of the services: https with tls.secretName, else http. */}}
+{{- define "kvmesh.scheme" -}}
+{{- if and .Values.tls .Values.tls.secretName }}https{{ else }}http{{ end }}
+{{- end }}
+
+{{/* Where the tls.secretName Secret is mounted. */}}
+{{- define "kvmesh.tlsDir" -}}
+{{- default "/etc/kvmesh/tls" .Values.tls.mountPath | trimSuffix "/" }}
+{{- end }}
+
 {{/* The contract HTTP port of a service (pkg/contract); not configurable. */}}
 {{- define "kvmesh.port" -}}
 {{- get (dict "lookup" "8081" "scheduler" "8082" "sender" "8083" "gpuworker" "8084") . }}
@@ -101,6 +134,22 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if or .Values.existingSecret .Values.adminToken }}
 {{ include "kvmesh.secretEnv" (dict "root" . "name" "KVMESH_ADMIN_TOKEN" "optional" (not (empty .Values.existingSecret))) }}
 {{- end }}
+- name: KVMESH_AUTH
+  value: {{ include "kvmesh.authMode" . | quote }}
+{{- if eq (include "kvmesh.authMode" .) "required" }}
+{{ include "kvmesh.secretEnv" (dict "root" . "name" "KVMESH_AUTH_KEY") }}
+{{- end }}
+{{- if eq (include "kvmesh.scheme" .) "https" }}
+{{- $dir := include "kvmesh.tlsDir" . }}
+- name: KVMESH_HTTP_TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $dir | quote }}
+- name: KVMESH_HTTP_TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $dir | quote }}
+{{- if .Values.tls.verifyCA }}
+- name: KVMESH_HTTP_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Extra settings of one service (a map), sorted by name. */}}
@@ -121,6 +170,7 @@ A Deployment of one kvmesh program; dict:
 {{- $root := .root -}}
 {{- $port := include "kvmesh.port" .component -}}
 {{- $labels := dict "root" $root "component" .component "extra" .selector -}}
+{{- $scheme := include "kvmesh.scheme" $root -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -196,16 +246,19 @@ spec:
             httpGet:
               path: /healthz
               port: http
+              scheme: {{ upper $scheme }}
             {{- toYaml $root.Values.probes.startup | nindent 12 }}
           livenessProbe:
             httpGet:
               path: /healthz
               port: http
+              scheme: {{ upper $scheme }}
             {{- toYaml $root.Values.probes.liveness | nindent 12 }}
           readinessProbe:
             httpGet:
               path: /readyz
               port: http
+              scheme: {{ upper $scheme }}
             {{- toYaml $root.Values.probes.readiness | nindent 12 }}
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
@@ -216,9 +269,22 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- if eq $scheme "https" }}
+            - name: tls
+              mountPath: {{ include "kvmesh.tlsDir" $root | quote }}
+              readOnly: true
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- if eq $scheme "https" }}
+        # The certificate, key and CA of HTTPS (tls.secretName), readable
+        # by the pod's group (fsGroup) only.
+        - name: tls
+          secret:
+            secretName: {{ $root.Values.tls.secretName | quote }}
+            defaultMode: 0440
+        {{- end }}
       {{- with (default $root.Values.nodeSelector .svc.nodeSelector) }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

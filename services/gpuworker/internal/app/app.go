@@ -40,6 +40,9 @@ type Config struct {
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
+	kvstore.RedisTLS
 	// EngineID is the engine whose pool this worker holds.
 	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
 	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
@@ -50,7 +53,7 @@ type Config struct {
 	// PoolBlocks is the number of blocks per KV group.
 	PoolBlocks int `env:"KVMESH_POOL_BLOCKS" default:"1024" doc:"blocks per KV group; the pool takes blocks × bytes_per_block per group (hybrid-mla-linear: 1024 × (72 KiB + 256 KiB) = 328 MiB; dense: 1024 × 2 MiB = 2 GiB), committed only as blocks are written"`
 	// DataplaneURL is the base URL others reach this worker's data plane at.
-	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address>, with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
+	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address> (https:// when KVMESH_HTTP_TLS_CERT_FILE is set), with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
 	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
 	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
 	// StoreStreams is how many put sub-batches (over all puts) or sub-batches of one load are in flight at once.
@@ -187,7 +190,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-gpuworker", false); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenStore(ctx, cfg.RedisURL); err != nil {
+	if err = a.deps.OpenStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
@@ -195,7 +198,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	}
 	// Not ready until registered: a sender finds workers in the registry.
 	a.deps.AddCheck(httpserver.ReadyCheck{Name: "registry", Check: a.registeredCheck})
-	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "gpuworker", &cfg.Common); err != nil {
+	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "gpuworker", &cfg.Common, service.ForEngine(cfg.EngineID)); err != nil {
 		return nil, err
 	}
 	if a.pool, err = pool.New(a.model, cfg.PoolBlocks); err != nil {
@@ -221,7 +224,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 		WithStreams(dataplaneapi.Streams{N: cfg.StoreStreams, ChunkBytes: cfg.StreamChunkBytes}).Mount(a.srv.Router())
 	dataplaneapi.NewKVMemory(a.pool, a.model).Mount(a.srv.Router())
 	a.mountAPI()
-	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr())}
+	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr(), cfg.HTTPTLS.CertFile != "")}
 	return a, nil
 }
 
@@ -242,7 +245,10 @@ const (
 
 // newConsumer builds the load-task consumer of this engine rank.
 func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.Metrics) (*bus.Consumer, error) {
-	hc := dataplane.DefaultHTTPClient()
+	hc, err := a.peerClient()
+	if err != nil {
+		return nil, err
+	}
 	loader := load.New(load.Config{
 		Model: a.model, Keys: keys, EngineID: a.cfg.EngineID, Rank: a.cfg.Rank(),
 		Pool: a.pool, Store: st, Publisher: a.deps.Producer,
@@ -271,20 +277,25 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	return bus.NewConsumer(cc, loader.Handle)
 }
 
-// dataplaneURL is the configured URL, or http:// plus the bound address
-// with a wildcard host replaced by 127.0.0.1.
-func dataplaneURL(configured, bound string) string {
+// dataplaneURL is the configured URL, or http:// (https:// when the worker
+// serves HTTPS) plus the bound address with a wildcard host replaced by
+// 127.0.0.1.
+func dataplaneURL(configured, bound string, https bool) string {
 	if configured != "" {
 		return strings.TrimRight(configured, "/")
 	}
+	scheme := "http://"
+	if https {
+		scheme = "https://"
+	}
 	host, port, err := net.SplitHostPort(bound)
 	if err != nil {
-		return "http://" + bound
+		return scheme + bound
 	}
 	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
 		host = "127.0.0.1"
 	}
-	return "http://" + net.JoinHostPort(host, port)
+	return scheme + net.JoinHostPort(host, port)
 }
 
 // Addr is the bound HTTP address.

@@ -7,13 +7,17 @@ import (
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/app"
 )
 
-// TestAdminRoutesRequireToken: POST /v1/pool/reset answers 401 without a
-// token and 403 with a wrong one, and resets with the right one; the data
-// plane's POST routes are documented as deliberately open
-// (x-kvmesh-public: cluster-internal) and do not ask for a token.
+// TestAdminRoutesRequireToken: with authentication required, every route
+// but the probes answers 401 without a token or with a wrong one; the
+// operator token runs the admin routes (POST /v1/pool/reset, the pool and
+// device reads) and is refused (403) on the engine's routes (KV memory,
+// write, read, evict) and the sender's put.
 func TestAdminRoutesRequireToken(t *testing.T) {
 	t.Parallel()
-	w := startWorker(t, testConfig(servicetest.NewEnv(t), "engine-auth"), nil)
+	env := servicetest.NewEnv(t)
+	cfg := testConfig(env, "engine-auth")
+	cfg.Common.Auth = env.SecuredCommon().Auth
+	w := startWorker(t, cfg, nil)
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, "http://"+w.app.Addr(), "test-token", w.app.Routes(), d, nil)
 }

@@ -145,7 +145,7 @@ func runWorker(t *testing.T, bin string, cfg map[string]string) *process {
 func processVars(env *servicetest.Env, cfg app.Config, redisURL string) map[string]string {
 	return map[string]string{
 		"KVMESH_ENGINE_ID": cfg.EngineID, "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": redisURL,
-		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_KAFKA_PARTITIONS": "2",
+		"KVMESH_AUTH": "off", "KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_KAFKA_PARTITIONS": "2",
 		"KVMESH_KAFKA_SESSION_TIMEOUT": "2s", "KVMESH_POOL_BLOCKS": "16", "KVMESH_KEY_PREFIX": cfg.KeyPrefix,
 		"KVMESH_LOG_LEVEL": "warn", "KVMESH_SHUTDOWN_TIMEOUT": "2s",
 	}

@@ -163,7 +163,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		attribute.String("kvmesh.engine_id", req.EngineID),
 		attribute.String("kvmesh.request_id", req.RequestID),
 		attribute.String("kvmesh.model", req.Model),
+		attribute.String("kvmesh.tenant", req.Tenant),
 	)
+	if err := allowed(ctx, &req); err != nil {
+		httpserver.WriteProblem(w, r, http.StatusForbidden, "", err.Error(), nil)
+		h.refuse(span, "credential", err)
+		return
+	}
 	q, err := h.validator.Query(&req)
 	if err != nil {
 		fe := &FieldError{Detail: err.Error()}
@@ -270,6 +276,7 @@ func buildDecision(id, model string, q *connector.Query, res connector.Result) *
 		EngineID:          q.EngineID,
 		RequestID:         q.RequestID,
 		Model:             model,
+		Tenant:            q.Tenant,
 		NumTokens:         q.NumTokens,
 		NumComputedTokens: q.NumComputedTokens,
 		Pending:           res.Selection.Pending,

@@ -28,6 +28,12 @@ type Request struct {
 	RequestID string `json:"request_id"`
 	// Model must equal the served model's name.
 	Model string `json:"model"`
+	// Tenant is the request's tenant (vLLM's cache_salt plays this role):
+	// the lookup checks only the tenant's own store keys, and the decision
+	// names it. Empty (or absent) is no tenant: the keys vLLM writes. A
+	// non-empty tenant is 1 to kvcore.MaxTenantBytes bytes of
+	// [A-Za-z0-9._-] (kvcore.ValidateTenant).
+	Tenant string `json:"tenant"`
 	// TokenIDs are the request's tokens; the service hashes them with
 	// kvcore.HashChain at the model's hash block size.
 	TokenIDs []uint32 `json:"token_ids"`
@@ -93,7 +99,7 @@ func (v Validator) Query(req *Request) (*connector.Query, error) {
 	if err := v.checkIdentity(req); err != nil {
 		return nil, err
 	}
-	q := &connector.Query{EngineID: req.EngineID, RequestID: req.RequestID, LoadAsync: v.LoadAsync}
+	q := &connector.Query{EngineID: req.EngineID, RequestID: req.RequestID, Tenant: req.Tenant, LoadAsync: v.LoadAsync}
 	if req.LoadAsync != nil {
 		q.LoadAsync = *req.LoadAsync
 	}
@@ -113,13 +119,16 @@ func (v Validator) Query(req *Request) (*connector.Query, error) {
 	return q, nil
 }
 
-// checkIdentity checks the ids and the model name.
+// checkIdentity checks the ids, the tenant and the model name.
 func (v Validator) checkIdentity(req *Request) error {
 	if err := checkID("engine_id", req.EngineID); err != nil {
 		return err
 	}
 	if err := checkID("request_id", req.RequestID); err != nil {
 		return err
+	}
+	if err := kvcore.ValidateTenant(req.Tenant); err != nil {
+		return fieldErr("tenant", "is not a valid tenant: at most %d bytes of [A-Za-z0-9._-]", kvcore.MaxTenantBytes)
 	}
 	if req.Model != v.Model.Name {
 		return fieldErr("model", "model %q is not served here; this lookup serves %q", req.Model, v.Model.Name)

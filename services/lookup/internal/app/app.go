@@ -28,6 +28,9 @@ type Config struct {
 	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
+	kvstore.RedisTLS
 	// Enabled turns lookups on; disabled, every lookup is answered 0.
 	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
@@ -105,7 +108,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	// degraded), as do kvmesh_lookup_child_failures_total and
 	// kvmesh_store_failed_keys_total{op="lookup_exists"}. The broker check
 	// stays required: a decision that cannot be published is a 503.
-	if err = a.deps.OpenOptionalStore(ctx, cfg.RedisURL); err != nil {
+	if err = a.deps.OpenOptionalStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
 		return nil, err
 	}
 	// The lookup publishes only decisions, each on the engine's critical

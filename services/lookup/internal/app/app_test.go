@@ -35,7 +35,7 @@ func TestREADMEConfig(t *testing.T) {
 }
 
 func TestConfigValidation(t *testing.T) {
-	base := map[string]string{"KVMESH_REDIS_URL": "redis://127.0.0.1:1/0"}
+	base := map[string]string{"KVMESH_REDIS_URL": "redis://127.0.0.1:1/0", "KVMESH_AUTH": "off"}
 	cases := []struct {
 		name string
 		vars map[string]string

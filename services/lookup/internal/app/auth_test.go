@@ -1,19 +1,24 @@
 package app_test
 
 import (
+	"context"
+	"log/slog"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
 
-// TestAdminRoutesRequireToken: the lookup has no admin route; its one
-// mutating route, POST /v1/lookup, is the engine API, documented as
-// deliberately open, and answers without a token (400 for the empty body,
-// not 401 or 403). A mutating route added without being secured or marked
-// open fails this test.
+// TestAdminRoutesRequireToken: the lookup has no admin route; with
+// authentication required its one mutating route, POST /v1/lookup (the
+// engine API), answers 401 without a token or with a wrong one and 403 to
+// the operator token, which is no engine's.
 func TestAdminRoutesRequireToken(t *testing.T) {
-	a := startApp(t)
+	env := servicetest.NewEnv(t)
+	cfg := app.Config{Common: env.SecuredCommon(), HTTPAddr: "127.0.0.1:0", RedisURL: env.RedisURL, Enabled: true}
+	cfg.KeyPrefix = randomID("auth-")
+	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
+	a = servicetest.StartReady(t, a, err)
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, "http://"+a.Addr(), "test-token", a.Routes(), d, nil)
 }

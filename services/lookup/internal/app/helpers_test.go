@@ -88,6 +88,7 @@ func startLookup(t *testing.T, env *servicetest.Env, vars map[string]string) *lo
 func startLookupLog(t *testing.T, env *servicetest.Env, vars map[string]string, log *slog.Logger) *lookupService {
 	t.Helper()
 	all := map[string]string{
+		"KVMESH_AUTH":             "off",
 		"KVMESH_KAFKA_BROKERS":    strings.Join(env.Brokers, ","),
 		"KVMESH_KAFKA_PARTITIONS": "2",
 		"KVMESH_REDIS_URL":        env.RedisURL,

@@ -25,8 +25,10 @@ func NewStore(m *kvcore.Model, kb kvcore.KeyBuilder, store kvstore.Store) *Store
 // Name implements Connector.
 func (s *Store) Name() string { return NameStore }
 
-// Lookup implements Connector. A prompt shorter than one scheduler block
-// plans no keys and is answered 0 without a store call.
+// Lookup implements Connector. It checks the keys of the query's tenant
+// only (kvcore.KeyBuilder.ForTenant), so a tenant never hits another's
+// blocks. A prompt shorter than one scheduler block plans no keys and is
+// answered 0 without a store call.
 //
 // A failed existence check fails open, as vLLM's store child does
 // (MooncakeStoreWorker.lookup in
@@ -38,7 +40,7 @@ func (s *Store) Name() string { return NameStore }
 // and Answer.Failed set to an error wrapping ErrStore, and returns no
 // error, so the chain goes on. Only a query the plan refuses is an error.
 func (s *Store) Lookup(ctx context.Context, q *Query) (Answer, error) {
-	plan, err := kvcore.PlanLookup(s.model, s.keys, q.Hashes, q.NumTokens)
+	plan, err := kvcore.PlanLookup(s.model, s.keys.ForTenant(q.Tenant), q.Hashes, q.NumTokens)
 	if err != nil {
 		return Answer{}, fmt.Errorf("plan: %w", err)
 	}

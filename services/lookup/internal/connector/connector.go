@@ -44,6 +44,9 @@ var (
 type Query struct {
 	// EngineID and RequestID identify the request.
 	EngineID, RequestID string
+	// Tenant is the request's tenant (kvcore.ValidateTenant): the store
+	// child checks only its keys.
+	Tenant string
 	// NumTokens is the request's token count.
 	NumTokens int
 	// NumComputedTokens is what the engine already holds (its prefix cache).

@@ -1,18 +1,24 @@
 package app_test
 
 import (
+	"context"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
-// TestAdminRoutesRequireToken: the scheduler's admin API is read-only; a
-// mutating route added without being secured in the document (or marked
-// deliberately open) fails this test, and a secured one is probed for
-// 401/403.
+// TestAdminRoutesRequireToken: with authentication required, the
+// scheduler's admin API (its reads and the outbox retry) answers 401
+// without a token or with a wrong one and runs with the operator token; a
+// mutating route added without being secured in the document fails this
+// test.
 func TestAdminRoutesRequireToken(t *testing.T) {
-	a := startApp(t)
+	env := servicetest.NewEnv(t)
+	cfg := app.Config{Common: env.SecuredCommon(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Consumers: 1, Migrate: true}
+	cfg.LogLevel = "warn"
+	a, err := app.New(context.Background(), cfg, testLogger())
+	a = servicetest.StartReady(t, a, err)
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
 	servicetest.CheckAdminAuth(t, "http://"+a.Addr(), "test-token", a.Routes(), d, nil)
 }

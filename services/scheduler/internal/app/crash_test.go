@@ -41,6 +41,7 @@ func startProcess(t *testing.T, bin string, env *servicetest.Env, extra ...strin
 	}
 	p.cmd = exec.Command(bin)
 	p.cmd.Env = append(os.Environ(),
+		"KVMESH_AUTH=off",
 		"KVMESH_KAFKA_BROKERS="+strings.Join(env.Brokers, ","),
 		"KVMESH_DATABASE_URL="+env.DatabaseURL,
 		"KVMESH_HTTP_ADDR="+p.addr,

@@ -181,7 +181,7 @@ func checkEvent(stepID string, i int, ev contract.RequestEvent) error {
 			return err
 		}
 	}
-	return validIDs(ev.RequestID, ev.DecisionID)
+	return validIDs(ev.RequestID, ev.DecisionID, ev.Tenant)
 }
 
 // hexChain refuses a hash chain with an element that is not lower-case
@@ -204,7 +204,7 @@ func decodeDecision(b []byte) (item, error) {
 	err := requireIDs(d.Schema, contract.SchemaLookupDecision,
 		map[string]string{"decision_id": d.DecisionID, "engine_id": d.EngineID, "request_id": d.RequestID})
 	if err == nil {
-		err = validIDs(d.DecisionID, d.EngineID, d.RequestID)
+		err = validIDs(d.DecisionID, d.EngineID, d.RequestID, d.Tenant)
 	}
 	if err != nil {
 		return item{}, err

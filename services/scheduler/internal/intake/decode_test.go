@@ -61,6 +61,10 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		{"NUL in engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "e\x00" }), ReasonInvalidRecord, "", "", 0},
 		{"no request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "" }), ReasonInvalidRecord, "", "", 0},
 		{"NUL in request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "r\x00" }), ReasonInvalidRecord, "", "", 0},
+		{"NUL in tenant", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			s.Requests[0].Kind, s.Requests[0].Step, s.Requests[0].Tenant = contract.EventAdmitted, nil, "t\x00"
+		}), ReasonInvalidRecord, "", "", 0},
+		{"NUL in decision tenant", contract.TopicLookupDecisions, func() []byte { d := dec; d.Tenant = "t\x00"; return mustJSON(t, d) }(), ReasonInvalidRecord, "", "", 0},
 		{"seq 0", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Seq = 0 }), ReasonInvalidRecord, "", "", 0},
 		{"negative external", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].ExternalTokens = -1 }), ReasonInvalidRecord, "", "", 0},
 		{"scheduled without step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Step = nil }), ReasonInvalidRecord, "", "", 0},

@@ -98,7 +98,7 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEve
 	case r.Store.State == kvcore.StateErrored && ev.Kind != contract.EventFinished:
 		out.Ignored = "errored"
 	case ev.Kind == contract.EventAdmitted:
-		r.admit(ev)
+		r.admit(out, ev)
 	case r.Held != nil && ev.Kind == contract.EventFinished:
 		r.warn(out, source(ev), fmt.Errorf("finished while its allocation waited for lookup decision %q", r.Held.Alloc.DecisionID))
 		r.Held = nil
@@ -112,8 +112,20 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEve
 	}
 }
 
-// admit records the hash chain, prompt length and role.
-func (r *Request) admit(ev contract.RequestEvent) {
+// admit records the hash chain, prompt length, role and tenant. A tenant
+// that cannot be a key segment, or one that differs from the tenant the
+// request was admitted with before, stops the request (request_error):
+// none of its tasks may be keyed in a tenant it was not admitted with.
+func (r *Request) admit(out *Outcome, ev contract.RequestEvent) {
+	if err := kvcore.ValidateTenant(ev.Tenant); err != nil {
+		r.fail(out, fmt.Errorf("%s (admitted): %w", source(ev), err))
+		return
+	}
+	if (len(r.Store.Hashes) > 0 || r.Store.Tenant != "") && ev.Tenant != r.Store.Tenant {
+		r.fail(out, fmt.Errorf("%s (admitted): tenant %q, the request was admitted with %q: %w", source(ev), ev.Tenant, r.Store.Tenant, ErrTenantChanged))
+		return
+	}
+	r.Store.Tenant = ev.Tenant
 	r.Store.OnAdmit(ev.BlockHashes, ev.PromptTokens)
 	if ev.Consumer {
 		r.Store.Consumer = true

@@ -14,8 +14,13 @@ import (
 // chosen, the store tracker's LoadSpec ends with can_load = false and emits
 // nothing for it (scenarios 9 and 21), and the pd tracker issues the load
 // from the prefill engine.
+//
+// A decision of another tenant than the request's checked keys the request
+// may not load: its store answer is dropped (warned as ErrTenantMismatch),
+// so external tokens it promised are answered with every block in error.
 func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecision, alloc contract.RequestEvent) {
 	src := source(alloc)
+	d = r.ownTenant(out, src, d)
 	chosen := chosenChild(d)
 	if d == nil {
 		r.Awaiting = alloc.DecisionID
@@ -33,6 +38,31 @@ func (r *Request) attempt(m *kvcore.Model, out *Outcome, d *contract.LookupDecis
 	if alloc.ExternalTokens > 0 && chosen != ConnectorStore && !served && !r.Store.Finished() {
 		r.abandon(out, src, chosen, alloc)
 	}
+}
+
+// chosenRefused stands for the chosen child of a decision whose choice
+// was refused (ownTenant): no child of the scheduler serves it.
+const chosenRefused = "refused"
+
+// ownTenant returns d, or, when d names another tenant than the request's,
+// a copy without the store child's answer: the store child then counts as
+// not chosen.
+func (r *Request) ownTenant(out *Outcome, src string, d *contract.LookupDecision) *contract.LookupDecision {
+	if d == nil || d.Tenant == r.Store.Tenant {
+		return d
+	}
+	r.warn(out, src, fmt.Errorf("decision %s is of tenant %q, the request's is %q: %w", d.DecisionID, d.Tenant, r.Store.Tenant, ErrTenantMismatch))
+	cp := *d
+	cp.Children = nil
+	for _, c := range d.Children {
+		if c.Name != ConnectorStore {
+			cp.Children = append(cp.Children, c)
+		}
+	}
+	if cp.Chosen == ConnectorStore {
+		cp.Chosen = chosenRefused
+	}
+	return &cp
 }
 
 // allocatePD drives the pd tracker with the attempt, creating it the first
@@ -63,6 +93,7 @@ func newPD(m *kvcore.Model, store *kvcore.Tracker) *kvcore.Tracker {
 	pd := kvcore.NewTracker(m, store.EngineID, store.RequestID)
 	pd.Connector = ConnectorPD
 	pd.Consumer = true
+	pd.Tenant = store.Tenant
 	pd.OnAdmit(store.Hashes, store.PrefillEnd)
 	return pd
 }

@@ -51,6 +51,11 @@ var (
 	// ErrLoadRanksMissing: some ranks of a multi-rank load did not report
 	// before its deadline; the load was finished with every block in error.
 	ErrLoadRanksMissing = errors.New("load ranks did not report before the deadline")
+	// ErrTenantChanged: a request was admitted again with another tenant.
+	ErrTenantChanged = errors.New("request admitted with another tenant")
+	// ErrTenantMismatch: a lookup decision checked another tenant's keys
+	// than the request's; its store answer is not used.
+	ErrTenantMismatch = errors.New("lookup decision of another tenant")
 )
 
 // Reasons a load result changed nothing (Outcome.Ignored), beside

@@ -11,6 +11,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
@@ -35,6 +36,9 @@ type Config struct {
 	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
 	// RedisURL locates the store pool.
 	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS); the sender checks which keys exist there"`
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
+	kvstore.RedisTLS
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles up to KVMESH_SENDER_CONCURRENCY tasks of its partitions at once)"`
 	// Concurrency is the save tasks each consumer handles at once.
@@ -140,7 +144,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-sender", false); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenStore(ctx, cfg.RedisURL); err != nil {
+	if err = a.deps.OpenStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
@@ -170,7 +174,11 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	l := ledger.New(a.deps.Pool)
-	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, nil)
+	rt, err := cfg.ServiceTransport("sender", dataplane.DefaultTransport())
+	if err != nil {
+		return err
+	}
+	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, dataplane.HTTPClient(rt))
 	a.processor, err = sending.New(sending.Options{
 		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
 		Store: kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}).
@@ -242,7 +250,7 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher
 		return nil, err
 	}
 	return evictions.New(evictions.Options{
-		RedisURL: cfg.RedisURL, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
+		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"strings"
 	"testing"
@@ -35,11 +36,19 @@ func TestMain(m *testing.M) {
 // waits until it is ready.
 func startApp(t *testing.T) *app.App {
 	t.Helper()
+	return startAppWith(t, nil)
+}
+
+// startAppWith is startApp with extra settings.
+func startAppWith(t *testing.T, extra map[string]string) *app.App {
+	t.Helper()
 	env := servicetest.NewEnv(t)
 	vars := map[string]string{
 		"KVMESH_HTTP_ADDR": "127.0.0.1:0", "KVMESH_DATABASE_URL": env.DatabaseURL, "KVMESH_REDIS_URL": env.RedisURL,
 		"KVMESH_KAFKA_BROKERS": strings.Join(env.Brokers, ","), "KVMESH_ADMIN_TOKEN": env.Common().AdminToken,
+		"KVMESH_AUTH": "off",
 	}
+	maps.Copy(vars, extra)
 	var cfg app.Config
 	if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil {
 		t.Fatal(err)

@@ -144,7 +144,7 @@ func TestDLQAdmin(t *testing.T) {
 	t.Run("replay", func(t *testing.T) {
 		nb := find("a3", "null_block")
 		path := fmt.Sprintf("/v1/dlq/%d/replay", nb.ID)
-		for token, want := range map[string]int{"": http.StatusUnauthorized, "wrong": http.StatusForbidden} {
+		for token, want := range map[string]int{"": http.StatusUnauthorized, "wrong": http.StatusUnauthorized} {
 			if code := s.do(t, http.MethodPost, path, token, nil); code != want {
 				t.Errorf("replay with token %q = %d, want %d", token, code, want)
 			}

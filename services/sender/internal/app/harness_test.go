@@ -386,6 +386,7 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 // workerEnv is the environment of a gpuworker subprocess for engine.
 func (s *stack) workerEnv(engine string) map[string]string {
 	env := map[string]string{
+		"KVMESH_AUTH":          "off", // these tests are about other things; the auth tests turn it on
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_ENGINE_ID": engine, "KVMESH_HTTP_ADDR": "127.0.0.1:0",
 		"KVMESH_MODEL": s.modelSpec, "KVMESH_POOL_BLOCKS": itoa(s.pool), "KVMESH_KEY_PREFIX": s.prefix,

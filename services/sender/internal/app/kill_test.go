@@ -31,6 +31,7 @@ func TestSenderKilledMidBatch(t *testing.T) {
 
 	addr := testenv.FreeAddr(t)
 	env := map[string]string{
+		"KVMESH_AUTH":          "off",
 		"KVMESH_KAFKA_BROKERS": strings.Join(s.env.Brokers, ","), "KVMESH_DATABASE_URL": s.env.DatabaseURL,
 		"KVMESH_REDIS_URL": s.redis, "KVMESH_HTTP_ADDR": addr, "KVMESH_KEY_PREFIX": s.prefix,
 		"KVMESH_KAFKA_PARTITIONS": "2", "KVMESH_KAFKA_SESSION_TIMEOUT": "1s", "KVMESH_LOG_LEVEL": "debug",

@@ -108,6 +108,10 @@ type Options struct {
 	// watcher listens on, or a Redis Cluster (redis+cluster://host:port,...,
 	// see kvstore.IsClusterURL), on whose every master it listens.
 	RedisURL string
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// or rediss+cluster:// RedisURL (the store pool's, as the
+	// services configure it).
+	RedisTLS kvstore.RedisTLS
 	// Keys is the deployment's key space: removals of other keys are
 	// counted as unmapped and not published.
 	Keys kvcore.KeyBuilder
@@ -174,14 +178,14 @@ func New(opts Options) (*Watcher, error) {
 	opts = opts.withDefaults()
 	w := &Watcher{opts: opts, ready: make(chan struct{})}
 	if kvstore.IsClusterURL(opts.RedisURL) {
-		co, err := kvstore.RedisClusterOptions(opts.RedisURL, kvstore.RedisOptions{})
+		co, err := kvstore.RedisClusterOptions(opts.RedisURL, kvstore.RedisOptions{TLS: opts.RedisTLS})
 		if err != nil {
 			return nil, fmt.Errorf("%w: %w", err, ErrOptions)
 		}
 		w.cluster = redis.NewClusterClient(co)
 		return w, nil
 	}
-	ro, err := kvstore.RedisClientOptions(opts.RedisURL, kvstore.RedisOptions{})
+	ro, err := kvstore.RedisClientOptions(opts.RedisURL, kvstore.RedisOptions{TLS: opts.RedisTLS})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", err, ErrOptions)
 	}
@@ -609,6 +613,7 @@ type batchKey struct{ namespace, cause string }
 
 type pendingBatch struct {
 	group  int
+	tenant string // the keys' tenant (part of the namespace, so one per batch)
 	hashes []string
 	wire   []uint64
 }
@@ -644,7 +649,7 @@ func (b *batcher) add(msg *redis.Message) {
 	k := batchKey{ns, cause}
 	pb := b.pending[k]
 	if pb == nil {
-		pb = &pendingBatch{group: p.Group}
+		pb = &pendingBatch{group: p.Group, tenant: p.Tenant}
 		b.pending[k] = pb
 		b.order = append(b.order, k)
 	}
@@ -690,6 +695,7 @@ func (b *batcher) flush(ctx context.Context) error {
 					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
 				}}},
 				Model: b.w.opts.Keys.Model, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
+				Tenant: pb.tenant,
 			})
 		}
 		counts[k.cause] += len(pb.hashes)

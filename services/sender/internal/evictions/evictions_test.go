@@ -327,7 +327,8 @@ func TestExpiredAndDeletedKeysAreAnnounced(t *testing.T) {
 	expiring := kb.Key(kvcore.Rank{TP: 1}, 1, kvcore.BlockHash{1, 2, 3})
 	deleted := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{4, 5, 6})
 	foreign := kvcore.KeyBuilder{Prefix: "dep", Model: "other"}.Key(kvcore.Rank{}, 0, kvcore.BlockHash{7})
-	for _, k := range []string{deleted, foreign, "junk"} {
+	tenants := kb.ForTenant("acme").Key(kvcore.Rank{}, 0, kvcore.BlockHash{8, 9})
+	for _, k := range []string{deleted, foreign, "junk", tenants} {
 		if err := r.client.Set(ctx, k, "v", 0).Err(); err != nil {
 			t.Fatal(err)
 		}
@@ -335,20 +336,23 @@ func TestExpiredAndDeletedKeysAreAnnounced(t *testing.T) {
 	if err := r.client.Set(ctx, expiring, "v", 30*time.Millisecond).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.client.Del(ctx, deleted, foreign, "junk").Err(); err != nil {
+	if err := r.client.Del(ctx, deleted, foreign, "junk", tenants).Err(); err != nil {
 		t.Fatal(err)
 	}
-	r.until("BlockRemoved for the expired and the deleted key", func() bool {
+	r.until("BlockRemoved for the expired, the deleted and the tenant's key", func() bool {
 		got := r.removed()
-		return got[expiring] == CauseExpired && got[deleted] == CauseDeleted
+		return got[expiring] == CauseExpired && got[deleted] == CauseDeleted && got[tenants] == CauseDeleted
 	})
-	if got := r.removed(); len(got) != 2 {
-		t.Errorf("removed %v, want only the two keys of the deployment", got)
+	if got := r.removed(); len(got) != 3 {
+		t.Errorf("removed %v, want only the three keys of the deployment", got)
 	}
 	r.mu.Lock()
 	for _, rec := range r.records {
 		if rec.Kind() == contract.BlockRemoved && rec.Keys()[0] == expiring && *rec.Batch.Events[0].GroupIdx != 1 {
 			t.Errorf("expired key's event has group %d, want 1", *rec.Batch.Events[0].GroupIdx)
+		}
+		if rec.Kind() == contract.BlockRemoved && (rec.Keys()[0] == tenants) != (rec.Tenant == "acme") {
+			t.Errorf("BlockRemoved of %v names tenant %q; want acme for the tenant's key only", rec.Keys(), rec.Tenant)
 		}
 	}
 	r.mu.Unlock()

@@ -179,7 +179,7 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}} {
+	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}, {"tenant", t.Tenant}} {
 		if !ledger.Storable(f.v) {
 			return nil, fmt.Errorf("save task: %w: %s %q is not storable text (it contains NUL)", kvcore.ErrInvalidSaveTask, f.name, f.v)
 		}

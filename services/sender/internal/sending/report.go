@@ -190,7 +190,7 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 	slices.SortStableFunc(hashes, func(a, b string) int { return pos(a) - pos(b) })
 	rec := contract.KVEventRecord{
 		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
-		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID,
+		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
 	}
 	medium, group := contract.MediumStore, g
 	var window *int

@@ -1,0 +1,160 @@
+package auth
+
+import (
+	"encoding/base64"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+const testSecret = "0123456789abcdef0123456789abcdef"
+
+func testKey(t *testing.T, s string) Key {
+	t.Helper()
+	k, err := NewKey(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func TestVerify(t *testing.T) {
+	k := testKey(t, testSecret)
+	other := testKey(t, strings.Repeat("x", 32))
+	v := NewVerifier(k, "op-token")
+	now := time.Now()
+	mint := func(k Key, kind Kind, sub string, tenants []string, ttl time.Duration, at time.Time) string {
+		s, err := k.mintAt(kind, sub, tenants, ttl, at)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	engine := mint(k, KindEngine, "decode-0", []string{"acme"}, time.Hour, now)
+	// A token whose header says alg none, with the engine token's body.
+	parts := strings.Split(engine, ".")
+	none := base64.RawURLEncoding.EncodeToString([]byte(`{"alg":"none","typ":"JWT"}`)) + "." + parts[1] + "."
+	for _, tc := range []struct {
+		name, token string
+		kind        Kind
+		sub         string
+		why         string
+	}{
+		{name: "operator", token: "op-token", kind: KindOperator, sub: "operator"},
+		{name: "engine", token: engine, kind: KindEngine, sub: "decode-0"},
+		{name: "service", token: mint(k, KindService, "sender", nil, time.Minute, now), kind: KindService, sub: "sender"},
+		{name: "empty", token: "", why: "no bearer token"},
+		{name: "wrong operator token", token: "op-tokem", why: "neither"},
+		{name: "other key", token: mint(other, KindEngine, "decode-0", nil, time.Hour, now), why: "signature"},
+		{name: "expired", token: mint(k, KindEngine, "decode-0", nil, time.Minute, now.Add(-time.Hour)), why: "expired"},
+		{name: "malformed", token: "a.b.c", why: "malformed"},
+		{name: "alg none", token: none, why: "not valid"},
+		{name: "tampered body", token: parts[0] + "." + parts[1] + "x." + parts[2], why: ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := v.Verify(tc.token)
+			if tc.kind == "" {
+				if !errors.Is(err, ErrUnauthenticated) || !strings.Contains(err.Error(), tc.why) {
+					t.Fatalf("Verify = %v, %v; want ErrUnauthenticated saying %q", p, err, tc.why)
+				}
+				if tc.token != "" && strings.Contains(err.Error(), tc.token) {
+					t.Fatalf("the error quotes the token: %v", err)
+				}
+				return
+			}
+			if err != nil || p.Kind != tc.kind || p.Subject != tc.sub {
+				t.Fatalf("Verify = %+v, %v; want %s %s", p, err, tc.kind, tc.sub)
+			}
+		})
+	}
+	if v2 := NewVerifier(k, ""); v2 != nil {
+		if _, err := v2.Verify(""); !errors.Is(err, ErrUnauthenticated) {
+			t.Fatalf("no operator token configured: empty token gave %v", err)
+		}
+	}
+}
+
+func TestMintRefusesBadClaims(t *testing.T) {
+	k := testKey(t, testSecret)
+	for name, f := range map[string]func() error{
+		"operator kind":   func() error { _, err := k.Mint(KindOperator, "x", nil, time.Hour); return err },
+		"empty subject":   func() error { _, err := k.Mint(KindEngine, "", nil, time.Hour); return err },
+		"space subject":   func() error { _, err := k.Mint(KindEngine, "a b", nil, time.Hour); return err },
+		"service tenants": func() error { _, err := k.Mint(KindService, "sender", []string{"t"}, time.Hour); return err },
+		"bad tenant":      func() error { _, err := k.Mint(KindEngine, "e", []string{"a@b"}, time.Hour); return err },
+		"no ttl":          func() error { _, err := k.Mint(KindEngine, "e", nil, 0); return err },
+	} {
+		if err := f(); !errors.Is(err, ErrBadClaims) {
+			t.Errorf("%s: %v, want ErrBadClaims", name, err)
+		}
+	}
+	if _, err := NewKey("short"); !errors.Is(err, ErrShortKey) {
+		t.Errorf("short key: %v", err)
+	}
+}
+
+func TestAllowsTenant(t *testing.T) {
+	for _, tc := range []struct {
+		p      Principal
+		tenant string
+		want   bool
+	}{
+		{Principal{Kind: KindEngine}, "", true},
+		{Principal{Kind: KindEngine}, "acme", false},
+		{Principal{Kind: KindEngine, Tenants: []string{"acme"}}, "acme", true},
+		{Principal{Kind: KindEngine, Tenants: []string{"acme"}}, "globex", false},
+		{Principal{Kind: KindEngine, Tenants: []string{"acme"}}, "", false},
+		{Principal{Kind: KindEngine, Tenants: []string{AnyTenant}}, "globex", true},
+		{Principal{Kind: KindService}, "globex", true},
+		{Principal{Kind: KindOperator}, "globex", true},
+	} {
+		if got := tc.p.AllowsTenant(tc.tenant); got != tc.want {
+			t.Errorf("%+v AllowsTenant(%q) = %v, want %v", tc.p, tc.tenant, got, tc.want)
+		}
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		c  Config
+		ok bool
+	}{
+		{Config{Mode: ModeOff}, true},
+		{Config{Mode: ModeRequired, Key: testSecret}, true},
+		{Config{Mode: ModeRequired}, false},
+		{Config{Mode: ModeRequired, Key: "short"}, false},
+		{Config{Mode: "maybe", Key: testSecret}, false},
+	} {
+		if err := tc.c.Validate(); (err == nil) != tc.ok {
+			t.Errorf("%+v: Validate = %v, want ok=%v", tc.c.Mode, err, tc.ok)
+		}
+	}
+}
+
+func TestTransportSetsBearer(t *testing.T) {
+	k := testKey(t, testSecret)
+	src := ServiceTokens(k, "sender")
+	var got []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got = append(got, r.Header.Get("Authorization"))
+	}))
+	defer srv.Close()
+	c := &http.Client{Transport: Transport(nil, src)}
+	for range 2 {
+		resp, err := c.Get(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+	}
+	if len(got) != 2 || got[0] != got[1] || !strings.HasPrefix(got[0], "Bearer ") {
+		t.Fatalf("Authorization headers %q: want one cached bearer token twice", got)
+	}
+	p, err := NewVerifier(k, "").Verify(strings.TrimPrefix(got[0], "Bearer "))
+	if err != nil || p.Kind != KindService || p.Subject != "sender" {
+		t.Fatalf("the sent token verifies as %+v, %v", p, err)
+	}
+}

@@ -1,0 +1,25 @@
+package api
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvmesh/kvmesh/pkg/auth"
+)
+
+// allowed checks that the request's credential reaches it: an engine token
+// asks only for its own engine, and only for a tenant it serves. Without
+// authentication (no principal) every request is allowed.
+func allowed(ctx context.Context, req *Request) error {
+	p := auth.FromContext(ctx)
+	if p == nil || p.Kind != auth.KindEngine {
+		return nil
+	}
+	if p.Subject != req.EngineID {
+		return fmt.Errorf("%w: the token is engine %s's; the request names engine %s", auth.ErrForbidden, p.Subject, req.EngineID)
+	}
+	if !p.AllowsTenant(req.Tenant) {
+		return fmt.Errorf("%w: engine %s's token does not serve tenant %q", auth.ErrForbidden, p.Subject, req.Tenant)
+	}
+	return nil
+}
