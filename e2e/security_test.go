@@ -282,6 +282,26 @@ func get(t *testing.T, hc *http.Client, url string) []byte {
 	return b
 }
 
+// getAuth GETs url with a bearer token and returns the body.
+func getAuth(t *testing.T, hc *http.Client, url, token string) []byte {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %d %v", url, resp.StatusCode, err)
+	}
+	return b
+}
+
 // getJSONAuth GETs url with a bearer token into out.
 func getJSONAuth(t *testing.T, url, token string, out any) {
 	t.Helper()
@@ -311,6 +331,9 @@ func noSecretsIn(t *testing.T, s *stack, hc *http.Client, creds []credential) {
 	for _, name := range []string{"lookup", "scheduler", "sender", "gpuworker", "gpuworker-prefill"} {
 		p := s.mesh.Procs.Process(name)
 		texts := map[string]string{"log": p.LogTail(1 << 30), "/metrics": string(get(t, hc, p.URL()+httpserver.PathMetrics))}
+		if name == "sender" { // the dead letters' payload previews
+			texts["/v1/dlq"] = string(getAuth(t, hc, p.URL()+"/v1/dlq?limit=1000", adminToken))
+		}
 		for what, text := range texts {
 			for i, sec := range secrets {
 				if strings.Contains(text, sec) {
