@@ -161,16 +161,20 @@ var tenantPattern = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
 // Verifier checks bearer tokens: the operator token, and engine and
 // service tokens signed with the key.
 type Verifier struct {
-	key      Key
+	keys     jwt.VerificationKeySet // the key, then the ones being rotated out
 	operator [sha256.Size]byte
 	hasOp    bool
 	now      func() time.Time
 }
 
 // NewVerifier returns a Verifier for key and the operator token (empty:
-// no operator token is accepted).
-func NewVerifier(key Key, operatorToken string) *Verifier {
-	v := &Verifier{key: key, now: time.Now}
+// no operator token is accepted). Tokens signed with one of previous (keys
+// being rotated out) are accepted too.
+func NewVerifier(key Key, operatorToken string, previous ...Key) *Verifier {
+	v := &Verifier{now: time.Now}
+	for _, k := range append([]Key{key}, previous...) {
+		v.keys.Keys = append(v.keys.Keys, k.secret)
+	}
 	if operatorToken != "" {
 		v.operator, v.hasOp = sha256.Sum256([]byte(operatorToken)), true
 	}
@@ -191,7 +195,7 @@ func (v *Verifier) Verify(token string) (*Principal, error) {
 		return nil, fmt.Errorf("%w: the token is neither the operator token nor a signed token", ErrUnauthenticated)
 	}
 	var c claims
-	_, err := jwt.ParseWithClaims(token, &c, func(*jwt.Token) (any, error) { return v.key.secret, nil },
+	_, err := jwt.ParseWithClaims(token, &c, func(*jwt.Token) (any, error) { return v.keys, nil },
 		jwt.WithValidMethods([]string{jwt.SigningMethodHS256.Alg()}), jwt.WithIssuer(Issuer),
 		jwt.WithExpirationRequired(), jwt.WithIssuedAt(), jwt.WithTimeFunc(v.now), jwt.WithLeeway(5*time.Second))
 	if err != nil {

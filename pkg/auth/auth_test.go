@@ -158,3 +158,28 @@ func TestTransportSetsBearer(t *testing.T) {
 		t.Fatalf("the sent token verifies as %+v, %v", p, err)
 	}
 }
+
+// TestKeyRotation: with the old key as the previous one, tokens either key
+// signed verify; a third key's do not; a short previous key is refused.
+func TestKeyRotation(t *testing.T) {
+	oldKey, newKey, other := testKey(t, strings.Repeat("o", 32)), testKey(t, strings.Repeat("n", 32)), testKey(t, strings.Repeat("x", 32))
+	v, err := Config{Mode: ModeRequired, Key: strings.Repeat("n", 32), PreviousKey: strings.Repeat("o", 32)}.Verifier("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, tc := range map[string]struct {
+		k  Key
+		ok bool
+	}{"new key": {newKey, true}, "previous key": {oldKey, true}, "another key": {other, false}} {
+		tok, err := tc.k.Mint(KindEngine, "e", nil, time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := v.Verify(tok); (err == nil) != tc.ok {
+			t.Errorf("%s: Verify = %v, want ok=%v", name, err, tc.ok)
+		}
+	}
+	if err := (Config{Mode: ModeRequired, Key: testSecret, PreviousKey: "short"}).Validate(); err == nil || !strings.Contains(err.Error(), "KVMESH_AUTH_PREVIOUS_KEY") {
+		t.Fatalf("short previous key: %v, want an error naming KVMESH_AUTH_PREVIOUS_KEY", err)
+	}
+}

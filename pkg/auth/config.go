@@ -26,6 +26,9 @@ type Config struct {
 	Mode string `env:"KVMESH_AUTH" doc:"required: every route but /healthz, /readyz, /metrics and /openapi.yaml needs a credential (operator, engine or service token); off: none but the admin mutations (development only)"`
 	// Key signs and verifies engine and service tokens.
 	Key string `env:"KVMESH_AUTH_KEY" secret:"true" doc:"HMAC key (at least 32 bytes) that signs and verifies engine and service tokens; the same in every service (KVMESH_AUTH_KEY_FILE reads it from a file)"`
+	// PreviousKey is a key being rotated out: tokens it signed are still
+	// accepted, none is signed with it.
+	PreviousKey string `env:"KVMESH_AUTH_PREVIOUS_KEY" secret:"true" doc:"during a key rotation, the key being replaced: tokens it signed are still accepted until they expire, new ones are signed with KVMESH_AUTH_KEY; unset once they have"`
 }
 
 // ConfigDefaults gives KVMESH_AUTH's default, DefaultMode
@@ -54,6 +57,9 @@ func (c Config) Validate() error {
 		if _, err := NewKey(c.Key); err != nil {
 			return fmt.Errorf("KVMESH_AUTH_KEY: %w", err)
 		}
+		if _, err := c.previous(); err != nil {
+			return fmt.Errorf("KVMESH_AUTH_PREVIOUS_KEY: %w", err)
+		}
 		return nil
 	default:
 		return fmt.Errorf("KVMESH_AUTH: %q is neither %s nor %s", c.Mode, ModeRequired, ModeOff)
@@ -73,5 +79,21 @@ func (c Config) Verifier(operatorToken string) (*Verifier, error) {
 	if err != nil {
 		return nil, err
 	}
-	return NewVerifier(k, operatorToken), nil
+	prev, err := c.previous()
+	if err != nil {
+		return nil, err
+	}
+	return NewVerifier(k, operatorToken, prev...), nil
+}
+
+// previous is the key being rotated out, if any.
+func (c Config) previous() ([]Key, error) {
+	if c.PreviousKey == "" {
+		return nil, nil
+	}
+	k, err := NewKey(c.PreviousKey)
+	if err != nil {
+		return nil, err
+	}
+	return []Key{k}, nil
 }
