@@ -326,7 +326,7 @@ func injectMalformed(ctx context.Context, t *testing.T, s *stack) kvcore.SaveTas
 			Data:     sim.BlockContent(m, 0, kvcore.Rank{}, hashes[i]),
 		})
 	}
-	if err := s.engineClient(s.url("gpuworker"), decodeEngine).Write(ctx, blocks); err != nil {
+	if err := s.mesh.EngineClient(t, s.url("gpuworker"), decodeEngine).Write(ctx, blocks); err != nil {
 		t.Fatal(err)
 	}
 	value, err := json.Marshal(task)
@@ -373,25 +373,10 @@ type dlqEntry struct {
 func dlq(t *testing.T, s *stack, q url.Values) []dlqEntry {
 	t.Helper()
 	q.Set("limit", "1000")
-	req, err := http.NewRequest(http.MethodGet, s.url("sender")+"/v1/dlq?"+q.Encode(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Authorization", "Bearer "+adminToken)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET /v1/dlq: %d", resp.StatusCode)
-	}
 	var page struct {
 		Items []dlqEntry `json:"items"`
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&page); err != nil {
-		t.Fatal(err)
-	}
+	getJSON(t, s.url("sender")+"/v1/dlq?"+q.Encode(), adminToken, &page)
 	return page.Items
 }
 

@@ -93,7 +93,7 @@ func TestSecurityEveryRoute(t *testing.T) {
 	checked := 0
 	for _, name := range []string{"lookup", "scheduler", "sender", "gpuworker", "gpuworker-prefill"} {
 		base := s.url(name)
-		doc := get(t, hc, base+httpserver.PathOpenAPI)
+		doc := get(t, hc, base+httpserver.PathOpenAPI, "")
 		rules, err := httpserver.AccessRules(doc)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
@@ -102,7 +102,7 @@ func TestSecurityEveryRoute(t *testing.T) {
 			path := pathParam.ReplaceAllString(route.Pattern, "1")
 			for _, c := range creds {
 				status := call(t, hc, route.Method, base+path, c.header, `{"engine_id":"`+decodeEngine+`"}`)
-				reaches := rule.Public || c.kind != "" && containsKind(rule.Kinds, c.kind) && (c.kind != auth.KindEngine || c.engine == engineOf[name])
+				reaches := rule.Public || c.kind != "" && slices.Contains(rule.Kinds, c.kind) && (c.kind != auth.KindEngine || c.engine == engineOf[name])
 				switch {
 				case reaches:
 					if status == http.StatusUnauthorized || status == http.StatusForbidden {
@@ -207,7 +207,7 @@ func TestPoisoningRefused(t *testing.T) {
 			InUse int `json:"in_use"`
 		} `json:"groups"`
 	}
-	getJSONAuth(t, s.url("gpuworker")+"/v1/pool", adminToken, &pool)
+	getJSON(t, s.url("gpuworker")+"/v1/pool", adminToken, &pool)
 	for g, gr := range pool.Groups {
 		if gr.InUse != 0 {
 			t.Fatalf("group %d holds %d blocks after refused writes", g, gr.InUse)
@@ -225,15 +225,6 @@ func mustMint(t *testing.T, s *stack, kind auth.Kind, sub string) string {
 		t.Fatal(err)
 	}
 	return tok
-}
-
-func containsKind(ks []auth.Kind, k auth.Kind) bool {
-	for _, x := range ks {
-		if x == k {
-			return true
-		}
-	}
-	return false
 }
 
 // call sends one request (with body post for POSTs) and returns the
@@ -267,29 +258,17 @@ func call(t *testing.T, hc *http.Client, method, url, authz, post string) int {
 	return resp.StatusCode
 }
 
-// get GETs url (a public route) and returns the body.
-func get(t *testing.T, hc *http.Client, url string) []byte {
-	t.Helper()
-	resp, err := hc.Get(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET %s: %d %v", url, resp.StatusCode, err)
-	}
-	return b
-}
-
-// getAuth GETs url with a bearer token and returns the body.
-func getAuth(t *testing.T, hc *http.Client, url, token string) []byte {
+// get GETs url and returns the body, failing the test unless it answers
+// 200; token, when set, is sent as a bearer credential.
+func get(t *testing.T, hc *http.Client, url, token string) []byte {
 	t.Helper()
 	req, err := http.NewRequest(http.MethodGet, url, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	req.Header.Set("Authorization", "Bearer "+token)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
 	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -302,24 +281,11 @@ func getAuth(t *testing.T, hc *http.Client, url, token string) []byte {
 	return b
 }
 
-// getJSONAuth GETs url with a bearer token into out.
-func getJSONAuth(t *testing.T, url, token string, out any) {
+// getJSON GETs url as get does and decodes the answer into out.
+func getJSON(t *testing.T, url, token string, out any) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Authorization", "Bearer "+token)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET %s: %d", url, resp.StatusCode)
-	}
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		t.Fatal(err)
+	if err := json.Unmarshal(get(t, http.DefaultClient, url, token), out); err != nil {
+		t.Fatalf("GET %s: %v", url, err)
 	}
 }
 
@@ -330,9 +296,9 @@ func noSecretsIn(t *testing.T, s *stack, hc *http.Client, creds []credential) {
 	secrets := suiteSecrets(s, creds)
 	for _, name := range []string{"lookup", "scheduler", "sender", "gpuworker", "gpuworker-prefill"} {
 		p := s.mesh.Procs.Process(name)
-		texts := map[string]string{"log": p.LogTail(1 << 30), "/metrics": string(get(t, hc, p.URL()+httpserver.PathMetrics))}
+		texts := map[string]string{"log": p.LogTail(1 << 30), "/metrics": string(get(t, hc, p.URL()+httpserver.PathMetrics, ""))}
 		if name == "sender" { // the dead letters' payload previews
-			texts["/v1/dlq"] = string(getAuth(t, hc, p.URL()+"/v1/dlq?limit=1000", adminToken))
+			texts["/v1/dlq"] = string(get(t, hc, p.URL()+"/v1/dlq?limit=1000", adminToken))
 		}
 		for what, text := range texts {
 			for i, sec := range secrets {

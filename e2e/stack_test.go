@@ -2,14 +2,12 @@ package e2e
 
 import (
 	"fmt"
-	"net/http"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
@@ -133,14 +131,6 @@ func secured(cfg sim.Config, sec *meshtest.Secure) sim.Config {
 	cfg.HTTPClient = dataplane.HTTPClient(tr)
 	cfg.HTTPClient.Timeout = 30 * time.Second
 	return cfg
-}
-
-// engineClient is a data-plane client of the gpuworker at url carrying
-// engine's token, as that engine's compute writes.
-func (s *stack) engineClient(url, engine string) *dataplane.Client {
-	hc := &http.Client{Transport: auth.Transport(nil, auth.Static(s.mesh.EngineToken(s.t, engine)))}
-	s.t.Cleanup(hc.CloseIdleConnections)
-	return dataplane.NewClient(url, hc)
 }
 
 // workerRanks resolves the worker ranks of o's model with the stack's

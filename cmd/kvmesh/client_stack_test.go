@@ -10,9 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/auth"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
-
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
@@ -98,14 +95,6 @@ func (s *cliStack) publish(msgs ...bus.Message) {
 	if err := p.Publish(ctx, msgs...); err != nil {
 		s.t.Fatal(err)
 	}
-}
-
-// engineClient is a data-plane client of the gpuworker at url carrying
-// engine's token.
-func (s *cliStack) engineClient(url, engine string) *dataplane.Client {
-	hc := &http.Client{Transport: auth.Transport(nil, auth.Static(s.mesh.EngineToken(s.t, engine)))}
-	s.t.Cleanup(hc.CloseIdleConnections)
-	return dataplane.NewClient(url, hc)
 }
 
 // getJSON GETs url and decodes the JSON answer into v.

@@ -55,7 +55,7 @@ func writeTaskBlocks(t *testing.T, s *cliStack, workerURL string, m *kvcore.Mode
 			})
 		}
 	}
-	if err := s.engineClient(workerURL, task.EngineID).Write(context.Background(), blocks); err != nil {
+	if err := s.mesh.EngineClient(t, workerURL, task.EngineID).Write(context.Background(), blocks); err != nil {
 		t.Fatal(err)
 	}
 }

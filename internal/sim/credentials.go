@@ -41,7 +41,7 @@ func MintEngineTokens(k auth.Key) func(engineID string) (string, error) {
 			sources[id] = src
 		}
 		mu.Unlock()
-		return src.Token()
+		return src.Token(context.Background())
 	}
 }
 
@@ -53,34 +53,14 @@ func withEngine(ctx context.Context, id string) context.Context {
 	return context.WithValue(ctx, engineCtxKey{}, id)
 }
 
-// credentialTransport sets each request's Authorization from the
-// credentials: the engine token of the engine its context names, else the
-// operator token.
-type credentialTransport struct {
-	base http.RoundTripper
-	c    *Credentials
-}
-
-func (t *credentialTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	if r.Header.Get("Authorization") != "" {
-		return t.base.RoundTrip(r)
+// Token is the token of a request made with ctx (auth.TokenSource): the
+// engine token of the engine ctx names (withEngine), else the operator
+// token; "" when there is none.
+func (c *Credentials) Token(ctx context.Context) (string, error) {
+	if id, ok := ctx.Value(engineCtxKey{}).(string); ok && c.Engine != nil {
+		return c.Engine(id)
 	}
-	token := t.c.Operator
-	if id, ok := r.Context().Value(engineCtxKey{}).(string); ok && t.c.Engine != nil {
-		var err error
-		if token, err = t.c.Engine(id); err != nil {
-			if r.Body != nil {
-				_ = r.Body.Close()
-			}
-			return nil, err
-		}
-	}
-	if token == "" {
-		return t.base.RoundTrip(r)
-	}
-	r = r.Clone(r.Context())
-	r.Header.Set("Authorization", "Bearer "+token)
-	return t.base.RoundTrip(r)
+	return c.Operator, nil
 }
 
 // withCredentials returns hc sending c's tokens (hc itself when c is nil).
@@ -88,18 +68,7 @@ func withCredentials(hc *http.Client, c *Credentials) *http.Client {
 	if c == nil {
 		return hc
 	}
-	base := hc.Transport
-	if base == nil {
-		base = http.DefaultTransport
-	}
 	out := *hc
-	out.Transport = &credentialTransport{base: base, c: c}
+	out.Transport = auth.Transport(hc.Transport, c)
 	return &out
-}
-
-// CloseIdleConnections closes the base transport's idle connections.
-func (t *credentialTransport) CloseIdleConnections() {
-	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
-		c.CloseIdleConnections()
-	}
 }

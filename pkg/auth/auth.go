@@ -222,7 +222,7 @@ func reason(err error) string {
 		return "the token has no expiry"
 	case errors.Is(err, jwt.ErrTokenUsedBeforeIssued), errors.Is(err, jwt.ErrTokenNotValidYet):
 		return "the token is not valid yet"
-	case errors.Is(err, jwt.ErrTokenSignatureInvalid), errors.Is(err, jwt.ErrTokenUnverifiable):
+	case errors.Is(err, jwt.ErrTokenUnverifiable):
 		return "the token's algorithm is not accepted"
 	default:
 		return "the token is not valid"

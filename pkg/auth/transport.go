@@ -1,6 +1,7 @@
 package auth
 
 import (
+	"context"
 	"net/http"
 	"sync"
 	"time"
@@ -8,8 +9,9 @@ import (
 
 // TokenSource gives the bearer token of an outgoing request.
 type TokenSource interface {
-	// Token returns the token to send now.
-	Token() (string, error)
+	// Token returns the token to send now with a request made with ctx
+	// (a source may choose it by what ctx carries); "" sends none.
+	Token(ctx context.Context) (string, error)
 }
 
 // Static is a TokenSource of one fixed token (an engine token given to a
@@ -17,7 +19,7 @@ type TokenSource interface {
 type Static string
 
 // Token returns the token.
-func (s Static) Token() (string, error) { return string(s), nil }
+func (s Static) Token(context.Context) (string, error) { return string(s), nil }
 
 // Minted is a TokenSource that signs its own tokens of one kind and
 // subject with a key, each valid for TTL, and signs a new one when less
@@ -45,7 +47,7 @@ func ServiceTokens(k Key, service string) *Minted {
 }
 
 // Token returns a valid token, signing a new one when due.
-func (m *Minted) Token() (string, error) {
+func (m *Minted) Token(context.Context) (string, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := time.Now()
@@ -62,8 +64,8 @@ func (m *Minted) Token() (string, error) {
 
 // Transport returns a RoundTripper that sets "Authorization: Bearer" from
 // src on every request it sends through base (http.DefaultTransport when
-// nil). A nil src sends requests as they are. A request that already
-// carries an Authorization header keeps it.
+// nil). A nil src, or an empty token, sends the request as it is. A
+// request that already carries an Authorization header keeps it.
 func Transport(base http.RoundTripper, src TokenSource) http.RoundTripper {
 	if base == nil {
 		base = http.DefaultTransport
@@ -83,12 +85,15 @@ func (b *bearer) RoundTrip(r *http.Request) (*http.Response, error) {
 	if r.Header.Get("Authorization") != "" {
 		return b.base.RoundTrip(r)
 	}
-	t, err := b.src.Token()
+	t, err := b.src.Token(r.Context())
 	if err != nil {
 		if r.Body != nil {
 			_ = r.Body.Close()
 		}
 		return nil, err
+	}
+	if t == "" {
+		return b.base.RoundTrip(r)
 	}
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", "Bearer "+t)

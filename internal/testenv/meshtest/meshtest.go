@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"testing"
@@ -25,6 +26,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/auth"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 )
 
 // Settings of the infrastructure.
@@ -170,6 +172,15 @@ func (m *Mesh) EngineToken(t testing.TB, id string) string {
 		t.Fatal(err)
 	}
 	return tok
+}
+
+// EngineClient is a data-plane client of the gpuworker at url that carries
+// engine id's token, as that engine's compute writes.
+func (m *Mesh) EngineClient(t testing.TB, url, id string) *dataplane.Client {
+	t.Helper()
+	hc := &http.Client{Transport: auth.Transport(nil, auth.Static(m.EngineToken(t, id)))}
+	t.Cleanup(hc.CloseIdleConnections)
+	return dataplane.NewClient(url, hc)
 }
 
 // startBroker starts the broker with brokerCfg.
