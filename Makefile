@@ -18,7 +18,7 @@ SERVICES  := lookup scheduler sender gpuworker
 
 .PHONY: help
 help: ## List the targets.
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## Build the four services and the kvmesh CLI into bin/.
@@ -54,11 +54,30 @@ TESTBIN   := $(DEV)/testbin
 # Fuzz targets that `make test` runs for FUZZTIME; `make fuzz` runs them all.
 TESTFUZZ  := ./pkg/kvcore
 
-test: deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, plus bounded fuzzing of the domain core.
+# The vLLM connector's Python tests run on Debian's interpreter (the
+# packages scripts/pydeps.sh installs are for it, not for a pyenv python3 on
+# PATH), from the repository root, writing no __pycache__ or .pytest_cache
+# into the checkout. The mesh tests (PYTESTS/mesh) need a running stack:
+# TestVLLMConnector (e2e/) starts one and runs them.
+PYTHON    := /usr/bin/python3
+PYTESTS   := connectors/vllm/tests
+PYTEST    := PYTHONPATH=$(CURDIR)/connectors/vllm PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider
+
+# KVMESH_REQUIRE_PYTHON=1: a Go test that needs the Python packages fails
+# instead of skipping without them (python-deps installed them first).
+test: deps test-python ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, the connector's Python tests, plus bounded fuzzing of the domain core.
 	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ $(addprefix ./services/,$(SERVICES))
-	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
-		$(GO) test -race -count=1 -timeout 9m $(PKGS)
+	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_REQUIRE_PYTHON=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
+		$(GO) test -race -count=1 -timeout 10m $(PKGS)
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
+
+.PHONY: python-deps
+python-deps: ## Install python3-confluent-kafka, -numpy, -pytest and -torch for /usr/bin/python3 when missing (as root; else print the apt-get command and fail).
+	@scripts/pydeps.sh
+
+.PHONY: test-python
+test-python: python-deps ## The vLLM connector's Python unit tests (connectors/vllm/tests; the mesh tests run in TestVLLMConnector).
+	$(PYTEST) $(PYTESTS) --ignore=$(PYTESTS)/mesh
 
 .PHONY: fuzz
 fuzz: deps ## Run every fuzz target (kvcore's and the sender's) for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).

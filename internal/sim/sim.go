@@ -627,7 +627,7 @@ func (r *run) submitTurn(c *Conversation, t int) {
 
 // turnID is the request id of turn t of conversation c.
 func (r *run) turnID(c *Conversation, t int) string {
-	return fmt.Sprintf("%s-c%04d-t%02d", r.cfg.RunTag, c.Index, t)
+	return RequestID(r.cfg.RunTag, c.Index, t)
 }
 
 // requestTenants maps every request id of the run to its conversation's

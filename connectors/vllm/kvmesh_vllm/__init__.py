@@ -1,0 +1,1 @@
+"""kvmesh KV connector for vLLM."""

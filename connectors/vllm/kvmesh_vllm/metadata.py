@@ -1,0 +1,48 @@
+"""What the scheduler side tells the workers each step, and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._vllm import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """A block whose chunk the step's forward pass completes (or, with
+    ``adopt``, that another connector filled): its identity is recorded in
+    the KV memory's record once the forward pass is done."""
+
+    request_id: str
+    group: int
+    block: int
+    hash_hex: str
+    adopt: bool = False
+
+
+@dataclass(frozen=True)
+class PendingLoad:
+    """A kvmesh load issued this step: the blocks the gpuworker will write."""
+
+    request_id: str
+    blocks: tuple[tuple[int, int], ...]
+
+
+@dataclass
+class KVMeshConnectorMetadata(KVConnectorMetadata):
+    """One step's metadata, from the scheduler side to every worker."""
+
+    step: int = 0
+    writes: list[BlockWrite] = field(default_factory=list)
+    loads: list[PendingLoad] = field(default_factory=list)
+
+
+@dataclass
+class KVMeshWorkerMetadata(KVConnectorWorkerMetadata):
+    """The steps whose block identities a worker recorded."""
+
+    steps: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: "KVMeshWorkerMetadata") -> "KVMeshWorkerMetadata":
+        """Every worker's steps (the union)."""
+        return KVMeshWorkerMetadata(self.steps | other.steps)

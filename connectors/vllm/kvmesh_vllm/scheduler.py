@@ -1,0 +1,448 @@
+"""The scheduler side of the connector: lookups and step records.
+
+vLLM calls these methods from its scheduler process (``KVConnectorRole.
+SCHEDULER``). They turn what vLLM's scheduler decides into kvmesh's engine
+contract (``docs/contract.md``, "The engine contract"):
+
+- ``get_num_new_matched_tokens`` asks kvmesh's lookup service, in the
+  background, and answers ``None`` ("not yet") until it answered, as vLLM
+  allows;
+- ``update_state_after_alloc`` and ``build_connector_meta`` turn each
+  request's admission, allocation, scheduling and preemption into request
+  events with consecutive ``seq``; one step's events form one
+  ``kvmesh.engine.steps`` record, keyed by the engine id;
+- a step's record is published only after vLLM hands the step's output
+  back (``update_connector_output``): its KV is then computed and its
+  blocks' identities recorded by the workers, so a save the record causes
+  never reads a block before it holds its chunk ("complete before
+  publish");
+- ``request_finished`` publishes the finish and delays the free until
+  kvmesh reports ``finished_sending`` (the workers return it from
+  ``get_finished``).
+
+Nothing here raises into vLLM's scheduler loop: a failed lookup answers 0
+(the engine computes), a failed publish is counted and the mesh fails the
+request closed (a sequence gap).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import contract as c
+from .config import Settings, valid_tenant
+from .metadata import BlockWrite, KVMeshConnectorMetadata, PendingLoad
+from .model import ModelSpec
+from .stats import ConnectorStats
+
+log = logging.getLogger(__name__)
+
+
+def hash_hex(h: Any) -> str:
+    """One of vLLM's block hashes as kvmesh's hex.
+
+    vLLM's ``BlockHash`` is bytes; older versions used ints, and some wrap
+    the value (``hash_value``)."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h).hex()
+    if isinstance(h, str):
+        return h.lower()
+    if isinstance(h, int):
+        return (h & ((1 << 64) - 1)).to_bytes(8, "big").hex()
+    inner = getattr(h, "hash_value", None)
+    if inner is not None:
+        return hash_hex(inner)
+    raise TypeError(f"block hash of type {type(h).__name__}")
+
+
+@dataclass
+class _Request:
+    """What the scheduler side keeps of one request."""
+
+    request_id: str
+    request: Any
+    seq: int = 0
+    admitted: bool = False
+    tenant: str = ""
+    lookup: Optional[Future] = None
+    lookup_at: int = -1  # num_computed_tokens the lookup was asked with
+    decision: Optional[c.Decision] = None
+    matched: Optional[int] = None  # the answer for lookup_at
+    local: int = 0  # vLLM's own prefix-cache hit at the lookup
+    allocated: bool = False
+    loading: bool = False
+    load_done: bool = False
+    external: int = 0
+    foreign: int = 0  # tokens another connector supplies (MultiConnector)
+    scheduled: bool = False  # ever scheduled: a later first step is a resume
+    running: bool = False  # scheduled since its current allocation
+    table: list[list[int]] = field(default_factory=list)
+    finished: bool = False
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+@dataclass
+class _Record:
+    """A step record waiting for its step's output, then for its turn."""
+
+    step: c.EngineStep
+    step_no: int
+    needs_output: bool
+
+
+#: At most this many steps wait for their output: vLLM schedules at most
+#: one step ahead of the one running (async scheduling), so a step this
+#: far back has certainly finished its forward pass.
+MAX_STEPS_IN_FLIGHT = 2
+
+
+class SchedulerSide:
+    """The scheduler-side half of :class:`~kvmesh_vllm.connector.KVMeshConnector`."""
+
+    def __init__(self, settings: Settings, model: ModelSpec, lookup_client: Any,
+                 publish: Callable[[bytes], None], stats: ConnectorStats,
+                 null_block_id: int = c.VLLM_NULL_BLOCK_ID) -> None:
+        self._s = settings
+        self._model = model
+        self._lookup = lookup_client
+        self._publish = publish
+        self._stats = stats
+        self._null = null_block_id
+        self._reqs: dict[str, _Request] = {}
+        self._events: list[c.RequestEvent] = []
+        self._loads: list[PendingLoad] = []
+        self._queue: collections.deque[_Record] = collections.deque()
+        self._awaiting: collections.deque[int] = collections.deque()
+        self._step = 0
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvmesh-lookup")
+        self._lock = threading.Lock()
+
+    # ---- lookups -------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """Tokens kvmesh can load beyond ``num_computed_tokens``; ``None``
+        while the lookup has not answered."""
+        st = self._state(request)
+        if st.load_done or st.running:
+            return 0, False  # after a load, or a request already running
+        if st.matched is not None and st.lookup_at == num_computed_tokens:
+            return st.matched, st.matched > 0 and (st.decision.load_async if st.decision else True)
+        if st.lookup is None or st.lookup_at != num_computed_tokens:
+            st.lookup_at, st.local, st.matched, st.decision = num_computed_tokens, num_computed_tokens, None, None
+            st.lookup = self._pool.submit(self._ask, st, num_computed_tokens)
+            self._stats.add("lookups")
+            return None, False
+        if not st.lookup.done():
+            return None, False
+        fut, st.lookup = st.lookup, None
+        try:
+            dec = fut.result()
+        except Exception as e:  # any failure fails open: the engine computes
+            self._stats.add("lookup_failures")
+            log.warning("kvmesh lookup of %s failed; computing it: %s", st.request_id, e)
+            st.matched = 0
+            return 0, False
+        if dec.pending:
+            self._stats.add("lookup_pending")
+            st.lookup = self._pool.submit(self._ask, st, num_computed_tokens)
+            return None, False
+        st.decision = dec
+        st.matched = self._accept(st, dec, num_computed_tokens)
+        return st.matched, st.matched > 0 and dec.load_async
+
+    def _ask(self, st: _Request, num_computed: int) -> c.Decision:
+        """One lookup call (in the lookup pool's thread)."""
+        req = st.request
+        hashes = [hash_hex(h) for h in getattr(req, "block_hashes", ())]
+        num_tokens = int(req.num_tokens)
+        if len(hashes) != num_tokens // self._model.hash_block_size:
+            self._stats.add("lookup_anomalies")
+            raise ValueError(
+                f"{len(hashes)} block hashes for {num_tokens} tokens: vLLM hashes every "
+                f"{num_tokens // max(1, len(hashes))} tokens, the mesh's model every {self._model.hash_block_size}"
+            )
+        body = c.lookup_request(
+            self._s.engine_id, st.request_id, self._s.model, hashes, num_tokens, num_computed,
+            tenant=st.tenant, kv_transfer_params=_pd_params(req),
+        )
+        _, _, data = self._lookup.request("POST", "/v1/lookup", json_body=body)
+        return c.Decision.from_json(data)
+
+    def _accept(self, st: _Request, dec: c.Decision, num_computed: int) -> int:
+        """The external tokens of a decision the engine can act on, else 0."""
+        if dec.external_tokens <= 0 or not dec.chosen:
+            return 0
+        child = dec.child(dec.chosen) or {}
+        spec = child.get("load_spec") or {}
+        hit = int(spec.get("kvpool_cached_tokens", -1))
+        problem = ""
+        if int(spec.get("vllm_cached_tokens", -1)) != num_computed:
+            problem = f"load spec cached {spec.get('vllm_cached_tokens')}, engine computed {num_computed}"
+        elif hit - num_computed != dec.external_tokens:
+            problem = f"external tokens {dec.external_tokens}, load spec hit {hit} - cached {num_computed}"
+        elif hit >= int(st.request.num_tokens):
+            problem = f"hit {hit} is not below the request's {st.request.num_tokens} tokens"
+        if problem:
+            self._stats.add("lookup_anomalies")
+            log.warning("kvmesh lookup decision %s for %s not acted on: %s", dec.decision_id, st.request_id, problem)
+            return 0
+        return dec.external_tokens
+
+    # ---- allocation and steps ------------------------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Records the allocation: ``admitted`` (first time), ``allocated``,
+        and a ``pending_load`` when kvmesh's tokens will be loaded."""
+        st = self._state(request)
+        table = c.table_of(blocks.get_block_ids()) if blocks is not None else []
+        if st.allocated and not st.running:
+            # vLLM's second call for an async load (this connector's or
+            # another's under MultiConnector): the same allocation, grown.
+            st.table = table
+            return
+        if not st.admitted:
+            st.admitted = True
+            self._event(st, c.RequestEvent(
+                request_id=st.request_id, kind=c.EVENT_ADMITTED,
+                prompt_tokens=len(request.prompt_token_ids),
+                block_hashes=[hash_hex(h) for h in getattr(request, "block_hashes", ())],
+                tenant=st.tenant, consumer=self._s.consumer,
+            ))
+        st.allocated, st.table, st.external = True, table, num_external_tokens
+        if st.decision and st.decision.external_tokens > 0 and num_external_tokens == 0:
+            self._stats.add("lookups_not_chosen")  # MultiConnector chose another child
+        self._event(st, c.RequestEvent(
+            request_id=st.request_id, kind=c.EVENT_ALLOCATED, external_tokens=num_external_tokens,
+            block_table=table, decision_id=st.decision.decision_id if st.decision else "",
+        ))
+        if num_external_tokens > 0:
+            st.loading = True
+            hit = st.local + num_external_tokens
+            self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_SCHEDULED, step=c.step_of(c.STEP_PENDING_LOAD)))
+            self._loads.append(PendingLoad(st.request_id, tuple(self._load_blocks(table, st.local, hit))))
+            self._stats.add("loads")
+            self._stats.add("load_tokens", num_external_tokens)
+
+    def _load_blocks(self, table: list[list[int]], start: int, hit: int) -> list[tuple[int, int]]:
+        """The (group, block) pairs a load resuming at ``hit`` writes."""
+        out = []
+        for g in range(len(self._model.groups)):
+            for p in self._model.load_chunks(g, start, hit):
+                if p < len(table[g]) and table[g][p] != self._null:
+                    out.append((g, table[g][p]))
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
+        """The step's metadata for the workers; queues the step's record."""
+        self._step += 1
+        meta = KVMeshConnectorMetadata(step=self._step, loads=self._loads)
+        self._loads = []
+        for rid in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
+            self._preempted(rid)
+        for nr in scheduler_output.scheduled_new_reqs:
+            self._scheduled_new(nr, scheduler_output.num_scheduled_tokens.get(nr.req_id, 0), meta)
+        self._scheduled_cached(scheduler_output, meta)
+        self._enqueue(self._step, bool(meta.writes))
+        if meta.writes:
+            self._awaiting.append(self._step)
+        while len(self._awaiting) > MAX_STEPS_IN_FLIGHT:
+            self._output_of(self._awaiting.popleft())
+        self._flush()
+        return meta
+
+    def _enqueue(self, step_no: int, needs_output: bool) -> None:
+        """Queues the events so far as the records of step ``step_no``."""
+        events, self._events = self._events, []
+        for i in range(0, len(events), c.MAX_STEP_REQUESTS):
+            rec = c.EngineStep(engine_id=self._s.engine_id, model=self._s.model, step=step_no,
+                               requests=events[i:i + c.MAX_STEP_REQUESTS], null_block_id=self._null)
+            self._queue.append(_Record(rec, step_no, needs_output))
+
+    def _output_of(self, step_no: int) -> None:
+        """Step ``step_no``'s forward pass is done: its records may go."""
+        for rec in self._queue:
+            if rec.step_no == step_no:
+                rec.needs_output = False
+
+    def _scheduled_new(self, nr: Any, n: int, meta: KVMeshConnectorMetadata) -> None:
+        st = self._reqs.get(nr.req_id)
+        if st is None:
+            return  # never seen by the lookup: not kvmesh's (should not happen)
+        table = c.table_of(nr.block_ids)
+        start, end = int(nr.num_computed_tokens), int(nr.num_computed_tokens) + int(n)
+        kind = c.STEP_RESUMED if st.scheduled else c.STEP_NEW
+        prefill = len(st.request.prompt_token_ids) if kind == c.STEP_NEW else int(st.request.num_tokens)
+        self._begin_running(st, table, start, end, meta)
+        self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_SCHEDULED, step=c.step_of(
+            kind, tokens=end, table=table, hashes=self._hashes(st), prefill_tokens=prefill)))
+
+    def _begin_running(self, st: _Request, table: list[list[int]], start: int, end: int,
+                       meta: KVMeshConnectorMetadata) -> None:
+        """A request's first scheduled step (new, resumed, or after its load)."""
+        st.scheduled, st.running, st.table = True, True, table
+        foreign_from = st.local + st.external
+        if not st.loading and not st.load_done and start > foreign_from:
+            # Another connector (MultiConnector's chosen child) supplied
+            # tokens [foreign_from, start): vLLM attends over them from this
+            # step on, so the blocks hold that KV; record their identities.
+            st.foreign = start - foreign_from
+            self._stats.add("foreign_tokens", st.foreign)
+            self._writes(st, table, foreign_from, start, meta, adopt=True)
+        st.loading = False
+        self._writes(st, table, start, end, meta)
+
+    def _scheduled_cached(self, so: Any, meta: KVMeshConnectorMetadata) -> None:
+        cr = so.scheduled_cached_reqs
+        resumed = set(getattr(cr, "resumed_req_ids", None) or ())
+        flags = getattr(cr, "resumed_from_preemption", None)
+        for i, rid in enumerate(cr.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            n = int(so.num_scheduled_tokens.get(rid, 0))
+            start = int(cr.num_computed_tokens[i])
+            end = start + n
+            new_ids = cr.new_block_ids[i] if cr.new_block_ids is not None else None
+            if rid in resumed or (flags is not None and flags[i]):
+                table = c.table_of(new_ids or [[] for _ in self._model.groups])
+                self._begin_running(st, table, start, end, meta)
+                self._event(st, c.RequestEvent(request_id=rid, kind=c.EVENT_SCHEDULED, step=c.step_of(
+                    c.STEP_RESUMED, tokens=end, table=table, hashes=self._hashes(st),
+                    prefill_tokens=int(st.request.num_tokens))))
+                continue
+            delta = c.table_of(new_ids) if new_ids is not None else None
+            if delta is not None:
+                for g, ids in enumerate(delta):
+                    st.table[g].extend(ids)
+            self._writes(st, st.table, start, end, meta)
+            decode = start >= len(st.request.prompt_token_ids)
+            if decode and (delta is None or not any(delta)):
+                continue  # a decode step that added no block changes nothing for the mesh
+            kind = c.STEP_DECODE if decode else c.STEP_RUNNING
+            self._event(st, c.RequestEvent(request_id=rid, kind=c.EVENT_SCHEDULED,
+                                           step=c.step_of(kind, tokens=end, table=delta)))
+
+    def _writes(self, st: _Request, table: list[list[int]], start: int, end: int,
+                meta: KVMeshConnectorMetadata, adopt: bool = False) -> None:
+        """The identities of the blocks whose chunks tokens [start, end) complete."""
+        hashes = getattr(st.request, "block_hashes", ())
+        for g in range(len(self._model.groups)):
+            for p, hi in self._model.completed_chunks(g, start, end):
+                if g >= len(table) or p >= len(table[g]) or table[g][p] == self._null or hi >= len(hashes):
+                    continue
+                meta.writes.append(BlockWrite(st.request_id, g, table[g][p], hash_hex(hashes[hi]), adopt))
+
+    def _hashes(self, st: _Request) -> list[str]:
+        return [hash_hex(h) for h in getattr(st.request, "block_hashes", ())]
+
+    def _preempted(self, rid: str) -> None:
+        st = self._reqs.get(rid)
+        if st is None or not st.admitted:
+            return
+        self._event(st, c.RequestEvent(request_id=rid, kind=c.EVENT_PREEMPTED))
+        st.lookup, st.lookup_at, st.matched, st.decision = None, -1, None, None
+        st.allocated = st.loading = st.load_done = st.running = False
+        st.external = st.foreign = 0
+        st.table = []
+        self._stats.add("preemptions")
+
+    # ---- step output, finish --------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A step's output is back: its KV is in, its record may go.
+
+        The workers name the steps whose identities they recorded
+        (``kv_connector_worker_meta``); without that (older vLLM), the
+        oldest step waiting is the one whose output this is."""
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        done = set(getattr(wm, "steps", ()) or ())
+        if not done and self._awaiting:
+            done = {self._awaiting[0]}
+        for s in done:
+            if s in self._awaiting:
+                self._awaiting.remove(s)
+            self._output_of(s)
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None and st.loading:  # MultiConnector reports every child's loads
+                st.loading, st.load_done = False, True
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            st = self._reqs.get(rid)
+            if st is not None and st.finished:
+                del self._reqs[rid]
+        self._flush()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        """Publishes the finish; the free waits for ``finished_sending``."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.admitted:
+            self._reqs.pop(request.request_id, None)
+            return False, None
+        if st.lookup is not None:
+            st.lookup.cancel()
+        st.finished = True
+        self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_FINISHED))
+        self._enqueue(self._step, False)
+        self._flush()
+        return True, None
+
+    def _flush(self) -> None:
+        """Publishes every record at the head whose step output is back."""
+        while self._queue and not self._queue[0].needs_output:
+            rec = self._queue.popleft()
+            if not rec.step.requests:
+                continue
+            try:
+                self._publish(rec.step.encode())
+                self._stats.add("records")
+            except Exception as e:
+                # The mesh sees a seq gap for these requests and fails them
+                # closed (request_error; their finish frees at once).
+                self._stats.add("publish_failures")
+                log.error("kvmesh step record %s (%d events) not published: %s", rec.step.step_id, len(rec.step.requests), e)
+
+    def _event(self, st: _Request, ev: c.RequestEvent) -> None:
+        ev.seq = st.next_seq()
+        self._events.append(ev)
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _Request(request.request_id, request, tenant=self._tenant(request))
+            self._reqs[request.request_id] = st
+        st.request = request
+        return st
+
+    def _tenant(self, request: Any) -> str:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        t = str(params.get("kvmesh_tenant") or self._s.tenant or "")
+        if t and not valid_tenant(t):
+            self._stats.add("tenant_invalid")
+            log.warning("request %s: tenant %r is not valid; using none", request.request_id, t)
+            return ""
+        return t
+
+    def last_decision(self, request_id: str) -> Optional[c.Decision]:
+        """The lookup decision the request's allocation acted on, if any."""
+        st = self._reqs.get(request_id)
+        return st.decision if st is not None else None
+
+    def shutdown(self) -> None:
+        """Stops the lookup threads; unpublished records are dropped."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pd_params(request: Any) -> Optional[dict[str, Any]]:
+    """The pd source a decode engine's request carries, if any."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if "remote_engine_id" not in params:
+        return None
+    return {k: params[k] for k in ("remote_engine_id", "remote_block_table", "remote_tokens", "remote_null_block_id") if k in params}

@@ -1,0 +1,235 @@
+"""The scheduler side's records, step by step, without a mesh.
+
+A fake lookup client answers as kvmesh's lookup does and the published
+records are kept in a list, so each test reads exactly what the connector
+would put on ``kvmesh.engine.steps``; the scenarios are those of
+``docs/contract.md`` and the seed's MultiConnector path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "mesh"))
+
+import fakevllm as fv  # noqa: E402
+from kvmesh_vllm import config as cfg  # noqa: E402
+from kvmesh_vllm.model import ModelSpec  # noqa: E402
+from kvmesh_vllm.scheduler import SchedulerSide  # noqa: E402
+from kvmesh_vllm.stats import ConnectorStats  # noqa: E402
+
+SPEC = {"name": "hybrid", "hash_block_size": 16, "groups": [
+    {"kind": "mla", "block_size": 16, "bytes_per_block": 64},
+    {"kind": "mamba", "block_size": 16, "bytes_per_block": 128}]}
+
+
+class FakeLookup:
+    """Answers every lookup with the store child's hit (or "not yet")."""
+
+    def __init__(self, hit: int = 0, pending: int = 0, fail: bool = False) -> None:
+        self.hit, self.pending, self.fail = hit, pending, fail
+        self.calls: list[dict] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def request(self, method, path, json_body=None, **kw):
+        self.gate.wait(5)
+        self.calls.append(json_body)
+        if self.fail:
+            raise OSError("connection refused")
+        if self.pending > 0:
+            self.pending -= 1
+            return 200, {}, {"decision_id": "d0", "pending": True, "external_tokens": 0, "children": []}
+        n = json_body["num_computed_tokens"]
+        ext = max(0, self.hit - n)
+        return 200, {}, {
+            "decision_id": f"d{len(self.calls)}", "chosen": "store" if ext else "", "external_tokens": ext, "load_async": True,
+            "children": [{"name": "pd", "tokens": 0}, {"name": "store", "tokens": ext,
+                         "load_spec": {"vllm_cached_tokens": n, "kvpool_cached_tokens": self.hit, "can_load": False}}]}
+
+
+class Side:
+    """A SchedulerSide with its fakes, and what it published."""
+
+    def __init__(self, lookup: FakeLookup, fail_publish: bool = False) -> None:
+        self.records: list[dict] = []
+        self.lookup = lookup
+        self.stats = ConnectorStats()
+        self.fail_publish = fail_publish
+        settings = cfg.Settings(engine_id="e1", model="hybrid", lookup_url="http://x", kafka={})
+        self.s = SchedulerSide(settings, ModelSpec.from_json(SPEC), lookup, self._publish, self.stats)
+
+    def _publish(self, value: bytes) -> None:
+        if self.fail_publish:
+            raise RuntimeError("broker down")
+        self.records.append(json.loads(value))
+
+    def events(self) -> list[dict]:
+        return [e for r in self.records for e in r["requests"]]
+
+    def ask(self, req, computed=0, deadline=5.0):
+        """Calls get_num_new_matched_tokens until it answers, as vLLM's loop does."""
+        end = time.monotonic() + deadline
+        while True:
+            n, async_ = self.s.get_num_new_matched_tokens(req, computed)
+            if n is not None:
+                return n, async_
+            assert time.monotonic() < end, "lookup never answered"
+            time.sleep(0.002)  # poll interval of a deadline-bounded wait
+
+
+def request(rid="r1", tokens=40):
+    return fv.Request(rid, list(range(1, tokens + 1)), 4, 16, b"salt")
+
+
+def new_step(req, table, n):
+    return fv.SchedulerOutput(scheduled_new_reqs=[fv.NewRequestData(req.request_id, req.prompt_token_ids, table, 0)],
+                              num_scheduled_tokens={req.request_id: n}, total_num_scheduled_tokens=n)
+
+
+def test_lookup_not_yet_then_answer():
+    side = Side(FakeLookup(hit=32, pending=1))
+    req = request(tokens=40)
+    assert side.s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.ask(req) == (32, True)
+    assert side.stats.get("lookup_pending") == 1
+    body = side.lookup.calls[-1]
+    assert body["num_tokens"] == 40 and len(body["block_hashes"]) == 2 and body["engine_id"] == "e1"
+
+
+def test_lookup_failure_answers_zero():
+    side = Side(FakeLookup(fail=True))
+    assert side.ask(request()) == (0, False)
+    assert side.stats.get("lookup_failures") == 1
+
+
+def test_record_waits_for_the_steps_output():
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=40)
+    assert side.ask(req) == (0, False)
+    table = ([1, 2, 3], [4, 5, 6])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
+    meta = side.s.build_connector_meta(new_step(req, table, 40))
+    assert side.records == [], "published before the step's KV was computed"
+    assert [(w.group, w.block) for w in meta.writes] == [(0, 1), (0, 2), (1, 4), (1, 5)]
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    evs = side.events()
+    assert [(e["kind"], e["seq"]) for e in evs] == [("admitted", 1), ("allocated", 2), ("scheduled", 3)]
+    step = evs[2]["step"]
+    assert step["kind"] == "new" and step["tokens"] == 40 and step["block_table"] == [[1, 2, 3], [4, 5, 6]]
+    assert step["prefill_tokens"] == 40 and len(step["block_hashes"]) == 2
+    assert side.records[0]["null_block_id"] == 0 and side.records[0]["engine_id"] == "e1"
+
+
+def test_pd_child_wins_nothing_to_load_or_save():
+    """The seed's path: kvmesh hit, MultiConnector chose another child,
+    kvmesh told 0 — the allocation carries 0 tokens and the decision, no
+    pending load, and kvmesh records the other child's blocks' identities
+    at the first scheduled step."""
+    side = Side(FakeLookup(hit=32))
+    req = request(tokens=40)
+    assert side.ask(req) == (32, True)
+    table = ([1, 2, 3], [0, 5, 6])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
+    so = fv.SchedulerOutput(scheduled_new_reqs=[fv.NewRequestData("r1", req.prompt_token_ids, table, 32)],
+                            num_scheduled_tokens={"r1": 8}, total_num_scheduled_tokens=8)
+    meta = side.s.build_connector_meta(so)
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    kinds = [e["kind"] for e in side.events()]
+    assert kinds == ["admitted", "allocated", "scheduled"]
+    alloc = side.events()[1]
+    assert "external_tokens" not in alloc and alloc["decision_id"]
+    assert side.events()[2]["step"]["kind"] == "new"
+    assert meta.loads == []
+    assert sorted((w.group, w.block, w.adopt) for w in meta.writes) == [(0, 1, True), (0, 2, True), (1, 5, True)]
+    assert side.stats.get("lookups_not_chosen") == 1 and side.stats.get("foreign_tokens") == 32
+
+
+def test_load_then_resume():
+    side = Side(FakeLookup(hit=32))
+    req = request(tokens=40)
+    assert side.ask(req) == (32, True)
+    table = ([1, 2], [0, 5])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 32)
+    meta = side.s.build_connector_meta(fv.SchedulerOutput())
+    assert [(l.request_id, l.blocks) for l in meta.loads] == [("r1", ((0, 1), (0, 2), (1, 5)))]
+    assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled"]
+    assert side.events()[2]["step"]["kind"] == "pending_load" and side.events()[1]["external_tokens"] == 32
+    side.s.update_connector_output(fv.KVConnectorOutput(finished_recving={"r1"}))
+    assert side.s.get_num_new_matched_tokens(req, 32) == (0, False)
+    full = ([1, 2, 3], [0, 5, 6])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(full), 0)
+    so = fv.SchedulerOutput(scheduled_new_reqs=[fv.NewRequestData("r1", req.prompt_token_ids, full, 32)],
+                            num_scheduled_tokens={"r1": 8}, total_num_scheduled_tokens=8)
+    meta = side.s.build_connector_meta(so)
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled", "scheduled"]
+    assert side.events()[3]["step"]["block_table"] == [[1, 2, 3], [0, 5, 6]]
+    assert meta.writes == [], "a 40-token request completes no block at token 40 beyond the load's"
+
+
+def test_preempt_resume_finish_in_order():
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=32)
+    side.ask(req)
+    table = ([1, 2], [3, 4])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
+    side.s.build_connector_meta(new_step(req, table, 32))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    side.s.build_connector_meta(fv.SchedulerOutput(preempted_req_ids={"r1"}))
+    assert side.ask(req) == (0, False)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([7, 8], [9, 10])), 0)
+    cr = fv.CachedRequestData(req_ids=["r1"], resumed_req_ids={"r1"}, new_block_ids=[([7, 8], [9, 10])], num_computed_tokens=[0])
+    side.s.build_connector_meta(fv.SchedulerOutput(scheduled_cached_reqs=cr, num_scheduled_tokens={"r1": 32}, total_num_scheduled_tokens=32))
+    delay, _ = side.s.request_finished(req, [[7, 8], [9, 10]])
+    assert delay is True
+    assert [e["kind"] for e in side.events()][-1] != "finished", "the finish overtook its step's record"
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    evs = side.events()
+    assert [e["seq"] for e in evs] == list(range(1, len(evs) + 1))
+    assert [e["kind"] for e in evs] == ["admitted", "allocated", "scheduled", "preempted", "allocated", "scheduled", "finished"]
+    assert evs[5]["step"]["kind"] == "resumed" and evs[5]["step"]["block_table"] == [[7, 8], [9, 10]]
+
+
+def test_publish_failure_is_counted_not_raised():
+    side = Side(FakeLookup(hit=0), fail_publish=True)
+    req = request(tokens=16)
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1], [2])), 0)
+    side.s.build_connector_meta(new_step(req, ([1], [2]), 16))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert side.stats.get("publish_failures") == 1
+
+
+def test_decode_without_new_blocks_publishes_nothing():
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=16)
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1, 2], [3, 4])), 0)
+    side.s.build_connector_meta(new_step(req, ([1, 2], [3, 4]), 16))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    req.append_output(99)
+    n = len(side.records)
+    cr = fv.CachedRequestData(req_ids=["r1"], new_block_ids=[None], num_computed_tokens=[16])
+    side.s.build_connector_meta(fv.SchedulerOutput(scheduled_cached_reqs=cr, num_scheduled_tokens={"r1": 1}, total_num_scheduled_tokens=1))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert len(side.records) == n
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({}, "engine_id"),
+    ({"kvmesh.engine_id": "e"}, "kvmesh.model"),
+    ({"kvmesh.engine_id": "e", "kvmesh.model": "m"}, "lookup_url"),
+    ({"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.bogus": 1}, "unknown settings"),
+    ({"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.token": "a", "kvmesh.token_file": "/x"}, "not both"),
+    ({"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.load_timeout_s": -1}, "positive"),
+])
+def test_settings_errors_name_the_setting(extra, words):
+    with pytest.raises(cfg.KVMeshConfigError, match=words):
+        cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"})
