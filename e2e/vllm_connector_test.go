@@ -80,11 +80,23 @@ func TestVLLMConnector(t *testing.T) {
 	h := readHarnessReport(t, filepath.Join(dir, "harness-report.json"))
 	// The simulator plays the harness's part: the decode engine alone, on
 	// its own pd,store chain, with no prefill engine handing it prompts.
-	rep, err := sim.Run(ctx, simConfig(t, s, false, w))
+	cold := simConfig(t, s, false, w)
+	rep, err := sim.Run(ctx, cold)
 	if err != nil {
 		t.Fatal(err)
 	}
-	table := comparisonTable(h, rep)
+	// Then both replay the workload on a restarted engine (empty KV memory
+	// and prefix cache) with the first run's salt: the prompts hash to the
+	// keys the first run saved, so they load from the store.
+	again := simConfig(t, s, false, w)
+	again.Salt = cold.Salt
+	replay, err := sim.Run(ctx, again)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hReplay, _ := h["replay"].(map[string]any)
+	table := comparisonTable(column{"connector", harnessColumn(h)}, column{"Go sim", simColumn(rep)},
+		column{"connector replay", harnessColumn(harnessReport(hReplay))}, column{"Go sim replay", simColumn(replay)})
 	t.Logf("the vLLM connector's harness (run %s) and the Go simulator (run %s):\n%s", tag, rep.RunTag, table)
 	if path := os.Getenv("KVMESH_CONNECTOR_REPORT"); path != "" {
 		if err := os.WriteFile(path, []byte(table), 0o644); err != nil {
@@ -93,6 +105,10 @@ func TestVLLMConnector(t *testing.T) {
 	}
 	checkHarnessReport(t, h)
 	requireOK(t, rep)
+	requireOK(t, replay)
+	if replay.Tokens.Loaded["store"] == 0 {
+		t.Errorf("the simulator's replay loaded nothing from the store: %v", replay.Tokens.Loaded)
+	}
 }
 
 // requirePython skips the test (fails it under KVMESH_REQUIRE_PYTHON=1)
@@ -422,42 +438,64 @@ func harnessProblems(h harnessReport) []string {
 	return out
 }
 
-// comparisonTable is the harness report and the simulator's report side
-// by side, a row per figure; "-" marks a figure the harness did not
-// report. Saves are the simulator's ledger in store keys.
-func comparisonTable(h harnessReport, rep *sim.Report) string {
+// comparisonRows names the rows of comparisonTable, in order.
+var comparisonRows = []string{
+	"requests ok/total", "hit rate", "tokens local", "tokens loaded store", "tokens loaded pd", "preemptions",
+	"blocks checked", "blocks mismatched", "ledger balanced", "saves stored", "saves existing", "saves dead-lettered",
+}
+
+// harnessColumn is a harness report's figures in comparisonRows' order;
+// "-" marks a figure the harness did not report.
+func harnessColumn(h harnessReport) []string {
 	cell := func(v float64, ok bool) string {
 		if !ok {
 			return "-"
 		}
 		return fmt.Sprintf("%.0f", v)
 	}
-	pct := func(v float64, ok bool) string {
-		if !ok {
-			return "-"
-		}
-		return fmt.Sprintf("%.1f%%", 100*v)
+	rate := "-"
+	if v, ok := h.num("hit_rate"); ok {
+		rate = fmt.Sprintf("%.1f%%", 100*v)
 	}
-	hOK, okOK := h.num("requests_ok")
-	hTotal, okTotal := h.num("requests_total")
-	hRate, okRate := h.num("hit_rate")
-	rows := [][3]string{
-		{"requests ok/total", cell(hOK, okOK) + "/" + cell(hTotal, okTotal), fmt.Sprintf("%d/%d", rep.Requests.OK, rep.Requests.Total)},
-		{"hit rate", pct(hRate, okRate), pct(rep.PrefixHitRate, true)},
-		{"tokens loaded store", cell(h.sub("tokens_loaded", "store")), fmt.Sprint(rep.Tokens.Loaded["store"])},
-		{"tokens loaded pd", cell(h.sub("tokens_loaded", "pd")), fmt.Sprint(rep.Tokens.Loaded["pd"])},
-		{"blocks checked", cell(h.num("blocks_checked")), fmt.Sprint(rep.Verification.VerifiedBlocks)},
-		{"blocks mismatched", cell(h.num("blocks_mismatched")), fmt.Sprint(rep.Verification.Mismatched)},
-		{"ledger balanced", h.text("ledger_balanced"), fmt.Sprint(rep.Ledger.Balanced)},
-		{"saves stored", cell(h.sub("saves", "stored")), fmt.Sprint(rep.Ledger.Stored)},
-		{"saves existing", cell(h.sub("saves", "existing")), fmt.Sprint(rep.Ledger.Existing)},
-		{"saves dead-lettered", cell(h.sub("saves", "dead_lettered", "dead-lettered")), fmt.Sprint(rep.Ledger.DeadLettered)},
+	return []string{
+		cell(h.num("requests_ok")) + "/" + cell(h.num("requests_total")), rate, cell(h.num("tokens_local")),
+		cell(h.sub("tokens_loaded", "store")), cell(h.sub("tokens_loaded", "pd")), cell(h.num("preemptions")),
+		cell(h.num("blocks_checked")), cell(h.num("blocks_mismatched")), h.text("ledger_balanced"),
+		cell(h.sub("saves", "stored")), cell(h.sub("saves", "existing")), cell(h.sub("saves", "dead_lettered", "dead-lettered")),
 	}
+}
+
+// simColumn is a simulator report's figures in comparisonRows' order.
+// Saves are the simulator's ledger in store keys.
+func simColumn(rep *sim.Report) []string {
+	return []string{
+		fmt.Sprintf("%d/%d", rep.Requests.OK, rep.Requests.Total), fmt.Sprintf("%.1f%%", 100*rep.PrefixHitRate),
+		fmt.Sprint(rep.Tokens.LocalHit), fmt.Sprint(rep.Tokens.Loaded["store"]), fmt.Sprint(rep.Tokens.Loaded["pd"]),
+		fmt.Sprint(rep.Preemptions), fmt.Sprint(rep.Verification.VerifiedBlocks), fmt.Sprint(rep.Verification.Mismatched),
+		fmt.Sprint(rep.Ledger.Balanced), fmt.Sprint(rep.Ledger.Stored), fmt.Sprint(rep.Ledger.Existing), fmt.Sprint(rep.Ledger.DeadLettered),
+	}
+}
+
+// column is one run's figures under a heading.
+type column struct {
+	name  string
+	cells []string
+}
+
+// comparisonTable lays columns side by side, a row per figure.
+func comparisonTable(cols ...column) string {
 	var b strings.Builder
 	tw := tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "\tvLLM connector\tGo sim")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%s\t%s\t%s\n", r[0], r[1], r[2])
+	for _, c := range cols {
+		fmt.Fprint(tw, "\t"+c.name)
+	}
+	fmt.Fprintln(tw)
+	for i, row := range comparisonRows {
+		fmt.Fprint(tw, row)
+		for _, c := range cols {
+			fmt.Fprint(tw, "\t"+c.cells[i])
+		}
+		fmt.Fprintln(tw)
 	}
 	_ = tw.Flush() // a strings.Builder does not fail
 	return b.String()
@@ -505,10 +543,13 @@ func TestComparisonTable(t *testing.T) {
 	rep := &sim.Report{Requests: sim.RequestCounts{Total: 12, OK: 12}, PrefixHitRate: 0.5,
 		Tokens: sim.TokenCounts{Loaded: map[string]int{"pd": 64}}}
 	h := harnessReport{"requests_total": 12.0, "requests_ok": 11.0, "hit_rate": 0.25, "saves": map[string]any{"dead_lettered": 2.0}}
-	table := comparisonTable(h, rep)
+	table := comparisonTable(column{"connector", harnessColumn(h)}, column{"Go sim", simColumn(rep)})
 	for _, want := range []string{"requests ok/total    11/12", "hit rate             25.0%", "50.0%", "tokens loaded pd     -", "64", "saves dead-lettered  2", "ledger balanced      -"} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
 		}
+	}
+	if n := strings.Count(table, "\n"); n != len(comparisonRows)+1 {
+		t.Errorf("%d lines, want a heading and %d rows:\n%s", n, len(comparisonRows), table)
 	}
 }

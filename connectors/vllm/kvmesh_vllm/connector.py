@@ -108,12 +108,17 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             if rank_index >= tp * pp:
                 raise UnsupportedLayoutError(f"worker rank {rank_index} outside TP {tp} × PP {pp}")
+            if len(self.settings.gpuworker_urls) != tp * pp:
+                raise KVMeshConfigError(
+                    f"kvmesh.gpuworker_urls lists {len(self.settings.gpuworker_urls)} gpuworkers; vLLM runs "
+                    f"TP {tp} × PP {pp} = {tp * pp} ranks, each needs its own (in rank order: tp + {tp}·pp)")
             client = transport.HTTPClient(self.settings.gpuworker_url(rank_index), token=self.settings.token,
                                           retry_deadline=self.settings.start_deadline_s, **tls)
             feedback = transport.TopicConsumer(self.settings.kafka, c.TOPIC_ENGINE_FEEDBACK, key=self.settings.engine_id).start()
             layer_groups = {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for name in g.layer_names}
             self._worker = WorkerSide(self.settings, self.model, rank_index, int(kv_cache_config.num_blocks),
-                                      layer_groups, client, feedback, self.stats)
+                                      layer_groups, client, feedback, self.stats,
+                                      rank={"tp": rank_index % tp, "pcp": 0, "dcp": 0, "pp": rank_index // tp})
 
     def _publish(self, value: bytes) -> None:
         self._producer.publish(self.settings.engine_id, value, timeout=self.settings.publish_timeout_s)

@@ -78,11 +78,12 @@ class WorkerSide:
 
     def __init__(self, settings: Any, model: ModelSpec, rank_index: int, num_blocks: int,
                  layer_groups: dict[str, int], worker_client: Any,
-                 feedback: Optional[Any], stats: ConnectorStats,
+                 feedback: Optional[Any], stats: ConnectorStats, rank: Optional[dict[str, int]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._s = settings
         self._model = model
         self._rank = rank_index
+        self._rank_of = rank or {"tp": rank_index, "pcp": 0, "dcp": 0, "pp": 0}
         self._num_blocks = num_blocks
         self._layer_groups = layer_groups
         self._client = worker_client
@@ -191,21 +192,31 @@ class WorkerSide:
         return out
 
     def _register(self, body: dict[str, Any]) -> None:
-        """Posts the registration and checks the pool's layout."""
+        """Checks the gpuworker's pool against the engine, then registers
+        the memory."""
         from . import transport
 
         url = getattr(self._client, "base_url", "?")
         try:
-            self._client.request("POST", "/v1/kv-memory", json_body=body)
             _, _, pool = self._client.request("GET", "/v1/pool")
+            self._check_pool(url, pool)
+            self._client.request("POST", "/v1/kv-memory", json_body=body)
         except transport.UnreachableError as e:
             raise MeshUnreachableError(f"gpuworker {url} of rank {self._rank} is unreachable: {e}") from e
         except transport.ProblemError as e:
             raise KVMeshError(f"gpuworker {url} refused the KV memory of rank {self._rank}: {e}") from e
+
+    def _check_pool(self, url: str, pool: dict[str, Any]) -> None:
+        """Refuses a gpuworker of another model, engine, rank or layout."""
         if pool.get("model") and pool["model"] != self._s.model:
             raise ModelMismatchError(f"gpuworker {url} serves model {pool['model']!r}, the connector's is {self._s.model!r}")
         if pool.get("engine_id") and pool["engine_id"] != self._s.engine_id:
             raise KVMeshError(f"gpuworker {url} serves engine {pool['engine_id']!r}, this engine is {self._s.engine_id!r}")
+        served = {k: int((pool.get("rank") or {}).get(k, 0)) for k in ("tp", "pcp", "dcp", "pp")}
+        if served != self._rank_of:
+            raise UnsupportedLayoutError(
+                f"gpuworker {url} serves rank {served}, this worker is rank {self._rank_of}: "
+                "list kvmesh.gpuworker_urls in rank order (tp + tp_size·pp)")
         check_same_layout(self._model, pool.get("groups") or [], f"gpuworker {url}")
 
     # ---- the forward pass -------------------------------------------------

@@ -31,6 +31,7 @@ byte against what its hash implies before the request goes on.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -55,6 +56,7 @@ class EngineStats:
     requests_ok: int = 0
     requests_failed: int = 0
     prompt_tokens: int = 0
+    local_tokens: int = 0
     tokens_loaded: dict[str, int] = field(default_factory=dict)
     blocks_checked: int = 0
     blocks_mismatched: int = 0
@@ -69,19 +71,69 @@ class EngineStats:
 
 class BlockPool:
     """vLLM's BlockPool shape: one id space shared by every group, block 0
-    the null block, freed blocks reusable at once."""
+    the null block, reference counts, and a prefix cache of freed blocks
+    whose chunk is known (evicted least recently freed first when a fresh
+    block is needed, as vLLM's free queue does). Freed blocks are reusable
+    at once."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(num_blocks - 1, 0, -1))
+        self.free = list(range(num_blocks - 1, 0, -1))  # ref 0, content unknown
+        self.lru: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # ref 0, cached
+        self.ref = [0] * num_blocks
+        self.key: list[Optional[tuple[int, str]]] = [None] * num_blocks
+        self.index: dict[tuple[int, str], int] = {}
+
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
 
     def take(self, n: int) -> Optional[list[int]]:
-        if n > len(self.free):
+        """``n`` fresh blocks (evicting cached ones if needed), or None."""
+        if n > self.available():
             return None
-        out = [self.free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.pop()
+            else:
+                b, _ = self.lru.popitem(last=False)
+                self._forget(b)
+            self.ref[b] = 1
+            out.append(b)
         return out
 
-    def give(self, ids: list[int]) -> None:
-        self.free.extend(i for i in ids if i != NULL)
+    def cached(self, group: int, hash_hex: str) -> Optional[int]:
+        return self.index.get((group, hash_hex))
+
+    def acquire(self, b: int) -> None:
+        """One more reference to a cached block (a prefix-cache hit)."""
+        if self.ref[b] == 0:
+            self.lru.pop(b, None)
+        self.ref[b] += 1
+
+    def release(self, b: int) -> None:
+        if b == NULL:
+            return
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if self.key[b] is not None:
+                self.lru[b] = None
+            else:
+                self.free.append(b)
+
+    def register(self, group: int, b: int, hash_hex: str) -> None:
+        """The block now holds the group's chunk of this hash."""
+        k = (group, hash_hex)
+        if k in self.index or self.key[b] == k:
+            return
+        self._forget(b)
+        self.key[b] = k
+        self.index[k] = b
+
+    def _forget(self, b: int) -> None:
+        k = self.key[b]
+        if k is not None and self.index.get(k) == b:
+            del self.index[k]
+        self.key[b] = None
 
 
 @dataclass
@@ -116,6 +168,9 @@ class Engine:
         self.finished_ids: set[str] = set()
         self.stats = EngineStats()
         self.done_ids: list[str] = []
+        #: Called with each request whose load the engine just issued (tests
+        #: break the store with it).
+        self.on_load_issued: Optional[Any] = None
 
     # ---- content -------------------------------------------------------
 
@@ -150,7 +205,6 @@ class Engine:
         self.reqs[req.request_id] = r
         self.waiting.append(r)
         self.stats.requests_total += 1
-        self.stats.prompt_tokens += len(req.prompt_token_ids)
 
     def idle(self) -> bool:
         return not self.waiting and not self.running and all(r.status == "done" for r in self.reqs.values())
@@ -168,6 +222,8 @@ class Engine:
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         metas = self._build_meta(so)
         out = self._execute(so, metas)
+        for w in metas[0].writes:  # the step's blocks enter the prefix cache
+            self.pool.register(w.group, w.block, w.hash_hex)
         self._update_from_output(so, out)
         self.stats.steps += 1
         return so.total_num_scheduled_tokens > 0
@@ -197,8 +253,41 @@ class Engine:
 
     def _free(self, r: _Req) -> None:
         for ids in r.table:
-            self.pool.give(ids)
+            for b in ids:
+                self.pool.release(b)
         r.table = [[] for _ in self.model.groups]
+
+    def _chunk_hash(self, r: _Req, group: int, p: int) -> str:
+        bs = self.model.groups[group].block_size
+        return r.req.block_hashes[(p + 1) * bs // self.model.hash_block_size - 1].hex()
+
+    def _local_hit(self, r: _Req) -> int:
+        """vLLM's get_computed_blocks: the longest prefix, a multiple of the
+        scheduler block and short of the last token, whose chunks every
+        group needs to resume at are in the prefix cache."""
+        sbs = self.model.scheduler_block_size
+        for h in range((r.req.num_tokens - 1) // sbs * sbs, 0, -sbs):
+            if all(self.pool.cached(g, self._chunk_hash(r, g, p)) is not None
+                   for g in range(len(self.model.groups)) for p in self.model.load_chunks(g, 0, h)):
+                return h
+        return 0
+
+    def _alloc(self, r: _Req, local: int, tokens: int, hit: int) -> bool:
+        """The request's table: cached blocks for the local hit's chunks
+        (null for those no group needs), fresh ones up to ``tokens``."""
+        r.table = [[] for _ in self.model.groups]
+        for g, grp in enumerate(self.model.groups):
+            for p in range(local // grp.block_size):
+                if grp.reaches((p + 1) * grp.block_size, local):
+                    b = self.pool.cached(g, self._chunk_hash(r, g, p))
+                    self.pool.acquire(b)
+                    r.table[g].append(b)
+                else:
+                    r.table[g].append(NULL)
+        if self._blocks_for(r, tokens, hit=hit) is None:
+            self._free(r)
+            return False
+        return True
 
     def _schedule_running(self, so: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -232,13 +321,13 @@ class Engine:
         so.preempted_req_ids.add(r.req.request_id)
         self.stats.preemptions += 1
 
-    def _ask(self, r: _Req) -> tuple[Optional[int], bool, str]:
+    def _ask(self, r: _Req, local: int) -> tuple[Optional[int], bool, str]:
         """The connector's answer (MultiConnector's when a P/D child plays)."""
         if self.pd is None:
-            n, async_ = self.sched.get_num_new_matched_tokens(r.req, 0)
+            n, async_ = self.sched.get_num_new_matched_tokens(r.req, local)
             return n, async_, "kvmesh"
-        answers = [("pd", *self.pd.get_num_new_matched_tokens(r.req, 0)),
-                   ("kvmesh", *self.sched.get_num_new_matched_tokens(r.req, 0))]
+        answers = [("pd", *self.pd.get_num_new_matched_tokens(r.req, local)),
+                   ("kvmesh", *self.sched.get_num_new_matched_tokens(r.req, local))]
         if any(n is None for _, n, _ in answers):
             return None, False, ""
         for name, n, async_ in answers:
@@ -263,29 +352,32 @@ class Engine:
                 self._run(r, so, n)
                 budget -= n
                 continue
-            n_ext, _, who = self._ask(r)
+            local = self._local_hit(r)
+            n_ext, _, who = self._ask(r, local)
             if n_ext is None:
                 self.stats.lookups_not_yet += 1
                 keep.append(r)
                 continue
+            hit = local + n_ext
+            n = min(r.req.num_tokens - hit, budget)
+            # A load's request gets its first chunk's blocks too, so that it
+            # can always run once loaded (no loaded request waits for blocks
+            # other loaded requests hold).
+            if not self._alloc(r, local, hit + n, hit):
+                keep.append(r)
+                break
+            self.stats.prompt_tokens += r.req.num_tokens
+            self.stats.local_tokens += local
+            r.req.num_computed_tokens = hit
+            self._alloc_notify(r, KVCacheBlocks(tuple(list(g) for g in r.table)), n_ext, chosen=who)
             if n_ext > 0:
-                added = self._blocks_for(r, n_ext, hit=n_ext)
-                if added is None:
-                    keep.append(r)
-                    break
-                self._alloc_notify(r, KVCacheBlocks(tuple(list(g) for g in r.table)), n_ext, chosen=who)
-                r.status, r.load = "remote", (who, 0, n_ext)
-                r.req.num_computed_tokens = n_ext
+                r.status, r.load = "remote", (who, local, hit)
+                if self.on_load_issued is not None:
+                    self.on_load_issued(r)
                 r.chosen = self._chosen_name(r, who)
                 self.stats.tokens_loaded[r.chosen] = self.stats.tokens_loaded.get(r.chosen, 0) + n_ext
                 keep.append(r)
                 continue
-            n = min(r.req.num_tokens, budget)
-            added = self._blocks_for(r, n)
-            if added is None:
-                keep.append(r)
-                break
-            self._alloc_notify(r, KVCacheBlocks(tuple(list(g) for g in r.table)), 0)
             self._run(r, so, n)
             budget -= n
         self.waiting = keep + self.waiting
@@ -403,11 +495,15 @@ class Engine:
                     self.stats.load_error_blocks += 1
                     first_bad = min(first_bad, p * grp.block_size)
                     continue
+                right = True
                 for rank in range(len(self.workers)):
                     self.stats.blocks_checked += 1
                     if not self.check_block(rank, g, b, h):
+                        right = False
                         self.stats.blocks_mismatched += 1
                         self.stats.failures.append(f"{r.req.request_id}: group {g} block {b} (chunk {p}) on rank {rank} holds wrong bytes")
+                if right:
+                    self.pool.register(g, b, h)
         if first_bad < hit:
             # vLLM recomputes from the first failed block (its prefix must be whole).
             sbs = self.model.scheduler_block_size

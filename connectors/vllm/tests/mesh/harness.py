@@ -105,25 +105,31 @@ class Built:
             w.shutdown()
 
 
-def build(mesh: dict, eng: dict, salt: bytes, num_blocks: int = 160, pd_child: bool = False,
-          **overrides: Any) -> Built:
+def build(mesh: dict, eng: dict, salt: bytes, num_blocks: int = 96, pd_child: bool = False,
+          max_batch_tokens: int = 256, **overrides: Any) -> Built:
     """The connectors vLLM would build for ``eng``, registered with its gpuworkers."""
     spec = mesh["model"]
     cfg = vllm_config(mesh, eng, **overrides)
     kcc, layer_names, shapes = kv_cache_config(spec, num_blocks)
     sched = KVMeshConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
     workers, tensors, ranks = [], [], []
-    for k, w in enumerate(eng["gpuworkers"]):
-        os.environ["KVMESH_WORKER_RANK"] = str(k)
-        conn = KVMeshConnector(cfg, KVConnectorRole.WORKER, kcc)
-        caches = {name: torch.zeros(shape, dtype=torch.float16) for name, shape in shapes.items()}
-        conn.register_kv_caches(caches)
-        workers.append(conn)
-        tensors.append(caches)
-        ranks.append(w["rank"])
-    os.environ.pop("KVMESH_WORKER_RANK", None)
+    try:
+        for k, w in enumerate(eng["gpuworkers"]):
+            os.environ["KVMESH_WORKER_RANK"] = str(k)
+            conn = KVMeshConnector(cfg, KVConnectorRole.WORKER, kcc)
+            workers.append(conn)
+            caches = {name: torch.zeros(shape, dtype=torch.float16) for name, shape in shapes.items()}
+            conn.register_kv_caches(caches)
+            tensors.append(caches)
+            ranks.append(w["rank"])
+    except BaseException:
+        for c in [sched, *workers]:
+            c.shutdown()
+        raise
+    finally:
+        os.environ.pop("KVMESH_WORKER_RANK", None)
     engine = Engine(sched.model, mesh["fingerprint"], spec, sched, workers, tensors, layer_names, num_blocks, ranks,
-                    pd_child=FakePD() if pd_child else None)
+                    max_batch_tokens=max_batch_tokens, pd_child=FakePD() if pd_child else None)
     return Built(engine, sched, workers, salt, sched.model)
 
 
@@ -199,3 +205,42 @@ class Ledger:
     def close(self) -> None:
         for c in self._consumers:
             c.close()
+
+
+def redis_command(url: str, *args: str) -> Any:
+    """One command to the mesh's Redis (RESP over a socket): the harness
+    removes store keys with it to make kvmesh's loads fail."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port or 6379), timeout=5) as s:
+        f = s.makefile("rwb")
+        db = (u.path or "/0").lstrip("/") or "0"
+        for cmd in (("SELECT", db), args):
+            f.write(b"*%d\r\n" % len(cmd) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in cmd))
+        f.flush()
+        out = None
+        for _ in range(2):
+            line = f.readline()
+            if line[:1] == b"-":
+                raise RuntimeError(line[1:].strip().decode())
+            out = int(line[1:]) if line[:1] == b":" else line[1:].strip().decode()
+        return out
+
+
+def store_key(mesh: dict, group: int, hash_hex: str, rank: Optional[dict] = None) -> str:
+    """The store key of a chunk (docs/contract.md, "Key format"), no tenant."""
+    r = rank or {"tp": 0, "pcp": 0, "dcp": 0, "pp": 0}
+    prefix = mesh.get("key_prefix")
+    ns = f"{mesh['model']['name']}@tp_rank:{r['tp']}@pcp{r['pcp']}@dcp{r['dcp']}@pp_rank:{r['pp']}@group:{group}"
+    return f"{prefix + '@' if prefix else ''}{ns}@{hash_hex}"
+
+
+def max_blocks(model: ModelSpec, plan: list[dict]) -> int:
+    """The most blocks one request of the plan ever holds (every group)."""
+    most = 0
+    for p in plan:
+        n = len(p["prompt_token_ids"]) + len(p["output_token_ids"])
+        most = max(most, sum(-(-n // g.block_size) for g in model.groups))
+    return most

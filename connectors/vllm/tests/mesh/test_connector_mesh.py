@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh_vllm.errors import KVMeshConfigError, MeshUnreachableError, ModelMismatchError
+import copy
+
+from kvmesh_vllm.errors import KVMeshConfigError, MeshUnreachableError, ModelMismatchError, UnsupportedLayoutError
 
 import engine as eng_mod
 import harness as h
@@ -17,6 +19,11 @@ import harness as h
 
 def _salt(workload: dict) -> bytes:
     return str(workload.get("salt") or workload.get("run_tag") or "kvmesh-harness").encode()
+
+
+def _firsts(workload: dict) -> list[dict]:
+    """The plan's first turns: requests that wait for no other."""
+    return [p for p in workload["requests"] if not p.get("after")]
 
 
 def _play(built: h.Built, plan: list[dict], prefix: str = "", params=None) -> None:
@@ -32,8 +39,9 @@ def _report_engine(built: h.Built, ledger: h.Ledger) -> dict:
         "requests_ok": st.requests_ok,
         "requests_failed": st.requests_total - st.requests_ok,
         "prompt_tokens": st.prompt_tokens,
+        "tokens_local": st.local_tokens,
         "tokens_loaded": dict(st.tokens_loaded),
-        "hit_rate": round(loaded / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
+        "hit_rate": round((st.local_tokens + loaded) / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
         "blocks_checked": st.blocks_checked,
         "blocks_mismatched": st.blocks_mismatched,
         "load_error_blocks": st.load_error_blocks,
@@ -46,18 +54,18 @@ def _report_engine(built: h.Built, ledger: h.Ledger) -> dict:
     }
 
 
-def test_kvmesh_alone(mesh, workload, harness_report):
-    """kvmesh as the engine's only connector (its own pd,store chain):
-    every loaded block right, every save answered, nothing raised."""
+def _play_checked(mesh: dict, workload: dict, prefix: str) -> dict:
+    """Plays the workload on a fresh engine (new connectors, empty KV
+    memory) and checks it: every request done, every loaded block right,
+    every save answered, nothing raised. Returns the run's report."""
     built = h.build(mesh, h.engine_of(mesh, "decode"), _salt(workload))
     ledger = h.Ledger(built.scheduler.settings.engine_id).start(built.scheduler.settings.kafka)
     try:
-        _play(built, workload["requests"])
+        _play(built, workload["requests"], prefix=prefix)
         balanced = ledger.settle()
         rep = _report_engine(built, ledger)
         rep["ledger_balanced"] = balanced and rep["saves"]["tasks"] == rep["saves"]["results"]
         rep["malformed_saves"] = ledger.malformed(len(built.model.groups))
-        harness_report.update(rep)
     finally:
         ledger.close()
         built.close()
@@ -66,10 +74,25 @@ def test_kvmesh_alone(mesh, workload, harness_report):
     assert st.blocks_mismatched == 0
     assert st.requests_ok == st.requests_total == len(workload["requests"])
     assert rep["ledger_balanced"], rep["saves"]
-    assert rep["saves"]["stored"] + rep["saves"]["existing"] > 0, "nothing was saved"
-    assert st.tokens_loaded.get("store", 0) > 0 and st.blocks_checked > 0, st.tokens_loaded
     assert rep["malformed_saves"] == []
     assert built.scheduler.stats.get("publish_failures") == 0
+    return rep
+
+
+def test_kvmesh_alone(mesh, workload, harness_report):
+    """kvmesh as the engine's only connector (its own pd,store chain).
+
+    The workload is played twice: on a cold engine, whose saves fill the
+    store, then on a restarted engine (new connectors, empty KV memory and
+    prefix cache) with the same prompts, which must load them back from
+    the store byte for byte."""
+    cold = _play_checked(mesh, workload, prefix="")
+    harness_report.update(cold)
+    assert cold["saves"]["stored"] > 0, "nothing was stored"
+    replay = _play_checked(mesh, workload, prefix="replay-")
+    harness_report["replay"] = replay
+    assert replay["tokens_loaded"].get("store", 0) > 0, replay["tokens_loaded"]
+    assert replay["blocks_checked"] > 0
 
 
 def test_multiconnector_pd_child_wins(mesh, workload, harness_report):
@@ -82,7 +105,7 @@ def test_multiconnector_pd_child_wins(mesh, workload, harness_report):
     misses, and the blocks the P/D child filled must be saved whole (their
     identities recorded at the request's first step), none dead-lettered."""
     e = h.engine_of(mesh, "prefill")
-    firsts = [p for p in workload["requests"] if not p.get("after")]
+    firsts = _firsts(workload)
     report = {}
     for phase, salt in (("store_hit", _salt(workload)), ("store_miss", _salt(workload) + b"-fresh")):
         built = h.build(mesh, e, salt, pd_child=True)
@@ -120,13 +143,70 @@ def test_multiconnector_pd_child_wins(mesh, workload, harness_report):
     assert report["store_miss"]["saves"]["stored"] > 0, "the P/D-loaded blocks were never stored"
 
 
+def test_preemption_under_pressure(mesh, workload, harness_report):
+    """A pool that holds one large request at a time: running requests are
+    preempted (their blocks freed and reused at once, saves of them maybe
+    still in flight) and resumed; every loaded block stays right, every
+    save is answered (a save whose blocks were reused is dead-lettered
+    block_not_held, never stored from the new bytes)."""
+    probe = h.build(mesh, h.engine_of(mesh, "decode"), b"-")
+    need = h.max_blocks(probe.model, workload["requests"])
+    probe.close()
+    # Prefill in 32-token chunks: many requests start small, then grow
+    # into a pool that holds the largest one and a few blocks more.
+    built = h.build(mesh, h.engine_of(mesh, "decode"), _salt(workload) + b"-tight", num_blocks=need + 4,
+                    max_batch_tokens=32)
+    ledger = h.Ledger(built.scheduler.settings.engine_id).start(built.scheduler.settings.kafka)
+    try:
+        _play(built, workload["requests"], prefix="tight-")
+        balanced = ledger.settle()
+        rep = _report_engine(built, ledger)
+    finally:
+        ledger.close()
+        built.close()
+    harness_report["preemption"] = rep
+    st = built.engine.stats
+    assert st.failures == [] and st.blocks_mismatched == 0, st.failures[:5]
+    assert st.requests_ok == len(workload["requests"])
+    assert st.preemptions > 0, "the pool never ran short"
+    assert built.scheduler.stats.get("preemptions") == st.preemptions
+    assert balanced and rep["saves"]["tasks"] == rep["saves"]["results"], rep["saves"]
+
+
+def test_load_errors_are_recomputed(mesh, workload, harness_report):
+    """Store keys removed between the lookup and the load: kvmesh reports
+    the blocks as load errors (get_block_ids_with_load_errors), the engine
+    recomputes from the first one, and every block it kept is right."""
+    salt = _salt(workload)
+    built = h.build(mesh, h.engine_of(mesh, "decode"), salt)
+    removed = []
+
+    def drop_keys(r):  # the Mamba state at the hit: the load's last chunk of group 1
+        who, start, hit = r.load
+        g = len(built.model.groups) - 1
+        p = hit // built.model.groups[g].block_size - 1
+        key = h.store_key(mesh, g, built.engine._chunk_hash(r, g, p))
+        removed.append(h.redis_command(mesh["redis_url"], "DEL", key))
+    built.engine.on_load_issued = drop_keys
+    try:
+        _play(built, _firsts(workload)[:4], prefix="lost-")
+    finally:
+        built.close()
+    st = built.engine.stats
+    harness_report["load_errors"] = {"keys_removed": sum(removed), "load_error_blocks": st.load_error_blocks,
+                                     "recomputed_tokens": st.recomputed_tokens, "blocks_checked": st.blocks_checked}
+    assert sum(removed) > 0, "no store key was there to remove: the replay loaded nothing"
+    assert st.load_error_blocks > 0 and st.recomputed_tokens > 0, harness_report["load_errors"]
+    assert st.failures == [] and st.blocks_mismatched == 0 and st.requests_ok == 4
+
+
 def test_lookup_unreachable_never_raises(mesh, workload, harness_report):
     """With the lookup service unreachable the engine computes every
     request itself: lookups fail open, nothing raises."""
     e = h.engine_of(mesh, "decode")
     built = h.build(mesh, e, b"unreachable-lookup", lookup_url="http://127.0.0.1:1", lookup_deadline_s=0.5)
     try:
-        _play(built, workload["requests"][:2], prefix="down-")
+        _play(built, _firsts(workload)[:2], prefix="down-")
     finally:
         built.close()
     assert built.engine.stats.requests_ok == 2
@@ -145,3 +225,22 @@ def test_misconfiguration_is_a_clear_error(mesh, override, error, words):
     """Every misconfiguration fails when vLLM builds the connector, naming it."""
     with pytest.raises(error, match=words):
         h.build(mesh, h.engine_of(mesh, "decode"), b"x", **override)
+
+
+def test_layout_mismatch_is_refused(mesh):
+    """vLLM's KV cache with another block size in bytes than the mesh's
+    model: register_kv_caches refuses it, naming both sizes."""
+    other = copy.deepcopy(mesh)
+    other["model"]["groups"][0]["bytes_per_block"] *= 2
+    with pytest.raises(ModelMismatchError, match="group 0: the mesh stores"):
+        h.build(other, h.engine_of(mesh, "decode"), b"x")
+
+
+def test_parallel_layout_mismatch_is_refused(mesh):
+    """vLLM running TP 2 against a mesh engine with one gpuworker."""
+    e = copy.deepcopy(h.engine_of(mesh, "decode"))
+    e["gpuworkers"] = e["gpuworkers"] * 2
+    with pytest.raises(UnsupportedLayoutError, match="serves rank"):
+        h.build(mesh, e, b"x")
+    with pytest.raises(KVMeshConfigError, match="lists 1 gpuworkers"):
+        h.build(mesh, e, b"x", gpuworker_urls=[e["gpuworkers"][0]["url"]])
