@@ -57,9 +57,10 @@ var errCUDA = errors.New("cuda runtime call failed")
 // cudaMemory is the engine's device tensors, opened by CUDA IPC, with
 // their records in a shared segment.
 type cudaMemory struct {
-	seg  *Segment
-	base [][]unsafe.Pointer // base[g][r]: group g's region-r tensor on its device
-	dev  [][]int
+	seg    *Segment
+	base   [][]unsafe.Pointer // base[g][r]: group g's region-r tensor on its device
+	opened []unsafe.Pointer   // every mapping opened, once per distinct handle
+	dev    [][]int
 }
 
 // cudaErr wraps a CUDA error code.
@@ -73,6 +74,10 @@ func cudaErr(what string, code C.int) error {
 func OpenCUDA(seg *Segment, handles [][]CUDAHandle) (Memory, error) {
 	l := seg.Layout()
 	m := &cudaMemory{seg: seg, base: make([][]unsafe.Pointer, len(l.Groups)), dev: make([][]int, len(l.Groups))}
+	// Regions of one allocation (a K/V cache's two planes, tensors the
+	// caching allocator put in one block) share a handle; CUDA maps a
+	// handle once per context, so each distinct one is opened once.
+	byHandle := map[string]unsafe.Pointer{}
 	for g, gl := range l.Groups {
 		if len(handles[g]) != len(gl.Regions) {
 			_ = m.closeHandles()
@@ -83,12 +88,21 @@ func OpenCUDA(seg *Segment, handles [][]CUDAHandle) (Memory, error) {
 				_ = m.closeHandles()
 				return nil, fmt.Errorf("group %d region %d: a %d-byte handle, want %d: %w", g, r, len(h.Handle), cudaHandleSize, ErrLayout)
 			}
-			var ptr unsafe.Pointer
-			if code := C.kvmem_open(C.int(h.Device), unsafe.Pointer(&h.Handle[0]), &ptr); code != 0 {
+			if h.Offset < 0 {
 				_ = m.closeHandles()
-				return nil, cudaErr(fmt.Sprintf("open group %d region %d on device %d", g, r, h.Device), code)
+				return nil, fmt.Errorf("group %d region %d: offset %d: %w", g, r, h.Offset, ErrLayout)
 			}
-			m.base[g] = append(m.base[g], ptr)
+			key := fmt.Sprintf("%d/%x", h.Device, h.Handle)
+			ptr, ok := byHandle[key]
+			if !ok {
+				if code := C.kvmem_open(C.int(h.Device), unsafe.Pointer(&h.Handle[0]), &ptr); code != 0 {
+					_ = m.closeHandles()
+					return nil, cudaErr(fmt.Sprintf("open group %d region %d on device %d", g, r, h.Device), code)
+				}
+				byHandle[key] = ptr
+				m.opened = append(m.opened, ptr)
+			}
+			m.base[g] = append(m.base[g], unsafe.Add(ptr, h.Offset))
 			m.dev[g] = append(m.dev[g], h.Device)
 		}
 	}
@@ -158,12 +172,13 @@ func (m *cudaMemory) Close() error {
 // closeHandles closes every handle opened so far.
 func (m *cudaMemory) closeHandles() error {
 	var errs []error
-	for g := range m.base {
-		for r, ptr := range m.base[g] {
-			if code := C.kvmem_close(ptr); code != 0 {
-				errs = append(errs, cudaErr(fmt.Sprintf("close group %d region %d", g, r), code))
-			}
+	for i, ptr := range m.opened {
+		if code := C.kvmem_close(ptr); code != 0 {
+			errs = append(errs, cudaErr(fmt.Sprintf("close mapping %d", i), code))
 		}
+	}
+	m.opened = nil
+	for g := range m.base {
 		m.base[g] = nil
 	}
 	return errors.Join(errs...)

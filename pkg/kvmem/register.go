@@ -38,6 +38,11 @@ type CUDAHandle struct {
 	Device int `json:"device"`
 	// Handle is the cudaIpcMemHandle_t, 64 bytes.
 	Handle []byte `json:"handle"`
+	// Offset is where the region tensor starts, in bytes from the base of
+	// the allocation the handle names (PyTorch's caching allocator hands
+	// out tensors inside larger cudaMalloc blocks, and a K/V cache's V plane
+	// lies after its K plane). Non-negative; absent: 0.
+	Offset int64 `json:"offset,omitempty"`
 }
 
 // Registered is the answer of GET and POST /v1/kv-memory: the pool's

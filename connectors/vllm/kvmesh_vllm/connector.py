@@ -254,11 +254,12 @@ if HAVE_VLLM:  # pragma: no cover - inside vLLM
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            counter = metric_types[next(t for t in metric_types if t.__name__ == "Counter")] if isinstance(metric_types, dict) else None
+            # vLLM's base keeps the Counter class of its multiprocess-safe
+            # metric types as _counter_cls (metrics.py).
             self._counters = {
-                name: self.make_per_engine(counter(name=f"vllm:kvmesh_{name}", documentation=doc, labelnames=labelnames))
+                name: self.make_per_engine(self._counter_cls(name=f"vllm:kvmesh_{name}", documentation=doc, labelnames=labelnames))
                 for name, doc in COUNTERS.items()
-            } if counter else {}
+            }
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for name, v in transfer_stats_data.items():

@@ -993,18 +993,18 @@ def cuda_ipc_registration(segment: Segment, tensors_by_group_region: Sequence[Se
     tensors (kind ``cuda_ipc``), the records staying in ``segment``:
     ``{"kind", "path", "layout", "handles"}``, ``handles[g][r]`` being
     ``{"device": ordinal, "handle": base64 of the 64-byte
-    cudaIpcMemHandle_t}`` of group g's region-r tensor (Go's
-    ``CUDAHandle``; Go's ``[]byte`` marshals as standard base64).
+    cudaIpcMemHandle_t, "offset": bytes from the allocation's base}`` of
+    group g's region-r tensor (Go's ``CUDAHandle``; Go's ``[]byte``
+    marshals as standard base64).
 
     ``tensors_by_group_region[g][r]`` is a CUDA torch tensor holding exactly
     ``blocks × regions[r]`` bytes, contiguous, block b's region at ``b ×
     regions[r]``. The handle comes from
     ``tensor.untyped_storage()._share_cuda_()``, which names the caching
-    allocator's whole cudaMalloc block; the gpuworker addresses the tensor
-    from the handle's base, so the tensor must start there (storage offset
-    0, and an allocation offset 0 within the block): anything else is
-    refused with :class:`LayoutError` (allocate each KV tensor by itself, at
-    least 2 MiB, or with ``cudaMalloc``-backed memory).
+    allocator's whole cudaMalloc block; the gpuworker maps that block once
+    and addresses the tensor at ``offset``: the storage's offset inside the
+    block plus the tensor's offset inside its storage (a K/V cache's V
+    plane, a view such as ``kv[1]``, lies after its K plane).
 
     Untested against a GPU: no CUDA device or CUDA build of torch was
     available when this was written; the unit tests check the body's shape
@@ -1027,18 +1027,15 @@ def cuda_ipc_registration(segment: Segment, tensors_by_group_region: Sequence[Se
             nbytes = t.numel() * t.element_size()
             if nbytes != gl.blocks * size:
                 raise LayoutError(f"{where}: {nbytes} bytes, the layout has {gl.blocks} × {size}")
-            if t.storage_offset() != 0:
-                raise LayoutError(f"{where}: a view at storage offset {t.storage_offset()}; register the base tensor")
             storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
             share = storage._share_cuda_()
             device, handle, offset = int(share[0]), share[1], int(share[3])
-            if offset != 0:
-                raise LayoutError(
-                    f"{where}: the tensor lies {offset} bytes into its CUDA allocation; "
-                    f"the gpuworker maps the allocation's base (allocate the tensor by itself)"
-                )
+            offset += t.storage_offset() * t.element_size()
             raw = ipc_mem_handle(handle)
-            row.append({"device": device, "handle": base64.b64encode(raw).decode("ascii")})
+            entry = {"device": device, "handle": base64.b64encode(raw).decode("ascii")}
+            if offset:
+                entry["offset"] = offset
+            row.append(entry)
         handles.append(row)
     reg = shm_registration(segment)
     reg["kind"] = KIND_CUDA

@@ -599,8 +599,6 @@ def test_cuda_ipc_registration_body(seg):
         [[StubTensor(48, is_cuda=False), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
         [[StubTensor(48, contiguous=False), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
         [[StubTensor(50), StubTensor(48), StubTensor(96)], stub_tensors()[1]],  # wrong size
-        [[StubTensor(48, storage_offset=8), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
-        [[StubTensor(48, offset=512), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
         [[StubTensor(48, handle=b"\x01e" + bytes(64)), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
         [[StubTensor(48, handle=bytes(63)), StubTensor(48), StubTensor(96)], stub_tensors()[1]],
     ],
@@ -608,6 +606,19 @@ def test_cuda_ipc_registration_body(seg):
 def test_cuda_ipc_registration_refuses(seg, tensors):
     with pytest.raises(kvmem.LayoutError):
         kvmem.cuda_ipc_registration(seg, tensors)
+
+
+def test_cuda_ipc_registration_offsets(seg):
+    """A tensor inside its allocation (the caching allocator's block, or a
+    view such as a K/V cache's V plane) is sent with its byte offset from
+    the allocation's base; one at the base sends none."""
+    t = stub_tensors()
+    t[0][0] = StubTensor(48, offset=512, storage_offset=8)
+    t[0][1] = StubTensor(48, storage_offset=24)
+    reg = kvmem.cuda_ipc_registration(seg, t)
+    assert reg["handles"][0][0]["offset"] == 512 + 8 * 2
+    assert reg["handles"][0][1]["offset"] == 24 * 2
+    assert "offset" not in reg["handles"][0][2]
 
 
 def test_exceptions_share_a_base():
