@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -58,14 +59,31 @@ var pythonModules = []struct{ module, pkg string }{
 // test` runs it). KVMESH_HARNESS_DIR replaces the harness directory;
 // KVMESH_CONNECTOR_REPORT names a file for the side-by-side table.
 func TestVLLMConnector(t *testing.T) {
+	playConnector(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64}, connectorRequests)
+}
+
+// TestVLLMConnectorTP8 plays the harness's store runs (kvmesh alone, and
+// as MultiConnector's store child) at the seed's shape: the MLA +
+// linear-attention model at TP8, one connector worker and one gpuworker
+// per rank, each rank's blocks written, recorded and checked in its own
+// KV memory.
+func TestVLLMConnectorTP8(t *testing.T) {
+	playConnector(t, stackOptions{model: tp8Model, connectors: "pd,store", poolBlocks: 64}, connectorRequests/2,
+		"-k", "kvmesh_alone or multiconnector")
+}
+
+// playConnector starts a stack of o, plays requests of the small workload
+// through the harness (pytest args narrow it), then through the Go
+// simulator — cold and replayed on a restarted engine — and compares.
+func playConnector(t *testing.T, o stackOptions, requests int, pytestArgs ...string) {
 	requirePython(t)
 	root := repoRoot(t)
 	harness := harnessDir(t, root)
-	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
+	s := newStack(t, o)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	w := smallWorkload(connectorRequests, 4)
+	w := smallWorkload(requests, 4)
 	tag := "py" + strings.TrimPrefix(sim.NewRunTag(), "sim")
 	env := []string{
 		"KVMESH_MESH_FILE=" + writeJSON(t, dir, "mesh.json", meshDescription(t, s)),
@@ -73,14 +91,14 @@ func TestVLLMConnector(t *testing.T) {
 		"KVMESH_HARNESS_REPORT=" + filepath.Join(dir, "harness-report.json"),
 		"KVMESH_REQUIRE_MESH=1",
 	}
-	if err := runHarness(ctx, t, root, harness, env); err != nil {
+	if err := runHarness(ctx, t, root, harness, env, pytestArgs...); err != nil {
 		logFile(t, filepath.Join(dir, "harness-report.json"))
 		t.Fatalf("the Python harness %s: %v", harness, err)
 	}
 	h := readHarnessReport(t, filepath.Join(dir, "harness-report.json"))
 	// The simulator plays the harness's part: the decode engine alone, on
 	// its own pd,store chain, with no prefill engine handing it prompts.
-	cold := simConfig(t, s, false, w)
+	cold := decodeConfig(t, s, w)
 	rep, err := sim.Run(ctx, cold)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +106,7 @@ func TestVLLMConnector(t *testing.T) {
 	// Then both replay the workload on a restarted engine (empty KV memory
 	// and prefix cache) with the first run's salt: the prompts hash to the
 	// keys the first run saved, so they load from the store.
-	again := simConfig(t, s, false, w)
+	again := decodeConfig(t, s, w)
 	again.Salt = cold.Salt
 	replay, err := sim.Run(ctx, again)
 	if err != nil {
@@ -97,17 +115,40 @@ func TestVLLMConnector(t *testing.T) {
 	hReplay, _ := h["replay"].(map[string]any)
 	table := comparisonTable(column{"connector", harnessColumn(h)}, column{"Go sim", simColumn(rep)},
 		column{"connector replay", harnessColumn(harnessReport(hReplay))}, column{"Go sim replay", simColumn(replay)})
-	t.Logf("the vLLM connector's harness (run %s) and the Go simulator (run %s):\n%s", tag, rep.RunTag, table)
+	t.Logf("the vLLM connector's harness (run %s) and the Go simulator (run %s), %s at %d worker ranks:\n%s", tag, rep.RunTag, o.model, len(s.ranks), table)
 	if path := os.Getenv("KVMESH_CONNECTOR_REPORT"); path != "" {
-		if err := os.WriteFile(path, []byte(table), 0o644); err != nil {
-			t.Errorf("KVMESH_CONNECTOR_REPORT: %v", err)
-		}
+		appendReport(t, path, fmt.Sprintf("%s (%s, %d worker ranks per engine)\n%s\n", t.Name(), o.model, len(s.ranks), table))
 	}
 	checkHarnessReport(t, h)
 	requireOK(t, rep)
 	requireOK(t, replay)
 	if replay.Tokens.Loaded["store"] == 0 {
 		t.Errorf("the simulator's replay loaded nothing from the store: %v", replay.Tokens.Loaded)
+	}
+}
+
+// decodeConfig is the simulator on the stack's decode engine, every rank.
+func decodeConfig(t *testing.T, s *stack, w sim.Workload) sim.Config {
+	t.Helper()
+	cfg := simConfig(t, s, false, w)
+	if len(s.ranks) > 1 {
+		cfg.Model = parallelModel(t, s)
+		cfg.Decode = sim.Endpoint{WorkerURLs: s.workerURLs("gpuworker")}
+		cfg.Prefill = sim.Endpoint{WorkerURLs: s.workerURLs("gpuworker-prefill")}
+	}
+	return cfg
+}
+
+// appendReport adds text to the file at path.
+func appendReport(t *testing.T, path, text string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err == nil {
+		_, err = f.WriteString(text)
+		err = errors.Join(err, f.Close())
+	}
+	if err != nil {
+		t.Errorf("KVMESH_CONNECTOR_REPORT: %v", err)
 	}
 }
 
@@ -286,11 +327,11 @@ func writeJSON(t *testing.T, dir, name string, v any) string {
 // root, with the connector package on PYTHONPATH and env added, streaming
 // its output into the test log; it fails when pytest exits non-zero or
 // outlives harnessTimeout (its whole process group is killed then).
-func runHarness(ctx context.Context, t *testing.T, root, harness string, env []string) error {
+func runHarness(ctx context.Context, t *testing.T, root, harness string, env []string, args ...string) error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, harnessTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, pythonBin, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", harness)
+	cmd := exec.CommandContext(ctx, pythonBin, append([]string{"-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", harness}, args...)...)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), append([]string{
 		"PYTHONPATH=" + filepath.Join(root, "connectors", "vllm"),

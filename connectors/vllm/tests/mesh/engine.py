@@ -168,6 +168,8 @@ class Engine:
         self.finished_ids: set[str] = set()
         self.stats = EngineStats()
         self.done_ids: list[str] = []
+        self._sending: dict[str, int] = {}  # finished_sending reports per request, until every rank's
+        self._recving: dict[str, int] = {}
         #: Called with each request whose load the engine just issued (tests
         #: break the store with it).
         self.on_load_issued: Optional[Any] = None
@@ -428,17 +430,25 @@ class Engine:
             m = w.build_connector_worker_meta()
             wmeta = m if wmeta is None else (wmeta.aggregate(m) if m is not None else wmeta)
             sending, recving = w.get_finished(so.finished_req_ids)
-            if k == 0:  # every rank reports the same; vLLM needs all of them
-                out.finished_sending, out.finished_recving = set(sending or ()), set(recving or ())
-            else:
-                out.finished_sending &= set(sending or ())
-                out.finished_recving &= set(recving or ())
+            out.finished_sending |= self._all_ranks(self._sending, sending)
+            out.finished_recving |= self._all_ranks(self._recving, recving)
             out.invalid_block_ids |= w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
         if self.pd is not None:
             out.finished_recving |= self.pd.finish_loads(self)
         out.kv_connector_worker_meta = wmeta
         return out
+
+    def _all_ranks(self, counts: dict[str, int], ids: Optional[set[str]]) -> set[str]:
+        """vLLM's KVOutputAggregator: a request is finished once every
+        rank reported it, in this step or earlier ones."""
+        done = set()
+        for rid in ids or ():
+            counts[rid] = counts.get(rid, 0) + 1
+            if counts[rid] == len(self.workers):
+                del counts[rid]
+                done.add(rid)
+        return done
 
     def _forward(self, rank: int, so: SchedulerOutput, meta: KVMeshConnectorMetadata) -> None:
         """The forward pass of one rank: every block the step completes
