@@ -18,15 +18,13 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
 )
 
 // The Python side of TestVLLMConnector.
 const (
-	// pythonBin is Debian's interpreter, which the Debian packages below
-	// install into (a pyenv or virtualenv python3 on PATH lacks them).
-	pythonBin = "/usr/bin/python3"
 	// defaultHarnessDir is the connector's mesh tests, from the repository
 	// root; KVMESH_HARNESS_DIR overrides it.
 	defaultHarnessDir = "connectors/vllm/tests/mesh"
@@ -37,12 +35,10 @@ const (
 )
 
 // pythonModules are the modules the harness imports and the Debian
-// packages that provide them, in the same order.
-var pythonModules = []struct{ module, pkg string }{
-	{"confluent_kafka", "python3-confluent-kafka"},
-	{"numpy", "python3-numpy"},
-	{"torch", "python3-torch"},
-	{"pytest", "python3-pytest"},
+// packages that provide them.
+var pythonModules = []testenv.PythonModule{
+	{Module: "confluent_kafka", Package: "python3-confluent-kafka"}, testenv.Numpy,
+	{Module: "torch", Package: "python3-torch"}, {Module: "pytest", Package: "python3-pytest"},
 }
 
 // TestVLLMConnector plays one workload through the Python vLLM connector
@@ -76,8 +72,8 @@ func TestVLLMConnectorTP8(t *testing.T) {
 // through the harness (pytest args narrow it), then through the Go
 // simulator — cold and replayed on a restarted engine — and compares.
 func playConnector(t *testing.T, o stackOptions, requests int, pytestArgs ...string) {
-	requirePython(t)
-	root := repoRoot(t)
+	testenv.RequirePython(t, pythonModules...)
+	root := testenv.ModuleRoot(t)
 	harness := harnessDir(t, root)
 	s := newStack(t, o)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -150,42 +146,6 @@ func appendReport(t *testing.T, path, text string) {
 	if err != nil {
 		t.Errorf("KVMESH_CONNECTOR_REPORT: %v", err)
 	}
-}
-
-// requirePython skips the test (fails it under KVMESH_REQUIRE_PYTHON=1)
-// unless pythonBin imports every module of pythonModules.
-func requirePython(t *testing.T) {
-	t.Helper()
-	var imports, pkgs []string
-	for _, m := range pythonModules {
-		imports, pkgs = append(imports, m.module), append(pkgs, m.pkg)
-	}
-	out, err := exec.Command(pythonBin, "-c", "import "+strings.Join(imports, ", ")).CombinedOutput()
-	if err == nil {
-		return
-	}
-	msg := fmt.Sprintf("%s cannot import %s (%v: %s); install them with: sudo apt-get install -y --no-install-recommends %s",
-		pythonBin, strings.Join(imports, ", "), err, lastLine(out), strings.Join(pkgs, " "))
-	if os.Getenv("KVMESH_REQUIRE_PYTHON") == "1" {
-		t.Fatal(msg + " (KVMESH_REQUIRE_PYTHON=1)")
-	}
-	t.Skip(msg)
-}
-
-// lastLine is the last non-empty line of out (a Python traceback's error).
-func lastLine(out []byte) string {
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	return strings.TrimSpace(lines[len(lines)-1])
-}
-
-// repoRoot is the repository root: the e2e package's parent.
-func repoRoot(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs("..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return root
 }
 
 // harnessDir is the directory of the harness's tests: KVMESH_HARNESS_DIR,
@@ -331,7 +291,7 @@ func runHarness(ctx context.Context, t *testing.T, root, harness string, env []s
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, harnessTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, pythonBin, append([]string{"-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", harness}, args...)...)
+	cmd := exec.CommandContext(ctx, testenv.PythonBin, append([]string{"-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", harness}, args...)...)
 	cmd.Dir = root
 	cmd.Env = append(os.Environ(), append([]string{
 		"PYTHONPATH=" + filepath.Join(root, "connectors", "vllm"),

@@ -5,12 +5,9 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvmem"
 )
@@ -21,58 +18,12 @@ import (
 // content_interop.py) with Debian's Python. They skip when that Python
 // cannot import numpy, and fail instead with KVMESH_REQUIRE_PYTHON=1.
 
-// contentPython is the interpreter with numpy the connector's tests use.
-const contentPython = "/usr/bin/python3"
-
-// contentRepoRoot is the module root: the nearest directory above the
-// test's working directory holding go.mod.
-func contentRepoRoot(t *testing.T) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("no go.mod above the test's working directory")
-		}
-		dir = parent
-	}
-}
-
 // runContentPython runs the content interop script on req and decodes its
-// answer into out; it skips (or fails under KVMESH_REQUIRE_PYTHON=1) when
-// contentPython cannot import numpy.
+// answer into out (testenv.RunInterop: skipped, or failed under
+// KVMESH_REQUIRE_PYTHON=1, without numpy).
 func runContentPython(t *testing.T, req, out any) {
 	t.Helper()
-	if msg, err := exec.Command(contentPython, "-c", "import numpy").CombinedOutput(); err != nil {
-		lines := strings.Split(strings.TrimSpace(string(msg)), "\n")
-		why := contentPython + " cannot import numpy: " + lines[len(lines)-1] + " (" + err.Error() + ")"
-		if os.Getenv("KVMESH_REQUIRE_PYTHON") == "1" {
-			t.Fatal(why + " (KVMESH_REQUIRE_PYTHON=1)")
-		}
-		t.Skip(why)
-	}
-	root := contentRepoRoot(t)
-	in, err := json.Marshal(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(contentPython, filepath.Join(root, "connectors", "vllm", "tests", "interop", "content_interop.py"))
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(root, "connectors", "vllm"))
-	cmd.Stdin = bytes.NewReader(in)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("content_interop.py: %v\n%s", err, stderr.String())
-	}
-	if err := json.Unmarshal(stdout.Bytes(), out); err != nil {
-		t.Fatalf("decode the interop answer: %v\n%s", err, stdout.String())
-	}
+	testenv.RunInterop(t, "content_interop.py", req, out)
 }
 
 // pythonModels are the presets and a few parallel layouts whose store

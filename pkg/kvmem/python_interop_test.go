@@ -8,13 +8,13 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvmem"
 )
@@ -25,67 +25,11 @@ import (
 // They skip when that Python cannot import numpy, and fail instead with
 // KVMESH_REQUIRE_PYTHON=1.
 
-// pythonBin is the interpreter with numpy the connector's tests use.
-const pythonBin = "/usr/bin/python3"
-
-// pyRepoRoot is the module root: the nearest directory above the test's
-// working directory holding go.mod.
-func pyRepoRoot(t *testing.T) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("no go.mod above the test's working directory")
-		}
-		dir = parent
-	}
-}
-
-// requirePython skips (or, with KVMESH_REQUIRE_PYTHON=1, fails) the test
-// when pythonBin cannot import numpy.
-func requirePython(t *testing.T) {
-	t.Helper()
-	out, err := exec.Command(pythonBin, "-c", "import numpy").CombinedOutput()
-	if err == nil {
-		return
-	}
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	msg := pythonBin + " cannot import numpy: " + lines[len(lines)-1] + " (" + err.Error() + ")"
-	if os.Getenv("KVMESH_REQUIRE_PYTHON") == "1" {
-		t.Fatal(msg + " (KVMESH_REQUIRE_PYTHON=1)")
-	}
-	t.Skip(msg)
-}
-
 // runInterop runs the interop script with args, stdin as its input, and
 // decodes its JSON answer into out.
 func runInterop(t *testing.T, stdin any, out any, args ...string) {
 	t.Helper()
-	requirePython(t)
-	root := pyRepoRoot(t)
-	in, err := json.Marshal(stdin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	script := filepath.Join(root, "connectors", "vllm", "tests", "interop", "kvmem_interop.py")
-	cmd := exec.Command(pythonBin, append([]string{script}, args...)...)
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(root, "connectors", "vllm"))
-	cmd.Stdin = bytes.NewReader(in)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("%s %s: %v\n%s", filepath.Base(script), strings.Join(args, " "), err, stderr.String())
-	}
-	if err := json.Unmarshal(stdout.Bytes(), out); err != nil {
-		t.Fatalf("decode the interop answer: %v\n%s", err, stdout.String())
-	}
+	testenv.RunInterop(t, "kvmem_interop.py", stdin, out, args...)
 }
 
 // pyHeld is a record's Held as the interop script dumps it.
@@ -579,7 +523,6 @@ func TestPythonWriterSeqlock(t *testing.T) {
 	if testing.Short() {
 		t.Skip("spawns a python writer process")
 	}
-	requirePython(t)
 	l := kvmem.Layout{Groups: []kvmem.GroupLayout{{Blocks: 1, Regions: []int64{32 << 10, 32 << 10}}}}
 	path := filepath.Join(t.TempDir(), "stress.kvmem")
 	seg, err := kvmem.Create(path, l)
@@ -592,9 +535,7 @@ func TestPythonWriterSeqlock(t *testing.T) {
 	for k := 1; k <= 5; k++ {
 		want[strings.Repeat("0", 63)+string(rune('0'+k))] = pattern(k, n)
 	}
-	root := pyRepoRoot(t)
-	cmd := exec.Command(pythonBin, filepath.Join(root, "connectors", "vllm", "tests", "interop", "kvmem_interop.py"), "stress", path, "4000")
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(root, "connectors", "vllm"))
+	cmd := testenv.PythonCommand(t, filepath.Join(testenv.ConnectorDir(t), "tests", "interop", "kvmem_interop.py"), "stress", path, "4000")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
