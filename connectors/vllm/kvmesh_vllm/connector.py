@@ -26,7 +26,7 @@ from . import config as cfg
 from . import contract as c
 from . import transport
 from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA
-from .errors import KVMeshConfigError, UnsupportedLayoutError
+from .errors import KVMeshConfigError, MeshUnreachableError, UnsupportedLayoutError
 from .metadata import KVMeshConnectorMetadata
 from .model import KIND_FULL, KIND_MAMBA, KIND_MLA, KIND_SLIDING_WINDOW, Group, ModelSpec
 from .scheduler import SchedulerSide
@@ -104,6 +104,10 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                           timeout=self.settings.lookup_timeout_s,
                                           retry_deadline=self.settings.lookup_deadline_s, **tls)
             self._producer = transport.StepProducer(self.settings.kafka, topic=c.TOPIC_ENGINE_STEPS)
+            self._reach(lambda: transport.HTTPClient(self.settings.lookup_url, timeout=self.settings.lookup_timeout_s,
+                                                     retry_deadline=self.settings.start_deadline_s, **tls).request("GET", "/healthz"),
+                        f"the lookup service at {self.settings.lookup_url}")
+            self._reach(lambda: self._producer.check(timeout=self.settings.start_deadline_s), "Kafka")
             self._scheduler = SchedulerSide(self.settings, self.model, lookup, self._publish, self.stats)
         else:
             if rank_index >= tp * pp:
@@ -114,11 +118,21 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                     f"TP {tp} × PP {pp} = {tp * pp} ranks, each needs its own (in rank order: tp + {tp}·pp)")
             client = transport.HTTPClient(self.settings.gpuworker_url(rank_index), token=self.settings.token,
                                           retry_deadline=self.settings.start_deadline_s, **tls)
-            feedback = transport.TopicConsumer(self.settings.kafka, c.TOPIC_ENGINE_FEEDBACK, key=self.settings.engine_id).start()
+            feedback = transport.TopicConsumer(self.settings.kafka, c.TOPIC_ENGINE_FEEDBACK, key=self.settings.engine_id)
+            self._reach(lambda: feedback.start(timeout=self.settings.start_deadline_s), "Kafka")
             layer_groups = {name: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for name in g.layer_names}
             self._worker = WorkerSide(self.settings, self.model, rank_index, int(kv_cache_config.num_blocks),
                                       layer_groups, client, feedback, self.stats,
                                       rank={"tp": rank_index % tp, "pcp": 0, "dcp": 0, "pp": rank_index // tp})
+
+    @staticmethod
+    def _reach(call: Any, what: str) -> None:
+        """Runs a start-up check; an unreachable part is a clear error now,
+        not a failing cache path later."""
+        try:
+            call()
+        except transport.TransportError as e:
+            raise MeshUnreachableError(f"{what} is unreachable: {e}") from e
 
     def _publish(self, value: bytes) -> None:
         self._producer.publish(self.settings.engine_id, value, timeout=self.settings.publish_timeout_s)

@@ -722,6 +722,21 @@ class StepProducer:
     def __repr__(self) -> str:
         return f"StepProducer(topic={self.topic!r}, bootstrap={self._config_shown.get('bootstrap.servers')!r})"
 
+    def check(self, timeout: float = 30.0) -> None:
+        """Reads the topic's metadata from the brokers: raises
+        :class:`TransportError` when no broker answers within ``timeout``
+        or the topic does not exist (the services create it)."""
+        from confluent_kafka import KafkaException
+
+        try:
+            md = self._producer.list_topics(topic=self.topic, timeout=timeout)
+        except KafkaException as e:
+            raise TransportError(f"Kafka at {self._config_shown.get('bootstrap.servers')}: {_err_text(e.args[0] if e.args else e)}") from None
+        t = md.topics.get(self.topic)
+        if t is None or t.error is not None:
+            why = _err_text(t.error) if t is not None else "not in the metadata"
+            raise TransportError(f"topic {self.topic} at {self._config_shown.get('bootstrap.servers')}: {why}")
+
     def __enter__(self) -> "StepProducer":
         return self
 

@@ -42,7 +42,7 @@ import torch
 from kvmesh_vllm import content
 from kvmesh_vllm.metadata import KVMeshConnectorMetadata
 
-from fakevllm import (CachedRequestData, KVCacheBlocks, KVConnectorOutput, NewRequestData, Request,
+from fakevllm import (KVCacheBlocks, KVConnectorOutput, NewRequestData, Request,
                       SchedulerOutput)
 
 NULL = 0

@@ -7,9 +7,11 @@ report with the Go simulator's for the same workload.
 
 from __future__ import annotations
 
-import pytest
-
 import copy
+import http.server
+import threading
+
+import pytest
 
 from kvmesh_vllm.errors import KVMeshConfigError, MeshUnreachableError, ModelMismatchError, UnsupportedLayoutError
 
@@ -200,24 +202,50 @@ def test_load_errors_are_recomputed(mesh, workload, harness_report):
     assert st.failures == [] and st.blocks_mismatched == 0 and st.requests_ok == 4
 
 
-def test_lookup_unreachable_never_raises(mesh, workload, harness_report):
-    """With the lookup service unreachable the engine computes every
-    request itself: lookups fail open, nothing raises."""
-    e = h.engine_of(mesh, "decode")
-    built = h.build(mesh, e, b"unreachable-lookup", lookup_url="http://127.0.0.1:1", lookup_deadline_s=0.5)
+def test_lookup_failing_never_raises(mesh, workload, harness_report):
+    """A lookup service that answers 503 to every lookup: the connector
+    retries until kvmesh.lookup_deadline_s, then the engine computes the
+    request itself; nothing raises."""
+    calls = []
+
+    class Lookup(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # /healthz, the connector's start-up check
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            calls.append(self.path)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(503)
+            self.send_header("Content-Type", "application/problem+json")
+            self.end_headers()
+            self.wfile.write(b'{"title": "Service Unavailable", "status": 503}')
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lookup)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        _play(built, _firsts(workload)[:2], prefix="down-")
+        built = h.build(mesh, h.engine_of(mesh, "decode"), b"failing-lookup",
+                        lookup_url=f"http://127.0.0.1:{srv.server_port}", lookup_deadline_s=0.3)
+        try:
+            _play(built, _firsts(workload)[:2], prefix="down-")
+        finally:
+            built.close()
     finally:
-        built.close()
+        srv.shutdown()
     assert built.engine.stats.requests_ok == 2
-    assert built.scheduler.stats.get("lookup_failures") >= 2
-    harness_report["lookup_unreachable"] = {"requests_ok": built.engine.stats.requests_ok,
-                                            "lookup_failures": built.scheduler.stats.get("lookup_failures")}
+    assert built.scheduler.stats.get("lookup_failures") >= 2 and len(calls) >= 2
+    harness_report["lookup_failing"] = {"requests_ok": built.engine.stats.requests_ok,
+                                        "lookup_failures": built.scheduler.stats.get("lookup_failures"), "lookup_calls": len(calls)}
 
 
 @pytest.mark.parametrize("override, error, words", [
     ({"model": "another-model"}, ModelMismatchError, "serves model"),
-    ({"gpuworker_urls": ["http://127.0.0.1:1"], "start_deadline_s": 0.5}, MeshUnreachableError, "unreachable"),
+    ({"gpuworker_urls": ["http://127.0.0.1:1"], "start_deadline_s": 0.5}, MeshUnreachableError, "gpuworker .* unreachable"),
+    ({"lookup_url": "http://127.0.0.1:1", "start_deadline_s": 0.5}, MeshUnreachableError, "lookup service .* unreachable"),
+    ({"kafka_brokers": "127.0.0.1:1", "start_deadline_s": 1}, MeshUnreachableError, "Kafka is unreachable"),
     ({"lookup_url": "ftp://nowhere"}, KVMeshConfigError, "lookup_url"),
     ({"tenant": "no spaces allowed"}, KVMeshConfigError, "tenant"),
 ])
