@@ -108,7 +108,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                                      retry_deadline=self.settings.start_deadline_s, **tls).request("GET", "/healthz"),
                         f"the lookup service at {self.settings.lookup_url}")
             self._reach(lambda: self._producer.check(timeout=self.settings.start_deadline_s), "Kafka")
-            self._scheduler = SchedulerSide(self.settings, self.model, lookup, self._publish, self.stats)
+            self._scheduler = SchedulerSide(self.settings, self.model, lookup, self._publish, self.stats,
+                                            poll=self._producer.poll)
         else:
             if rank_index >= tp * pp:
                 raise UnsupportedLayoutError(f"worker rank {rank_index} outside TP {tp} × PP {pp}")
@@ -134,8 +135,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         except transport.TransportError as e:
             raise MeshUnreachableError(f"{what} is unreachable: {e}") from e
 
-    def _publish(self, value: bytes) -> None:
-        self._producer.publish(self.settings.engine_id, value, timeout=self.settings.publish_timeout_s)
+    def _publish(self, value: bytes, done: Any) -> None:
+        self._producer.publish_async(self.settings.engine_id, value, done)
 
     # ---- scheduler side ------------------------------------------------
 
@@ -230,7 +231,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         """Stops the connector's threads and clients."""
         if self._scheduler is not None:
             self._scheduler.shutdown()
-            self._producer.close()
+            self._producer.close(timeout=self.settings.publish_timeout_s)  # serves the last delivery reports
         if self._worker is not None:
             self._worker.shutdown()
 

@@ -15,7 +15,9 @@ contract (``docs/contract.md``, "The engine contract"):
   back (``update_connector_output``): its KV is then computed and its
   blocks' identities recorded by the workers, so a save the record causes
   never reads a block before it holds its chunk ("complete before
-  publish");
+  publish"). Publishing does not wait for the broker: the idempotent
+  producer keeps the engine's records in order, and each delivery report
+  is served on a later call;
 - ``request_finished`` publishes the finish and delays the free until
   kvmesh reports ``finished_sending`` (the workers return it from
   ``get_finished``).
@@ -30,6 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -108,12 +111,13 @@ class SchedulerSide:
     """The scheduler-side half of :class:`~kvmesh_vllm.connector.KVMeshConnector`."""
 
     def __init__(self, settings: Settings, model: ModelSpec, lookup_client: Any,
-                 publish: Callable[[bytes], None], stats: ConnectorStats,
-                 null_block_id: int = c.VLLM_NULL_BLOCK_ID) -> None:
+                 publish: Callable[[bytes, Callable[[Optional[Exception]], None]], None], stats: ConnectorStats,
+                 null_block_id: int = c.VLLM_NULL_BLOCK_ID, poll: Callable[[], Any] = lambda: None) -> None:
         self._s = settings
         self._model = model
         self._lookup = lookup_client
         self._publish = publish
+        self._poll = poll
         self._stats = stats
         self._null = null_block_id
         self._reqs: dict[str, _Request] = {}
@@ -242,6 +246,15 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
         """The step's metadata for the workers; queues the step's record."""
+        start = time.perf_counter()
+        try:
+            return self._build(scheduler_output)
+        finally:
+            self._stats.add("steps")
+            self._stats.add("step_us", int((time.perf_counter() - start) * 1e6))
+
+    def _build(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
+        self._poll()
         self._step += 1
         meta = KVMeshConnectorMetadata(step=self._step, loads=self._loads)
         self._loads = []
@@ -362,6 +375,14 @@ class SchedulerSide:
         The workers name the steps whose identities they recorded
         (``kv_connector_worker_meta``); without that (older vLLM), the
         oldest step waiting is the one whose output this is."""
+        start = time.perf_counter()
+        try:
+            self._output(connector_output)
+        finally:
+            self._stats.add("step_us", int((time.perf_counter() - start) * 1e6))
+
+    def _output(self, connector_output: Any) -> None:
+        self._poll()
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         done = set(getattr(wm, "steps", ()) or ())
         if not done and self._awaiting:
@@ -401,13 +422,21 @@ class SchedulerSide:
             if not rec.step.requests:
                 continue
             try:
-                self._publish(rec.step.encode())
-                self._stats.add("records")
+                self._publish(rec.step.encode(), self._delivered(rec))
             except Exception as e:
-                # The mesh sees a seq gap for these requests and fails them
-                # closed (request_error; their finish frees at once).
-                self._stats.add("publish_failures")
-                log.error("kvmesh step record %s (%d events) not published: %s", rec.step.step_id, len(rec.step.requests), e)
+                self._delivered(rec)(e)
+
+    def _delivered(self, rec: _Record) -> Callable[[Optional[Exception]], None]:
+        """The delivery report of one record."""
+        def done(err: Optional[Exception]) -> None:
+            if err is None:
+                self._stats.add("records")
+                return
+            # The mesh sees a seq gap for these requests and fails them
+            # closed (request_error; their finish frees at once).
+            self._stats.add("publish_failures")
+            log.error("kvmesh step record %s (%d events) not published: %s", rec.step.step_id, len(rec.step.requests), err)
+        return done
 
     def _event(self, st: _Request, ev: c.RequestEvent) -> None:
         ev.seq = st.next_seq()

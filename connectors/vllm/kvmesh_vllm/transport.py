@@ -31,7 +31,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .errors import KVMeshConfigError, KVMeshError
 
@@ -710,6 +710,9 @@ class StepProducer:
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": cfg.get("linger.ms", 2),
+                # a record not acknowledged within 30 s fails (librdkafka's
+                # default is 5 min), so a broker outage is reported, not hidden
+                "message.timeout.ms": cfg.get("message.timeout.ms", 30000),
                 "partitioner": cfg.get("partitioner", "murmur2_random"),
                 "error_cb": self._errors,
             }
@@ -807,6 +810,41 @@ class StepProducer:
         if err is not None:
             raise PublishError(f"publish to {self.topic}: {_err_text(err)}", err)
         return outcome["pos"]
+
+    def publish_async(self, key: str, value: bytes, on_done: Callable[[Optional[PublishError]], None],
+                      headers: Optional[Mapping[str, str]] = None) -> None:
+        """Queue one record without waiting; ``on_done`` is called from a
+        later :meth:`poll` (or :meth:`flush`) with None once the broker
+        acknowledged it, or with the :class:`PublishError`. The idempotent
+        producer keeps the records of one key in the order queued.
+        Raises :class:`PublishError` when the record cannot be queued (the
+        producer is closed, or its local queue stays full for 5 s)."""
+        from confluent_kafka import KafkaException
+
+        if self._closed:
+            raise PublishError("producer is closed")
+
+        def on_delivery(err: Any, msg: Any) -> None:
+            on_done(None if err is None else PublishError(f"publish to {self.topic}: {_err_text(err)}", err))
+
+        hdrs = [(k, v.encode("utf-8")) for k, v in (headers or {}).items()]
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self._producer.produce(self.topic, value=value, key=key.encode("utf-8"), headers=hdrs, on_delivery=on_delivery)
+                return
+            except BufferError:  # local queue full: serve delivery reports and try again
+                if time.monotonic() >= deadline:
+                    raise PublishError("producer queue full for 5 s") from None
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                raise PublishError(f"publish to {self.topic}: {_err_text(err)}", err) from None
+
+    def poll(self) -> int:
+        """Serves the delivery reports that arrived (publish_async's
+        callbacks) without waiting; returns how many."""
+        return self._producer.poll(0)
 
     def flush(self, timeout: float = 30.0) -> int:
         """Wait up to ``timeout`` seconds for queued records; return how many remain."""

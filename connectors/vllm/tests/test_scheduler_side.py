@@ -65,10 +65,12 @@ class Side:
         settings = cfg.Settings(engine_id="e1", model="hybrid", lookup_url="http://x", kafka={})
         self.s = SchedulerSide(settings, ModelSpec.from_json(SPEC), lookup, self._publish, self.stats)
 
-    def _publish(self, value: bytes) -> None:
+    def _publish(self, value: bytes, done) -> None:
         if self.fail_publish:
-            raise RuntimeError("broker down")
+            done(RuntimeError("broker down"))
+            return
         self.records.append(json.loads(value))
+        done(None)
 
     def events(self) -> list[dict]:
         return [e for r in self.records for e in r["requests"]]

@@ -339,9 +339,10 @@ class Engine:
 
     def _schedule_waiting(self, so: SchedulerOutput, budget: int) -> None:
         keep: list[_Req] = []
+        blocked = False  # a request found no blocks: only loaded ones (whose blocks they hold) go on
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             r = self.waiting.pop(0)
-            if r.status == "remote":
+            if r.status == "remote" or (blocked and r.status != "loaded"):
                 keep.append(r)
                 continue
             if r.status == "loaded":
@@ -349,7 +350,8 @@ class Engine:
                 added = self._blocks_for(r, r.req.num_computed_tokens + n)
                 if added is None:
                     keep.append(r)
-                    break
+                    blocked = True
+                    continue
                 self._alloc_notify(r, KVCacheBlocks(tuple(list(g) for g in r.table)), 0)
                 self._run(r, so, n)
                 budget -= n
@@ -362,12 +364,13 @@ class Engine:
                 continue
             hit = local + n_ext
             n = min(r.req.num_tokens - hit, budget)
-            # A load's request gets its first chunk's blocks too, so that it
-            # can always run once loaded (no loaded request waits for blocks
-            # other loaded requests hold).
-            if not self._alloc(r, local, hit + n, hit):
+            # A load's request gets the blocks of its whole prompt, so that
+            # once loaded it can always run (no loaded request waits for
+            # blocks that other loaded, unpreemptible requests hold).
+            if not self._alloc(r, local, r.req.num_tokens if n_ext > 0 else hit + n, hit):
                 keep.append(r)
-                break
+                blocked = True
+                continue
             self.stats.prompt_tokens += r.req.num_tokens
             self.stats.local_tokens += local
             r.req.num_computed_tokens = hit

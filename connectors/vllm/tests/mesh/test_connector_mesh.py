@@ -50,6 +50,7 @@ def _report_engine(built: h.Built, ledger: h.Ledger) -> dict:
         "recomputed_tokens": st.recomputed_tokens,
         "preemptions": st.preemptions,
         "steps": st.steps,
+        "connector_us_per_step": round(sched.get("step_us") / max(1, sched.get("steps")), 1),
         "saves": ledger.outcomes(),
         "connector_stats": sched.reduce(),
         "worker_stats": [w.stats.reduce() for w in built.workers],
