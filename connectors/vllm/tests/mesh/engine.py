@@ -173,6 +173,8 @@ class Engine:
         #: Called with each request whose load the engine just issued (tests
         #: break the store with it).
         self.on_load_issued: Optional[Any] = None
+        #: Called after every step (tests break the mesh with it).
+        self.on_step_done: Optional[Any] = None
 
     # ---- content -------------------------------------------------------
 
@@ -228,6 +230,8 @@ class Engine:
             self.pool.register(w.group, w.block, w.hash_hex)
         self._update_from_output(so, out)
         self.stats.steps += 1
+        if self.on_step_done is not None:
+            self.on_step_done(self)
         return so.total_num_scheduled_tokens > 0
 
     def _blocks_for(self, r: _Req, tokens: int, hit: int = 0) -> Optional[list[list[int]]]:

@@ -203,6 +203,34 @@ def test_load_errors_are_recomputed(mesh, workload, harness_report):
     assert st.failures == [] and st.blocks_mismatched == 0 and st.requests_ok == 4
 
 
+def test_failed_saves_are_reported(mesh, workload, harness_report):
+    """Every block identity in the engine's KV memory cleared after each
+    step (the gpuworker's POST /v1/pool/reset): saves of those blocks fail
+    closed — dead-lettered block_not_held, reported on the save's result —
+    the requests still get their finished_sending, and nothing raises into
+    the engine."""
+    from kvmesh_vllm import transport
+
+    e = h.engine_of(mesh, "decode")
+    built = h.build(mesh, e, _salt(workload) + b"-reset")
+    ledger = h.Ledger(built.scheduler.settings.engine_id).start(built.scheduler.settings.kafka)
+    admin = transport.HTTPClient(e["gpuworkers"][0]["url"], token=mesh["admin_token"], retry_deadline=5)
+    built.engine.on_step_done = lambda _: admin.request("POST", "/v1/pool/reset")
+    try:
+        _play(built, _firsts(workload)[:3], prefix="reset-")
+        balanced = ledger.settle()
+        outcome = ledger.outcomes()
+    finally:
+        ledger.close()
+        built.close()
+    harness_report["failed_saves"] = outcome
+    st = built.engine.stats
+    assert st.requests_ok == 3 and st.failures == []
+    assert balanced and outcome["tasks"] == outcome["results"], outcome
+    assert outcome["dead_lettered"] > 0, f"no save failed closed after the resets: {outcome}"
+    assert built.workers[0].stats.get("finished_sending") == 3 and built.workers[0].stats.get("finish_timeouts") == 0
+
+
 def test_lookup_failing_never_raises(mesh, workload, harness_report):
     """A lookup service that answers 503 to every lookup: the connector
     retries until kvmesh.lookup_deadline_s, then the engine computes the
