@@ -73,6 +73,30 @@ def layer_regions(name: str, tensor: Any, group: int, num_blocks: int) -> LayerR
     )
 
 
+def shared_groups(layers: list[list[tuple[Any, "LayerRegions"]]]) -> dict[int, set[int]]:
+    """For each group, the other groups whose tensors share its memory.
+
+    vLLM's hybrid allocator may give layers of different groups one
+    buffer (a block id names the same bytes in each; one group uses it at
+    a time). A write of block b in one group then changes block b of the
+    others, so their identity records must be cleared with it."""
+    spans = []
+    for g, group in enumerate(layers):
+        for t, _ in group:
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), g))
+    spans.sort()
+    out: dict[int, set[int]] = {}
+    for i, (s1, e1, g1) in enumerate(spans):
+        for s2, e2, g2 in spans[i + 1:]:
+            if s2 >= e1:
+                break
+            if g1 != g2:
+                out.setdefault(g1, set()).add(g2)
+                out.setdefault(g2, set()).add(g1)
+    return out
+
+
 class WorkerSide:
     """The worker-side half of :class:`~kvmesh_vllm.connector.KVMeshConnector`."""
 
@@ -102,6 +126,7 @@ class WorkerSide:
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
         self._bad_seen = 0
+        self._aliases: dict[int, set[int]] = {}
 
     # ---- KV memory ------------------------------------------------------
 
@@ -129,6 +154,10 @@ class WorkerSide:
                 )
         tensors = [t for group in layers for t, _ in group]
         self._cuda = any(getattr(t, "is_cuda", False) for t in tensors)
+        if self._aliases and not self._cuda:
+            raise UnsupportedLayoutError(
+                f"KV-cache groups {sorted(self._aliases)} share memory: CPU KV caches are moved into a shared "
+                "segment group by group, which would split that memory; share it only on GPUs (CUDA IPC)")
         path = os.path.join(kvmem.shm_dir(), f"kvmesh-{_safe(self._s.engine_id)}-r{self._rank}-{os.getpid()}.kvmem")
         self._segment = kvmem.Segment.create(path, layout)
         try:
@@ -144,18 +173,22 @@ class WorkerSide:
             raise
 
     def _layers(self, kv_caches: dict[str, Any]) -> list[list[tuple[Any, LayerRegions]]]:
-        """The layers' tensors per group, in vLLM's layer order."""
+        """The layers' tensors per group, in vLLM's layer order; a layer
+        with several state tensors (vLLM's Mamba ``[conv_state, ssm_state]``)
+        contributes each, in order."""
         groups: list[list[tuple[Any, LayerRegions]]] = [[] for _ in self._model.groups]
         for name, t in kv_caches.items():
             if name not in self._layer_groups:
                 raise UnsupportedLayoutError(f"KV cache of layer {name}: in no KV-cache group of vLLM's KVCacheConfig")
             g = self._layer_groups[name]
-            if isinstance(t, (list, tuple)):
-                raise UnsupportedLayoutError(f"KV cache of layer {name}: a tuple of tensors (use one tensor per layer)")
-            groups[g].append((t, layer_regions(name, t, g, self._num_blocks)))
+            parts = list(t) if isinstance(t, (list, tuple)) else [t]
+            for i, part in enumerate(parts):
+                where = f"{name}[{i}]" if len(parts) > 1 else name
+                groups[g].append((part, layer_regions(where, part, g, self._num_blocks)))
         for g, ls in enumerate(groups):
             if not ls:
                 raise ModelMismatchError(f"group {g}: vLLM registered no KV cache tensor for it")
+        self._aliases = shared_groups(groups)
         return groups
 
     def _rehome(self, layers: list[list[tuple[Any, LayerRegions]]]) -> None:
@@ -230,12 +263,23 @@ class WorkerSide:
         if self._segment is None:
             return
         for w in meta.writes:
+            for other in self._aliases.get(w.group, ()):
+                self._clear(other, w.block)  # the same bytes, under another group
             try:
                 seq = self._segment.record(w.group, w.block).begin(kvmem.WRITER_ENGINE)
             except kvmem.BusyError:
                 self._stats.add("blocks_busy")  # a load is writing it: never recorded
                 continue
             self._open.append((w, seq))
+
+    def _clear(self, group: int, block: int) -> None:
+        """Clears a block's identity record (it holds nothing now)."""
+        assert self._segment is not None
+        rec = self._segment.record(group, block)
+        try:
+            rec.abort(rec.begin(kvmem.WRITER_ENGINE))
+        except kvmem.BusyError:
+            pass  # being written: that writer's commit decides
 
     def wait_for_save(self) -> None:
         """After the forward pass: each written block records its chunk."""

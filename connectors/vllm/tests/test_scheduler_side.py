@@ -235,3 +235,17 @@ def test_decode_without_new_blocks_publishes_nothing():
 def test_settings_errors_name_the_setting(extra, words):
     with pytest.raises(cfg.KVMeshConfigError, match=words):
         cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"})
+
+
+def test_shared_groups_finds_groups_sharing_memory():
+    """vLLM's hybrid allocator may back layers of two groups with one
+    buffer: their identity records must be cleared together."""
+    import torch
+
+    from kvmesh_vllm.worker import shared_groups
+
+    buf = torch.zeros(4, 64)
+    alone = torch.zeros(4, 64)
+    layers = [[(buf[:, :32], None)], [(buf[:, 16:], None)], [(alone, None)]]
+    assert shared_groups(layers) == {0: {1}, 1: {0}}
+    assert shared_groups([[(alone, None)], [(torch.zeros(4, 64), None)]]) == {}

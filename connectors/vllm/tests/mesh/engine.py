@@ -183,10 +183,12 @@ class Engine:
         order, as numpy views of the tensors' memory."""
         out = []
         for name in self.layer_groups[group]:
-            t = self.kv[rank][name]
-            planes = [t[0][block], t[1][block]] if t.dim() >= 3 and t.shape[0] == 2 else [t[block]]
-            for p in planes:
-                out.append(p.reshape(-1).view(torch.uint8).numpy())
+            layer = self.kv[rank][name]
+            for t in layer if isinstance(layer, list) else [layer]:
+                nb = len(self.pool.ref)  # as the worker reads it: block dimension first, or K/V planes then blocks
+                planes = [t[block]] if t.shape[0] == nb else [t[0][block], t[1][block]]
+                for p in planes:
+                    out.append(p.reshape(-1).view(torch.uint8).numpy())
         return out
 
     def _expected(self, rank: int, group: int, hash_hex: str) -> np.ndarray:

@@ -52,18 +52,25 @@ def extra_config(mesh: dict, eng: dict, **overrides: Any) -> dict:
     return out
 
 
-def layer_shapes(group: dict, num_blocks: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Two float16 layers per group, shaped as vLLM's caches: MLA and Mamba
+def layer_shapes(group: dict, num_blocks: int) -> list[Any]:
+    """Two float16 layers per group, shaped as vLLM's caches: MLA
     ``(num_blocks, block_size, dim)``, full attention ``(2, num_blocks,
-    block_size, heads, head_dim)`` (K and V planes)."""
+    block_size, heads, head_dim)`` (K and V planes), Mamba a list of two
+    state tensors ``[(num_blocks, conv…), (num_blocks, ssm…)]`` (a quarter
+    and three quarters of the layer's bytes), as vLLM's MambaSpec
+    allocates them. A shape is a tuple, or a list of tuples for a layer of
+    several tensors."""
     per_layer = group["bytes_per_block"] // 2 // 2  # float16 elements per layer and block
     bs = group["block_size"]
     if group["kind"] == KIND_FULL:
         per_plane = per_layer // 2
-        return [("kv", (2, num_blocks, bs, 1, per_plane // bs))] * 2
+        return [(2, num_blocks, bs, 1, per_plane // bs)] * 2
+    if group["kind"] == "mamba" and per_layer % 4 == 0:
+        conv = per_layer // 4
+        return [[(num_blocks, 4, conv // 4), (num_blocks, 8, (per_layer - conv) // 8)]] * 2
     if per_layer % bs == 0:
-        return [("", (num_blocks, bs, per_layer // bs))] * 2
-    return [("", (num_blocks, per_layer))] * 2
+        return [(num_blocks, bs, per_layer // bs)] * 2
+    return [(num_blocks, per_layer)] * 2
 
 
 def kv_cache_config(spec: dict, num_blocks: int) -> tuple[fv.KVCacheConfig, list[list[str]], dict[str, tuple]]:
@@ -71,7 +78,7 @@ def kv_cache_config(spec: dict, num_blocks: int) -> tuple[fv.KVCacheConfig, list
     groups, names, shapes = [], [], {}
     for g, grp in enumerate(spec["groups"]):
         layer_names = []
-        for i, (_, shape) in enumerate(layer_shapes(grp, num_blocks)):
+        for i, shape in enumerate(layer_shapes(grp, num_blocks)):
             name = f"model.layers.{g * 2 + i}.{'attn' if grp['kind'] != 'mamba' else 'mixer'}"
             layer_names.append(name)
             shapes[name] = shape
@@ -118,7 +125,8 @@ def build(mesh: dict, eng: dict, salt: bytes, num_blocks: int = 96, pd_child: bo
             os.environ["KVMESH_WORKER_RANK"] = str(k)
             conn = KVMeshConnector(cfg, KVConnectorRole.WORKER, kcc)
             workers.append(conn)
-            caches = {name: torch.zeros(shape, dtype=torch.float16) for name, shape in shapes.items()}
+            caches = {name: [torch.zeros(p, dtype=torch.float16) for p in shape] if isinstance(shape, list)
+                      else torch.zeros(shape, dtype=torch.float16) for name, shape in shapes.items()}
             conn.register_kv_caches(caches)
             tensors.append(caches)
             ranks.append(w["rank"])

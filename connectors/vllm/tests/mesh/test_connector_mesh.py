@@ -42,7 +42,7 @@ def _report_engine(built: h.Built, ledger: h.Ledger) -> dict:
         "requests_failed": st.requests_total - st.requests_ok,
         "prompt_tokens": st.prompt_tokens,
         "tokens_local": st.local_tokens,
-        "tokens_loaded": dict(st.tokens_loaded),
+        "tokens_loaded": {"store": 0, "pd": 0, **st.tokens_loaded},
         "hit_rate": round((st.local_tokens + loaded) / st.prompt_tokens, 4) if st.prompt_tokens else 0.0,
         "blocks_checked": st.blocks_checked,
         "blocks_mismatched": st.blocks_mismatched,

@@ -1,0 +1,128 @@
+"""The worker side's KV memory and identity records, without a mesh.
+
+A fake gpuworker client answers ``GET /v1/pool`` and records the
+registration; the segment is real (``/dev/shm``), so the tests read what a
+gpuworker would map.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh_vllm import config as cfg
+from kvmesh_vllm import kvmem
+from kvmesh_vllm.errors import ModelMismatchError, UnsupportedLayoutError
+from kvmesh_vllm.metadata import BlockWrite, KVMeshConnectorMetadata
+from kvmesh_vllm.model import ModelSpec
+from kvmesh_vllm.stats import ConnectorStats
+from kvmesh_vllm.worker import WorkerSide, layer_regions
+
+NB = 6
+SPEC = {"name": "m", "hash_block_size": 4, "groups": [
+    {"kind": "full_attention", "block_size": 4, "bytes_per_block": 2 * 2 * 4 * 8 * 2},  # 2 layers × K/V × 4 tokens × 8 × fp16
+    {"kind": "mamba", "block_size": 4, "bytes_per_block": (16 + 48) * 2}]}  # 1 layer: [conv 16, ssm 48] fp16
+
+
+class FakeWorker:
+    """A gpuworker's pool answer, and the registrations posted to it."""
+
+    base_url = "http://fake"
+
+    def __init__(self, model="m", rank=None, groups=None):
+        self.pool = {"engine_id": "e1", "model": model, "rank": rank or {"tp": 0, "pcp": 0, "dcp": 0, "pp": 0},
+                     "groups": groups or [{"kind": g["kind"], "bytes_per_block": g["bytes_per_block"]} for g in SPEC["groups"]]}
+        self.posted = []
+
+    def request(self, method, path, json_body=None, **kw):
+        if method == "GET":
+            return 200, {}, self.pool
+        self.posted.append((path, json_body))
+        return 200, {}, {"kind": "shm"}
+
+
+def side(worker=None):
+    settings = cfg.Settings(engine_id="e1", model="m", lookup_url="http://x", kafka={})
+    layer_groups = {"attn.0": 0, "attn.1": 0, "mixer.0": 1}
+    return WorkerSide(settings, ModelSpec.from_json(SPEC), 0, NB, layer_groups, worker or FakeWorker(), None, ConnectorStats())
+
+
+def caches():
+    return {"attn.0": torch.zeros(2, NB, 4, 1, 8, dtype=torch.float16),
+            "attn.1": torch.zeros(2, NB, 4, 1, 8, dtype=torch.float16),
+            "mixer.0": [torch.zeros(NB, 16, dtype=torch.float16), torch.zeros(NB, 6, 8, dtype=torch.float16)]}
+
+
+def test_register_moves_tensors_into_the_segment():
+    w, kv = side(), caches()
+    w.register_kv_caches(kv)
+    try:
+        seg = w.segment
+        assert [list(g.regions) for g in seg.layout.groups] == [[64, 64, 64, 64], [32, 96]]
+        path, body = w._client.posted[0]
+        assert path == "/v1/kv-memory" and body["kind"] == "shm" and body["path"] == seg.path
+        # the model writes its tensors as before; the bytes land where the gpuworker reads them
+        kv["attn.1"][1][3].fill_(1.5)  # V plane of layer 1, block 3
+        kv["mixer.0"][1][2].fill_(-2.0)  # ssm state of block 2
+        v = seg.block_regions(0, 3)[3].view(np.float16)
+        assert (v == 1.5).all() and not seg.block_regions(0, 3)[2].any()
+        assert (seg.block_regions(1, 2)[1].view(np.float16) == -2.0).all()
+    finally:
+        w.shutdown()
+
+
+def test_forward_records_identities():
+    w = side()
+    w.register_kv_caches(caches())
+    try:
+        meta = KVMeshConnectorMetadata(step=7, writes=[BlockWrite("r1", 0, 2, "ab" * 32), BlockWrite("r1", 1, 2, "cd" * 32)])
+        w.start_load_kv(meta)
+        seq, held, ok = w.segment.record(0, 2).load()
+        assert not ok, "a block being written must not be readable"
+        w.wait_for_save()
+        for g, h in ((0, "ab" * 32), (1, "cd" * 32)):
+            _, held, ok = w.segment.record(g, 2).load()
+            assert ok and held.hash == h and held.request_id == "r1"
+        assert w.build_connector_worker_meta().steps == {7}
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("worker, error, words", [
+    (FakeWorker(model="other"), ModelMismatchError, "serves model"),
+    (FakeWorker(rank={"tp": 1}), UnsupportedLayoutError, "serves rank"),
+    (FakeWorker(groups=[{"kind": "full_attention", "bytes_per_block": 1}, {"kind": "mamba", "bytes_per_block": 128}]),
+     ModelMismatchError, "group 0: the mesh stores 1 bytes per block"),
+])
+def test_register_refuses_another_mesh(worker, error, words):
+    with pytest.raises(error, match=words):
+        side(worker).register_kv_caches(caches())
+    assert worker.posted == [], "registered with a gpuworker it does not fit"
+
+
+def test_shared_cpu_memory_is_refused():
+    kv = caches()
+    shared = torch.zeros(2, NB, 4, 1, 8, dtype=torch.float16)
+    kv["attn.0"] = shared
+    kv["mixer.0"] = [shared.reshape(-1)[:NB * 16].view(NB, 16), torch.zeros(NB, 6, 8, dtype=torch.float16)]
+    with pytest.raises(UnsupportedLayoutError, match="share memory"):
+        side().register_kv_caches(kv)
+
+
+@pytest.mark.parametrize("tensor, words", [
+    (torch.zeros(3, 4), "no block dimension"),
+    (torch.zeros(8, NB).t(), "not contiguous"),
+])
+def test_layer_regions_refuses(tensor, words):
+    with pytest.raises(UnsupportedLayoutError, match=words):
+        layer_regions("l", tensor, 0, NB)
+
+
+def test_segment_files_are_removed():
+    w = side()
+    w.register_kv_caches(caches())
+    path = w.segment.path
+    w.shutdown()
+    with pytest.raises(kvmem.SegmentError):
+        kvmem.Segment.open(path)
