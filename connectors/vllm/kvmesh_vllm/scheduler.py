@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -127,7 +126,6 @@ class SchedulerSide:
         self._awaiting: collections.deque[int] = collections.deque()
         self._step = 0
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvmesh-lookup")
-        self._lock = threading.Lock()
 
     # ---- lookups -------------------------------------------------------
 

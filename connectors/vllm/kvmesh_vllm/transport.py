@@ -31,7 +31,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from .errors import KVMeshConfigError, KVMeshError
 
