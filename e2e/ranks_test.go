@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"net/url"
 	"slices"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -272,6 +275,50 @@ func checkRankFailuresNamed(ctx context.Context, t *testing.T, s *stack, d sim.D
 	}
 	t.Logf("loads expired with the dead rank missing: %d; saves dead-lettered naming it: %d", missing, deadLetters)
 	if missing+deadLetters == 0 {
-		t.Fatal("the dead rank cost no load and no save: the kill tested nothing")
+		// The kill fell where the engine had no load or save in flight on
+		// that rank (the run then fails its requests before issuing any):
+		// give the mesh one, a save of the engine's with keys the store
+		// does not hold, which the sender must put through the dead rank.
+		t.Log("the kill found no load or save in flight on the rank; publishing a save it must put")
+		provokeRankSave(ctx, t, s, d)
+		eventually(t, "a put_failed dead letter naming "+d.Name, func() bool {
+			for _, e := range dlq(t, s, url.Values{"reason": {string(kvcore.ReasonPutFailed)}}) {
+				if strings.Contains(e.Detail, d.Name) {
+					return true
+				}
+			}
+			return false
+		})
+		return
 	}
+}
+
+// provokeRankSave republishes one of the dead rank's engine's save tasks
+// under a new task id with fresh random block hashes, so that none of its
+// keys exists and every rank, the dead one included, must put its share.
+func provokeRankSave(ctx context.Context, t *testing.T, s *stack, d sim.DeadRank) {
+	t.Helper()
+	recs, err := sim.ReadAll(ctx, s.brokers, contract.TopicSaveTasks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rec := range recs {
+		var task kvcore.SaveTask
+		if err := json.Unmarshal(rec.Value, &task); err != nil || task.EngineID != d.EngineID || len(task.BlockHashes) == 0 {
+			continue
+		}
+		task.TaskID += "/provoked"
+		for i := range task.BlockHashes {
+			h := make([]byte, 32)
+			_, _ = rand.Read(h) // crypto/rand never fails on Linux
+			task.BlockHashes[i] = hex.EncodeToString(h)
+		}
+		body, err := json.Marshal(task)
+		if err != nil {
+			t.Fatal(err)
+		}
+		publishSaveTasks(ctx, t, s, bus.Message{Key: task.RequestID, Value: body})
+		return
+	}
+	t.Fatalf("no save task of engine %s to republish", d.EngineID)
 }
