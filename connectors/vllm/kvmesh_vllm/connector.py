@@ -103,7 +103,9 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             lookup = transport.HTTPClient(self.settings.lookup_url, token=self.settings.token,
                                           timeout=self.settings.lookup_timeout_s,
                                           retry_deadline=self.settings.lookup_deadline_s, **tls)
-            self._producer = transport.StepProducer(self.settings.kafka, topic=c.TOPIC_ENGINE_STEPS)
+            self._producer = transport.StepProducer(
+                {**self.settings.kafka, "message.timeout.ms": int(self.settings.publish_timeout_s * 1000)},
+                topic=c.TOPIC_ENGINE_STEPS)
             self._reach(lambda: transport.HTTPClient(self.settings.lookup_url, timeout=self.settings.lookup_timeout_s,
                                                      retry_deadline=self.settings.start_deadline_s, **tls).request("GET", "/healthz"),
                         f"the lookup service at {self.settings.lookup_url}")
