@@ -185,9 +185,17 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         """Registers the engine's KV memory with this rank's gpuworker."""
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """The step's metadata, before the forward pass: on a worker, the
+        blocks the pass writes stop holding their old identity now (newer
+        vLLM calls start_load_kv only after launching the pass)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVMeshConnectorMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Before the forward pass: marks the blocks it writes."""
-        self._work().start_load_kv(self._get_connector_metadata())
+        """kvmesh's gpuworkers load before a request is scheduled: nothing
+        to start (the step began in bind_connector_metadata)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads land before a request is scheduled: nothing to wait for."""

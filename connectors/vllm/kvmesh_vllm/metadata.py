@@ -9,9 +9,12 @@ from ._vllm import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 @dataclass(frozen=True)
 class BlockWrite:
-    """A block whose chunk the step's forward pass completes (or, with
-    ``adopt``, that another connector filled): its identity is recorded in
-    the KV memory's record once the forward pass is done."""
+    """A block the step's forward pass writes into: its record holds
+    nothing from before the forward pass on, and once the pass is done it
+    records ``hash_hex`` — the chunk the step completes in it — or stays
+    empty when ``hash_hex`` is "" (a chunk not complete yet). With
+    ``adopt`` another connector filled the block, which the forward pass
+    does not write."""
 
     request_id: str
     group: int
@@ -35,6 +38,9 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
     step: int = 0
     writes: list[BlockWrite] = field(default_factory=list)
     loads: list[PendingLoad] = field(default_factory=list)
+    #: Requests whose free request_finished delayed since the last step:
+    #: the only ones a worker may report in finished_sending.
+    delayed_frees: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -124,6 +124,7 @@ class SchedulerSide:
         self._loads: list[PendingLoad] = []
         self._queue: collections.deque[_Record] = collections.deque()
         self._awaiting: collections.deque[int] = collections.deque()
+        self._delayed: list[str] = []  # frees delayed since the last step's metadata
         self._step = 0
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvmesh-lookup")
 
@@ -136,7 +137,7 @@ class SchedulerSide:
         if st.load_done or st.running:
             return 0, False  # after a load, or a request already running
         if st.matched is not None and st.lookup_at == num_computed_tokens:
-            return st.matched, st.matched > 0 and (st.decision.load_async if st.decision else True)
+            return st.matched, st.matched > 0
         if st.lookup is None or st.lookup_at != num_computed_tokens:
             st.lookup_at, st.local, st.matched, st.decision = num_computed_tokens, num_computed_tokens, None, None
             st.lookup = self._pool.submit(self._ask, st, num_computed_tokens)
@@ -157,8 +158,15 @@ class SchedulerSide:
             st.lookup = self._pool.submit(self._ask, st, num_computed_tokens)
             return None, False
         st.decision = dec
-        st.matched = self._accept(st, dec, num_computed_tokens)
-        return st.matched, st.matched > 0 and dec.load_async
+        try:
+            st.matched = self._accept(st, dec, num_computed_tokens)
+        except (TypeError, ValueError) as e:  # a malformed answer: computed here
+            self._stats.add("lookup_anomalies")
+            log.warning("kvmesh lookup decision for %s not understood; computing it: %s", st.request_id, e)
+            st.matched = 0
+        # kvmesh's gpuworkers load in the background: always asynchronous
+        # (a synchronous load would need wait_for_layer_load to block on it).
+        return st.matched, st.matched > 0
 
     def _ask(self, st: _Request, num_computed: int) -> c.Decision:
         """One lookup call (in the lookup pool's thread)."""
@@ -214,8 +222,8 @@ class SchedulerSide:
             st.admitted = True
             self._event(st, c.RequestEvent(
                 request_id=st.request_id, kind=c.EVENT_ADMITTED,
-                prompt_tokens=len(request.prompt_token_ids),
-                block_hashes=[hash_hex(h) for h in getattr(request, "block_hashes", ())],
+                prompt_tokens=_prompt_len(request),
+                block_hashes=self._hashes(st),
                 tenant=st.tenant, consumer=self._s.consumer,
             ))
         st.allocated, st.table, st.external = True, table, num_external_tokens
@@ -254,15 +262,19 @@ class SchedulerSide:
     def _build(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
         self._poll()
         self._step += 1
-        meta = KVMeshConnectorMetadata(step=self._step, loads=self._loads)
-        self._loads = []
+        meta = KVMeshConnectorMetadata(step=self._step, loads=self._loads, delayed_frees=self._delayed)
+        self._loads, self._delayed = [], []
         for rid in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
             self._preempted(rid)
         for nr in scheduler_output.scheduled_new_reqs:
             self._scheduled_new(nr, scheduler_output.num_scheduled_tokens.get(nr.req_id, 0), meta)
         self._scheduled_cached(scheduler_output, meta)
-        self._enqueue(self._step, bool(meta.writes))
-        if meta.writes:
+        # A record waits for its step's output when the workers must act on
+        # the step first: record identities, or register a load whose
+        # finished_recving may come back at once.
+        waits = bool(meta.writes or meta.loads)
+        self._enqueue(self._step, waits)
+        if waits:
             self._awaiting.append(self._step)
         while len(self._awaiting) > MAX_STEPS_IN_FLIGHT:
             self._output_of(self._awaiting.popleft())
@@ -290,7 +302,7 @@ class SchedulerSide:
         table = c.table_of(nr.block_ids)
         start, end = int(nr.num_computed_tokens), int(nr.num_computed_tokens) + int(n)
         kind = c.STEP_RESUMED if st.scheduled else c.STEP_NEW
-        prefill = len(st.request.prompt_token_ids) if kind == c.STEP_NEW else int(st.request.num_tokens)
+        prefill = _prompt_len(st.request) if kind == c.STEP_NEW else int(st.request.num_tokens)
         self._begin_running(st, table, start, end, meta)
         self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_SCHEDULED, step=c.step_of(
             kind, tokens=end, table=table, hashes=self._hashes(st), prefill_tokens=prefill)))
@@ -334,7 +346,7 @@ class SchedulerSide:
                 for g, ids in enumerate(delta):
                     st.table[g].extend(ids)
             self._writes(st, st.table, start, end, meta)
-            decode = start >= len(st.request.prompt_token_ids)
+            decode = start >= _prompt_len(st.request)
             if decode and (delta is None or not any(delta)):
                 continue  # a decode step that added no block changes nothing for the mesh
             kind = c.STEP_DECODE if decode else c.STEP_RUNNING
@@ -343,16 +355,32 @@ class SchedulerSide:
 
     def _writes(self, st: _Request, table: list[list[int]], start: int, end: int,
                 meta: KVMeshConnectorMetadata, adopt: bool = False) -> None:
-        """The identities of the blocks whose chunks tokens [start, end) complete."""
+        """Every block tokens [start, end) write into, each with the hash of
+        the chunk it completes ("" while its chunk is incomplete). With
+        ``adopt`` (another connector's blocks) only the complete ones."""
         hashes = getattr(st.request, "block_hashes", ())
-        for g in range(len(self._model.groups)):
-            for p, hi in self._model.completed_chunks(g, start, end):
-                if g >= len(table) or p >= len(table[g]) or table[g][p] == self._null or hi >= len(hashes):
+        for g, grp in enumerate(self._model.groups):
+            bs = grp.block_size
+            for p in range(start // bs, -(-end // bs)):
+                if g >= len(table) or p >= len(table[g]) or table[g][p] == self._null:
                     continue
-                meta.writes.append(BlockWrite(st.request_id, g, table[g][p], hash_hex(hashes[hi]), adopt))
+                hi = (p + 1) * bs // self._model.hash_block_size - 1
+                h = ""
+                if (p + 1) * bs <= end and hi < len(hashes):
+                    try:
+                        h = hash_hex(hashes[hi])
+                    except TypeError:
+                        h = ""  # a hash this connector cannot name: the block records nothing
+                if adopt and not h:
+                    continue
+                meta.writes.append(BlockWrite(st.request_id, g, table[g][p], h, adopt))
 
-    def _hashes(self, st: _Request) -> list[str]:
-        return [hash_hex(h) for h in getattr(st.request, "block_hashes", ())]
+    def _hashes(self, st: _Request) -> Optional[list[str]]:
+        try:
+            return [hash_hex(h) for h in getattr(st.request, "block_hashes", ())]
+        except TypeError as e:
+            log.warning("request %s: block hashes not understood (%s); kvmesh gets none", st.request_id, e)
+            return None
 
     def _preempted(self, rid: str) -> None:
         st = self._reqs.get(rid)
@@ -400,17 +428,24 @@ class SchedulerSide:
         self._flush()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
-        """Publishes the finish; the free waits for ``finished_sending``."""
+        """Publishes the finish. The free waits for ``finished_sending`` only
+        where kvmesh may still save the request's blocks: not for a request
+        that never ran, nor for one whose load is in flight (vLLM itself
+        frees it at that load's ``finished_recving``), nor on a consumer."""
         st = self._reqs.get(request.request_id)
         if st is None or not st.admitted:
             self._reqs.pop(request.request_id, None)
             return False, None
         if st.lookup is not None:
             st.lookup.cancel()
-        st.finished = True
         self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_FINISHED))
         self._enqueue(self._step, False)
         self._flush()
+        if st.loading or not st.scheduled or self._s.consumer:
+            del self._reqs[st.request_id]
+            return False, None
+        st.finished = True
+        self._delayed.append(st.request_id)
         return True, None
 
     def _flush(self) -> None:
@@ -465,6 +500,13 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Stops the lookup threads; unpublished records are dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _prompt_len(request: Any) -> int:
+    """The prompt's length (vLLM's num_prompt_tokens; prompt_token_ids is
+    None for prompt embeddings)."""
+    n = getattr(request, "num_prompt_tokens", None)
+    return int(n) if n is not None else len(request.prompt_token_ids or ())
 
 
 def _pd_params(request: Any) -> Optional[dict[str, Any]]:

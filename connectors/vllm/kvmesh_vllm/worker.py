@@ -122,7 +122,8 @@ class WorkerSide:
         self._step = 0
         self._loads: dict[str, _Load] = {}
         self._sent: set[str] = set()  # finished_sending from kvmesh, not yet reported
-        self._finished: dict[str, float] = {}  # finished in vLLM → when to stop waiting
+        self._finished: set[str] = set()  # named finished by vLLM, with a delayed free pending
+        self._delayed: dict[str, float] = {}  # delayed frees → when to stop waiting for kvmesh
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
         self._bad_seen = 0
@@ -141,6 +142,10 @@ class WorkerSide:
         Raises a :class:`~kvmesh_vllm.errors.KVMeshError` naming the problem
         when the layout does not match the mesh's model or the gpuworker
         cannot map the memory — at engine start, never later."""
+        try:
+            kvmem.require_store_order()
+        except kvmem.UnsupportedPlatformError as e:
+            raise UnsupportedLayoutError(f"this connector's identity records need x86-64's store order: {e}") from e
         layers = self._layers(kv_caches)
         layout = kvmem.Layout([
             kvmem.GroupLayout(self._num_blocks, [r for _, lr in group for r in lr.regions])
@@ -254,14 +259,19 @@ class WorkerSide:
 
     # ---- the forward pass -------------------------------------------------
 
-    def start_load_kv(self, meta: KVMeshConnectorMetadata) -> None:
-        """Before the forward pass: the blocks it writes hold nothing."""
+    def begin_step(self, meta: KVMeshConnectorMetadata) -> None:
+        """Before the forward pass (vLLM binds the step's metadata first in
+        every version; newer ones start connector loads only after
+        launching the pass): the blocks it writes hold nothing from now on,
+        and the step's loads and delayed frees are noted."""
         now = self._clock()
         for ld in meta.loads:
             self._loads[ld.request_id] = _Load(ld.blocks, now + self._s.load_timeout_s)
+        for rid in meta.delayed_frees:
+            self._delayed[rid] = now + self._s.finish_timeout_s
         self._step = meta.step
-        if self._segment is None:
-            return
+        if self._segment is None or self._open:
+            return  # no memory yet, or this step already begun
         for w in meta.writes:
             for other in self._aliases.get(w.group, ()):
                 self._clear(other, w.block)  # the same bytes, under another group
@@ -290,9 +300,13 @@ class WorkerSide:
         if self._segment is not None:
             now = time.time_ns()
             for w, seq in self._open:
+                rec = self._segment.record(w.group, w.block)
+                if not w.hash_hex:
+                    rec.abort(seq)  # its chunk is not complete: it holds nothing
+                    continue
                 self._gen += 1
                 try:
-                    self._segment.record(w.group, w.block).commit(seq, w.hash_hex, w.request_id, self._gen, now, kvmem.WRITER_ENGINE)
+                    rec.commit(seq, w.hash_hex, w.request_id, self._gen, now, kvmem.WRITER_ENGINE)
                     self._stats.add("blocks_recorded")
                 except kvmem.KVMemError as e:
                     log.warning("block (%d, %d) of %s not recorded: %s", w.group, w.block, w.request_id, e)
@@ -309,20 +323,28 @@ class WorkerSide:
     # ---- what kvmesh finished ---------------------------------------------
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Requests whose saves (sending) and loads (recving) kvmesh finished."""
+        """Requests whose saves (sending) and loads (recving) kvmesh finished.
+
+        Only requests whose free request_finished delayed (the metadata's
+        delayed_frees) are ever reported sending, once vLLM has named them
+        finished here: vLLM frees every other request itself."""
         now = self._clock()
-        for rid in finished_req_ids:
-            self._finished.setdefault(rid, now + self._s.finish_timeout_s)
+        self._finished.update(rid for rid in finished_req_ids if rid in self._delayed)
         self._drain_feedback()
-        sending = {rid for rid in self._sent if rid in self._finished}
-        for rid, deadline in list(self._finished.items()):
-            if rid not in sending and now >= deadline:
+        sending = set()
+        for rid, deadline in list(self._delayed.items()):
+            if rid not in self._finished:
+                continue
+            if rid in self._sent:
+                sending.add(rid)
+            elif now >= deadline:
                 self._stats.add("finish_timeouts")
                 log.warning("request %s: no finished_sending from kvmesh within %.0f s; freeing its blocks", rid, self._s.finish_timeout_s)
                 sending.add(rid)
         for rid in sending:
+            del self._delayed[rid]
             self._sent.discard(rid)
-            self._finished.pop(rid, None)
+            self._finished.discard(rid)
         for rid, ld in list(self._loads.items()):
             if now >= ld.deadline:
                 self._stats.add("load_timeouts")
@@ -354,7 +376,8 @@ class WorkerSide:
 
     def _apply(self, fb: c.Feedback) -> None:
         if fb.kind == c.FEEDBACK_FINISHED_SENDING:
-            self._sent.add(fb.request_id)
+            if fb.request_id in self._delayed:  # else vLLM freed it itself
+                self._sent.add(fb.request_id)
         elif fb.kind == c.FEEDBACK_FINISHED_RECVING:
             if fb.request_id not in self._loads:
                 return  # an older attempt's load (preempted since), or not ours

@@ -119,7 +119,9 @@ def test_record_waits_for_the_steps_output():
     side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
     meta = side.s.build_connector_meta(new_step(req, table, 40))
     assert side.records == [], "published before the step's KV was computed"
-    assert [(w.group, w.block) for w in meta.writes] == [(0, 1), (0, 2), (1, 4), (1, 5)]
+    # every block the step writes; the complete ones with their chunk's hash
+    assert [(w.group, w.block, bool(w.hash_hex)) for w in meta.writes] == [
+        (0, 1, True), (0, 2, True), (0, 3, False), (1, 4, True), (1, 5, True), (1, 6, False)]
     side.s.update_connector_output(fv.KVConnectorOutput())
     evs = side.events()
     assert [(e["kind"], e["seq"]) for e in evs] == [("admitted", 1), ("allocated", 2), ("scheduled", 3)]
@@ -149,7 +151,8 @@ def test_pd_child_wins_nothing_to_load_or_save():
     assert "external_tokens" not in alloc and alloc["decision_id"]
     assert side.events()[2]["step"]["kind"] == "new"
     assert meta.loads == []
-    assert sorted((w.group, w.block, w.adopt) for w in meta.writes) == [(0, 1, True), (0, 2, True), (1, 5, True)]
+    assert sorted((w.group, w.block, w.adopt, bool(w.hash_hex)) for w in meta.writes) == [
+        (0, 1, True, True), (0, 2, True, True), (0, 3, False, False), (1, 5, True, True), (1, 6, False, False)]
     assert side.stats.get("lookups_not_chosen") == 1 and side.stats.get("foreign_tokens") == 32
 
 
@@ -161,6 +164,8 @@ def test_load_then_resume():
     side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 32)
     meta = side.s.build_connector_meta(fv.SchedulerOutput())
     assert [(l.request_id, l.blocks) for l in meta.loads] == [("r1", ((0, 1), (0, 2), (1, 5)))]
+    assert side.records == [], "a load's record must wait until the workers noted the load"
+    side.s.update_connector_output(fv.KVConnectorOutput())
     assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled"]
     assert side.events()[2]["step"]["kind"] == "pending_load" and side.events()[1]["external_tokens"] == 32
     side.s.update_connector_output(fv.KVConnectorOutput(finished_recving={"r1"}))
@@ -173,7 +178,8 @@ def test_load_then_resume():
     side.s.update_connector_output(fv.KVConnectorOutput())
     assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled", "scheduled"]
     assert side.events()[3]["step"]["block_table"] == [[1, 2, 3], [0, 5, 6]]
-    assert meta.writes == [], "a 40-token request completes no block at token 40 beyond the load's"
+    assert [(w.group, w.block, w.hash_hex) for w in meta.writes] == [(0, 3, ""), (1, 6, "")], \
+        "a 40-token request completes no block beyond the load's; its partial blocks record nothing"
 
 
 def test_preempt_resume_finish_in_order():
@@ -249,3 +255,27 @@ def test_shared_groups_finds_groups_sharing_memory():
     layers = [[(buf[:, :32], None)], [(buf[:, 16:], None)], [(alone, None)]]
     assert shared_groups(layers) == {0: {1}, 1: {0}}
     assert shared_groups([[(alone, None)], [(torch.zeros(4, 64), None)]]) == {}
+
+
+def test_free_delayed_only_where_kvmesh_may_save():
+    """request_finished delays the free of a request that ran, and names it
+    to the workers; a request whose load is in flight (vLLM frees it at its
+    finished_recving) or that never ran is freed at once."""
+    side = Side(FakeLookup(hit=32))
+    ran, loading, idle = request("ran", 40), request("loading", 40), request("idle", 40)
+    for r in (ran, loading, idle):
+        side.ask(r)
+    side.s.update_state_after_alloc(ran, fv.KVCacheBlocks(([1, 2, 3], [0, 5, 6])), 0)
+    side.s.update_state_after_alloc(loading, fv.KVCacheBlocks(([7, 8], [0, 9])), 32)
+    side.s.update_state_after_alloc(idle, fv.KVCacheBlocks(([10, 11, 12], [0, 13, 14])), 0)
+    side.s.build_connector_meta(fv.SchedulerOutput(
+        scheduled_new_reqs=[fv.NewRequestData("ran", ran.prompt_token_ids, ([1, 2, 3], [0, 5, 6]), 32)],
+        num_scheduled_tokens={"ran": 8}, total_num_scheduled_tokens=8))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert side.s.request_finished(ran, [[1, 2, 3], [0, 5, 6]]) == (True, None)
+    assert side.s.request_finished(loading, [[7, 8], [0, 9]]) == (False, None)
+    assert side.s.request_finished(idle, [[10, 11, 12], [0, 13, 14]]) == (False, None)
+    meta = side.s.build_connector_meta(fv.SchedulerOutput(finished_req_ids={"ran", "loading", "idle"}))
+    assert meta.delayed_frees == ["ran"]
+    finished = [e["request_id"] for e in side.events() if e["kind"] == "finished"]
+    assert sorted(finished) == ["idle", "loading", "ran"], "every finish is published"

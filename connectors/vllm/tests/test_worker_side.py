@@ -77,7 +77,7 @@ def test_forward_records_identities():
     w.register_kv_caches(caches())
     try:
         meta = KVMeshConnectorMetadata(step=7, writes=[BlockWrite("r1", 0, 2, "ab" * 32), BlockWrite("r1", 1, 2, "cd" * 32)])
-        w.start_load_kv(meta)
+        w.begin_step(meta)
         seq, held, ok = w.segment.record(0, 2).load()
         assert not ok, "a block being written must not be readable"
         w.wait_for_save()
@@ -126,3 +126,32 @@ def test_segment_files_are_removed():
     w.shutdown()
     with pytest.raises(kvmem.SegmentError):
         kvmem.Segment.open(path)
+
+
+class FakeFeedback:
+    """The feedback topic: the messages the test puts in it."""
+
+    bad_records = 0
+
+    def __init__(self):
+        self.values = []
+
+    def drain(self):
+        out, self.values = self.values, []
+        return out
+
+    def close(self):
+        pass
+
+
+def test_finished_sending_only_for_delayed_frees():
+    """kvmesh's finished_sending of a request whose free vLLM did not delay
+    (vLLM freed it already) is never reported: vLLM asserts on it."""
+    w = side()
+    fb = w._feedback = FakeFeedback()
+    w.begin_step(KVMeshConnectorMetadata(step=1, delayed_frees=["delayed"]))
+    w.wait_for_save()
+    for rid in ("delayed", "freed-by-vllm"):
+        fb.values.append({"schema": "kvmesh.engine_feedback.v1", "kind": "finished_sending", "engine_id": "e1", "request_id": rid})
+    assert w.get_finished({"delayed", "freed-by-vllm"}) == ({"delayed"}, None)
+    assert w.get_finished(set()) == (None, None)

@@ -228,8 +228,9 @@ class Engine:
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         metas = self._build_meta(so)
         out = self._execute(so, metas)
-        for w in metas[0].writes:  # the step's blocks enter the prefix cache
-            self.pool.register(w.group, w.block, w.hash_hex)
+        for w in metas[0].writes:  # the step's complete blocks enter the prefix cache
+            if w.hash_hex:
+                self.pool.register(w.group, w.block, w.hash_hex)
         self._update_from_output(so, out)
         self.stats.steps += 1
         if self.on_step_done is not None:
@@ -464,7 +465,7 @@ class Engine:
         gets its KV (those the metadata lists with ``adopt`` were filled by
         another connector and are not rewritten)."""
         for w in meta.writes:
-            if not w.adopt:
+            if not w.adopt and w.hash_hex:
                 self.write_block(rank, w.group, w.block, w.hash_hex)
 
     # ---- the output --------------------------------------------------------
