@@ -36,22 +36,27 @@ from .worker import WorkerSide
 log = logging.getLogger(__name__)
 
 
+#: vLLM's KV-cache specs kvmesh stores (vllm/v1/kv_cache_interface.py),
+#: by exact class: other attention types (chunked local, cross, sinks,
+#: encoder-only) have other hit and save rules and are refused.
+SPEC_KINDS = {
+    "FullAttentionSpec": KIND_FULL,
+    "MLAAttentionSpec": KIND_MLA,
+    "SlidingWindowSpec": KIND_SLIDING_WINDOW,
+    "MambaSpec": KIND_MAMBA,
+}
+
+
 def model_from_kv_cache_config(name: str, kv_cache_config: Any, hash_block_size: int) -> ModelSpec:
     """vLLM's KV-cache groups as kvmesh's model spec."""
     groups = []
     for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = g.kv_cache_spec
         kind_name = type(spec).__name__
-        if "Mamba" in kind_name:
-            kind = KIND_MAMBA
-        elif "SlidingWindow" in kind_name or getattr(spec, "sliding_window", None):
-            kind = KIND_SLIDING_WINDOW
-        elif "MLA" in kind_name:
-            kind = KIND_MLA
-        elif "Attention" in kind_name:
-            kind = KIND_FULL
-        else:
-            raise UnsupportedLayoutError(f"KV-cache group {i}: spec {kind_name} is not one kvmesh stores")
+        kind = SPEC_KINDS.get(kind_name)
+        if kind is None:
+            raise UnsupportedLayoutError(
+                f"KV-cache group {i}: spec {kind_name} is not one kvmesh stores (supported: {', '.join(sorted(SPEC_KINDS))})")
         groups.append(Group(kind, int(spec.block_size), int(spec.page_size_bytes), int(getattr(spec, "sliding_window", 0) or 0)))
     if not groups:
         raise UnsupportedLayoutError("vLLM's KVCacheConfig has no KV-cache groups")
@@ -111,7 +116,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                         f"the lookup service at {self.settings.lookup_url}")
             self._reach(lambda: self._producer.check(timeout=self.settings.start_deadline_s), "Kafka")
             self._scheduler = SchedulerSide(self.settings, self.model, lookup, self._publish, self.stats,
-                                            poll=self._producer.poll)
+                                            poll=self._producer.poll, pipeline_stages=pp)
         else:
             if rank_index >= tp * pp:
                 raise UnsupportedLayoutError(f"worker rank {rank_index} outside TP {tp} × PP {pp}")

@@ -83,6 +83,7 @@ class _Request:
     foreign: int = 0  # tokens another connector supplies (MultiConnector)
     scheduled: bool = False  # ever scheduled: a later first step is a resume
     running: bool = False  # scheduled since its current allocation
+    prefill_end: int = 0  # tokens the current run prefills (vLLM's prefill_end_tokens)
     table: list[list[int]] = field(default_factory=list)
     finished: bool = False
 
@@ -100,9 +101,10 @@ class _Record:
     needs_output: bool
 
 
-#: At most this many steps wait for their output: vLLM schedules at most
-#: one step ahead of the one running (async scheduling), so a step this
-#: far back has certainly finished its forward pass.
+#: At most this many steps wait for their output with one pipeline stage:
+#: vLLM schedules at most one step ahead of the one running (async
+#: scheduling), so a step this far back has finished its forward pass.
+#: Pipeline parallelism keeps one batch in flight per stage more.
 MAX_STEPS_IN_FLIGHT = 2
 
 
@@ -111,12 +113,14 @@ class SchedulerSide:
 
     def __init__(self, settings: Settings, model: ModelSpec, lookup_client: Any,
                  publish: Callable[[bytes, Callable[[Optional[Exception]], None]], None], stats: ConnectorStats,
-                 null_block_id: int = c.VLLM_NULL_BLOCK_ID, poll: Callable[[], Any] = lambda: None) -> None:
+                 null_block_id: int = c.VLLM_NULL_BLOCK_ID, poll: Callable[[], Any] = lambda: None,
+                 pipeline_stages: int = 1) -> None:
         self._s = settings
         self._model = model
         self._lookup = lookup_client
         self._publish = publish
         self._poll = poll
+        self._in_flight = MAX_STEPS_IN_FLIGHT + max(0, pipeline_stages - 1)
         self._stats = stats
         self._null = null_block_id
         self._reqs: dict[str, _Request] = {}
@@ -213,6 +217,11 @@ class SchedulerSide:
         and a ``pending_load`` when kvmesh's tokens will be loaded."""
         st = self._state(request)
         table = c.table_of(blocks.get_block_ids()) if blocks is not None else []
+        if st.allocated and st.running:
+            # Allocated again after running, with no preempted_req_ids naming
+            # it (vLLM's reset_prefix_cache(reset_running_requests=True)
+            # preempts outside schedule()): a preemption all the same.
+            self._preempted(st.request_id)
         if st.allocated and not st.running:
             # vLLM's second call for an async load (this connector's or
             # another's under MultiConnector): the same allocation, grown.
@@ -276,7 +285,7 @@ class SchedulerSide:
         self._enqueue(self._step, waits)
         if waits:
             self._awaiting.append(self._step)
-        while len(self._awaiting) > MAX_STEPS_IN_FLIGHT:
+        while len(self._awaiting) > self._in_flight:
             self._output_of(self._awaiting.popleft())
         self._flush()
         return meta
@@ -303,6 +312,7 @@ class SchedulerSide:
         start, end = int(nr.num_computed_tokens), int(nr.num_computed_tokens) + int(n)
         kind = c.STEP_RESUMED if st.scheduled else c.STEP_NEW
         prefill = _prompt_len(st.request) if kind == c.STEP_NEW else int(st.request.num_tokens)
+        st.prefill_end = prefill
         self._begin_running(st, table, start, end, meta)
         self._event(st, c.RequestEvent(request_id=st.request_id, kind=c.EVENT_SCHEDULED, step=c.step_of(
             kind, tokens=end, table=table, hashes=self._hashes(st), prefill_tokens=prefill)))
@@ -336,6 +346,7 @@ class SchedulerSide:
             new_ids = cr.new_block_ids[i] if cr.new_block_ids is not None else None
             if rid in resumed or (flags is not None and flags[i]):
                 table = c.table_of(new_ids or [[] for _ in self._model.groups])
+                st.prefill_end = int(st.request.num_tokens)  # a resume prefills every token it had
                 self._begin_running(st, table, start, end, meta)
                 self._event(st, c.RequestEvent(request_id=rid, kind=c.EVENT_SCHEDULED, step=c.step_of(
                     c.STEP_RESUMED, tokens=end, table=table, hashes=self._hashes(st),
@@ -346,7 +357,7 @@ class SchedulerSide:
                 for g, ids in enumerate(delta):
                     st.table[g].extend(ids)
             self._writes(st, st.table, start, end, meta)
-            decode = start >= _prompt_len(st.request)
+            decode = start >= (st.prefill_end or _prompt_len(st.request))
             if decode and (delta is None or not any(delta)):
                 continue  # a decode step that added no block changes nothing for the mesh
             kind = c.STEP_DECODE if decode else c.STEP_RUNNING

@@ -279,3 +279,43 @@ def test_free_delayed_only_where_kvmesh_may_save():
     assert meta.delayed_frees == ["ran"]
     finished = [e["request_id"] for e in side.events() if e["kind"] == "finished"]
     assert sorted(finished) == ["idle", "loading", "ran"], "every finish is published"
+
+
+def test_allocation_after_running_is_a_preemption():
+    """A running request allocated again without preempted_req_ids naming
+    it (vLLM's reset_prefix_cache with running requests) gets its preempted
+    event first, so the mesh resets its tracker instead of refusing a
+    second allocation."""
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=32)
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1, 2], [3, 4])), 0)
+    side.s.build_connector_meta(new_step(req, ([1, 2], [3, 4]), 32))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    req.num_computed_tokens = 0
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([5, 6], [7, 8])), 0)
+    side.s.build_connector_meta(fv.SchedulerOutput())
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled", "preempted", "allocated"]
+
+
+def test_resumed_prefill_chunks_are_not_decode():
+    """After a resume every token is prefilled again: a later chunk past
+    the prompt is a running step (saved), not a decode step."""
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=32)
+    for t in range(20):
+        req.append_output(100 + t)  # 52 tokens now, 32 of them prompt
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1, 2], [3, 4])), 0)
+    side.s._reqs["r1"].scheduled = True  # it ran before its preemption
+    cr = fv.CachedRequestData(req_ids=["r1"], resumed_req_ids={"r1"}, new_block_ids=[([1, 2], [3, 4])], num_computed_tokens=[0])
+    side.s.build_connector_meta(fv.SchedulerOutput(scheduled_cached_reqs=cr, num_scheduled_tokens={"r1": 32}, total_num_scheduled_tokens=32))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    cr = fv.CachedRequestData(req_ids=["r1"], new_block_ids=[([9, 10], [11, 12])], num_computed_tokens=[32])
+    side.s.build_connector_meta(fv.SchedulerOutput(scheduled_cached_reqs=cr, num_scheduled_tokens={"r1": 20}, total_num_scheduled_tokens=20))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    steps = [e["step"] for e in side.events() if e["kind"] == "scheduled"]
+    assert [s["kind"] for s in steps] == ["resumed", "running"]
+    assert steps[0]["prefill_tokens"] == 52
