@@ -12,7 +12,6 @@ import (
 	"reflect"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
@@ -541,46 +540,7 @@ func TestPythonWriterSeqlock(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	buf := make([]byte, n)
-	var accepted, refused, torn int
-	rec := seg.Record(0, 0)
-	deadline := time.Now().Add(2 * time.Minute)
-	for running := true; running; {
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("python writer: %v\n%s", err, out.String())
-			}
-			running = false
-		default:
-		}
-		if time.Now().After(deadline) {
-			_ = cmd.Process.Kill()
-			t.Fatal("the python writer did not finish")
-		}
-		seq, h, ok := rec.Load()
-		if !ok || h.Hash == "" {
-			refused++
-			continue
-		}
-		at := 0
-		for _, r := range seg.Regions(0, 0) {
-			at += copy(buf[at:], r)
-		}
-		if !rec.Unchanged(seq) {
-			refused++
-			if !bytes.Equal(buf, want[h.Hash]) {
-				torn++
-			}
-			continue
-		}
-		accepted++
-		if !bytes.Equal(buf, want[h.Hash]) {
-			t.Fatalf("accepted a block whose bytes are not those of %q (the record it checked)", h.Hash)
-		}
-	}
+	accepted, refused, torn := kvmem.ReadWhileWriting(t, seg, cmd, &out, want, "the python writer")
 	var ans struct {
 		Written int `json:"written"`
 		Evicted int `json:"evicted"`
@@ -592,7 +552,7 @@ func TestPythonWriterSeqlock(t *testing.T) {
 	if accepted == 0 {
 		t.Fatal("no copy was ever accepted: the test exercised nothing")
 	}
-	if seq, _, ok := rec.Load(); !ok || seq != 2*4000 {
+	if seq, _, ok := seg.Record(0, 0).Load(); !ok || seq != 2*4000 {
 		t.Fatalf("after the writer: seq %d ok %v, want %d", seq, ok, 2*4000)
 	}
 }

@@ -92,23 +92,38 @@ func TestSeqlockAcrossProcesses(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	accepted, refused, torn := readWhileWriting(t, seg, cmd, &out, want, "the writer process")
+	t.Logf("accepted %d copies, refused %d, of which %d torn (caught by the second check)", accepted, refused, torn)
+	if accepted == 0 {
+		t.Fatal("no copy was ever accepted: the test exercised nothing")
+	}
+}
+
+// readWhileWriting reads block (0, 0) of seg by the reader's protocol
+// (Load, copy the regions out, Unchanged) until cmd, a started process
+// rewriting it with the contents of want, exits (who names it in
+// failures). Every copy the protocol accepts must be exactly the bytes of
+// the hash its record held; refused copies whose bytes are wrong are
+// counted torn. It fails t when the writer fails or runs past two minutes.
+func readWhileWriting(t testing.TB, seg *Segment, cmd *exec.Cmd, out *bytes.Buffer, want map[string][]byte, who string) (accepted, refused, torn int) {
+	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
-	buf := make([]byte, stressLayout.Groups[0].BlockBytes())
-	var accepted, refused, torn int
+	buf := make([]byte, seg.Layout().Groups[0].BlockBytes())
 	rec := seg.Record(0, 0)
 	deadline := time.Now().Add(2 * time.Minute)
 	for running := true; running; {
 		select {
 		case err := <-done:
 			if err != nil {
-				t.Fatalf("writer process: %v\n%s", err, out.String())
+				t.Fatalf("%s: %v\n%s", who, err, out.String())
 			}
 			running = false
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the writer process did not finish")
+			_ = cmd.Process.Kill()
+			t.Fatalf("%s did not finish", who)
 		}
 		seq, h, ok := rec.Load()
 		if !ok || h.Hash == "" {
@@ -128,11 +143,8 @@ func TestSeqlockAcrossProcesses(t *testing.T) {
 		}
 		accepted++
 		if !bytes.Equal(buf, want[h.Hash]) {
-			t.Fatalf("accepted a block whose bytes are not those of %s (the record it checked)", h.Hash)
+			t.Fatalf("accepted a block whose bytes are not those of %q (the record it checked)", h.Hash)
 		}
 	}
-	t.Logf("accepted %d copies, refused %d, of which %d torn (caught by the second check)", accepted, refused, torn)
-	if accepted == 0 {
-		t.Fatal("no copy was ever accepted: the test exercised nothing")
-	}
+	return accepted, refused, torn
 }
