@@ -176,9 +176,7 @@ class Decision:
     pending: bool
     chosen: str
     external_tokens: int
-    load_async: bool
     children: tuple[dict[str, Any], ...]
-    raw: dict[str, Any]
 
     @classmethod
     def from_json(cls, v: dict[str, Any]) -> "Decision":
@@ -188,9 +186,7 @@ class Decision:
             pending=bool(v.get("pending", False)),
             chosen=str(v.get("chosen", "")),
             external_tokens=int(v.get("external_tokens", 0) or 0),
-            load_async=bool(v.get("load_async", True)),
             children=tuple(v.get("children") or ()),
-            raw=v,
         )
 
     def child(self, name: str) -> Optional[dict[str, Any]]:
@@ -199,12 +195,6 @@ class Decision:
             if c.get("name") == name:
                 return c
         return None
-
-    def hit(self) -> int:
-        """Where the request resumes after the chosen child's load."""
-        c = self.child(self.chosen) if self.chosen else None
-        spec = (c or {}).get("load_spec") or {}
-        return int(spec.get("kvpool_cached_tokens", 0) or 0)
 
 
 def lookup_request(engine_id: str, request_id: str, model: str, block_hashes: list[str],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from .errors import ModelMismatchError, UnsupportedLayoutError
 
@@ -113,17 +113,6 @@ class ModelSpec:
     def scheduler_block_size(self) -> int:
         """The least common multiple of the groups' block sizes."""
         return math.lcm(*(g.block_size for g in self.groups))
-
-    def completed_chunks(self, group: int, start: int, end: int) -> Iterable[tuple[int, int]]:
-        """Yields ``(block_index, hash_index)`` of the group's chunks whose
-        last token lies in ``(start, end]``: the blocks a step that computed
-        tokens ``[start, end)`` completes."""
-        bs = self.groups[group].block_size
-        p = start // bs
-        while (p + 1) * bs <= end:
-            if (p + 1) * bs > start:
-                yield p, (p + 1) * bs // self.hash_block_size - 1
-            p += 1
 
     def load_chunks(self, group: int, start: int, hit: int) -> list[int]:
         """Block indexes of the group's chunks a load resuming at ``hit``

@@ -755,7 +755,7 @@ class StepProducer:
         without an acknowledgement (``delivered_unknown`` tells whether the
         record may still land).
         """
-        from confluent_kafka import KafkaError, KafkaException
+        from confluent_kafka import KafkaError
 
         if self._closed:
             raise PublishError("producer is closed")
@@ -768,19 +768,8 @@ class StepProducer:
                 outcome["pos"] = (msg.partition(), msg.offset())
             done.set()
 
-        hdrs = [(k, v.encode("utf-8")) for k, v in (headers or {}).items()]
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._producer.produce(self.topic, value=value, key=key.encode("utf-8"), headers=hdrs, on_delivery=on_delivery)
-                break
-            except BufferError:  # local queue full: serve delivery reports and try again
-                if time.monotonic() >= deadline:
-                    raise PublishError("producer queue full until the timeout") from None
-                self._producer.poll(0.05)
-            except KafkaException as exc:
-                err = exc.args[0] if exc.args else None
-                raise PublishError(f"publish to {self.topic}: {_err_text(err)}", err) from None
+        self._produce(key, value, headers, on_delivery, deadline, "producer queue full until the timeout")
         blocking_since: Optional[float] = None
         while not done.is_set():
             self._producer.poll(0.05)
@@ -819,23 +808,28 @@ class StepProducer:
         producer keeps the records of one key in the order queued.
         Raises :class:`PublishError` when the record cannot be queued (the
         producer is closed, or its local queue stays full for 5 s)."""
-        from confluent_kafka import KafkaException
-
         if self._closed:
             raise PublishError("producer is closed")
 
         def on_delivery(err: Any, msg: Any) -> None:
             on_done(None if err is None else PublishError(f"publish to {self.topic}: {_err_text(err)}", err))
 
+        self._produce(key, value, headers, on_delivery, time.monotonic() + 5.0, "producer queue full for 5 s")
+
+    def _produce(self, key: str, value: bytes, headers: Optional[Mapping[str, str]], on_delivery: Callable[[Any, Any], None],
+                 deadline: float, full: str) -> None:
+        """Queues one record, serving delivery reports while librdkafka's
+        local queue is full until ``deadline`` (then PublishError ``full``)."""
+        from confluent_kafka import KafkaException
+
         hdrs = [(k, v.encode("utf-8")) for k, v in (headers or {}).items()]
-        deadline = time.monotonic() + 5.0
         while True:
             try:
                 self._producer.produce(self.topic, value=value, key=key.encode("utf-8"), headers=hdrs, on_delivery=on_delivery)
                 return
             except BufferError:  # local queue full: serve delivery reports and try again
                 if time.monotonic() >= deadline:
-                    raise PublishError("producer queue full for 5 s") from None
+                    raise PublishError(full) from None
                 self._producer.poll(0.05)
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
