@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,11 +34,8 @@ class FakeLookup:
     def __init__(self, hit: int = 0, pending: int = 0, fail: bool = False) -> None:
         self.hit, self.pending, self.fail = hit, pending, fail
         self.calls: list[dict] = []
-        self.gate = threading.Event()
-        self.gate.set()
 
     def request(self, method, path, json_body=None, **kw):
-        self.gate.wait(5)
         self.calls.append(json_body)
         if self.fail:
             raise OSError("connection refused")
