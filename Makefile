@@ -72,12 +72,12 @@ test: deps test-python ## All tests against real PostgreSQL, Redis and the embed
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
 
 .PHONY: python-deps
-python-deps: ## Install python3-confluent-kafka, -numpy, -pytest and -torch for /usr/bin/python3 when missing (as root; else print the apt-get command and fail).
+python-deps: ## Install python3-confluent-kafka, -numpy, -pytest, -torch, -pip, -setuptools, -wheel and -venv for /usr/bin/python3 when missing (as root; else print the apt-get command and fail).
 	@scripts/pydeps.sh
 
 .PHONY: test-python
-test-python: python-deps ## The vLLM connector's Python unit tests (connectors/vllm/tests; the mesh tests run in TestVLLMConnector).
-	$(PYTEST) $(PYTESTS) --ignore=$(PYTESTS)/mesh
+test-python: python-deps ## The vLLM connector's Python unit tests (connectors/vllm/tests; the mesh tests run in TestVLLMConnector, vLLM's scheduler tests in TestVLLMScheduler).
+	$(PYTEST) $(PYTESTS) --ignore=$(PYTESTS)/mesh --ignore=$(PYTESTS)/vllm
 
 .PHONY: fuzz
 fuzz: deps ## Run every fuzz target (kvcore's and the sender's) for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).

@@ -283,21 +283,38 @@ func writeJSON(t *testing.T, dir, name string, v any) string {
 	return path
 }
 
-// runHarness runs pytest on the harness directory from the repository
-// root, with the connector package on PYTHONPATH and env added, streaming
-// its output into the test log; it fails when pytest exits non-zero or
-// outlives harnessTimeout (its whole process group is killed then).
+// runHarness runs pytest on the harness directory (runPytest, bounded
+// by harnessTimeout).
 func runHarness(ctx context.Context, t *testing.T, root, harness string, env []string, args ...string) error {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, harnessTimeout)
+	return runPytest(ctx, t, root, harness, harnessTimeout, env, args...)
+}
+
+// runPytest runs pytest on dir from the repository root, with the
+// connector's package first on PYTHONPATH (before any PYTHONPATH env
+// names) and env added, streaming its output into the test log; it fails
+// when pytest exits non-zero or outlives timeout (its whole process group
+// is killed then).
+func runPytest(ctx context.Context, t *testing.T, root, dir string, timeout time.Duration, env []string, args ...string) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, testenv.PythonBin, append([]string{"-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", harness}, args...)...)
+	cmd := exec.CommandContext(ctx, testenv.PythonBin, append([]string{"-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", dir}, args...)...)
 	cmd.Dir = root
+	path := filepath.Join(root, "connectors", "vllm")
+	var rest []string
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "PYTHONPATH="); ok {
+			path += ":" + v
+			continue
+		}
+		rest = append(rest, kv)
+	}
 	cmd.Env = append(os.Environ(), append([]string{
-		"PYTHONPATH=" + filepath.Join(root, "connectors", "vllm"),
+		"PYTHONPATH=" + path,
 		"PYTHONDONTWRITEBYTECODE=1", // no __pycache__ in the checkout
 		"PYTHONUNBUFFERED=1",
-	}, env...)...)
+	}, rest...)...)
 	log := &lineLogger{t: t, prefix: "pytest: "}
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -306,7 +323,7 @@ func runHarness(ctx context.Context, t *testing.T, root, harness string, env []s
 	err := cmd.Run()
 	log.flush()
 	if ctx.Err() != nil {
-		return fmt.Errorf("pytest ran past %v: %w", harnessTimeout, ctx.Err())
+		return fmt.Errorf("pytest ran past %v: %w", timeout, ctx.Err())
 	}
 	if err != nil {
 		return fmt.Errorf("pytest: %w", err)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # pydeps.sh — the Debian Python packages the vLLM connector's tests need
 # (connectors/vllm): python3-confluent-kafka, python3-numpy, python3-pytest
-# and python3-torch, for Debian's /usr/bin/python3 (a pyenv or virtualenv
-# python3 on PATH does not see them).
+# and python3-torch, plus python3-pip, python3-setuptools, python3-wheel and
+# python3-venv (the plugin test builds the connector's wheel and installs it
+# into a virtual environment), for Debian's /usr/bin/python3 (a pyenv or
+# virtualenv python3 on PATH does not see them).
 #
 #   scripts/pydeps.sh   install the missing ones with apt-get (as root), or
 #                       print the apt-get command and fail (not root)
@@ -16,7 +18,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 dev="$root/.dev"
 python=/usr/bin/python3
 # module:package, one per Debian package.
-wanted="confluent_kafka:python3-confluent-kafka numpy:python3-numpy pytest:python3-pytest torch:python3-torch"
+wanted="confluent_kafka:python3-confluent-kafka numpy:python3-numpy pytest:python3-pytest torch:python3-torch pip:python3-pip setuptools:python3-setuptools wheel:python3-wheel ensurepip:python3-venv"
 
 say() { printf 'pydeps: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }

@@ -23,9 +23,20 @@ import (
 // schema.
 
 // MediumStore is the medium (vLLM's tier name; llm-d's device tier) of the
-// blocks kvmesh announces: the shared store pool, a tier apart from every
-// engine's own GPU and CPU tiers.
-const MediumStore = "KVMESH_STORE"
+// blocks kvmesh announces. vLLM names three media
+// (vllm/distributed/kv_events.py: MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE;
+// vllm/v1/kv_offload/base.py, Medium): GPU memory, CPU memory (DRAM) and
+// STORAGE (file-system and object-store tiers). kvmesh's store is Redis,
+// DRAM, so it is CPU, as vLLM's own Mooncake store connector announces the
+// blocks it puts in a distributed memory pool; LocalityStore tells it from
+// an engine's own CPU tier.
+const MediumStore = "CPU"
+
+// LocalityStore is the locality (vLLM's BlockStored/BlockRemoved.locality,
+// vllm/v1/kv_offload/base.py, Locality: LOCAL or REMOTE relative to the
+// publisher) of the blocks kvmesh announces: the store pool is shared by
+// every engine and reached over the network, remote to all of them.
+const LocalityStore = "REMOTE"
 
 // Headers of a TopicKVEvents record: kvmesh's fields beside the vLLM batch.
 const (
@@ -99,8 +110,9 @@ func UnixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 // [ts, events, data_parallel_rank] (data_parallel_rank left out when nil,
 // as msgspec's omit_defaults does), each event a map tagged under "type"
 // with vLLM's field names in declaration order. Fields with a default
-// (extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)
-// are left out when unset, the fields without one are always written.
+// (extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
+// locality) are left out when unset, the fields without one (lora_id,
+// medium, lora_name) are always written, nil when unset.
 func EncodeKVEventBatch(b KVEventBatch) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)
@@ -194,6 +206,9 @@ func (w *writer) event(e KVEvent) {
 			{"medium", func() { w.optStr(e.Medium) }},
 			{"lora_name", func() { w.optStr(e.LoraName) }},
 		}
+		if e.ExtraKeys != nil {
+			fields = append(fields, field{"extra_keys", func() { w.keep(w.enc.Encode(e.ExtraKeys)) }})
+		}
 		if e.GroupIdx != nil {
 			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
 		}
@@ -203,6 +218,9 @@ func (w *writer) event(e KVEvent) {
 		if e.SlidingWindow != nil {
 			fields = append(fields, field{"kv_cache_spec_sliding_window", func() { w.int(*e.SlidingWindow) }})
 		}
+		if e.Locality != nil {
+			fields = append(fields, field{"locality", func() { w.str(*e.Locality) }})
+		}
 	case BlockRemoved:
 		fields = []field{
 			{"block_hashes", func() { w.hashes(e.BlockHashes) }},
@@ -210,6 +228,9 @@ func (w *writer) event(e KVEvent) {
 		}
 		if e.GroupIdx != nil {
 			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
+		}
+		if e.Locality != nil {
+			fields = append(fields, field{"locality", func() { w.str(*e.Locality) }})
 		}
 	case AllBlocksCleared:
 	default:
@@ -280,7 +301,10 @@ func DecodeKVEventBatch(value []byte) (KVEventBatch, error) {
 }
 
 // Positional field names of vLLM's array_like events after the tag, in
-// declaration order (vllm/distributed/kv_events.py).
+// declaration order (vllm/distributed/kv_events.py). locality is not among
+// them: vLLM added it after it had dropped array_like from the events
+// (the 2026-08-22 tree), so it only ever travels in the map form, and a
+// trailing element past these stays an unknown field, skipped.
 var (
 	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
 	removedFields = []string{"block_hashes", "medium", "group_idx"}
@@ -326,6 +350,7 @@ func decodeEvent(raw any) (KVEvent, error) {
 	r := reader{fields: fields}
 	e.Medium = r.optStr("medium")
 	e.GroupIdx = r.optInt("group_idx")
+	e.Locality = r.optStr("locality")
 	if e.Kind == BlockStored {
 		if p := fields["parent_block_hash"]; p != nil {
 			h, ok := toHash(p)
@@ -340,6 +365,7 @@ func decodeEvent(raw any) (KVEvent, error) {
 		}
 		e.LoraID = r.optInt("lora_id")
 		e.LoraName = r.optStr("lora_name")
+		e.ExtraKeys = r.list("extra_keys")
 		if k := r.optStr("kv_cache_spec_kind"); k != nil {
 			e.SpecKind = *k
 		}
@@ -384,6 +410,20 @@ func (r *reader) optStr(name string) *string {
 		return nil
 	}
 	return &s
+}
+
+// list reads a list field as the msgpack values it holds (nil when absent).
+func (r *reader) list(name string) []any {
+	v := r.fields[name]
+	if v == nil {
+		return nil
+	}
+	l, ok := v.([]any)
+	if !ok {
+		r.fail(name, v)
+		return nil
+	}
+	return l
 }
 
 func (r *reader) tokens(name string) []uint32 {

@@ -1,6 +1,7 @@
 package contract
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"reflect"
@@ -38,6 +39,7 @@ type routerEvent struct {
 	loraID        *int
 	medium        string
 	loraName      *string
+	extraKeys     []any
 	groupIdx      *int
 	specKind      string
 	slidingWindow *int
@@ -115,6 +117,9 @@ func routerConvert(t *testing.T, f []any) routerEvent {
 			s := v.(string)
 			e.loraName = &s
 		}
+		if v := fieldAt(f, 8); v != nil {
+			e.extraKeys = v.([]any)
+		}
 		if v := fieldAt(f, 10); v != nil {
 			e.specKind = v.(string)
 		}
@@ -178,7 +183,7 @@ func TestKVEventsDecodeAsRouter(t *testing.T) {
 	h0 := kvcore.HashTokens(nil, []uint32{1, 2, 3}, nil)
 	h1 := kvcore.HashTokens(h0, []uint32{4, 5, 6}, nil)
 	big := uint64(1<<63 + 12345) // needs msgpack uint64: above int64
-	medium := MediumStore
+	medium, locality := MediumStore, LocalityStore
 	tests := []struct {
 		name  string
 		event KVEvent
@@ -186,21 +191,21 @@ func TestKVEventsDecodeAsRouter(t *testing.T) {
 	}{
 		{"stored, chain start, mla", KVEvent{
 			Kind: BlockStored, BlockHashes: []uint64{WireHash(h0), WireHash(h1)}, TokenIDs: []uint32{},
-			BlockSize: 64, Medium: &medium, GroupIdx: ptr(0), SpecKind: SpecKind(kvcore.KindMLA),
+			BlockSize: 64, Medium: &medium, GroupIdx: ptr(0), SpecKind: SpecKind(kvcore.KindMLA), Locality: &locality,
 		}, routerEvent{
 			tag: "BlockStored", hashes: []uint64{WireHash(h0), WireHash(h1)}, blockSize: 64,
 			medium: MediumStore, groupIdx: ptr(0), specKind: "mla_attention",
 		}},
-		{"stored with parent, tokens, lora, sliding window", KVEvent{
+		{"stored with parent, tokens, lora, extra keys, sliding window", KVEvent{
 			Kind: BlockStored, BlockHashes: []uint64{big}, ParentBlockHash: ptr(WireHash(h1)), TokenIDs: []uint32{7, 8},
-			BlockSize: 2, LoraID: ptr(3), LoraName: ptr("adapter"), Medium: &medium, GroupIdx: ptr(2),
-			SpecKind: SpecKind(kvcore.KindSlidingWindow), SlidingWindow: ptr(128),
+			BlockSize: 2, LoraID: ptr(3), LoraName: ptr("adapter"), Medium: &medium, ExtraKeys: []any{[]any{"adapter", "salt"}},
+			GroupIdx: ptr(2), SpecKind: SpecKind(kvcore.KindSlidingWindow), SlidingWindow: ptr(128), Locality: &locality,
 		}, routerEvent{
 			tag: "BlockStored", hashes: []uint64{big}, parent: WireHash(h1), tokens: []uint32{7, 8}, blockSize: 2,
-			loraID: ptr(3), loraName: ptr("adapter"), medium: MediumStore, groupIdx: ptr(2),
-			specKind: "sliding_window", slidingWindow: ptr(128),
+			loraID: ptr(3), loraName: ptr("adapter"), medium: MediumStore, extraKeys: []any{[]any{"adapter", "salt"}},
+			groupIdx: ptr(2), specKind: "sliding_window", slidingWindow: ptr(128),
 		}},
-		{"removed", KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{1, big}, Medium: &medium, GroupIdx: ptr(1)},
+		{"removed", KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{1, big}, Medium: &medium, GroupIdx: ptr(1), Locality: &locality},
 			routerEvent{tag: "BlockRemoved", hashes: []uint64{1, big}, medium: MediumStore, groupIdx: ptr(1)}},
 		{"all cleared", KVEvent{Kind: AllBlocksCleared}, routerEvent{tag: "AllBlocksCleared"}},
 	}
@@ -247,9 +252,18 @@ func TestDecodeKVEventBatchVLLMForms(t *testing.T) {
 			KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{wantHash}, Medium: ptr("GPU"), GroupIdx: ptr(3)}},
 		{"map event with unknown field", []any{1.0, []any{map[string]any{"type": "BlockStored", "block_hashes": []any{hash},
 			"parent_block_hash": int64(-1), "token_ids": []any{}, "block_size": 16, "lora_id": nil, "medium": "GPU",
-			"lora_name": nil, "extra_keys": []any{nil}, "group_idx": 0, "kv_cache_spec_kind": "full_attention", "locality": "x"}}, 0},
+			"lora_name": nil, "extra_keys": []any{nil}, "group_idx": 0, "kv_cache_spec_kind": "full_attention", "ownership": "x"}}, 0},
 			KVEvent{Kind: BlockStored, BlockHashes: []uint64{wantHash}, ParentBlockHash: ptr(^uint64(0)), TokenIDs: []uint32{},
-				BlockSize: 16, Medium: ptr("GPU"), GroupIdx: ptr(0), SpecKind: "full_attention"}},
+				BlockSize: 16, Medium: ptr("GPU"), ExtraKeys: []any{nil}, GroupIdx: ptr(0), SpecKind: "full_attention"}},
+		// vLLM 2026-08-22: an offloading tier's events (distributed/kv_transfer/
+		// kv_connector/v1/offloading/events.py) with medium and locality.
+		{"map event of a storage tier", []any{1.0, []any{map[string]any{"type": "BlockStored", "block_hashes": []any{uint64(5)},
+			"parent_block_hash": nil, "token_ids": []any{}, "block_size": 0, "lora_id": nil, "medium": "STORAGE",
+			"lora_name": nil, "group_idx": 1, "locality": "REMOTE"}}, 0},
+			KVEvent{Kind: BlockStored, BlockHashes: []uint64{5}, TokenIDs: []uint32{}, Medium: ptr("STORAGE"), GroupIdx: ptr(1), Locality: ptr("REMOTE")}},
+		{"map removal of a storage tier", []any{1.0, []any{map[string]any{"type": "BlockRemoved", "block_hashes": []any{uint64(5)},
+			"medium": "CPU", "group_idx": 1, "locality": "LOCAL"}}, 0},
+			KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{5}, Medium: ptr("CPU"), GroupIdx: ptr(1), Locality: ptr("LOCAL")}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -279,6 +293,9 @@ func TestDecodeKVEventBatchRejects(t *testing.T) {
 		{"unknown tag", []any{1.0, []any{map[string]any{"type": "BlockMoved"}}}},
 		{"hashes not a list", []any{1.0, []any{map[string]any{"type": "BlockRemoved", "block_hashes": 3}}}},
 		{"string hash", []any{1.0, []any{[]any{"BlockRemoved", []any{"ab"}}}}},
+		{"locality not a string", []any{1.0, []any{map[string]any{"type": "BlockRemoved", "block_hashes": []any{1}, "locality": 1}}}},
+		{"extra keys not a list", []any{1.0, []any{map[string]any{"type": "BlockStored", "block_hashes": []any{1},
+			"token_ids": []any{}, "block_size": 16, "extra_keys": "salt"}}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -394,5 +411,103 @@ func TestKVEventRecordTenant(t *testing.T) {
 	rec.Tenant = ""
 	if _, _, headers, _ = EncodeKVEventRecord(rec); headers[HeaderKVTenant] != "" {
 		t.Fatalf("empty tenant sent as a header: %v", headers)
+	}
+}
+
+// wireEvent reads the first event of an encoded batch as it lies on the
+// wire: its field names in the order written, and their values.
+func wireEvent(t *testing.T, value []byte) ([]string, map[string]any) {
+	t.Helper()
+	dec := msgpack.NewDecoder(bytes.NewReader(value))
+	if _, err := dec.DecodeArrayLen(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dec.DecodeFloat64(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := dec.DecodeArrayLen(); err != nil || n < 1 {
+		t.Fatalf("events: %d, %v", n, err)
+	}
+	n, err := dec.DecodeMapLen()
+	if err != nil {
+		t.Fatalf("event is not a map: %v", err)
+	}
+	var names []string
+	values := map[string]any{}
+	for range n {
+		name, err := dec.DecodeString()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if values[name], err = dec.DecodeInterface(); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, name)
+	}
+	return names, values
+}
+
+// TestKVEventWireFields checks the field names, order and values kvmesh
+// writes against vLLM's declarations of 2026-08-22
+// (vllm/distributed/kv_events.py: BlockStored block_hashes,
+// parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+// then the defaulted extra_keys, group_idx, kv_cache_spec_kind,
+// kv_cache_spec_sliding_window, locality; BlockRemoved block_hashes,
+// medium, then group_idx, locality): msgspec writes the tag first, the
+// fields in declaration order, the ones without a default always (nil
+// when unset) and the defaulted ones only when set (omit_defaults).
+func TestKVEventWireFields(t *testing.T) {
+	medium, locality := MediumStore, LocalityStore
+	tests := []struct {
+		name   string
+		event  KVEvent
+		names  []string
+		values map[string]any
+	}{
+		{"kvmesh's BlockStored of a sliding-window group", KVEvent{
+			Kind: BlockStored, BlockHashes: []uint64{7}, ParentBlockHash: ptr(uint64(6)), TokenIDs: []uint32{}, BlockSize: 16,
+			Medium: &medium, GroupIdx: ptr(1), SpecKind: SpecKind(kvcore.KindSlidingWindow), SlidingWindow: ptr(4096), Locality: &locality,
+		}, []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+			"group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality"},
+			map[string]any{"type": "BlockStored", "lora_id": nil, "medium": "CPU", "lora_name": nil, "group_idx": 1,
+				"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4096, "locality": "REMOTE"}},
+		{"kvmesh's BlockStored of a full-attention group: no window", KVEvent{
+			Kind: BlockStored, BlockHashes: []uint64{7}, TokenIDs: []uint32{}, BlockSize: 16,
+			Medium: &medium, GroupIdx: ptr(0), SpecKind: SpecKind(kvcore.KindFullAttention), Locality: &locality,
+		}, []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+			"group_idx", "kv_cache_spec_kind", "locality"},
+			map[string]any{"parent_block_hash": nil, "group_idx": 0, "kv_cache_spec_kind": "full_attention", "locality": "REMOTE"}},
+		{"every BlockStored field, as a vLLM engine fills them", KVEvent{
+			Kind: BlockStored, BlockHashes: []uint64{7}, TokenIDs: []uint32{1}, BlockSize: 1, LoraID: ptr(2), Medium: ptr("GPU"),
+			LoraName: ptr("adapter"), ExtraKeys: []any{[]any{"adapter", "salt"}}, GroupIdx: ptr(0), SpecKind: "mla_attention",
+		}, []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+			"extra_keys", "group_idx", "kv_cache_spec_kind"},
+			map[string]any{"lora_id": 2, "medium": "GPU", "lora_name": "adapter", "extra_keys": []any{[]any{"adapter", "salt"}}}},
+		{"kvmesh's BlockRemoved", KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{7}, Medium: &medium, GroupIdx: ptr(2), Locality: &locality},
+			[]string{"type", "block_hashes", "medium", "group_idx", "locality"},
+			map[string]any{"type": "BlockRemoved", "medium": "CPU", "group_idx": 2, "locality": "REMOTE"}},
+		{"a bare BlockRemoved", KVEvent{Kind: BlockRemoved, BlockHashes: []uint64{7}},
+			[]string{"type", "block_hashes", "medium"}, map[string]any{"medium": nil}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			value, err := EncodeKVEventBatch(KVEventBatch{TS: 1, Events: []KVEvent{tc.event}, DataParallelRank: ptr(0)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			names, values := wireEvent(t, value)
+			if !slices.Equal(names, tc.names) {
+				t.Fatalf("fields on the wire %q\nwant %q", names, tc.names)
+			}
+			for name, want := range tc.values {
+				got := values[name]
+				if n, ok := toInt(got); ok {
+					got = n // msgpack writes an integer in its smallest form
+				}
+				if !reflect.DeepEqual(got, want) {
+					t.Errorf("%s = %#v, want %#v", name, got, want)
+				}
+			}
+		})
 	}
 }

@@ -246,11 +246,17 @@ type KVEvent struct {
 	TokenIDs []uint32
 	// BlockSize is the tokens per block of the group (BlockStored).
 	BlockSize int
-	// LoraID and LoraName are vLLM's LoRA fields (BlockStored); nil in kvmesh.
+	// LoraID and LoraName are vLLM's LoRA fields (BlockStored); nil in
+	// kvmesh, whose save tasks do not name the adapter (it is folded into
+	// the block hashes).
 	LoraID   *int
 	LoraName *string
 	// Medium names the tier holding the blocks; kvmesh sends MediumStore.
 	Medium *string
+	// ExtraKeys is vLLM's extra_keys (BlockStored): per block, the extra
+	// keys its hash was computed with (a tuple, or nil). Decoded as the
+	// msgpack values they are; nil in kvmesh, which does not know them.
+	ExtraKeys []any
 	// GroupIdx is the KV-cache group (vLLM's group_idx).
 	GroupIdx *int
 	// SpecKind is the group's kv_cache_spec_kind (BlockStored): full_attention,
@@ -259,6 +265,9 @@ type KVEvent struct {
 	// SlidingWindow is kv_cache_spec_sliding_window (BlockStored of a
 	// sliding-window group).
 	SlidingWindow *int
+	// Locality is vLLM's locality of the tier, LOCAL or REMOTE relative to
+	// the publisher; kvmesh sends LocalityStore.
+	Locality *string
 }
 
 // KVEventBatch is vLLM's KVEventBatch: a timestamp, the events in order,

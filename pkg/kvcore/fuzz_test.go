@@ -174,6 +174,31 @@ type trackerHarness struct {
 	ids      map[string]bool
 	rejected bool
 	sending  int
+	// emitted are the saves in emission order; index maps a save's id to
+	// its place there.
+	emitted []fuzzSave
+	index   map[string]int
+	// report is the save report the current event delivered (nil: the
+	// event was no save report).
+	report *fuzzReport
+}
+
+// fuzzSave is an emitted save: its range, epoch and, for a re-save, the
+// number of re-saves before it in its chain (0: a step's save).
+type fuzzSave struct {
+	id                string
+	start, end, epoch int
+	depth             int
+}
+
+// fuzzReport is one save report: the task, what it said, and whether the
+// task was a pending save of the current epoch of a running or finishing
+// request when it arrived.
+type fuzzReport struct {
+	id      string
+	rep     SaveReport
+	model   bool
+	current bool
 }
 
 // trackerSeed encodes a well-formed event sequence in fuzzEvents' format,
@@ -250,7 +275,7 @@ func FuzzTracker(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := &fuzzEvents{b: data}
 		m := models[int(r.byte())%len(models)]
-		h := &trackerHarness{t: t, m: m, tr: NewTracker(m, "e", "r"), ids: map[string]bool{}}
+		h := &trackerHarness{t: t, m: m, tr: NewTracker(m, "e", "r"), ids: map[string]bool{}, index: map[string]int{}}
 		h.tr.OnAdmit(trkHashes(r.upTo(12)), 0)
 		for steps := 0; r.more() && steps < 200; steps++ {
 			h.event(r)
@@ -262,6 +287,7 @@ func FuzzTracker(f *testing.F) {
 func (h *trackerHarness) event(r *fuzzEvents) {
 	tr, m := h.tr, h.m
 	savedBefore, rejectedBefore, epochBefore := tr.NumSavedTokens, h.rejected, tr.Epoch
+	h.report = nil
 	var eff Effects
 	switch op := r.byte() % 14; op {
 	case 0:
@@ -297,7 +323,18 @@ func (h *trackerHarness) event(r *fuzzEvents) {
 		eff = tr.Step(m, Step{Kind: StepFinished})
 	case 9:
 		statuses := []SaveStatus{SaveStored, SaveSkipped, SaveDeadLettered, SaveFailed, "bogus"}
-		eff = tr.OnSaveResult(pick(h.saves, r), statuses[r.byte()%5])
+		id, mode := pick(h.saves, r), r.byte()
+		rep := SaveReport{Status: statuses[r.byte()%5]}
+		if mode%4 != 0 {
+			rep.Skipped, rep.Failed, rep.ExistsFailed = int(mode>>2)%2, int(mode>>3)%2, int(mode>>4)%2
+		}
+		running := tr.State == StateRunning || tr.State == StateFinishing
+		h.report = &fuzzReport{id: id, rep: rep, model: mode%4 != 0, current: running && slices.Contains(tr.PendingSaves, id)}
+		if h.report.model {
+			eff = tr.OnSaveReport(m, id, rep)
+		} else {
+			eff = tr.OnSaveResult(id, rep.Status)
+		}
 	case 10:
 		eff = tr.OnLoadResult(pick(h.loads, r), []BlockID{BlockID(r.byte())})
 	case 11:
@@ -332,8 +369,16 @@ func (h *trackerHarness) check(eff Effects, rejectedBefore bool) {
 	if len(eff.Loads) > 0 && (rejectedBefore || tr.Load.Spec == nil || !tr.Load.Spec.CanLoad || tr.Load.External <= 0) {
 		t.Fatalf("load emitted without an accepted LoadSpec: %+v (rejected before: %v)", tr.Load, rejectedBefore)
 	}
+	if h.report != nil && len(eff.Saves) > 0 {
+		h.checkResave(eff)
+	}
 	for i := range eff.Saves {
 		h.checkSave(&eff.Saves[i])
+	}
+	for _, sp := range tr.SaveSpans {
+		if sp.Job < 0 || sp.Job > tr.SaveJobs || sp.CoveredLow < 0 || sp.CoveredHigh < 0 || sp.CoveredLow > sp.End-sp.Start {
+			t.Fatalf("pending save span %+v with %d jobs", sp, tr.SaveJobs)
+		}
 	}
 	for _, id := range tr.StaleSaves {
 		if slices.Contains(tr.PendingSaves, id) {
@@ -379,8 +424,9 @@ func (h *trackerHarness) checkSave(s *SaveTask) {
 	if s.Epoch != h.tr.Epoch {
 		t.Fatalf("save of epoch %d emitted in epoch %d", s.Epoch, h.tr.Epoch)
 	}
-	if s.End <= s.Start || s.End != h.tr.NumSavedTokens {
-		t.Fatalf("save [%d,%d) with saved offset %d", s.Start, s.End, h.tr.NumSavedTokens)
+	resave := h.report != nil
+	if s.End <= s.Start || s.End > h.tr.NumSavedTokens || (!resave && s.End != h.tr.NumSavedTokens) {
+		t.Fatalf("save [%d,%d) (re-save %v) with saved offset %d", s.Start, s.End, resave, h.tr.NumSavedTokens)
 	}
 	for _, v := range ValidateSave(m, nil, s) {
 		if !v.OK() && v.Reason != ReasonNullBlock && v.Reason != ReasonBlockOutOfRange {
@@ -389,6 +435,44 @@ func (h *trackerHarness) checkSave(s *SaveTask) {
 	}
 	h.newID(s.TaskID)
 	h.saves = append(h.saves, s.TaskID)
+	depth := 0
+	if resave {
+		depth = h.emitted[h.index[h.report.id]].depth + 1
+	}
+	h.index[s.TaskID] = len(h.emitted)
+	h.emitted = append(h.emitted, fuzzSave{id: s.TaskID, start: s.Start, end: s.End, epoch: s.Epoch, depth: depth})
+}
+
+// checkResave asserts the rules of a save emitted by a save report (a
+// re-save): only for a pending save of the current epoch of a running or
+// finishing request, reported with the model and not persisted for a
+// curable cause (skipped, failed or exists_failed keys); one re-save, inside
+// the reported task's range; never a range that one save emitted after the
+// reported task covers already (nothing is saved twice needlessly); and at
+// most one re-save per later store job (each chain is shorter than the
+// epoch's job count), so re-saves end.
+func (h *trackerHarness) checkResave(eff Effects) {
+	t, tr, rp := h.t, h.tr, h.report
+	if len(eff.Saves) != 1 || !rp.model || !rp.current || !rp.rep.unsaved() {
+		t.Fatalf("report %+v emitted saves %+v", rp, eff.Saves)
+	}
+	r := eff.Saves[0]
+	i, ok := h.index[rp.id]
+	if !ok {
+		t.Fatalf("re-save of an unknown save %s", rp.id)
+	}
+	x := h.emitted[i]
+	if x.epoch != r.Epoch || r.Start < x.start || r.End > x.end {
+		t.Fatalf("re-save [%d,%d) of epoch %d for save [%d,%d) of epoch %d", r.Start, r.End, r.Epoch, x.start, x.end, x.epoch)
+	}
+	for _, s := range h.emitted[i+1:] {
+		if s.epoch == r.Epoch && s.start <= r.Start && s.end >= r.End {
+			t.Fatalf("re-save [%d,%d) of %s, which the later save %s [%d,%d) covers", r.Start, r.End, x.id, s.id, s.start, s.end)
+		}
+	}
+	if depth := x.depth + 1; depth >= tr.SaveJobs {
+		t.Fatalf("re-save %d of a chain with %d jobs in the epoch", depth, tr.SaveJobs)
+	}
 }
 
 // newID asserts task ids are unique.

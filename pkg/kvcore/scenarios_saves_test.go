@@ -1,7 +1,9 @@
 package kvcore
 
 import (
+	"encoding/json"
 	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -35,8 +37,10 @@ type wantSave struct{ start, end, epoch int }
 // stepOp is an engine step emitting want.
 func stepOp(s Step, want ...wantSave) saveOp { return saveOp{step: &s, want: want} }
 
-// reportOp reports the n-th emitted save with rep.
-func reportOp(n int, rep SaveReport) saveOp { return saveOp{report: n, rep: rep} }
+// reportOp reports the n-th emitted save with rep, emitting want.
+func reportOp(n int, rep SaveReport, want ...wantSave) saveOp {
+	return saveOp{report: n, rep: rep, want: want}
+}
 
 // finishOp finishes the request, emitting finished feedbacks.
 func finishOp(finished int) saveOp {
@@ -55,6 +59,7 @@ func TestSaveScenarios(t *testing.T) {
 	skipped := SaveReport{Status: SaveSkipped, Skipped: 2}
 	failed := SaveReport{Status: SaveFailed, Failed: 1}
 	deadLettered := SaveReport{Status: SaveDeadLettered}
+	existsFailed := SaveReport{Status: SaveDeadLettered, ExistsFailed: 2}
 	cases := []struct {
 		name   string
 		prompt int // admission's prompt length (0: unknown)
@@ -183,14 +188,17 @@ func TestSaveScenarios(t *testing.T) {
 		},
 		{
 			// Saves in flight together: the earlier is skipped, the later
-			// stored; the next save starts at the lowest unsaved token.
-			name: "S60_pipelined_saves_next_covers_from_the_lowest_unsaved",
+			// stored. vLLM's second job ran after the first and started at
+			// the persisted offset 0, covering [0,32) again: the skipped
+			// range is saved again at once, as that job, and the next step
+			// saves from the saved offset only.
+			name: "S60_pipelined_saves_skipped_earlier_saved_again_at_once",
 			ops: []saveOp{
 				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}, wantSave{0, 32, 0}),
 				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{32, 48, 0}),
 				reportOp(2, stored),
-				reportOp(1, skipped),
-				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{0, 64, 0}),
+				{report: 1, rep: skipped, want: []wantSave{{0, 32, 0}}},
+				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{48, 64, 0}),
 			},
 			want: wantTracker{saved: 64, reports: SaveCounts{Stored: 1, Skipped: 1}},
 		},
@@ -232,6 +240,106 @@ func TestSaveScenarios(t *testing.T) {
 			},
 			want: wantTracker{saved: 32, reports: SaveCounts{Skipped: 1}},
 		},
+		{
+			// Issue 25: vLLM starts each job at the persisted offset when it
+			// runs (worker.py _saved_offset), so the job queued after a
+			// failed one covers the failed range again. Here the prompt is
+			// saved by the second job and decode steps never save: without
+			// the re-save at the report, [0,48) would never be saved again.
+			name: "S67_queued_later_save_covers_the_failed_range_again", prompt: 96,
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 6))}, wantSave{0, 48, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 96}, wantSave{48, 96, 0}),
+				reportOp(1, failed, wantSave{0, 48, 0}),
+				stepOp(Step{Kind: StepDecode, Tokens: 97, Table: tbl(ids(6, 1))}),
+				reportOp(2, stored),
+				reportOp(3, stored),
+				finishOp(1),
+			},
+			want: wantTracker{saved: 96, prefillEnd: 96, reports: SaveCounts{Stored: 2, Failed: 1}},
+		},
+		{
+			// A finished request's queued jobs still run with its resume
+			// offset (worker.py _close_ended_store_requests keeps it until
+			// they drained): the re-save is emitted and holds the free.
+			name: "S68_finishing_request_saves_the_failed_range_again_before_the_free", prompt: 96,
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 6))}, wantSave{0, 48, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 96}, wantSave{48, 96, 0}),
+				finishOp(0),
+				reportOp(2, stored),
+				reportOp(1, skipped, wantSave{0, 48, 0}),
+				{report: 3, rep: stored, wantFinished: 1},
+			},
+			want: wantTracker{saved: 96, prefillEnd: 96, reports: SaveCounts{Stored: 2, Skipped: 1}},
+		},
+		{
+			// Every later job tries the range once more: two jobs were
+			// queued after the failed one, so it is saved again twice, then
+			// left to the request's next save.
+			name: "S69_failed_range_tried_once_per_later_job",
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 5))}, wantSave{0, 32, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{32, 48, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{48, 64, 0}),
+				reportOp(1, failed, wantSave{0, 32, 0}),
+				reportOp(4, failed, wantSave{0, 32, 0}),
+				reportOp(5, failed),
+				stepOp(Step{Kind: StepRunning, Tokens: 80}, wantSave{0, 80, 0}),
+			},
+			want: wantTracker{saved: 80, reports: SaveCounts{Failed: 3}},
+		},
+		{
+			// A range that a save emitted after it covers again is not saved
+			// again for it: [32,48) fails after [0,64) was emitted, so the
+			// next step saves from the saved offset only.
+			name: "S70_failed_range_a_later_save_covers_not_saved_twice",
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 5))}, wantSave{0, 32, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{32, 48, 0}),
+				reportOp(1, failed, wantSave{0, 32, 0}),
+				reportOp(3, failed),
+				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{0, 64, 0}),
+				reportOp(2, failed),
+				reportOp(4, stored),
+				stepOp(Step{Kind: StepRunning, Tokens: 80}, wantSave{64, 80, 0}),
+			},
+			want: wantTracker{saved: 80, reports: SaveCounts{Stored: 1, Failed: 3}},
+		},
+		{
+			// Issue 25: an existence check that kept failing is a transient
+			// store problem; vLLM's next job retries the range (the raised
+			// batch_is_exist leaves _saved_offset where it was).
+			name: "S71_exists_failed_range_saved_again_by_the_next_save",
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 3))}, wantSave{0, 32, 0}),
+				reportOp(1, existsFailed),
+				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{0, 48, 0}),
+			},
+			want: wantTracker{saved: 48, reports: SaveCounts{DeadLettered: 1}},
+		},
+		{
+			name: "S72_exists_failed_with_a_queued_later_save_saved_again_at_once",
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}, wantSave{0, 32, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{32, 48, 0}),
+				reportOp(1, existsFailed, wantSave{0, 32, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{48, 64, 0}),
+			},
+			want: wantTracker{saved: 64, reports: SaveCounts{DeadLettered: 1}},
+		},
+		{
+			// A dead letter for a permanent cause is not saved again, with
+			// or without a later job queued.
+			name: "S73_permanent_dead_letter_with_a_queued_later_save_not_saved_again",
+			ops: []saveOp{
+				stepOp(Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}, wantSave{0, 32, 0}),
+				stepOp(Step{Kind: StepRunning, Tokens: 48}, wantSave{32, 48, 0}),
+				reportOp(1, deadLettered),
+				stepOp(Step{Kind: StepRunning, Tokens: 64}, wantSave{48, 64, 0}),
+			},
+			want: wantTracker{saved: 64, reports: SaveCounts{DeadLettered: 1}},
+		},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -244,7 +352,7 @@ func TestSaveScenarios(t *testing.T) {
 				if op.step != nil {
 					eff = noErr(t, tr.Step(m, *op.step))
 				} else {
-					eff = noErr(t, tr.OnSaveReport(emitted[op.report-1].TaskID, op.rep))
+					eff = noErr(t, tr.OnSaveReport(m, emitted[op.report-1].TaskID, op.rep))
 				}
 				var got []wantSave
 				for _, s := range eff.Saves {
@@ -290,7 +398,7 @@ func TestSaveScenarioResumedTable(t *testing.T) {
 	if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0], want) {
 		t.Fatalf("resumed saves %+v, want %+v", eff.Saves, want)
 	}
-	if !reflect.DeepEqual(tr.SaveSpans, []SaveSpan{{TaskID: want.TaskID, Start: 0, End: 48}}) || !reflect.DeepEqual(tr.StaleSaves, []string{old.TaskID}) {
+	if !reflect.DeepEqual(tr.SaveSpans, []SaveSpan{{TaskID: want.TaskID, Start: 0, End: 48, Job: 1}}) || !reflect.DeepEqual(tr.StaleSaves, []string{old.TaskID}) {
 		t.Fatalf("spans %+v stale %v", tr.SaveSpans, tr.StaleSaves)
 	}
 	noErr(t, tr.Step(m, Step{Kind: StepFinished}))
@@ -329,5 +437,157 @@ func TestSaveScenarioStoredTrackerUpgrade(t *testing.T) {
 	}
 	if eff := noErr(t, old.Step(m, Step{Kind: StepRunning, Tokens: 64})); len(eff.Saves) != 1 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 64 {
 		t.Fatalf("next save %+v, want [0,64)", eff.Saves)
+	}
+}
+
+// TestSaveScenarioResaveHybrid (S74): the re-save of a range a queued later
+// job covers is the save of that range a step would emit on the current
+// table (every group's held chunks, the Mamba state at its end: what the
+// sender's ValidateSave accepts), running as the job after the failed
+// task's. A prompt-tail save alone is no job (vLLM's offload-only job has
+// token_len_chunk 0 and saves no range), so it does not make a failed save
+// be saved again at once.
+func TestSaveScenarioResaveHybrid(t *testing.T) {
+	m := trkHybrid(t)
+	tr := newTrk(m)
+	table := tbl(ids(0, 4), ids(10, 4))
+	first := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: table})).Saves[0]
+	noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48}))
+	eff := noErr(t, tr.OnSaveReport(m, first.TaskID, SaveReport{Status: SaveFailed, Failed: 1}))
+	want := SaveTask{
+		Schema: SchemaSaveTask, TaskID: "e1/r1/save/3", EngineID: "e1", RequestID: "r1", Model: m.Name,
+		Start: 0, End: 32, BlockTable: table, BlockHashes: trkHashes(2),
+		Groups: []GroupChunks{{Group: 0, Chunks: []Chunk{{0, 16}, {16, 32}}}, {Group: 1, Chunks: []Chunk{{16, 32}}}},
+	}
+	if len(eff.Saves) != 1 || !reflect.DeepEqual(eff.Saves[0], want) {
+		t.Fatalf("re-save %+v, want %+v", eff.Saves, want)
+	}
+	if s := tr.SaveSpans[len(tr.SaveSpans)-1]; s.TaskID != want.TaskID || s.Job != 2 || tr.SaveJobs != 2 {
+		t.Fatalf("re-save span %+v, jobs %d; want job 2 of 2", s, tr.SaveJobs)
+	}
+	for _, v := range ValidateSave(m, nil, &eff.Saves[0]) {
+		if !v.OK() {
+			t.Fatalf("re-save refused: %+v", v)
+		}
+	}
+
+	p := partialModel()
+	pt := NewTracker(p, "e1", "r2")
+	pt.OnAdmit(hexes(promptHashes(p, 100, 46)), 100)
+	steps := noErr(t, pt.Step(p, Step{Kind: StepNew, Tokens: 64, Table: tbl([]BlockID{1, 2}, []BlockID{3, 4})})).Saves[0]
+	if tail := noErr(t, pt.Step(p, Step{Kind: StepRunning, Tokens: 100})).Saves; len(tail) != 1 || tail[0].Start != 64 || pt.SaveJobs != 1 {
+		t.Fatalf("prompt tail %+v, jobs %d; want the tail [64,96) and still one job", tail, pt.SaveJobs)
+	}
+	if eff := noErr(t, pt.OnSaveReport(p, steps.TaskID, SaveReport{Status: SaveSkipped, Skipped: 2})); len(eff.Saves) != 0 ||
+		!reflect.DeepEqual(pt.Unsaved, []SaveSpan{{TaskID: steps.TaskID, Start: 0, End: 64}}) {
+		t.Fatalf("skipped steps save after a tail-only job: saves %+v, unsaved %+v; want none and [0,64)", eff.Saves, pt.Unsaved)
+	}
+}
+
+// TestSaveScenarioResaveFallbacks (S75): where no re-save can be emitted at
+// the report, the range joins Unsaved for the request's next save: a status
+// reported without the model (OnSaveResult), and a load of the request
+// outstanding (its blocks may not be read). A report for another model (or
+// none) is refused and changes nothing.
+func TestSaveScenarioResaveFallbacks(t *testing.T) {
+	m := trkDense(t)
+	tr := newTrk(m)
+	first := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 5))})).Saves[0]
+	noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48}))
+	for _, bad := range []*Model{nil, trkModel(t, Group{Kind: KindMLA, BlockSize: 16})} {
+		if bad != nil {
+			bad.Name = "other"
+		}
+		isErr(t, tr.OnSaveReport(bad, first.TaskID, SaveReport{Status: SaveFailed}), ErrUnknownModel)
+	}
+	if len(tr.PendingSaves) != 2 || tr.Reports != (SaveCounts{}) {
+		t.Fatalf("refused reports changed the tracker: pending %v reports %+v", tr.PendingSaves, tr.Reports)
+	}
+	if eff := noErr(t, tr.OnSaveResult(first.TaskID, SaveFailed)); len(eff.Saves) != 0 ||
+		!reflect.DeepEqual(tr.Unsaved, []SaveSpan{{TaskID: first.TaskID, Start: 0, End: 32}}) {
+		t.Fatalf("status without the model: saves %+v unsaved %+v; want none and [0,32)", eff.Saves, tr.Unsaved)
+	}
+	if eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64})); len(eff.Saves) != 1 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 64 {
+		t.Fatalf("next save %+v, want [0,64)", eff.Saves)
+	}
+
+	lt := newTrk(m)
+	a := noErr(t, lt.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 5))})).Saves[0]
+	noErr(t, lt.Step(m, Step{Kind: StepRunning, Tokens: 48}))
+	noErr(t, lt.OnLookup(m, &LoadSpec{VLLMCachedTokens: 48, KVPoolCachedTokens: 64}))
+	if eff := noErr(t, lt.OnAllocate(m, 16, tbl(ids(0, 5)))); len(eff.Loads) != 1 {
+		t.Fatalf("load while running: %+v", eff)
+	}
+	if eff := noErr(t, lt.OnSaveReport(m, a.TaskID, SaveReport{Status: SaveFailed, Failed: 1})); len(eff.Saves) != 0 ||
+		!reflect.DeepEqual(lt.Unsaved, []SaveSpan{{TaskID: a.TaskID, Start: 0, End: 32}}) {
+		t.Fatalf("failed save with a load outstanding: saves %+v unsaved %+v; want none and [0,32)", eff.Saves, lt.Unsaved)
+	}
+}
+
+// TestTrackerMarkCovered: a save emitted later covers the start, the end,
+// all or only the middle of a pending save's uncovered range; only a
+// cover of either end is kept, and a range's end inside a scheduler block
+// (a prompt tail) counts from that block's start.
+func TestTrackerMarkCovered(t *testing.T) {
+	m := trkDense(t)
+	cases := []struct {
+		name           string
+		span           SaveSpan
+		start, end     int
+		wantLo, wantHi int
+	}{
+		{"wholly", SaveSpan{Start: 16, End: 48}, 0, 64, 48, 48},
+		{"exactly", SaveSpan{Start: 16, End: 48}, 16, 48, 48, 48},
+		{"start", SaveSpan{Start: 16, End: 64}, 0, 32, 32, 64},
+		{"end", SaveSpan{Start: 16, End: 64}, 32, 96, 16, 32},
+		{"middle_not_kept", SaveSpan{Start: 0, End: 64}, 16, 32, 0, 64},
+		{"disjoint", SaveSpan{Start: 0, End: 32}, 32, 64, 0, 32},
+		{"already_covered_start", SaveSpan{Start: 0, End: 64, CoveredLow: 32}, 0, 48, 48, 64},
+		{"already_covered_end", SaveSpan{Start: 0, End: 64, CoveredHigh: 32}, 16, 48, 0, 16},
+		{"tail_end_inside_a_block", SaveSpan{Start: 16, End: 40}, 0, 32, 40, 40},
+		{"tail_sub_block_only", SaveSpan{Start: 32, End: 40}, 0, 48, 32, 40},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			tr := &Tracker{SaveSpans: []SaveSpan{c.span}}
+			tr.markCovered(m, c.start, c.end)
+			if lo, hi := tr.SaveSpans[0].uncovered(); max(lo, hi) != c.wantHi || min(lo, hi) != min(c.wantLo, c.wantHi) {
+				t.Fatalf("uncovered [%d,%d) (%+v), want [%d,%d)", lo, hi, tr.SaveSpans[0], c.wantLo, c.wantHi)
+			}
+		})
+	}
+}
+
+// TestSaveReportJSON: SaveReport's exists_failed count and the tracker's
+// job fields are omitted when zero, so reports and trackers stored before
+// them decode unchanged, and they survive a round trip.
+func TestSaveReportJSON(t *testing.T) {
+	b, err := json.Marshal(SaveReport{Status: SaveSkipped, Skipped: 2})
+	if err != nil || string(b) != `{"status":"skipped","skipped":2}` {
+		t.Fatalf("report encodes as %s (%v)", b, err)
+	}
+	var r SaveReport
+	if err := json.Unmarshal([]byte(`{"status":"dead_lettered","exists_failed":3}`), &r); err != nil || r != (SaveReport{Status: SaveDeadLettered, ExistsFailed: 3}) || !r.unsaved() {
+		t.Fatalf("report decodes as %+v (%v), want 3 exists_failed keys, unsaved", r, err)
+	}
+	m := trkDense(t)
+	tr := newTrk(m)
+	noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}))
+	noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48}))
+	tr.SaveSpans[0].CoveredLow, tr.SaveSpans[0].CoveredHigh = 16, 8
+	b, err = MarshalTracker(tr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	back, err := UnmarshalTracker(b)
+	if err != nil || !reflect.DeepEqual(back, tr) {
+		t.Fatalf("round trip: %v\n%+v\n%+v", err, back, tr)
+	}
+	old := newTrk(m)
+	noErr(t, old.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 4))}))
+	old.SaveJobs, old.SaveSpans[0].Job = 0, 0 // as stored before jobs were counted
+	b, _ = MarshalTracker(old)
+	if strings.Contains(string(b), "job") || strings.Contains(string(b), "covered") {
+		t.Fatalf("zero job fields encoded: %s", b)
 	}
 }

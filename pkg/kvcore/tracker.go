@@ -70,10 +70,12 @@ type SaveCounts struct {
 // it: the task's outcome and how many of its keys were neither stored nor
 // found present for a cause a later save of the request can cure — skipped
 // under store pressure (the store answered "no space", or the request was
-// under pressure) or failed puts. Dead-lettered keys are not counted: their
-// cause (an invalid group, a block that no longer holds its chunk, an
-// existence check that kept failing) is the dead letter's, and an operator's
-// replay is their second chance.
+// under pressure), failed puts, or dead-lettered exists_failed (the store's
+// existence check kept failing: a transient store problem, which vLLM's
+// next job retries, as it retries any job whose existence check raised).
+// Keys dead-lettered for a permanent cause (an invalid group, a block that
+// no longer holds its chunk) are not counted: their dead letter, and an
+// operator's replay, is their second chance.
 type SaveReport struct {
 	// Status is the task's overall outcome.
 	Status SaveStatus `json:"status"`
@@ -81,13 +83,17 @@ type SaveReport struct {
 	Skipped int `json:"skipped,omitempty"`
 	// Failed counts the task's keys whose put failed.
 	Failed int `json:"failed,omitempty"`
+	// ExistsFailed counts the task's keys dead-lettered exists_failed
+	// (ReasonExistsFailed): the sender gave up on the existence check of
+	// their group, so it neither stored nor found them.
+	ExistsFailed int `json:"exists_failed,omitempty"`
 }
 
 // unsaved reports whether some of the task's range was not persisted for a
 // cause a later save can cure. A report without key counts says so by its
-// status alone (skipped or failed).
+// status alone (skipped or failed; dead_lettered alone is a permanent cause).
 func (r SaveReport) unsaved() bool {
-	return r.Skipped > 0 || r.Failed > 0 || r.Status == SaveSkipped || r.Status == SaveFailed
+	return r.Skipped > 0 || r.Failed > 0 || r.ExistsFailed > 0 || r.Status == SaveSkipped || r.Status == SaveFailed
 }
 
 // SaveSpan is the token range [Start, End) of one save task.
@@ -98,6 +104,23 @@ type SaveSpan struct {
 	Start int `json:"start"`
 	// End is the token the task saves up to (exclusive).
 	End int `json:"end"`
+	// Job is, on a pending save, the store job of the current epoch the
+	// task runs as (Tracker.SaveJobs): a step's save and its prompt-tail
+	// save share one, and a re-save runs as the job after its failed
+	// task's (0: a tracker stored before jobs were counted).
+	Job int `json:"job,omitempty"`
+	// CoveredLow and CoveredHigh count, on a pending save, the tokens at
+	// the start and at the end of its range that a save emitted after it
+	// covers again (Tracker.markCovered): if the task leaves its range
+	// unsaved, only [Start+CoveredLow, End-CoveredHigh) is saved again.
+	CoveredLow  int `json:"covered_low,omitempty"`
+	CoveredHigh int `json:"covered_high,omitempty"`
+}
+
+// uncovered is the part of a pending save's range that no save emitted
+// after it covers again (empty when lo >= hi).
+func (s SaveSpan) uncovered() (lo, hi int) {
+	return s.Start + s.CoveredLow, s.End - s.CoveredHigh
 }
 
 // add counts one report.
@@ -215,14 +238,23 @@ func (l *LoadState) expecting() bool {
 // data.py ReqMeta.from_request_tracker and worker.py
 // KVCacheStoreSendingThread._handle_request): NumSavedTokens, vLLM's
 // scheduler-side num_saved_tokens, advances when a save is emitted, and a
-// save is emitted only when it reaches a new full block. A save reported
-// not persisted (skipped under store pressure, or a failed put: SaveReport)
-// is not counted as saved: its range joins Unsaved, and the request's next
-// save starts at the lowest unsaved token instead of at NumSavedTokens — as
-// vLLM's sending thread resumes each job from the request's own high-water
-// mark of tokens actually persisted (_saved_offset), so skipped or failed
-// ranges are retried. What the earlier saves did store is then found
-// present and not put again.
+// save is emitted only when it reaches a new full block. vLLM's sending
+// thread runs a request's jobs one after another and starts each job, when
+// it runs, at the request's high-water mark of tokens actually persisted
+// (_saved_offset, advanced by _record_saved only on success), so the job
+// after a failed one covers the failed range again — even a job queued
+// before the failure. A save reported not persisted (SaveReport: keys
+// skipped under store pressure, failed puts, or dead-lettered
+// exists_failed) is therefore not counted as saved. If a later step's save
+// was already emitted (the failed task's Job is below SaveJobs: vLLM's next
+// job was already queued), the part of its range that no save emitted after
+// it covers again (SaveSpan.CoveredLow, CoveredHigh) is saved again at once
+// by a re-save task running as the next job (OnSaveReport); a re-save that
+// fails is saved again the same way while later jobs remain, so a range is
+// tried at most once per job, as in vLLM. Otherwise (the failed task was
+// the latest job) the range joins Unsaved and the request's next save
+// starts at the lowest unsaved token instead of at NumSavedTokens. What the
+// earlier saves did store is then found present and not put again.
 //
 // Preemption (scheduler.py build_connector_meta, RequestTracker.reset,
 // worker.py _close_ended_store_requests): the engine freed the request's
@@ -291,8 +323,14 @@ type Tracker struct {
 	// say which range was not persisted.
 	SaveSpans []SaveSpan `json:"save_spans,omitempty"`
 	// Unsaved are the current epoch's save ranges reported not persisted
-	// (skipped or failed); the next save starts at the lowest of them.
+	// (SaveReport) that no save emitted since covers again; the next save
+	// starts at the lowest of them.
 	Unsaved []SaveSpan `json:"unsaved,omitempty"`
+	// SaveJobs counts the current epoch's store jobs: the steps that
+	// emitted a save of full blocks (a prompt-tail save alone is no job:
+	// vLLM's offload-only job saves no range, token_len_chunk 0). A save
+	// reported not persisted whose Job is below it is saved again at once.
+	SaveJobs int `json:"save_jobs,omitempty"`
 	// Hashes is the request's hash chain (hex), one per hash block.
 	Hashes []string `json:"block_hashes,omitempty"`
 	// Load is the LoadSpec state of the current scheduling attempt.
@@ -449,12 +487,14 @@ func (t *Tracker) release() {
 }
 
 // retireSaves moves the pending saves to the stale ones; their ranges and
-// the unsaved ones belong to the old epoch's blocks and are dropped.
+// the unsaved ones belong to the old epoch's blocks and are dropped, and
+// the new epoch counts its store jobs from 0.
 func (t *Tracker) retireSaves() {
 	t.StaleSaves = append(t.StaleSaves, t.PendingSaves...)
 	t.PendingSaves = nil
 	t.SaveSpans = nil
 	t.Unsaved = nil
+	t.SaveJobs = 0
 }
 
 // abandonLoad reports an expected load as finished with every block of

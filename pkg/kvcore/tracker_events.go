@@ -325,23 +325,37 @@ func (t *Tracker) finishedSending(immediate bool) Feedback {
 }
 
 // OnSaveResult records the sender's report for one save task by its status
-// alone (OnSaveReport without key counts: skipped or failed mark the task's
-// range unsaved).
+// alone and without the model (OnSaveReport's rules, without key counts:
+// skipped or failed mark the task's range unsaved). Without the model no
+// re-save can be built: a range a later job would have covered again joins
+// Unsaved, for the request's next save, instead.
 func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
-	return t.OnSaveReport(taskID, SaveReport{Status: status})
+	return t.onSaveReport(nil, taskID, SaveReport{Status: status})
 }
 
-// OnSaveReport records the sender's report for one save task. Every outcome
-// counts as reported; when the last outstanding save of the current epoch
-// of a finishing request is reported, finished_sending is emitted. A
-// current save reported not persisted (SaveReport: skipped or failed keys)
-// marks its range unsaved, so the request's next save covers it again, as
-// vLLM's sending thread retries from its last persisted offset (worker.py
-// KVCacheStoreSendingThread._handle_request, _record_saved only on
-// success). A stale save (an earlier epoch's) is only settled and counted:
-// its range belongs to blocks the engine released. Unknown or repeated task
-// ids (redelivery) change nothing.
-func (t *Tracker) OnSaveReport(taskID string, r SaveReport) Effects {
+// OnSaveReport records the sender's report for one save task of model m.
+// Every outcome counts as reported; when the last outstanding save of the
+// current epoch of a finishing request is reported, finished_sending is
+// emitted. A current save reported not persisted (SaveReport: keys skipped,
+// failed or dead-lettered exists_failed) is not counted as saved, as vLLM's
+// sending thread counts a job saved only on success (worker.py
+// KVCacheStoreSendingThread._handle_request, _record_saved) and starts the
+// next job at the persisted offset: the part of its range no later save
+// covers again is saved again (resave) — at once by a re-save task when a
+// later store job was already emitted (vLLM's next job, already queued,
+// would cover it), else by the request's next save (Unsaved). A stale save
+// (an earlier epoch's) is only settled and counted: its range belongs to
+// blocks the engine released. Unknown or repeated task ids (redelivery)
+// change nothing.
+func (t *Tracker) OnSaveReport(m *Model, taskID string, r SaveReport) Effects {
+	if err := t.checkModel(m); err != nil {
+		return Effects{Err: err}
+	}
+	return t.onSaveReport(m, taskID, r)
+}
+
+// onSaveReport is OnSaveReport; m is nil for OnSaveResult.
+func (t *Tracker) onSaveReport(m *Model, taskID string, r SaveReport) Effects {
 	var eff Effects
 	status := r.Status
 	if !status.Valid() {
@@ -358,8 +372,8 @@ func (t *Tracker) OnSaveReport(taskID string, r SaveReport) Effects {
 	}
 	t.Reports.add(status)
 	span := t.takeSpan(taskID)
-	if r.unsaved() && t.State == StateRunning {
-		t.Unsaved = append(t.Unsaved, span)
+	if r.unsaved() {
+		t.resave(m, span, &eff)
 	}
 	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
 		t.State = StateDone
@@ -370,11 +384,12 @@ func (t *Tracker) OnSaveReport(taskID string, r SaveReport) Effects {
 
 // takeSpan removes and returns the range of a pending save. A save pending
 // without a range (a tracker stored before ranges were kept) is taken to
-// cover everything emitted, [0, NumSavedTokens).
+// cover everything emitted, [0, NumSavedTokens), as the latest job: the
+// request's next save covers it again.
 func (t *Tracker) takeSpan(taskID string) SaveSpan {
 	i := slices.IndexFunc(t.SaveSpans, func(s SaveSpan) bool { return s.TaskID == taskID })
 	if i < 0 {
-		return SaveSpan{TaskID: taskID, End: t.NumSavedTokens}
+		return SaveSpan{TaskID: taskID, End: t.NumSavedTokens, Job: t.SaveJobs}
 	}
 	s := t.SaveSpans[i]
 	t.SaveSpans = slices.Delete(t.SaveSpans, i, i+1)

@@ -39,9 +39,9 @@ func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks
 // starts at the saved offset, or at the lowest range reported unsaved,
 // which it covers again (saveStart). It never saves for the consumer role,
 // for a request not running, or while a load of the request is expected or
-// outstanding (its blocks are not filled yet).
+// outstanding (its blocks are not filled yet: canSave).
 func (t *Tracker) maybeSave(m *Model, eff *Effects) {
-	if t.Consumer || t.State != StateRunning || t.Load.expecting() || len(t.PendingLoads) > 0 {
+	if t.State != StateRunning || !t.canSave() {
 		return
 	}
 	t.maybeSaveSteps(m, eff)
@@ -50,7 +50,15 @@ func (t *Tracker) maybeSave(m *Model, eff *Effects) {
 	}
 }
 
-// maybeSaveSteps emits the save of full scheduler blocks (maybeSave).
+// canSave reports whether the request's blocks may be read for a save now:
+// never for the consumer role, nor while a load of the request is expected
+// or outstanding.
+func (t *Tracker) canSave() bool {
+	return !t.Consumer && !t.Load.expecting() && len(t.PendingLoads) == 0
+}
+
+// maybeSaveSteps emits the save of full scheduler blocks (maybeSave): a
+// new store job of the epoch (SaveJobs).
 func (t *Tracker) maybeSaveSteps(m *Model, eff *Effects) {
 	end, hashLimited := t.saveEnd(m)
 	if hashLimited {
@@ -67,14 +75,108 @@ func (t *Tracker) maybeSaveSteps(m *Model, eff *Effects) {
 	}
 	t.NumSavedTokens = end
 	t.Unsaved = nil
-	t.emitSave(task, eff)
+	t.SaveJobs++
+	t.emitSave(m, task, t.SaveJobs, true, eff)
 }
 
-// emitSave records a save task as pending and hands it to the caller.
-func (t *Tracker) emitSave(task SaveTask, eff *Effects) {
+// emitSave records a save task as pending, running as store job job, and
+// hands it to the caller. A save of full blocks (covers: a step's save or a
+// re-save, not a prompt tail) first marks what it covers of the pending
+// saves' ranges (markCovered).
+func (t *Tracker) emitSave(m *Model, task SaveTask, job int, covers bool, eff *Effects) {
+	if covers {
+		t.markCovered(m, task.Start, task.End)
+	}
 	t.PendingSaves = append(t.PendingSaves, task.TaskID)
-	t.SaveSpans = append(t.SaveSpans, SaveSpan{TaskID: task.TaskID, Start: task.Start, End: task.End})
+	t.SaveSpans = append(t.SaveSpans, SaveSpan{TaskID: task.TaskID, Start: task.Start, End: task.End, Job: job})
 	eff.Saves = append(eff.Saves, task)
+}
+
+// markCovered records that a save of full blocks [start, end), emitted now,
+// covers again the start or the end of pending saves' ranges: if one of
+// them is reported unsaved, that part is not saved again for it (the new
+// save's own report decides). Only a cover of either end of a range's
+// uncovered part is kept (a range keeps one uncovered interval), so a save
+// covering only its middle is not recorded — the middle may then be saved
+// twice, and is found present the second time. A range's end inside a
+// scheduler block (a prompt tail) counts from that block's start: its
+// sub-block key is saved only once, as vLLM's offload of the tail is.
+func (t *Tracker) markCovered(m *Model, start, end int) {
+	sbs := m.SchedulerBlockSize()
+	for i := range t.SaveSpans {
+		s := &t.SaveSpans[i]
+		lo, hi := s.uncovered()
+		hi = hi / sbs * sbs
+		if lo >= hi {
+			continue
+		}
+		switch {
+		case start <= lo && end >= hi:
+			s.CoveredLow, s.CoveredHigh = s.End-s.Start, 0 // wholly covered
+		case start <= lo && end > lo:
+			s.CoveredLow = end - s.Start
+		case end >= hi && start < hi:
+			s.CoveredHigh = s.End - start
+		}
+	}
+}
+
+// resave handles a pending save of the current epoch reported not
+// persisted (SaveReport.unsaved): what saves emitted after it do not cover
+// again ([lo, hi), SaveSpan.uncovered) is saved again. When a store job
+// after the task's was already emitted (span.Job < SaveJobs), vLLM's next
+// job, already queued, would start at the persisted offset and cover the
+// range again: a re-save task of that range, running as that next job, is
+// emitted now (retrySave), for a running request and for a finishing one
+// alike (vLLM keeps a finished request's resume offset until its queued
+// jobs drained; the re-save holds finished_sending like any save).
+// Otherwise, for a running request, the range joins Unsaved and the
+// request's next save covers it (saveStart); a finishing request has no
+// next save, as in vLLM. Without the model (OnSaveResult) no task can be
+// built, and the range joins Unsaved.
+func (t *Tracker) resave(m *Model, span SaveSpan, eff *Effects) {
+	lo, hi := span.uncovered()
+	if lo >= hi || (t.State != StateRunning && t.State != StateFinishing) {
+		return
+	}
+	if m != nil && span.Job < t.SaveJobs && t.canSave() {
+		t.retrySave(m, span.TaskID, span.Job+1, lo, hi, eff)
+		return
+	}
+	if t.State == StateRunning {
+		t.Unsaved = append(t.Unsaved, SaveSpan{TaskID: span.TaskID, Start: lo, End: hi})
+	}
+}
+
+// retrySave emits the re-save of [start, end) — its full scheduler blocks
+// (a prompt tail's sub-block key is not saved again) — running as store
+// job job: the save of that range a step would emit (Model.SaveGroupsHeld,
+// which the sender's ValidateSave expects of every save of full blocks),
+// the failed task's own chunks on the current table. For full attention,
+// MLA and sliding window that is what vLLM's next job stores again of the
+// range; a Mamba group's state at end is what the failed task meant to
+// store (vLLM's next job stores the state only at its own end). A range
+// with nothing to save emits nothing. A task that cannot be built leaves
+// the range to the request's next save.
+func (t *Tracker) retrySave(m *Model, taskID string, job, start, end int, eff *Effects) {
+	sbs := m.SchedulerBlockSize()
+	end = end / sbs * sbs
+	if end <= start {
+		return
+	}
+	groups := m.SaveGroupsHeld(t.Table, start, end)
+	if !anyChunk(groups) {
+		return
+	}
+	task, err := t.newSaveTask(m, start, end, groups)
+	if err != nil {
+		eff.Err = fmt.Errorf("request %s/%s: re-save of [%d,%d) reported unsaved by %s: %w", t.EngineID, t.RequestID, start, end, taskID, err)
+		if t.State == StateRunning {
+			t.Unsaved = append(t.Unsaved, SaveSpan{TaskID: taskID, Start: start, End: end})
+		}
+		return
+	}
+	t.emitSave(m, task, job, true, eff)
 }
 
 // maybeSaveTail emits, under partial hash hits, the save of the request's
@@ -124,7 +226,7 @@ func (t *Tracker) maybeSaveTail(m *Model, eff *Effects) {
 		t.fail(eff, err, nil)
 		return
 	}
-	t.emitSave(task, eff)
+	t.emitSave(m, task, t.SaveJobs, false, eff)
 }
 
 // anyChunk reports whether some group lists a chunk.
@@ -138,9 +240,9 @@ func anyChunk(groups []GroupChunks) bool {
 }
 
 // saveStart is where the next save starts: the saved offset, or the start
-// of the lowest range of the current epoch reported unsaved (skipped or
-// failed), as vLLM's sending thread resumes a request's next job from its
-// last persisted offset (worker.py KVCacheStoreSendingThread._saved_offset).
+// of the lowest range of the current epoch reported unsaved (Unsaved), as
+// vLLM's sending thread resumes a request's next job from its last
+// persisted offset (worker.py KVCacheStoreSendingThread._saved_offset).
 func (t *Tracker) saveStart() int {
 	start := t.NumSavedTokens
 	for _, u := range t.Unsaved {

@@ -12,6 +12,8 @@ package imports and is tested without vLLM.
 from __future__ import annotations
 
 import enum
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 try:  # pragma: no cover - exercised only inside vLLM
@@ -83,3 +85,59 @@ except ImportError:
         def has_connector_metadata(self) -> bool:
             """Whether a step's metadata is bound."""
             return self._connector_metadata is not None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the running vLLM's scheduler accepts from a connector,
+    feature-detected once at start (vLLM has no version field for it):
+
+    ``transfer_results``
+        ``KVConnectorBase_V1.get_transfer_results`` exists: the worker may
+        name requests whose load failed (``failed_recving``), which vLLM
+        recomputes or fails per request, on every layout (vLLM after
+        2026-08-22).
+    ``external_mamba_hits``
+        the scheduler's Mamba "align" chunk split accepts tokens a connector
+        supplies; the 2026-05-27 tree asserts they are 0 ("External KV
+        connector is not verified yet"), so there a hybrid Mamba model must
+        be answered 0 (nothing loaded; saves go on).
+    """
+
+    transfer_results: bool = False
+    external_mamba_hits: bool = True
+
+
+def capabilities() -> Capabilities:
+    """The running vLLM's :class:`Capabilities` (defaults without vLLM)."""
+    if not HAVE_VLLM:
+        return Capabilities()
+    try:  # pragma: no cover - inside vLLM
+        from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore
+    except ImportError:  # pragma: no cover
+        return Capabilities(transfer_results=hasattr(KVConnectorBase_V1, "get_transfer_results"))
+    split = getattr(Scheduler, "_mamba_block_aligned_split", None)
+    try:
+        src = inspect.getsource(split) if split is not None else ""
+    except (OSError, TypeError):  # no source: assume the cautious answer
+        src = "not verified yet"
+    return Capabilities(transfer_results=hasattr(KVConnectorBase_V1, "get_transfer_results"),
+                        external_mamba_hits="not verified yet" not in src)
+
+
+def block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """(scheduler block size, hash block size) as vLLM's engine core
+    resolves them (``resolve_kv_cache_block_sizes``: a hybrid model hashes
+    every GCD of its groups' block sizes unless configured otherwise);
+    without it, the cache config's block size (and hash_block_size)."""
+    if HAVE_VLLM:  # pragma: no cover - inside vLLM
+        try:
+            from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # type: ignore
+        except ImportError:
+            pass
+        else:
+            sbs, hbs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+            return int(sbs), int(hbs)
+    cache = getattr(vllm_config, "cache_config", None)
+    bs = int(getattr(cache, "block_size", None) or 16)
+    return bs, int(getattr(cache, "hash_block_size", None) or bs)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from . import config as cfg
 from . import contract as c
 from . import transport
-from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA, block_sizes, capabilities
 from .errors import KVMeshConfigError, MeshUnreachableError, UnsupportedLayoutError
 from .metadata import KVMeshConnectorMetadata
 from .model import KIND_FULL, KIND_MAMBA, KIND_MLA, KIND_SLIDING_WINDOW, Group, ModelSpec
@@ -48,7 +48,9 @@ SPEC_KINDS = {
 
 
 def model_from_kv_cache_config(name: str, kv_cache_config: Any, hash_block_size: int) -> ModelSpec:
-    """vLLM's KV-cache groups as kvmesh's model spec."""
+    """vLLM's KV-cache groups as kvmesh's model spec. A group's bytes per
+    block are its layers' together: vLLM's ``page_size_bytes`` is one
+    layer's page, and every layer of a group holds one."""
     groups = []
     for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = g.kv_cache_spec
@@ -57,15 +59,12 @@ def model_from_kv_cache_config(name: str, kv_cache_config: Any, hash_block_size:
         if kind is None:
             raise UnsupportedLayoutError(
                 f"KV-cache group {i}: spec {kind_name} is not one kvmesh stores (supported: {', '.join(sorted(SPEC_KINDS))})")
-        groups.append(Group(kind, int(spec.block_size), int(spec.page_size_bytes), int(getattr(spec, "sliding_window", 0) or 0)))
+        layers = max(len(getattr(g, "layer_names", None) or ()), 1)
+        groups.append(Group(kind, int(spec.block_size), int(spec.page_size_bytes) * layers,
+                            int(getattr(spec, "sliding_window", 0) or 0)))
     if not groups:
         raise UnsupportedLayoutError("vLLM's KVCacheConfig has no KV-cache groups")
     return ModelSpec(name=name, hash_block_size=hash_block_size, groups=tuple(groups))
-
-
-def _hash_block_size(vllm_config: Any) -> int:
-    cache = getattr(vllm_config, "cache_config", None)
-    return int(getattr(cache, "hash_block_size", None) or getattr(cache, "block_size", 16))
 
 
 def _parallel(vllm_config: Any) -> tuple[int, int, int]:
@@ -97,7 +96,9 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                  role=str(getattr(ktc, "kv_role", "kv_both") or "kv_both"))
         if kv_cache_config is None:
             raise KVMeshConfigError("vLLM passed no KVCacheConfig: this connector needs vLLM ≥ 0.11 (the three-argument constructor)")
-        self.model = model_from_kv_cache_config(self.settings.model, kv_cache_config, _hash_block_size(vllm_config))
+        self.model = model_from_kv_cache_config(self.settings.model, kv_cache_config,
+                                                block_sizes(kv_cache_config, vllm_config)[1])
+        self.capabilities = capabilities()
         self.model.validate()
         tp, pp, rank_index = _parallel(vllm_config)
         self.stats = ConnectorStats()
@@ -115,8 +116,12 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                                      retry_deadline=self.settings.start_deadline_s, **tls).request("GET", "/healthz"),
                         f"the lookup service at {self.settings.lookup_url}")
             self._reach(lambda: self._producer.check(timeout=self.settings.start_deadline_s), "Kafka")
+            loads = self.capabilities.external_mamba_hits or all(g.kind != KIND_MAMBA for g in self.model.groups)
+            if not loads:
+                log.warning("this vLLM's scheduler refuses a connector's tokens for Mamba layers (its aligned "
+                            "split asserts none): kvmesh saves this model's KV but loads none")
             self._scheduler = SchedulerSide(self.settings, self.model, lookup, self._publish, self.stats,
-                                            poll=self._producer.poll, pipeline_stages=pp)
+                                            poll=self._producer.poll, pipeline_stages=pp, loads=loads)
         else:
             if rank_index >= tp * pp:
                 raise UnsupportedLayoutError(f"worker rank {rank_index} outside TP {tp} × PP {pp}")

@@ -114,8 +114,11 @@ class SchedulerSide:
     def __init__(self, settings: Settings, model: ModelSpec, lookup_client: Any,
                  publish: Callable[[bytes, Callable[[Optional[Exception]], None]], None], stats: ConnectorStats,
                  null_block_id: int = c.VLLM_NULL_BLOCK_ID, poll: Callable[[], Any] = lambda: None,
-                 pipeline_stages: int = 1) -> None:
+                 pipeline_stages: int = 1, loads: bool = True) -> None:
         self._s = settings
+        # loads False: this vLLM cannot take a connector's tokens for this
+        # model (_vllm.Capabilities): no lookup, every request computes.
+        self._loads_ok = loads
         self._model = model
         self._lookup = lookup_client
         self._publish = publish
@@ -142,6 +145,10 @@ class SchedulerSide:
             return 0, False  # after a load, or a request already running
         if st.matched is not None and st.lookup_at == num_computed_tokens:
             return st.matched, st.matched > 0
+        if not self._loads_ok:
+            self._stats.add("lookups_skipped")
+            st.lookup_at, st.local, st.matched = num_computed_tokens, num_computed_tokens, 0
+            return 0, False
         if st.lookup is None or st.lookup_at != num_computed_tokens:
             st.lookup_at, st.local, st.matched, st.decision = num_computed_tokens, num_computed_tokens, None, None
             st.lookup = self._pool.submit(self._ask, st, num_computed_tokens)

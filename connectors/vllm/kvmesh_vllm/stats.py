@@ -15,6 +15,7 @@ from typing import Any
 #: Every counter and what it counts.
 COUNTERS = {
     "lookups": "lookups asked of kvmesh",
+    "lookups_skipped": "requests not looked up: this vLLM cannot take a connector's tokens for the model (Mamba layers on vLLM before the aligned split accepted them)",
     "lookup_pending": "lookups kvmesh answered 'not yet' (asked again)",
     "lookup_failures": "lookups that failed (unreachable, refused, malformed); the engine computed",
     "lookup_anomalies": "lookup answers that did not fit the engine's state; not acted on",

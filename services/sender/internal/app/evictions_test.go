@@ -72,7 +72,8 @@ func TestSenderAnnouncesRemovedKeys(t *testing.T) {
 	}
 	s.got.mu.Unlock()
 	ev := removed.Batch.Events[0]
-	if removed.Cause != "del" || removed.Model != s.model.Name || *ev.GroupIdx != 0 || ev.BlockHashes[0] != wire || wire == 0 {
-		t.Fatalf("BlockRemoved %+v (event %+v), want cause del, group 0, the BlockStored wire hash %#x", removed, ev, wire)
+	if removed.Cause != "del" || removed.Model != s.model.Name || *ev.GroupIdx != 0 || ev.BlockHashes[0] != wire || wire == 0 ||
+		ev.Medium == nil || *ev.Medium != contract.MediumStore || ev.Locality == nil || *ev.Locality != contract.LocalityStore {
+		t.Fatalf("BlockRemoved %+v (event %+v), want cause del, group 0, the BlockStored wire hash %#x, the store's medium and locality", removed, ev, wire)
 	}
 }

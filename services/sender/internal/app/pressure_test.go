@@ -31,7 +31,7 @@ func (s *stack) trackedSave(t *testing.T, tr *kvcore.Tracker, step kvcore.Step) 
 		rep.Skipped += g.Skipped
 		rep.Failed += g.Failed
 	}
-	if eff := tr.OnSaveReport(task.TaskID, rep); eff.Err != nil {
+	if eff := tr.OnSaveReport(s.model, task.TaskID, rep); eff.Err != nil {
 		t.Fatal(eff.Err)
 	}
 	return task, res

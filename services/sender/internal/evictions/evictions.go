@@ -681,7 +681,7 @@ func (b *batcher) flush(ctx context.Context) error {
 	if len(b.order) == 0 {
 		return nil
 	}
-	medium := contract.MediumStore
+	medium, locality := contract.MediumStore, contract.LocalityStore
 	ts := contract.UnixSeconds(b.w.opts.Now())
 	var recs []contract.KVEventRecord
 	counts := map[string]int{}
@@ -693,6 +693,7 @@ func (b *batcher) flush(ctx context.Context) error {
 			recs = append(recs, contract.KVEventRecord{
 				Batch: contract.KVEventBatch{TS: ts, DataParallelRank: new(int), Events: []contract.KVEvent{{
 					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
+					Locality: &locality,
 				}}},
 				Model: b.w.opts.Keys.Model, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
 				Tenant: pb.tenant,

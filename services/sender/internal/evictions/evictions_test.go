@@ -276,6 +276,7 @@ func TestEvictedKeysAreAnnounced(t *testing.T) {
 		ev := rec.Batch.Events[0]
 		if rec.Kind() != contract.BlockRemoved || r.keys[i] != kb.Namespace(kvcore.Rank{}, 0) || rec.Namespace != r.keys[i] ||
 			ev.GroupIdx == nil || *ev.GroupIdx != 0 || ev.Medium == nil || *ev.Medium != contract.MediumStore ||
+			ev.Locality == nil || *ev.Locality != contract.LocalityStore ||
 			rec.Batch.DataParallelRank == nil || *rec.Batch.DataParallelRank != 0 {
 			t.Errorf("record %d: key %q, %+v", i, r.keys[i], rec)
 		}

@@ -4,11 +4,17 @@ import (
 	"context"
 	"slices"
 	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // kvRecords decodes the kvmesh.kv.events records in the outbox, in order,
@@ -91,12 +97,14 @@ func TestBlockStoredRecordsFollowVLLM(t *testing.T) {
 	}
 	for _, e := range mla.Batch.Events {
 		if e.BlockSize != 16 || *e.GroupIdx != 0 || e.SpecKind != "mla_attention" || *e.Medium != contract.MediumStore ||
-			len(e.TokenIDs) != 0 || e.LoraID != nil || e.LoraName != nil {
+			len(e.TokenIDs) != 0 || e.LoraID != nil || e.LoraName != nil || e.ExtraKeys != nil || e.SlidingWindow != nil ||
+			e.Locality == nil || *e.Locality != contract.LocalityStore {
 			t.Errorf("MLA event fields %+v", e)
 		}
 	}
 	ms := mamba.Batch.Events
 	if len(ms) != 1 || *ms[0].GroupIdx != 1 || ms[0].SpecKind != "mamba" || !slices.Equal(mamba.Hashes, []string{h[3]}) ||
+		*ms[0].Medium != contract.MediumStore || ms[0].Locality == nil || *ms[0].Locality != contract.LocalityStore || ms[0].SlidingWindow != nil ||
 		ms[0].ParentBlockHash == nil || *ms[0].ParentBlockHash != wire(t, h[2]) || keys[1] != f.keys.Namespace(kvcore.Rank{}, 1) {
 		t.Errorf("Mamba record key %q: %+v", keys[1], mamba)
 	}
@@ -107,5 +115,75 @@ func TestBlockStoredRecordsFollowVLLM(t *testing.T) {
 	}
 	if want := contract.UnixSeconds(f.now); mla.Batch.TS != want {
 		t.Errorf("batch ts %v, want the processor's clock %v", mla.Batch.TS, want)
+	}
+}
+
+// swaModel is a full-attention + sliding-window model (gemma's shape) with
+// tiny blocks.
+const swaModel = `
+name: small-swa
+hash_block_size: 16
+groups:
+  - {kind: full_attention, block_size: 16, bytes_per_block: 64}
+  - {kind: sliding_window, block_size: 16, window: 40, bytes_per_block: 64}
+`
+
+// newModelFixture is newFixture with the model of spec.
+func newModelFixture(t testing.TB, spec string) *fixture {
+	t.Helper()
+	m, err := kvcore.ParseModel([]byte(spec))
+	if err != nil {
+		t.Fatal(err)
+	}
+	store, pool := kvstore.NewMemory(kvstore.MemoryOptions{}), dbtest.NewPool(t)
+	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
+		worker: &poolWorker{model: m, store: store, blocks: 64}, now: time.Unix(1_800_000_000, 0)}
+	metrics, err := sending.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.p, err = sending.New(sending.Options{
+		Model: m, Keys: f.keys, Store: store, Workers: engines{"e1": f.worker}, Ledger: f.ledger, Metrics: metrics,
+		Retry: sendpolicy.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
+		Now:   func() time.Time { return f.now },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// TestBlockStoredRecordsSlidingWindow checks the vLLM fields kvmesh fills
+// from the model spec on a sliding-window model: each group's BlockStored
+// events carry its group_idx and kv_cache_spec_kind, the sliding-window
+// group's also its window as kv_cache_spec_sliding_window (the full
+// group's none), the store's medium and locality, and no LoRA or extra
+// keys, which a save task does not carry.
+func TestBlockStoredRecordsSlidingWindow(t *testing.T) {
+	f := newModelFixture(t, swaModel)
+	task := saveTask(f.model, "swa1", 0, 64, 3)
+	f.handle(t, encode(t, task))
+
+	recs, keys := f.kvRecords(t)
+	if len(recs) != 2 {
+		t.Fatalf("%d kv event records, want one per group", len(recs))
+	}
+	for g, rec := range recs {
+		if keys[g] != f.keys.Namespace(kvcore.Rank{}, g) || rec.Kind() != contract.BlockStored || len(rec.Batch.Events) == 0 {
+			t.Fatalf("group %d record key %q: %+v", g, keys[g], rec)
+		}
+		for _, e := range rec.Batch.Events {
+			if e.GroupIdx == nil || *e.GroupIdx != g || e.BlockSize != 16 || e.Medium == nil || *e.Medium != contract.MediumStore ||
+				e.Locality == nil || *e.Locality != contract.LocalityStore || e.LoraID != nil || e.LoraName != nil || e.ExtraKeys != nil {
+				t.Errorf("group %d event fields %+v", g, e)
+			}
+		}
+	}
+	full, swa := recs[0].Batch.Events[0], recs[1].Batch.Events[0]
+	if full.SpecKind != "full_attention" || full.SlidingWindow != nil {
+		t.Errorf("full-attention event: kind %q, window %v; want full_attention and no window", full.SpecKind, full.SlidingWindow)
+	}
+	if swa.SpecKind != "sliding_window" || swa.SlidingWindow == nil || *swa.SlidingWindow != 40 {
+		t.Errorf("sliding-window event: kind %q, window %v; want sliding_window, 40", swa.SpecKind, swa.SlidingWindow)
 	}
 }

@@ -135,7 +135,13 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 // (vllm/v1/core/block_pool.py, cache_full_blocks). kvmesh's save tasks
 // carry hashes, not tokens, so token_ids is empty; the hashes are the
 // store keys' own, on the wire as vLLM's maybe_convert_block_hash writes
-// them (contract.WireHash).
+// them (contract.WireHash). Every event names the group (group_idx), its
+// kv_cache_spec_kind and, for a sliding-window group, its window
+// (kv_cache_spec_sliding_window), as vLLM's KVCacheManager annotates its
+// own, and the store's tier (contract.MediumStore, contract.LocalityStore);
+// lora_id and lora_name are nil and extra_keys absent: the save task
+// carries neither the adapter nor the hash's extra keys, only the hashes
+// they went into.
 func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord {
 	groups := make([]int, 0, len(s.stored))
 	for g := range s.stored {
@@ -192,7 +198,7 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
 		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
 	}
-	medium, group := contract.MediumStore, g
+	medium, locality, group := contract.MediumStore, contract.LocalityStore, g
 	var window *int
 	if grp.Kind == kvcore.KindSlidingWindow {
 		window = &grp.Window
@@ -209,7 +215,7 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		ev := contract.KVEvent{
 			Kind: contract.BlockStored, BlockHashes: []uint64{wire}, TokenIDs: []uint32{},
 			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group,
-			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window,
+			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window, Locality: &locality,
 		}
 		if p := parentIndex(pos(h), step); p >= 0 {
 			if pb, err := kvcore.ParseBlockHash(s.task.BlockHashes[p]); err == nil {

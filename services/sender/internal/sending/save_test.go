@@ -214,7 +214,7 @@ func TestSaveScenarioPressureScoped(t *testing.T) {
 		if adm != st.admitted || rep.Status != st.status {
 			t.Fatalf("step %d: admitted %s, status %s; want %s, %s", i, adm, rep.Status, st.admitted, st.status)
 		}
-		if eff := st.tr.OnSaveReport(eff.Saves[0].TaskID, rep); eff.Err != nil {
+		if eff := st.tr.OnSaveReport(m, eff.Saves[0].TaskID, rep); eff.Err != nil {
 			t.Fatalf("step %d: report: %v", i, eff.Err)
 		}
 	}

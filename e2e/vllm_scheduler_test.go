@@ -1,0 +1,134 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/internal/testenv"
+)
+
+// The vLLM source pack the vLLM-scheduler tests run vLLM from.
+const (
+	// vllmPackEnv names the pack's directory (its setup.sh and vLLM
+	// trees); without it, ../shared/vllm beside the checkout when present.
+	vllmPackEnv = "KVMESH_VLLM_PACK"
+	// vllmRequireEnv set to 1 fails the tests instead of skipping them
+	// when the pack is missing (.ci/run sets it).
+	vllmRequireEnv = "KVMESH_REQUIRE_VLLM"
+	// vllmSuiteDir holds the pytest tests that put vLLM's scheduler in charge.
+	vllmSuiteDir = "connectors/vllm/tests/vllm"
+	// vllmSuiteTimeout bounds one tree's pytest run against one stack.
+	vllmSuiteTimeout = 6 * time.Minute
+	// vllmPytestArgsEnv adds arguments to each pytest run (e.g. "-k
+	// async" to run some scenarios only, while debugging).
+	vllmPytestArgsEnv = "KVMESH_VLLM_PYTEST_ARGS"
+)
+
+// vllmTrees are the upstream vLLM trees of the pack the suite runs on.
+var vllmTrees = []string{"vllm-2026-05-27-52a31cc", "vllm-2026-08-22-7f4a1b7"}
+
+// vllmModels are the mesh models the suite plays, each on its own stack.
+var vllmModels = []string{"dense", model, "full-swa-mamba"}
+
+// TestVLLMScheduler runs connectors/vllm/tests/vllm — vLLM's own v1
+// Scheduler, KVCacheManager, KVConnectorFactory, MultiConnector and
+// model-runner connector code, from each tree of the vLLM source pack,
+// driving kvmesh_vllm against a running mesh with authentication on — for
+// each model of vllmModels. The pytest suite plays the model runner only.
+// Without the pack the test is skipped with one line saying why, unless
+// KVMESH_REQUIRE_VLLM=1.
+func TestVLLMScheduler(t *testing.T) {
+	testenv.RequirePython(t, pythonModules...)
+	pack := vllmPack(t)
+	root := testenv.ModuleRoot(t)
+	envs := map[string][]string{}
+	for _, tree := range vllmTrees {
+		envs[tree] = vllmEnv(t, pack, tree)
+	}
+	report := os.Getenv("KVMESH_CONNECTOR_REPORT")
+	for _, m := range vllmModels {
+		t.Run(m, func(t *testing.T) {
+			s := newStack(t, stackOptions{model: m, connectors: "pd,store", poolBlocks: 128})
+			dir := t.TempDir()
+			meshPath := writeJSON(t, dir, "mesh.json", meshDescription(t, s))
+			for _, tree := range vllmTrees {
+				t.Run(tree, func(t *testing.T) {
+					ctx, cancel := context.WithTimeout(context.Background(), vllmSuiteTimeout)
+					defer cancel()
+					rep := filepath.Join(dir, tree+"-report.txt")
+					env := append(append([]string{}, envs[tree]...),
+						"KVMESH_MESH_FILE="+meshPath,
+						"KVMESH_REQUIRE_MESH=1",
+						"KVMESH_VLLM_TREE="+tree,
+						"KVMESH_VLLM_REPORT="+rep,
+					)
+					err := runPytest(ctx, t, root, filepath.Join(root, vllmSuiteDir), vllmSuiteTimeout, env,
+						strings.Fields(os.Getenv(vllmPytestArgsEnv))...)
+					if b, rerr := os.ReadFile(rep); rerr == nil {
+						t.Logf("scenario report, %s on %s:\n%s", m, tree, b)
+						if report != "" {
+							appendReport(t, report, fmt.Sprintf("TestVLLMScheduler %s %s\n%s\n", m, tree, b))
+						}
+					}
+					if err != nil {
+						t.Fatalf("vLLM's scheduler (%s) driving kvmesh_vllm on %s: %v", tree, m, err)
+					}
+				})
+			}
+		})
+	}
+}
+
+// vllmPack is the pack's directory, or skips (fails under
+// KVMESH_REQUIRE_VLLM=1) when there is none.
+func vllmPack(t *testing.T) string {
+	t.Helper()
+	dir := os.Getenv(vllmPackEnv)
+	if dir == "" {
+		dir = filepath.Join(testenv.ModuleRoot(t), "..", "shared", "vllm")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "setup.sh")); err != nil {
+		msg := fmt.Sprintf("no vLLM source pack at %s (%s names it): vLLM's scheduler tests need it", dir, vllmPackEnv)
+		if os.Getenv(vllmRequireEnv) == "1" {
+			t.Fatal(msg + " (" + vllmRequireEnv + "=1)")
+		}
+		t.Skip(msg)
+	}
+	return dir
+}
+
+// vllmEnv runs the pack's setup.sh for tree (it installs Debian packages
+// when missing and links pydantic 2) and returns the variables it exports.
+func vllmEnv(t *testing.T, pack, tree string) []string {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command("bash", filepath.Join(pack, "setup.sh"), tree)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("%s/setup.sh %s: %v\n%s", pack, tree, err, stderr.String())
+	}
+	var env []string
+	sc := bufio.NewScanner(&stdout)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(strings.TrimSpace(sc.Text()), "export ")
+		if !ok {
+			continue // apt's progress lines, comments
+		}
+		for _, kv := range strings.Fields(line) {
+			k, v, _ := strings.Cut(kv, "=")
+			env = append(env, k+"="+os.Expand(strings.ReplaceAll(v, `\$`, "$"), func(string) string { return "" }))
+		}
+	}
+	if len(env) == 0 {
+		t.Fatalf("%s/setup.sh %s exported nothing:\n%s", pack, tree, stdout.String())
+	}
+	return env
+}
