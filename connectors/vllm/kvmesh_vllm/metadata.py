@@ -45,10 +45,15 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVMeshWorkerMetadata(KVConnectorWorkerMetadata):
-    """The steps whose block identities a worker recorded."""
+    """What a worker tells the scheduler side after a step: the steps whose
+    block identities it recorded, and (models of more than one KV-cache
+    group) the requests whose load failed on it, reported in this step's
+    finished_recving, which the scheduler side sends back to compute from
+    their local prefix."""
 
     steps: set[int] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
 
     def aggregate(self, other: "KVMeshWorkerMetadata") -> "KVMeshWorkerMetadata":
-        """Every worker's steps (the union)."""
-        return KVMeshWorkerMetadata(self.steps | other.steps)
+        """Every worker's steps and failed loads (the unions)."""
+        return KVMeshWorkerMetadata(self.steps | other.steps, self.failed_loads | other.failed_loads)

@@ -435,6 +435,8 @@ class SchedulerSide:
             if s in self._awaiting:
                 self._awaiting.remove(s)
             self._output_of(s)
+        for rid in sorted(getattr(wm, "failed_loads", ()) or ()):
+            self._load_failed(rid)
         for rid in getattr(connector_output, "finished_recving", None) or ():
             st = self._reqs.get(rid)
             if st is not None and st.loading:  # MultiConnector reports every child's loads
@@ -444,6 +446,24 @@ class SchedulerSide:
             if st is not None and st.finished:
                 del self._reqs[rid]
         self._flush()
+
+    def _load_failed(self, rid: str) -> None:
+        """A hybrid model's load failed on some rank (KVMeshWorkerMetadata.
+        failed_loads, with the request in this output's finished_recving):
+        the request goes back to the prefix it had computed locally before
+        the lookup, so vLLM's next schedule() caches nothing past it and
+        computes the rest. vLLM's own block-level path (invalid_block_ids)
+        raises on a model of more than one group; this path never reaches
+        it, and recomputes whatever kv_load_failure_policy says."""
+        st = self._reqs.get(rid)
+        if st is None or st.request is None:
+            return
+        req = st.request
+        if int(req.num_computed_tokens) > st.local:
+            log.warning("kvmesh load of %s failed; recomputing from token %d (was %d)", rid, st.local,
+                        req.num_computed_tokens)
+            req.num_computed_tokens = st.local
+        self._stats.add("load_recomputes")
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         """Publishes the finish. The free waits for ``finished_sending`` only

@@ -13,9 +13,15 @@ straight from it — so this side never copies a block. It:
   before the forward pass the records of the blocks the step writes go odd
   (no reader may take them), after it (``wait_for_save``) each records the
   chunk hash the block now holds;
-- reports what kvmesh finished (``get_finished``) and the blocks whose load
-  failed (``get_block_ids_with_load_errors``), read from the engine's
-  feedback topic, with time limits so that no request waits forever.
+- reports what kvmesh finished (``get_finished``) and what failed to load,
+  read from the engine's feedback topic, with time limits so that no
+  request waits forever: for a model of one KV-cache group the blocks
+  (``get_block_ids_with_load_errors``: vLLM recomputes or fails the
+  request, per its ``kv_load_failure_policy``); for a hybrid model the
+  requests (``KVMeshWorkerMetadata.failed_loads``), because vLLM's
+  block-level path unpacks one group only and raises on more (both vLLM
+  trees of 2026), so the scheduler side sends such a request back to its
+  local prefix and vLLM recomputes the rest.
 """
 
 from __future__ import annotations
@@ -126,6 +132,9 @@ class WorkerSide:
         self._delayed: dict[str, float] = {}  # delayed frees → when to stop waiting for kvmesh
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
+        # Hybrid models: failed loads are reported by request (metadata.py).
+        self._by_request = len(model.groups) > 1
+        self._failed_loads: set[str] = set()
         self._bad_seen = 0
         self._aliases: dict[int, set[int]] = {}
 
@@ -314,10 +323,12 @@ class WorkerSide:
         self._steps_done.add(self._step)
 
     def build_connector_worker_meta(self) -> Optional[KVMeshWorkerMetadata]:
-        """The steps whose identities are recorded, for the scheduler side."""
-        if not self._steps_done:
+        """The steps whose identities are recorded and the requests whose
+        load failed, for the scheduler side."""
+        if not self._steps_done and not self._failed_loads:
             return None
-        out, self._steps_done = KVMeshWorkerMetadata(self._steps_done), set()
+        out = KVMeshWorkerMetadata(self._steps_done, self._failed_loads)
+        self._steps_done, self._failed_loads = set(), set()
         return out
 
     # ---- what kvmesh finished ---------------------------------------------
@@ -383,8 +394,7 @@ class WorkerSide:
                 return  # an older attempt's load (preempted since), or not ours
             del self._loads[fb.request_id]
             if fb.load_errors:
-                self._stats.add("load_error_blocks", len(fb.load_errors))
-                self._load_errors.update(fb.load_errors)
+                self._load_failed(fb.request_id, fb.load_errors)
             self._recved.add(fb.request_id)
         elif fb.kind == c.FEEDBACK_REQUEST_ERROR:
             self._stats.add("request_errors")
@@ -395,12 +405,22 @@ class WorkerSide:
     def _fail_load(self, rid: str) -> None:
         """Reports a load finished with every block in error (recomputed)."""
         ld = self._loads.pop(rid)
-        self._load_errors.update(b for _, b in ld.blocks)
-        self._stats.add("load_error_blocks", len(ld.blocks))
+        self._load_failed(rid, [b for _, b in ld.blocks])
         self._recved.add(rid)
 
+    def _load_failed(self, rid: str, blocks: Any) -> None:
+        """Records a load's failed blocks: by block (one group), or the
+        request (hybrid models: see the module's doc)."""
+        blocks = list(blocks)
+        self._stats.add("load_error_blocks", len(blocks))
+        if self._by_request:
+            self._failed_loads.add(rid)
+            return
+        self._load_errors.update(blocks)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call; vLLM recomputes them."""
+        """Blocks whose load failed since the last call (one-group models);
+        vLLM recomputes them or fails their request, per its policy."""
         out, self._load_errors = self._load_errors, set()
         return out
 
