@@ -76,6 +76,7 @@ class _Request:
     decision: Optional[c.Decision] = None
     matched: Optional[int] = None  # the answer for lookup_at
     local: int = 0  # vLLM's own prefix-cache hit at the lookup
+    alloc_deferred: bool = False  # allocated with empty blocks: recorded at the first step
     allocated: bool = False
     loading: bool = False
     load_done: bool = False
@@ -245,10 +246,13 @@ class SchedulerSide:
         st.allocated, st.table, st.external = True, table, num_external_tokens
         if st.decision and st.decision.external_tokens > 0 and num_external_tokens == 0:
             self._stats.add("lookups_not_chosen")  # MultiConnector chose another child
-        self._event(st, c.RequestEvent(
-            request_id=st.request_id, kind=c.EVENT_ALLOCATED, external_tokens=num_external_tokens,
-            block_table=table, decision_id=st.decision.decision_id if st.decision else "",
-        ))
+        if num_external_tokens == 0 and not any(table):
+            # vLLM's MultiConnector (2026-05-27) hands a child it did not
+            # choose empty blocks: the allocation is recorded with the
+            # request's real table at its first scheduled step.
+            st.alloc_deferred = True
+            return
+        self._allocated(st, table)
         if num_external_tokens > 0:
             st.loading = True
             hit = st.local + num_external_tokens
@@ -256,6 +260,13 @@ class SchedulerSide:
             self._loads.append(PendingLoad(st.request_id, tuple(self._load_blocks(table, st.local, hit))))
             self._stats.add("loads")
             self._stats.add("load_tokens", num_external_tokens)
+
+    def _allocated(self, st: _Request, table: list[list[int]]) -> None:
+        st.alloc_deferred = False
+        self._event(st, c.RequestEvent(
+            request_id=st.request_id, kind=c.EVENT_ALLOCATED, external_tokens=st.external,
+            block_table=table, decision_id=st.decision.decision_id if st.decision else "",
+        ))
 
     def _load_blocks(self, table: list[list[int]], start: int, hit: int) -> list[tuple[int, int]]:
         """The (group, block) pairs a load resuming at ``hit`` writes."""
@@ -281,7 +292,12 @@ class SchedulerSide:
         meta = KVMeshConnectorMetadata(step=self._step, loads=self._loads, delayed_frees=self._delayed)
         self._loads, self._delayed = [], []
         for rid in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
-            self._preempted(rid)
+            st = self._reqs.get(rid)
+            # A request preempted outside schedule() (reset_prefix_cache)
+            # was recorded at its re-allocation; newer vLLM lists it here
+            # too, with its new allocation already recorded.
+            if st is not None and st.running:
+                self._preempted(rid)
         for nr in scheduler_output.scheduled_new_reqs:
             self._scheduled_new(nr, scheduler_output.num_scheduled_tokens.get(nr.req_id, 0), meta)
         self._scheduled_cached(scheduler_output, meta)
@@ -327,6 +343,8 @@ class SchedulerSide:
     def _begin_running(self, st: _Request, table: list[list[int]], start: int, end: int,
                        meta: KVMeshConnectorMetadata) -> None:
         """A request's first scheduled step (new, resumed, or after its load)."""
+        if st.alloc_deferred:
+            self._allocated(st, table)
         st.scheduled, st.running, st.table = True, True, table
         foreign_from = st.local + st.external
         if not st.loading and not st.load_done and start > foreign_from:
@@ -406,7 +424,7 @@ class SchedulerSide:
             return
         self._event(st, c.RequestEvent(request_id=rid, kind=c.EVENT_PREEMPTED))
         st.lookup, st.lookup_at, st.matched, st.decision = None, -1, None, None
-        st.allocated = st.loading = st.load_done = st.running = False
+        st.allocated = st.loading = st.load_done = st.running = st.alloc_deferred = False
         st.external = st.foreign = 0
         st.table = []
         self._stats.add("preemptions")

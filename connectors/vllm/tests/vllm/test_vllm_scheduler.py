@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import uuid
 
 import pytest
@@ -65,12 +66,12 @@ def _prompts(n: int, length: int, seed: int, shared: int = 0) -> list[list[int]]
 class Run:
     """A scenario's run: the engine, its save ledger and its report row."""
 
-    def __init__(self, mesh: dict, rows: list, name: str, **kw) -> None:
+    def __init__(self, mesh: dict, rows: list, name: str, salt: str = "", **kw) -> None:
         self.mesh, self.rows, self.name = mesh, rows, name
         self.e = _engine(mesh, **kw)
         s = _kvmesh(self.e).settings
         self.ledger = h.Ledger(s.engine_id).start(s.kafka)
-        self.salt = uuid.uuid4().hex  # each scenario its own prompts' hashes and request ids
+        self.salt = salt or uuid.uuid4().hex  # each scenario its own prompts' hashes and request ids
         self.decisions: dict[str, object] = {}  # request → the lookup decision its allocation acted on
         conn = _kvmesh(self.e)
 
@@ -111,11 +112,19 @@ class Run:
                "finished": ",".join(f"{k}:{n}" for k, n in sorted(e.stats.finished.items())),
                "hit_tokens": e.stats.hit_tokens, "external_tokens": e.stats.external_tokens,
                "blocks_checked": e.stats.blocks_checked, "blocks_mismatched": e.stats.blocks_mismatched,
-               "saves": f"{out['stored']}+{out['existing']} stored/existing, {out['dead_lettered']} dlq",
+               "saves": f"{out['stored']}+{out['existing']} stored/existing, {out['dead_lettered']} dlq{_reasons(self.ledger)}",
                "ledger": f"{out['results']}/{out['tasks']}", "stored_by_group": _by_group(self.ledger),
-               **{k: counts.get(k, 0) for k in ("loads", "load_error_blocks", "load_recomputes", "lookups_skipped", "preemptions")}, **extra}
+               **{k: counts.get(k, 0) for k in ("loads", "load_error_blocks", "load_recomputes", "lookups_skipped",
+                                                 "lookups_not_chosen", "preemptions")}, **extra}
         self.rows.append(row)
         return row
+
+
+def _reasons(ledger: h.Ledger) -> str:
+    """The dead letters' reasons, e.g. " (block_not_held)"."""
+    rs = sorted({g.get("reason", "") for res in ledger.results.values() for g in res.get("groups") or ()
+                 if int(g.get("dead_lettered", 0)) > 0})
+    return f" ({', '.join(rs)})" if rs else ""
 
 
 def _by_group(ledger: h.Ledger) -> str:
@@ -146,8 +155,7 @@ def test_alone_cold_then_hits(mesh, scenario_rows, async_scheduling):
         cold.add(f"cold-{i}", p)
     cold.finish()
     warm = Run(mesh, scenario_rows, f"alone hits ({'async' if async_scheduling else 'sync'})",
-               async_scheduling=async_scheduling)
-    warm.salt = cold.salt
+               salt=cold.salt, async_scheduling=async_scheduling)
     for i, p in enumerate(prompts):
         warm.add(f"warm-{i}", p + [5, 6, 7])
     row = warm.finish()
@@ -207,8 +215,7 @@ def test_load_errors(mesh, scenario_rows, policy):
     raises, and no request computes over a block it did not get."""
     prompts = _prompts(3, 150, seed=2)
     cold = _cold(mesh, scenario_rows, f"load errors: cold ({policy})", prompts)
-    warm = Run(mesh, scenario_rows, f"load errors ({policy})", policy=policy)
-    warm.salt = cold.salt
+    warm = Run(mesh, scenario_rows, f"load errors ({policy})", salt=cold.salt, policy=policy)
     hurt = _drop_at_alloc(warm)
     for i, p in enumerate(prompts):
         warm.add(f"warm-{i}", p + [5, 6, 7])
@@ -226,3 +233,133 @@ def test_load_errors(mesh, scenario_rows, policy):
         assert all(r == "length" for r in done.values()), done
     if not one_group:
         assert row["load_recomputes"] == len(prompts), row
+
+
+def test_multiconnector(mesh, scenario_rows):
+    """kvmesh as a MultiConnector child behind a P/D connector (the README's
+    example, NIXL replaced by a test P/D child that claims
+    ``kv_transfer_params["test_pd_tokens"]``): neither child has the
+    prompts (cold: kvmesh saves them); then kvmesh is chosen for some
+    requests (loaded from the store) and the P/D child for others — kvmesh's
+    own lookup of those found the store's copy, and it must load nothing
+    and save nothing from that rejected lookup (the seed bug), yet record
+    the P/D child's blocks and save only what the engine computes."""
+    prompts = _prompts(4, 150, seed=3)
+    cold = _cold(mesh, scenario_rows, "multi: neither chosen", prompts, which="multiconnector")
+    warm = Run(mesh, scenario_rows, "multi: kvmesh / P/D chosen", salt=cold.salt, which="multiconnector")
+    pd_ok = _loads_possible(warm.e)  # vLLM 2026-05-27 refuses any connector's tokens for Mamba layers
+    pd_names = {warm.rid(f"pd-{i}") for i in range(2)} if pd_ok else set()
+    for i, p in enumerate(prompts[:2]):
+        if pd_ok:
+            warm.add(f"pd-{i}", p + [5, 6, 7], test_pd_tokens=128)
+        else:
+            warm.add(f"pd-{i}", p + [5, 6, 7])
+    for i, p in enumerate(prompts[2:]):
+        warm.add(f"kv-{i}", p + [5, 6, 7])
+    pd = next(c for c in warm.e.connector._connectors if type(c).__name__ == "KVMeshTestPD")
+    row = warm.finish()
+    if not pd_ok:
+        assert row["loads"] == 0 and row["external_tokens"] == 0, row
+        return
+    # The P/D child loaded its two claims; kvmesh loaded the other two.
+    assert pd.loaded == 2 * 128, pd.loaded
+    assert row["loads"] == 2, row
+    # kvmesh's lookup of the P/D requests found the store's copy and was
+    # not chosen: no load of it (loads == 2 above), and their blocks — the
+    # P/D child's, checked at their first step — saved as found present.
+    assert row["lookups_not_chosen"] == 2, row
+    assert all(warm.e.done[r] == "length" for r in pd_names), warm.e.done
+
+
+def _pressure_blocks(spec: dict, tokens: int, requests: float) -> int:
+    """A KV pool that holds about ``requests`` requests of ``tokens``."""
+    per = sum(2 if g["kind"] == "mamba" else -(-tokens // g["block_size"]) for g in spec["groups"])
+    return int(per * requests) + 1
+
+
+def test_preemption_by_memory_pressure(mesh, scenario_rows):
+    """A KV pool too small for the batch: vLLM preempts running requests
+    (recomputed, or reloaded from the store, when they resume). Every
+    resume's prefix is checked, every block freed, the ledger balanced."""
+    prompts = _prompts(4, 120, seed=4)
+    blocks = _pressure_blocks(mesh["model"], 120 + 40, 2.5)
+    run = Run(mesh, scenario_rows, "preemption: memory pressure", num_blocks=blocks)
+    for i, p in enumerate(prompts):
+        run.add(f"r-{i}", p, out=40)
+    row = run.finish()
+    assert row["preemptions"] > 0, row
+    assert row["finished"] == "length:4", row
+
+
+def test_preemption_by_reset_prefix_cache(mesh, scenario_rows):
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts
+    every running request outside schedule() (newer vLLM also names them in
+    the next step's preempted_req_ids): each is recorded preempted once, its
+    new allocation kept, and it resumes on right KV."""
+    prompts = _prompts(3, 100, seed=5)
+    run = Run(mesh, scenario_rows, "preemption: reset_prefix_cache")
+    steps = {"n": 0}
+    record = run.e.before_step
+
+    def reset(e: v.VEngine) -> None:
+        record(e)
+        steps["n"] += 1
+        if steps["n"] == 4:
+            assert e.sched.reset_prefix_cache(reset_running_requests=True) is not False
+    run.e.before_step = reset
+    for i, p in enumerate(prompts):
+        run.add(f"r-{i}", p, out=12)
+    row = run.finish()
+    assert row["preemptions"] >= 1, row
+    assert row["finished"] == "length:3", row
+
+
+@pytest.mark.parametrize("when", ["lookup", "load", "saving", "decoding"])
+def test_abort(mesh, scenario_rows, when):
+    """vLLM aborts a request while its lookup is pending, while its load is
+    in flight, while its blocks are being saved (finished, free delayed)
+    and while it decodes: vLLM never asserts (no finished_* report for a
+    request it no longer holds), every block is freed, nothing leaks."""
+    prompts = _prompts(2, 150, seed=6)
+    salt = _cold(mesh, scenario_rows, "abort: cold", prompts).salt if when == "load" else ""
+    run = Run(mesh, scenario_rows, f"abort while {when}", salt=salt)
+    conn = _kvmesh(run.e)
+    sched = conn._sched()
+    victim = run.rid("r-0")
+    fired = {"done": False}
+    record = run.e.before_step
+    gate = threading.Event()  # holds the victim's lookup until it is aborted
+    if when == "lookup" and not _loads_possible(run.e):
+        run.finish()
+        pytest.skip("this vLLM takes no connector tokens for Mamba layers: kvmesh looks nothing up")
+    if when == "lookup":
+        ask = sched._ask
+
+        def held_ask(st, num_computed):
+            if st.request_id == victim:
+                assert gate.wait(30), "the abort never came"
+            return ask(st, num_computed)
+        sched._ask = held_ask
+
+    def abort_when(e: v.VEngine) -> None:
+        record(e)
+        if fired["done"]:
+            return
+        req = e.sched.requests.get(victim)
+        st = sched._reqs.get(victim)
+        hit = {
+            "lookup": st is not None and st.lookup is not None and not st.lookup.done(),
+            "load": req is not None and str(req.status).endswith("WAITING_FOR_REMOTE_KVS"),
+            "saving": st is not None and st.finished,
+            "decoding": req is not None and req.num_output_tokens >= 2,
+        }[when]
+        if hit:
+            fired["done"] = True
+            e.abort(victim)
+            gate.set()
+    run.e.before_step = abort_when
+    for i, p in enumerate(prompts):
+        run.add(f"r-{i}", p + ([5, 6, 7] if when == "load" else []), out=6)
+    row = run.finish()
+    assert fired["done"], f"the request never reached '{when}'"
+    assert run.e.done.get(victim) in ("abort", "length"), run.e.done
