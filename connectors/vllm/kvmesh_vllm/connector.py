@@ -35,6 +35,9 @@ from .worker import WorkerSide
 
 log = logging.getLogger(__name__)
 
+#: The longest shutdown waits for the last step records to be acknowledged.
+SHUTDOWN_FLUSH_S = 5.0
+
 
 #: vLLM's KV-cache specs kvmesh stores (vllm/v1/kv_cache_interface.py),
 #: by exact class: other attention types (chunked local, cross, sinks,
@@ -248,12 +251,31 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         return _prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # pragma: no cover
 
     def shutdown(self) -> None:
-        """Stops the connector's threads and clients."""
+        """Stops the connector's threads and clients. The last step records
+        get at most SHUTDOWN_FLUSH_S (or kvmesh.publish_timeout_s, if
+        shorter) to reach the brokers, so that a Kafka outage never holds
+        vLLM's shutdown for long; records left are counted as publish
+        failures (their requests fail closed in the mesh)."""
         if self._scheduler is not None:
             self._scheduler.shutdown()
-            self._producer.close(timeout=self.settings.publish_timeout_s)  # serves the last delivery reports
+            left = self._producer.flush(min(SHUTDOWN_FLUSH_S, self.settings.publish_timeout_s))
+            if left:
+                self.stats.add("publish_failures", left)
+                log.warning("%d kvmesh step records not published at shutdown (Kafka unreachable?)", left)
+            self._producer.close(timeout=0)
         if self._worker is not None:
             self._worker.shutdown()
+
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's reset_prefix_cache(reset_connector=True): forgets the
+        lookup answers held for requests not yet allocated, so each is asked
+        again (the store may have changed). The store pool itself is shared
+        by every engine and is not this engine's to clear (operators use
+        the admin API)."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset_lookups()
+        return True
 
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side method called on the worker's connector"

@@ -553,6 +553,15 @@ class SchedulerSide:
         st = self._reqs.get(request_id)
         return st.decision if st is not None else None
 
+    def reset_lookups(self) -> None:
+        """Forgets the lookup answers of requests not allocated yet: vLLM's
+        next call asks kvmesh again."""
+        for st in self._reqs.values():
+            if not st.allocated:
+                if st.lookup is not None:
+                    st.lookup.cancel()
+                st.lookup, st.lookup_at, st.matched, st.decision = None, -1, None, None
+
     def shutdown(self) -> None:
         """Stops the lookup threads; unpublished records are dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)

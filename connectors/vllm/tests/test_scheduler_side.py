@@ -107,6 +107,30 @@ def test_lookup_failure_answers_zero():
     assert side.stats.get("lookup_failures") == 1
 
 
+def test_reset_lookups_asks_again():
+    """reset_cache (vLLM's reset_prefix_cache with reset_connector): a
+    request not allocated yet is looked up again; the new answer counts."""
+    side = Side(FakeLookup(hit=32))
+    req = request(tokens=40)
+    assert side.ask(req) == (32, True)
+    side.lookup.hit = 16
+    side.s.reset_lookups()
+    assert side.ask(req) == (16, True)
+    assert len(side.lookup.calls) == 2
+
+
+def test_no_lookup_where_vllm_takes_no_tokens():
+    """loads=False (vLLM 2026-05-27 with Mamba layers): answered 0 at
+    once, never looked up, counted once per request."""
+    settings = cfg.Settings(engine_id="e1", model="hybrid", lookup_url="http://x", kafka={})
+    lookup, stats = FakeLookup(hit=32), ConnectorStats()
+    s = SchedulerSide(settings, ModelSpec.from_json(SPEC), lookup, lambda v, done: done(None), stats, loads=False)
+    req = request(tokens=40)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert lookup.calls == [] and stats.get("lookups_skipped") == 1
+
+
 def test_record_waits_for_the_steps_output():
     side = Side(FakeLookup(hit=0))
     req = request(tokens=40)

@@ -295,7 +295,8 @@ def test_preemption_by_reset_prefix_cache(mesh, scenario_rows):
     """vLLM's reset_prefix_cache(reset_running_requests=True) preempts
     every running request outside schedule() (newer vLLM also names them in
     the next step's preempted_req_ids): each is recorded preempted once, its
-    new allocation kept, and it resumes on right KV."""
+    new allocation kept, and it resumes on right KV. reset_connector=True
+    has vLLM call the connector's reset_cache() as well."""
     prompts = _prompts(3, 100, seed=5)
     run = Run(mesh, scenario_rows, "preemption: reset_prefix_cache")
     steps = {"n": 0}
@@ -305,7 +306,8 @@ def test_preemption_by_reset_prefix_cache(mesh, scenario_rows):
         record(e)
         steps["n"] += 1
         if steps["n"] == 4:
-            assert e.sched.reset_prefix_cache(reset_running_requests=True) is not False
+            # reset_connector: vLLM calls the connector's reset_cache too.
+            assert e.sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is not False
     run.e.before_step = reset
     for i, p in enumerate(prompts):
         run.add(f"r-{i}", p, out=12)
@@ -330,7 +332,8 @@ def test_abort(mesh, scenario_rows, when):
     record = run.e.before_step
     gate = threading.Event()  # holds the victim's lookup until it is aborted
     if when == "lookup" and not _loads_possible(run.e):
-        run.finish()
+        run.ledger.close()
+        run.e.close()
         pytest.skip("this vLLM takes no connector tokens for Mamba layers: kvmesh looks nothing up")
     if when == "lookup":
         ask = sched._ask
