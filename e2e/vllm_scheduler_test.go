@@ -35,8 +35,17 @@ const (
 // vllmTrees are the upstream vLLM trees of the pack the suite runs on.
 var vllmTrees = []string{"vllm-2026-05-27-52a31cc", "vllm-2026-08-22-7f4a1b7"}
 
-// vllmModels are the mesh models the suite plays, each on its own stack.
-var vllmModels = []string{"dense", model, "full-swa-mamba"}
+// vllmModels are the mesh models the suite plays, each on its own stack,
+// with the scenarios each plays (a pytest -k expression; "" for all):
+// every model plays kvmesh alone, load errors under both policies and
+// MultiConnector; preemption, aborts and outages, which exercise the same
+// connector paths on every layout, run on the dense and the MLA + linear
+// models only, to keep make test within its time.
+var vllmModels = []struct{ name, only string }{
+	{"dense", ""},
+	{model, ""},
+	{"full-swa-mamba", "alone or load_errors or multiconnector"},
+}
 
 // TestVLLMScheduler runs connectors/vllm/tests/vllm — vLLM's own v1
 // Scheduler, KVCacheManager, KVConnectorFactory, MultiConnector and
@@ -54,10 +63,14 @@ func TestVLLMScheduler(t *testing.T) {
 		envs[tree] = vllmEnv(t, pack, tree)
 	}
 	report := os.Getenv("KVMESH_CONNECTOR_REPORT")
-	for i, m := range vllmModels {
+	for i, vm := range vllmModels {
+		m := vm.name
 		args := strings.Fields(os.Getenv(vllmPytestArgsEnv))
 		if i > 0 { // the plugin test needs no mesh: once per tree is enough
 			args = append(args, "--ignore="+filepath.Join(root, vllmSuiteDir, "test_plugin.py"))
+		}
+		if vm.only != "" {
+			args = append(args, "-k", vm.only)
 		}
 		t.Run(m, func(t *testing.T) {
 			s := newStack(t, stackOptions{model: m, connectors: "pd,store", poolBlocks: 128})

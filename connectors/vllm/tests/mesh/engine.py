@@ -437,12 +437,14 @@ class Engine:
             w.start_load_kv(None)
             self._forward(k, so, meta)
             w.wait_for_save()
-            m = w.build_connector_worker_meta()
-            wmeta = m if wmeta is None else (wmeta.aggregate(m) if m is not None else wmeta)
+            # vLLM's order (KVConnectorModelRunnerMixin._get_kv_connector_output):
+            # get_finished, the load errors, then the worker metadata.
             sending, recving = w.get_finished(so.finished_req_ids)
             out.finished_sending |= self._all_ranks(self._sending, sending)
             out.finished_recving |= self._all_ranks(self._recving, recving)
             out.invalid_block_ids |= w.get_block_ids_with_load_errors()
+            m = w.build_connector_worker_meta()
+            wmeta = m if wmeta is None else (wmeta.aggregate(m) if m is not None else wmeta)
             w.clear_connector_metadata()
         if self.pd is not None:
             out.finished_recving |= self.pd.finish_loads(self)
@@ -477,8 +479,9 @@ class Engine:
             if r.req.num_computed_tokens == r.req.num_tokens:
                 self._sample(r)
         self.sched.update_connector_output(out)
+        failed = set(getattr(out.kv_connector_worker_meta, "failed_loads", ()) or ())
         for rid in sorted(out.finished_recving or ()):
-            self._loaded(self.reqs[rid], out.invalid_block_ids)
+            self._loaded(self.reqs[rid], out.invalid_block_ids, failed)
         for rid in sorted(out.finished_sending or ()):
             r = self.reqs[rid]
             if r.status == "finishing":
@@ -503,9 +506,20 @@ class Engine:
                 r.status = "done"
                 self.done_ids.append(r.req.request_id)
 
-    def _loaded(self, r: _Req, invalid: set[int]) -> None:
-        """A load finished: check its blocks, recompute the failed ones."""
+    def _loaded(self, r: _Req, invalid: set[int], failed: set[str]) -> None:
+        """A load finished: check its blocks, recompute the failed ones. A
+        hybrid model's failed load names the request (``failed``): the
+        connector's scheduler side has put it back to its local prefix,
+        which is recomputed from."""
         who, start, hit = r.load or ("", 0, 0)
+        if r.req.request_id in failed:
+            back = r.req.num_computed_tokens
+            self.stats.load_error_blocks += sum(len(self.model.load_chunks(g, start, hit))
+                                                for g in range(len(self.model.groups)))
+            self.stats.recomputed_tokens += hit - back
+            self.stats.tokens_loaded[r.chosen] -= hit - back
+            r.status, r.load = "loaded", None
+            return
         first_bad = hit
         for g, grp in enumerate(self.model.groups):
             for p in self.model.load_chunks(g, start, hit):

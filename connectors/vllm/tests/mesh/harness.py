@@ -83,7 +83,10 @@ def kv_cache_config(spec: dict, num_blocks: int) -> tuple[fv.KVCacheConfig, list
             layer_names.append(name)
             shapes[name] = shape
         cls = SPEC_CLASSES.get(grp["kind"], fv.FullAttentionSpec)
-        groups.append(fv.KVCacheGroupSpec(layer_names, cls(grp["block_size"], grp["bytes_per_block"])))
+        # vLLM's page_size_bytes is one layer's page: the group's bytes per
+        # block over its layers.
+        page = grp["bytes_per_block"] // len(layer_names)
+        groups.append(fv.KVCacheGroupSpec(layer_names, cls(grp["block_size"], page)))
         names.append(layer_names)
     return fv.KVCacheConfig(num_blocks, groups), names, shapes
 
