@@ -14,7 +14,7 @@ import torch
 from kvmesh_vllm import config as cfg
 from kvmesh_vllm import kvmem
 from kvmesh_vllm.errors import ModelMismatchError, UnsupportedLayoutError
-from kvmesh_vllm.metadata import BlockWrite, KVMeshConnectorMetadata
+from kvmesh_vllm.metadata import BlockWrite, KVMeshConnectorMetadata, PendingLoad
 from kvmesh_vllm.model import ModelSpec
 from kvmesh_vllm.stats import ConnectorStats
 from kvmesh_vllm.worker import WorkerSide, layer_regions
@@ -155,3 +155,34 @@ def test_finished_sending_only_for_delayed_frees():
         fb.values.append({"schema": "kvmesh.engine_feedback.v1", "kind": "finished_sending", "engine_id": "e1", "request_id": rid})
     assert w.get_finished({"delayed", "freed-by-vllm"}) == ({"delayed"}, None)
     assert w.get_finished(set()) == (None, None)
+
+
+def _load_error_run(spec_groups):
+    """A load of request r1 finished with a load error on block 3."""
+    spec = {**SPEC, "groups": spec_groups}
+    settings = cfg.Settings(engine_id="e1", model="m", lookup_url="http://x", kafka={})
+    w = WorkerSide(settings, ModelSpec.from_json(spec), 0, NB, {}, FakeWorker(), None, ConnectorStats())
+    fb = w._feedback = FakeFeedback()
+    w.begin_step(KVMeshConnectorMetadata(step=1, loads=[PendingLoad("r1", ((0, 2), (0, 3)))]))
+    w.wait_for_save()
+    fb.values.append({"schema": "kvmesh.engine_feedback.v1", "kind": "finished_recving", "engine_id": "e1",
+                      "request_id": "r1", "load_errors": [3]})
+    assert w.get_finished(set()) == (None, {"r1"})
+    return w
+
+
+def test_load_errors_of_a_one_group_model_are_blocks():
+    """One group: vLLM's invalid_block_ids (its kv_load_failure_policy)."""
+    w = _load_error_run(SPEC["groups"][:1])
+    assert w.get_block_ids_with_load_errors() == {3}
+    meta = w.build_connector_worker_meta()
+    assert meta is None or meta.failed_loads == set()
+
+
+def test_load_errors_of_a_hybrid_model_name_the_request():
+    """Several groups: never invalid_block_ids (vLLM's one-group path
+    raises on them); the request, in the worker metadata of the same step."""
+    w = _load_error_run(SPEC["groups"])
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.build_connector_worker_meta().failed_loads == {"r1"}
+    assert w.build_connector_worker_meta() is None  # reported once

@@ -300,20 +300,21 @@ def test_preemption_by_reset_prefix_cache(mesh, scenario_rows):
     has vLLM call the connector's reset_cache() as well."""
     prompts = _prompts(3, 100, seed=5)
     run = Run(mesh, scenario_rows, "preemption: reset_prefix_cache")
-    steps = {"n": 0}
+    fired = {"done": False}
     record = run.e.before_step
 
     def reset(e: v.VEngine) -> None:
         record(e)
-        steps["n"] += 1
-        if steps["n"] == 4:
+        # Once a request decodes (others may still prefill or wait).
+        if not fired["done"] and any(r.num_output_tokens >= 2 for r in e.sched.running):
+            fired["done"] = True
             # reset_connector: vLLM calls the connector's reset_cache too.
             assert e.sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is not False
     run.e.before_step = reset
     for i, p in enumerate(prompts):
         run.add(f"r-{i}", p, out=12)
     row = run.finish()
-    assert row["preemptions"] >= 1, row
+    assert fired["done"] and row["preemptions"] >= 1, row
     assert row["finished"] == "length:3", row
 
 
