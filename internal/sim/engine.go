@@ -252,7 +252,7 @@ func (e *engine) applyEach(ctx context.Context, out *outbox) error {
 		case saveReported:
 			e.saveReported(pinKey{m.requestID, m.span})
 			if r := e.live[m.requestID]; r != nil && m.status.Valid() {
-				e.shadowEffects(r, r.shadow.OnSaveResult(m.taskID, m.status))
+				e.shadowEffects(r, r.shadow.OnSaveReport(e.model, m.taskID, m.report))
 			}
 		}
 	}

@@ -34,7 +34,7 @@ type ledger struct {
 	dupTasks, dupResults, undecodable int
 	badTables                         []string
 	onSaved                           func(engine, request string, rep savedReport)
-	raced                             map[string]bool // engine/request preempted with saves in flight
+	raced                             map[string]bool // engine/request preempted with saves in flight, or with a save reported unsaved
 
 	// tenants maps each run request to its tenant (nil: no request has
 	// one); wrongTenant lists the save tasks and stored keys that are not
@@ -52,6 +52,9 @@ type savedReport struct {
 	taskID string
 	span   span
 	status kvcore.SaveStatus
+	// report is what the result tells the request's tracker
+	// (contract.SaveReportOf), as the scheduler's trackers read it.
+	report kvcore.SaveReport
 }
 
 type ledgerTask struct {
@@ -297,8 +300,19 @@ func (l *ledger) unannounced() int {
 }
 
 func (l *ledger) saved(id string, lt *ledgerTask, res contract.TransferResult) {
+	status := kvcore.SaveStatus(res.Status)
+	rep := contract.SaveReportOf(status, res.Groups)
+	if rep.Skipped+rep.Failed+rep.ExistsFailed > 0 || status == kvcore.SaveSkipped || status == kvcore.SaveFailed {
+		// The range is saved again, by a re-save or by the request's next
+		// save, depending on what else of the request the scheduler and
+		// the engine's shadow had seen when the result reached each: the
+		// request's saves are compared by the tokens they cover.
+		l.mu.Lock()
+		l.raced[lt.engine+"/"+lt.request] = true
+		l.mu.Unlock()
+	}
 	if l.onSaved != nil {
-		l.onSaved(lt.engine, lt.request, savedReport{taskID: id, span: lt.span, status: kvcore.SaveStatus(res.Status)})
+		l.onSaved(lt.engine, lt.request, savedReport{taskID: id, span: lt.span, status: status, report: rep})
 	}
 }
 

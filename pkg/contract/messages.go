@@ -200,6 +200,27 @@ type TransferResult struct {
 	Rank *kvcore.Rank `json:"rank,omitempty"`
 }
 
+// SaveReportOf is what a save result (status and per-group outcomes) tells
+// the request's tracker: the keys skipped under store pressure, whose put
+// failed, or dead-lettered exists_failed (the store's existence check kept
+// failing: a transient problem vLLM's next job retries), summed over the
+// groups. Any such key marks the task's range unsaved, so it is saved again
+// (kvcore.Tracker.OnSaveReport), even when a dead-lettered group set the
+// status; keys dead-lettered for a permanent cause do not. Negative counts
+// are ignored. The scheduler's trackers and the simulator's engine-side
+// shadow both read results through it, so they agree on every re-save.
+func SaveReportOf(status kvcore.SaveStatus, groups []GroupOutcome) kvcore.SaveReport {
+	rep := kvcore.SaveReport{Status: status}
+	for _, g := range groups {
+		rep.Skipped += max(g.Skipped, 0)
+		rep.Failed += max(g.Failed, 0)
+		if g.Reason == string(kvcore.ReasonExistsFailed) {
+			rep.ExistsFailed += max(g.DeadLettered, 0)
+		}
+	}
+	return rep
+}
+
 // FeedbackRequestError is the EngineFeedback kind that tells an engine a
 // request stopped with an error (EngineFeedback.Error says why): the
 // scheduler emits no more tasks for it, and its finished_sending still

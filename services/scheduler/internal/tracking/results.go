@@ -54,25 +54,7 @@ func (r *Request) saveResult(m *kvcore.Model, out *Outcome, src string, res cont
 	if ok {
 		r.cover(m, ref, status, res.Groups)
 	}
-	r.storeEffects(out, src, r.Store.OnSaveReport(m, res.TaskID, saveReport(status, res.Groups)))
-}
-
-// saveReport is what the tracker learns from a save result: its status and
-// the keys skipped under store pressure, whose put failed, or dead-lettered
-// exists_failed (a transient store problem), summed over the groups. Such a
-// key marks the task's range unsaved, so it is saved again
-// (kvcore.Tracker.OnSaveReport), even when a dead-lettered group set the
-// task's status.
-func saveReport(status kvcore.SaveStatus, groups []contract.GroupOutcome) kvcore.SaveReport {
-	rep := kvcore.SaveReport{Status: status}
-	for _, g := range groups {
-		rep.Skipped += max(g.Skipped, 0)
-		rep.Failed += max(g.Failed, 0)
-		if g.Reason == string(kvcore.ReasonExistsFailed) {
-			rep.ExistsFailed += max(g.DeadLettered, 0)
-		}
-	}
-	return rep
+	r.storeEffects(out, src, r.Store.OnSaveReport(m, res.TaskID, contract.SaveReportOf(status, res.Groups)))
 }
 
 // loadResult routes a load report, with its rank, to the tracker that

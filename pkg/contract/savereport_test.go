@@ -1,4 +1,4 @@
-package tracking
+package contract_test
 
 import (
 	"testing"
@@ -7,11 +7,11 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
-// TestSaveReport: what the tracker learns from a save result's groups —
+// TestSaveReportOf: what the tracker learns from a save result's groups —
 // keys skipped, failed, and dead-lettered exists_failed (a transient store
 // problem vLLM's next job retries) mark the range unsaved; keys
 // dead-lettered for a permanent cause do not.
-func TestSaveReport(t *testing.T) {
+func TestSaveReportOf(t *testing.T) {
 	tests := []struct {
 		name   string
 		status kvcore.SaveStatus
@@ -34,8 +34,8 @@ func TestSaveReport(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := saveReport(tt.status, tt.groups); got != tt.want {
-				t.Fatalf("saveReport = %+v, want %+v", got, tt.want)
+			if got := contract.SaveReportOf(tt.status, tt.groups); got != tt.want {
+				t.Fatalf("SaveReportOf = %+v, want %+v", got, tt.want)
 			}
 		})
 	}
