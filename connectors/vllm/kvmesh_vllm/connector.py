@@ -25,7 +25,7 @@ from typing import Any, Optional
 from . import config as cfg
 from . import contract as c
 from . import transport
-from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA, block_sizes, capabilities
+from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA, Capabilities, block_sizes, capabilities
 from .errors import KVMeshConfigError, MeshUnreachableError, UnsupportedLayoutError
 from .metadata import KVMeshConnectorMetadata
 from .model import KIND_FULL, KIND_MAMBA, KIND_MLA, KIND_SLIDING_WINDOW, Group, ModelSpec
@@ -101,7 +101,9 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
             raise KVMeshConfigError("vLLM passed no KVCacheConfig: this connector needs vLLM ≥ 0.11 (the three-argument constructor)")
         self.model = model_from_kv_cache_config(self.settings.model, kv_cache_config,
                                                 block_sizes(kv_cache_config, vllm_config)[1])
-        self.capabilities = capabilities()
+        # What this vLLM's scheduler accepts (read from its source): the
+        # scheduler side's concern only, so workers skip it.
+        self.capabilities: Optional[Capabilities] = None
         self.model.validate()
         tp, pp, rank_index = _parallel(vllm_config)
         self.stats = ConnectorStats()
@@ -119,6 +121,7 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                                                      retry_deadline=self.settings.start_deadline_s, **tls).request("GET", "/healthz"),
                         f"the lookup service at {self.settings.lookup_url}")
             self._reach(lambda: self._producer.check(timeout=self.settings.start_deadline_s), "Kafka")
+            self.capabilities = capabilities()
             loads = self.capabilities.external_mamba_hits or all(g.kind != KIND_MAMBA for g in self.model.groups)
             if not loads:
                 log.warning("this vLLM's scheduler refuses a connector's tokens for Mamba layers (its aligned "
