@@ -503,13 +503,15 @@ func TestCorruptedValuesAreRecomputed(t *testing.T) {
 // engine's — and restarts each: the run completes with every request ok, no
 // wrong byte loaded or stored, the ledger balanced and every tracker done.
 // A killed gpuworker loses its pool: the blocks it held must come back as
-// load errors (recomputed) or block_not_held dead letters, never as
-// success.
+// load errors (recomputed), block_not_held dead letters or, for a save whose
+// puts found the worker down through every retry, put_failed keys the
+// sender dead-lettered (sim.Config.WorkerRestarts) — never as success.
 func TestServiceKillsMidRun(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cfg := simConfig(t, s, true, smallWorkload(72, 2))
+	cfg.WorkerRestarts = true
 	progress, done := startRun(ctx, cfg)
 	kills := []struct {
 		name string

@@ -21,7 +21,7 @@ func testEngine(t *testing.T, model string, blocks int) (*engine, *[]*request) {
 		generated: func(*request) {}, abandoned: func(*request) {}, peerRead: func(string) {},
 		finalized: func(r *request) { finalized = append(finalized, r) },
 	}
-	deps := engineDeps{model: m, ledger: newLedger(m, "run-"), stats: newStats(), log: slog.New(slog.DiscardHandler), timeout: time.Minute}
+	deps := engineDeps{model: m, ledger: newLedger(m, "run-", false), stats: newStats(), log: slog.New(slog.DiscardHandler), timeout: time.Minute}
 	return newEngine("e", RoleBoth, EngineConfig{PoolBlocks: blocks, MaxBatchTokens: 64, MaxRunning: 4, Watermark: 1}, deps, hooks), &finalized
 }
 

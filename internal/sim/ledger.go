@@ -35,6 +35,7 @@ type ledger struct {
 	badTables                         []string
 	onSaved                           func(engine, request string, rep savedReport)
 	raced                             map[string]bool // engine/request preempted with saves in flight, or with a save reported unsaved
+	putFailuresAccounted              bool            // Config.WorkerRestarts: put_failed keys are accounted, and must be dead-lettered
 
 	// tenants maps each run request to its tenant (nil: no request has
 	// one); wrongTenant lists the save tasks and stored keys that are not
@@ -65,9 +66,9 @@ type ledgerTask struct {
 	rankKeys map[kvcore.Rank]int
 }
 
-func newLedger(m *kvcore.Model, prefix string) *ledger {
+func newLedger(m *kvcore.Model, prefix string, putFailuresAccounted bool) *ledger {
 	l := &ledger{
-		model: m, prefix: prefix, tasks: map[string]*ledgerTask{},
+		model: m, prefix: prefix, putFailuresAccounted: putFailuresAccounted, tasks: map[string]*ledgerTask{},
 		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
 		expect: map[string][]span{}, stored: map[string]string{}, removed: map[string]bool{}, raced: map[string]bool{}, hashIndex: map[string]int{},
 	}
@@ -327,7 +328,8 @@ func (l *ledger) preemptedInFlight(engine, request string) {
 }
 
 // deadLettered lists engine/request of the run's saves whose results report
-// dead-lettered keys.
+// dead-lettered keys, or keys failed for put_failed that the ledger
+// accounts (Config.WorkerRestarts): the sender dead-letters those too.
 func (l *ledger) deadLettered() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -339,7 +341,7 @@ func (l *ledger) deadLettered() []string {
 			continue
 		}
 		for _, g := range res.Groups {
-			if k := t.engine + "/" + t.request; g.DeadLettered > 0 && !seen[k] {
+			if k := t.engine + "/" + t.request; (g.DeadLettered > 0 || l.accountedFailure(g)) && !seen[k] {
 				seen[k] = true
 				out = append(out, k)
 			}
@@ -523,7 +525,7 @@ func (l *ledger) report() LedgerReport {
 			continue
 		}
 		r.Reported++
-		r.add(t, id, res)
+		r.add(t, id, res, l.accountedFailure)
 	}
 	loadTasks := map[string]bool{}
 	for _, res := range l.loads {
@@ -657,8 +659,15 @@ func (l *ledger) engineLedgers(diffs []LedgerDifference) []EngineLedger {
 	return out
 }
 
-// add accounts one task's result.
-func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult) {
+// accountedFailure says whether a group's failed keys are an outcome the
+// run expects rather than a difference: put_failed under WorkerRestarts.
+func (l *ledger) accountedFailure(g contract.GroupOutcome) bool {
+	return l.putFailuresAccounted && g.Failed > 0 && g.Reason == string(kvcore.ReasonPutFailed)
+}
+
+// add accounts one task's result; failed keys are a difference unless
+// accounted says the run expects them.
+func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult, accounted func(contract.GroupOutcome) bool) {
 	r.Statuses[res.Status]++
 	r.SaveBytes += res.Bytes
 	r.addGroups(res.Groups)
@@ -666,7 +675,7 @@ func (r *LedgerReport) add(t *ledgerTask, id string, res contract.TransferResult
 	for _, g := range res.Groups {
 		failed += g.Failed
 		got += g.Stored + g.Existing + g.Skipped + g.DeadLettered
-		if g.Failed > 0 {
+		if g.Failed > 0 && !accounted(g) {
 			r.Differences = append(r.Differences, LedgerDifference{t.engine, t.request, id,
 				fmt.Sprintf("group %d: %d keys failed (%s)", g.Group, g.Failed, g.Reason)})
 		}

@@ -25,7 +25,7 @@ type ledgerFixture struct {
 
 func newLedgerFixture(t *testing.T) *ledgerFixture {
 	f := &ledgerFixture{t: t, m: preset(t, "hybrid-mla-linear")}
-	f.l = newLedger(f.m, "run-")
+	f.l = newLedger(f.m, "run-", false)
 	f.l.onSaved = func(_, _ string, rep savedReport) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
@@ -89,6 +89,38 @@ func TestLedgerBalanced(t *testing.T) {
 	}
 	if got := f.l.deadLettered(); len(got) != 1 || got[0] != "e/run-1" {
 		t.Fatalf("deadLettered = %v", got)
+	}
+}
+
+// TestLedgerWorkerRestarts: under Config.WorkerRestarts keys failed for
+// put_failed are accounted and the request must be in the DLQ; keys failed
+// for another reason stay a difference.
+func TestLedgerWorkerRestarts(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		restarts bool
+		reason   string
+		balanced bool
+	}{
+		{"put_failed under restarts", true, "put_failed", true},
+		{"put_failed without restarts", false, "put_failed", false},
+		{"other failure under restarts", true, "exists_failed", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newLedgerFixture(t)
+			f.l.putFailuresAccounted = tc.restarts
+			f.l.expectSave("e", "run-1", span{0, 16})
+			f.task("t1", "run-1", 0, 16)
+			f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Failed: 1, Reason: tc.reason}, contract.GroupOutcome{Group: 1, Stored: 1})
+			rep := f.l.report()
+			if rep.Balanced != tc.balanced {
+				t.Fatalf("balanced %v, want %v: %+v", rep.Balanced, tc.balanced, rep.Differences)
+			}
+			listed := slices.Contains(f.l.deadLettered(), "e/run-1")
+			if listed != tc.balanced {
+				t.Fatalf("deadLettered lists the request: %v, want %v", listed, tc.balanced)
+			}
+		})
 	}
 }
 
@@ -223,7 +255,7 @@ func TestUnionAndUncovered(t *testing.T) {
 func TestLedgerPerRank(t *testing.T) {
 	f := newLedgerFixture(t)
 	f.m = tpModel(t, 8)
-	f.l = newLedger(f.m, "run-")
+	f.l = newLedger(f.m, "run-", false)
 	f.l.expectSave("e", "run-1", span{0, 64})
 	task := f.task("t1", "run-1", 0, 64)
 	states := len(task.Groups[1].Chunks)
@@ -321,7 +353,7 @@ func storedRecords(t *testing.T, engine, request string, keys []string) []Record
 // record does not.
 func TestLedgerRemovedKeys(t *testing.T) {
 	m := preset(t, "hybrid-mla-linear")
-	l := newLedger(m, "run-")
+	l := newLedger(m, "run-", false)
 	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
 	hashes := kvcore.HashChain(make([]uint32, 32), 16, []byte("salt"))
 	removed, kept := kb.Key(kvcore.Rank{}, 0, hashes[0]), kb.Key(kvcore.Rank{}, 0, hashes[1])

@@ -78,7 +78,7 @@ func workerURLs(ws []*memWorker) []string {
 func rankEngine(t *testing.T, m *kvcore.Model, ws []*memWorker, rankTimeout time.Duration) *engine {
 	t.Helper()
 	hooks := engineHooks{generated: func(*request) {}, abandoned: func(*request) {}, peerRead: func(string) {}, finalized: func(*request) {}}
-	deps := engineDeps{model: m, ledger: newLedger(m, "run-"), stats: newStats(), log: slog.New(slog.DiscardHandler),
+	deps := engineDeps{model: m, ledger: newLedger(m, "run-", false), stats: newStats(), log: slog.New(slog.DiscardHandler),
 		timeout: time.Minute, rankTimeout: rankTimeout, ranks: newRankWorkers(m, workerURLs(ws), http.DefaultClient)}
 	return newEngine(ws[0].engine, RoleBoth, EngineConfig{PoolBlocks: 32, MaxBatchTokens: 64, MaxRunning: 4, Watermark: 1}, deps, hooks)
 }

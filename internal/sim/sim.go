@@ -157,6 +157,12 @@ type Config struct {
 	// saves of them are in flight (as vLLM does), instead of pinning them
 	// until the sender reports the saves.
 	ReusePreempted bool
+	// WorkerRestarts says the run kills and restarts gpuworkers. A save
+	// whose put to a worker that was down through every retry came back
+	// with keys failed for put_failed is then accounted (the worker lost
+	// those blocks with its pool) instead of a ledger difference; the
+	// sender must have dead-lettered it, listed in its DLQ.
+	WorkerRestarts bool
 	// Brokers are the Kafka bootstrap brokers.
 	Brokers []string
 	// Kafka is the TLS and SASL security of the simulator's Kafka
@@ -339,7 +345,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-"),
+	r := &run{cfg: cfg, convs: convs, stats: newStats(), ledger: newLedger(cfg.Model, cfg.RunTag+"-", cfg.WorkerRestarts),
 		engines: map[string]*engine{}, allDone: make(chan struct{})}
 	r.ledger.tenants = r.requestTenants()
 	r.build(pub)

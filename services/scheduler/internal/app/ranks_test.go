@@ -86,21 +86,21 @@ func TestMultiRankLoad(t *testing.T) {
 	}
 }
 
-// TestSilentRankExpires: rank 1 never reports; at KVMESH_LOAD_RANK_TIMEOUT
-// the maintenance loop finishes the load fail-closed, once: every block
-// in load_errors, rank 1 in missing_ranks. Expiring again finds nothing,
-// and rank 1's late result changes nothing.
+// TestSilentRankExpires: rank 1 never reports; an expiry round past
+// KVMESH_LOAD_RANK_TIMEOUT finishes the load fail-closed, once: every
+// block in load_errors, rank 1 in missing_ranks. Expiring again finds
+// nothing, and rank 1's late result changes nothing. The round is run
+// directly (the timeout is an hour) so that rank 0's result is applied
+// before it, however slow the machine; TestExpiryLoop covers the timer.
 func TestSilentRankExpires(t *testing.T) {
-	h := newMesh(t, meshOptions{spec: specTP2, config: func(c *app.Config) { c.LoadRankTimeout = 200 * time.Millisecond }})
-	issued := time.Now() // before the load is stored with its deadline
+	h := newMesh(t, meshOptions{spec: specTP2, config: func(c *app.Config) { c.LoadRankTimeout = time.Hour }})
 	r, l := rankLoad(t, h)
 	r.rankResult(l, kvcore.Rank{TP: 0}, 0)
-	eventually(t, "the expiry's finished_recving", func() bool {
-		r.h.out.sync(t)
-		return len(r.recving()) > 0
-	})
-	if waited := time.Since(issued); waited < 200*time.Millisecond {
-		t.Fatalf("expired after %s, before the 200ms timeout", waited)
+	if n, err := h.app.ExpireLoads(h.ctx, time.Now().Add(30*time.Minute)); err != nil || n != 0 {
+		t.Fatalf("expiring before the deadline: %d overdue, %v; want none", n, err)
+	}
+	if n, err := h.app.ExpireLoads(h.ctx, time.Now().Add(2*time.Hour)); err != nil || n != 1 {
+		t.Fatalf("expiring past the deadline: %d overdue, %v; want the load", n, err)
 	}
 	r.settled()
 	f := r.recving()
@@ -116,7 +116,7 @@ func TestSilentRankExpires(t *testing.T) {
 		r.engine, r.id).Scan(&deadline); err != nil || deadline != nil {
 		t.Fatalf("load_deadline %v, %v after the expiry; want NULL", deadline, err)
 	}
-	if n, err := h.app.ExpireLoads(h.ctx, time.Now().Add(time.Hour)); err != nil || n != 0 {
+	if n, err := h.app.ExpireLoads(h.ctx, time.Now().Add(3*time.Hour)); err != nil || n != 0 {
 		t.Fatalf("expiring again: %d overdue, %v; want none", n, err)
 	}
 	if got := expiredMetric(t, h); got != "1" {
@@ -129,6 +129,32 @@ func TestSilentRankExpires(t *testing.T) {
 	}
 	if len(d.Tasks) != 0 || len(d.Errors) == 0 {
 		t.Fatalf("detail tasks %+v errors %+v; want no task and the expiry's warning", d.Tasks, d.Errors)
+	}
+}
+
+// TestExpiryLoop: with KVMESH_LOAD_RANK_TIMEOUT at 200ms and no rank
+// reporting, the maintenance loop on its own finishes the load, no
+// earlier than the timeout, with every block in error and both ranks
+// missing.
+func TestExpiryLoop(t *testing.T) {
+	h := newMesh(t, meshOptions{spec: specTP2, config: func(c *app.Config) { c.LoadRankTimeout = 200 * time.Millisecond }})
+	issued := time.Now() // before the load is stored with its deadline
+	r, l := rankLoad(t, h)
+	eventually(t, "the expiry's finished_recving", func() bool {
+		r.h.out.sync(t)
+		return len(r.recving()) > 0
+	})
+	if waited := time.Since(issued); waited < 200*time.Millisecond {
+		t.Fatalf("expired after %s, before the 200ms timeout", waited)
+	}
+	r.settled()
+	f := r.recving()
+	if len(f) != 1 || f[0].TaskID != l.TaskID || !slices.Equal(f[0].LoadErrors, []kvcore.BlockID{0, 1, 101}) ||
+		!slices.Equal(f[0].MissingRanks, []kvcore.Rank{{TP: 0}, {TP: 1}}) {
+		t.Fatalf("finished_recving %+v, want one with every block [0 1 101] and both ranks missing", f)
+	}
+	if got := expiredMetric(t, h); got != "2" {
+		t.Fatalf("kvmesh_scheduler_load_ranks_expired_total{connector=\"store\"} = %q, want 2 (one per silent rank)", got)
 	}
 }
 

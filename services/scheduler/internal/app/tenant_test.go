@@ -31,6 +31,10 @@ func TestTenantFlowsIntoTasks(t *testing.T) {
 			t.Fatalf("stored tracker %+v: want tenant acme", det.Tracker)
 		}
 		r.result(contract.TransferResult{Kind: contract.TransferLoad, TaskID: load.TaskID, Status: "done"})
+		// As an engine does: the step that computes the rest of the prompt
+		// follows the load's finished_recving (results and steps are on
+		// different topics, so producing both at once races).
+		r.waitFeedback(kvcore.FeedbackFinishedRecving)
 		r.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 64, Table: table(0, 4)})
 		saves := r.waitSaves(1)
 		for _, s := range saves {
