@@ -206,6 +206,10 @@ type meshFile struct {
 	RedisURL    string        `json:"redis_url"`
 	KeyPrefix   string        `json:"key_prefix"`
 	Engines     []engineFile  `json:"engines"`
+	// ControlURL, when set, is the test's broker control (brokerControl):
+	// POST /broker/stop and /broker/start take the Kafka broker away and
+	// bring it back.
+	ControlURL string `json:"control_url,omitempty"`
 }
 
 // kafkaFile is how the harness reaches the broker.

@@ -5,10 +5,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -73,9 +76,11 @@ func TestVLLMScheduler(t *testing.T) {
 			args = append(args, "-k", vm.only)
 		}
 		t.Run(m, func(t *testing.T) {
-			s := newStack(t, stackOptions{model: m, connectors: "pd,store", poolBlocks: 128})
+			s := newStack(t, stackOptions{model: m, connectors: "pd,store", poolBlocks: 128, durableBroker: true})
 			dir := t.TempDir()
-			meshPath := writeJSON(t, dir, "mesh.json", meshDescription(t, s))
+			desc := meshDescription(t, s)
+			desc.ControlURL = brokerControl(t, s)
+			meshPath := writeJSON(t, dir, "mesh.json", desc)
 			for _, tree := range vllmTrees {
 				t.Run(tree, func(t *testing.T) {
 					ctx, cancel := context.WithTimeout(context.Background(), vllmSuiteTimeout)
@@ -119,6 +124,41 @@ func vllmPack(t *testing.T) string {
 		t.Skip(msg)
 	}
 	return dir
+}
+
+// brokerControl serves the Kafka-outage scenario's switch for the stack's
+// (durable) broker on a local address, until the test ends: POST
+// /broker/stop takes the broker away, POST /broker/start brings it back on
+// the same address with what it persisted. It returns the base URL.
+func brokerControl(t *testing.T, s *stack) string {
+	t.Helper()
+	var mu sync.Mutex // StopBroker and StartBroker must not run concurrently
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /broker/stop", func(http.ResponseWriter, *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		s.mesh.StopBroker()
+		t.Log("broker stopped by the vLLM suite")
+	})
+	mux.HandleFunc("POST /broker/start", func(w http.ResponseWriter, _ *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		if err := s.mesh.StartBroker(); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		t.Log("broker started by the vLLM suite")
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(func() {
+		srv.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		if err := s.mesh.StartBroker(); err != nil { // a failed scenario must not leave the stack without one
+			t.Errorf("restarting the broker: %v", err)
+		}
+	})
+	return srv.URL
 }
 
 // vllmEnv runs the pack's setup.sh for tree (it installs Debian packages

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 try:  # pragma: no cover - exercised only inside vLLM
@@ -30,9 +30,15 @@ try:  # pragma: no cover - exercised only inside vLLM
         class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
             """Stand-in for vLLM versions without worker metadata."""
 
+    try:  # vLLM after 2026-08-22: per-request load failures
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults  # type: ignore
+        HAVE_TRANSFER_RESULTS = True
+    except ImportError:
+        HAVE_TRANSFER_RESULTS = False
+
     HAVE_VLLM = True
 except ImportError:
-    HAVE_VLLM = False
+    HAVE_VLLM = HAVE_TRANSFER_RESULTS = False
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
         """vLLM's KVConnectorRole: where a connector instance runs."""
@@ -85,6 +91,19 @@ except ImportError:
         def has_connector_metadata(self) -> bool:
             """Whether a step's metadata is bound."""
             return self._connector_metadata is not None
+
+
+if not HAVE_TRANSFER_RESULTS:
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Stand-in for vLLM's KVConnectorTransferResults (vLLM after
+        2026-08-22; older vLLM never calls get_transfer_results): one
+        worker's finished saves and loads, and the loads that failed
+        (each also in finished_recving, as vLLM requires)."""
+
+        finished_sending: set = field(default_factory=set)
+        finished_recving: set = field(default_factory=set)
+        failed_recving: set = field(default_factory=set)
 
 
 @dataclass(frozen=True)

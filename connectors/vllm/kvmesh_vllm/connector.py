@@ -25,7 +25,8 @@ from typing import Any, Optional
 from . import config as cfg
 from . import contract as c
 from . import transport
-from ._vllm import HAVE_VLLM, KVConnectorBase_V1, KVConnectorRole, SupportsHMA, Capabilities, block_sizes, capabilities
+from ._vllm import (HAVE_VLLM, Capabilities, KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
+                    block_sizes, capabilities)
 from .errors import KVMeshConfigError, MeshUnreachableError, UnsupportedLayoutError
 from .metadata import KVMeshConnectorMetadata
 from .model import KIND_FULL, KIND_MAMBA, KIND_MLA, KIND_SLIDING_WINDOW, Group, ModelSpec
@@ -201,10 +202,22 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         """Registers the engine's KV memory with this rank's gpuworker."""
         self._work().register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """The step's metadata, at the start of the worker's step, before
+        vLLM updates its batch (every vLLM since 2026-02): the blocks the
+        step writes — those of requests preempted in this step's schedule()
+        and handed to others included — stop holding their identity now.
+        Nothing needs flushing: the sender's reads of a preempted request's
+        blocks are checked against those records (block_not_held), never
+        stored from overwritten bytes."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVMeshConnectorMetadata):
+            self._worker.begin_step(kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """The step's metadata, before the forward pass: on a worker, the
-        blocks the pass writes stop holding their old identity now (newer
-        vLLM calls start_load_kv only after launching the pass)."""
+        blocks the pass writes stop holding their old identity now, if
+        handle_preemptions did not already (newer vLLM calls start_load_kv
+        only after launching the pass)."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KVMeshConnectorMetadata):
             self._worker.begin_step(connector_metadata)
@@ -231,8 +244,18 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         """Requests whose saves and loads kvmesh finished."""
         return self._work().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Newer vLLM (after 2026-08-22) calls this instead of get_finished:
+        the same finished requests, plus the hybrid model's failed loads as
+        ``failed_recving`` (each also in ``finished_recving``), which vLLM
+        recomputes or fails per its kv_load_failure_policy."""
+        sending, recving, failed = self._work().transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose kvmesh load failed; vLLM recomputes them."""
+        """Blocks whose kvmesh load failed (a model of one KV-cache group;
+        always empty for a hybrid one): vLLM recomputes from the first of
+        them or fails the request, per its kv_load_failure_policy."""
         return self._work().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> Optional["KVMeshConnectorStats"]:

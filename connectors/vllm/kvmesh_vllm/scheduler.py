@@ -455,6 +455,11 @@ class SchedulerSide:
             self._output_of(s)
         for rid in sorted(getattr(wm, "failed_loads", ()) or ()):
             self._load_failed(rid)
+        # Newer vLLM took these as failed_recving (get_transfer_results) and
+        # applied its kv_load_failure_policy before this call; each is in
+        # finished_recving too, so a retried request is not looked up again.
+        if failed := getattr(connector_output, "failed_recving", None):
+            self._stats.add("load_failures_reported", len(failed))
         for rid in getattr(connector_output, "finished_recving", None) or ():
             st = self._reqs.get(rid)
             if st is not None and st.loading:  # MultiConnector reports every child's loads

@@ -13,15 +13,19 @@ straight from it — so this side never copies a block. It:
   before the forward pass the records of the blocks the step writes go odd
   (no reader may take them), after it (``wait_for_save``) each records the
   chunk hash the block now holds;
-- reports what kvmesh finished (``get_finished``) and what failed to load,
-  read from the engine's feedback topic, with time limits so that no
-  request waits forever: for a model of one KV-cache group the blocks
-  (``get_block_ids_with_load_errors``: vLLM recomputes or fails the
-  request, per its ``kv_load_failure_policy``); for a hybrid model the
-  requests (``KVMeshWorkerMetadata.failed_loads``), because vLLM's
-  block-level path unpacks one group only and raises on more (both vLLM
-  trees of 2026), so the scheduler side sends such a request back to its
-  local prefix and vLLM recomputes the rest.
+- reports what kvmesh finished (``get_finished``, or ``get_transfer_results``
+  where vLLM has it) and what failed to load, read from the engine's
+  feedback topic, with time limits so that no request waits forever: for a
+  model of one KV-cache group the blocks (``get_block_ids_with_load_errors``:
+  vLLM recomputes from the first failed block or fails the request, per its
+  ``kv_load_failure_policy``); for a hybrid model the requests, because
+  vLLM's block-level path cannot name a block of one group among several
+  (it raises ValueError up to 2026-08-22, RuntimeError after). Newer vLLM
+  (``get_transfer_results``) takes them as ``failed_recving`` and applies
+  its policy; older vLLM gets them in ``KVMeshWorkerMetadata.failed_loads``
+  and the scheduler side sends the request back to its local prefix, so
+  that vLLM recomputes the rest. A failed load is reported one way only:
+  ``get_transfer_results`` takes it before the worker metadata is built.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class WorkerSide:
         self._cuda = False
         self._gen = time.time_ns()
         self._open: list[tuple[BlockWrite, int]] = []
+        self._begun: Optional[KVMeshConnectorMetadata] = None  # the step begin_step last took
         self._steps_done: set[int] = set()
         self._step = 0
         self._loads: dict[str, _Load] = {}
@@ -269,18 +274,23 @@ class WorkerSide:
     # ---- the forward pass -------------------------------------------------
 
     def begin_step(self, meta: KVMeshConnectorMetadata) -> None:
-        """Before the forward pass (vLLM binds the step's metadata first in
-        every version; newer ones start connector loads only after
-        launching the pass): the blocks it writes hold nothing from now on,
-        and the step's loads and delayed frees are noted."""
+        """Before the forward pass, at the first of vLLM's handle_preemptions
+        and bind_connector_metadata (both come before it in every version;
+        newer ones start connector loads only after launching the pass):
+        the blocks it writes hold nothing from now on, and the step's loads
+        and delayed frees are noted. Once per step: a second call with the
+        same metadata does nothing."""
+        if meta is self._begun:
+            return
+        self._begun = meta
         now = self._clock()
         for ld in meta.loads:
             self._loads[ld.request_id] = _Load(ld.blocks, now + self._s.load_timeout_s)
         for rid in meta.delayed_frees:
             self._delayed[rid] = now + self._s.finish_timeout_s
         self._step = meta.step
-        if self._segment is None or self._open:
-            return  # no memory yet, or this step already begun
+        if self._segment is None:
+            return  # no memory registered yet
         for w in meta.writes:
             for other in self._aliases.get(w.group, ()):
                 self._clear(other, w.block)  # the same bytes, under another group
@@ -332,6 +342,19 @@ class WorkerSide:
         return out
 
     # ---- what kvmesh finished ---------------------------------------------
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """Newer vLLM's one snapshot per step (get_transfer_results): the
+        requests :meth:`get_finished` reports sending and recving, and of
+        the latter those whose load failed on a hybrid model (by request:
+        vLLM fails or recomputes them per its kv_load_failure_policy). The
+        failures are taken here, so the step's worker metadata no longer
+        carries them."""
+        sending, recving = self.get_finished(finished_req_ids)
+        recving = set(recving or ())
+        failed = self._failed_loads & recving
+        self._failed_loads -= failed
+        return set(sending or ()), recving, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests whose saves (sending) and loads (recving) kvmesh finished.

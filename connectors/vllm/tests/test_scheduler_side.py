@@ -339,3 +339,33 @@ def test_resumed_prefill_chunks_are_not_decode():
     steps = [e["step"] for e in side.events() if e["kind"] == "scheduled"]
     assert [s["kind"] for s in steps] == ["resumed", "running"]
     assert steps[0]["prefill_tokens"] == 52
+
+
+def test_failed_recving_recomputes_from_scratch():
+    """Newer vLLM (failed_recving): vLLM itself applies its policy — under
+    "recompute" it frees the request's blocks and schedules it from 0. The
+    scheduler side counts the failure, leaves num_computed_tokens to vLLM,
+    answers the new ask 0 without a lookup (no retry loop on a failed
+    load), and the first step records the new table."""
+    side = Side(FakeLookup(hit=32))
+    req = request(tokens=40)
+    assert side.ask(req) == (32, True)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1, 2], [0, 5])), 32)
+    side.s.build_connector_meta(fv.SchedulerOutput())
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    req.num_computed_tokens = 0  # vLLM's _handle_failed_recving under "recompute"
+    side.s.update_connector_output(fv.KVConnectorOutput(finished_recving={"r1"}, failed_recving={"r1"}))
+    assert side.stats.get("load_failures_reported") == 1 and side.stats.get("load_recomputes") == 0
+    assert req.num_computed_tokens == 0
+    calls = len(side.lookup.calls)
+    assert side.s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len(side.lookup.calls) == calls, "a request whose load failed was looked up again"
+    table = ([7, 8, 9], [0, 10, 11])  # vLLM freed the old blocks and allocated anew
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
+    meta = side.s.build_connector_meta(new_step(req, table, 40))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert [e["kind"] for e in side.events()] == ["admitted", "allocated", "scheduled", "scheduled"]
+    step = side.events()[3]["step"]
+    assert step["kind"] == "new" and step["tokens"] == 40 and step["block_table"] == [[7, 8, 9], [0, 10, 11]]
+    assert [(w.group, w.block, bool(w.hash_hex)) for w in meta.writes] == [
+        (0, 7, True), (0, 8, True), (0, 9, False), (1, 10, True), (1, 11, False)]

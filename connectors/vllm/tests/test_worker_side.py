@@ -186,3 +186,73 @@ def test_load_errors_of_a_hybrid_model_name_the_request():
     assert w.get_block_ids_with_load_errors() == set()
     assert w.build_connector_worker_meta().failed_loads == {"r1"}
     assert w.build_connector_worker_meta() is None  # reported once
+
+
+def _load_error_feedback(w, rid="r1", errors=(3,)):
+    """Starts a load of rid and queues its finished_recving with errors."""
+    fb = w._feedback = FakeFeedback()
+    w.begin_step(KVMeshConnectorMetadata(step=1, loads=[PendingLoad(rid, ((0, 2), (0, 3)))]))
+    w.wait_for_save()
+    fb.values.append({"schema": "kvmesh.engine_feedback.v1", "kind": "finished_recving", "engine_id": "e1",
+                      "request_id": rid, "load_errors": list(errors)})
+
+
+@pytest.mark.parametrize("groups, failed, blocks", [
+    (SPEC["groups"][:1], set(), {3}),   # one group: vLLM's invalid_block_ids
+    (SPEC["groups"], {"r1"}, set()),   # hybrid: failed_recving, never block ids
+])
+def test_transfer_results_report_failed_loads_once(groups, failed, blocks):
+    """Newer vLLM's get_transfer_results: a hybrid model's failed load is
+    failed_recving (also in finished_recving), and then not again in the
+    worker metadata; a one-group model's stays block-level."""
+    settings = cfg.Settings(engine_id="e1", model="m", lookup_url="http://x", kafka={})
+    w = WorkerSide(settings, ModelSpec.from_json({**SPEC, "groups": groups}), 0, NB, {}, FakeWorker(), None, ConnectorStats())
+    _load_error_feedback(w)
+    sending, recving, got = w.transfer_results(set())
+    assert (sending, recving, got) == (set(), {"r1"}, failed)
+    assert w.get_block_ids_with_load_errors() == blocks
+    meta = w.build_connector_worker_meta()
+    assert meta is None or meta.failed_loads == set()
+    assert w.transfer_results(set()) == (set(), set(), set())
+
+
+def test_connector_get_transfer_results():
+    """The connector's get_transfer_results builds vLLM's
+    KVConnectorTransferResults (or the stand-in) from the worker side."""
+    from kvmesh_vllm._vllm import KVConnectorTransferResults
+    from kvmesh_vllm.connector import KVMeshConnector
+
+    conn = KVMeshConnector.__new__(KVMeshConnector)
+    conn._worker, conn._scheduler = side(), None
+    _load_error_feedback(conn._worker)
+    res = conn.get_transfer_results(set())
+    assert isinstance(res, KVConnectorTransferResults)
+    assert (res.finished_sending, res.finished_recving, res.failed_recving) == (set(), {"r1"}, {"r1"})
+
+
+def test_a_step_begins_once():
+    """vLLM hands the same metadata to handle_preemptions and then to
+    bind_connector_metadata: the step's blocks are opened once (the second
+    call would find them busy), and recorded after the pass."""
+    from kvmesh_vllm.connector import KVMeshConnector
+
+    conn = KVMeshConnector.__new__(KVMeshConnector)
+    conn._connector_metadata, conn._scheduler = None, None
+    conn._worker = w = side()
+    w.register_kv_caches(caches())
+    try:
+        meta = KVMeshConnectorMetadata(step=3, writes=[BlockWrite("r1", 0, 1, "ab" * 32)])
+        conn.handle_preemptions(meta)
+        assert not w.segment.record(0, 1).load()[2], "handle_preemptions must open the step's blocks"
+        conn.bind_connector_metadata(meta)
+        conn.wait_for_save()
+        _, held, ok = w.segment.record(0, 1).load()
+        assert ok and held.hash == "ab" * 32
+        assert w._stats.get("blocks_busy") == 0 and w._stats.get("blocks_recorded") == 1
+        nxt = KVMeshConnectorMetadata(step=4, writes=[BlockWrite("r2", 0, 1, "cd" * 32)])
+        conn.bind_connector_metadata(nxt)  # a new step (no handle_preemptions): begun at bind
+        assert not w.segment.record(0, 1).load()[2]
+        conn.wait_for_save()
+        assert w.segment.record(0, 1).load()[1].hash == "cd" * 32
+    finally:
+        w.shutdown()

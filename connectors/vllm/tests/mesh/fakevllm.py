@@ -105,6 +105,7 @@ class KVConnectorOutput:
     finished_recving: Optional[set[str]] = None
     invalid_block_ids: set[int] = field(default_factory=set)
     kv_connector_worker_meta: Any = None
+    failed_recving: set[str] = field(default_factory=set)  # vLLM after 2026-08-22
 
 
 @dataclass

@@ -240,6 +240,18 @@ def redis_command(url: str, *args: str) -> Any:
         return out
 
 
+def broker(mesh: dict, action: str) -> None:
+    """Takes the mesh's Kafka broker away (action "stop") or brings it
+    back ("start") through the test's broker control (mesh.json's
+    control_url, served by TestVLLMScheduler)."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{mesh['control_url']}/broker/{action}", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"broker {action}: HTTP {resp.status}")
+
+
 def store_key(mesh: dict, group: int, hash_hex: str, rank: Optional[dict] = None) -> str:
     """The store key of a chunk (docs/contract.md, "Key format"), no tenant."""
     r = rank or {"tp": 0, "pcp": 0, "dcp": 0, "pp": 0}

@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 
 import pytest
@@ -116,7 +117,8 @@ class Run:
                "saves": f"{out['stored']}+{out['existing']} stored/existing, {out['dead_lettered']} dlq{_reasons(self.ledger)}",
                "ledger": f"{out['results']}/{out['tasks']}", "stored_by_group": _by_group(self.ledger),
                **{k: counts.get(k, 0) for k in ("loads", "load_error_blocks", "load_recomputes", "lookups_skipped",
-                                                 "lookups_not_chosen", "lookup_failures", "preemptions")}, **extra}
+                                                 "lookups_not_chosen", "lookup_failures", "preemptions",
+                                                 "publish_failures")}, **extra}
         self.rows.append(row)
         return row
 
@@ -419,3 +421,46 @@ def test_store_outage(mesh, scenario_rows):
     row = warm.finish()
     assert paused == ["OK"] or not _loads_possible(warm.e), paused
     assert row["finished"] == "length:3", row
+
+
+#: How long the Kafka-outage scenario keeps the broker away.
+KAFKA_OUTAGE_S = 2.0
+
+
+def test_kafka_outage(mesh, scenario_rows):
+    """The Kafka broker goes away for KAFKA_OUTAGE_S from the warm run's
+    first allocation, while loads of earlier prompts and saves of new ones
+    are due: the step records wait in the connector's producer, loads and
+    finishes wait for the mesh, and once the broker is back every request
+    ends, nothing is lost (the ledger balances) and vLLM never raises or
+    computes over a block it did not get."""
+    if not mesh.get("control_url"):
+        pytest.skip("the mesh offers no broker control (TestVLLMScheduler serves one)")
+    prompts = _prompts(4, 150, seed=9)
+    cold = _cold(mesh, scenario_rows, "outage: kafka (cold)", prompts[:2])
+    warm = Run(mesh, scenario_rows, "outage: kafka", salt=cold.salt)
+    conn, record = _kvmesh(warm.e), warm.e.before_step
+    alloc = conn.update_state_after_alloc
+    outage: dict[str, float] = {}
+
+    def stop_at_alloc(request, blocks, num_external_tokens):
+        if "stopped" not in outage:
+            h.broker(mesh, "stop")
+            outage["stopped"] = time.monotonic()
+        return alloc(request, blocks, num_external_tokens)
+
+    def restart_later(e: v.VEngine) -> None:
+        record(e)
+        since = outage.get("stopped")
+        if since is not None and "started" not in outage and time.monotonic() - since >= KAFKA_OUTAGE_S:
+            h.broker(mesh, "start")
+            outage["started"] = time.monotonic()
+    conn.update_state_after_alloc = stop_at_alloc
+    warm.e.before_step = restart_later
+    for i, p in enumerate(prompts):  # two warm (loads), two new (saves only)
+        warm.add(f"warm-{i}", p + [5, 6, 7], out=4)
+    row = warm.finish()
+    assert "started" in outage, "the broker was never brought back: no allocation stopped it"
+    row["outage_s"] = round(outage["started"] - outage["stopped"], 1)  # the report's row
+    assert row["finished"] == "length:4", row
+    assert row["publish_failures"] == 0, row

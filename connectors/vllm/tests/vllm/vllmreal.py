@@ -352,6 +352,8 @@ class VEngine:
         for k, conn in enumerate(self.workers):
             kv_transfer_state._KV_CONNECTOR_AGENT = conn
             try:
+                # GPUModelRunner.execute_model, before it updates its batch.
+                conn.handle_preemptions(so.kv_connector_metadata)
                 with set_forward_context(None, self.cfg):
                     if so.total_num_scheduled_tokens == 0:
                         out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.cfg)
