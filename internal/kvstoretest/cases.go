@@ -97,15 +97,22 @@ func testGetMissing(t *testing.T, h *harness) {
 
 func testDuplicateKeys(t *testing.T, h *harness) {
 	k := h.key(0)
-	h.put(kvstore.Item{Key: k, Value: []byte("first")}, kvstore.Item{Key: k, Value: []byte("second")})
+	h.written[k] = true
+	errs, err := h.s.Put(context.Background(), []kvstore.Item{{Key: k, Value: []byte("first")}, {Key: k, Value: []byte("second")}})
+	if err != nil {
+		t.Fatalf("Put(k, k): %v", err)
+	}
+	if errs[0] != nil || !errors.Is(errs[1], kvstore.ErrExists) {
+		t.Fatalf("Put(k, k) errors = %v, want [nil ErrExists]", errs)
+	}
 	values, errs := h.get(k, h.key(1), k)
-	h.wantValue("first occurrence", values[0], errs[0], []byte("second"))
+	h.wantValue("first occurrence", values[0], errs[0], []byte("first"))
 	h.wantMissing("absent key", values[1], errs[1])
-	h.wantValue("second occurrence", values[2], errs[2], []byte("second"))
+	h.wantValue("second occurrence", values[2], errs[2], []byte("first"))
 	if found := h.exists(k, k); !found[0] || !found[1] {
 		t.Errorf("Exists(k, k) = %v, want [true true]", found)
 	}
-	errs, err := h.s.Remove(context.Background(), []string{k, k})
+	errs, err = h.s.Remove(context.Background(), []string{k, k})
 	if err != nil {
 		t.Fatalf("Remove(k, k): %v", err)
 	}
@@ -114,12 +121,20 @@ func testDuplicateKeys(t *testing.T, h *harness) {
 	}
 }
 
-func testOverwrite(t *testing.T, h *harness) {
+// testWriteOnce: a Put of a present key writes nothing and reports
+// ErrExists; the key keeps its first value.
+func testWriteOnce(t *testing.T, h *harness) {
 	k := h.key(0)
-	h.put(kvstore.Item{Key: k, Value: valueFor(1, 4096)})
-	h.put(kvstore.Item{Key: k, Value: []byte("short")})
-	values, errs := h.get(k)
-	h.wantValue("after overwrite", values[0], errs[0], []byte("short"))
+	first := valueFor(1, 4096)
+	h.put(kvstore.Item{Key: k, Value: first})
+	errs, err := h.s.Put(context.Background(), []kvstore.Item{{Key: k, Value: []byte("short")}, {Key: h.key(1), Value: []byte("new")}})
+	h.written[h.key(1)] = true
+	if err != nil || errs[0] == nil || !errors.Is(errs[0], kvstore.ErrExists) || errs[1] != nil {
+		t.Fatalf("Put of a present key and a new one = %v, %v; want [ErrExists nil]", errs, err)
+	}
+	values, gerrs := h.get(k, h.key(1))
+	h.wantValue("after the second put", values[0], gerrs[0], first)
+	h.wantValue("the new key", values[1], gerrs[1], []byte("new"))
 }
 
 func testRemove(t *testing.T, h *harness) {
@@ -225,62 +240,76 @@ func callAll(t *testing.T, ctx context.Context, h *harness) map[string]error {
 	}
 }
 
+// testConcurrent: workers put keys of their own and race on one shared
+// key, reading their own back: exactly one Put of the shared key stores
+// it (the others get ErrExists) and it keeps that worker's whole value.
 func testConcurrent(t *testing.T, h *harness) {
 	const workers, rounds, perBatch = 8, 20, 5
 	shared := h.key(1 << 40)
 	h.written[shared] = true
-	allowed := map[string]bool{}
-	for w := range workers {
-		allowed[string(valueFor(w, 256))] = true
-		for i := range perBatch {
-			h.written[h.key(w*perBatch+i)] = true
-		}
+	for i := range workers * rounds * perBatch {
+		h.written[h.key(i)] = true
 	}
-	var wg sync.WaitGroup
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		winners []int
+	)
 	for w := range workers {
 		wg.Go(func() {
 			for r := range rounds {
-				if err := concurrentRound(h, w, r, perBatch, shared); err != nil {
+				won, err := concurrentRound(h, w, r, rounds, perBatch, shared)
+				if err != nil {
 					t.Errorf("worker %d round %d: %v", w, r, err)
 					return
+				}
+				if won {
+					mu.Lock()
+					winners = append(winners, w)
+					mu.Unlock()
 				}
 			}
 		})
 	}
 	wg.Wait()
-	values, errs := h.get(shared)
-	if errs[0] != nil || !allowed[string(values[0])] {
-		t.Errorf("shared key holds %s (%v), want one worker's whole value", describe(values[0]), errs[0])
+	if len(winners) != 1 {
+		t.Fatalf("the shared key was stored by %d puts (workers %v), want exactly 1", len(winners), winners)
 	}
+	values, errs := h.get(shared)
+	h.wantValue("shared key", values[0], errs[0], valueFor(winners[0], 256))
 }
 
-// concurrentRound writes worker w's own keys and the shared key, then reads
-// its own keys back.
-func concurrentRound(h *harness, w, r, perBatch int, shared string) error {
+// concurrentRound writes worker w's keys of round r and the shared key,
+// then reads its own keys back; won says whether its put stored the
+// shared key.
+func concurrentRound(h *harness, w, r, rounds, perBatch int, shared string) (won bool, _ error) {
 	ctx := context.Background()
 	items := []kvstore.Item{{Key: shared, Value: valueFor(w, 256)}}
 	keys := make([]string, perBatch)
 	for i := range keys {
-		keys[i] = h.key(w*perBatch + i)
+		keys[i] = h.key((w*rounds+r)*perBatch + i)
 		items = append(items, kvstore.Item{Key: keys[i], Value: valueFor(w*1000+r, 64+i)})
 	}
 	errs, err := h.s.Put(ctx, items)
 	if err != nil {
-		return fmt.Errorf("put: %w", err)
+		return false, fmt.Errorf("put: %w", err)
 	}
-	if i := slices.IndexFunc(errs, func(e error) bool { return e != nil }); i >= 0 {
-		return fmt.Errorf("put item %d: %w", i, errs[i])
+	if errs[0] != nil && !errors.Is(errs[0], kvstore.ErrExists) {
+		return false, fmt.Errorf("put of the shared key: %w", errs[0])
+	}
+	if i := slices.IndexFunc(errs[1:], func(e error) bool { return e != nil }); i >= 0 {
+		return false, fmt.Errorf("put item %d: %w", i+1, errs[i+1])
 	}
 	values, gerrs, err := h.s.Get(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("get: %w", err)
+		return false, fmt.Errorf("get: %w", err)
 	}
 	for i := range keys {
 		if gerrs[i] != nil || !bytes.Equal(values[i], items[i+1].Value) {
-			return fmt.Errorf("key %d: got %s (%v), want %s", i, describe(values[i]), gerrs[i], describe(items[i+1].Value))
+			return false, fmt.Errorf("key %d: got %s (%v), want %s", i, describe(values[i]), gerrs[i], describe(items[i+1].Value))
 		}
 	}
-	return nil
+	return errs[0] == nil, nil
 }
 
 func testPingAndClose(t *testing.T, h *harness) {

@@ -34,7 +34,7 @@ func RunContractTests(t *testing.T, newStore func(t *testing.T) kvstore.Store) {
 		{"PutGetRoundTrip", testRoundTrip},
 		{"GetMissingOnlyAtIndex", testGetMissing},
 		{"DuplicateKeysInBatch", testDuplicateKeys},
-		{"Overwrite", testOverwrite},
+		{"WriteOnce", testWriteOnce},
 		{"Remove", testRemove},
 		{"LargeBatchInOrder", testLargeBatch},
 		{"HashTagLikeKeys", testHashTagKeys},

@@ -131,8 +131,11 @@ type PutStatus string
 
 // Put outcomes.
 const (
-	// PutStored: the value is in the store.
+	// PutStored: the value is in the store, written by this put.
 	PutStored PutStatus = "stored"
+	// PutExisting: the key was already in the store (another writer won
+	// the race for it, kvstore.ErrExists); nothing was written.
+	PutExisting PutStatus = "existing"
 	// PutNoSpace: the store answered "no space" (kvstore.ErrNoSpace).
 	PutNoSpace PutStatus = "no_space"
 	// PutFailed: any other per-item failure (detail in Error).

@@ -311,7 +311,7 @@ func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error)
 		return
 	}
 	for _, err := range keyErrs {
-		if err != nil {
+		if keyFailed(err) {
 			s.m.failed.WithLabelValues(c.op, FailureStatus(err)).Inc()
 		}
 	}
@@ -320,11 +320,15 @@ func (s *Instrumented) end(c call, bytes int64, batchErr error, keyErrs []error)
 	}
 }
 
+// keyFailed says whether a per-key error is a failure: a Put of a key
+// already present (ErrExists) wrote nothing because nothing was needed.
+func keyFailed(err error) bool { return err != nil && !errors.Is(err, ErrExists) }
+
 // countErrs counts the failed keys of a call's per-key errors.
 func countErrs(errs []error) int {
 	n := 0
 	for _, err := range errs {
-		if err != nil {
+		if keyFailed(err) {
 			n++
 		}
 	}

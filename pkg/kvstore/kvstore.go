@@ -21,8 +21,12 @@ import (
 // (a failed Put or Remove may have been partly applied; both are idempotent
 // enough to retry). An empty batch succeeds with empty results and no I/O.
 //
-// Duplicate keys within a batch are handled in input order: a later Put of the
-// same key wins, and a second Remove of the same key reports ErrNotFound.
+// Values are written once: keys are content-addressed (a key names its
+// chunk), so Put never replaces a present key; it reports ErrExists for it
+// instead, and of two writers racing on one key exactly one stores it.
+// Duplicate keys within a batch are handled in input order: the first Put of
+// a key stores it and a later one reports ErrExists, and a second Remove of
+// the same key reports ErrNotFound.
 // Implementations are safe for concurrent use and never alias callers'
 // buffers: Put copies or sends the values before returning, and Get returns
 // slices the caller owns.
@@ -30,8 +34,10 @@ type Store interface {
 	// Exists reports, for each key, whether it is present, in one round-trip
 	// for ordinary batch sizes.
 	Exists(ctx context.Context, keys []string) ([]bool, error)
-	// Put stores each item. The per-key error is nil when the item was
-	// stored, or wraps ErrNoSpace, ErrTooLarge or another cause.
+	// Put stores each item whose key is not present. The per-key error is
+	// nil when the item was stored; it wraps ErrExists when the key was
+	// already present (nothing written), or ErrNoSpace, ErrTooLarge or
+	// another cause.
 	Put(ctx context.Context, items []Item) ([]error, error)
 	// Get returns each key's value, or a per-key error wrapping ErrNotFound
 	// (the value is then nil). A present empty value is a non-nil empty slice.
@@ -58,6 +64,9 @@ type Item struct {
 var (
 	// ErrNotFound reports that a key is not present.
 	ErrNotFound = errors.New("kvstore: key not found")
+	// ErrExists reports a Put of a key that was already present: nothing
+	// was written (values are written once).
+	ErrExists = errors.New("kvstore: key already present")
 	// ErrNoSpace reports that the store is full and does not evict
 	// (Redis "OOM command not allowed", or a Memory store without eviction).
 	ErrNoSpace = errors.New("kvstore: store has no space")

@@ -185,13 +185,12 @@ func (m *Memory) putLocked(it Item) error {
 	if limit := m.opts.MaxValueBytes; limit > 0 && len(it.Value) > limit {
 		return fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, len(it.Value), limit)
 	}
-	e := &memEntry{key: it.Key, value: it.Value}
-	old, exists := m.entries[it.Key]
-	if err := m.checkSpace(e.cost(), old, exists); err != nil {
-		return err
+	if _, exists := m.entries[it.Key]; exists {
+		return fmt.Errorf("%w: %s", ErrExists, it.Key)
 	}
-	if exists {
-		m.removeLocked(old)
+	e := &memEntry{key: it.Key, value: it.Value}
+	if err := m.checkSpace(e.cost()); err != nil {
+		return err
 	}
 	for m.opts.CapacityBytes > 0 && m.used+e.cost() > m.opts.CapacityBytes {
 		m.removeLocked(m.recency.Back())
@@ -201,9 +200,9 @@ func (m *Memory) putLocked(it Item) error {
 	return nil
 }
 
-// checkSpace reports ErrNoSpace when an entry of the given cost, replacing
-// old if exists, cannot be stored.
-func (m *Memory) checkSpace(cost int64, old *list.Element, exists bool) error {
+// checkSpace reports ErrNoSpace when a new entry of the given cost cannot
+// be stored.
+func (m *Memory) checkSpace(cost int64) error {
 	capacity := m.opts.CapacityBytes
 	if capacity <= 0 {
 		return nil
@@ -211,11 +210,7 @@ func (m *Memory) checkSpace(cost int64, old *list.Element, exists bool) error {
 	if cost > capacity {
 		return fmt.Errorf("%w: entry of %d bytes exceeds capacity %d", ErrNoSpace, cost, capacity)
 	}
-	after := m.used + cost
-	if exists {
-		after -= old.Value.(*memEntry).cost()
-	}
-	if m.opts.NoEviction && after > capacity {
+	if m.opts.NoEviction && m.used+cost > capacity {
 		return fmt.Errorf("%w: %d of %d bytes used", ErrNoSpace, m.used, capacity)
 	}
 	return nil

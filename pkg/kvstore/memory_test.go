@@ -57,9 +57,13 @@ func TestMemoryLRUEvictsLeastRecentlyUsed(t *testing.T) {
 			_, err := m.Exists(context.Background(), []string{"a"})
 			return err
 		}, []bool{false, true, true, true}},
-		{"overwrite refreshes recency", func(m *kvstore.Memory) error {
-			return putAll(m, item("a"))
-		}, []bool{true, false, true, true}},
+		{"a put of a present key writes and refreshes nothing", func(m *kvstore.Memory) error {
+			errs, err := m.Put(context.Background(), []kvstore.Item{item("a")})
+			if err == nil && !errors.Is(errs[0], kvstore.ErrExists) {
+				return fmt.Errorf("put of present a: %v, want ErrExists", errs[0])
+			}
+			return err
+		}, []bool{false, true, true, true}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -97,8 +101,8 @@ func TestMemoryNoEvictionAnswersNoSpace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if errs[0] != nil || !errors.Is(errs[1], kvstore.ErrNoSpace) || errs[2] != nil {
-		t.Fatalf("Put(c, d, b) on a store with room for one more = %v; want [nil ErrNoSpace nil]", errs)
+	if errs[0] != nil || !errors.Is(errs[1], kvstore.ErrNoSpace) || !errors.Is(errs[2], kvstore.ErrExists) {
+		t.Fatalf("Put(c, d, b) on a store with room for one more = %v; want [nil ErrNoSpace ErrExists]", errs)
 	}
 	if kvstore.IsTransient(errs[1]) {
 		t.Errorf("IsTransient(%v) = true, want false", errs[1])
@@ -162,11 +166,14 @@ func TestMemoryUsageAccounting(t *testing.T) {
 		wantBytes int64
 	}{
 		{"put two", func() error { return putAll(m, item("a"), item("b")) }, 2, 2 * entryCost},
-		{"overwrite smaller", func() error {
-			return putAll(m, kvstore.Item{Key: "a", Value: []byte("x")})
-		}, 2, entryCost + 2},
-		{"remove one", func() error { _, err := m.Remove(ctx, []string{"b"}); return err }, 1, 2},
-		{"remove absent", func() error { _, err := m.Remove(ctx, []string{"b"}); return err }, 1, 2},
+		{"put of a present key", func() error {
+			if err := putAll(m, kvstore.Item{Key: "a", Value: []byte("x")}); !errors.Is(err, kvstore.ErrExists) {
+				return fmt.Errorf("put of present a: %v, want ErrExists", err)
+			}
+			return nil
+		}, 2, 2 * entryCost},
+		{"remove one", func() error { _, err := m.Remove(ctx, []string{"b"}); return err }, 1, entryCost},
+		{"remove absent", func() error { _, err := m.Remove(ctx, []string{"b"}); return err }, 1, entryCost},
 	}
 	for _, s := range steps {
 		if err := s.do(); err != nil {

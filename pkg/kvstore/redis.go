@@ -254,7 +254,7 @@ func (r *Redis) perKeyInts(ctx context.Context, op string, keys []string,
 	return nil
 }
 
-// Put implements Store with pipelines of SET, chunked by keys and bytes.
+// Put implements Store with pipelines of SET … NX, chunked by keys and bytes.
 // Values over MaxValueBytes get ErrTooLarge and are not sent.
 func (r *Redis) Put(ctx context.Context, items []Item) ([]error, error) {
 	if err := r.usable(ctx, "put"); err != nil {
@@ -290,17 +290,23 @@ func (r *Redis) putChunk(ctx context.Context, items []Item, chunk []int, errs []
 	if len(chunk) == 0 {
 		return nil
 	}
-	cmds := make([]*redis.StatusCmd, len(chunk))
+	cmds := make([]*redis.BoolCmd, len(chunk))
 	err := r.pipelined(ctx, "put", func(p redis.Pipeliner) {
 		for j, i := range chunk {
-			cmds[j] = p.Set(ctx, items[i].Key, items[i].Value, r.opts.TTL)
+			cmds[j] = p.SetNX(ctx, items[i].Key, items[i].Value, r.opts.TTL)
 		}
 	})
 	if err != nil {
 		return err
 	}
 	for j, i := range chunk {
-		errs[i] = replyErr(cmds[j].Err())
+		set, err := cmds[j].Result()
+		switch {
+		case err != nil:
+			errs[i] = replyErr(err)
+		case !set:
+			errs[i] = fmt.Errorf("%w: %s", ErrExists, items[i].Key)
+		}
 	}
 	return nil
 }

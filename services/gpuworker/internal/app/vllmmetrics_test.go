@@ -81,7 +81,11 @@ func TestVLLMStoreFamiliesOfPutsAndLoads(t *testing.T) {
 		t.Errorf("load_get partial_failure = %+v, want 1 call of 3 keys, %d bytes, 2 failed", c, len(value))
 	}
 
-	put := []dataplane.PutItem{{BlockRef: dataplane.BlockRef{Group: 0, Block: 5}, Key: w.keys.KeyHex(kvcore.Rank{}, 0, hashes[0]), Hash: hashes[0]}}
+	key := w.keys.KeyHex(kvcore.Rank{}, 0, hashes[0])
+	if err := redisClient(t, w.cfg.RedisURL).Del(ctx, key).Err(); err != nil { // values are written once: make room for the put
+		t.Fatal(err)
+	}
+	put := []dataplane.PutItem{{BlockRef: dataplane.BlockRef{Group: 0, Block: 5}, Key: key, Hash: hashes[0]}}
 	_, n, err := w.client.Put(ctx, put)
 	if err != nil || n != int64(len(value)) {
 		t.Fatalf("put = %d bytes, %v; want %d", n, err, len(value))

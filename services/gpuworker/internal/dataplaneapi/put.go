@@ -264,6 +264,8 @@ func putResult(err error) dataplane.PutResult {
 	switch {
 	case err == nil:
 		return dataplane.PutResult{Status: dataplane.PutStored}
+	case errors.Is(err, kvstore.ErrExists):
+		return dataplane.PutResult{Status: dataplane.PutExisting}
 	case errors.Is(err, kvstore.ErrNoSpace):
 		return dataplane.PutResult{Status: dataplane.PutNoSpace, Error: err.Error()}
 	}

@@ -74,6 +74,7 @@ func (s *fakeStore) Put(ctx context.Context, items []kvstore.Item) ([]error, err
 	}
 	errs := make([]error, len(items))
 	var keep []kvstore.Item
+	var at []int
 	for i, it := range items {
 		switch {
 		case s.down[it.Key]:
@@ -81,11 +82,15 @@ func (s *fakeStore) Put(ctx context.Context, items []kvstore.Item) ([]error, err
 		case s.noSpace[it.Key]:
 			errs[i] = fmt.Errorf("fake: %w", kvstore.ErrNoSpace)
 		default:
-			keep = append(keep, it)
+			keep, at = append(keep, it), append(at, i)
 		}
 	}
-	if _, err := s.Memory.Put(ctx, keep); err != nil {
+	kept, err := s.Memory.Put(ctx, keep)
+	if err != nil {
 		return nil, err
+	}
+	for j, i := range at {
+		errs[i] = kept[j]
 	}
 	return errs, nil
 }
@@ -155,8 +160,8 @@ func item(b int, h string) dataplane.PutItem {
 
 // TestPutResultsAcrossSubBatches puts 12 blocks in sub-batches of 3, two
 // at a time: stored, never written (not held), written with another hash
-// (not held), no hash, out of range and no space, spread over every
-// sub-batch. Each item's result is what it would be in one batch, the
+// (not held), no hash, out of range, no space and already present
+// (another writer stored the key first), spread over every sub-batch. Each item's result is what it would be in one batch, the
 // stored values are the framed blocks, and nothing not held was sent.
 func TestPutResultsAcrossSubBatches(t *testing.T) {
 	f := newPutFixture(t, 2, 3)
@@ -179,6 +184,10 @@ func TestPutResultsAcrossSubBatches(t *testing.T) {
 	}
 	f.store.noSpace["key-5"] = true
 	want[5] = dataplane.PutNoSpace
+	if errs, err := f.store.Memory.Put(context.Background(), []kvstore.Item{{Key: "key-4", Value: []byte("first")}}); err != nil || errs[0] != nil {
+		t.Fatal(err, errs)
+	}
+	want[4] = dataplane.PutExisting // written once: the first value stays, no bytes counted
 	items[9].Hash = ""
 	want[9] = dataplane.PutNotHeld
 	items = append(items, dataplane.PutItem{BlockRef: dataplane.BlockRef{Group: 0, Block: 99}, Key: "key-99", Hash: hashOf("x")})

@@ -146,8 +146,11 @@ func TestLoadErrorsPerBlockAcrossSubBatches(t *testing.T) {
 	}
 	corrupt := dataplane.EncodeValue(f.fp, f.payloads[4])
 	corrupt[len(corrupt)-1] ^= 0x01
-	if _, err := f.store.Put(ctx, []kvstore.Item{{Key: f.keys[4], Value: corrupt}}); err != nil {
+	if _, err := f.store.Remove(ctx, []string{f.keys[4]}); err != nil { // values are written once
 		t.Fatal(err)
+	}
+	if errs, err := f.store.Put(ctx, []kvstore.Item{{Key: f.keys[4], Value: corrupt}}); err != nil || errs[0] != nil {
+		t.Fatal(err, errs)
 	}
 	f.store.down[f.keys[7]] = true // blocks 6, 7 and 8 share a sub-batch
 

@@ -106,6 +106,8 @@ func (w *poolWorker) Put(ctx context.Context, items []dataplane.PutItem) ([]data
 		case errs[j] == nil:
 			results[i] = dataplane.PutResult{Status: dataplane.PutStored}
 			n += int64(len(batch[j].Value))
+		case errors.Is(errs[j], kvstore.ErrExists):
+			results[i] = dataplane.PutResult{Status: dataplane.PutExisting}
 		case errors.Is(errs[j], kvstore.ErrNoSpace):
 			results[i] = dataplane.PutResult{Status: dataplane.PutNoSpace, Error: errs[j].Error()}
 		default:

@@ -299,6 +299,8 @@ func (s *save) answered(batches [][]item, answers []rankAnswer, interrupted bool
 				t.stored = true
 				s.record(it.Group, keysStored, 1, kvcore.ReasonOK)
 				s.stored[it.Group] = append(s.stored[it.Group], it.Key)
+			case dataplane.PutExisting: // another save stored the key first
+				s.record(it.Group, keysExisting, 1, kvcore.ReasonOK)
 			case dataplane.PutNoSpace:
 				t.noSpace = true
 				s.skip(batch[j : j+1])

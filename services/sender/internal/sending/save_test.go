@@ -141,6 +141,25 @@ func TestSaveAnswered(t *testing.T) {
 	}
 }
 
+// TestSaveAnsweredExisting: a key another save stored between this save's
+// exists check and its put (PutExisting) counts existing, not stored, and
+// is not announced as stored.
+func TestSaveAnsweredExisting(t *testing.T) {
+	s := newSave(&kvcore.SaveTask{TaskID: "t", EngineID: "e", RequestID: "r"})
+	batch := []item{{TransferItem: kvcore.TransferItem{Group: 0, Key: "a"}}, {TransferItem: kvcore.TransferItem{Group: 0, Key: "b"}}}
+	tally := s.answered([][]item{batch}, []rankAnswer{{results: []dataplane.PutResult{{Status: dataplane.PutStored}, {Status: dataplane.PutExisting}}, bytes: 32}}, false, 1)
+	if tally != (putTally{stored: true}) {
+		t.Fatalf("tally %+v", tally)
+	}
+	want := []contract.GroupOutcome{{Group: 0, Stored: 1, Existing: 1}}
+	if got := s.result().Groups; !reflect.DeepEqual(got, want) {
+		t.Fatalf("groups %+v, want %+v", got, want)
+	}
+	if !reflect.DeepEqual(s.stored, map[int][]string{0: {"a"}}) {
+		t.Fatalf("stored (announced) %v, want only a", s.stored)
+	}
+}
+
 // TestSaveScenarioPressureScoped (S66): store pressure is scoped to the
 // request whose put got "no space" (worker.py
 // _mark_request_skipped_for_pressure, _should_skip_request,
