@@ -184,7 +184,7 @@ func rawSetBytes(b *testing.B, rdb *redis.Client, m *kvcore.Model, n int64) time
 			_, err := rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
 				for i, v := range batch {
 					keys[i] = prefix + strconv.Itoa(first+i)
-					p.Set(ctx, keys[i], v, 0)
+					p.SetNX(ctx, keys[i], v, 0) // as the store writes: values once
 				}
 				return nil
 			})

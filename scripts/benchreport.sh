@@ -44,7 +44,7 @@ figure() {
   done
   # The same on a Redis Cluster (3 masters + 3 replicas on loopback):
   # the store's Put and Get of 64 framed 1 MiB values spread over every
-  # master, against a raw go-redis ClusterClient pipeline of SET / GET of
+  # master, against a raw go-redis ClusterClient pipeline of SET NX / GET of
   # the same values at the same parallelism (MiB/s).
   figure cluster_save_1m MiB/s BenchmarkClusterPut MiB/s BenchmarkClusterPut raw_MiB/s
   figure cluster_load_1m MiB/s BenchmarkClusterGet MiB/s BenchmarkClusterGet raw_MiB/s
