@@ -123,21 +123,25 @@ func failures(err error, n int) (map[int]error, bool) {
 	return out, true
 }
 
-// consumeBatches gathers, settles and commits batches until ctx ends.
+// consumeBatches gathers, settles and commits batches until ctx ends; a
+// failed fetch is waited out (fetchFailed) after the records gathered
+// before it are settled.
 func (c *Consumer) consumeBatches(ctx context.Context, r *kafka.Reader) error {
+	var failures int
 	for {
 		msgs, err := c.gather(ctx, r)
 		if ctx.Err() != nil {
 			return nil // a batch gathered while stopping is not handled
 		}
 		if len(msgs) > 0 {
+			c.fetched(&failures)
 			if !c.settleBatch(ctx, msgs) {
 				return nil
 			}
 			c.commit(ctx, r, msgs...)
 		}
-		if err != nil {
-			return fmt.Errorf("bus: fetch from group %s: %w", c.cfg.GroupID, err)
+		if err != nil && !c.fetchFailed(ctx, err, &failures) {
+			return nil
 		}
 	}
 }

@@ -2,7 +2,6 @@ package bus
 
 import (
 	"context"
-	"fmt"
 	"hash/fnv"
 	"strconv"
 	"sync"
@@ -49,6 +48,7 @@ func (c *Consumer) consumeConcurrently(ctx context.Context, r *kafka.Reader) err
 // dispatch fetches records while the window has room and queues each on
 // its lane, until ctx ends (nil) or the reader fails.
 func (c *Consumer) dispatch(ctx context.Context, r *kafka.Reader, t *tracker, lanes []chan *pending) error {
+	var failures int
 	for {
 		select {
 		case t.slots <- struct{}{}:
@@ -56,12 +56,13 @@ func (c *Consumer) dispatch(ctx context.Context, r *kafka.Reader, t *tracker, la
 			return nil
 		}
 		m, err := r.FetchMessage(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
+		for err != nil { // the slot stays taken while the fetch is retried
+			if ctx.Err() != nil || !c.fetchFailed(ctx, err, &failures) {
 				return nil
 			}
-			return fmt.Errorf("bus: fetch from group %s: %w", c.cfg.GroupID, err)
+			m, err = r.FetchMessage(ctx)
 		}
+		c.fetched(&failures)
 		lanes[laneOf(m, len(lanes))] <- t.add(m)
 	}
 }

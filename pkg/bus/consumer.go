@@ -109,8 +109,10 @@ func (c *Consumer) logReaderError(format string, args ...any) {
 // Run joins the group and handles records until ctx ends, then commits the
 // offsets of the records already handled, leaves the group and returns nil.
 // A record whose handling ctx interrupted is not committed: the group
-// delivers it again. Run returns an error only if the reader fails; it must
-// not be called again while running.
+// delivers it again. A failed fetch (the broker or the group coordinator
+// unreachable) is waited out (fetchFailed), never returned: a Kafka outage
+// does not stop the service. Run returns an error only if closing the
+// reader fails; it must not be called again while running.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
 		return ErrAlreadyRunning
@@ -135,18 +137,41 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 // consume fetches, settles and commits records one at a time until ctx ends.
 func (c *Consumer) consume(ctx context.Context, r *kafka.Reader) error {
+	var failures int
 	for {
 		m, err := r.FetchMessage(ctx)
 		if err != nil {
-			if ctx.Err() != nil {
+			if ctx.Err() != nil || !c.fetchFailed(ctx, err, &failures) {
 				return nil
 			}
-			return fmt.Errorf("bus: fetch from group %s: %w", c.cfg.GroupID, err)
+			continue
 		}
+		c.fetched(&failures)
 		if !c.settle(ctx, received(m)) {
 			return nil
 		}
 		c.commit(ctx, r, m)
+	}
+}
+
+// fetchFailed waits out a failed fetch with the retry policy's bounded
+// backoff, counting the failures in a row: kafka-go's reader keeps
+// reconnecting to the brokers and rejoining the group on its own, and hands
+// each error it meets to FetchMessage, which may be called again. It
+// reports false when ctx ended while waiting.
+func (c *Consumer) fetchFailed(ctx context.Context, err error, failures *int) bool {
+	*failures++
+	d := c.cfg.Retry.backoff().Delay(*failures)
+	c.cfg.Logger.Warn("kafka fetch failed; fetching again", "group", c.cfg.GroupID, "failures", *failures,
+		"retry_in", d.String(), "error", err)
+	return retry.Sleep(ctx, d) == nil
+}
+
+// fetched notes a fetch that succeeded, logging the end of an outage.
+func (c *Consumer) fetched(failures *int) {
+	if *failures > 0 {
+		c.cfg.Logger.Info("kafka fetch recovered", "group", c.cfg.GroupID, "failures", *failures)
+		*failures = 0
 	}
 }
 

@@ -103,7 +103,7 @@ class Run:
             assert e.stats.failures == [], e.stats.failures[:5]
             assert e.stats.blocks_mismatched == 0
             assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() == e.num_blocks - 1, "blocks still held"
-            assert balanced and out["tasks"] == out["results"], (out, e.stats)
+            assert balanced and out["tasks"] == out["results"], f"ledger {out}; connector {counts}; engine {e.stats}"
             assert self.ledger.malformed(len(e.spec["groups"])) == []
             if expect_ok:
                 assert set(e.stats.finished) <= {"length", "stop", "abort"}, e.stats.finished
