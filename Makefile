@@ -68,7 +68,7 @@ PYTEST    := PYTHONPATH=$(CURDIR)/connectors/vllm PYTHONDONTWRITEBYTECODE=1 $(PY
 test: deps test-python ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, the connector's Python tests, plus bounded fuzzing of the domain core.
 	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ $(addprefix ./services/,$(SERVICES))
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_REQUIRE_PYTHON=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
-		$(GO) test -race -count=1 -timeout 15m $(PKGS)
+		$(GO) test -race -count=1 -timeout 18m $(PKGS)
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
 
 .PHONY: python-deps
