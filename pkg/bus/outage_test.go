@@ -1,36 +1,17 @@
 package bus_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
-
-// syncBuffer is a log sink the test reads while the consumer writes it.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) contains(s string) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Contains(b.buf.String(), s)
-}
 
 // TestConsumerRidesOutBrokerOutage stops the broker under a running
 // consumer of each kind (one record at a time, concurrent lanes, batches)
@@ -52,7 +33,7 @@ func TestConsumerRidesOutBrokerOutage(t *testing.T) {
 			cfg.Addr = b.Addrs()[0]
 			e := &env{t: t, ctx: ctx, broker: b}
 			e.dlq = e.producer()
-			logs := &syncBuffer{}
+			logs := &testenv.SyncBuffer{}
 			cc := e.consumerConfig("outage-"+kind, topic)
 			cc.Logger = slog.New(slog.NewTextHandler(logs, nil))
 			got := &seen[string]{}
@@ -89,7 +70,7 @@ func TestConsumerRidesOutBrokerOutage(t *testing.T) {
 			eventually(t, "the record before the outage", func() bool { return slices.Contains(got.snapshot(), "before") })
 
 			b.Close()
-			eventually(t, "a failed fetch", func() bool { return logs.contains("kafka fetch failed") })
+			eventually(t, "a failed fetch", func() bool { return strings.Contains(logs.String(), "kafka fetch failed") })
 			select {
 			case err := <-done:
 				t.Fatalf("Run returned during the outage: %v", err)

@@ -109,13 +109,10 @@ if not HAVE_TRANSFER_RESULTS:
 @dataclass(frozen=True)
 class Capabilities:
     """What the running vLLM's scheduler accepts from a connector,
-    feature-detected once at start (vLLM has no version field for it):
+    feature-detected once at start (vLLM has no version field for it;
+    newer vLLM's per-request load failures need no flag: vLLM calls
+    ``get_transfer_results`` where it has it, ``HAVE_TRANSFER_RESULTS``):
 
-    ``transfer_results``
-        ``KVConnectorBase_V1.get_transfer_results`` exists: the worker may
-        name requests whose load failed (``failed_recving``), which vLLM
-        recomputes or fails per request, on every layout (vLLM after
-        2026-08-22).
     ``external_mamba_hits``
         the scheduler's Mamba "align" chunk split accepts tokens a connector
         supplies; the 2026-05-27 tree asserts they are 0 ("External KV
@@ -123,7 +120,6 @@ class Capabilities:
         be answered 0 (nothing loaded; saves go on).
     """
 
-    transfer_results: bool = False
     external_mamba_hits: bool = True
 
 
@@ -134,14 +130,13 @@ def capabilities() -> Capabilities:
     try:  # pragma: no cover - inside vLLM
         from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore
     except ImportError:  # pragma: no cover
-        return Capabilities(transfer_results=hasattr(KVConnectorBase_V1, "get_transfer_results"))
+        return Capabilities()
     split = getattr(Scheduler, "_mamba_block_aligned_split", None)
     try:
         src = inspect.getsource(split) if split is not None else ""
     except (OSError, TypeError):  # no source: assume the cautious answer
         src = "not verified yet"
-    return Capabilities(transfer_results=hasattr(KVConnectorBase_V1, "get_transfer_results"),
-                        external_mamba_hits="not verified yet" not in src)
+    return Capabilities(external_mamba_hits="not verified yet" not in src)
 
 
 def block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
