@@ -43,7 +43,7 @@ run: up ## The main job: the stack, the demo workload (seed preset) and its repo
 	@scripts/run.sh $(RUN_ARGS)
 
 .PHONY: traces
-traces: build deps ## Build Jaeger v2 once into .dev/bin (5-13 min), run the stack and a 20-request sim exporting to it, check one trace per request through all four services.
+traces: build deps ## Build Jaeger v2 once into .dev/bin (5-17 min), run the stack and a 20-request sim exporting to it, check one trace per request through all four services.
 	@scripts/traces.sh
 
 .PHONY: test

@@ -21,6 +21,8 @@ type Dashboard struct {
 	SchemaVersion int `json:"schemaVersion"`
 	// Panels are the top-level panels; rows hold further panels.
 	Panels []Panel `json:"panels"`
+	// Links are the links in the dashboard's header.
+	Links []Link `json:"links"`
 	// Templating holds the dashboard variables.
 	Templating struct {
 		// List are the variables.
@@ -54,6 +56,22 @@ type Panel struct {
 	Targets []Target `json:"targets"`
 	// Panels are a collapsed row's panels.
 	Panels []Panel `json:"panels"`
+	// Links are the panel's links (its header's link menu).
+	Links []Link `json:"links"`
+}
+
+// Link is a dashboard link (type "link" or "dashboards") or a panel link
+// (no type).
+type Link struct {
+	// Title is the link's text.
+	Title string `json:"title"`
+	// Type is "link" (to URL) or "dashboards" (to dashboards by tag) for a
+	// dashboard link; empty for a panel link, which is always a URL.
+	Type string `json:"type"`
+	// URL is the target; dashboard variables in it are interpolated.
+	URL string `json:"url"`
+	// TargetBlank opens the link in a new tab.
+	TargetBlank bool `json:"targetBlank"`
 }
 
 // GridPos is a panel's place: column x and row y of its top left cell,
@@ -92,6 +110,12 @@ type Target struct {
 	Expr string `json:"expr"`
 	// Query is a Tempo (TraceQL) query.
 	Query string `json:"query"`
+	// QueryType is the Tempo query's kind: "traceql" for a TraceQL search
+	// (or a trace id), "traceqlSearch" for the query builder, ...
+	QueryType string `json:"queryType"`
+	// TableType is how a Tempo search is tabled: "traces" (one row per
+	// trace, its matching spans nested) or "spans".
+	TableType string `json:"tableType"`
 }
 
 // Variable is one dashboard variable.

@@ -83,16 +83,7 @@ func TestFamily(t *testing.T) {
 
 func TestDefinedMetricsReadsLiteralsAndCompositions(t *testing.T) {
 	root := t.TempDir()
-	write := func(rel, src string) {
-		t.Helper()
-		p := filepath.Join(root, rel)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	write := func(rel, src string) { writeFile(t, root, rel, src) }
 	write("pkg/a/a.go", `package a
 const name = "kvmesh_literal_total"
 // kvmesh_in_a_comment_total is not a definition.
@@ -282,5 +273,17 @@ services:
 	}
 	if _, err := deploy.ParseCompose([]byte("services:\n  a:\n    environment: 3\n"), func(string) (string, bool) { return "", false }); !errors.Is(err, deploy.ErrSyntax) {
 		t.Errorf("scalar environment: %v, want ErrSyntax", err)
+	}
+}
+
+// writeFile writes src to rel under root, making its directories.
+func writeFile(t *testing.T, root, rel, src string) {
+	t.Helper()
+	p := filepath.Join(root, rel)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
 	}
 }

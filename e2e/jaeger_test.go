@@ -4,15 +4,15 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"net/http"
 	"net/url"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvmesh/kvmesh/internal/testenv"
 )
 
 // The mesh's four services, as Jaeger names them (service.name).
@@ -53,10 +53,12 @@ type jaegerTrace struct {
 // --run-tag), KVMESH_JAEGER_REQUESTS its request count, and
 // KVMESH_JAEGER_SINCE the Unix time in microseconds before it started.
 //
-// Every request (a sim.turn of the run) must be one trace in Jaeger: one
-// root, every parent present, spans of all four services, and every span
-// that names one of the run's requests in that request's trace, so none
-// of the run's spans (a Kafka send, say) sits in a trace of its own.
+// The spans Jaeger returns must keep the rule of checkRunTraces, the
+// check TestRequestTraces runs in make test on the OTLP receiver's spans:
+// every request (a sim.turn of the run) one trace with one root, every
+// parent present and spans of all four services; every span that names
+// one of the run's requests in that request's trace, under no batch's
+// span; no Kafka send a root of its own.
 func TestJaegerTraces(t *testing.T) {
 	base := os.Getenv("KVMESH_JAEGER_URL")
 	if base == "" {
@@ -77,36 +79,21 @@ func TestJaegerTraces(t *testing.T) {
 
 	// Spans reach Jaeger in batches: poll until every request's trace is
 	// whole, then report what is still wrong past the deadline.
-	var problems []string
-	var turns map[string]jaegerTrace
-	var others map[string]int
+	var got runTraces
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for deadline := time.Now().Add(90 * time.Second); ; {
-		turns, others, problems, err = q.check(ctx, tag, want)
+		spans, err := q.spans(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(problems) == 0 || time.Now().After(deadline) {
+		got = checkRunTraces(spans, tag, want)
+		if len(got.problems) == 0 || time.Now().After(deadline) {
 			break
 		}
 		<-tick.C
 	}
-	if len(problems) > 0 {
-		t.Fatalf("%d problem(s) with the run's traces in Jaeger:\n  %s", len(problems), strings.Join(problems, "\n  "))
-	}
-	spans, services := 0, map[string]bool{}
-	for _, tr := range turns {
-		spans += len(tr.Spans)
-		for _, p := range tr.Processes {
-			services[p.ServiceName] = true
-		}
-	}
-	t.Logf("Jaeger holds %d traces for the %d requests of run %s, each one connected trace through %v (%d spans; services seen: %v)",
-		len(turns), want, tag, meshServices, spans, slices.Sorted(maps.Keys(services)))
-	for _, root := range slices.Sorted(maps.Keys(others)) {
-		t.Logf("other traces (no request of the run in them), by root span: %s ×%d", root, others[root])
-	}
+	reportRunTraces(t, "Jaeger", tag, want, got)
 }
 
 // jaegerQuery reads traces from a Jaeger query API.
@@ -147,103 +134,43 @@ func (q jaegerQuery) traces(ctx context.Context, service string) ([]jaegerTrace,
 	return body.Data, nil
 }
 
-// check reads the traces of the simulator and the four services and
-// returns the run's request traces (by trace id), the number of other
-// traces by their root span ("service operation"), and what is wrong: a request count other than want, a trace that is not one connected
-// tree through all four services, or a span of a run's request outside
-// the traces of the run's requests.
-func (q jaegerQuery) check(ctx context.Context, tag string, want int) (map[string]jaegerTrace, map[string]int, []string, error) {
+// spans reads the traces holding a span of the simulator or of one of
+// the four services, as exported spans: a span's parent is the reference
+// Jaeger reads as its parent (jaegerParent), its other references are its
+// links.
+func (q jaegerQuery) spans(ctx context.Context) ([]testenv.ExportedSpan, error) {
 	all := map[string]jaegerTrace{}
 	for _, svc := range append([]string{svcSim}, meshServices...) {
 		trs, err := q.traces(ctx, svc)
 		if err != nil {
-			return nil, nil, nil, err
+			return nil, err
 		}
 		for _, tr := range trs {
 			all[tr.TraceID] = tr
 		}
 	}
-	turns := map[string]jaegerTrace{}
+	var out []testenv.ExportedSpan
 	for id, tr := range all {
 		for _, s := range tr.Spans {
-			if s.OperationName == "sim.turn" && strings.HasPrefix(tagValue(s.Tags, "kvmesh.request_id"), tag) {
-				turns[id] = tr
+			e := testenv.ExportedSpan{Service: tr.Processes[s.ProcessID].ServiceName, Name: s.OperationName,
+				TraceID: id, SpanID: s.SpanID, ParentID: jaegerParent(id, s.References), Attrs: map[string]string{}}
+			for _, r := range s.References {
+				if r.SpanID != e.ParentID || r.TraceID != id {
+					e.Links = append(e.Links, r.SpanID)
+				}
 			}
+			for _, kv := range s.Tags {
+				e.Attrs[kv.Key] = fmt.Sprint(kv.Value)
+			}
+			e.Kind = jaegerKinds[e.Attrs["span.kind"]]
+			out = append(out, e)
 		}
 	}
-	var problems []string
-	if len(turns) != want {
-		problems = append(problems, fmt.Sprintf("%d sim.turn traces of run %s, want %d", len(turns), tag, want))
-	}
-	for _, id := range slices.Sorted(maps.Keys(turns)) {
-		problems = append(problems, jaegerTraceProblems(turns[id])...)
-	}
-	// Spans of the run's requests in traces of their own.
-	strays, others := map[string]int{}, map[string]int{}
-	for id, tr := range all {
-		if _, ok := turns[id]; ok {
-			continue
-		}
-		for _, s := range tr.Spans {
-			if jaegerParent(id, s.References) == "" {
-				others[tr.Processes[s.ProcessID].ServiceName+" "+s.OperationName]++
-			}
-			if rid := tagValue(s.Tags, "kvmesh.request_id"); strings.HasPrefix(rid, tag) {
-				strays[fmt.Sprintf("trace %s (%d spans): %s %q of %s", id, len(tr.Spans),
-					tr.Processes[s.ProcessID].ServiceName, s.OperationName, rid)]++
-			}
-		}
-	}
-	for _, s := range slices.Sorted(maps.Keys(strays)) {
-		problems = append(problems, "outside the run's request traces: "+s)
-	}
-	// Kafka sends that left their messages' traces: a root producer span
-	// with links (FOLLOWS_FROM references), a one-span trace in Jaeger.
-	for id, tr := range all {
-		for _, s := range tr.Spans {
-			if !strings.HasPrefix(s.OperationName, "send") || len(s.References) == 0 {
-				continue
-			}
-			if jaegerParent(id, s.References) == "" {
-				problems = append(problems, fmt.Sprintf("trace %s: %s %q is a root with %d link(s)",
-					id, tr.Processes[s.ProcessID].ServiceName, s.OperationName, len(s.References)))
-			}
-		}
-	}
-	return turns, others, problems, nil
+	return out, nil
 }
 
-// jaegerTraceProblems lists what keeps tr from being one connected trace
-// with spans of all four services.
-func jaegerTraceProblems(tr jaegerTrace) []string {
-	ids := map[string]bool{}
-	services := map[string]bool{}
-	for _, s := range tr.Spans {
-		ids[s.SpanID] = true
-		services[tr.Processes[s.ProcessID].ServiceName] = true
-	}
-	var problems []string
-	roots := 0
-	for _, s := range tr.Spans {
-		parent := jaegerParent(tr.TraceID, s.References)
-		switch {
-		case parent == "":
-			roots++
-		case !ids[parent]:
-			problems = append(problems, fmt.Sprintf("trace %s: %s %q: parent %s not in the trace",
-				tr.TraceID, tr.Processes[s.ProcessID].ServiceName, s.OperationName, parent))
-		}
-	}
-	if roots != 1 {
-		problems = append(problems, fmt.Sprintf("trace %s: %d root spans, want 1", tr.TraceID, roots))
-	}
-	for _, svc := range meshServices {
-		if !services[svc] {
-			problems = append(problems, fmt.Sprintf("trace %s (%d spans): no span of %s", tr.TraceID, len(tr.Spans), svc))
-		}
-	}
-	return problems
-}
+// jaegerKinds are the OTLP span kinds by Jaeger's span.kind tag.
+var jaegerKinds = map[string]int{"internal": 1, "server": 2, "client": 3, "producer": 4, "consumer": 5}
 
 // jaegerParent is the parent span id that refs give a span of trace id, as
 // Jaeger reads them (model.Span.ParentSpanID): the first CHILD_OF reference
@@ -257,16 +184,6 @@ func jaegerParent(id string, refs []jaegerReference) string {
 			if r.RefType == kind && r.TraceID == id {
 				return r.SpanID
 			}
-		}
-	}
-	return ""
-}
-
-// tagValue is the string form of tag key's value, or "" without one.
-func tagValue(tags []jaegerTag, key string) string {
-	for _, kv := range tags {
-		if kv.Key == key {
-			return fmt.Sprint(kv.Value)
 		}
 	}
 	return ""

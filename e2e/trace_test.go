@@ -7,7 +7,6 @@ import (
 	"maps"
 	"os"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -372,37 +371,12 @@ func checkDeadLetterSpan(t *testing.T, spans []testenv.ExportedSpan, v kvcore.Gr
 
 // tree renders spans as an indented tree: service, name, and a few
 // attributes, children in start order.
-func tree(spans []testenv.ExportedSpan) string {
-	children := map[string][]testenv.ExportedSpan{}
-	byID := map[string]bool{}
-	for _, s := range spans {
-		byID[s.SpanID] = true
-	}
-	for _, s := range spans {
-		parent := s.ParentID
-		if !byID[parent] {
-			parent = ""
-		}
-		children[parent] = append(children[parent], s)
-	}
-	var b strings.Builder
-	var walk func(parent string, depth int)
-	walk = func(parent string, depth int) {
-		kids := children[parent]
-		sort.SliceStable(kids, func(i, j int) bool { return kids[i].Start.Before(kids[j].Start) })
-		for _, s := range kids {
-			fmt.Fprintf(&b, "%s%-18s %s%s\n", strings.Repeat("  ", depth), s.Service, s.Name, treeAttrs(s))
-			walk(s.SpanID, depth+1)
-		}
-	}
-	walk("", 0)
-	return b.String()
-}
+func tree(spans []testenv.ExportedSpan) string { return renderTree(spans, false) }
 
 // treeAttrs picks the attributes worth showing in a tree.
 func treeAttrs(s testenv.ExportedSpan) string {
 	var parts []string
-	for _, k := range []string{"kvmesh.record", "kvmesh.change", "kvmesh.reason", "kvmesh.group", "kvmesh.groups", "kvmesh.store.keys",
+	for _, k := range []string{"kvmesh.record", "kvmesh.change", "kvmesh.connector", "kvmesh.reason", "kvmesh.group", "kvmesh.groups", "kvmesh.store.keys",
 		"kvmesh.bytes", "kvmesh.result", "db.operation.batch.size"} {
 		if v, ok := s.Attrs[k]; ok {
 			parts = append(parts, strings.TrimPrefix(k, "kvmesh.")+"="+v)

@@ -3,7 +3,7 @@
 #
 #   1. builds Jaeger v2 (JAEGER_VERSION, default v1.76.0) from the Go module
 #      proxy into .dev/bin/jaeger, once: in a throwaway module under
-#      .dev/jaeger-build, never the project's go.mod (~120 MB, 5–13 minutes);
+#      .dev/jaeger-build, never the project's go.mod (~120 MB, 5–17 minutes);
 #   2. starts it on loopback only (.dev/jaeger.yaml: OTLP on 127.0.0.1:4317
 #      and :4318, the query API and UI on 127.0.0.1:16686, in-memory storage);
 #   3. starts the stack as `make up` does (scripts/stack.sh up), every service
@@ -49,7 +49,7 @@ build_jaeger() {
   if [ -x "$jaeger" ]; then return; fi
   local dir="$dev/jaeger-build" start=$SECONDS
   mkdir -p "$dir"
-  say "building Jaeger $JAEGER_VERSION into .dev/bin/jaeger (once; 5-13 minutes; log: .dev/logs/jaeger-build.log)"
+  say "building Jaeger $JAEGER_VERSION into .dev/bin/jaeger (once; 5-17 minutes; log: .dev/logs/jaeger-build.log)"
   (
     cd "$dir"
     export GOWORK=off GOFLAGS=-mod=mod

@@ -51,6 +51,9 @@ type RequestDetail struct {
 	Decisions []contract.LookupDecision `json:"decisions,omitempty"`
 	// AwaitingDecision is the decision id an applied allocation waits for.
 	AwaitingDecision string `json:"awaiting_decision,omitempty"`
+	// TraceID is the id of the request's trace (hex), once a record about
+	// it carried one: search it in Grafana's Tempo data source or Jaeger.
+	TraceID string `json:"trace_id,omitempty"`
 }
 
 // Coverage is one group's saved coverage in a RequestDetail.

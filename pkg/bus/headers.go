@@ -71,3 +71,14 @@ func fromKafkaHeaders(headers []kafka.Header) map[string]string {
 	}
 	return out
 }
+
+// ParseTraceparent parses a W3C traceparent (the contract's trace context
+// format, whatever propagator the process installed); the span context is
+// invalid when s is empty or does not parse.
+func ParseTraceparent(s string) trace.SpanContext {
+	if s == "" {
+		return trace.SpanContext{}
+	}
+	ctx := propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{contract.HeaderTraceparent: s})
+	return trace.SpanContextFromContext(ctx)
+}

@@ -21,6 +21,10 @@ contract (``docs/contract.md``, "The engine contract"):
 - ``request_finished`` publishes the finish and delays the free until
   kvmesh reports ``finished_sending`` (the workers return it from
   ``get_finished``).
+- a request vLLM keeps a W3C trace context for (``Request.trace_headers``)
+  carries it into the mesh: its lookup sends ``traceparent`` (and
+  ``tracestate``) as HTTP headers, and each of its events the
+  ``traceparent`` field (:mod:`kvmesh_vllm.tracing`).
 
 Nothing here raises into vLLM's scheduler loop: a failed lookup answers 0
 (the engine computes), a failed publish is counted and the mesh fails the
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import contract as c
+from . import tracing
 from .config import Settings, valid_tenant
 from .metadata import BlockWrite, KVMeshConnectorMetadata, PendingLoad
 from .model import ModelSpec
@@ -71,6 +76,7 @@ class _Request:
     seq: int = 0
     admitted: bool = False
     tenant: str = ""
+    trace: tracing.TraceContext = field(default_factory=tracing.TraceContext)
     lookup: Optional[Future] = None
     lookup_at: int = -1  # num_computed_tokens the lookup was asked with
     decision: Optional[c.Decision] = None
@@ -195,7 +201,7 @@ class SchedulerSide:
             self._s.engine_id, st.request_id, self._s.model, hashes, num_tokens, num_computed,
             tenant=st.tenant, kv_transfer_params=_pd_params(req),
         )
-        _, _, data = self._lookup.request("POST", "/v1/lookup", json_body=body)
+        _, _, data = self._lookup.request("POST", "/v1/lookup", json_body=body, headers=st.trace.headers())
         return c.Decision.from_json(data)
 
     def _accept(self, st: _Request, dec: c.Decision, num_computed: int) -> int:
@@ -534,12 +540,13 @@ class SchedulerSide:
 
     def _event(self, st: _Request, ev: c.RequestEvent) -> None:
         ev.seq = st.next_seq()
+        ev.traceparent = st.trace.traceparent
         self._events.append(ev)
 
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = _Request(request.request_id, request, tenant=self._tenant(request))
+            st = _Request(request.request_id, request, tenant=self._tenant(request), trace=self._trace(request))
             self._reqs[request.request_id] = st
         st.request = request
         return st
@@ -552,6 +559,16 @@ class SchedulerSide:
             log.warning("request %s: tenant %r is not valid; using none", request.request_id, t)
             return ""
         return t
+
+    def _trace(self, request: Any) -> tracing.TraceContext:
+        """The request's trace context, taken once, when the connector
+        first sees the request; an invalid traceparent is counted and
+        dropped."""
+        trace = tracing.of_request(request)
+        if trace.invalid:
+            self._stats.add("traceparent_invalid")
+            log.debug("request %s: traceparent is not valid W3C; kvmesh gets none", request.request_id)
+        return trace
 
     def last_decision(self, request_id: str) -> Optional[c.Decision]:
         """The lookup decision the request's allocation acted on, if any."""

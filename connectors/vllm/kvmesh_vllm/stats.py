@@ -39,6 +39,7 @@ COUNTERS = {
     "blocks_busy": "block identities not recorded because a load was writing the block",
     "bad_feedback": "feedback records that could not be decoded",
     "tenant_invalid": "requests whose tenant was refused; served without a tenant",
+    "traceparent_invalid": "requests whose trace headers held a traceparent that is not valid W3C; served without a trace context",
 }
 
 

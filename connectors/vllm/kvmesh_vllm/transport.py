@@ -320,6 +320,7 @@ class HTTPClient:
         content_type: Optional[str] = None,
         params: Optional[Union[Mapping[str, Any], Iterable[tuple[str, Any]]]] = None,
         accept: Optional[str] = None,
+        headers: Optional[Mapping[str, str]] = None,
     ) -> tuple[int, dict[str, str], Any]:
         """Send one request, retrying transient failures, and return
         ``(status, headers, data)``: headers with lower-case names, data the
@@ -328,19 +329,23 @@ class HTTPClient:
         ``json_body`` is encoded as JSON; ``body`` is sent as is with
         ``content_type`` (application/octet-stream by default); give at most
         one. ``params`` become the query string (None values are left out).
+        ``headers`` are extra request headers (a request's ``traceparent``,
+        say); they cannot replace the ones this client sets (Accept,
+        Content-Type, User-Agent, Authorization, Host, Content-Length).
         Raises :class:`ProblemError` for an error answer that is not retried
         and :class:`UnreachableError` once ``retry_deadline`` has passed.
         """
         if json_body is not None and body is not None:
             raise ValueError("give json_body or body, not both")
         payload: Optional[bytes] = None
-        headers = {"Accept": accept or "application/json, application/problem+json", "User-Agent": "kvmesh-vllm"}
+        sent = _extra_headers(headers)
+        sent.update({"Accept": accept or "application/json, application/problem+json", "User-Agent": "kvmesh-vllm"})
         if json_body is not None:
             payload = json.dumps(json_body, separators=(",", ":")).encode("utf-8")
-            headers["Content-Type"] = content_type or "application/json"
+            sent["Content-Type"] = content_type or "application/json"
         elif body is not None:
             payload = bytes(body)
-            headers["Content-Type"] = content_type or "application/octet-stream"
+            sent["Content-Type"] = content_type or "application/octet-stream"
         target = self._prefix + "/" + path.lstrip("/")
         shown_url = f"{self.base_url}/{path.lstrip('/')}"
         if params:
@@ -355,13 +360,13 @@ class HTTPClient:
             attempt += 1
             token = self._current_token()
             if token:
-                headers["Authorization"] = "Bearer " + token
+                sent["Authorization"] = "Bearer " + token
             else:
-                headers.pop("Authorization", None)
+                sent.pop("Authorization", None)
             cause: BaseException
             retry_after: Optional[float] = None
             try:
-                status, resp_headers, raw = self._once(method, target, payload, headers)
+                status, resp_headers, raw = self._once(method, target, payload, sent)
             except ssl.SSLCertVerificationError as exc:  # not transient: retrying cannot help
                 raise TransportError(
                     f"{shown_url}: TLS verification failed: {_scrub(exc.verify_message or str(exc), token)}"
@@ -435,6 +440,15 @@ class HTTPClient:
         if resp.will_close:
             self._drop_connection()
         return resp.status, resp_headers, raw
+
+
+#: Headers the client sets itself (or http.client does): never taken from a caller's extra headers.
+_OWN_HEADERS = frozenset({"accept", "content-type", "user-agent", "authorization", "host", "content-length"})
+
+
+def _extra_headers(extra: Optional[Mapping[str, str]]) -> dict[str, str]:
+    """A caller's extra request headers, less the ones the client sets."""
+    return {k: v for k, v in (extra or {}).items() if k.lower() not in _OWN_HEADERS}
 
 
 def _param(value: Any) -> str:

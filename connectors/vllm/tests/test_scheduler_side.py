@@ -18,7 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "mesh"))
 
 import fakevllm as fv  # noqa: E402
+from fixtures_transport import Answer, ScriptedServer, http_server  # noqa: E402,F401 - the fixture is used by name
 from kvmesh_vllm import config as cfg  # noqa: E402
+from kvmesh_vllm import transport  # noqa: E402
 from kvmesh_vllm.model import ModelSpec  # noqa: E402
 from kvmesh_vllm.scheduler import SchedulerSide  # noqa: E402
 from kvmesh_vllm.stats import ConnectorStats  # noqa: E402
@@ -82,8 +84,11 @@ class Side:
             time.sleep(0.002)  # poll interval of a deadline-bounded wait
 
 
-def request(rid="r1", tokens=40):
-    return fv.Request(rid, list(range(1, tokens + 1)), 4, 16, b"salt")
+def request(rid="r1", tokens=40, trace_headers=None):
+    req = fv.Request(rid, list(range(1, tokens + 1)), 4, 16, b"salt")
+    if trace_headers is not None:
+        req.trace_headers = trace_headers  # vLLM's Request.trace_headers
+    return req
 
 
 def new_step(req, table, n):
@@ -369,3 +374,114 @@ def test_failed_recving_recomputes_from_scratch():
     assert step["kind"] == "new" and step["tokens"] == 40 and step["block_table"] == [[7, 8, 9], [0, 10, 11]]
     assert [(w.group, w.block, bool(w.hash_hex)) for w in meta.writes] == [
         (0, 7, True), (0, 8, True), (0, 9, False), (1, 10, True), (1, 11, False)]
+
+
+# ---- trace context (vLLM's Request.trace_headers) ----------------------
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TP2 = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+#: trace_headers that must carry nothing into the mesh.
+UNTRACED = [None, {}, {"tracestate": "congo=t61rcWkgMzE"},
+            {"traceparent": "00-00000000000000000000000000000000-00f067aa0ba902b7-01"},
+            {"traceparent": "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01"},
+            {"traceparent": "not a traceparent", "tracestate": "congo=t61rcWkgMzE"}]
+
+
+def http_side(server: ScriptedServer) -> Side:
+    """A Side whose lookups go over HTTP, through the connector's client,
+    to a scripted lookup answering "no hit"."""
+    server.answer(Answer(200, json.dumps({"decision_id": "d1", "external_tokens": 0, "children": []}).encode()))
+    return Side(transport.HTTPClient(server.url, timeout=5.0, retry_deadline=5.0))
+
+
+def test_traceparent_reaches_the_lookup_http_request(http_server: ScriptedServer):
+    """The request's traceparent and tracestate, named in any case, are
+    the lookup call's W3C headers (the lookup's otelhttp continues them)."""
+    side = http_side(http_server)
+    req = request(tokens=40, trace_headers={"TraceParent": TP, "Tracestate": "congo=t61rcWkgMzE"})
+    assert side.ask(req) == (0, False)
+    [seen] = http_server.requests()
+    assert seen.path == "/v1/lookup" and json.loads(seen.body)["request_id"] == "r1"
+    assert seen.headers["traceparent"] == TP and seen.headers["tracestate"] == "congo=t61rcWkgMzE"
+    assert side.stats.get("traceparent_invalid") == 0
+
+
+@pytest.mark.parametrize("trace_headers", UNTRACED)
+def test_lookup_without_a_valid_traceparent_sends_none(http_server: ScriptedServer, trace_headers):
+    """No traceparent, or one that is not valid W3C: the lookup goes out as
+    for an untraced request (no trace header at all) and still answers."""
+    side = http_side(http_server)
+    assert side.ask(request(tokens=40, trace_headers=trace_headers)) == (0, False)
+    [seen] = http_server.requests()
+    assert "traceparent" not in seen.headers and "tracestate" not in seen.headers
+    invalid = bool(trace_headers) and "traceparent" in trace_headers
+    assert side.stats.get("traceparent_invalid") == int(invalid)
+
+
+def test_every_event_of_a_traced_request_carries_its_traceparent():
+    """admitted, allocated, scheduled, preempted, resumed and finished
+    events of a traced request carry its traceparent; another request in
+    the same records carries none."""
+    side = Side(FakeLookup(hit=0))
+    traced, plain = request("t", 32, {"traceparent": TP}), request("p", 32)
+    for r in (traced, plain):
+        side.ask(r)
+        side.s.update_state_after_alloc(r, fv.KVCacheBlocks(([1, 2], [3, 4]) if r is traced else ([5, 6], [7, 8])), 0)
+    so = fv.SchedulerOutput(scheduled_new_reqs=[fv.NewRequestData("t", traced.prompt_token_ids, ([1, 2], [3, 4]), 0),
+                                                fv.NewRequestData("p", plain.prompt_token_ids, ([5, 6], [7, 8]), 0)],
+                            num_scheduled_tokens={"t": 32, "p": 32}, total_num_scheduled_tokens=64)
+    side.s.build_connector_meta(so)
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    side.s.build_connector_meta(fv.SchedulerOutput(preempted_req_ids={"t"}))
+    side.ask(traced)
+    side.s.update_state_after_alloc(traced, fv.KVCacheBlocks(([9, 10], [11, 12])), 0)
+    cr = fv.CachedRequestData(req_ids=["t"], resumed_req_ids={"t"}, new_block_ids=[([9, 10], [11, 12])], num_computed_tokens=[0])
+    side.s.build_connector_meta(fv.SchedulerOutput(scheduled_cached_reqs=cr, num_scheduled_tokens={"t": 32}, total_num_scheduled_tokens=32))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    side.s.request_finished(traced, [[9, 10], [11, 12]])
+    side.s.request_finished(plain, [[5, 6], [7, 8]])
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    mine = [e for e in side.events() if e["request_id"] == "t"]
+    assert [e["kind"] for e in mine] == ["admitted", "allocated", "scheduled", "preempted", "allocated", "scheduled", "finished"]
+    assert all(e.get("traceparent") == TP for e in mine)
+    others = [e for e in side.events() if e["request_id"] == "p"]
+    assert others and all("traceparent" not in e for e in others)
+
+
+@pytest.mark.parametrize("trace_headers", UNTRACED)
+def test_events_without_a_valid_traceparent_have_no_field(trace_headers):
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=16, trace_headers=trace_headers)
+    side.ask(req)
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1], [2])), 0)
+    side.s.build_connector_meta(new_step(req, ([1], [2]), 16))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    side.s.request_finished(req, [[1], [2]])
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    evs = side.events()
+    assert [e["kind"] for e in evs] == ["admitted", "allocated", "scheduled", "finished"]
+    assert all("traceparent" not in e for e in evs)
+    assert all(b'traceparent' not in json.dumps(r).encode() for r in side.records)
+
+
+def test_trace_context_is_taken_once_and_forgotten_at_the_finish():
+    """The context is remembered from the first time the connector sees the
+    request, and forgotten with the request's other state: a later request
+    under the same id carries its own."""
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=16, trace_headers={"traceparent": TP})
+    side.ask(req)
+    req.trace_headers = {"traceparent": TP2}  # later changes are not taken
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(([1], [2])), 0)
+    side.s.build_connector_meta(new_step(req, ([1], [2]), 16))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert side.s.request_finished(req, [[1], [2]]) == (True, None)
+    side.s.update_connector_output(fv.KVConnectorOutput(finished_sending={"r1"}))
+    assert "r1" not in side.s._reqs, "the finished request's state (and trace context) was kept"
+    assert {e.get("traceparent") for e in side.events()} == {TP}
+    again = request(tokens=16, trace_headers={"traceparent": TP2})
+    side.ask(again)
+    side.s.update_state_after_alloc(again, fv.KVCacheBlocks(([3], [4])), 0)
+    side.s.build_connector_meta(new_step(again, ([3], [4]), 16))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    assert [e.get("traceparent") for e in side.events()[4:]] == [TP2, TP2, TP2]

@@ -400,6 +400,23 @@ def test_base_url_prefix_and_no_token(http_server: ScriptedServer) -> None:
     assert seen.path == "/mesh/v1/x" and "authorization" not in seen.headers
 
 
+def test_extra_headers_sent_on_every_attempt_never_over_the_own(http_server: ScriptedServer) -> None:
+    """A caller's extra headers (a request's traceparent) go out with each
+    attempt; they cannot replace the client's own headers."""
+    http_server.answer(problem(503, "busy"), Answer(200, b"{}"))
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    extra = {"traceparent": tp, "tracestate": "congo=t61rcWkgMzE", "authorization": "Bearer stolen",
+             "Content-Type": "text/plain", "user-agent": "other"}
+    with _client(http_server) as client:
+        client.request("POST", "/v1/lookup", json_body={"a": 1}, headers=extra)
+    seen = http_server.requests()
+    assert len(seen) == 2
+    for r in seen:
+        assert r.headers["traceparent"] == tp and r.headers["tracestate"] == "congo=t61rcWkgMzE"
+        assert r.headers["authorization"] == f"Bearer {TOKEN}"
+        assert r.headers["content-type"] == "application/json" and r.headers["user-agent"] == "kvmesh-vllm"
+
+
 def test_callable_token_is_asked_each_attempt(http_server: ScriptedServer) -> None:
     http_server.answer(problem(503, "busy"), Answer(200, b"{}"))
     calls: list[int] = []

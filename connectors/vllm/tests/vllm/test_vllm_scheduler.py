@@ -89,8 +89,9 @@ class Run:
         are (the mesh keeps a finished request's tracker)."""
         return f"{name}-{self.salt[:8]}"
 
-    def add(self, name: str, prompt: list[int], out: int = 3, **params):
-        return self.e.add(self.rid(name), prompt, [7] * out, cache_salt=self.salt, kv_transfer_params=params or None)
+    def add(self, name: str, prompt: list[int], out: int = 3, trace_headers: dict | None = None, **params):
+        return self.e.add(self.rid(name), prompt, [7] * out, cache_salt=self.salt, kv_transfer_params=params or None,
+                          trace_headers=trace_headers)
 
     def finish(self, expect_ok: bool = True, **extra) -> dict:
         e = self.e
@@ -173,6 +174,37 @@ def test_alone_cold_then_hits(mesh, scenario_rows, async_scheduling):
     else:
         assert row["external_tokens"] == 0 and row["hit_tokens"] <= len(prompts) * 64, row
         assert row["lookups_skipped"] == len(prompts), row  # once per request
+
+
+def test_traced_request(mesh, scenario_rows):
+    """A request vLLM keeps the client's W3C trace context for
+    (``Request.trace_headers``, as vLLM's OpenAI server sets it with tracing
+    on) carries it into the mesh, through vLLM's own scheduler: the
+    scheduler's tracker of the request keeps that trace (``trace_id`` in
+    its admin view), so the mesh's spans of the request join the client's
+    trace; a request without trace headers in the same steps is not in it."""
+    from kvmesh_vllm import transport
+
+    trace_id = uuid.uuid4().hex
+    run = Run(mesh, scenario_rows, "traced request")
+    engine = _kvmesh(run.e).settings.engine_id
+    traced, plain = _prompts(2, 80, seed=11)
+    run.add("traced", traced, trace_headers={"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"})
+    run.add("plain", plain)
+    run.finish()
+    admin = transport.HTTPClient(mesh["scheduler_url"], token=mesh["admin_token"], retry_deadline=10)
+    seen: dict[str, object] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for name in ("traced", "plain"):
+            _, _, d = admin.request("GET", f"/v1/requests/{engine}/{run.rid(name)}")
+            seen[name] = d.get("trace_id")
+        if seen["traced"] == trace_id:
+            break
+        time.sleep(0.2)
+    admin.close()
+    # The untraced request's trace, if any, is the one its lookup started.
+    assert seen["traced"] == trace_id and seen["plain"] != trace_id, seen
 
 
 def _cold(mesh: dict, rows: list, name: str, prompts: list[list[int]], **kw) -> "Run":

@@ -269,11 +269,14 @@ class VEngine:
     # ---- requests -------------------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], outputs: list[int], cache_salt: Optional[str] = None,
-            kv_transfer_params: Optional[dict] = None) -> Request:
+            kv_transfer_params: Optional[dict] = None, trace_headers: Optional[dict] = None) -> Request:
+        """Adds a request; ``trace_headers`` are the client's trace headers
+        as vLLM keeps them with tracing on (``Request.trace_headers``)."""
         sp = SamplingParams(max_tokens=len(outputs), ignore_eos=True,
                             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                      pooling_params=None, cache_salt=cache_salt, block_hasher=self.hasher)
+                      pooling_params=None, cache_salt=cache_salt, block_hasher=self.hasher,
+                      trace_headers=trace_headers)
         if kv_transfer_params:
             req.kv_transfer_params = kv_transfer_params
         self.outputs[request_id] = list(outputs)

@@ -18,6 +18,7 @@ import (
 	"github.com/go-chi/chi/v5"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
@@ -159,6 +160,9 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []tracking.Warning{}}
 	if d.Tasks == nil {
 		d.Tasks = []tracking.TaskRef{}
+	}
+	if sc := bus.ParseTraceparent(x.Traceparent); sc.IsValid() {
+		d.TraceID = sc.TraceID().String()
 	}
 	if t.Error != "" {
 		d.Errors = append(d.Errors, tracking.Warning{Source: "request", Error: t.Error})

@@ -223,6 +223,21 @@ func adminList(t *testing.T, h *mesh) {
 		var d api.Detail
 		return h.get("/v1/requests/"+engine+"/"+url.PathEscape(slashed.id), &d) == http.StatusOK && d.RequestID == slashed.id
 	})
+	// The request's trace: the first traced event's, kept by the tracker
+	// for the events after it (which carry none); none for an untraced one.
+	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+	traced := h.request("admin")
+	traced.event(contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: 16, BlockHashes: hashes(1),
+		Traceparent: "00-" + traceID + "-00f067aa0ba902b7-01"})
+	traced.finish()
+	if d := traced.applied(); d.TraceID != traceID {
+		t.Fatalf("traced request: trace_id %q, want %s", d.TraceID, traceID)
+	}
+	plain := h.request("admin")
+	plain.admit(16)
+	if d := plain.applied(); d.TraceID != "" {
+		t.Fatalf("untraced request: trace_id %q, want none", d.TraceID)
+	}
 }
 
 // metrics: the record, task, duplicate and gauge metrics are exposed.

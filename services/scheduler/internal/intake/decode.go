@@ -41,22 +41,35 @@ type change struct {
 	create    bool
 	// label names the change ("event 3 scheduled").
 	label string
-	// traceparent is the request's trace context, when the producer gave it.
+	// traceparent is the request's trace context, when the producer gave
+	// it: a step event's own, the headers' of a decision or a result.
 	traceparent string
 	apply       func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
 }
 
-// decode turns a consumed record into an item, or a permanent error.
+// decode turns a consumed record into an item, or a permanent error. The
+// change of a record about one request (a decision, a result) takes the
+// trace context of the record's headers: its producer (the lookup, a
+// gpuworker, the sender) publishes it inside the request's trace. A step
+// record's headers are the engine step's, shared by its requests; its
+// events carry their own.
 func decode(rec bus.Received) (item, error) {
+	var it item
+	var err error
 	switch rec.Topic {
 	case contract.TopicEngineSteps:
 		return decodeStep(rec.Value)
 	case contract.TopicLookupDecisions:
-		return decodeDecision(rec.Value)
+		it, err = decodeDecision(rec.Value)
 	case contract.TopicTransferResults:
-		return decodeResult(rec.Value)
+		it, err = decodeResult(rec.Value)
+	default:
+		return item{}, bus.Permanent(ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
 	}
-	return item{}, bus.Permanent(ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
+	if err == nil {
+		it.changes[0].traceparent = rec.Headers[contract.HeaderTraceparent]
+	}
+	return it, err
 }
 
 // unmarshal decodes a JSON value, classifying failures as undecodable.

@@ -9,7 +9,6 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -42,14 +41,15 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 	for i, o := range due {
 		r := &runs[i]
 		rec := o.Record()
-		r.ctx, r.span = h.tracer.Start(ctx, "scheduler.load_expiry", trace.WithAttributes(
+		r.start = spanStart{name: "scheduler.load_expiry", at: time.Now(), attrs: []attribute.KeyValue{
 			attribute.String("kvmesh.engine_id", o.EngineID),
 			attribute.String("kvmesh.request_id", o.RequestID),
 			attribute.String("kvmesh.record", "load expiry "+rec.ID),
 			attribute.String("kvmesh.model", h.model.Name),
-		))
+		}}
 		units[i] = ledger.Unit{Record: rec, Changes: []ledger.Change{{RequestID: o.RequestID,
 			Apply: func(req *tracking.Request) ([]bus.Message, error) {
+				h.begin(ctx, r, req)
 				r.out = req.ExpireLoads(now, o.TaskIDs)
 				return tracedMessages(r.ctx, r.out)
 			}}}}
@@ -57,6 +57,7 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 	statuses, err := h.applyExpiries(ctx, units)
 	for i := range runs {
 		r := &runs[i]
+		h.begin(ctx, r, nil)
 		if statuses[i] == "" {
 			r.span.SetStatus(codes.Error, "apply failed")
 		} else {

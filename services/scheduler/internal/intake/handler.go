@@ -86,11 +86,23 @@ func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
 	return nil
 }
 
-// run is one change of a batch: its span and what applying it did.
+// run is one change of a batch: its span, started once the change's
+// request is locked (begin), and what applying it did.
 type run struct {
 	ctx  context.Context
 	span trace.Span
 	out  tracking.Outcome
+	// start is how the span starts: its name, attributes and start time,
+	// and the trace context the record gave the request.
+	start spanStart
+}
+
+// spanStart is what a change's span starts with.
+type spanStart struct {
+	name        string
+	attrs       []attribute.KeyValue
+	at          time.Time
+	traceparent string
 }
 
 // apply applies the decoded items in one transaction and observes them.
@@ -102,9 +114,10 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 		units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
 		for j, c := range it.changes {
 			r := &runs[i][j]
-			r.ctx, r.span = h.startSpan(ctx, recs[at[i]].Topic, it, c)
+			r.start = h.applyStart(recs[at[i]].Topic, it, c, start)
 			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create,
 				Apply: func(req *tracking.Request) ([]bus.Message, error) {
+					h.begin(ctx, r, req)
 					r.out = c.apply(h.model, req)
 					return tracedMessages(r.ctx, r.out)
 				}}
@@ -115,6 +128,7 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 	for i, it := range items {
 		for j := range runs[i] {
 			r := &runs[i][j]
+			h.begin(ctx, r, nil) // a change that found no request, or a duplicate
 			if err != nil {
 				r.span.RecordError(err)
 				r.span.SetStatus(codes.Error, "apply failed")
@@ -149,17 +163,8 @@ func classifyApply(err error) error {
 	return bus.Transient(err)
 }
 
-// startSpan starts the span of one change: a child of the request's trace
-// when the producer gave it, else of the record's. It links to the span of
-// the batch (ctx's), under which the transaction's database spans are.
-func (h *Handler) startSpan(ctx context.Context, topic string, it item, c change) (context.Context, trace.Span) {
-	opts := []trace.SpanStartOption{}
-	if c.traceparent != "" {
-		if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
-			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
-		}
-		ctx = bus.ExtractContext(ctx, map[string]string{contract.HeaderTraceparent: c.traceparent})
-	}
+// applyStart is how the span of one change of a consumed record starts.
+func (h *Handler) applyStart(topic string, it item, c change, at time.Time) spanStart {
 	attrs := []attribute.KeyValue{
 		attribute.String("messaging.destination.name", topic),
 		attribute.String("kvmesh.engine_id", it.record.EngineID),
@@ -170,7 +175,53 @@ func (h *Handler) startSpan(ctx context.Context, topic string, it item, c change
 	if c.label != it.label {
 		attrs = append(attrs, attribute.String("kvmesh.change", c.label))
 	}
-	return h.tracer.Start(ctx, "scheduler.apply", append(opts, trace.WithAttributes(attrs...))...)
+	return spanStart{name: "scheduler.apply", attrs: attrs, at: at, traceparent: c.traceparent}
+}
+
+// begin starts r's span, once, in its request's trace: a child of the
+// trace context the record gave the request, else of the one the
+// request's tracker keeps (req is the locked request; nil when the change
+// found none), else the root of a trace of its own. Work shared by the
+// requests of a batch — the consumer span of ctx, under which the
+// transaction runs — is linked, never the parent, unless it is in the
+// request's trace itself (a record consumed alone: its consumer span, a
+// child of the producer's, is the parent). A tracker that keeps no trace
+// context yet keeps the record's, so the request's later records that
+// carry none (an engine that does not trace, a load expiry) join the
+// trace.
+func (h *Handler) begin(ctx context.Context, r *run, req *tracking.Request) {
+	if r.span != nil {
+		return
+	}
+	given := bus.ParseTraceparent(r.start.traceparent)
+	parent := given
+	if !parent.IsValid() && req != nil {
+		parent = bus.ParseTraceparent(req.Traceparent)
+	}
+	opts := []trace.SpanStartOption{trace.WithTimestamp(r.start.at), trace.WithAttributes(r.start.attrs...)}
+	shared := trace.SpanContextFromContext(ctx)
+	switch {
+	case shared.IsValid() && parent.IsValid() && shared.TraceID() == parent.TraceID():
+		// The consumer span of a record consumed alone, in its trace.
+	case parent.IsValid():
+		ctx = trace.ContextWithRemoteSpanContext(ctx, parent)
+		opts = append(opts, linkTo(shared)...)
+	default:
+		opts = append(opts, trace.WithNewRoot())
+		opts = append(opts, linkTo(shared)...)
+	}
+	r.ctx, r.span = h.tracer.Start(ctx, r.start.name, opts...)
+	if req != nil && req.Traceparent == "" && given.IsValid() {
+		req.Traceparent = r.start.traceparent
+	}
+}
+
+// linkTo is the option linking a span to sc, when sc is a span.
+func linkTo(sc trace.SpanContext) []trace.SpanStartOption {
+	if !sc.IsValid() {
+		return nil
+	}
+	return []trace.SpanStartOption{trace.WithLinks(trace.Link{SpanContext: sc})}
 }
 
 // finishSpan records a committed change's result on its span.

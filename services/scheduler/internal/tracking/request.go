@@ -98,6 +98,11 @@ type Extras struct {
 	Coverage []GroupCoverage `json:"coverage,omitempty"`
 	// Warnings are the latest problems that did not stop the request.
 	Warnings []Warning `json:"warnings,omitempty"`
+	// Traceparent is the W3C trace context of the request's trace, taken
+	// from the first record about the request that carried one: the
+	// scheduler continues that trace for the request's records that carry
+	// none (an engine that does not trace its requests, a load expiry).
+	Traceparent string `json:"traceparent,omitempty"`
 }
 
 // The shapes the scheduler keeps with a request's tracker (its extras) are
