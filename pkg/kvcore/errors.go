@@ -48,4 +48,7 @@ var (
 	// ErrInvalidSaveTask is returned for a save-task payload that does not
 	// decode strictly or lacks its schema or identifying fields.
 	ErrInvalidSaveTask = errors.New("invalid save task")
+	// ErrUnplannedKey is returned when a lookup plan asks a key its score
+	// plan did not plan (a bug: a score plan covers every lookup key).
+	ErrUnplannedKey = errors.New("lookup key outside the score plan")
 )
