@@ -23,3 +23,15 @@ func allowed(ctx context.Context, req *Request) error {
 	}
 	return nil
 }
+
+// allowedTenant checks that the request's credential reaches the tenant's
+// keys, for routes that act for no engine (POST /v1/score): an engine
+// token only for a tenant it serves, the operator token for every tenant.
+// Without authentication (no principal) every tenant is allowed.
+func allowedTenant(ctx context.Context, tenant string) error {
+	p := auth.FromContext(ctx)
+	if p == nil || p.AllowsTenant(tenant) {
+		return nil
+	}
+	return fmt.Errorf("%w: engine %s's token does not serve tenant %q", auth.ErrForbidden, p.Subject, tenant)
+}

@@ -191,8 +191,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // decode reads the request body, JSON or binary (ContentTypeBinary); on
 // failure it has written the problem.
 func (h *Handler) decode(w http.ResponseWriter, r *http.Request, req *Request) error {
+	return decodeRequest(w, r, req, h.opts.MaxBodyBytes)
+}
+
+// decodeRequest reads a lookup body, JSON or binary (ContentTypeBinary),
+// of at most limit bytes; on failure it has written the problem.
+func decodeRequest(w http.ResponseWriter, r *http.Request, req *Request, limit int64) error {
 	if isBinary(r.Header.Get("Content-Type")) {
-		return decodeBinary(w, r, req, h.opts.MaxBodyBytes)
+		return decodeBinary(w, r, req, limit)
 	}
 	return httpserver.DecodeJSON(w, r, req)
 }

@@ -127,6 +127,11 @@ func (v Validator) checkIdentity(req *Request) error {
 	if err := checkID("request_id", req.RequestID); err != nil {
 		return err
 	}
+	return v.checkScope(req)
+}
+
+// checkScope checks the tenant and the model name.
+func (v Validator) checkScope(req *Request) error {
 	if err := kvcore.ValidateTenant(req.Tenant); err != nil {
 		return fieldErr("tenant", "is not a valid tenant: at most %d bytes of [A-Za-z0-9._-]", kvcore.MaxTenantBytes)
 	}

@@ -21,6 +21,9 @@ import (
 // metrics (kvmesh_store_op_duration_seconds and friends).
 const StoreOp = "lookup_exists"
 
+// ScoreStoreOp is the op label of POST /v1/score's existence checks.
+const ScoreStoreOp = "score_exists"
+
 // Config is the lookup's configuration.
 type Config struct {
 	service.Common
@@ -116,7 +119,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common, api.DecisionProducerOptions()...); err != nil {
 		return nil, err
 	}
-	h, err := a.handler(cfg)
+	h, sh, err := a.handler(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -124,20 +127,21 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	h.Mount(a.srv.Router())
+	sh.Mount(a.srv.Router())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }
 
-// handler builds the connector chain over the instrumented store and the
-// lookup API.
-func (a *App) handler(cfg Config) (*api.Handler, error) {
+// handler builds the connector chain over the instrumented store, the
+// lookup API and the score API (over the same store, under its own op).
+func (a *App) handler(cfg Config) (*api.Handler, *api.ScoreHandler, error) {
 	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	sm, err := kvstore.NewMetrics(a.deps.Registry)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	names := cfg.Connectors
 	if len(names) == 0 {
@@ -150,9 +154,9 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 		Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}),
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return api.New(api.Options{
+	h, err := api.New(api.Options{
 		Model:        a.model,
 		Chain:        chain,
 		Publisher:    a.deps.Producer,
@@ -163,6 +167,19 @@ func (a *App) handler(cfg Config) (*api.Handler, error) {
 		Registry:     a.deps.Registry,
 		Log:          a.deps.Log,
 	})
+	if err != nil {
+		return nil, nil, err
+	}
+	sh, err := api.NewScore(api.ScoreOptions{
+		Model:        a.model,
+		Keys:         kb,
+		Store:        kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
+		Timeout:      cfg.Timeout,
+		MaxBodyBytes: cfg.MaxBodyBytes,
+		Registry:     a.deps.Registry,
+		Log:          a.deps.Log,
+	})
+	return h, sh, err
 }
 
 // Addr is the bound HTTP address.

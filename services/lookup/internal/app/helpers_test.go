@@ -143,6 +143,12 @@ type response struct {
 // /v1/lookup with extra headers.
 func (s *lookupService) post(t *testing.T, body any, headers map[string]string) response {
 	t.Helper()
+	return s.postTo(t, "/v1/lookup", body, headers)
+}
+
+// postTo is post to the route at path.
+func (s *lookupService) postTo(t *testing.T, path string, body any, headers map[string]string) response {
+	t.Helper()
 	raw, ok := body.(string)
 	if !ok {
 		b, err := json.Marshal(body)
@@ -151,7 +157,7 @@ func (s *lookupService) post(t *testing.T, body any, headers map[string]string) 
 		}
 		raw = string(b)
 	}
-	req, err := http.NewRequest(http.MethodPost, "http://"+s.addr+"/v1/lookup", strings.NewReader(raw))
+	req, err := http.NewRequest(http.MethodPost, "http://"+s.addr+path, strings.NewReader(raw))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +167,7 @@ func (s *lookupService) post(t *testing.T, body any, headers map[string]string) 
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatalf("POST /v1/lookup: %v", err)
+		t.Fatalf("POST %s: %v", path, err)
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
