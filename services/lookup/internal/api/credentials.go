@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	"github.com/kvmesh/kvmesh/pkg/auth"
 )
@@ -34,4 +35,13 @@ func allowedTenant(ctx context.Context, tenant string) error {
 		return nil
 	}
 	return fmt.Errorf("%w: engine %s's token does not serve tenant %q", auth.ErrForbidden, p.Subject, tenant)
+}
+
+// seesEveryTenant reports whether the request's credential reaches every
+// tenant: no principal (no authentication), the operator, or an engine
+// token of auth.AnyTenant. Engines' own KV events name no tenant, so their
+// scores are only answered to such a credential.
+func seesEveryTenant(ctx context.Context) bool {
+	p := auth.FromContext(ctx)
+	return p == nil || p.Kind != auth.KindEngine || slices.Contains(p.Tenants, auth.AnyTenant)
 }

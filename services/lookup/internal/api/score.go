@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/engines"
 )
 
 // ScoreRoute is the scoring route: how much of a prompt the store holds,
@@ -71,6 +72,16 @@ type ScoreOptions struct {
 	Registry prometheus.Registerer
 	// Log receives store failures; default discards.
 	Log *slog.Logger
+	// Engines is the engines' own prefix caches, from their KV events
+	// (KVMESH_LOOKUP_ENGINE_SCORES); nil scores the store alone.
+	Engines EngineIndex
+}
+
+// EngineIndex is the engines' prefix caches; *engines.Index is one.
+type EngineIndex interface {
+	// Each calls fn for every engine with its presence by group and wire
+	// hash.
+	Each(fn func(engine string, has engines.Presence))
 }
 
 // ScoreHandler serves POST /v1/score. Scoring has no side effects: nothing
@@ -91,6 +102,11 @@ type ScoreResponse struct {
 	NumTokens int `json:"num_tokens"`
 	// Store is the store pool's score.
 	Store TierScore `json:"store"`
+	// Engines are the engines' own prefix caches' scores, by engine id,
+	// from their KV events, under the same rules; absent when engine
+	// scores are off, for a tenant-scoped credential, or before any engine
+	// published.
+	Engines map[string]TierScore `json:"engines,omitempty"`
 }
 
 // TierScore is one source's score of a prompt (kvcore.Score).
@@ -182,31 +198,51 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.refuse(span, err)
 		return
 	}
-	s, err := h.score(ctx, q)
+	plan, s, err := h.score(ctx, q)
 	if err != nil {
 		h.fail(w, r, span, err)
 		return
 	}
 	h.answered(span, s)
-	_ = httpserver.WriteJSON(w, http.StatusOK, &ScoreResponse{Model: req.Model, Tenant: q.Tenant, NumTokens: q.NumTokens, Store: tierScore(s)})
+	res := &ScoreResponse{Model: req.Model, Tenant: q.Tenant, NumTokens: q.NumTokens, Store: tierScore(s)}
+	if h.opts.Engines != nil && seesEveryTenant(ctx) {
+		res.Engines = engineScores(plan, h.opts.Engines)
+	}
+	_ = httpserver.WriteJSON(w, http.StatusOK, res)
+}
+
+// engineScores scores the plan's prompt against every engine's prefix
+// cache; nil when no engine published.
+func engineScores(plan *kvcore.ScorePlan, idx EngineIndex) map[string]TierScore {
+	var out map[string]TierScore
+	idx.Each(func(engine string, has engines.Presence) {
+		if out == nil {
+			out = map[string]TierScore{}
+		}
+		out[engine] = tierScore(plan.ScorePresence(func(g int, h kvcore.BlockHash) bool {
+			return has(g, contract.WireHash(h))
+		}))
+	})
+	return out
 }
 
 // score checks every key of the prompt's score plan in one batch, under
 // the timeout. A failed check is an error wrapping connector.ErrStore.
-func (h *ScoreHandler) score(ctx context.Context, q *connector.Query) (kvcore.Score, error) {
+func (h *ScoreHandler) score(ctx context.Context, q *connector.Query) (*kvcore.ScorePlan, kvcore.Score, error) {
 	plan, err := kvcore.PlanScore(h.opts.Model, h.opts.Keys.ForTenant(q.Tenant), q.Hashes, q.NumTokens)
 	if err != nil {
-		return kvcore.Score{}, fmt.Errorf("plan: %w", err)
+		return nil, kvcore.Score{}, fmt.Errorf("plan: %w", err)
 	}
 	var exists []bool
 	if keys := plan.Keys(); len(keys) > 0 {
 		sctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
 		defer cancel()
 		if exists, err = h.opts.Store.Exists(sctx, keys); err != nil {
-			return kvcore.Score{}, fmt.Errorf("%w (%d keys): %w", connector.ErrStore, len(keys), err)
+			return nil, kvcore.Score{}, fmt.Errorf("%w (%d keys): %w", connector.ErrStore, len(keys), err)
 		}
 	}
-	return plan.Score(exists)
+	s, err := plan.Score(exists)
+	return plan, s, err
 }
 
 // tierScore is s in the answer's form, kinds named as vLLM names them.

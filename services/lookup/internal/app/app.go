@@ -3,11 +3,14 @@ package app
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -15,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/engines"
 )
 
 // StoreOp is the op label of the lookup's existence checks in the store
@@ -44,6 +48,8 @@ type Config struct {
 	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" doc:"bound on one lookup's store check, and on its own on the decision publish; a store check past it fails open (the store child answers 0), a publish past it answers 503"`
 	// MaxBodyBytes limits a lookup request body.
 	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
+	// EngineScores has POST /v1/score score the engines' own prefix caches.
+	EngineScores bool `env:"KVMESH_LOOKUP_ENGINE_SCORES" default:"false" doc:"have POST /v1/score also score each engine's own prefix cache, from the vLLM KV events engines publish to kvmesh.kv.events (header kvmesh-engine-id); every lookup replica reads the whole topic from its oldest retained record into memory"`
 }
 
 // ConfigDefaults gives the settings whose defaults other packages own
@@ -86,6 +92,9 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
+	// engines feeds the engine index (KVMESH_LOOKUP_ENGINE_SCORES); nil
+	// when off.
+	engines *bus.Consumer
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -119,7 +128,13 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common, api.DecisionProducerOptions()...); err != nil {
 		return nil, err
 	}
-	h, sh, err := a.handler(cfg)
+	var idx *engines.Index
+	if cfg.EngineScores {
+		if idx, err = a.engineIndex(cfg); err != nil {
+			return nil, err
+		}
+	}
+	h, sh, err := a.handler(cfg, idx)
 	if err != nil {
 		return nil, err
 	}
@@ -134,7 +149,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 
 // handler builds the connector chain over the instrumented store, the
 // lookup API and the score API (over the same store, under its own op).
-func (a *App) handler(cfg Config) (*api.Handler, *api.ScoreHandler, error) {
+func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreHandler, error) {
 	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
 	if err != nil {
 		return nil, nil, err
@@ -170,7 +185,7 @@ func (a *App) handler(cfg Config) (*api.Handler, *api.ScoreHandler, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	sh, err := api.NewScore(api.ScoreOptions{
+	so := api.ScoreOptions{
 		Model:        a.model,
 		Keys:         kb,
 		Store:        kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
@@ -178,8 +193,34 @@ func (a *App) handler(cfg Config) (*api.Handler, *api.ScoreHandler, error) {
 		MaxBodyBytes: cfg.MaxBodyBytes,
 		Registry:     a.deps.Registry,
 		Log:          a.deps.Log,
-	})
+	}
+	if idx != nil {
+		so.Engines = idx
+	}
+	sh, err := api.NewScore(so)
 	return h, sh, err
+}
+
+// engineIndex builds the index of the engines' own prefix caches and the
+// consumer that feeds it from kvmesh.kv.events, in a consumer group of
+// this process alone (every replica must read every engine's events) that
+// starts at the oldest retained record, so a restarted lookup rebuilds the
+// index. A record it cannot apply is logged and skipped.
+func (a *App) engineIndex(cfg Config) (*engines.Index, error) {
+	idx := engines.NewIndex(len(a.model.Groups))
+	var id [8]byte
+	_, _ = rand.Read(id[:]) // crypto/rand.Read never fails (it panics instead)
+	cc := cfg.ConsumerConfig("kvmesh-lookup-engines-"+hex.EncodeToString(id[:]), []string{contract.TopicKVEvents}, a.deps.Log)
+	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
+		a.deps.Log.WarnContext(ctx, "engine kv event record skipped", "reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
+		return nil
+	}
+	c, err := bus.NewConsumer(cc, idx.Handle)
+	if err != nil {
+		return nil, fmt.Errorf("engine kv events consumer: %w", err)
+	}
+	a.engines = c
+	return idx, nil
 }
 
 // Addr is the bound HTTP address.
@@ -188,7 +229,9 @@ func (a *App) Addr() string { return a.srv.Addr() }
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
-	return service.Run(ctx, a.deps.Log,
-		service.Task{Name: "http", Run: a.srv.Run},
-	)
+	tasks := []service.Task{{Name: "http", Run: a.srv.Run}}
+	if a.engines != nil {
+		tasks = append(tasks, service.Task{Name: "engine-events", Run: a.engines.Run})
+	}
+	return service.Run(ctx, a.deps.Log, tasks...)
 }
