@@ -73,7 +73,8 @@ func scoreBody(toks []uint32, tenant string) map[string]any {
 // a 64-token prompt but, of the sliding-window group, only its first block
 // (not the window before any longer hit). A group-folding router counts 64
 // tokens; the hybrid hit, the lookup's own, is 16. The score says both,
-// with each group's counts, in every prompt form, for the tenant's keys.
+// with each group's counts, in every prompt form (the binary body too),
+// for the tenant's keys.
 func TestScoreHybridOverCount(t *testing.T) {
 	env := servicetest.NewEnv(t)
 	seed := newSeeder(t, env.RedisURL)
@@ -107,11 +108,17 @@ func TestScoreHybridOverCount(t *testing.T) {
 			}
 		})
 	}
+	t.Run("binary", func(t *testing.T) {
+		head := map[string]any{"model": "test-model", "tenant": "acme", "num_tokens": 64, "block_hash_bytes": len(hashes[0])}
+		if got := s.score(t, binaryBody(t, head, hashes), binaryType); !reflect.DeepEqual(got.Store, want) {
+			t.Fatalf("binary score %s, want store %s", asJSON(got), asJSON(want))
+		}
+	})
 	if d := s.lookup(t, withTenant(body("score-agrees", toks, 0), "acme")); d.ExternalTokens != want.HitTokens {
 		t.Errorf("the lookup of the same prompt answered %d external tokens, the score's hit_tokens is %d", d.ExternalTokens, want.HitTokens)
 	}
-	if got := s.metric(t, `kvmesh_lookup_scores_total{outcome="hit"}`) - hits; got != float64(len(forms)) {
-		t.Errorf("scores counted as hits %v, want %d", got, len(forms))
+	if got := s.metric(t, `kvmesh_lookup_scores_total{outcome="hit"}`) - hits; got != float64(len(forms)+1) {
+		t.Errorf("scores counted as hits %v, want %d", got, len(forms)+1)
 	}
 	// Another tenant's score sees none of acme's blocks.
 	if got := s.score(t, scoreBody(toks, "globex"), nil).Store; got.HitTokens != 0 || got.AnyGroupPrefixTokens != 0 {
