@@ -4,7 +4,9 @@
 //
 // It holds the model spec (KV-cache groups, block sizes, rank namespaces),
 // chained block hashing, Mooncake-layout store keys, lookup planning with the
-// hybrid longest-hit and full-hit rules, MultiConnector selection, the
+// hybrid longest-hit and full-hit rules, group-aware scoring of a prompt for
+// routers (ScorePlan: the hybrid hit beside each group's own counts and the
+// count of a router that folds the groups together), MultiConnector selection, the
 // per-request tracker state machine that yields load and save tasks, save-task
 // validation with stable reason codes, and chunk planning for send and
 // receive. The behaviour follows vLLM's connectors as docs/architecture.md
