@@ -2,6 +2,7 @@ package kvcore
 
 import (
 	"errors"
+	"math/rand/v2"
 	"reflect"
 	"testing"
 )
@@ -238,5 +239,65 @@ func TestPlanScoreErrors(t *testing.T) {
 	}
 	if _, err := p.Score(make([]bool, len(p.Keys())+1)); !errors.Is(err, ErrAnswerCount) {
 		t.Fatalf("Score with an answer too many = %v, want ErrAnswerCount", err)
+	}
+}
+
+// TestScoreProperties checks random models (with and without partial hash
+// hits) and random store contents: the hit is the lookup's, no group alone
+// serves less than the hybrid hit, the folded count is never below a
+// group's prefix, full attention's usable tokens are its prefix, counts
+// are whole blocks within the prompt, and a key more never lowers a count.
+func TestScoreProperties(t *testing.T) {
+	rng := rand.New(rand.NewPCG(27, 3))
+	for i := 0; i < 300; {
+		m := drawModel(rng)
+		if m.Validate() != nil {
+			continue
+		}
+		i++
+		kb := KeyBuilder{Prefix: "p", Model: m.Name}
+		numTokens := rng.IntN(300)
+		hashes := promptHashes(m, numTokens, uint32(i))
+		p, err := PlanScore(m, kb, hashes, numTokens)
+		if err != nil {
+			t.Fatalf("case %d: PlanScore: %v", i, err)
+		}
+		present := map[string]bool{}
+		density := rng.Float64()
+		for _, k := range p.Keys() {
+			present[k] = rng.Float64() < density+0.3
+		}
+		s, err := p.Score((&storeFake{present: present}).exists(p.Keys()))
+		if err != nil {
+			t.Fatalf("case %d: Score: %v", i, err)
+		}
+		checkLookupAgrees(t, m, kb, hashes, numTokens, present, s.HitTokens)
+		checkScoreInvariants(t, m, numTokens, s)
+		if len(p.Keys()) > 0 {
+			present[p.Keys()[rng.IntN(len(p.Keys()))]] = true
+			more, _ := p.Score((&storeFake{present: present}).exists(p.Keys()))
+			if more.HitTokens < s.HitTokens || more.AnyGroupPrefixTokens < s.AnyGroupPrefixTokens {
+				t.Fatalf("case %d: a present key lowered the score from %+v to %+v", i, s, more)
+			}
+		}
+	}
+}
+
+// checkScoreInvariants checks one score against the rules that hold for
+// every model and store.
+func checkScoreInvariants(t *testing.T, m *Model, numTokens int, s Score) {
+	t.Helper()
+	for _, g := range s.Groups {
+		full := g.Kind == KindFullAttention || g.Kind == KindMLA
+		switch {
+		case g.UsableTokens < s.HitTokens:
+			t.Fatalf("%+v: group %d alone serves %d, less than the hybrid hit %d", m, g.Group, g.UsableTokens, s.HitTokens)
+		case s.AnyGroupPrefixTokens < g.PrefixTokens:
+			t.Fatalf("%+v: folded count %d below group %d's prefix %d", m, s.AnyGroupPrefixTokens, g.Group, g.PrefixTokens)
+		case full && !m.PartialHashHits() && g.UsableTokens != g.PrefixTokens:
+			t.Fatalf("%+v: full-attention group %d usable %d, prefix %d", m, g.Group, g.UsableTokens, g.PrefixTokens)
+		case g.PrefixTokens%g.BlockSize != 0 || g.PrefixTokens > numTokens || g.UsableTokens > numTokens:
+			t.Fatalf("%+v: group %d counts %+v for a prompt of %d tokens", m, g.Group, g, numTokens)
+		}
 	}
 }
