@@ -3,8 +3,6 @@ package app
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -24,9 +22,6 @@ import (
 // StoreOp is the op label of the lookup's existence checks in the store
 // metrics (kvmesh_store_op_duration_seconds and friends).
 const StoreOp = "lookup_exists"
-
-// ScoreStoreOp is the op label of POST /v1/score's existence checks.
-const ScoreStoreOp = "score_exists"
 
 // Config is the lookup's configuration.
 type Config struct {
@@ -185,42 +180,8 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 	if err != nil {
 		return nil, nil, err
 	}
-	so := api.ScoreOptions{
-		Model:        a.model,
-		Keys:         kb,
-		Store:        kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
-		Timeout:      cfg.Timeout,
-		MaxBodyBytes: cfg.MaxBodyBytes,
-		Registry:     a.deps.Registry,
-		Log:          a.deps.Log,
-	}
-	if idx != nil {
-		so.Engines = idx
-	}
-	sh, err := api.NewScore(so)
+	sh, err := a.scoreHandler(cfg, kb, sm, idx)
 	return h, sh, err
-}
-
-// engineIndex builds the index of the engines' own prefix caches and the
-// consumer that feeds it from kvmesh.kv.events, in a consumer group of
-// this process alone (every replica must read every engine's events) that
-// starts at the oldest retained record, so a restarted lookup rebuilds the
-// index. A record it cannot apply is logged and skipped.
-func (a *App) engineIndex(cfg Config) (*engines.Index, error) {
-	idx := engines.NewIndex(len(a.model.Groups))
-	var id [8]byte
-	_, _ = rand.Read(id[:]) // crypto/rand.Read never fails (it panics instead)
-	cc := cfg.ConsumerConfig("kvmesh-lookup-engines-"+hex.EncodeToString(id[:]), []string{contract.TopicKVEvents}, a.deps.Log)
-	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
-		a.deps.Log.WarnContext(ctx, "engine kv event record skipped", "reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
-		return nil
-	}
-	c, err := bus.NewConsumer(cc, idx.Handle)
-	if err != nil {
-		return nil, fmt.Errorf("engine kv events consumer: %w", err)
-	}
-	a.engines = c
-	return idx, nil
 }
 
 // Addr is the bound HTTP address.
