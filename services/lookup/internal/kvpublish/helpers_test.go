@@ -1,0 +1,200 @@
+package kvpublish
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
+)
+
+// testKeys is the deployment of the tests.
+var testKeys = kvcore.KeyBuilder{Prefix: "dep", Model: "org/model"}
+
+// rig is a kfake broker over TCP, a kafka-go producer onto it and a
+// publisher reading it.
+type rig struct {
+	t        *testing.T
+	producer *bus.Producer
+	metrics  *Metrics
+	p        *Publisher
+	done     chan error
+}
+
+// newRig starts the broker, the producer and a publisher bound to
+// loopback ports, with opts changed by tweak; the publisher stops at the
+// test's end and must return nil.
+func newRig(t *testing.T, tweak func(*Options)) *rig {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	b, err := devbroker.Start(ctx, devbroker.Config{Addr: "127.0.0.1:0", Partitions: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	r := &rig{t: t, done: make(chan error, 1)}
+	if r.producer, err = bus.NewProducer(b.Addrs()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.producer.Close() })
+	if r.metrics, err = NewMetrics(prometheus.NewRegistry()); err != nil {
+		t.Fatal(err)
+	}
+	opts := Options{
+		Brokers: b.Addrs(), Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
+		Metrics: r.metrics, MaxWait: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+	}
+	if tweak != nil {
+		tweak(&opts)
+	}
+	if r.p, err = New(opts); err != nil {
+		t.Fatal(err)
+	}
+	go func() { r.done <- r.p.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-r.done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("Run did not return within 10 s of its context ending")
+		}
+	})
+	return r
+}
+
+// produce writes records onto kvmesh.kv.events.
+func (r *rig) produce(recs ...contract.KVEventRecord) {
+	r.t.Helper()
+	var msgs []bus.Message
+	for _, rec := range recs {
+		key, value, headers, err := contract.EncodeKVEventRecord(rec, contract.KVEventFormMap)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+	}
+	r.produceRaw(msgs...)
+}
+
+func (r *rig) produceRaw(msgs ...bus.Message) {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.producer.Publish(ctx, msgs...); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// blockHash is an 8-byte store hash whose wire hash is w.
+func blockHash(w uint64) kvcore.BlockHash {
+	return binary.BigEndian.AppendUint64(nil, w)
+}
+
+// stored is a BlockStored record of kb's group-0 namespace: one event of
+// the blocks with wire hashes ws, their tokens and parent.
+func stored(kb kvcore.KeyBuilder, parent *uint64, tokens []uint32, ws ...uint64) contract.KVEventRecord {
+	medium, locality := contract.MediumStore, contract.LocalityStore
+	rec := contract.KVEventRecord{
+		Batch: contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{
+			Kind: contract.BlockStored, BlockHashes: ws, ParentBlockHash: parent, TokenIDs: tokens, BlockSize: 16,
+			Medium: &medium, GroupIdx: new(int), SpecKind: "full_attention", Locality: &locality,
+		}}},
+		Model: kb.Model, Namespace: kb.Namespace(kvcore.Rank{}, 0), Tenant: kb.Tenant,
+	}
+	for _, w := range ws {
+		rec.Hashes = append(rec.Hashes, blockHash(w).Hex())
+	}
+	return rec
+}
+
+// removed is a BlockRemoved record of kb's group-0 namespace.
+func removed(kb kvcore.KeyBuilder, ws ...uint64) contract.KVEventRecord {
+	rec := stored(kb, nil, nil, ws...)
+	medium := contract.MediumStore
+	rec.Batch.Events = []contract.KVEvent{{Kind: contract.BlockRemoved, BlockHashes: ws, Medium: &medium, GroupIdx: new(int)}}
+	rec.Cause = "del"
+	return rec
+}
+
+// until polls cond every 10 ms until it holds, failing the test after 20 s.
+func until(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not seen in 20 s", what)
+		}
+		<-tick.C
+	}
+}
+
+// subscribe connects a SUB socket to the publisher with filter "kv@" and
+// waits until the publisher sees the subscription.
+func (r *rig) subscribe() zmq4.Socket {
+	r.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	sub := zmq4.NewSub(ctx)
+	r.t.Cleanup(func() { _ = sub.Close(); cancel() })
+	if err := sub.Dial("tcp://" + r.p.Addr()); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
+		r.t.Fatal(err)
+	}
+	topics, _ := r.p.pub.(zmq4.Topics)
+	until(r.t, "the subscription at the publisher", func() bool { return slices.Contains(topics.Topics(), "kv@") })
+	return sub
+}
+
+// recvFrames receives one message within 20 s.
+func recvFrames(t *testing.T, s zmq4.Socket) [][]byte {
+	t.Helper()
+	type result struct {
+		msg zmq4.Msg
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() { m, err := s.Recv(); ch <- result{m, err} }()
+	select {
+	case res := <-ch:
+		if res.err != nil {
+			t.Fatal(res.err)
+		}
+		return res.msg.Frames
+	case <-time.After(20 * time.Second):
+		t.Fatal("no message in 20 s")
+	}
+	return nil
+}
+
+// seqOf reads an 8-byte big-endian seq frame.
+func seqOf(t *testing.T, b []byte) int64 {
+	t.Helper()
+	if len(b) != 8 {
+		t.Fatalf("seq frame of %d bytes, want 8", len(b))
+	}
+	return int64(binary.BigEndian.Uint64(b))
+}
+
+func describe(frames [][]byte) string {
+	out := make([]string, len(frames))
+	for i, f := range frames {
+		out[i] = fmt.Sprintf("%q", f)
+	}
+	return fmt.Sprint(out)
+}
