@@ -156,9 +156,14 @@ func (r *rig) subscribe() zmq4.Socket {
 	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
 		r.t.Fatal(err)
 	}
-	topics, _ := r.p.pub.(zmq4.Topics)
-	until(r.t, "the subscription at the publisher", func() bool { return slices.Contains(topics.Topics(), "kv@") })
+	until(r.t, "the subscription at the publisher", r.topics())
 	return sub
+}
+
+// topics reports whether the publisher has a subscription to "kv@".
+func (r *rig) topics() func() bool {
+	topics, _ := r.p.pub.(zmq4.Topics)
+	return func() bool { return slices.Contains(topics.Topics(), "kv@") }
 }
 
 // recvFrames receives one message within 20 s.
