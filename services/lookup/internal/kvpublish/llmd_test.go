@@ -17,6 +17,7 @@ import (
 // manager.
 type llmd struct {
 	indexer *kvcache.Indexer
+	pool    *kvevents.Pool
 	subs    *kvevents.SubscriberManager
 }
 
@@ -47,7 +48,7 @@ func newLLMD(t *testing.T) *llmd {
 		cancel()
 		pool.Shutdown(context.Background())
 	})
-	return &llmd{indexer: indexer, subs: subs}
+	return &llmd{indexer: indexer, pool: pool, subs: subs}
 }
 
 // score is llm-d's score of tokens for pod under model.
@@ -91,4 +92,36 @@ func TestLLMDIndexesTheStore(t *testing.T) {
 	if s := l.score(t, tokens, "another/model", DefaultPod); s != 0 {
 		t.Errorf("score under another model %v, want 0: the topic names the model", s)
 	}
+}
+
+// TestLLMDTokenlessStoreEvents: kvmesh's own BlockStored records carry no
+// token ids; llm-d v0.8.1 still attaches the store's pod to blocks an
+// engine pod announced with their tokens, since the store's hashes are the
+// engine's (its device-tier update resolves them through the engine-hash
+// mapping). The store's pod scores 4 for the engine's 4 blocks.
+func TestLLMDTokenlessStoreEvents(t *testing.T) {
+	r := newRig(t, func(o *Options) { o.Form = contract.KVEventFormArray })
+	l := newLLMD(t)
+	tokens := make([]uint32, 64)
+	for i := range tokens {
+		tokens[i] = uint32(7000 + i)
+	}
+	hashes := []uint64{0xb1, 0xb2, 0xb3, 0xb4}
+	gpu := "GPU"
+	engine, err := contract.EncodeKVEventBatch(contract.KVEventBatch{TS: 1, DataParallelRank: new(int), Events: []contract.KVEvent{{
+		Kind: contract.BlockStored, BlockHashes: hashes, TokenIDs: tokens, BlockSize: 16, Medium: &gpu,
+	}}}, contract.KVEventFormArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.pool.AddTask(&kvevents.RawMessage{Topic: "kv@engine-1@" + testKeys.Model, Payload: engine})
+	until(t, "the engine's own blocks indexed", func() bool { return l.score(t, tokens, testKeys.Model, "engine-1") == 4 })
+	if err := l.subs.EnsureSubscriber(context.Background(), DefaultPod, "tcp://"+r.p.Addr(), "kv@", true); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "llm-d's subscription", r.topics())
+	until(t, "the store's pod scored through the engine's hashes", func() bool {
+		r.produce(stored(testKeys, nil, nil, hashes...)) // as the sender writes it: no token ids
+		return l.score(t, tokens, testKeys.Model, DefaultPod) == 4
+	})
 }
