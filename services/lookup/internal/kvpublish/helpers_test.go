@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,37 +22,59 @@ import (
 // testKeys is the deployment of the tests.
 var testKeys = kvcore.KeyBuilder{Prefix: "dep", Model: "org/model"}
 
-// rig is a kfake broker over TCP, a kafka-go producer onto it and a
-// publisher reading it.
-type rig struct {
+// broker is a kfake broker over TCP and a kafka-go producer onto it.
+type broker struct {
 	t        *testing.T
+	addrs    []string
 	producer *bus.Producer
-	metrics  *Metrics
-	p        *Publisher
-	done     chan error
 }
 
-// newRig starts the broker, the producer and a publisher bound to
-// loopback ports, with opts changed by tweak; the publisher stops at the
-// test's end and must return nil.
-func newRig(t *testing.T, tweak func(*Options)) *rig {
+// newBroker starts the broker (2 partitions a topic) and the producer;
+// both stop at the test's end.
+func newBroker(t *testing.T) *broker {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
 	b, err := devbroker.Start(ctx, devbroker.Config{Addr: "127.0.0.1:0", Partitions: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(b.Close)
-	r := &rig{t: t, done: make(chan error, 1)}
-	if r.producer, err = bus.NewProducer(b.Addrs()); err != nil {
+	p, err := bus.NewProducer(b.Addrs())
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = r.producer.Close() })
+	t.Cleanup(func() { _ = p.Close() })
+	return &broker{t: t, addrs: b.Addrs(), producer: p}
+}
+
+// rig is a broker and a publisher reading it.
+type rig struct {
+	*broker
+	metrics *Metrics
+	p       *Publisher
+	stop    func() // stops the publisher and checks that Run returned nil
+}
+
+// newRig starts a broker and a publisher bound to loopback ports, with
+// opts changed by tweak; the publisher stops at the test's end and must
+// return nil.
+func newRig(t *testing.T, tweak func(*Options)) *rig {
+	t.Helper()
+	return newBroker(t).publisher(tweak)
+}
+
+// publisher starts a publisher reading b, with opts changed by tweak.
+func (b *broker) publisher(tweak func(*Options)) *rig {
+	t := b.t
+	t.Helper()
+	r := &rig{broker: b}
+	var err error
 	if r.metrics, err = NewMetrics(prometheus.NewRegistry()); err != nil {
 		t.Fatal(err)
 	}
 	opts := Options{
-		Brokers: b.Addrs(), Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
+		Brokers: b.addrs, Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
 		Metrics: r.metrics, MaxWait: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 	}
 	if tweak != nil {
@@ -60,41 +83,47 @@ func newRig(t *testing.T, tweak func(*Options)) *rig {
 	if r.p, err = New(opts); err != nil {
 		t.Fatal(err)
 	}
-	go func() { r.done <- r.p.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-r.done:
-			if err != nil {
-				t.Errorf("Run: %v", err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.p.Run(ctx) }()
+	var once sync.Once
+	r.stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("Run: %v", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Error("Run did not return within 10 s of its context ending")
 			}
-		case <-time.After(10 * time.Second):
-			t.Error("Run did not return within 10 s of its context ending")
-		}
-	})
+		})
+	}
+	t.Cleanup(r.stop)
 	return r
 }
 
 // produce writes records onto kvmesh.kv.events.
-func (r *rig) produce(recs ...contract.KVEventRecord) {
-	r.t.Helper()
+func (b *broker) produce(recs ...contract.KVEventRecord) {
+	b.t.Helper()
 	var msgs []bus.Message
 	for _, rec := range recs {
 		key, value, headers, err := contract.EncodeKVEventRecord(rec, contract.KVEventFormMap)
 		if err != nil {
-			r.t.Fatal(err)
+			b.t.Fatal(err)
 		}
 		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
 	}
-	r.produceRaw(msgs...)
+	b.produceRaw(msgs...)
 }
 
-func (r *rig) produceRaw(msgs ...bus.Message) {
-	r.t.Helper()
+func (b *broker) produceRaw(msgs ...bus.Message) {
+	b.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := r.producer.Publish(ctx, msgs...); err != nil {
-		r.t.Fatal(err)
+	if err := b.producer.Publish(ctx, msgs...); err != nil {
+		b.t.Fatal(err)
 	}
 }
 

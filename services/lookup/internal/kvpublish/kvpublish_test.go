@@ -247,3 +247,24 @@ func TestStopsWhileLookingUpPartitions(t *testing.T) {
 		t.Error("a replay address without a replay endpoint")
 	}
 }
+
+// TestRepublishesFromTheEarliestRecord: Kafka is the durable source: a
+// publisher started after records were written publishes them from the
+// topic's earliest offset, and a restarted one publishes them all again
+// from seq 0.
+func TestRepublishesFromTheEarliestRecord(t *testing.T) {
+	b := newBroker(t)
+	b.produce(stored(testKeys, nil, nil, 100), stored(testKeys, nil, nil, 101))
+	for run := range 2 {
+		r := b.publisher(nil)
+		until(t, "the earlier records published", func() bool { return testutil.ToFloat64(r.metrics.published) == 2 })
+		replies := replayFrom(t, r.p.ReplayAddr(), 0)
+		if len(replies) != 3 {
+			t.Fatalf("run %d: %d replies, want the 2 records and the end marker", run, len(replies))
+		}
+		for i, f := range replies {
+			checkReply(t, FramingTopic, f, i == 2, int64(i))
+		}
+		r.stop()
+	}
+}
