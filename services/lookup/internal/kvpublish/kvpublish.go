@@ -235,7 +235,9 @@ func (p *Publisher) ReplayAddr() string {
 	return p.router.Addr().String()
 }
 
-// Close closes the sockets; Run closes them when it returns.
+// Close closes the sockets; Run closes them when it returns. (go-zeromq/zmq4
+// v0.17.0 leaves one goroutine of each PUB socket running after Close: its
+// writer's, which the socket never closes.)
 func (p *Publisher) Close() {
 	p.close.Do(func() {
 		p.cancel()
