@@ -339,7 +339,7 @@ func storedRecords(t *testing.T, engine, request string, keys []string) []Record
 		key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
 			Batch:     contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: wire, TokenIDs: []uint32{}}}},
 			Namespace: ns, Hashes: byNS[ns], EngineID: engine, RequestID: request,
-		})
+		}, contract.KVEventFormMap)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -364,7 +364,7 @@ func TestLedgerRemovedKeys(t *testing.T) {
 	key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
 		Batch:     contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockRemoved, BlockHashes: []uint64{contract.WireHash(hashes[0])}}}},
 		Namespace: ns, Hashes: []string{h},
-	})
+	}, contract.KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}

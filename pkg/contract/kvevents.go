@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"time"
 
@@ -74,6 +75,8 @@ var (
 	// ErrKVEventEncoding reports a record value or header set that is not a
 	// KV-event record kvmesh can read.
 	ErrKVEventEncoding = errors.New("contract: malformed kv event")
+	// ErrKVEventForm reports a KV-event wire form other than map or array.
+	ErrKVEventForm = errors.New("contract: unknown kv event form")
 )
 
 // WireHash is a block hash as vLLM puts it on the wire by default: the
@@ -105,18 +108,76 @@ func SpecKind(k kvcore.Kind) string {
 // UnixSeconds is t as KVEventBatch.TS: seconds since the Unix epoch.
 func UnixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 
-// EncodeKVEventBatch encodes b as vLLM's ZmqEventPublisher does with vLLM
-// after vllm-project/vllm#42892: the batch is a positional array
-// [ts, events, data_parallel_rank] (data_parallel_rank left out when nil,
-// as msgspec's omit_defaults does), each event a map tagged under "type"
-// with vLLM's field names in declaration order. Fields with a default
-// (extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
-// locality) are left out when unset, the fields without one (lora_id,
-// medium, lora_name) are always written, nil when unset.
-func EncodeKVEventBatch(b KVEventBatch) ([]byte, error) {
+// KVEventForm is the wire form of the events of an encoded KVEventBatch.
+// The batch is vLLM's positional array in both; the events differ:
+//
+//   - KVEventFormMap ("map", the default; the zero value reads as it):
+//     each event a map tagged under "type", as vLLM writes its events
+//     after vllm-project/vllm#42892 (the form that carries locality).
+//   - KVEventFormArray ("array"): each event a positional array
+//     [tag, fields...], as vLLM's array_like event structs wrote them
+//     before, the only form llm-d-kv-cache up to v0.8.1 decodes
+//     (engineadapter.VLLMAdapter reads the event into a list).
+type KVEventForm string
+
+// The wire forms of KV events.
+const (
+	KVEventFormMap   KVEventForm = "map"
+	KVEventFormArray KVEventForm = "array"
+)
+
+// ParseKVEventForm reads a form name: "map" or "array" ("" is map).
+func ParseKVEventForm(s string) (KVEventForm, error) {
+	f := KVEventForm(s)
+	if err := f.Validate(); err != nil {
+		return "", err
+	}
+	if f == "" {
+		return KVEventFormMap, nil
+	}
+	return f, nil
+}
+
+// Validate reports a form other than map, array or "" (map).
+func (f KVEventForm) Validate() error {
+	switch f {
+	case "", KVEventFormMap, KVEventFormArray:
+		return nil
+	}
+	return fmt.Errorf("kv event form %q (want map or array): %w", string(f), ErrKVEventForm)
+}
+
+// UnmarshalText parses a form name (ParseKVEventForm), so a setting of
+// this type refuses any other value when the configuration is read.
+func (f *KVEventForm) UnmarshalText(b []byte) error {
+	v, err := ParseKVEventForm(string(b))
+	if err != nil {
+		return err
+	}
+	*f = v
+	return nil
+}
+
+// EncodeKVEventBatch encodes b in form as vLLM's ZmqEventPublisher does:
+// the batch is a positional array [ts, events, data_parallel_rank]
+// (data_parallel_rank left out when nil, as msgspec's omit_defaults does).
+// In the map form (vLLM after vllm-project/vllm#42892) each event is a map
+// tagged under "type" with vLLM's field names in declaration order: the
+// fields with a default (extra_keys, group_idx, kv_cache_spec_kind,
+// kv_cache_spec_sliding_window, locality) are left out when unset, the
+// fields without one (lora_id, medium, lora_name) are always written, nil
+// when unset. In the array form (vLLM's array_like structs before it) each
+// event is [tag, fields in declaration order...] with omit_defaults' rule
+// for arrays: only a trailing run of unset fields with a default is left
+// off, an unset one before a set one is written as nil; locality has no
+// position there and is dropped.
+func EncodeKVEventBatch(b KVEventBatch, form KVEventForm) ([]byte, error) {
+	if err := form.Validate(); err != nil {
+		return nil, err
+	}
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)
-	w := writer{enc: enc}
+	w := writer{enc: enc, form: form}
 	n := 2
 	if b.DataParallelRank != nil {
 		n = 3
@@ -136,10 +197,11 @@ func EncodeKVEventBatch(b KVEventBatch) ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
-// writer writes msgpack values, keeping the first error.
+// writer writes msgpack values in one event form, keeping the first error.
 type writer struct {
-	enc *msgpack.Encoder
-	err error
+	enc  *msgpack.Encoder
+	form KVEventForm
+	err  error
 }
 
 func (w *writer) arrayLen(n int) { w.keep(w.enc.EncodeArrayLen(n)) }
@@ -169,79 +231,124 @@ func (w *writer) optStr(v *string) {
 	w.str(*v)
 }
 
+// hash writes a block hash as a msgpack uint 64, whatever its value:
+// llm-d-kv-cache (getHashAsUint64) reads a hash only as a 64-bit integer
+// or bytes and refuses the narrower integers a compact encoding would pick
+// for a small value.
+func (w *writer) hash(h uint64) { w.keep(w.enc.EncodeUint64(h)) }
+
+func (w *writer) optHash(v *uint64) {
+	if v == nil {
+		w.nil()
+		return
+	}
+	w.hash(*v)
+}
+
 func (w *writer) hashes(hs []uint64) {
 	w.arrayLen(len(hs))
 	for _, h := range hs {
-		w.keep(w.enc.EncodeUint(h))
+		w.hash(h)
 	}
 }
 
-// event writes one event as a map tagged under "type" (msgspec puts the
-// tag first, then the fields in declaration order).
-func (w *writer) event(e KVEvent) {
-	type field struct {
-		name  string
-		write func()
+func (w *writer) tokens(ts []uint32) {
+	w.arrayLen(len(ts))
+	for _, t := range ts {
+		w.keep(w.enc.EncodeUint(uint64(t)))
 	}
-	var fields []field
+}
+
+// field is one event field: its vLLM name, whether it is written (false
+// only for an unset field that has a default), whether it has a position
+// in the array form, and its writer.
+type field struct {
+	name  string
+	set   bool
+	array bool
+	write func()
+}
+
+// always is a field without a default: written in both forms.
+func always(name string, write func()) field {
+	return field{name: name, set: true, array: true, write: write}
+}
+
+// fields are e's fields in vLLM's declaration order.
+func (w *writer) fields(e KVEvent) ([]field, error) {
 	switch e.Kind {
 	case BlockStored:
-		fields = []field{
-			{"block_hashes", func() { w.hashes(e.BlockHashes) }},
-			{"parent_block_hash", func() {
-				if e.ParentBlockHash == nil {
-					w.nil()
-					return
-				}
-				w.keep(w.enc.EncodeUint(*e.ParentBlockHash))
-			}},
-			{"token_ids", func() {
-				w.arrayLen(len(e.TokenIDs))
-				for _, t := range e.TokenIDs {
-					w.keep(w.enc.EncodeUint(uint64(t)))
-				}
-			}},
-			{"block_size", func() { w.int(e.BlockSize) }},
-			{"lora_id", func() { w.optInt(e.LoraID) }},
-			{"medium", func() { w.optStr(e.Medium) }},
-			{"lora_name", func() { w.optStr(e.LoraName) }},
-		}
-		if e.ExtraKeys != nil {
-			fields = append(fields, field{"extra_keys", func() { w.keep(w.enc.Encode(e.ExtraKeys)) }})
-		}
-		if e.GroupIdx != nil {
-			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
-		}
-		if e.SpecKind != "" {
-			fields = append(fields, field{"kv_cache_spec_kind", func() { w.str(e.SpecKind) }})
-		}
-		if e.SlidingWindow != nil {
-			fields = append(fields, field{"kv_cache_spec_sliding_window", func() { w.int(*e.SlidingWindow) }})
-		}
-		if e.Locality != nil {
-			fields = append(fields, field{"locality", func() { w.str(*e.Locality) }})
-		}
+		return []field{
+			always("block_hashes", func() { w.hashes(e.BlockHashes) }),
+			always("parent_block_hash", func() { w.optHash(e.ParentBlockHash) }),
+			always("token_ids", func() { w.tokens(e.TokenIDs) }),
+			always("block_size", func() { w.int(e.BlockSize) }),
+			always("lora_id", func() { w.optInt(e.LoraID) }),
+			always("medium", func() { w.optStr(e.Medium) }),
+			always("lora_name", func() { w.optStr(e.LoraName) }),
+			{"extra_keys", e.ExtraKeys != nil, true, func() { w.keep(w.enc.Encode(e.ExtraKeys)) }},
+			{"group_idx", e.GroupIdx != nil, true, func() { w.optInt(e.GroupIdx) }},
+			{"kv_cache_spec_kind", e.SpecKind != "", true, func() { w.optStr(nonEmpty(e.SpecKind)) }},
+			{"kv_cache_spec_sliding_window", e.SlidingWindow != nil, true, func() { w.optInt(e.SlidingWindow) }},
+			{"locality", e.Locality != nil, false, func() { w.optStr(e.Locality) }},
+		}, nil
 	case BlockRemoved:
-		fields = []field{
-			{"block_hashes", func() { w.hashes(e.BlockHashes) }},
-			{"medium", func() { w.optStr(e.Medium) }},
-		}
-		if e.GroupIdx != nil {
-			fields = append(fields, field{"group_idx", func() { w.int(*e.GroupIdx) }})
-		}
-		if e.Locality != nil {
-			fields = append(fields, field{"locality", func() { w.str(*e.Locality) }})
-		}
+		return []field{
+			always("block_hashes", func() { w.hashes(e.BlockHashes) }),
+			always("medium", func() { w.optStr(e.Medium) }),
+			{"group_idx", e.GroupIdx != nil, true, func() { w.optInt(e.GroupIdx) }},
+			{"locality", e.Locality != nil, false, func() { w.optStr(e.Locality) }},
+		}, nil
 	case AllBlocksCleared:
-	default:
-		w.keep(fmt.Errorf("event kind %q: %w", e.Kind, ErrKVEventEncoding))
+		return nil, nil
+	}
+	return nil, fmt.Errorf("event kind %q: %w", e.Kind, ErrKVEventEncoding)
+}
+
+func nonEmpty(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+// event writes one event in the writer's form.
+func (w *writer) event(e KVEvent) {
+	fields, err := w.fields(e)
+	if err != nil {
+		w.keep(err)
 		return
 	}
+	if w.form == KVEventFormArray {
+		w.arrayEvent(string(e.Kind), fields)
+		return
+	}
+	w.mapEvent(string(e.Kind), fields)
+}
+
+// mapEvent writes the set fields as a map, the tag first (msgspec puts
+// the tag first, then the fields in declaration order).
+func (w *writer) mapEvent(tag string, fields []field) {
+	fields = slices.DeleteFunc(fields, func(f field) bool { return !f.set })
 	w.keep(w.enc.EncodeMapLen(len(fields) + 1))
 	w.str("type")
-	w.str(string(e.Kind))
+	w.str(tag)
 	for _, f := range fields {
 		w.str(f.name)
+		f.write()
+	}
+}
+
+// arrayEvent writes [tag, fields...]: the fields with a position, less
+// the trailing run of unset ones (an unset field writes its default, nil).
+func (w *writer) arrayEvent(tag string, fields []field) {
+	fields = slices.DeleteFunc(fields, func(f field) bool { return !f.array })
+	for len(fields) > 0 && !fields[len(fields)-1].set {
+		fields = fields[:len(fields)-1]
+	}
+	w.arrayLen(len(fields) + 1)
+	w.str(tag)
+	for _, f := range fields {
 		f.write()
 	}
 }
@@ -517,9 +624,12 @@ func toFloat(v any) (float64, bool) {
 }
 
 // EncodeKVEventRecord returns the record key, value and headers of r on
-// TopicKVEvents: the key is r.Namespace, the value the vLLM batch
+// TopicKVEvents: the key is r.Namespace, the value the vLLM batch in form
 // (EncodeKVEventBatch), the headers kvmesh's fields (empty ones left out).
-func EncodeKVEventRecord(r KVEventRecord) (key string, value []byte, headers map[string]string, err error) {
+// The batch's data_parallel_rank is written as 0 when r leaves it nil:
+// every record kvmesh produces carries it, as a vLLM engine without data
+// parallelism does.
+func EncodeKVEventRecord(r KVEventRecord, form KVEventForm) (key string, value []byte, headers map[string]string, err error) {
 	if r.Namespace == "" {
 		return "", nil, nil, fmt.Errorf("kv event record without a namespace: %w", ErrKVEventEncoding)
 	}
@@ -530,7 +640,10 @@ func EncodeKVEventRecord(r KVEventRecord) (key string, value []byte, headers map
 	if n != len(r.Hashes) {
 		return "", nil, nil, fmt.Errorf("kv event record of %d wire hashes names %d hashes: %w", n, len(r.Hashes), ErrKVEventEncoding)
 	}
-	if value, err = EncodeKVEventBatch(r.Batch); err != nil {
+	if r.Batch.DataParallelRank == nil {
+		r.Batch.DataParallelRank = new(int)
+	}
+	if value, err = EncodeKVEventBatch(r.Batch, form); err != nil {
 		return "", nil, nil, err
 	}
 	headers = map[string]string{HeaderKVSchema: SchemaKVEvent, HeaderKVModel: r.Model, HeaderKVNamespace: r.Namespace}

@@ -212,7 +212,7 @@ func TestKVEventsDecodeAsRouter(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			b := KVEventBatch{TS: 1700000000.25, Events: []KVEvent{tc.event}, DataParallelRank: ptr(0)}
-			value, err := EncodeKVEventBatch(b)
+			value, err := EncodeKVEventBatch(b, KVEventFormMap)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -341,7 +341,7 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 		}},
 		Model: "m", Namespace: ns, Hashes: []string{h0.Hex(), h1.Hex()}, Cause: "evicted",
 	}
-	key, value, headers, err := EncodeKVEventRecord(rec)
+	key, value, headers, err := EncodeKVEventRecord(rec, KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -371,7 +371,7 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 		"no namespace":   {Batch: rec.Batch, Hashes: rec.Hashes},
 		"hashes missing": {Batch: rec.Batch, Namespace: ns, Hashes: rec.Hashes[:1]},
 	} {
-		if _, _, _, err := EncodeKVEventRecord(bad); !errors.Is(err, ErrKVEventEncoding) {
+		if _, _, _, err := EncodeKVEventRecord(bad, KVEventFormMap); !errors.Is(err, ErrKVEventEncoding) {
 			t.Errorf("%s: error %v, want ErrKVEventEncoding", name, err)
 		}
 	}
@@ -394,7 +394,7 @@ func TestKVEventRecordTenant(t *testing.T) {
 		}},
 		Model: "m", Namespace: ns, Hashes: []string{h.Hex()}, EngineID: "e1", RequestID: "r1", Tenant: "acme",
 	}
-	_, value, headers, err := EncodeKVEventRecord(rec)
+	_, value, headers, err := EncodeKVEventRecord(rec, KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -409,7 +409,7 @@ func TestKVEventRecordTenant(t *testing.T) {
 		t.Fatalf("keys %q, want the tenant's key", keys)
 	}
 	rec.Tenant = ""
-	if _, _, headers, _ = EncodeKVEventRecord(rec); headers[HeaderKVTenant] != "" {
+	if _, _, headers, _ = EncodeKVEventRecord(rec, KVEventFormMap); headers[HeaderKVTenant] != "" {
 		t.Fatalf("empty tenant sent as a header: %v", headers)
 	}
 }
@@ -491,7 +491,7 @@ func TestKVEventWireFields(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			value, err := EncodeKVEventBatch(KVEventBatch{TS: 1, Events: []KVEvent{tc.event}, DataParallelRank: ptr(0)})
+			value, err := EncodeKVEventBatch(KVEventBatch{TS: 1, Events: []KVEvent{tc.event}, DataParallelRank: ptr(0)}, KVEventFormMap)
 			if err != nil {
 				t.Fatal(err)
 			}

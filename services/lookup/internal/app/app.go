@@ -17,6 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/engines"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/kvpublish"
 )
 
 // StoreOp is the op label of the lookup's existence checks in the store
@@ -45,6 +46,22 @@ type Config struct {
 	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
 	// EngineScores has POST /v1/score score the engines' own prefix caches.
 	EngineScores bool `env:"KVMESH_LOOKUP_ENGINE_SCORES" default:"false" doc:"have POST /v1/score also score each engine's own prefix cache, from the vLLM KV events engines publish to kvmesh.kv.events (header kvmesh-engine-id); every lookup replica reads the whole topic from its oldest retained record into memory"`
+	// KVEventsZMQEndpoint turns the ZMQ publisher of kvmesh.kv.events on.
+	KVEventsZMQEndpoint string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT" doc:"bind address of a ZMQ PUB socket that republishes kvmesh.kv.events exactly as a vLLM pod publishes its KV events (e.g. tcp://*:5557), for a KV-aware router such as llm-d's to index the store as one more pod; empty turns the publisher off"`
+	// KVEventsZMQReplayEndpoint is the publisher's ROUTER replay socket.
+	KVEventsZMQReplayEndpoint string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_ENDPOINT" doc:"bind address of the publisher's ROUTER socket answering vLLM replay requests (8-byte big-endian start seq) from its buffer (e.g. tcp://*:5558); empty for none"`
+	// KVEventsZMQBufferSteps is the batches kept for replay.
+	KVEventsZMQBufferSteps int `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_BUFFER_STEPS" default:"10000" doc:"published batches the publisher keeps for replay (vLLM's buffer_steps); 0 is the default"`
+	// KVEventsZMQPod is the pod identifier of the publisher's topic.
+	KVEventsZMQPod string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_POD" default:"kvmesh-store" doc:"pod identifier in the publisher's topic kv@<pod>@<model>: the name the router scores the store under; give each tenant's publisher its own"`
+	// KVEventsZMQModel is the model name of the publisher's topic.
+	KVEventsZMQModel string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_MODEL" doc:"model name in the publisher's topic kv@<pod>@<model>, the name the router scores requests under (vLLM's served model name); empty for the deployment's model name (KVMESH_MODEL's name)"`
+	// KVEventsZMQTenant is the one tenant key space published.
+	KVEventsZMQTenant string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_TENANT" doc:"the one tenant whose key space the publisher publishes; empty for the tenant-less key space. Events carry prompt token ids, so one endpoint never mixes tenants: run one publisher (lookup replica) per tenant key space"`
+	// KVEventsZMQForm is the wire form of the published events.
+	KVEventsZMQForm contract.KVEventForm `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM" default:"map" doc:"wire form of the published events: map (vLLM's events since vllm-project/vllm#42892) or array (vLLM's older positional events, the only form llm-d-kv-cache up to v0.8.1 decodes)"`
+	// KVEventsZMQReplayFraming is the framing of replay replies.
+	KVEventsZMQReplayFraming kvpublish.ReplayFraming `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING" default:"topic" doc:"framing of replay replies: topic ([id, \"\", topic, seq, payload], end [id, \"\", \"\", -1, \"\"], current vLLM) or seq ([id, \"\", seq, payload], end [id, \"\", -1, \"\"], vLLM before it added the topic frame)"`
 }
 
 // ConfigDefaults gives the settings whose defaults other packages own
@@ -79,6 +96,27 @@ func (c *Config) validateLookup() error {
 	if c.MaxBodyBytes < 0 {
 		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_MAX_BODY_BYTES: %d is negative", c.MaxBodyBytes))
 	}
+	return errors.Join(append(errs, c.validateKVEventsZMQ())...)
+}
+
+// validateKVEventsZMQ checks the ZMQ publisher's settings.
+func (c *Config) validateKVEventsZMQ() error {
+	var errs []error
+	if c.KVEventsZMQReplayEndpoint != "" && c.KVEventsZMQEndpoint == "" {
+		errs = append(errs, errors.New("KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_ENDPOINT: set without KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT"))
+	}
+	if c.KVEventsZMQBufferSteps < 0 {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_KV_EVENTS_ZMQ_BUFFER_STEPS: %d is negative", c.KVEventsZMQBufferSteps))
+	}
+	if err := kvcore.ValidateTenant(c.KVEventsZMQTenant); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_KV_EVENTS_ZMQ_TENANT: %w", err))
+	}
+	if err := c.KVEventsZMQForm.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM: %w", err))
+	}
+	if err := c.KVEventsZMQReplayFraming.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING: %w", err))
+	}
 	return errors.Join(errs...)
 }
 
@@ -90,6 +128,7 @@ type App struct {
 	// engines feeds the engine index (KVMESH_LOOKUP_ENGINE_SCORES); nil
 	// when off.
 	engines *bus.Consumer
+	kvpub   *kvpublish.Publisher // nil unless KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is set
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -102,6 +141,9 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	defer func() {
 		if err != nil {
 			a.deps.Close()
+			if a.kvpub != nil {
+				a.kvpub.Close()
+			}
 		}
 	}()
 	if a.model, err = cfg.LoadModel(); err != nil {
@@ -131,6 +173,9 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	}
 	h, sh, err := a.handler(cfg, idx)
 	if err != nil {
+		return nil, err
+	}
+	if a.kvpub, err = a.newKVPublisher(cfg); err != nil {
 		return nil, err
 	}
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "lookup", &cfg.Common); err != nil {
@@ -184,8 +229,53 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 	return h, sh, err
 }
 
+// newKVPublisher binds the ZMQ publisher of kvmesh.kv.events, or returns
+// nil when KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is empty.
+func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
+	if cfg.KVEventsZMQEndpoint == "" {
+		return nil, nil
+	}
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	if err != nil {
+		return nil, err
+	}
+	dialer, err := cfg.Kafka.Dialer()
+	if err != nil {
+		return nil, err
+	}
+	m, err := kvpublish.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	return kvpublish.New(kvpublish.Options{
+		Brokers: cfg.Brokers, Dialer: dialer, Keys: kb, Tenant: cfg.KVEventsZMQTenant,
+		Model: cfg.KVEventsZMQModel, Pod: cfg.KVEventsZMQPod, Form: cfg.KVEventsZMQForm,
+		Endpoint: cfg.KVEventsZMQEndpoint, ReplayEndpoint: cfg.KVEventsZMQReplayEndpoint,
+		ReplayFraming: cfg.KVEventsZMQReplayFraming, BufferSteps: cfg.KVEventsZMQBufferSteps,
+		Metrics: m, Logger: a.deps.Log,
+	})
+}
+
 // Addr is the bound HTTP address.
 func (a *App) Addr() string { return a.srv.Addr() }
+
+// KVEventsZMQAddr is the ZMQ publisher's bound PUB address; "" when it is
+// off.
+func (a *App) KVEventsZMQAddr() string {
+	if a.kvpub == nil {
+		return ""
+	}
+	return a.kvpub.Addr()
+}
+
+// KVEventsZMQReplayAddr is the ZMQ publisher's bound ROUTER replay
+// address; "" when it is off or has none.
+func (a *App) KVEventsZMQReplayAddr() string {
+	if a.kvpub == nil {
+		return ""
+	}
+	return a.kvpub.ReplayAddr()
+}
 
 // Run serves until ctx is cancelled, then releases every connection.
 func (a *App) Run(ctx context.Context) error {
@@ -193,6 +283,9 @@ func (a *App) Run(ctx context.Context) error {
 	tasks := []service.Task{{Name: "http", Run: a.srv.Run}}
 	if a.engines != nil {
 		tasks = append(tasks, service.Task{Name: "engine-events", Run: a.engines.Run})
+	}
+	if a.kvpub != nil {
+		tasks = append(tasks, service.Task{Name: "kv-events-zmq", Run: a.kvpub.Run})
 	}
 	return service.Run(ctx, a.deps.Log, tasks...)
 }

@@ -21,7 +21,7 @@ import (
 // are consumed in the order published.
 func engineEvents(t *testing.T, p *bus.Producer, engine string, extra map[string]string, events ...contract.KVEvent) {
 	t.Helper()
-	value, err := contract.EncodeKVEventBatch(contract.KVEventBatch{TS: 1, Events: events})
+	value, err := contract.EncodeKVEventBatch(contract.KVEventBatch{TS: 1, Events: events}, contract.KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}

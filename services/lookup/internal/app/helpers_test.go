@@ -74,6 +74,9 @@ type lookupService struct {
 	addr   string
 	prefix string
 	model  *kvcore.Model
+	kvZMQ  string // the KV-event publisher's PUB address; "" when off
+	// kvReplay is its ROUTER replay address; "" without one.
+	kvReplay string
 }
 
 // startLookup loads a Config from env-style variables (so defaults apply
@@ -113,7 +116,7 @@ func startLookupLog(t *testing.T, env *servicetest.Env, vars map[string]string, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &lookupService{addr: a.Addr(), prefix: cfg.KeyPrefix, model: m}
+	return &lookupService{addr: a.Addr(), prefix: cfg.KeyPrefix, model: m, kvZMQ: a.KVEventsZMQAddr(), kvReplay: a.KVEventsZMQReplayAddr()}
 }
 
 func loadModel(spec string) (*kvcore.Model, error) {

@@ -83,7 +83,7 @@ func TestIndexApply(t *testing.T) {
 }
 
 func TestIndexHandle(t *testing.T) {
-	batch, err := contract.EncodeKVEventBatch(contract.KVEventBatch{Events: []contract.KVEvent{stored(ptr(0), 7)}})
+	batch, err := contract.EncodeKVEventBatch(contract.KVEventBatch{Events: []contract.KVEvent{stored(ptr(0), 7)}}, contract.KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}

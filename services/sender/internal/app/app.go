@@ -63,6 +63,8 @@ type Config struct {
 	Evictions bool `env:"KVMESH_SENDER_EVICTIONS" default:"true" doc:"publish BlockRemoved to kvmesh.kv.events for every store key Redis evicts, expires or deletes, observed through keyspace notifications (one sender replica per deployment watches, elected through a PostgreSQL advisory lock); false turns the watcher off"`
 	// EvictionsConfigure lets the watcher set notify-keyspace-events.
 	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" default:"true" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
+	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
+	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" default:"map" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
 }
 
 // ConfigDefaults gives the settings whose defaults other packages own
@@ -94,6 +96,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Concurrency < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_CONCURRENCY: %d is not positive", c.Concurrency))
+	}
+	if err := c.KVEventsForm.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("KVMESH_SENDER_KV_EVENTS_FORM: %w", err))
 	}
 	if c.RetryAttempts < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_RETRY_ATTEMPTS: %d is not positive", c.RetryAttempts))
@@ -187,7 +192,7 @@ func (a *App) wire(cfg Config) error {
 		Workers:    a.workers,
 		Retry:      sendpolicy.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
 		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
-		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout,
+		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout, KVEventsForm: cfg.KVEventsForm,
 	})
 	if err != nil {
 		return err
@@ -252,5 +257,6 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher
 	return evictions.New(evictions.Options{
 		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
+		Form: cfg.KVEventsForm,
 	})
 }

@@ -2,6 +2,7 @@ package app_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -14,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
 
@@ -71,6 +73,7 @@ func TestConfigRejectsBadValues(t *testing.T) {
 		"KVMESH_SENDER_CONCURRENCY":    "0",
 		"KVMESH_SENDER_RETRY_ATTEMPTS": "0",
 		"KVMESH_SENDER_PUT_TIMEOUT":    "-1s",
+		"KVMESH_SENDER_KV_EVENTS_FORM": "list",
 	}
 	for name, value := range cases {
 		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", name: value}
@@ -79,5 +82,28 @@ func TestConfigRejectsBadValues(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), name) {
 			t.Errorf("%s=%s: error %v, want one naming the variable", name, value, err)
 		}
+	}
+}
+
+// TestKVEventsFormSetting: KVMESH_SENDER_KV_EVENTS_FORM defaults to map,
+// reads array, and refuses any other value with an error that names the
+// setting and the forms it takes, also when Validate sees it set directly.
+func TestKVEventsFormSetting(t *testing.T) {
+	for value, want := range map[string]contract.KVEventForm{"": contract.KVEventFormMap, "array": contract.KVEventFormArray, "map": contract.KVEventFormMap} {
+		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", "KVMESH_AUTH": "off", "KVMESH_SENDER_KV_EVENTS_FORM": value}
+		var cfg app.Config
+		if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil || cfg.KVEventsForm != want {
+			t.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=%q: %q, %v; want %q", value, cfg.KVEventsForm, err, want)
+		}
+	}
+	vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", "KVMESH_SENDER_KV_EVENTS_FORM": "json"}
+	var cfg app.Config
+	err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok })
+	if err == nil || !strings.Contains(err.Error(), "KVMESH_SENDER_KV_EVENTS_FORM") || !strings.Contains(err.Error(), "want map or array") {
+		t.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=json: error %v, want one naming the setting and its forms", err)
+	}
+	cfg.KVEventsForm = "json"
+	if err := cfg.Validate(); !errors.Is(err, contract.ErrKVEventForm) || !strings.Contains(err.Error(), "KVMESH_SENDER_KV_EVENTS_FORM") {
+		t.Errorf("Validate with form json: %v", err)
 	}
 }

@@ -138,6 +138,9 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock of the batches' timestamps (default time.Now).
 	Now func() time.Time
+	// Form is the wire form of the records' batches (contract.KVEventForm;
+	// "" is the map form).
+	Form contract.KVEventForm
 }
 
 // Watcher publishes the store's removals as BlockRemoved events. Run it once.
@@ -173,6 +176,9 @@ func New(opts Options) (*Watcher, error) {
 		return nil, fmt.Errorf("publisher and metrics are required: %w", ErrOptions)
 	}
 	if err := opts.Keys.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+	}
+	if err := opts.Form.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 	}
 	opts = opts.withDefaults()
@@ -582,7 +588,7 @@ func (w *Watcher) publishCleared(ctx context.Context, afterGap bool) error {
 func (w *Watcher) publish(ctx context.Context, recs []contract.KVEventRecord) error {
 	msgs := make([]bus.Message, 0, len(recs))
 	for _, r := range recs {
-		key, value, headers, err := contract.EncodeKVEventRecord(r)
+		key, value, headers, err := contract.EncodeKVEventRecord(r, w.opts.Form)
 		if err != nil {
 			return err
 		}

@@ -42,6 +42,7 @@ type rig struct {
 	mu      sync.Mutex
 	records []contract.KVEventRecord
 	keys    []string // record keys, one per record
+	values  [][]byte // record values, one per record
 	offsets map[int]int64
 }
 
@@ -144,6 +145,7 @@ func (r *rig) read() {
 				r.mu.Lock()
 				r.records = append(r.records, rec)
 				r.keys = append(r.keys, string(m.Key))
+				r.values = append(r.values, m.Value)
 				r.mu.Unlock()
 				r.offsets[part] = m.Offset + 1
 			}

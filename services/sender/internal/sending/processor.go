@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
@@ -71,6 +72,9 @@ type Options struct {
 	Now func() time.Time
 	// TracerProvider makes the sender's spans (default the global one).
 	TracerProvider trace.TracerProvider
+	// KVEventsForm is the wire form of the BlockStored events' batches
+	// (contract.KVEventForm; "" is the map form).
+	KVEventsForm contract.KVEventForm
 }
 
 // Processor handles save tasks. It is safe for concurrent use by several
@@ -94,6 +98,7 @@ type Processor struct {
 	log          *slog.Logger
 	now          func() time.Time
 	tracer       trace.Tracer
+	form         contract.KVEventForm
 	gate         *gate
 	skippedKeys  atomic.Int64
 	// replayMu serialises replays, so two concurrent replays of one entry
@@ -112,10 +117,13 @@ func New(o Options) (*Processor, error) {
 	if err := o.Keys.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 	}
+	if err := o.KVEventsForm.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+	}
 	p := &Processor{
 		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
-		log: o.Logger, now: o.Now,
+		log: o.Logger, now: o.Now, form: o.KVEventsForm,
 		gate: &gate{g: sendpolicy.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
 	}
 	if p.storeTimeout <= 0 {
@@ -191,7 +199,7 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 // messages) in one transaction, unless another delivery of the task got
 // there first, and counts it once committed.
 func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
-	e, err := s.entry(src, p.model, p.now())
+	e, err := s.entry(src, p.model, p.now(), p.form)
 	if err != nil {
 		return err
 	}

@@ -166,7 +166,7 @@ func (p *Processor) recordReplay(ctx context.Context, d ledger.DeadLetter, s *sa
 		}
 	} else {
 		var err error
-		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.now())); err != nil {
+		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.now()), p.form); err != nil {
 			return Replayed{}, err
 		}
 		msgs = msgs[1:] // the task's result was reported when it was dead-lettered

@@ -90,9 +90,9 @@ func (s *save) outcome() *ledger.Outcome {
 // entry is what the save leaves in the ledger: its outcome, its dead
 // letters and its messages (the result, then the BlockStored records of
 // the keys put, stamped now).
-func (s *save) entry(src ledger.Source, m *kvcore.Model, now time.Time) (ledger.Entry, error) {
+func (s *save) entry(src ledger.Source, m *kvcore.Model, now time.Time, form contract.KVEventForm) (ledger.Entry, error) {
 	o := s.outcome()
-	msgs, err := resultMessages(o.Result, s.kvEvents(m, now))
+	msgs, err := resultMessages(o.Result, s.kvEvents(m, now), form)
 	if err != nil {
 		return ledger.Entry{}, err
 	}
@@ -110,16 +110,17 @@ func (m *Metrics) countOutcome(o *ledger.Outcome) {
 
 // resultMessages encodes the TransferResult and the KV-event records
 // (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
-// kvmesh's fields in headers, keyed by store namespace), which the ledger
-// writes to the outbox in the transaction that records the outcome.
-func resultMessages(res contract.TransferResult, events []contract.KVEventRecord) ([]bus.Message, error) {
+// kvmesh's fields in headers, keyed by store namespace; the batch's events
+// in form, KVMESH_SENDER_KV_EVENTS_FORM), which the ledger writes to the
+// outbox in the transaction that records the outcome.
+func resultMessages(res contract.TransferResult, events []contract.KVEventRecord, form contract.KVEventForm) ([]bus.Message, error) {
 	v, err := json.Marshal(res)
 	if err != nil {
 		return nil, fmt.Errorf("encode transfer result: %w", err)
 	}
 	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
 	for _, e := range events {
-		key, ev, headers, err := contract.EncodeKVEventRecord(e)
+		key, ev, headers, err := contract.EncodeKVEventRecord(e, form)
 		if err != nil {
 			return nil, fmt.Errorf("encode kv event: %w", err)
 		}

@@ -1,0 +1,127 @@
+package kvpublish
+
+import (
+	"context"
+	"testing"
+
+	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
+	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
+	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents"
+	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents/engineadapter"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+)
+
+// llmd is llm-d-kv-cache v0.8.1's own indexing path: an indexer over an
+// in-memory index, its event pool with the vLLM adapter, and a subscriber
+// manager.
+type llmd struct {
+	indexer *kvcache.Indexer
+	pool    *kvevents.Pool
+	subs    *kvevents.SubscriberManager
+}
+
+// newLLMD starts llm-d's pool and indexer; they stop at the test's end.
+// The CPU tier weighs 1 (llm-d's default weighs it 0.8) so that a score
+// counts the store's blocks.
+func newLLMD(t *testing.T) *llmd {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg, err := kvcache.NewDefaultConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.BackendConfigs = []*kvcache.KVCacheBackendConfig{{Name: "gpu", Weight: 1}, {Name: "cpu", Weight: 1}}
+	tp, err := kvblock.NewChunkedTokenDatabase(kvblock.DefaultTokenProcessorConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	indexer, err := kvcache.NewKVCacheIndexer(ctx, cfg, tp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := kvevents.NewPool(&kvevents.Config{Concurrency: 1}, indexer.KVBlockIndex(), tp, engineadapter.NewVLLMAdapter())
+	pool.Start(ctx)
+	subs := kvevents.NewSubscriberManager(pool)
+	t.Cleanup(func() {
+		subs.Shutdown(ctx)
+		cancel()
+		pool.Shutdown(context.Background())
+	})
+	return &llmd{indexer: indexer, pool: pool, subs: subs}
+}
+
+// score is llm-d's score of tokens for pod under model.
+func (l *llmd) score(t *testing.T, tokens []uint32, model, pod string) float64 {
+	t.Helper()
+	scores, err := l.indexer.ScoreTokens(context.Background(), tokens, model, []string{pod}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return scores[pod]
+}
+
+// TestLLMDIndexesTheStore: llm-d v0.8.1's own subscriber, adapter, pool
+// and indexer, subscribed to the publisher in the array form, score the
+// store's pod by the blocks kvmesh announced: a BlockStored of 4 blocks of
+// 16 tokens scores 4, a BlockRemoved of the third drops it to 2.
+func TestLLMDIndexesTheStore(t *testing.T) {
+	r := newRig(t, func(o *Options) { o.Form = contract.KVEventFormArray })
+	l := newLLMD(t)
+	if err := l.subs.EnsureSubscriber(context.Background(), DefaultPod, "tcp://"+r.p.Addr(), "kv@", true); err != nil {
+		t.Fatal(err)
+	}
+	tokens := make([]uint32, 64)
+	for i := range tokens {
+		tokens[i] = uint32(1000 + i)
+	}
+	hashes := []uint64{0xa1, 0xa2, 0xa3, 0xa4}
+	// llm-d's subscriber connects when it will: the BlockStored is
+	// published again until llm-d has indexed it (a repeat indexes the
+	// same keys).
+	topics := r.topics()
+	until(t, "llm-d's subscription", topics)
+	until(t, "llm-d's score of 4 blocks", func() bool {
+		r.produce(stored(testKeys, nil, tokens, hashes...))
+		return l.score(t, tokens, testKeys.Model, DefaultPod) == 4
+	})
+	r.produce(removed(testKeys, hashes[2]))
+	until(t, "llm-d's score of 2 blocks after the third was removed", func() bool {
+		return l.score(t, tokens, testKeys.Model, DefaultPod) == 2
+	})
+	if s := l.score(t, tokens, "another/model", DefaultPod); s != 0 {
+		t.Errorf("score under another model %v, want 0: the topic names the model", s)
+	}
+}
+
+// TestLLMDTokenlessStoreEvents: kvmesh's own BlockStored records carry no
+// token ids; llm-d v0.8.1 still attaches the store's pod to blocks an
+// engine pod announced with their tokens, since the store's hashes are the
+// engine's (its device-tier update resolves them through the engine-hash
+// mapping). The store's pod scores 4 for the engine's 4 blocks.
+func TestLLMDTokenlessStoreEvents(t *testing.T) {
+	r := newRig(t, func(o *Options) { o.Form = contract.KVEventFormArray })
+	l := newLLMD(t)
+	tokens := make([]uint32, 64)
+	for i := range tokens {
+		tokens[i] = uint32(7000 + i)
+	}
+	hashes := []uint64{0xb1, 0xb2, 0xb3, 0xb4}
+	gpu := "GPU"
+	engine, err := contract.EncodeKVEventBatch(contract.KVEventBatch{TS: 1, DataParallelRank: new(int), Events: []contract.KVEvent{{
+		Kind: contract.BlockStored, BlockHashes: hashes, TokenIDs: tokens, BlockSize: 16, Medium: &gpu,
+	}}}, contract.KVEventFormArray)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.pool.AddTask(&kvevents.RawMessage{Topic: "kv@engine-1@" + testKeys.Model, Payload: engine})
+	until(t, "the engine's own blocks indexed", func() bool { return l.score(t, tokens, testKeys.Model, "engine-1") == 4 })
+	if err := l.subs.EnsureSubscriber(context.Background(), DefaultPod, "tcp://"+r.p.Addr(), "kv@", true); err != nil {
+		t.Fatal(err)
+	}
+	until(t, "llm-d's subscription", r.topics())
+	until(t, "the store's pod scored through the engine's hashes", func() bool {
+		r.produce(stored(testKeys, nil, nil, hashes...)) // as the sender writes it: no token ids
+		return l.score(t, tokens, testKeys.Model, DefaultPod) == 4
+	})
+}
