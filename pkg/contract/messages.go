@@ -97,6 +97,22 @@ type RequestEvent struct {
 	// scheduler keeps it with the request and puts it on every task, so
 	// the request only saves and loads its tenant's keys.
 	Tenant string `json:"tenant,omitempty"`
+	// TokenIDs come with admitted (optional): the prompt's tokens of
+	// complete hash blocks only — the first n prompt tokens, n a multiple
+	// of hash_block_size, at most len(BlockHashes)*hash_block_size and at
+	// most PromptTokens (kvcore.CheckTokenIDs). The scheduler keeps them
+	// with the request and puts those each save task's chain covers on the
+	// task, so the BlockStored KV events of its blocks carry their
+	// token_ids, which token-keyed routers (llm-d's indexer) index.
+	// Absent, or dropped by the scheduler (KVMESH_KV_EVENTS_TOKEN_IDS=false):
+	// the events carry token_ids []. A list that breaks these rules
+	// dead-letters the step record (invalid_record), as a malformed hash
+	// chain does.
+	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	// LoraName comes with admitted (optional): the LoRA adapter the
+	// engine serves the request with (vLLM's BlockStored lora_name);
+	// absent: none.
+	LoraName string `json:"lora_name,omitempty"`
 	// Consumer marks a kv_consumer request (never saves).
 	Consumer bool `json:"consumer,omitempty"`
 	// ExternalTokens and BlockTable come with allocated.

@@ -112,7 +112,9 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEve
 	}
 }
 
-// admit records the hash chain, prompt length, role and tenant. A tenant
+// admit records the hash chain, prompt length, token ids, LoRA adapter,
+// role and tenant (the pd tracker only loads: it takes the chain and
+// prompt length, never the tokens). A tenant
 // that cannot be a key segment, or one that differs from the tenant the
 // request was admitted with before, stops the request (request_error):
 // none of its tasks may be keyed in a tenant it was not admitted with.
@@ -127,6 +129,7 @@ func (r *Request) admit(out *Outcome, ev contract.RequestEvent) {
 	}
 	r.Store.Tenant = ev.Tenant
 	r.Store.OnAdmit(ev.BlockHashes, ev.PromptTokens)
+	r.Store.OnAdmitTokens(ev.TokenIDs, ev.LoraName)
 	if ev.Consumer {
 		r.Store.Consumer = true
 	}
