@@ -278,14 +278,17 @@ type KVEvent struct {
 	// ParentBlockHash is the wire hash of the block before the first one
 	// (BlockStored); nil when the first block starts the chain.
 	ParentBlockHash *uint64
-	// TokenIDs are the blocks' tokens where known (BlockStored); kvmesh's
-	// save tasks carry hashes only, so kvmesh sends an empty list.
+	// TokenIDs are the blocks' tokens (BlockStored): len(BlockHashes) ×
+	// BlockSize tokens. kvmesh fills them from the save task's tokens (the
+	// prompt tokens the engine sent with admitted) when the task covers
+	// every block of the event whole, and sends an empty list otherwise.
 	TokenIDs []uint32
 	// BlockSize is the tokens per block of the group (BlockStored).
 	BlockSize int
-	// LoraID and LoraName are vLLM's LoRA fields (BlockStored); nil in
-	// kvmesh, whose save tasks do not name the adapter (it is folded into
-	// the block hashes).
+	// LoraID and LoraName are vLLM's LoRA fields (BlockStored). kvmesh
+	// sends LoraName from the save task (the adapter the engine admitted
+	// the request with; nil without one) and LoraID nil (the adapter's id
+	// is only folded into the block hashes).
 	LoraID   *int
 	LoraName *string
 	// Medium names the tier holding the blocks; kvmesh sends MediumStore.
