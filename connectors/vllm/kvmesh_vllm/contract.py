@@ -62,6 +62,8 @@ class RequestEvent:
     seq: int = 0
     prompt_tokens: int = 0
     block_hashes: Optional[list[str]] = None
+    token_ids: Optional[list[int]] = None
+    lora_name: str = ""
     tenant: str = ""
     consumer: bool = False
     external_tokens: int = 0
@@ -77,6 +79,10 @@ class RequestEvent:
             out["prompt_tokens"] = self.prompt_tokens
         if self.block_hashes:
             out["block_hashes"] = self.block_hashes
+        if self.token_ids:
+            out["token_ids"] = self.token_ids
+        if self.lora_name:
+            out["lora_name"] = self.lora_name
         if self.tenant:
             out["tenant"] = self.tenant
         if self.consumer:
