@@ -210,10 +210,7 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 	if grp.Kind == kvcore.KindSlidingWindow {
 		window = &grp.Window
 	}
-	var lora *string
-	if s.task.LoraName != "" {
-		lora = &s.task.LoraName
-	}
+	lora := s.loraName()
 	var runs [][]int // the chain positions of each event's blocks
 	for i, h := range hashes {
 		rec.Hashes = append(rec.Hashes, h)
@@ -243,6 +240,15 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		rec.Batch.Events[i].TokenIDs = eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, runs[i])
 	}
 	return rec
+}
+
+// loraName is the task's LoRA adapter for BlockStored's lora_name (nil:
+// none).
+func (s *save) loraName() *string {
+	if s.task.LoraName == "" {
+		return nil
+	}
+	return &s.task.LoraName
 }
 
 // eventTokens are the token ids of one BlockStored event whose blocks'
