@@ -96,7 +96,7 @@ func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision
 			TokenIDs: tokens, Tenant: r.tenant})
 		r.shadow.Tenant = r.tenant
 		r.shadow.OnAdmit(r.hexes, len(r.prompt))
-		r.shadow.OnAdmitTokens(tokens, "")
+		r.shadow.OnAdmitTokens(e.model, tokens, "")
 	}
 	ev := contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: ext, BlockTable: r.table.Clone()}
 	var storeSpec *kvcore.LoadSpec

@@ -100,9 +100,10 @@ type RequestEvent struct {
 	// TokenIDs come with admitted (optional): the prompt's tokens of
 	// complete hash blocks only — the first n prompt tokens, n a multiple
 	// of hash_block_size, at most len(BlockHashes)*hash_block_size and at
-	// most PromptTokens (kvcore.CheckTokenIDs). The scheduler keeps them
-	// with the request and puts those each save task's chain covers on the
-	// task, so the BlockStored KV events of its blocks carry their
+	// most PromptTokens (kvcore.CheckTokenIDs). The scheduler keeps the
+	// first kvcore.MaxTokenIDs of them (whole hash blocks; an engine need
+	// send no more) with the request and puts those each save task's chain
+	// covers on the task, so the BlockStored KV events of its blocks carry their
 	// token_ids, which token-keyed routers (llm-d's indexer) index.
 	// Absent, or dropped by the scheduler (KVMESH_KV_EVENTS_TOKEN_IDS=false):
 	// the events carry token_ids []. A list that breaks these rules

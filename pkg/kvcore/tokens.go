@@ -5,6 +5,25 @@ import (
 	"fmt"
 )
 
+// MaxTokenIDs bounds the prompt token ids a request keeps (its first
+// MaxTokenIDs tokens, rounded down to whole hash blocks: TokenPrefix).
+// Every save task carries its request's tokens from token 0, and an
+// engine's admitted event the whole list, so the bound keeps both well
+// below the 1 MiB Kafka message limit beside the hash chain they already
+// carry: a list of 32768 token ids is about 230 KB of JSON. The blocks
+// past the bound keep token_ids [] in their BlockStored events.
+const MaxTokenIDs = 32768
+
+// TokenPrefix is what a request keeps of token ids at hashBlockSize: at
+// most MaxTokenIDs of them, rounded down to whole hash blocks (tokens
+// itself, not a copy).
+func TokenPrefix(hashBlockSize int, tokens []uint32) []uint32 {
+	if hashBlockSize <= 0 || len(tokens) <= MaxTokenIDs {
+		return tokens
+	}
+	return tokens[:MaxTokenIDs/hashBlockSize*hashBlockSize]
+}
+
 // ErrBadTokenIDs reports a token list that does not fit its request: not
 // whole hash blocks, or longer than its hash chain or its prompt covers.
 var ErrBadTokenIDs = errors.New("token ids do not fit the hash chain")
@@ -30,11 +49,13 @@ func CheckTokenIDs(hashBlockSize, n, hashes int) error {
 
 // OnAdmitTokens records the prompt's token ids and LoRA adapter the engine
 // admitted the request with (RequestEvent.TokenIDs, LoraName), which every
-// save task carries for the KV events routers index. Like the hash chain,
-// the token list only grows: the tokens already held are never rewritten,
-// so the ledger stores them once; a longer list appends its new tokens.
-// An empty lora keeps the adapter recorded before.
-func (t *Tracker) OnAdmitTokens(tokens []uint32, lora string) {
+// save task carries for the KV events routers index; of a longer list it
+// keeps the first MaxTokenIDs (TokenPrefix). Like the hash chain, the
+// token list only grows: the tokens already held are never rewritten, so
+// the ledger stores them once; a longer list appends its new tokens. An
+// empty lora keeps the adapter recorded before.
+func (t *Tracker) OnAdmitTokens(m *Model, tokens []uint32, lora string) {
+	tokens = TokenPrefix(m.HashBlockSize, tokens)
 	if len(tokens) > len(t.TokenIDs) {
 		t.TokenIDs = append(t.TokenIDs, tokens[len(t.TokenIDs):]...)
 	}

@@ -58,7 +58,7 @@ func TestSaveTasksCarryTokens(t *testing.T) {
 			m := trkHybrid(t)
 			tr := NewTracker(m, "e1", "r1")
 			tr.OnAdmit(trkHashes(8), 128)
-			tr.OnAdmitTokens(seqTokens(c.tokens), c.lora)
+			tr.OnAdmitTokens(m, seqTokens(c.tokens), c.lora)
 			first := tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 8), ids(10, 8))})
 			second := tr.Step(m, Step{Kind: StepRunning, Tokens: 64})
 			saves := append(first.Saves, second.Saves...)
@@ -86,14 +86,44 @@ func TestSaveTasksCarryTokens(t *testing.T) {
 // TestOnAdmitTokensOnlyGrows checks that a shorter or equal list keeps
 // the tokens held and a longer one appends its new tokens.
 func TestOnAdmitTokensOnlyGrows(t *testing.T) {
-	tr := NewTracker(trkHybrid(t), "e1", "r1")
-	tr.OnAdmitTokens(seqTokens(32), "a")
-	tr.OnAdmitTokens(seqTokens(16), "")
+	m := trkHybrid(t)
+	tr := NewTracker(m, "e1", "r1")
+	tr.OnAdmitTokens(m, seqTokens(32), "a")
+	tr.OnAdmitTokens(m, seqTokens(16), "")
 	if len(tr.TokenIDs) != 32 || tr.LoraName != "a" {
 		t.Fatalf("after a shorter list: %d tokens, lora %q; want 32, a", len(tr.TokenIDs), tr.LoraName)
 	}
-	tr.OnAdmitTokens(seqTokens(48), "b")
+	tr.OnAdmitTokens(m, seqTokens(48), "b")
 	if !slices.Equal(tr.TokenIDs, seqTokens(48)) || tr.LoraName != "b" {
 		t.Fatalf("after a longer list: %v, lora %q", tr.TokenIDs, tr.LoraName)
+	}
+}
+
+// TestTokenPrefixBound checks the bound on the tokens a request keeps:
+// the first MaxTokenIDs, rounded down to whole hash blocks.
+func TestTokenPrefixBound(t *testing.T) {
+	cases := []struct {
+		name   string
+		hbs, n int
+		want   int
+	}{
+		{"under the bound", 16, 4096, 4096},
+		{"at the bound", 16, MaxTokenIDs, MaxTokenIDs},
+		{"over the bound", 16, MaxTokenIDs + 64, MaxTokenIDs},
+		{"hash blocks that do not divide the bound", 48, MaxTokenIDs/48*48 + 96, MaxTokenIDs / 48 * 48},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got := TokenPrefix(c.hbs, seqTokens(c.n))
+			if len(got) != c.want || got[len(got)-1] != uint32(c.want) || len(got)%c.hbs != 0 {
+				t.Fatalf("TokenPrefix(%d, %d tokens): %d tokens, want the first %d", c.hbs, c.n, len(got), c.want)
+			}
+		})
+	}
+	m := trkHybrid(t)
+	tr := NewTracker(m, "e1", "r1")
+	tr.OnAdmitTokens(m, seqTokens(MaxTokenIDs+16), "")
+	if len(tr.TokenIDs) != MaxTokenIDs {
+		t.Fatalf("the tracker keeps %d tokens, want %d", len(tr.TokenIDs), MaxTokenIDs)
 	}
 }

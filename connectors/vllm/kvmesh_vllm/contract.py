@@ -42,6 +42,10 @@ FEEDBACK_REQUEST_ERROR = "request_error"
 #: At most this many request events in one step record (contract.MaxStepRequests).
 MAX_STEP_REQUESTS = 4096
 
+#: At most this many prompt token ids on an admitted event (kvcore.MaxTokenIDs:
+#: kvmesh keeps no more of them), rounded down to whole hash blocks.
+MAX_TOKEN_IDS = 32768
+
 #: vLLM's null block id (block_pool.py's null_block, NULL_BLOCK_ID).
 VLLM_NULL_BLOCK_ID = 0
 

@@ -430,7 +430,8 @@ class SchedulerSide:
     def _token_ids(self, request: Any, hashes: Optional[list[str]]) -> Optional[list[int]]:
         """The admitted event's token ids: the prompt's tokens of the
         complete hash blocks its chain covers (the scheduler refuses any
-        other list, and with it the whole step record), so kvmesh's
+        other list, and with it the whole step record), at most
+        ``MAX_TOKEN_IDS`` of them (kvmesh keeps no more), so kvmesh's
         BlockStored events can carry their blocks' tokens. None when
         ``kvmesh.send_token_ids`` is false, or the prompt has no token ids
         (prompt embeddings) or no complete hash block."""
@@ -441,7 +442,7 @@ class SchedulerSide:
             return None
         hbs = self._model.hash_block_size
         n = min(len(prompt), _prompt_len(request)) // hbs
-        n = min(n, len(hashes)) * hbs
+        n = min(n, len(hashes), c.MAX_TOKEN_IDS // hbs) * hbs
         return [int(t) for t in prompt[:n]] or None
 
     def _lora_name(self, st: _Request) -> str:

@@ -503,6 +503,7 @@ def _admitted(side: Side, req) -> dict:
     (40, 32),  # two complete hash blocks; the 8-token tail is not sent
     (48, 48),  # every token is in a complete block
     (15, 0),  # no complete block: no token_ids field
+    (32768 + 40, 32768),  # at most MAX_TOKEN_IDS, whole hash blocks
 ])
 def test_admitted_carries_the_complete_hash_blocks_tokens(tokens, want):
     """token_ids are the prompt's tokens of complete hash blocks only

@@ -64,7 +64,7 @@ type Config struct {
 	// KVEventsTokenIDs keeps the token ids engines send with admitted
 	// events, for the token_ids of the BlockStored KV events (false drops
 	// them at intake). Like Migrate, a Config built in code must set it.
-	KVEventsTokenIDs bool `env:"KVMESH_KV_EVENTS_TOKEN_IDS" default:"true" doc:"operator switch: keep the prompt token ids engines send with admitted events (one copy per request in PostgreSQL, 4 bytes a token; on every save task), so the BlockStored events on kvmesh.kv.events carry the token_ids of their blocks and token-keyed routers (llm-d's KV-cache indexer) can index kvmesh's store. false drops them at intake: nothing token-derived is stored or put on tasks, events carry token_ids [] and only hash-keyed consumers can use them"`
+	KVEventsTokenIDs bool `env:"KVMESH_KV_EVENTS_TOKEN_IDS" default:"true" doc:"operator switch: keep the prompt token ids engines send with admitted events (the first 32768, one copy per request in PostgreSQL, 4 bytes a token; and on every save task), so the BlockStored events on kvmesh.kv.events carry the token_ids of their blocks and token-keyed routers (llm-d's KV-cache indexer) can index kvmesh's store. false drops them at intake: nothing token-derived is stored or put on tasks, events carry token_ids [] and only hash-keyed consumers can use them"`
 }
 
 // Validate checks the settings.

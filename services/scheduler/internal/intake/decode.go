@@ -52,8 +52,9 @@ type change struct {
 // token ids are checked, and whether the token ids are kept at all.
 type rules struct {
 	hashBlockSize int
-	// dropTokenIDs drops every admitted event's token ids (and LoRA name
-	// stays): KVMESH_KV_EVENTS_TOKEN_IDS=false.
+	// dropTokenIDs drops every admitted event's token ids, after they
+	// were checked (KVMESH_KV_EVENTS_TOKEN_IDS=false); the LoRA name is
+	// kept.
 	dropTokenIDs bool
 }
 
