@@ -91,9 +91,12 @@ func (e *engine) admit(ctx context.Context, out *outbox, r *request) bool {
 func (e *engine) allocated(out *outbox, r *request, dec *contract.LookupDecision, ext int, conn string) {
 	if !r.admitted {
 		r.admitted = true
-		e.event(out, r, contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes, Tenant: r.tenant})
+		tokens := r.admittedTokens(e.model.HashBlockSize)
+		e.event(out, r, contract.RequestEvent{Kind: contract.EventAdmitted, PromptTokens: len(r.prompt), BlockHashes: r.hexes,
+			TokenIDs: tokens, Tenant: r.tenant})
 		r.shadow.Tenant = r.tenant
 		r.shadow.OnAdmit(r.hexes, len(r.prompt))
+		r.shadow.OnAdmitTokens(e.model, tokens, "")
 	}
 	ev := contract.RequestEvent{Kind: contract.EventAllocated, ExternalTokens: ext, BlockTable: r.table.Clone()}
 	var storeSpec *kvcore.LoadSpec

@@ -42,6 +42,14 @@ type ledger struct {
 	// of their request's tenant.
 	tenants     map[string]string
 	wrongTenant []LedgerDifference
+
+	// tokens are the prompt token ids each request's save tasks carried
+	// (engine/request → the longest list); claims the BlockStored events
+	// that carried token_ids, checked against them by report, and
+	// tokenEvents their count.
+	tokens      map[string][]uint32
+	claims      []tokenClaim
+	tokenEvents int
 }
 
 // span is one save's token range.
@@ -71,6 +79,7 @@ func newLedger(m *kvcore.Model, prefix string, putFailuresAccounted bool) *ledge
 		model: m, prefix: prefix, putFailuresAccounted: putFailuresAccounted, tasks: map[string]*ledgerTask{},
 		results: map[string]contract.TransferResult{}, loads: map[string]contract.TransferResult{},
 		expect: map[string][]span{}, stored: map[string]string{}, removed: map[string]bool{}, raced: map[string]bool{}, hashIndex: map[string]int{},
+		tokens: map[string][]uint32{},
 	}
 	for g := range m.Groups {
 		l.namespaces = append(l.namespaces, m.Namespaces(g))
@@ -111,6 +120,7 @@ func (l *ledger) saveTask(rec Record) {
 	for i, h := range task.BlockHashes {
 		l.hashIndex[h] = i
 	}
+	l.taskTokens(task)
 	if _, dup := l.tasks[task.TaskID]; dup {
 		l.dupTasks++
 		l.mu.Unlock()
@@ -235,6 +245,7 @@ func (l *ledger) kvEvent(rec Record) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.announced += len(keys)
+	l.eventTokens(ev)
 	for _, k := range keys {
 		if _, seen := l.stored[k]; !seen {
 			l.stored[k] = ev.EngineID
@@ -403,6 +414,10 @@ type LedgerReport struct {
 	MalformedTables []string `json:"malformed_tables"`
 	// Undecodable counts run records on kvmesh.save.tasks that did not decode.
 	Undecodable int `json:"undecodable"`
+	// TokenEvents counts the run's BlockStored events that carried
+	// token_ids; each was checked to be exactly its blocks' prompt tokens
+	// (a mismatch is a difference).
+	TokenEvents int `json:"token_events"`
 	// Balanced is set when every expected key is accounted for as stored,
 	// existing, skipped or dead-lettered, every task has its result, and the
 	// published saves are exactly the engines' expected saves.
@@ -545,6 +560,8 @@ func (l *ledger) report() LedgerReport {
 		r.Differences = append(r.Differences, LedgerDifference{Problem: fmt.Sprintf("%d undecodable save records keyed by run requests", l.undecodable)})
 	}
 	r.Differences = append(r.Differences, l.wrongTenant...)
+	r.Differences = append(r.Differences, l.tokenDifferences()...)
+	r.TokenEvents = l.tokenEvents
 	slices.SortFunc(r.Differences, func(a, b LedgerDifference) int {
 		return cmp.Or(cmp.Compare(a.RequestID, b.RequestID), cmp.Compare(a.EngineID, b.EngineID), cmp.Compare(a.TaskID, b.TaskID))
 	})

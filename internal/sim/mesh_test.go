@@ -261,7 +261,8 @@ func checkStepTraces(ctx context.Context, t *testing.T, cfg Config, spans *trace
 
 // TestFleetOfThreeEngines plays a workload over three engines, each with
 // its own gpuworker, against one mesh: every engine completes requests,
-// the ledger balances in all and on each engine, every request's events
+// the ledger balances in all and on each engine (BlockStored events carry
+// their blocks' prompt tokens, which the ledger checks), every request's events
 // reach the scheduler as step records keyed by their engine with no seq
 // gap, each in its request's trace, and the report's total sums the
 // engines.
@@ -281,6 +282,9 @@ func TestFleetOfThreeEngines(t *testing.T) {
 		t.Fatal(err)
 	}
 	requireClean(t, rep)
+	if rep.Ledger.TokenEvents == 0 {
+		t.Fatal("no BlockStored event carried token_ids: the admitted events' tokens did not reach the sender")
+	}
 	if len(rep.Engines) != 3 || len(rep.Ledger.Engines) != 3 {
 		t.Fatalf("%d engines and %d engine ledgers in the report, want 3", len(rep.Engines), len(rep.Ledger.Engines))
 	}

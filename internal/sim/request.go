@@ -91,6 +91,18 @@ func (r *request) token(i int) uint32 {
 	return r.output[i-len(r.prompt)]
 }
 
+// admittedTokens are the token ids an admitted event carries: the
+// prompt's tokens of complete hash blocks that the chain so far covers, at
+// most kvcore.MaxTokenIDs of them (kvcore.TokenPrefix), as vLLM's
+// connector sends them (a copy: the event is published as is).
+func (r *request) admittedTokens(hbs int) []uint32 {
+	n := min(len(r.prompt)/hbs, len(r.hexes)) * hbs
+	if n == 0 {
+		return nil
+	}
+	return append([]uint32(nil), kvcore.TokenPrefix(hbs, r.prompt[:n])...)
+}
+
 // extendHashes hashes every full hash block of the tokens so far.
 func (r *request) extendHashes(hbs int) {
 	buf := make([]uint32, hbs)

@@ -97,6 +97,23 @@ type RequestEvent struct {
 	// scheduler keeps it with the request and puts it on every task, so
 	// the request only saves and loads its tenant's keys.
 	Tenant string `json:"tenant,omitempty"`
+	// TokenIDs come with admitted (optional): the prompt's tokens of
+	// complete hash blocks only — the first n prompt tokens, n a multiple
+	// of hash_block_size, at most len(BlockHashes)*hash_block_size and at
+	// most PromptTokens (kvcore.CheckTokenIDs). The scheduler keeps the
+	// first kvcore.MaxTokenIDs of them (whole hash blocks; an engine need
+	// send no more) with the request and puts those each save task's chain
+	// covers on the task, so the BlockStored KV events of its blocks carry their
+	// token_ids, which token-keyed routers (llm-d's indexer) index.
+	// Absent, or dropped by the scheduler (KVMESH_KV_EVENTS_TOKEN_IDS=false):
+	// the events carry token_ids []. A list that breaks these rules
+	// dead-letters the step record (invalid_record), as a malformed hash
+	// chain does.
+	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	// LoraName comes with admitted (optional): the LoRA adapter the
+	// engine serves the request with (vLLM's BlockStored lora_name);
+	// absent: none.
+	LoraName string `json:"lora_name,omitempty"`
 	// Consumer marks a kv_consumer request (never saves).
 	Consumer bool `json:"consumer,omitempty"`
 	// ExternalTokens and BlockTable come with allocated.
@@ -262,14 +279,17 @@ type KVEvent struct {
 	// ParentBlockHash is the wire hash of the block before the first one
 	// (BlockStored); nil when the first block starts the chain.
 	ParentBlockHash *uint64
-	// TokenIDs are the blocks' tokens where known (BlockStored); kvmesh's
-	// save tasks carry hashes only, so kvmesh sends an empty list.
+	// TokenIDs are the blocks' tokens (BlockStored): len(BlockHashes) ×
+	// BlockSize tokens. kvmesh fills them from the save task's tokens (the
+	// prompt tokens the engine sent with admitted) when the task covers
+	// every block of the event whole, and sends an empty list otherwise.
 	TokenIDs []uint32
 	// BlockSize is the tokens per block of the group (BlockStored).
 	BlockSize int
-	// LoraID and LoraName are vLLM's LoRA fields (BlockStored); nil in
-	// kvmesh, whose save tasks do not name the adapter (it is folded into
-	// the block hashes).
+	// LoraID and LoraName are vLLM's LoRA fields (BlockStored). kvmesh
+	// sends LoraName from the save task (the adapter the engine admitted
+	// the request with; nil without one) and LoraID nil (the adapter's id
+	// is only folded into the block hashes).
 	LoraID   *int
 	LoraName *string
 	// Medium names the tier holding the blocks; kvmesh sends MediumStore.

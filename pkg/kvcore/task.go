@@ -158,6 +158,16 @@ type SaveTask struct {
 	BlockTable BlockTable `json:"block_table"`
 	// BlockHashes is the request's hash chain (hex), at least End/hash_block_size long.
 	BlockHashes []string `json:"block_hashes"`
+	// TokenIDs are the request's prompt tokens [0, N) of the chain prefix
+	// BlockHashes covers, complete hash blocks only (CheckTokenIDs: N a
+	// multiple of hash_block_size, at most len(BlockHashes) blocks; N may
+	// be shorter, down to none, when the engine sent fewer or the operator
+	// dropped them). The sender fills the token_ids of the BlockStored
+	// events of the blocks they cover. Absent: none.
+	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	// LoraName is the LoRA adapter the request is served with ("": none),
+	// the BlockStored events' lora_name.
+	LoraName string `json:"lora_name,omitempty"`
 	// Groups lists, per group, exactly the chunks to store.
 	Groups []GroupChunks `json:"groups"`
 }

@@ -333,6 +333,14 @@ type Tracker struct {
 	SaveJobs int `json:"save_jobs,omitempty"`
 	// Hashes is the request's hash chain (hex), one per hash block.
 	Hashes []string `json:"block_hashes,omitempty"`
+	// TokenIDs are the prompt's tokens of complete hash blocks, as the
+	// engine admitted them (OnAdmitTokens; nil: none given, or the
+	// operator dropped them): every save task carries those its chain
+	// covers, for the token ids of its BlockStored events. Only grows.
+	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	// LoraName is the LoRA adapter the engine serves the request with
+	// ("": none), put on every save task (BlockStored lora_name).
+	LoraName string `json:"lora_name,omitempty"`
 	// Load is the LoadSpec state of the current scheduling attempt.
 	Load LoadState `json:"load"`
 	// Seq numbers the tasks the tracker emitted; task ids derive from it.

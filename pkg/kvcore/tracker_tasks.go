@@ -301,6 +301,8 @@ func (t *Tracker) newSaveTask(m *Model, start, end int, groups []GroupChunks) (S
 		End:         end,
 		BlockTable:  t.Table.Clone(),
 		BlockHashes: append([]string(nil), t.Hashes[:end/m.HashBlockSize]...),
+		TokenIDs:    t.taskTokens(m, end/m.HashBlockSize),
+		LoraName:    t.LoraName,
 		Groups:      groups,
 	}, nil
 }

@@ -27,6 +27,10 @@ const (
 	// not aligned to the scheduler block size (End may instead be a
 	// sub-block prompt tail's end under partial hash hits). Task-wide.
 	ReasonTokenRangeInvalid Reason = "token_range_invalid"
+	// ReasonTokenIDsInvalid: the task's token ids are not whole hash
+	// blocks, or more than its block hashes cover (CheckTokenIDs).
+	// Task-wide.
+	ReasonTokenIDsInvalid Reason = "token_ids_invalid"
 	// ReasonTableGroupCount: the block table lacks this group, or has more
 	// groups than the model (then every group gets it).
 	ReasonTableGroupCount Reason = "table_group_count"
@@ -84,10 +88,10 @@ func (v GroupVerdict) OK() bool { return v.Reason == ReasonOK }
 // one verdict per task entry that names a group outside the model or
 // repeats one. A group is never rejected because another group is bad; only
 // task-wide faults (model_unknown, tenant_invalid, token_range_invalid,
-// hash_count_mismatch, a table with more groups than the model) reject
-// every group. poolBlocks
-// gives the number of blocks per group in the engine's pool; nil (or a
-// missing entry) skips the upper-bound check. A nil model yields one
+// hash_count_mismatch, token_ids_invalid, a table with more groups than
+// the model) reject every group. poolBlocks gives the number of blocks
+// per group in the engine's pool; nil (or a missing entry) skips the
+// upper-bound check. A nil model yields one
 // model_unknown verdict per task entry; a nil task is an empty one.
 func ValidateSave(m *Model, poolBlocks []int, t *SaveTask) []GroupVerdict {
 	if t == nil {
@@ -170,6 +174,7 @@ func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
 	if err := ValidateTenant(t.Tenant); err != nil {
 		return GroupVerdict{Reason: ReasonTenantInvalid, Detail: err.Error()}
 	}
+	tokErr := CheckTokenIDs(m.HashBlockSize, len(t.TokenIDs), len(t.BlockHashes))
 	switch {
 	case t.Start < 0 || t.End <= t.Start || t.Start%sbs != 0 || !endOK:
 		return GroupVerdict{Reason: ReasonTokenRangeInvalid,
@@ -177,6 +182,8 @@ func taskWideFault(m *Model, t *SaveTask) GroupVerdict {
 	case t.End/m.HashBlockSize > len(t.BlockHashes):
 		return GroupVerdict{Reason: ReasonHashCountMismatch,
 			Detail: fmt.Sprintf("end %d needs %d block hashes, the task has %d", t.End, t.End/m.HashBlockSize, len(t.BlockHashes))}
+	case tokErr != nil:
+		return GroupVerdict{Reason: ReasonTokenIDsInvalid, Detail: tokErr.Error()}
 	case len(t.BlockTable) > len(m.Groups):
 		return GroupVerdict{Reason: ReasonTableGroupCount,
 			Detail: fmt.Sprintf("block table has %d groups, model %q has %d", len(t.BlockTable), m.Name, len(m.Groups))}

@@ -49,6 +49,10 @@ class Settings:
     finish_timeout_s: float = 120.0
     load_timeout_s: float = 120.0
     start_deadline_s: float = 60.0
+    #: Send the prompt's token ids (complete hash blocks) and LoRA adapter
+    #: name with each request's ``admitted`` event, so kvmesh's BlockStored
+    #: events carry them for token-keyed routers (llm-d's indexer).
+    send_token_ids: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,6 +110,18 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     return f
 
 
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(PREFIX + key, default)
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("true", "1", "yes", "on"):
+        return True
+    if s in ("false", "0", "no", "off"):
+        return False
+    raise KVMeshConfigError(f"{PREFIX}{key}: {v!r} is not true or false")
+
+
 def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
          env: Mapping[str, str] = os.environ) -> Settings:
     """Reads the settings from vLLM's ``kv_connector_extra_config``.
@@ -158,6 +174,7 @@ def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
         finish_timeout_s=_seconds(extra, "finish_timeout_s", 120.0),
         load_timeout_s=_seconds(extra, "load_timeout_s", 120.0),
         start_deadline_s=_seconds(extra, "start_deadline_s", 60.0),
+        send_token_ids=_bool(extra, "send_token_ids", True),
         extra=dict(extra),
     )
 
@@ -166,6 +183,7 @@ _KNOWN = {
     "engine_id", "model", "lookup_url", "gpuworker_urls", "token", "token_file", "tenant",
     "ca_file", "cert_file", "key_file",
     "lookup_timeout_s", "lookup_deadline_s", "publish_timeout_s", "finish_timeout_s", "load_timeout_s", "start_deadline_s",
+    "send_token_ids",
     "kafka_brokers", "kafka_tls", "kafka_ca_file", "kafka_cert_file", "kafka_key_file",
     "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password", "kafka_sasl_password_file",
 }

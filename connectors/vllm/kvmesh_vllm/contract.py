@@ -42,6 +42,10 @@ FEEDBACK_REQUEST_ERROR = "request_error"
 #: At most this many request events in one step record (contract.MaxStepRequests).
 MAX_STEP_REQUESTS = 4096
 
+#: At most this many prompt token ids on an admitted event (kvcore.MaxTokenIDs:
+#: kvmesh keeps no more of them), rounded down to whole hash blocks.
+MAX_TOKEN_IDS = 32768
+
 #: vLLM's null block id (block_pool.py's null_block, NULL_BLOCK_ID).
 VLLM_NULL_BLOCK_ID = 0
 
@@ -62,6 +66,8 @@ class RequestEvent:
     seq: int = 0
     prompt_tokens: int = 0
     block_hashes: Optional[list[str]] = None
+    token_ids: Optional[list[int]] = None
+    lora_name: str = ""
     tenant: str = ""
     consumer: bool = False
     external_tokens: int = 0
@@ -77,6 +83,10 @@ class RequestEvent:
             out["prompt_tokens"] = self.prompt_tokens
         if self.block_hashes:
             out["block_hashes"] = self.block_hashes
+        if self.token_ids:
+            out["token_ids"] = self.token_ids
+        if self.lora_name:
+            out["lora_name"] = self.lora_name
         if self.tenant:
             out["tenant"] = self.tenant
         if self.consumer:

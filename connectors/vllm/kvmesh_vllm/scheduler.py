@@ -243,10 +243,13 @@ class SchedulerSide:
             return
         if not st.admitted:
             st.admitted = True
+            hashes = self._hashes(st)
             self._event(st, c.RequestEvent(
                 request_id=st.request_id, kind=c.EVENT_ADMITTED,
                 prompt_tokens=_prompt_len(request),
-                block_hashes=self._hashes(st),
+                block_hashes=hashes,
+                token_ids=self._token_ids(request, hashes),
+                lora_name=self._lora_name(st),
                 tenant=st.tenant, consumer=self._s.consumer,
             ))
         st.allocated, st.table, st.external = True, table, num_external_tokens
@@ -423,6 +426,36 @@ class SchedulerSide:
         except TypeError as e:
             log.warning("request %s: block hashes not understood (%s); kvmesh gets none", st.request_id, e)
             return None
+
+    def _token_ids(self, request: Any, hashes: Optional[list[str]]) -> Optional[list[int]]:
+        """The admitted event's token ids: the prompt's tokens of the
+        complete hash blocks its chain covers (the scheduler refuses any
+        other list, and with it the whole step record), at most
+        ``MAX_TOKEN_IDS`` of them (kvmesh keeps no more), so kvmesh's
+        BlockStored events can carry their blocks' tokens. None when
+        ``kvmesh.send_token_ids`` is false, or the prompt has no token ids
+        (prompt embeddings) or no complete hash block."""
+        if not self._s.send_token_ids or not hashes:
+            return None
+        prompt = getattr(request, "prompt_token_ids", None)
+        if prompt is None:
+            return None
+        hbs = self._model.hash_block_size
+        n = min(len(prompt), _prompt_len(request)) // hbs
+        n = min(n, len(hashes), c.MAX_TOKEN_IDS // hbs) * hbs
+        return [int(t) for t in prompt[:n]] or None
+
+    def _lora_name(self, st: _Request) -> str:
+        """The request's LoRA adapter name (vLLM's lora_request.lora_name;
+        "" without one, when ``kvmesh.send_token_ids`` is false, or for a
+        name kvmesh cannot store: one with a NUL byte)."""
+        if not self._s.send_token_ids:
+            return ""
+        name = getattr(getattr(st.request, "lora_request", None), "lora_name", None) or ""
+        if "\x00" in str(name):
+            log.warning("request %s: LoRA name with a NUL byte not sent to kvmesh", st.request_id)
+            return ""
+        return str(name)
 
     def _preempted(self, rid: str) -> None:
         st = self._reqs.get(rid)

@@ -485,3 +485,61 @@ def test_trace_context_is_taken_once_and_forgotten_at_the_finish():
     side.s.build_connector_meta(new_step(again, ([3], [4]), 16))
     side.s.update_connector_output(fv.KVConnectorOutput())
     assert [e.get("traceparent") for e in side.events()[4:]] == [TP2, TP2, TP2]
+
+
+def _admitted(side: Side, req) -> dict:
+    """The admitted event the connector publishes for ``req``."""
+    assert side.ask(req) == (0, False)
+    table = ([1, 2, 3], [4, 5, 6])
+    side.s.update_state_after_alloc(req, fv.KVCacheBlocks(table), 0)
+    side.s.build_connector_meta(new_step(req, table, req.num_tokens))
+    side.s.update_connector_output(fv.KVConnectorOutput())
+    evs = [e for e in side.events() if e["kind"] == "admitted"]
+    assert len(evs) == 1
+    return evs[0]
+
+
+@pytest.mark.parametrize("tokens, want", [
+    (40, 32),  # two complete hash blocks; the 8-token tail is not sent
+    (48, 48),  # every token is in a complete block
+    (15, 0),  # no complete block: no token_ids field
+    (32768 + 40, 32768),  # at most MAX_TOKEN_IDS, whole hash blocks
+])
+def test_admitted_carries_the_complete_hash_blocks_tokens(tokens, want):
+    """token_ids are the prompt's tokens of complete hash blocks only
+    (what the scheduler accepts), lora_name the request's adapter."""
+    side = Side(FakeLookup(hit=0))
+    req = request(tokens=tokens)
+    req.lora_request = type("LoRARequest", (), {"lora_name": "sql-lora"})()
+    ev = _admitted(side, req)
+    assert ev.get("token_ids", []) == req.prompt_token_ids[:want]
+    assert len(ev.get("token_ids", [])) <= 16 * len(ev.get("block_hashes", []))
+    assert ev["lora_name"] == "sql-lora"
+
+
+def test_admitted_without_lora_or_token_ids_when_turned_off():
+    """kvmesh.send_token_ids false: neither token_ids nor lora_name; a
+    request without an adapter never has lora_name."""
+    side = Side(FakeLookup(hit=0))
+    side.s._s = cfg.Settings(engine_id="e1", model="hybrid", lookup_url="http://x", kafka={}, send_token_ids=False)
+    req = request(tokens=40)
+    req.lora_request = type("LoRARequest", (), {"lora_name": "sql-lora"})()
+    ev = _admitted(side, req)
+    assert "token_ids" not in ev and "lora_name" not in ev and len(ev["block_hashes"]) == 2
+    plain = Side(FakeLookup(hit=0))
+    ev = _admitted(plain, request(tokens=40))
+    assert "lora_name" not in ev and len(ev["token_ids"]) == 32
+
+
+@pytest.mark.parametrize("value, want", [(None, True), (True, True), ("false", False), ("0", False), (False, False), ("on", True)])
+def test_send_token_ids_setting(value, want):
+    extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l"}
+    if value is not None:
+        extra["kvmesh.send_token_ids"] = value
+    assert cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"}).send_token_ids is want
+
+
+def test_send_token_ids_setting_refuses_other_values():
+    extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.send_token_ids": "maybe"}
+    with pytest.raises(cfg.KVMeshConfigError, match="send_token_ids"):
+        cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"})

@@ -61,6 +61,10 @@ type Config struct {
 	// LoadRankTimeout is how long a multi-rank load waits for every rank's
 	// result before it is finished with every block in error.
 	LoadRankTimeout time.Duration `env:"KVMESH_LOAD_RANK_TIMEOUT" default:"30s" doc:"how long a load of a multi-rank engine waits for every worker rank's result; then it is finished fail-closed (finished_recving with every block of the load in load_errors and missing_ranks naming the silent ranks). Checked every min(KVMESH_MAINTENANCE_INTERVAL, half of this)"`
+	// KVEventsTokenIDs keeps the token ids engines send with admitted
+	// events, for the token_ids of the BlockStored KV events (false drops
+	// them at intake). Like Migrate, a Config built in code must set it.
+	KVEventsTokenIDs bool `env:"KVMESH_KV_EVENTS_TOKEN_IDS" default:"true" doc:"operator switch: keep the prompt token ids engines send with admitted events (the first 32768, one copy per request in PostgreSQL, 4 bytes a token; and on every save task), so the BlockStored events on kvmesh.kv.events carry the token_ids of their blocks and token-keyed routers (llm-d's KV-cache indexer) can index kvmesh's store. false drops them at intake: nothing token-derived is stored or put on tasks, events carry token_ids [] and only hash-keyed consumers can use them"`
 }
 
 // Validate checks the settings.
@@ -166,7 +170,7 @@ func (a *App) buildConsumers() error {
 	if err != nil {
 		return err
 	}
-	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log)
+	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log, intake.Options{DropTokenIDs: !a.cfg.KVEventsTokenIDs})
 	a.handler = h
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
 	cc.OnDeadLetter = h.DeadLetter

@@ -47,18 +47,29 @@ type change struct {
 	apply       func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
 }
 
+// rules are what intake checks and keeps of engine events beyond their
+// shape: the model's hash block size, against which an admitted event's
+// token ids are checked, and whether the token ids are kept at all.
+type rules struct {
+	hashBlockSize int
+	// dropTokenIDs drops every admitted event's token ids, after they
+	// were checked (KVMESH_KV_EVENTS_TOKEN_IDS=false); the LoRA name is
+	// kept.
+	dropTokenIDs bool
+}
+
 // decode turns a consumed record into an item, or a permanent error. The
 // change of a record about one request (a decision, a result) takes the
 // trace context of the record's headers: its producer (the lookup, a
 // gpuworker, the sender) publishes it inside the request's trace. A step
 // record's headers are the engine step's, shared by its requests; its
 // events carry their own.
-func decode(rec bus.Received) (item, error) {
+func decode(rec bus.Received, rl rules) (item, error) {
 	var it item
 	var err error
 	switch rec.Topic {
 	case contract.TopicEngineSteps:
-		return decodeStep(rec.Value)
+		return decodeStep(rec.Value, rl)
 	case contract.TopicLookupDecisions:
 		it, err = decodeDecision(rec.Value)
 	case contract.TopicTransferResults:
@@ -109,7 +120,7 @@ func validIDs(ids ...string) error {
 	return nil
 }
 
-func decodeStep(b []byte) (item, error) {
+func decodeStep(b []byte, rl rules) (item, error) {
 	var st contract.EngineStep
 	if err := unmarshal(b, &st); err != nil {
 		return item{}, err
@@ -135,10 +146,13 @@ func decodeStep(b []byte) (item, error) {
 	}
 	for i := range st.Requests {
 		ev := st.Requests[i]
-		if err := checkEvent(st.StepID, i, ev); err != nil {
+		if err := checkEvent(st.StepID, i, ev, rl.hashBlockSize); err != nil {
 			return item{}, err
 		}
 		normalizeNull(&ev, null)
+		if rl.dropTokenIDs {
+			ev.TokenIDs = nil
+		}
 		it.changes = append(it.changes, change{
 			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
 			traceparent: ev.Traceparent,
@@ -170,7 +184,7 @@ func normalizeNull(ev *contract.RequestEvent, null kvcore.BlockID) {
 // dead-letters its whole step record: the engine that produced it is
 // broken, and the requests of the step fail closed at their next event
 // (a seq gap).
-func checkEvent(stepID string, i int, ev contract.RequestEvent) error {
+func checkEvent(stepID string, i int, ev contract.RequestEvent, hashBlockSize int) error {
 	switch {
 	case ev.RequestID == "":
 		return invalid("step %s: request event %d: request_id is empty", stepID, i)
@@ -189,12 +203,15 @@ func checkEvent(stepID string, i int, ev contract.RequestEvent) error {
 	if err := hexChain(stepID, ev.RequestID, ev.BlockHashes); err != nil {
 		return err
 	}
+	if err := tokenList(stepID, ev, hashBlockSize); err != nil {
+		return err
+	}
 	if ev.Step != nil {
 		if err := hexChain(stepID, ev.RequestID, ev.Step.Hashes); err != nil {
 			return err
 		}
 	}
-	return validIDs(ev.RequestID, ev.DecisionID, ev.Tenant)
+	return validIDs(ev.RequestID, ev.DecisionID, ev.Tenant, ev.LoraName)
 }
 
 // hexChain refuses a hash chain with an element that is not lower-case
@@ -205,6 +222,27 @@ func hexChain(stepID, requestID string, hashes []string) error {
 		if !kvcore.IsHashHex(h) {
 			return invalid("step %s: request %s: block hash %d %q is not lower-case hex", stepID, requestID, i, h)
 		}
+	}
+	return nil
+}
+
+// tokenList refuses an event's token ids unless they are the tokens of
+// complete hash blocks of an admitted event: a multiple of the hash block
+// size, covered by the event's own hash chain and its prompt. Like a bad
+// chain, such a list means a broken producer: the step is dead-lettered
+// before the token ids could key a wrong block in a router's index.
+func tokenList(stepID string, ev contract.RequestEvent, hashBlockSize int) error {
+	n := len(ev.TokenIDs)
+	switch {
+	case n == 0:
+		return nil
+	case ev.Kind != contract.EventAdmitted:
+		return invalid("step %s: request %s: token_ids on a %s event (only admitted carries them)", stepID, ev.RequestID, ev.Kind)
+	case n > ev.PromptTokens:
+		return invalid("step %s: request %s: %d token ids, the prompt has %d tokens", stepID, ev.RequestID, n, ev.PromptTokens)
+	}
+	if err := kvcore.CheckTokenIDs(hashBlockSize, n, len(ev.BlockHashes)); err != nil {
+		return invalid("step %s: request %s: %w", stepID, ev.RequestID, err)
 	}
 	return nil
 }

@@ -24,6 +24,20 @@ func mustJSON(t *testing.T, v any) []byte {
 	return b
 }
 
+// testRules are the intake rules of a model with 16-token hash blocks,
+// keeping token ids.
+var testRules = rules{hashBlockSize: 16}
+
+// admittedWith makes the step's event an admitted one of a 40-token
+// prompt with a 2-hash chain and the given token ids.
+func admittedWith(tokens int) func(*contract.EngineStep) {
+	return func(s *contract.EngineStep) {
+		e := &s.Requests[0]
+		e.Kind, e.Step, e.PromptTokens, e.BlockHashes = contract.EventAdmitted, nil, 40, []string{"ab", "cd"}
+		e.TokenIDs = make([]uint32, tokens)
+	}
+}
+
 func TestDecodeClassifiesRecords(t *testing.T) {
 	ev := contract.RequestEvent{RequestID: "r", Seq: 1, Kind: contract.EventScheduled, Step: &kvcore.Step{Kind: kvcore.StepPendingLoad}}
 	st := contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: "e/1", EngineID: "e", Model: "m", Step: 1,
@@ -74,6 +88,22 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		{"step hash not hex", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			s.Requests[0].Step = &kvcore.Step{Kind: kvcore.StepNew, Hashes: []string{"XYZ"}}
 		}), ReasonInvalidRecord, "", "", 0},
+		{"admitted with whole blocks of tokens", contract.TopicEngineSteps, with(admittedWith(32)), "", ledger.KindStep, "", 1},
+		{"admitted with one block of tokens", contract.TopicEngineSteps, with(admittedWith(16)), "", ledger.KindStep, "", 1},
+		{"token ids of a partial block", contract.TopicEngineSteps, with(admittedWith(20)), ReasonInvalidRecord, "", "", 0},
+		{"token ids past the chain", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			admittedWith(32)(s)
+			s.Requests[0].BlockHashes, s.Requests[0].PromptTokens = []string{"ab"}, 64
+		}), ReasonInvalidRecord, "", "", 0},
+		{"token ids past the prompt", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			admittedWith(32)(s)
+			s.Requests[0].PromptTokens = 31
+		}), ReasonInvalidRecord, "", "", 0},
+		{"token ids on a scheduled event", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].TokenIDs = make([]uint32, 16) }), ReasonInvalidRecord, "", "", 0},
+		{"NUL in lora name", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
+			admittedWith(16)(s)
+			s.Requests[0].LoraName = "l\x00"
+		}), ReasonInvalidRecord, "", "", 0},
 		{"unknown kind", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Kind = "exploded" }), ReasonInvalidRecord, "", "", 0},
 		{"too many requests", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = tooMany }), ReasonInvalidRecord, "", "", 0},
 		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
@@ -83,7 +113,7 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			it, err := decode(bus.Received{Message: bus.Message{Topic: c.topic, Value: c.value}})
+			it, err := decode(bus.Received{Message: bus.Message{Topic: c.topic, Value: c.value}}, testRules)
 			if c.reason == "" {
 				if err != nil || it.record.Kind != c.kind || it.record.EngineID != "e" || it.record.RequestID != c.request || len(it.changes) != c.changes {
 					t.Fatalf("decode: %+v with %d changes, %v", it.record, len(it.changes), err)
@@ -100,6 +130,48 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 				t.Fatalf("error %v, want permanent %s", err, c.reason)
 			}
 		})
+	}
+}
+
+// TestDecodeDropsTokenIDs checks the operator switch: with
+// KVMESH_KV_EVENTS_TOKEN_IDS=false the admitted event applied has no token
+// ids (its LoRA name stays), and a malformed list is still refused.
+func TestDecodeDropsTokenIDs(t *testing.T) {
+	ev := contract.RequestEvent{RequestID: "r", Seq: 1, Kind: contract.EventAdmitted, PromptTokens: 40,
+		BlockHashes: []string{"ab", "cd"}, TokenIDs: make([]uint32, 32), LoraName: "sql"}
+	st := contract.EngineStep{Schema: contract.SchemaEngineStep, StepID: "e/1", EngineID: "e", Model: "m", Step: 1,
+		Requests: []contract.RequestEvent{ev}}
+	m := &kvcore.Model{Name: "m", HashBlockSize: 16}
+	cases := []struct {
+		name   string
+		drop   bool
+		tokens int
+	}{
+		{"kept", false, 32},
+		{"dropped", true, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			it, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: mustJSON(t, st)}},
+				rules{hashBlockSize: 16, dropTokenIDs: c.drop})
+			if err != nil || len(it.changes) != 1 {
+				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
+			}
+			req := tracking.New(m, "e", "r")
+			it.changes[0].apply(m, req)
+			if len(req.Store.TokenIDs) != c.tokens || req.Store.LoraName != "sql" {
+				t.Fatalf("tracker keeps %d tokens, lora %q; want %d, sql", len(req.Store.TokenIDs), req.Store.LoraName, c.tokens)
+			}
+		})
+	}
+	bad := st
+	bad.Requests = []contract.RequestEvent{ev}
+	bad.Requests[0].TokenIDs = make([]uint32, 8)
+	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: mustJSON(t, bad)}},
+		rules{hashBlockSize: 16, dropTokenIDs: true})
+	var pe *bus.PermanentError
+	if !errors.As(err, &pe) || pe.Reason != ReasonInvalidRecord {
+		t.Fatalf("malformed token ids with the switch off: %v, want permanent %s", err, ReasonInvalidRecord)
 	}
 }
 

@@ -37,11 +37,23 @@ type Handler struct {
 	metrics *Metrics
 	log     *slog.Logger
 	tracer  trace.Tracer
+	rules   rules
+}
+
+// Options are the operator's choices about what intake keeps.
+type Options struct {
+	// DropTokenIDs drops the token ids of every admitted event
+	// (KVMESH_KV_EVENTS_TOKEN_IDS=false): they are neither stored with the
+	// request nor put on its save tasks, so its BlockStored events carry
+	// token_ids [] and token-keyed routers cannot index its blocks. A
+	// malformed list still dead-letters its step.
+	DropTokenIDs bool
 }
 
 // NewHandler returns a handler applying records to l for model m.
-func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.Logger) *Handler {
-	return &Handler{ledger: l, model: m, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler")}
+func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.Logger, opts Options) *Handler {
+	return &Handler{ledger: l, model: m, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler"),
+		rules: rules{hashBlockSize: m.HashBlockSize, dropTokenIDs: opts.DropTokenIDs}}
 }
 
 // Dead-letter reasons of a record whose transaction fails for good.
@@ -67,7 +79,7 @@ func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
 	items := make([]item, 0, len(recs))
 	at := make([]int, 0, len(recs))
 	for i, rec := range recs {
-		it, err := decode(rec)
+		it, err := decode(rec, h.rules)
 		if err != nil {
 			h.metrics.records.WithLabelValues(rec.Topic, "invalid").Inc()
 			failed[i] = err

@@ -38,7 +38,7 @@ func TestDecodeStepNormalisesTheEnginesNullBlock(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			it, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: record(tc.nullID)}})
+			it, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: record(tc.nullID)}}, testRules)
 			if err != nil || len(it.changes) != 3 {
 				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
 			}
@@ -63,7 +63,7 @@ func TestDecodeStepNormalisesTheEnginesNullBlock(t *testing.T) {
 
 func TestDecodeStepRefusesANegativeNullBlockID(t *testing.T) {
 	v := fmt.Appendf(nil, `{"schema":%q,"step_id":"e/1","engine_id":"e","model":"m","null_block_id":-1,"requests":[]}`, contract.SchemaEngineStep)
-	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: v}})
+	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: v}}, testRules)
 	var pe *bus.PermanentError
 	if !errors.As(err, &pe) || pe.Reason != ReasonInvalidRecord {
 		t.Fatalf("error %v, want permanent %s", err, ReasonInvalidRecord)

@@ -46,7 +46,7 @@ func newTraceFixture(t *testing.T, requests ...string) *traceFixture {
 		t.Fatal(err)
 	}
 	l := ledger.New(dbtest.NewPool(t), m)
-	f := &traceFixture{t: t, h: intake.NewHandler(l, m, metrics, slog.New(slog.NewTextHandler(io.Discard, nil))),
+	f := &traceFixture{t: t, h: intake.NewHandler(l, m, metrics, slog.New(slog.NewTextHandler(io.Discard, nil)), intake.Options{}),
 		l: l, m: m, rec: rec, traces: map[string]trace.SpanContext{}}
 	for _, id := range requests {
 		_, span := otel.Tracer("test").Start(context.Background(), "request "+id)

@@ -72,6 +72,11 @@ const (
 		            $8::text[], $9::text[], $10::bool[], $11::timestamptz[])
 		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline)
 		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id`
+	selectTokens = `SELECT t.engine_id, t.request_id, t.tokens
+		FROM tracker_tokens t JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON t.engine_id = k.e AND t.request_id = k.r`
+	upsertTokens = `INSERT INTO tracker_tokens (engine_id, request_id, tokens)
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])
+		ON CONFLICT (engine_id, request_id) DO UPDATE SET tokens = excluded.tokens`
 	deleteHashes = `DELETE FROM tracker_hashes h USING unnest($1::text[], $2::text[]) AS k(e, r)
 		WHERE h.engine_id = k.e AND h.request_id = k.r`
 	insertHashes = `INSERT INTO tracker_hashes (engine_id, request_id, start, hashes)
@@ -380,10 +385,17 @@ func (b *batchTx) loadParts(ctx context.Context) error {
 	batch := &pgx.Batch{}
 	batch.Queue(selectHashes, es, rs)
 	batch.Queue(selectBlocks, es, rs, g0, g1)
+	te, tr := tokenKeys(b.misses)
+	if len(te) > 0 {
+		batch.Queue(selectTokens, te, tr)
+	}
 	br := b.tx.SendBatch(ctx, batch)
 	err := scanHashes(br, byKey)
 	if err == nil {
 		err = scanBlocks(br, byKey)
+	}
+	if err == nil && len(te) > 0 {
+		err = scanTokens(br, byKey)
 	}
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = fmt.Errorf("ledger: read parts: %w", cerr)
@@ -396,6 +408,38 @@ func (b *batchTx) loadParts(ctx context.Context) error {
 			return err
 		}
 		r.old.install(r.req)
+	}
+	return nil
+}
+
+// tokenKeys are the keys of the rows whose meta says tracker_tokens holds
+// their token ids.
+func tokenKeys(rows []*loaded) (engines, requests []string) {
+	for _, r := range rows {
+		if r.old.meta.Tokens > 0 {
+			engines, requests = append(engines, r.key.EngineID), append(requests, r.key.RequestID)
+		}
+	}
+	return engines, requests
+}
+
+func scanTokens(br pgx.BatchResults, byKey map[Key]*loaded) error {
+	rows, err := br.Query()
+	if err != nil {
+		return fmt.Errorf("ledger: read tokens: %w", err)
+	}
+	var k Key
+	var raw []byte
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &raw}, func() error {
+		tokens, err := unpackTokens(raw)
+		if err != nil {
+			return fmt.Errorf("%s/%s: %w", k.EngineID, k.RequestID, err)
+		}
+		byKey[k].old.tokens = tokens
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("ledger: read tokens: %w", err)
 	}
 	return nil
 }
@@ -461,6 +505,9 @@ func scanBlocks(br pgx.BatchResults, byKey map[Key]*loaded) error {
 func (p *parts) check(k Key) error {
 	if len(p.hashes) != p.meta.Hashes {
 		return fmt.Errorf("%s/%s: %d hashes stored, row says %d: %w", k.EngineID, k.RequestID, len(p.hashes), p.meta.Hashes, ErrPartsCorrupt)
+	}
+	if len(p.tokens) != p.meta.Tokens {
+		return fmt.Errorf("%s/%s: %d token ids stored, row says %d: %w", k.EngineID, k.RequestID, len(p.tokens), p.meta.Tokens, ErrPartsCorrupt)
 	}
 	for s, sm := range p.meta.Slots {
 		for g, n := range sm.Lens {
@@ -553,6 +600,9 @@ type writeSet struct {
 	// older generations to delete
 	oe, or    []string
 	os, ogens []int32
+	// token rows to write
+	ke, kr []string
+	kt     [][]byte
 }
 
 func (w *writeSet) rows() int { return len(w.te) }
@@ -585,6 +635,9 @@ func (w *writeSet) add(r *loaded, deadline time.Time) error {
 		w.be, w.br, w.bb = append(w.be, k.EngineID), append(w.br, k.RequestID), append(w.bb, joinIDs(s.blocks))
 		w.bslot, w.bgen, w.bgrp, w.bst = append(w.bslot, int32(s.slot)), append(w.bgen, int32(s.gen)), append(w.bgrp, int32(s.grp)), append(w.bst, int32(s.start))
 	}
+	if d.writeTokens {
+		w.ke, w.kr, w.kt = append(w.ke, k.EngineID), append(w.kr, k.RequestID), append(w.kt, packTokens(d.tokens))
+	}
 	for _, s := range d.newGen {
 		w.oe, w.or, w.os, w.ogens = append(w.oe, k.EngineID), append(w.or, k.RequestID), append(w.os, int32(s)), append(w.ogens, int32(nw.meta.Slots[s].Gen))
 	}
@@ -601,6 +654,9 @@ func (w *writeSet) queue(batch *pgx.Batch) {
 	}
 	if len(w.he) > 0 {
 		batch.Queue(insertHashes, w.he, w.hr, w.hs, w.hh)
+	}
+	if len(w.ke) > 0 {
+		batch.Queue(upsertTokens, w.ke, w.kr, w.kt)
 	}
 	if len(w.oe) > 0 {
 		batch.Queue(deleteOldBlocks, w.oe, w.or, w.os, w.ogens)

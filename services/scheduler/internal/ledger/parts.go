@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"slices"
@@ -15,7 +16,10 @@ import (
 // the ledger writes them once, in segments (tables tracker_hashes and
 // tracker_blocks), and keeps them out of the tracker JSON that every event
 // rewrites. An event costs the small mutable state plus the segments it
-// adds, whatever the prompt's length.
+// adds, whatever the prompt's length. The prompt's token ids, when the
+// engine sent them, are kept the same way in one row of tracker_tokens
+// (4 bytes a token), written when the request is admitted and again only
+// if a longer list arrives.
 
 // Tracker slots in tracker_blocks and PartsMeta.Slots.
 const (
@@ -33,6 +37,8 @@ type PartsMeta struct {
 	// PDHashes is the length of the pd tracker's chain, a prefix of the
 	// request's chain (-1: the pd tracker keeps its own chain inline).
 	PDHashes int `json:"pd_hashes,omitempty"`
+	// Tokens is the number of token ids tracker_tokens holds.
+	Tokens int `json:"tokens,omitempty"`
 	// Slots are the block tables of the store tracker and the pd tracker.
 	Slots [numSlots]SlotMeta `json:"slots"`
 }
@@ -47,7 +53,7 @@ type SlotMeta struct {
 
 // equal reports whether m and o describe the same segments.
 func (m *PartsMeta) equal(o *PartsMeta) bool {
-	if m.Hashes != o.Hashes || m.PDHashes != o.PDHashes {
+	if m.Hashes != o.Hashes || m.PDHashes != o.PDHashes || m.Tokens != o.Tokens {
 		return false
 	}
 	for s := range m.Slots {
@@ -61,7 +67,7 @@ func (m *PartsMeta) equal(o *PartsMeta) bool {
 
 // empty reports whether m describes no segment at all.
 func (m *PartsMeta) empty() bool {
-	return m.Hashes == 0 && m.PDHashes == 0 && m.Slots[slotStore].Lens == nil && m.Slots[slotPD].Lens == nil &&
+	return m.Hashes == 0 && m.PDHashes == 0 && m.Tokens == 0 && m.Slots[slotStore].Lens == nil && m.Slots[slotPD].Lens == nil &&
 		m.Slots[slotStore].Gen == 0 && m.Slots[slotPD].Gen == 0
 }
 
@@ -70,6 +76,7 @@ func (m *PartsMeta) empty() bool {
 type parts struct {
 	meta   PartsMeta
 	hashes []string
+	tokens []uint32
 	tables [numSlots]kvcore.BlockTable
 }
 
@@ -90,6 +97,10 @@ type delta struct {
 	// rewriteHashes deletes the stored chain before hashes are inserted.
 	rewriteHashes bool
 	blocks        []blockSegment
+	// tokens is set when the token ids changed: the row is written whole.
+	tokens []uint32
+	// writeTokens says tokens is to be written.
+	writeTokens bool
 	// newGen lists the slots whose table was replaced: their rows of older
 	// generations are deleted.
 	newGen []int
@@ -104,6 +115,7 @@ func slotTrackers(req *tracking.Request) [numSlots]*kvcore.Tracker {
 // append by the tracker never writes into p's arrays).
 func (p *parts) install(req *tracking.Request) {
 	req.Store.Hashes = slices.Clip(p.hashes)
+	req.Store.TokenIDs = slices.Clip(p.tokens)
 	if req.PD != nil && p.meta.PDHashes >= 0 && p.meta.PDHashes <= len(p.hashes) {
 		req.PD.Hashes = slices.Clip(p.hashes[:p.meta.PDHashes])
 	}
@@ -147,6 +159,11 @@ func diff(old *parts, req *tracking.Request) (*parts, delta) {
 	}
 	nw.hashes = h
 	nw.meta.Hashes = len(h)
+	if tok := req.Store.TokenIDs; !slices.Equal(tok, old.tokens) {
+		d.tokens, d.writeTokens = tok, true
+	}
+	nw.tokens = req.Store.TokenIDs
+	nw.meta.Tokens = len(req.Store.TokenIDs)
 	nw.meta.PDHashes = 0
 	if req.PD != nil {
 		nw.meta.PDHashes = -1
@@ -230,7 +247,7 @@ func ids(b []kvcore.BlockID) []int64 {
 // prefix of the request's, meta.PDHashes -1).
 func smallJSON(req *tracking.Request, meta *PartsMeta) (tracker, extras []byte, err error) {
 	st := *req.Store
-	st.Hashes, st.Table = nil, nil
+	st.Hashes, st.Table, st.TokenIDs = nil, nil, nil
 	if tracker, err = kvcore.MarshalTracker(&st); err != nil {
 		return nil, nil, fmt.Errorf("ledger: %w", err)
 	}
@@ -298,6 +315,28 @@ func (c *partsCache) put(k Key, born int64, p *parts) {
 	if len(c.order) > 2*c.max {
 		c.order = slices.DeleteFunc(c.order, func(k Key) bool { _, ok := c.entries[k]; return !ok })
 	}
+}
+
+// packTokens encodes token ids as tracker_tokens stores them: 4 bytes
+// each, little-endian.
+func packTokens(tokens []uint32) []byte {
+	out := make([]byte, 0, 4*len(tokens))
+	for _, t := range tokens {
+		out = binary.LittleEndian.AppendUint32(out, t)
+	}
+	return out
+}
+
+// unpackTokens decodes packTokens' encoding.
+func unpackTokens(b []byte) ([]uint32, error) {
+	if len(b)%4 != 0 {
+		return nil, fmt.Errorf("%d bytes of token ids are not 4-byte words: %w", len(b), ErrPartsCorrupt)
+	}
+	out := make([]uint32, len(b)/4)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint32(b[4*i:])
+	}
+	return out, nil
 }
 
 func jsonMarshal(v any) ([]byte, error) {

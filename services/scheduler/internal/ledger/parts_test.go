@@ -157,6 +157,60 @@ func TestPartsAreWrittenOnceAndReadBack(t *testing.T) {
 	d.check(ledger.New(pool, m), "r1")
 }
 
+// tokenIDs is n token ids whose values use all 32 bits.
+func tokenIDs(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(i) * 2654435761
+	}
+	return out
+}
+
+// TestTokensAreWrittenOnce checks how a request's token ids are kept: one
+// tracker_tokens row of 4 bytes a token, written at admission and not
+// rewritten by later events (its row version stays), none in the tracker
+// JSON, read back by a ledger whose cache misses, and written again only
+// when a longer list arrives.
+func TestTokensAreWrittenOnce(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m, err := kvcore.Preset("dense")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newDriver(t, pool, m)
+	const prompt = 1024
+	chain := hexChain(prompt / m.HashBlockSize)
+	bs := m.Groups[0].BlockSize
+	ctx := context.Background()
+	version := func() (xmin string, size, jsonTokens int) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, `SELECT k.xmin::text, octet_length(k.tokens), coalesce(jsonb_array_length(t.tracker->'token_ids'), 0)
+			FROM tracker_tokens k JOIN trackers t USING (engine_id, request_id)`).Scan(&xmin, &size, &jsonTokens); err != nil {
+			t.Fatal(err)
+		}
+		return xmin, size, jsonTokens
+	}
+	d.apply(contract.RequestEvent{RequestID: "r1", Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: chain,
+		TokenIDs: tokenIDs(prompt / 2), LoraName: "sql-lora"})
+	first, size, inJSON := version()
+	if size != 4*prompt/2 || inJSON != 0 {
+		t.Fatalf("tracker_tokens holds %d bytes, the tracker JSON %d token ids; want %d, 0", size, inJSON, 4*prompt/2)
+	}
+	d.apply(scheduled("r1", kvcore.StepNew, prompt, kvcore.BlockTable{blocks(0, prompt/bs)}, chain))
+	d.apply(scheduled("r1", kvcore.StepDecode, prompt+1, kvcore.BlockTable{{kvcore.BlockID(prompt)}}, nil))
+	if again, _, _ := version(); again != first {
+		t.Fatalf("the token row was rewritten by events without tokens (xmin %s, then %s)", first, again)
+	}
+	d.check(d.l, "r1")
+	d.check(ledger.New(pool, m), "r1")
+	d.apply(contract.RequestEvent{RequestID: "r1", Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: chain,
+		TokenIDs: tokenIDs(prompt)})
+	if again, size, _ := version(); again == first || size != 4*prompt {
+		t.Fatalf("after a longer list: xmin %s (was %s), %d bytes; want a new row version of %d bytes", again, first, size, 4*prompt)
+	}
+	d.check(ledger.New(pool, m), "r1")
+}
+
 // TestEventCostIndependentOfPromptLength checks what an event writes: the
 // tracker row's JSON of a running request does not grow with its prompt.
 func TestEventCostIndependentOfPromptLength(t *testing.T) {
@@ -171,7 +225,8 @@ func TestEventCostIndependentOfPromptLength(t *testing.T) {
 	for _, prompt := range []int{2048, 32768} {
 		id := fmt.Sprint("r", prompt)
 		chain := hexChain(prompt / m.HashBlockSize)
-		d.apply(contract.RequestEvent{RequestID: id, Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: chain})
+		d.apply(contract.RequestEvent{RequestID: id, Kind: contract.EventAdmitted, PromptTokens: prompt, BlockHashes: chain,
+			TokenIDs: tokenIDs(prompt)})
 		d.apply(scheduled(id, kvcore.StepNew, prompt, kvcore.BlockTable{blocks(0, prompt/bs)}, chain))
 		d.apply(scheduled(id, kvcore.StepDecode, prompt+1, kvcore.BlockTable{{kvcore.BlockID(prompt)}}, nil))
 		d.check(d.l, id)

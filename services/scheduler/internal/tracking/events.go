@@ -98,7 +98,7 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEve
 	case r.Store.State == kvcore.StateErrored && ev.Kind != contract.EventFinished:
 		out.Ignored = "errored"
 	case ev.Kind == contract.EventAdmitted:
-		r.admit(out, ev)
+		r.admit(m, out, ev)
 	case r.Held != nil && ev.Kind == contract.EventFinished:
 		r.warn(out, source(ev), fmt.Errorf("finished while its allocation waited for lookup decision %q", r.Held.Alloc.DecisionID))
 		r.Held = nil
@@ -112,11 +112,13 @@ func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEve
 	}
 }
 
-// admit records the hash chain, prompt length, role and tenant. A tenant
+// admit records the hash chain, prompt length, token ids, LoRA adapter,
+// role and tenant (the pd tracker only loads: it takes the chain and
+// prompt length, never the tokens). A tenant
 // that cannot be a key segment, or one that differs from the tenant the
 // request was admitted with before, stops the request (request_error):
 // none of its tasks may be keyed in a tenant it was not admitted with.
-func (r *Request) admit(out *Outcome, ev contract.RequestEvent) {
+func (r *Request) admit(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	if err := kvcore.ValidateTenant(ev.Tenant); err != nil {
 		r.fail(out, fmt.Errorf("%s (admitted): %w", source(ev), err))
 		return
@@ -127,6 +129,7 @@ func (r *Request) admit(out *Outcome, ev contract.RequestEvent) {
 	}
 	r.Store.Tenant = ev.Tenant
 	r.Store.OnAdmit(ev.BlockHashes, ev.PromptTokens)
+	r.Store.OnAdmitTokens(m, ev.TokenIDs, ev.LoraName)
 	if ev.Consumer {
 		r.Store.Consumer = true
 	}

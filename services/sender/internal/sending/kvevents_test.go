@@ -3,6 +3,7 @@ package sending_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -185,5 +186,104 @@ func TestBlockStoredRecordsSlidingWindow(t *testing.T) {
 	}
 	if swa.SpecKind != "sliding_window" || swa.SlidingWindow == nil || *swa.SlidingWindow != 40 {
 		t.Errorf("sliding-window event: kind %q, window %v; want sliding_window, 40", swa.SpecKind, swa.SlidingWindow)
+	}
+}
+
+// bigBlockModel has blocks of two hash blocks (32 tokens, hash blocks of
+// 16): one BlockStored block covers two hashes, the second its key.
+const bigBlockModel = `
+name: big-blocks
+hash_block_size: 16
+groups:
+  - {kind: full_attention, block_size: 32, bytes_per_block: 64}
+`
+
+// partialModel has Mamba blocks of two hash blocks: vLLM's partial hash
+// hits, under which a prompt's sub-block tail is stored at its last hash
+// boundary inside a block.
+const partialModel = `
+name: partial-hits
+hash_block_size: 16
+groups:
+  - {kind: full_attention, block_size: 32, bytes_per_block: 64}
+  - {kind: mamba, block_size: 32, bytes_per_block: 96}
+`
+
+// promptTokens are the tokens saveTask hashed for a task of request id
+// (its chain is theirs), n of them.
+func promptTokens(id string, n int) []uint32 {
+	tokens := make([]uint32, n)
+	for i := range tokens {
+		tokens[i] = uint32(len(id)*7919 + int(id[len(id)-1])*31 + i)
+	}
+	return tokens
+}
+
+// TestBlockStoredTokenIDs checks each BlockStored event's token_ids: the
+// tokens of exactly its blocks (len(block_hashes) × the group's block
+// size, in order), from the task's tokens, and [] for an event with a
+// block the task's tokens do not cover whole; every event names the
+// task's LoRA adapter.
+func TestBlockStoredTokenIDs(t *testing.T) {
+	cases := []struct {
+		name       string
+		spec       string
+		start, end int
+		tokens     int // the task's token ids, [0, tokens)
+		tail       bool
+		// want are, per record (group) and event, the token ranges
+		// [from, to) of the event's token_ids; {0, 0} is [].
+		want [][][2]int
+	}{
+		{"hash-block blocks", smallModel, 0, 64, 64, false,
+			[][][2]int{{{0, 64}}, {{48, 64}}}},
+		{"tokens end inside the run", smallModel, 0, 64, 48, false,
+			[][][2]int{{{0, 0}}, {{0, 0}}}},
+		{"no tokens", smallModel, 0, 64, 0, false,
+			[][][2]int{{{0, 0}}, {{0, 0}}}},
+		{"blocks of two hash blocks", bigBlockModel, 0, 96, 96, false,
+			[][][2]int{{{0, 96}}}},
+		{"a later save carries the tokens from 0", bigBlockModel, 32, 96, 96, false,
+			[][][2]int{{{32, 96}}}},
+		{"sub-block prompt tail", partialModel, 32, 48, 48, true,
+			[][][2]int{{{0, 0}}, {{0, 0}}}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			f := newModelFixture(t, c.spec)
+			id := "tok-" + strings.ReplaceAll(c.name, " ", "-")
+			task := saveTask(f.model, id, c.start, c.end, 3)
+			if c.tail {
+				task.Groups = f.model.PromptTailGroups(c.start, c.end)
+				task.BlockTable = kvcore.BlockTable{{3, 4}, {3, 4}}
+			}
+			task.TokenIDs, task.LoraName = promptTokens(id, c.tokens), "sql-lora"
+			f.handle(t, encode(t, task))
+			if r, ok := f.outcome(t, task.TaskID); !ok || r.Status != string(kvcore.SaveStored) {
+				t.Fatalf("outcome %+v (%v), want stored", r, ok)
+			}
+			recs, _ := f.kvRecords(t)
+			if len(recs) != len(c.want) {
+				t.Fatalf("%d records, want %d", len(recs), len(c.want))
+			}
+			all := promptTokens(id, c.end)
+			for g, rec := range recs {
+				if len(rec.Batch.Events) != len(c.want[g]) {
+					t.Fatalf("group %d: %d events, want %d", g, len(rec.Batch.Events), len(c.want[g]))
+				}
+				for i, e := range rec.Batch.Events {
+					r := c.want[g][i]
+					if !slices.Equal(e.TokenIDs, all[r[0]:r[1]]) || e.TokenIDs == nil {
+						t.Errorf("group %d event %d: %d token ids, want [%d,%d)", g, i, len(e.TokenIDs), r[0], r[1])
+					}
+					if n := len(e.TokenIDs); n != 0 && n != len(e.BlockHashes)*e.BlockSize {
+						t.Errorf("group %d event %d: %d token ids for %d blocks of %d", g, i, n, len(e.BlockHashes), e.BlockSize)
+					}
+					if e.LoraName == nil || *e.LoraName != "sql-lora" || e.LoraID != nil {
+						t.Errorf("group %d event %d: lora_name %v, lora_id %v; want sql-lora, nil", g, i, e.LoraName, e.LoraID)
+					}
+				}
+			}
+		})
 	}
 }

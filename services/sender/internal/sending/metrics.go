@@ -39,7 +39,7 @@ var deadLetterReasons = []string{
 	bus.ReasonUndecodable, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted, string(ReasonPlanFailed),
 	string(kvcore.ReasonModelUnknown), string(kvcore.ReasonTokenRangeInvalid), string(kvcore.ReasonTableGroupCount),
 	string(kvcore.ReasonGroupOutOfRange), string(kvcore.ReasonGroupMissing), string(kvcore.ReasonGroupDuplicate),
-	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
+	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonTokenIDsInvalid), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
 	string(kvcore.ReasonTableTooShort), string(kvcore.ReasonNullBlock), string(kvcore.ReasonBlockOutOfRange),
 	string(kvcore.ReasonExistsFailed), string(kvcore.ReasonPutFailed), string(kvcore.ReasonBlockNotHeld),
 }

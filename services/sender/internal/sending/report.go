@@ -133,16 +133,23 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 // group and store namespace, keyed by the namespace (contract.KVEventRecord),
 // whose vLLM batch has one BlockStored event per run of consecutive chunks
 // of the group's chain, as vLLM announces a run of blocks after its parent
-// (vllm/v1/core/block_pool.py, cache_full_blocks). kvmesh's save tasks
-// carry hashes, not tokens, so token_ids is empty; the hashes are the
+// (vllm/v1/core/block_pool.py, cache_full_blocks). The hashes are the
 // store keys' own, on the wire as vLLM's maybe_convert_block_hash writes
-// them (contract.WireHash). Every event names the group (group_idx), its
-// kv_cache_spec_kind and, for a sliding-window group, its window
-// (kv_cache_spec_sliding_window), as vLLM's KVCacheManager annotates its
-// own, and the store's tier (contract.MediumStore, contract.LocalityStore);
-// lora_id and lora_name are nil and extra_keys absent: the save task
-// carries neither the adapter nor the hash's extra keys, only the hashes
-// they went into.
+// them (contract.WireHash). An event's token_ids are the tokens of exactly
+// its blocks, from the task's TokenIDs (eventTokens): len(block_hashes) ×
+// the group's block size, as vLLM's BlockStored has them, which
+// token-keyed routers (llm-d's indexer) chunk into their own keys. An
+// event with a block whose whole tokens the task does not carry keeps
+// token_ids [] (a task without tokens; a sub-block prompt tail under
+// partial hash hits, whose block holds more tokens than its key covers):
+// a router chunking a partial block's tokens would key it wrongly. Every
+// event names the group (group_idx), its kv_cache_spec_kind and, for a
+// sliding-window group, its window (kv_cache_spec_sliding_window), as
+// vLLM's KVCacheManager annotates its own, the store's tier
+// (contract.MediumStore, contract.LocalityStore) and the task's LoRA
+// adapter as lora_name (nil without one); lora_id is nil and extra_keys
+// absent: the save task carries neither the adapter's id nor the hash's
+// extra keys, only the hashes they went into.
 func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord {
 	groups := make([]int, 0, len(s.stored))
 	for g := range s.stored {
@@ -204,6 +211,8 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 	if grp.Kind == kvcore.KindSlidingWindow {
 		window = &grp.Window
 	}
+	lora := s.loraName()
+	var runs [][]int // the chain positions of each event's blocks
 	for i, h := range hashes {
 		rec.Hashes = append(rec.Hashes, h)
 		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
@@ -211,11 +220,13 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		if i > 0 && pos(h) >= 0 && pos(h) == pos(hashes[i-1])+step {
 			last := &rec.Batch.Events[len(rec.Batch.Events)-1]
 			last.BlockHashes = append(last.BlockHashes, wire)
+			runs[len(runs)-1] = append(runs[len(runs)-1], pos(h))
 			continue
 		}
+		runs = append(runs, []int{pos(h)})
 		ev := contract.KVEvent{
-			Kind: contract.BlockStored, BlockHashes: []uint64{wire}, TokenIDs: []uint32{},
-			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group,
+			Kind: contract.BlockStored, BlockHashes: []uint64{wire},
+			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group, LoraName: lora,
 			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window, Locality: &locality,
 		}
 		if p := parentIndex(pos(h), step); p >= 0 {
@@ -226,5 +237,45 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		}
 		rec.Batch.Events = append(rec.Batch.Events, ev)
 	}
+	for i := range rec.Batch.Events {
+		rec.Batch.Events[i].TokenIDs = eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, runs[i])
+	}
 	return rec
+}
+
+// loraName is the task's LoRA adapter for BlockStored's lora_name (nil:
+// none).
+func (s *save) loraName() *string {
+	if s.task.LoraName == "" {
+		return nil
+	}
+	return &s.task.LoraName
+}
+
+// eventTokens are the token ids of one BlockStored event whose blocks'
+// keys are the hashes at chain positions run (consecutive blocks of a
+// group of block size bs): the tokens of each block, [end − bs, end) where
+// end = (pos + 1) × hashBlockSize, in order. If one of the blocks is not a
+// whole block of the group the task's tokens cover — its key is not on a
+// block boundary (a sub-block prompt tail or hit under partial hash hits),
+// it is not in the chain, or the task's tokens end before it — the event
+// gets none ([]): a router that chunks an event's tokens by the block size
+// would key a partial block wrongly. The result is a slice of tokens,
+// read only (the event is encoded at once).
+func eventTokens(tokens []uint32, hashBlockSize, bs int, run []int) []uint32 {
+	none := []uint32{}
+	if hashBlockSize <= 0 || bs <= 0 || bs%hashBlockSize != 0 || len(run) == 0 {
+		return none
+	}
+	for _, p := range run {
+		end := (p + 1) * hashBlockSize
+		if p < 0 || end%bs != 0 || end > len(tokens) {
+			return none
+		}
+	}
+	first, last := (run[0]+1)*hashBlockSize-bs, (run[len(run)-1]+1)*hashBlockSize
+	if last-first != len(run)*bs {
+		return none
+	}
+	return tokens[first:last:last]
 }
