@@ -26,7 +26,7 @@ func (f *ledgerFixture) tokenRecord(idx []int, tokens []uint32) Record {
 		Batch: contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: wire,
 			TokenIDs: tokens, BlockSize: 16}}},
 		Namespace: kb.Namespace(kvcore.Rank{}, 0), Hashes: hexes, EngineID: "e", RequestID: "run-1", Model: f.m.Name,
-	})
+	}, contract.KVEventFormMap)
 	if err != nil {
 		f.t.Fatal(err)
 	}
