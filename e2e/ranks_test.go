@@ -33,6 +33,21 @@ func rankConfig(t *testing.T, s *stack, w sim.Workload) sim.Config {
 	return cfg
 }
 
+// seedConfig is the seed preset's run of n requests on the stack (its
+// workload and engine; every worker rank of both engines).
+func seedConfig(t *testing.T, s *stack, n int) sim.Config {
+	t.Helper()
+	seed, ok := sim.LookupPreset("seed")
+	if !ok {
+		t.Fatal("no seed preset")
+	}
+	w := seed.Workload
+	w.Requests = n
+	cfg := rankConfig(t, s, w)
+	cfg.Engine, cfg.ReusePreempted = seed.Engine, seed.ReusePreempted
+	return cfg
+}
+
 // parallelModel is the stack's model with its parallel overrides.
 func parallelModel(t *testing.T, s *stack) *kvcore.Model {
 	t.Helper()

@@ -34,14 +34,7 @@ func TestRequestTraces(t *testing.T) {
 	s := newStack(t, stackOptions{model: tp8Model, connectors: "pd,store", poolBlocks: 192, env: []string{
 		"OTEL_EXPORTER_OTLP_ENDPOINT=" + recv.URL(), "OTEL_BSP_SCHEDULE_DELAY=100",
 	}})
-	seed, ok := sim.LookupPreset("seed")
-	if !ok {
-		t.Fatal("no seed preset")
-	}
-	w := seed.Workload
-	w.Requests = traceRunRequests
-	cfg := rankConfig(t, s, w)
-	cfg.Engine, cfg.ReusePreempted = seed.Engine, seed.ReusePreempted
+	cfg := seedConfig(t, s, traceRunRequests)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	rep, err := sim.Run(ctx, cfg)

@@ -60,6 +60,9 @@ type Config struct {
 	KVEventsZMQTenant string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_TENANT" doc:"the one tenant whose key space the publisher publishes; empty for the tenant-less key space. Events carry prompt token ids, so one endpoint never mixes tenants: run one publisher (lookup replica) per tenant key space"`
 	// KVEventsZMQForm is the wire form of the published events.
 	KVEventsZMQForm contract.KVEventForm `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM" default:"map" doc:"wire form of the published events: map (vLLM's events since vllm-project/vllm#42892) or array (vLLM's older positional events, the only form llm-d-kv-cache up to v0.8.1 decodes)"`
+	// KVEventsZMQClearAsRemoved follows an AllBlocksCleared with the
+	// removal of every block the publisher announced.
+	KVEventsZMQClearAsRemoved bool `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED" default:"true" doc:"follow each AllBlocksCleared with BlockRemoved events of every block hash announced stored and not removed since the publisher started, for routers that ignore AllBlocksCleared (llm-d-kv-cache v0.8.1 only logs it); costs a set of the live hashes in memory, about 40 bytes a block"`
 	// KVEventsZMQReplayFraming is the framing of replay replies.
 	KVEventsZMQReplayFraming kvpublish.ReplayFraming `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING" default:"topic" doc:"framing of replay replies: topic ([id, \"\", topic, seq, payload], end [id, \"\", \"\", -1, \"\"], current vLLM) or seq ([id, \"\", seq, payload], end [id, \"\", -1, \"\"], vLLM before it added the topic frame)"`
 }
@@ -252,7 +255,7 @@ func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
 		Model: cfg.KVEventsZMQModel, Pod: cfg.KVEventsZMQPod, Form: cfg.KVEventsZMQForm,
 		Endpoint: cfg.KVEventsZMQEndpoint, ReplayEndpoint: cfg.KVEventsZMQReplayEndpoint,
 		ReplayFraming: cfg.KVEventsZMQReplayFraming, BufferSteps: cfg.KVEventsZMQBufferSteps,
-		Metrics: m, Logger: a.deps.Log,
+		ClearAsRemoved: cfg.KVEventsZMQClearAsRemoved, Metrics: m, Logger: a.deps.Log,
 	})
 }
 

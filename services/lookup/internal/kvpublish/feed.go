@@ -89,29 +89,55 @@ func (p *Publisher) read(ctx context.Context, partition int, out chan<- kafka.Me
 }
 
 // publishLoop publishes the records it is handed, one at a time, until
-// ctx ends: it owns the sequence counter.
+// ctx ends: it owns the sequence counter and, with ClearAsRemoved, the set
+// of live hashes an AllBlocksCleared is followed by the removal of.
 func (p *Publisher) publishLoop(ctx context.Context, in <-chan kafka.Message) {
 	var seq uint64
+	held := live{}
+	publish := func(payload []byte) {
+		p.send(seq, payload)
+		seq++
+		p.opts.Metrics.seq.Set(float64(seq))
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case m := <-in:
-			payload, ok := p.keep(m)
+			rec, payload, ok := p.keep(m)
 			if !ok {
 				continue
 			}
-			p.send(seq, payload)
-			seq++
-			p.opts.Metrics.seq.Set(float64(seq))
+			publish(payload)
+			if !p.opts.ClearAsRemoved {
+				continue
+			}
+			held.track(rec)
+			if rec.Kind() == contract.AllBlocksCleared {
+				p.clearHeld(held, rec.Batch.TS, publish)
+			}
 		}
 	}
 }
 
-// keep decodes m and returns its batch re-encoded in the publisher's
-// form, or false for a record it skips (counted by reason) or cannot
-// decode (counted and logged).
-func (p *Publisher) keep(m kafka.Message) ([]byte, bool) {
+// clearHeld publishes the BlockRemoved batches of every held hash
+// (live.clearBatches) and empties the set.
+func (p *Publisher) clearHeld(held live, ts float64, publish func([]byte)) {
+	for _, b := range held.clearBatches(ts) {
+		payload, err := contract.EncodeKVEventBatch(b, p.opts.Form)
+		if err != nil { // kvmesh's own batch: a bug, not a record's fault
+			p.opts.Logger.Error("kv events zmq publisher: encoding the removals of a clear failed", "err", err)
+			return
+		}
+		publish(payload)
+		p.opts.Metrics.clearedBlocks.Add(float64(len(b.Events[0].BlockHashes)))
+	}
+}
+
+// keep decodes m and returns it with its batch re-encoded in the
+// publisher's form, or false for a record it skips (counted by reason) or
+// cannot decode (counted and logged).
+func (p *Publisher) keep(m kafka.Message) (contract.KVEventRecord, []byte, bool) {
 	headers := make(map[string]string, len(m.Headers))
 	for _, h := range m.Headers {
 		headers[h.Key] = string(h.Value)
@@ -119,11 +145,11 @@ func (p *Publisher) keep(m kafka.Message) ([]byte, bool) {
 	rec, err := contract.DecodeKVEventRecord(m.Value, headers)
 	if err != nil {
 		p.decodeFailed(m, err)
-		return nil, false
+		return rec, nil, false
 	}
 	if reason := p.skipReason(rec); reason != "" {
 		p.opts.Metrics.skipped.WithLabelValues(reason).Inc()
-		return nil, false
+		return rec, nil, false
 	}
 	if rec.Batch.DataParallelRank == nil {
 		rec.Batch.DataParallelRank = new(int)
@@ -131,9 +157,9 @@ func (p *Publisher) keep(m kafka.Message) ([]byte, bool) {
 	payload, err := contract.EncodeKVEventBatch(rec.Batch, p.opts.Form)
 	if err != nil {
 		p.decodeFailed(m, err)
-		return nil, false
+		return rec, nil, false
 	}
-	return payload, true
+	return rec, payload, true
 }
 
 func (p *Publisher) decodeFailed(m kafka.Message, err error) {

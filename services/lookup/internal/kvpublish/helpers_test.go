@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvmesh/kvmesh/internal/devbroker"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -158,18 +159,10 @@ func removed(kb kvcore.KeyBuilder, ws ...uint64) contract.KVEventRecord {
 	return rec
 }
 
-// until polls cond every 10 ms until it holds, failing the test after 20 s.
+// until polls cond until it holds, failing the test after 20 s.
 func until(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not seen in 20 s", what)
-		}
-		<-tick.C
-	}
+	testenv.Eventually(t, 20*time.Second, what, cond)
 }
 
 // subscribe connects a SUB socket to the publisher with filter "kv@" and

@@ -120,6 +120,11 @@ type Options struct {
 	ReplayFraming ReplayFraming
 	// BufferSteps is the batches kept for replay (default DefaultBufferSteps).
 	BufferSteps int
+	// ClearAsRemoved follows each AllBlocksCleared with BlockRemoved events
+	// of every hash announced stored and not removed since the publisher
+	// started, for routers that ignore AllBlocksCleared (llm-d-kv-cache
+	// v0.8.1 only logs it). It costs a set of the live hashes in memory.
+	ClearAsRemoved bool
 	// MaxWait bounds a partition reader's wait (default DefaultMaxWait).
 	MaxWait time.Duration
 	// Metrics receives the publisher's counters (required).

@@ -2,7 +2,11 @@ package kvpublish
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
@@ -124,4 +128,79 @@ func TestLLMDTokenlessStoreEvents(t *testing.T) {
 		r.produce(stored(testKeys, nil, nil, hashes...)) // as the sender writes it: no token ids
 		return l.score(t, tokens, testKeys.Model, DefaultPod) == 4
 	})
+}
+
+// TestLLMDAllBlocksCleared: llm-d v0.8.1 only logs an AllBlocksCleared, so
+// the store's blocks stay in its index after a flush; with ClearAsRemoved
+// the publisher follows the clear with BlockRemoved events of every block
+// it announced, and llm-d's score of the flushed prompt drops to 0. Without
+// it the score stays (checked once a later batch, behind the clear on the
+// same pod's queue, was indexed).
+func TestLLMDAllBlocksCleared(t *testing.T) {
+	for _, clearAsRemoved := range []bool{true, false} {
+		t.Run(fmt.Sprintf("clear_as_removed=%v", clearAsRemoved), func(t *testing.T) {
+			r := newRig(t, func(o *Options) { o.Form = contract.KVEventFormArray; o.ClearAsRemoved = clearAsRemoved })
+			l := newLLMD(t)
+			if err := l.subs.EnsureSubscriber(context.Background(), DefaultPod, "tcp://"+r.p.Addr(), "kv@", true); err != nil {
+				t.Fatal(err)
+			}
+			until(t, "llm-d's subscription", r.topics())
+			first, later := tokenRun(3000, 64), tokenRun(5000, 32)
+			until(t, "llm-d's score of 4 blocks", func() bool {
+				r.produce(stored(testKeys, nil, first, 0xc1, 0xc2, 0xc3, 0xc4))
+				return l.score(t, first, testKeys.Model, DefaultPod) == 4
+			})
+			r.produce(contract.KVEventRecord{
+				Batch: contract.KVEventBatch{TS: 3, Events: []contract.KVEvent{{Kind: contract.AllBlocksCleared}}},
+				Model: testKeys.Model, Namespace: "dep@org/model", Cause: "flushed",
+			})
+			r.produce(stored(testKeys, nil, later, 0xd1, 0xd2))
+			until(t, "the batch after the clear indexed", func() bool { return l.score(t, later, testKeys.Model, DefaultPod) == 2 })
+			want := 4.0
+			if clearAsRemoved {
+				want = 0
+			}
+			if got := l.score(t, first, testKeys.Model, DefaultPod); got != want {
+				t.Fatalf("llm-d scores the flushed prompt %v after the clear, want %v", got, want)
+			}
+			if n := testutil.ToFloat64(r.metrics.clearedBlocks); clearAsRemoved && n != 4 {
+				t.Errorf("cleared blocks counted %v, want 4", n)
+			}
+		})
+	}
+}
+
+// tokenRun is n consecutive token ids from first.
+func tokenRun(first uint32, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = first + uint32(i)
+	}
+	return out
+}
+
+// TestClearBatchesChunks: the removals of a clear name every live hash once,
+// in order, at most clearChunk an event, and leave the set empty.
+func TestClearBatchesChunks(t *testing.T) {
+	l := live{}
+	n := clearChunk + 5
+	for i := range n {
+		l.track(contract.KVEventRecord{Batch: contract.KVEventBatch{Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: []uint64{uint64(i)}}}}})
+	}
+	l.track(contract.KVEventRecord{Batch: contract.KVEventBatch{Events: []contract.KVEvent{{Kind: contract.BlockRemoved, BlockHashes: []uint64{7}}}}})
+	batches := l.clearBatches(9)
+	if len(batches) != 2 || len(l) != 0 {
+		t.Fatalf("%d batches, %d hashes left; want 2 and 0", len(batches), len(l))
+	}
+	var got []uint64
+	for _, b := range batches {
+		e := b.Events[0]
+		if e.Kind != contract.BlockRemoved || len(e.BlockHashes) > clearChunk || *e.Medium != contract.MediumStore || b.TS != 9 {
+			t.Fatalf("batch %+v", b)
+		}
+		got = append(got, e.BlockHashes...)
+	}
+	if len(got) != n-1 || slices.Contains(got, 7) || !slices.IsSorted(got) {
+		t.Fatalf("%d hashes (want %d, without the removed 7, sorted)", len(got), n-1)
+	}
 }

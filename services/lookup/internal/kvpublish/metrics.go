@@ -32,6 +32,7 @@ type Metrics struct {
 	decodeFailures prometheus.Counter
 	replays        prometheus.Counter
 	seq            prometheus.Gauge
+	clearedBlocks  prometheus.Counter
 }
 
 // NewMetrics registers the publisher's families on reg, every label value
@@ -58,8 +59,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvmesh_lookup_kv_events_zmq_next_seq",
 			Help: "Sequence number the next published batch gets (batches published since the publisher started).",
 		}),
+		clearedBlocks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_lookup_kv_events_zmq_cleared_blocks_total",
+			Help: "Block hashes announced removed after an AllBlocksCleared (KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED), for routers that ignore AllBlocksCleared.",
+		}),
 	}
-	if err := telemetry.RegisterAll(reg, m.published, m.skipped, m.decodeFailures, m.replays, m.seq); err != nil {
+	if err := telemetry.RegisterAll(reg, m.published, m.skipped, m.decodeFailures, m.replays, m.seq, m.clearedBlocks); err != nil {
 		return nil, fmt.Errorf("kv events zmq publisher metrics: %w", err)
 	}
 	for _, r := range skipReasons {

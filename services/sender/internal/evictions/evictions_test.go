@@ -177,19 +177,10 @@ func (r *rig) until(what string, cond func() bool) {
 	})
 }
 
-// eventually polls cond every 10 ms until it holds, failing the test
-// after 20 s.
+// eventually polls cond until it holds, failing the test after 20 s.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not seen in 20 s", what)
-		}
-		<-tick.C
-	}
+	testenv.Eventually(t, 20*time.Second, what, cond)
 }
 
 // TestEvictedKeysAreAnnounced fills a 2 MiB allkeys-lru Redis far past its

@@ -129,7 +129,12 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 	return msgs, nil
 }
 
-// kvEvents are the BlockStored records of the keys put: one record per
+// kvEvents are the BlockStored records of the task's keys the store holds
+// after the save — put by it or found already there, so that a router
+// that keys a block by its parent (llm-d) can index each record's runs
+// without waiting for another save's record: a block a concurrent save
+// stored first is announced by that save's record too, in an order no
+// one controls, and announcing a block twice is harmless. One record per
 // group and store namespace, keyed by the namespace (contract.KVEventRecord),
 // whose vLLM batch has one BlockStored event per run of consecutive chunks
 // of the group's chain, as vLLM announces a run of blocks after its parent

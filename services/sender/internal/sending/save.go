@@ -58,9 +58,13 @@ type save struct {
 	task        *kvcore.SaveTask
 	groups      []contract.GroupOutcome // in group order
 	deadLetters []ledger.DeadLetter
-	stored      map[int][]string
-	bytes       int64
-	skipped     int
+	// stored are, per group, the keys the store holds after the save:
+	// put by it or found already there (the KV events announce both, so
+	// that each record's runs chain from its own blocks — a block another
+	// save stored first may be announced by that save's record later).
+	stored  map[int][]string
+	bytes   int64
+	skipped int
 }
 
 // newSave starts the account of task t, with nothing recorded.
@@ -258,6 +262,7 @@ func (s *save) existing(items []item, exists []bool) []item {
 	for i, it := range items {
 		if exists[i] {
 			s.record(it.Group, keysExisting, 1, kvcore.ReasonOK)
+			s.stored[it.Group] = append(s.stored[it.Group], it.Key)
 		} else {
 			missing = append(missing, it)
 		}
@@ -301,6 +306,7 @@ func (s *save) answered(batches [][]item, answers []rankAnswer, interrupted bool
 				s.stored[it.Group] = append(s.stored[it.Group], it.Key)
 			case dataplane.PutExisting: // another save stored the key first
 				s.record(it.Group, keysExisting, 1, kvcore.ReasonOK)
+				s.stored[it.Group] = append(s.stored[it.Group], it.Key)
 			case dataplane.PutNoSpace:
 				t.noSpace = true
 				s.skip(batch[j : j+1])
