@@ -263,9 +263,20 @@ func maskDefault(s string, secret bool) string {
 	return config.MaskPasswords(s)
 }
 
+// textValue stands, in a prototype, for a field whose type parses text
+// (encoding.TextUnmarshaler): it takes any text, and config.Describe names
+// it text, as it names the original.
+type textValue string
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (v *textValue) UnmarshalText(b []byte) error {
+	*v = textValue(b)
+	return nil
+}
+
 // ConfigPrototype returns a pointer to a new struct whose fields carry the
 // env, default, doc, required and secret tags of fields, with Go types of
-// the fields' Type names (text as string, a masked secret default as
+// the fields' Type names (text as a string that parses text, a masked secret default as
 // config.Masked): a value config.Load can fill, so that an environment can
 // be checked against settings read by ConfigFields (the values parse as
 // their types; required ones are set), and that config.Describe and
@@ -273,7 +284,7 @@ func maskDefault(s string, secret bool) string {
 // does not run.
 func ConfigPrototype(fields []config.Field) any {
 	types := map[string]reflect.Type{
-		"string": reflect.TypeFor[string](), "text": reflect.TypeFor[string](),
+		"string": reflect.TypeFor[string](), "text": reflect.TypeFor[textValue](),
 		"bool": reflect.TypeFor[bool](), "int": reflect.TypeFor[int64](), "uint": reflect.TypeFor[uint64](),
 		"float": reflect.TypeFor[float64](), "duration": reflect.TypeFor[time.Duration](),
 		"list": reflect.TypeFor[[]string](),

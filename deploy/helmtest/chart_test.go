@@ -376,8 +376,15 @@ func TestChartPortsAndProbes(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			m := render(t, c)
+			zmq := 0
 			for _, ct := range containers(t, m) {
 				reportAll(t, checkPorts(m, ct))
+				zmq += len(zmqPort(ct))
+			}
+			// The multi-engine values turn the lookup's ZMQ publisher on
+			// (lookup.kvEventsZMQ) on both replicas' one Deployment.
+			if want := map[string]int{"multi-engine values": 1}[c.name]; zmq != want {
+				t.Errorf("%d containers with the ZMQ publisher, want %d", zmq, want)
 			}
 		})
 	}
@@ -395,8 +402,14 @@ func checkPorts(m *helmtest.Manifests, ct container) []error {
 	if _, p, _ := net.SplitHostPort(ct.env["KVMESH_HTTP_ADDR"]); p != want {
 		errs = append(errs, fmt.Errorf("%s: KVMESH_HTTP_ADDR %q, want port %s", name, ct.env["KVMESH_HTTP_ADDR"], want))
 	}
-	if len(ct.c.Ports) != 1 || fmt.Sprint(ct.c.Ports[0].ContainerPort) != want {
-		return append(errs, fmt.Errorf("%s: container ports %v, want one, %s", name, ct.c.Ports, want))
+	extra := zmqPort(ct)
+	if len(ct.c.Ports) != 1+len(extra) || fmt.Sprint(ct.c.Ports[0].ContainerPort) != want {
+		return append(errs, fmt.Errorf("%s: container ports %v, want %s and %v", name, ct.c.Ports, want, extra))
+	}
+	for i, p := range extra {
+		if got := ct.c.Ports[1+i]; got.Name != "kv-events" || fmt.Sprint(got.ContainerPort) != p {
+			errs = append(errs, fmt.Errorf("%s: container port %+v, want kv-events on %s (KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT)", name, got, p))
+		}
 	}
 	port := ct.c.Ports[0]
 	probes := []struct {
@@ -425,9 +438,15 @@ func checkPorts(m *helmtest.Manifests, ct container) []error {
 			continue
 		}
 		svcs = append(svcs, s.Name)
-		if len(s.Spec.Ports) != 1 || fmt.Sprint(s.Spec.Ports[0].Port) != want ||
+		if len(s.Spec.Ports) != 1+len(extra) || fmt.Sprint(s.Spec.Ports[0].Port) != want ||
 			s.Spec.Ports[0].TargetPort.String() != port.Name && s.Spec.Ports[0].TargetPort.String() != want {
 			errs = append(errs, fmt.Errorf("%s: Service %s ports %v, want %s to the container's", name, s.Name, s.Spec.Ports, want))
+			continue
+		}
+		for i, p := range extra {
+			if sp := s.Spec.Ports[1+i]; fmt.Sprint(sp.Port) != p || sp.TargetPort.String() != "kv-events" {
+				errs = append(errs, fmt.Errorf("%s: Service %s port %+v, want %s to the container's kv-events", name, s.Name, sp, p))
+			}
 		}
 	}
 	if len(svcs) != 1 || svcs[0] != name {
@@ -437,6 +456,18 @@ func checkPorts(m *helmtest.Manifests, ct container) []error {
 		errs = append(errs, fmt.Errorf("%s: its selector does not match its pods", name))
 	}
 	return errs
+}
+
+// zmqPort is the port of the lookup's ZMQ publisher, from its
+// KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT, as the only element of a list;
+// empty for a container without one.
+func zmqPort(ct container) []string {
+	ep, ok := strings.CutPrefix(ct.env["KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT"], "tcp://")
+	if !ok {
+		return nil
+	}
+	_, p, _ := net.SplitHostPort(ep)
+	return []string{p}
 }
 
 // rank is a gpuworker's identity: engine id and its four rank indices.

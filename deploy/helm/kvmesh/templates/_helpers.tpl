@@ -164,7 +164,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 A Deployment of one kvmesh program; dict:
   root, name, component, program, selector (extra selector labels),
   replicas, recreate (bool), svc (the service's values), env (a YAML list
-  of the program's own variables), usesDB (bool), runtimeClassName.
+  of the program's own variables), usesDB (bool), runtimeClassName,
+  extraPorts (optional list of dicts name, port: more TCP ports the
+  program listens on, besides http).
 */}}
 {{- define "kvmesh.deployment" -}}
 {{- $root := .root -}}
@@ -236,6 +238,11 @@ spec:
             - name: http
               containerPort: {{ $port }}
               protocol: TCP
+            {{- range .extraPorts }}
+            - name: {{ .name }}
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "kvmesh.commonEnv" $root | nindent 12 }}
             - name: KVMESH_HTTP_ADDR
@@ -299,7 +306,7 @@ spec:
       {{- end }}
 {{- end }}
 
-{{/* The Service in front of a Deployment; dict: root, name, component, selector. */}}
+{{/* The Service in front of a Deployment; dict: root, name, component, selector, extraPorts (as kvmesh.deployment's). */}}
 {{- define "kvmesh.service" -}}
 {{- $labels := dict "root" .root "component" .component "extra" .selector -}}
 {{- $port := include "kvmesh.port" .component -}}
@@ -322,4 +329,10 @@ spec:
       port: {{ $port }}
       targetPort: http
       protocol: TCP
+    {{- range .extraPorts }}
+    - name: {{ .name }}
+      port: {{ .port }}
+      targetPort: {{ .name }}
+      protocol: TCP
+    {{- end }}
 {{- end }}

@@ -25,16 +25,22 @@ func allowed(ctx context.Context, req *Request) error {
 	return nil
 }
 
-// allowedTenant checks that the request's credential reaches the tenant's
-// keys, for routes that act for no engine (POST /v1/score): an engine
-// token only for a tenant it serves, the operator token for every tenant.
-// Without authentication (no principal) every tenant is allowed.
-func allowedTenant(ctx context.Context, tenant string) error {
+// allowedScore checks that the request's credential may score it, for
+// routes that act for no engine (POST /v1/score): an engine token reaches
+// only the tenants it serves, and, when the request names an engine, only
+// its own engine (as a lookup's credential must be its engine's); the
+// operator reaches every tenant.
+func allowedScore(ctx context.Context, req *Request) error {
 	p := auth.FromContext(ctx)
-	if p == nil || p.AllowsTenant(tenant) {
+	switch {
+	case p == nil || p.Kind != auth.KindEngine:
 		return nil
+	case req.EngineID != "" && p.Subject != req.EngineID:
+		return fmt.Errorf("%w: the token is engine %s's; the request names engine %s", auth.ErrForbidden, p.Subject, req.EngineID)
+	case !p.AllowsTenant(req.Tenant):
+		return fmt.Errorf("%w: engine %s's token does not serve tenant %q", auth.ErrForbidden, p.Subject, req.Tenant)
 	}
-	return fmt.Errorf("%w: engine %s's token does not serve tenant %q", auth.ErrForbidden, p.Subject, tenant)
+	return nil
 }
 
 // seesEveryTenant reports whether the request's credential reaches every

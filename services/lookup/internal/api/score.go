@@ -185,7 +185,7 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	span.SetAttributes(attribute.String("kvmesh.model", req.Model), attribute.String("kvmesh.tenant", req.Tenant))
-	if err := allowedTenant(ctx, req.Tenant); err != nil {
+	if err := allowedScore(ctx, &req); err != nil {
 		httpserver.WriteProblem(w, r, http.StatusForbidden, "", err.Error(), nil)
 		h.refuse(span, err)
 		return

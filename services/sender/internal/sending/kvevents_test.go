@@ -59,9 +59,9 @@ func wire(t *testing.T, hexHash string) uint64 {
 
 // TestBlockStoredRecordsFollowVLLM checks the BlockStored records of a
 // save whose second chunk already existed: one record per group and
-// namespace, keyed by the namespace, announcing every chunk the store
-// holds after the save — the existing one too, so the run does not hang
-// from a parent only another save's record announces — as one vLLM
+// namespace, keyed by the namespace, announcing the chunks it put and the
+// existing one before them — so the run does not hang from a parent only
+// another save's record announces — as one vLLM
 // BlockStored event per run of consecutive chunks whose parent is the
 // chunk before it, with the group's block size, kind and kvmesh's medium.
 func TestBlockStoredRecordsFollowVLLM(t *testing.T) {

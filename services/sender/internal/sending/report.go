@@ -129,12 +129,12 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 	return msgs, nil
 }
 
-// kvEvents are the BlockStored records of the task's keys the store holds
-// after the save — put by it or found already there, so that a router
-// that keys a block by its parent (llm-d) can index each record's runs
-// without waiting for another save's record: a block a concurrent save
-// stored first is announced by that save's record too, in an order no
-// one controls, and announcing a block twice is harmless. One record per
+// kvEvents are the BlockStored records of the keys the save put, and of
+// the keys it found present that a put one hangs from (announced), so
+// that a router that keys a block by its parent (llm-d) can index each
+// record's runs without waiting for another save's record: a block a
+// concurrent save stored first is announced by that save's record too, in
+// an order no one controls, and announcing a block twice is harmless. One record per
 // group and store namespace, keyed by the namespace (contract.KVEventRecord),
 // whose vLLM batch has one BlockStored event per run of consecutive chunks
 // of the group's chain, as vLLM announces a run of blocks after its parent
@@ -169,17 +169,43 @@ func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord
 	}
 	var out []contract.KVEventRecord
 	for _, g := range groups {
-		byNS := map[string][]string{}
-		for _, k := range s.stored[g] {
-			if ns, h, ok := kvcore.SplitKey(k); ok && !slices.Contains(byNS[ns], h) {
-				byNS[ns] = append(byNS[ns], h)
-			}
-		}
+		byNS := s.announced(g, chain)
 		for _, ns := range slices.Sorted(maps.Keys(byNS)) {
 			out = append(out, s.storedRecord(m, g, ns, byNS[ns], chain, now))
 		}
 	}
 	return out
+}
+
+// announced are the hashes group g's records announce, by namespace: every
+// key the save put, and every key it found present that lies before one
+// it put in the chain (a block a stored one hangs from; trailing present
+// keys, which nothing of the record hangs from, are left out, so a record
+// announces no more than its blocks need).
+func (s *save) announced(g int, chain map[string]int) map[string][]string {
+	byNS := map[string][]string{}
+	last := map[string]int{} // namespace → the last chain index put
+	add := func(k string) (string, string, bool) {
+		ns, h, ok := kvcore.SplitKey(k)
+		if ok && !slices.Contains(byNS[ns], h) {
+			byNS[ns] = append(byNS[ns], h)
+		}
+		return ns, h, ok
+	}
+	for _, k := range s.stored[g] {
+		if ns, h, ok := add(k); ok {
+			if i, in := chain[h]; in {
+				last[ns] = max(last[ns], i)
+			}
+		}
+	}
+	for _, k := range s.present[g] {
+		ns, h, ok := kvcore.SplitKey(k)
+		if i, in := chain[h]; ok && in && len(byNS[ns]) > 0 && i < last[ns] {
+			add(k)
+		}
+	}
+	return byNS
 }
 
 // parentIndex is the chain index of the hash that ends the block before the

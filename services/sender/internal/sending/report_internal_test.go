@@ -1,8 +1,11 @@
 package sending
 
 import (
+	"reflect"
 	"slices"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // TestEventTokens checks the token ids of one BlockStored event: each
@@ -39,5 +42,23 @@ func TestEventTokens(t *testing.T) {
 	}
 	if got := eventTokens(nil, 16, 16, []int{0}); got == nil || len(got) != 0 {
 		t.Fatalf("a task without tokens: %v, want []", got)
+	}
+}
+
+// TestAnnouncedKeysHangFromPutOnes: a group's records announce the keys
+// the save put and the present keys before the last put one in the chain
+// of their namespace; a present key after it, or of a namespace where
+// nothing was put, is left out.
+func TestAnnouncedKeysHangFromPutOnes(t *testing.T) {
+	chain := map[string]int{"h0": 0, "h1": 1, "h2": 2, "h3": 3}
+	s := newSave(&kvcore.SaveTask{})
+	s.stored[0] = []string{"ns@h0", "ns@h2"}
+	s.present[0] = []string{"ns@h1", "ns@h3", "other@h1"}
+	got := s.announced(0, chain)
+	if want := map[string][]string{"ns": {"h0", "h2", "h1"}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("announced %v, want %v", got, want)
+	}
+	if got := s.announced(1, chain); len(got) != 0 {
+		t.Fatalf("a group with nothing put announces %v", got)
 	}
 }

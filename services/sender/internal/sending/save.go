@@ -58,18 +58,18 @@ type save struct {
 	task        *kvcore.SaveTask
 	groups      []contract.GroupOutcome // in group order
 	deadLetters []ledger.DeadLetter
-	// stored are, per group, the keys the store holds after the save:
-	// put by it or found already there (the KV events announce both, so
-	// that each record's runs chain from its own blocks — a block another
-	// save stored first may be announced by that save's record later).
+	// stored are, per group, the keys the save put; present the keys it
+	// found already in the store (kvEvents announces those a put key
+	// hangs from).
 	stored  map[int][]string
+	present map[int][]string
 	bytes   int64
 	skipped int
 }
 
 // newSave starts the account of task t, with nothing recorded.
 func newSave(t *kvcore.SaveTask) *save {
-	return &save{task: t, groups: []contract.GroupOutcome{}, stored: map[int][]string{}}
+	return &save{task: t, groups: []contract.GroupOutcome{}, stored: map[int][]string{}, present: map[int][]string{}}
 }
 
 // item is one block of the task to move, on the rank whose worker puts it.
@@ -262,7 +262,7 @@ func (s *save) existing(items []item, exists []bool) []item {
 	for i, it := range items {
 		if exists[i] {
 			s.record(it.Group, keysExisting, 1, kvcore.ReasonOK)
-			s.stored[it.Group] = append(s.stored[it.Group], it.Key)
+			s.present[it.Group] = append(s.present[it.Group], it.Key)
 		} else {
 			missing = append(missing, it)
 		}
@@ -306,7 +306,7 @@ func (s *save) answered(batches [][]item, answers []rankAnswer, interrupted bool
 				s.stored[it.Group] = append(s.stored[it.Group], it.Key)
 			case dataplane.PutExisting: // another save stored the key first
 				s.record(it.Group, keysExisting, 1, kvcore.ReasonOK)
-				s.stored[it.Group] = append(s.stored[it.Group], it.Key)
+				s.present[it.Group] = append(s.present[it.Group], it.Key)
 			case dataplane.PutNoSpace:
 				t.noSpace = true
 				s.skip(batch[j : j+1])

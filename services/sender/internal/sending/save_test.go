@@ -143,7 +143,7 @@ func TestSaveAnswered(t *testing.T) {
 
 // TestSaveAnsweredExisting: a key another save stored between this save's
 // exists check and its put (PutExisting) counts existing, not stored, and
-// is announced with the stored one: the store holds both.
+// is recorded present, not put.
 func TestSaveAnsweredExisting(t *testing.T) {
 	s := newSave(&kvcore.SaveTask{TaskID: "t", EngineID: "e", RequestID: "r"})
 	batch := []item{{TransferItem: kvcore.TransferItem{Group: 0, Key: "a"}}, {TransferItem: kvcore.TransferItem{Group: 0, Key: "b"}}}
@@ -155,8 +155,8 @@ func TestSaveAnsweredExisting(t *testing.T) {
 	if got := s.result().Groups; !reflect.DeepEqual(got, want) {
 		t.Fatalf("groups %+v, want %+v", got, want)
 	}
-	if !reflect.DeepEqual(s.stored, map[int][]string{0: {"a", "b"}}) {
-		t.Fatalf("held (announced) %v, want a and b", s.stored)
+	if !reflect.DeepEqual(s.stored, map[int][]string{0: {"a"}}) || !reflect.DeepEqual(s.present, map[int][]string{0: {"b"}}) {
+		t.Fatalf("put %v, present %v; want a put and b present", s.stored, s.present)
 	}
 }
 
