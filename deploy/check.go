@@ -56,8 +56,9 @@ type Endpoint struct {
 }
 
 // Endpoints returns the hosts the environment points at: every URL in a
-// value (comma-separated values included) and every host:port of
-// KVMESH_KAFKA_BROKERS.
+// value (comma-separated values included) but a bind address of every
+// interface (host "*", as the lookup's ZMQ endpoint tcp://*:5557), and
+// every host:port of KVMESH_KAFKA_BROKERS.
 func Endpoints(env Environment) ([]Endpoint, error) {
 	var out []Endpoint
 	for _, k := range slices.Sorted(maps.Keys(env)) {
@@ -82,6 +83,9 @@ func endpoint(name, item string) (Endpoint, bool, error) {
 		u, err := url.Parse(item)
 		if err != nil {
 			return Endpoint{}, false, fmt.Errorf("%s: %w", name, err)
+		}
+		if u.Hostname() == "*" { // a bind address (tcp://*:5557): it points at no one
+			return Endpoint{}, false, nil
 		}
 		port := u.Port()
 		if port == "" {
