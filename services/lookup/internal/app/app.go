@@ -128,10 +128,11 @@ type App struct {
 	deps  *service.Deps
 	model *kvcore.Model
 	srv   *httpserver.Server
-	// engines feeds the engine index (KVMESH_LOOKUP_ENGINE_SCORES); nil
-	// when off.
-	engines *bus.Consumer
-	kvpub   *kvpublish.Publisher // nil unless KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is set
+	// kvEvents reads kvmesh.kv.events into the engine index
+	// (KVMESH_LOOKUP_ENGINE_SCORES) and the ZMQ publisher; nil when both
+	// are off.
+	kvEvents *bus.Consumer
+	kvpub    *kvpublish.Publisher // nil unless KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is set
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -170,15 +171,16 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	}
 	var idx *engines.Index
 	if cfg.EngineScores {
-		if idx, err = a.engineIndex(cfg); err != nil {
-			return nil, err
-		}
+		idx = engines.NewIndex(len(a.model.Groups))
 	}
 	h, sh, err := a.handler(cfg, idx)
 	if err != nil {
 		return nil, err
 	}
 	if a.kvpub, err = a.newKVPublisher(cfg); err != nil {
+		return nil, err
+	}
+	if a.kvEvents, err = a.kvEventsConsumer(cfg, idx, a.kvpub); err != nil {
 		return nil, err
 	}
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "lookup", &cfg.Common); err != nil {
@@ -242,16 +244,12 @@ func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
 	if err != nil {
 		return nil, err
 	}
-	dialer, err := cfg.Kafka.Dialer()
-	if err != nil {
-		return nil, err
-	}
 	m, err := kvpublish.NewMetrics(a.deps.Registry)
 	if err != nil {
 		return nil, err
 	}
 	return kvpublish.New(kvpublish.Options{
-		Brokers: cfg.Brokers, Dialer: dialer, Keys: kb, Tenant: cfg.KVEventsZMQTenant,
+		Keys: kb, Tenant: cfg.KVEventsZMQTenant,
 		Model: cfg.KVEventsZMQModel, Pod: cfg.KVEventsZMQPod, Form: cfg.KVEventsZMQForm,
 		Endpoint: cfg.KVEventsZMQEndpoint, ReplayEndpoint: cfg.KVEventsZMQReplayEndpoint,
 		ReplayFraming: cfg.KVEventsZMQReplayFraming, BufferSteps: cfg.KVEventsZMQBufferSteps,
@@ -284,8 +282,8 @@ func (a *App) KVEventsZMQReplayAddr() string {
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
 	tasks := []service.Task{{Name: "http", Run: a.srv.Run}}
-	if a.engines != nil {
-		tasks = append(tasks, service.Task{Name: "engine-events", Run: a.engines.Run})
+	if a.kvEvents != nil {
+		tasks = append(tasks, service.Task{Name: "kv-events", Run: a.kvEvents.Run})
 	}
 	if a.kvpub != nil {
 		tasks = append(tasks, service.Task{Name: "kv-events-zmq", Run: a.kvpub.Run})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -12,6 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/engines"
+	"github.com/kvmesh/kvmesh/services/lookup/internal/kvpublish"
 )
 
 // ScoreStoreOp is the op label of POST /v1/score's existence checks.
@@ -35,24 +37,41 @@ func (a *App) scoreHandler(cfg Config, kb kvcore.KeyBuilder, sm *kvstore.Metrics
 	return api.NewScore(so)
 }
 
-// engineIndex builds the index of the engines' own prefix caches and the
-// consumer that feeds it from kvmesh.kv.events, in a consumer group of
-// this process alone (every replica must read every engine's events) that
-// starts at the oldest retained record, so a restarted lookup rebuilds the
-// index. A record it cannot apply is logged and skipped.
-func (a *App) engineIndex(cfg Config) (*engines.Index, error) {
-	idx := engines.NewIndex(len(a.model.Groups))
+// kvEventsConsumer builds the one consumer of kvmesh.kv.events that feeds
+// the engines' index (idx) and the ZMQ publisher (pub), each record to
+// both; nil when both are nil. Its consumer group is this process's alone
+// (every replica must read every record) and starts at the oldest
+// retained record, so a restarted lookup rebuilds the index and
+// republishes what Kafka retains. Records go one at a time, in order (the
+// publisher numbers them). A record either cannot apply is logged and
+// skipped.
+func (a *App) kvEventsConsumer(cfg Config, idx *engines.Index, pub *kvpublish.Publisher) (*bus.Consumer, error) {
+	var handlers []bus.Handler
+	if idx != nil {
+		handlers = append(handlers, idx.Handle)
+	}
+	if pub != nil {
+		handlers = append(handlers, pub.Handle)
+	}
+	if len(handlers) == 0 {
+		return nil, nil
+	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // crypto/rand.Read never fails (it panics instead)
-	cc := cfg.ConsumerConfig("kvmesh-lookup-engines-"+hex.EncodeToString(id[:]), []string{contract.TopicKVEvents}, a.deps.Log)
+	cc := cfg.ConsumerConfig("kvmesh-lookup-kv-events-"+hex.EncodeToString(id[:]), []string{contract.TopicKVEvents}, a.deps.Log)
 	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
-		a.deps.Log.WarnContext(ctx, "engine kv event record skipped", "reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
+		a.deps.Log.WarnContext(ctx, "kv event record skipped", "reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
 		return nil
 	}
-	c, err := bus.NewConsumer(cc, idx.Handle)
+	c, err := bus.NewConsumer(cc, func(ctx context.Context, rec bus.Received) error {
+		var errs []error
+		for _, h := range handlers {
+			errs = append(errs, h(ctx, rec))
+		}
+		return errors.Join(errs...)
+	})
 	if err != nil {
-		return nil, fmt.Errorf("engine kv events consumer: %w", err)
+		return nil, fmt.Errorf("kv events consumer: %w", err)
 	}
-	a.engines = c
-	return idx, nil
+	return c, nil
 }

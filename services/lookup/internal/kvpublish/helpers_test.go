@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -49,12 +50,12 @@ func newBroker(t *testing.T) *broker {
 	return &broker{t: t, addrs: b.Addrs(), producer: p}
 }
 
-// rig is a broker and a publisher reading it.
+// rig is a broker and a publisher fed from it.
 type rig struct {
 	*broker
 	metrics *Metrics
 	p       *Publisher
-	stop    func() // stops the publisher and checks that Run returned nil
+	stop    func() // stops the publisher and its consumer and checks both returned nil
 }
 
 // newRig starts a broker and a publisher bound to loopback ports, with
@@ -65,7 +66,13 @@ func newRig(t *testing.T, tweak func(*Options)) *rig {
 	return newBroker(t).publisher(tweak)
 }
 
-// publisher starts a publisher reading b, with opts changed by tweak.
+// groups numbers the rigs' consumer groups: each publisher reads the topic
+// from its oldest record, as the lookup's own group does.
+var groups atomic.Int64
+
+// publisher starts a publisher, with opts changed by tweak, and a consumer
+// of kvmesh.kv.events on b that hands it every record (Publisher.Handle),
+// as the lookup wires it.
 func (b *broker) publisher(tweak func(*Options)) *rig {
 	t := b.t
 	t.Helper()
@@ -75,8 +82,8 @@ func (b *broker) publisher(tweak func(*Options)) *rig {
 		t.Fatal(err)
 	}
 	opts := Options{
-		Brokers: b.addrs, Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
-		Metrics: r.metrics, MaxWait: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+		Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
+		Metrics: r.metrics, Logger: slog.New(slog.DiscardHandler),
 	}
 	if tweak != nil {
 		tweak(&opts)
@@ -84,20 +91,32 @@ func (b *broker) publisher(tweak func(*Options)) *rig {
 	if r.p, err = New(opts); err != nil {
 		t.Fatal(err)
 	}
+	c, err := bus.NewConsumer(bus.ConsumerConfig{
+		Brokers: b.addrs, GroupID: fmt.Sprintf("kvpublish-test-%d", groups.Add(1)), Topics: []string{contract.TopicKVEvents},
+		MaxWait: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+		// The lookup logs and skips a record Handle refuses; so does the rig.
+		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+	}, r.p.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
+	done := make(chan error, 2)
 	go func() { done <- r.p.Run(ctx) }()
+	go func() { done <- c.Run(ctx) }()
 	var once sync.Once
 	r.stop = func() {
 		once.Do(func() {
 			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run: %v", err)
+			for range 2 {
+				select {
+				case err := <-done:
+					if err != nil {
+						t.Errorf("Run: %v", err)
+					}
+				case <-time.After(10 * time.Second):
+					t.Error("the publisher or its consumer did not return within 10 s of its context ending")
 				}
-			case <-time.After(10 * time.Second):
-				t.Error("Run did not return within 10 s of its context ending")
 			}
 		})
 	}

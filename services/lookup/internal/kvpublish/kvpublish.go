@@ -4,11 +4,11 @@
 // that subscribes to vLLM pods (llm-d's kvevents ZMQ subscriber) indexes
 // the blocks the store holds as one more pod's.
 //
-// Kafka stays the durable source: the publisher reads every partition of
-// the topic from its earliest retained offset with plain partition readers
-// (no consumer group, nothing committed), keeps the records of one
-// deployment's model and one tenant key space, re-encodes each batch in the
-// configured wire form and sends it as the multipart message
+// Kafka stays the durable source: the publisher is a bus handler
+// (Publisher.Handle) of a consumer of the topic that starts at its oldest
+// retained record; it keeps the records of one deployment's model and one
+// tenant key space, re-encodes each batch in the configured wire form and
+// sends it as the multipart message
 // [topic "kv@<pod>@<model>", 8-byte big-endian seq, payload], seq counting
 // from 0 per publisher. An optional ROUTER socket answers vLLM's replay
 // requests from a buffer of the last batches.
@@ -20,10 +20,8 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/segmentio/kafka-go"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -39,8 +37,6 @@ const (
 	DefaultBufferSteps = 10_000
 	// DefaultHWM is the PUB socket's high-water mark (vLLM's hwm default).
 	DefaultHWM = 100_000
-	// DefaultMaxWait bounds a partition reader's wait for new records.
-	DefaultMaxWait = 250 * time.Millisecond
 )
 
 // Sentinel errors of the package.
@@ -91,13 +87,6 @@ func (f *ReplayFraming) UnmarshalText(b []byte) error {
 
 // Options configures a Publisher.
 type Options struct {
-	// Brokers are the Kafka bootstrap brokers.
-	Brokers []string
-	// Dialer connects the partition readers (TLS, SASL); nil is kafka-go's
-	// default.
-	Dialer *kafka.Dialer
-	// Topic is read (default contract.TopicKVEvents).
-	Topic string
 	// Keys is the deployment's key space (prefix and model): records of
 	// another model or prefix are skipped.
 	Keys kvcore.KeyBuilder
@@ -125,8 +114,6 @@ type Options struct {
 	// started, for routers that ignore AllBlocksCleared (llm-d-kv-cache
 	// v0.8.1 only logs it). It costs a set of the live hashes in memory.
 	ClearAsRemoved bool
-	// MaxWait bounds a partition reader's wait (default DefaultMaxWait).
-	MaxWait time.Duration
 	// Metrics receives the publisher's counters (required).
 	Metrics *Metrics
 	// Logger receives decode failures and reader errors (default discard).
@@ -136,8 +123,8 @@ type Options struct {
 // validate checks o.
 func (o Options) validate() error {
 	var errs []error
-	if len(o.Brokers) == 0 || o.Endpoint == "" || o.Metrics == nil {
-		errs = append(errs, errors.New("brokers, endpoint and metrics are required"))
+	if o.Endpoint == "" || o.Metrics == nil {
+		errs = append(errs, errors.New("endpoint and metrics are required"))
 	}
 	if err := o.Keys.Validate(); err != nil {
 		errs = append(errs, err)
@@ -157,9 +144,6 @@ func (o Options) validate() error {
 
 // withDefaults fills the zero fields of o that have defaults.
 func (o Options) withDefaults() Options {
-	if o.Topic == "" {
-		o.Topic = contract.TopicKVEvents
-	}
 	if o.Model == "" {
 		o.Model = o.Keys.Model
 	}
@@ -175,9 +159,6 @@ func (o Options) withDefaults() Options {
 	if o.BufferSteps == 0 {
 		o.BufferSteps = DefaultBufferSteps
 	}
-	if o.MaxWait <= 0 {
-		o.MaxWait = DefaultMaxWait
-	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -185,7 +166,8 @@ func (o Options) withDefaults() Options {
 }
 
 // Publisher republishes kvmesh.kv.events on ZMQ. New binds its sockets;
-// Run publishes until its context ends. Run it once.
+// Handle publishes each record a consumer hands it; Run answers replay
+// requests until its context ends, then closes the sockets.
 type Publisher struct {
 	opts   Options
 	topic  []byte
@@ -194,6 +176,10 @@ type Publisher struct {
 	cancel context.CancelFunc
 	buf    *ring
 	close  sync.Once
+	// seq and held belong to Handle (one record at a time): the next
+	// batch's sequence number and, with ClearAsRemoved, the live hashes.
+	seq  uint64
+	held live
 }
 
 // New checks opts and binds the PUB (and ROUTER) sockets.
@@ -205,7 +191,7 @@ func New(opts Options) (*Publisher, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Publisher{
 		opts: opts, topic: []byte("kv@" + opts.Pod + "@" + opts.Model), cancel: cancel,
-		buf: newRing(opts.BufferSteps),
+		buf: newRing(opts.BufferSteps), held: live{},
 	}
 	p.pub = zmq4.NewPub(ctx)
 	if err := p.pub.SetOption(zmq4.OptionHWM, DefaultHWM); err != nil {
@@ -253,37 +239,16 @@ func (p *Publisher) Close() {
 	})
 }
 
-// Run reads every partition of the topic and publishes what it keeps
-// until ctx ends; it returns nil then. A record that cannot be decoded is
-// counted, logged and skipped; Kafka errors are retried.
+// Run answers replay requests (with a replay endpoint) until ctx ends,
+// then closes the sockets; it returns nil then. Handle may publish
+// meanwhile; after Run returned it publishes nothing more.
 func (p *Publisher) Run(ctx context.Context) error {
 	defer p.Close()
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	stop := context.AfterFunc(ctx, p.Close) // unblocks the ROUTER's Recv
 	defer stop()
-	parts, err := p.partitions(ctx)
-	if err != nil {
-		return nilOnCancel(ctx, err)
-	}
-	recs := make(chan kafka.Message)
-	var wg sync.WaitGroup
-	for _, part := range parts {
-		wg.Go(func() { p.read(ctx, part, recs) })
-	}
 	if p.router != nil {
-		wg.Go(func() { p.serveReplay(ctx) })
+		p.serveReplay(ctx)
 	}
-	p.publishLoop(ctx, recs)
-	cancel()
-	wg.Wait()
+	<-ctx.Done()
 	return nil
-}
-
-// nilOnCancel is nil when ctx has ended (a stop, not a failure), else err.
-func nilOnCancel(ctx context.Context, err error) error {
-	if ctx.Err() != nil {
-		return nil
-	}
-	return err
 }

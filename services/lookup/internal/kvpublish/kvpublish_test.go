@@ -215,7 +215,7 @@ func checkReply(t *testing.T, framing ReplayFraming, f [][]byte, end bool, seq i
 // ErrOptions.
 func TestOptionsRefused(t *testing.T) {
 	r := newRig(t, nil)
-	base := Options{Brokers: []string{"127.0.0.1:1"}, Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", Metrics: r.metrics}
+	base := Options{Keys: testKeys, Endpoint: "tcp://127.0.0.1:0", Metrics: r.metrics}
 	for name, tweak := range map[string]func(*Options){
 		"no endpoint":   func(o *Options) { o.Endpoint = "" },
 		"bad tenant":    func(o *Options) { o.Tenant = "a b" },
@@ -237,12 +237,11 @@ func TestOptionsRefused(t *testing.T) {
 	}
 }
 
-// TestStopsWhileLookingUpPartitions: a publisher still looking up its
-// topic's partitions (brokers that do not answer) stops cleanly when its
-// context ends: newRig's cleanup fails the test unless Run returns nil
-// within 10 s.
-func TestStopsWhileLookingUpPartitions(t *testing.T) {
-	r := newRig(t, func(o *Options) { o.Brokers = []string{"127.0.0.1:1"}; o.ReplayEndpoint = "" })
+// TestStopsWithoutReplay: a publisher without a replay endpoint has no
+// replay address and still stops when its context ends: newRig's cleanup
+// fails the test unless Run returns nil within 10 s.
+func TestStopsWithoutReplay(t *testing.T) {
+	r := newRig(t, func(o *Options) { o.ReplayEndpoint = "" })
 	if r.p.ReplayAddr() != "" {
 		t.Error("a replay address without a replay endpoint")
 	}
