@@ -235,16 +235,14 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 }
 
 // newKVPublisher binds the ZMQ publisher of kvmesh.kv.events, or returns
-// nil when KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is empty.
+// nil when KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT is empty. Its metrics are
+// served either way (at 0 when it is off), as the dashboards query them.
 func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
-	if cfg.KVEventsZMQEndpoint == "" {
-		return nil, nil
-	}
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
-	if err != nil {
+	m, err := kvpublish.NewMetrics(a.deps.Registry)
+	if err != nil || cfg.KVEventsZMQEndpoint == "" {
 		return nil, err
 	}
-	m, err := kvpublish.NewMetrics(a.deps.Registry)
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
 	if err != nil {
 		return nil, err
 	}
