@@ -184,25 +184,27 @@ func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord
 // announces no more than its blocks need).
 func (s *save) announced(g int, chain map[string]int) map[string][]string {
 	byNS := map[string][]string{}
-	last := map[string]int{} // namespace → the last chain index put
-	add := func(k string) (string, string, bool) {
-		ns, h, ok := kvcore.SplitKey(k)
-		if ok && !slices.Contains(byNS[ns], h) {
+	seen := map[string]bool{} // keys added, each namespace@hash once
+	add := func(k, ns, h string) {
+		if !seen[k] {
+			seen[k] = true
 			byNS[ns] = append(byNS[ns], h)
 		}
-		return ns, h, ok
 	}
+	end := map[string]int{} // namespace → one past the last chain index put
 	for _, k := range s.stored[g] {
-		if ns, h, ok := add(k); ok {
+		if ns, h, ok := kvcore.SplitKey(k); ok {
+			add(k, ns, h)
 			if i, in := chain[h]; in {
-				last[ns] = max(last[ns], i)
+				end[ns] = max(end[ns], i+1)
 			}
 		}
 	}
 	for _, k := range s.present[g] {
-		ns, h, ok := kvcore.SplitKey(k)
-		if i, in := chain[h]; ok && in && len(byNS[ns]) > 0 && i < last[ns] {
-			add(k)
+		if ns, h, ok := kvcore.SplitKey(k); ok {
+			if i, in := chain[h]; in && i+1 < end[ns] {
+				add(k, ns, h)
+			}
 		}
 	}
 	return byNS
