@@ -76,8 +76,20 @@ func (l *llmdIndex) subscribe(ctx context.Context, t *testing.T, endpoint string
 	// (Its refusals of events whose parent it never indexed are not
 	// shown: a Mamba group's sparse blocks hang from blocks only the
 	// other groups store, and are refused as llm-d refuses an engine's.)
+	// Its goroutines may outlive the test by a moment (a subscriber's
+	// receive on a closed socket): a line after the test ended is dropped,
+	// as testing panics on a Log after completion.
+	var mu sync.Mutex
+	ended := false
+	t.Cleanup(func() { mu.Lock(); ended = true; mu.Unlock() }) // runs after the shutdowns below
 	ctx = log.IntoContext(ctx, funcr.New(func(prefix, args string) {
-		if strings.Contains(args, "parse") || strings.Contains(args, "onnect") || strings.Contains(args, "receive") {
+		if strings.Contains(args, "extra_features") ||
+			!(strings.Contains(args, "parse") || strings.Contains(args, "onnect") || strings.Contains(args, "receive")) {
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if !ended {
 			t.Logf("llm-d: %s %s", prefix, args)
 		}
 	}, funcr.Options{Verbosity: 9}))
@@ -341,13 +353,18 @@ func awaitLLMDSubscribed(ctx context.Context, t *testing.T, s *stack, m *kvcore.
 		t.Fatal(err)
 	}
 	defer pub.Close()
-	eventually(t, "llm-d's ZMQ subscription (a probe block indexed)", func() bool {
+	// Two minutes, not eventually's 30 s: on a loaded 2-core CI machine the
+	// lookup's consumer may take that long to join its group.
+	subscribed := poll(ctx, 2*time.Minute, func() bool {
 		msg := bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers}
 		if err := pub.Publish(ctx, msg); err != nil {
 			t.Fatal(err)
 		}
-		return poll(ctx, 500*time.Millisecond, func() bool { return l.score(ctx, t, m.Name, probe) == m.HashBlockSize })
+		return poll(ctx, time.Second, func() bool { return l.score(ctx, t, m.Name, probe) == m.HashBlockSize })
 	})
+	if !subscribed {
+		t.Fatal("timed out waiting for llm-d's ZMQ subscription (a probe block indexed)")
+	}
 }
 
 // llmdRunConfig is the simulator run of tc: the seed preset on the TP8
