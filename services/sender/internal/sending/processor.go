@@ -218,7 +218,8 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 		return nil
 	}
 	s := newSave(task)
-	p.saveTask(ctx, s)
+	valid := p.validate(ctx, s)       // the invalid groups are dead-lettered
+	p.saveGroups(ctx, s, valid, true) // the pressure gate decides the puts
 	if err := ctx.Err(); err != nil {
 		return err // interrupted: the record is delivered again
 	}
@@ -238,28 +239,6 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 		}
 	}
 	return t, nil
-}
-
-// commit writes the save's ledger entry (outcome, dead letters and
-// messages) in one transaction, unless another delivery of the task got
-// there first, and counts it once committed.
-func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
-	e, err := s.entry(src, p.model, p.now(), p.form)
-	if err != nil {
-		return err
-	}
-	e.DropIfDone = true
-	c, err := p.ledger.Commit(ctx, e)
-	if err != nil {
-		return err
-	}
-	p.countDeadLetters(ctx, c.DeadLetters)
-	if c.Done {
-		p.metrics.duplicates.Inc()
-		return nil
-	}
-	p.metrics.countOutcome(e.Outcome)
-	return nil
 }
 
 // countDeadLetters counts and logs the dead letters just written, and
