@@ -22,6 +22,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending/sendingtest"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
@@ -241,24 +242,9 @@ func (f *fixture) deliver(t testing.TB, rec bus.Received) {
 }
 
 // saveTask builds a valid save task of tokens [start, end) for request id,
-// with block ids base+i in every group.
+// with block ids base+i in every group (sendingtest.SaveTask).
 func saveTask(m *kvcore.Model, id string, start, end int, base kvcore.BlockID) *kvcore.SaveTask {
-	tokens := make([]uint32, end)
-	for i := range tokens {
-		tokens[i] = uint32(len(id)*7919 + int(id[len(id)-1])*31 + i)
-	}
-	var hashes []string
-	for _, h := range kvcore.HashChain(tokens, m.HashBlockSize, nil) {
-		hashes = append(hashes, h.Hex())
-	}
-	table := make(kvcore.BlockTable, len(m.Groups))
-	for g := range table {
-		for i := 0; i < end/m.Groups[g].BlockSize; i++ {
-			table[g] = append(table[g], base+kvcore.BlockID(i))
-		}
-	}
-	return &kvcore.SaveTask{Schema: kvcore.SchemaSaveTask, TaskID: "task-" + id, EngineID: "e1", RequestID: id,
-		Model: m.Name, Start: start, End: end, BlockTable: table, BlockHashes: hashes, Groups: m.SaveGroups(start, end)}
+	return sendingtest.SaveTask(m, id, start, end, base)
 }
 
 func encode(t testing.TB, v any) []byte {

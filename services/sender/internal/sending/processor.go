@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
@@ -41,18 +42,62 @@ var (
 	ErrOptions = errors.New("sending: invalid options")
 )
 
+// Store is what a Processor asks of the KV store: which keys are present.
+// The puts go through the owning gpuworkers (Workers, Putter).
+type Store interface {
+	// Exists reports, for each key in order, whether it is present.
+	Exists(ctx context.Context, keys []string) ([]bool, error)
+}
+
+// Outcomes is what a save task's handling needs of the ledger: whether the
+// task is done, and one transaction that records its outcome, its dead
+// letters and the messages it publishes (through the outbox).
+type Outcomes interface {
+	// Done reports whether the task's outcome is recorded.
+	Done(ctx context.Context, taskID string) (bool, error)
+	// Commit writes e in one transaction (ledger.Ledger.Commit).
+	Commit(ctx context.Context, e ledger.Entry) (ledger.Committed, error)
+}
+
+// DeadLetters is what a replay needs of the ledger: one dead letter, and
+// one transaction that records a replay attempt with its messages.
+type DeadLetters interface {
+	// Get returns dead letter id, or an error wrapping ledger.ErrNotFound.
+	Get(ctx context.Context, id int64) (ledger.DeadLetter, error)
+	// RecordReplay records a replay attempt of dead letter id and enqueues
+	// msgs, unless the entry was replayed before (applied false; the row as
+	// it is).
+	RecordReplay(ctx context.Context, id int64, status string, result any, msgs ...bus.Message) (ledger.DeadLetter, bool, error)
+}
+
+// Ledger is the durable record a Processor writes: the save path's
+// Outcomes and the replays' DeadLetters.
+type Ledger interface {
+	Outcomes
+	DeadLetters
+}
+
+// The production parts satisfy the interfaces.
+var (
+	_ Ledger = (*ledger.Ledger)(nil)
+	_ Store  = kvstore.Store(nil)
+	_ Putter = (*dataplane.Client)(nil)
+)
+
 // Options configures a Processor.
 type Options struct {
 	// Model is the served model; tasks for another model are dead-lettered.
 	Model *kvcore.Model
 	// Keys builds the store keys (deployment prefix and model name).
 	Keys kvcore.KeyBuilder
-	// Store answers the existence checks.
-	Store kvstore.Store
+	// Store answers the existence checks (a kvstore.Store does).
+	Store Store
 	// Workers finds the gpuworkers that put blocks.
 	Workers Workers
-	// Ledger records outcomes, dead letters and outgoing messages.
-	Ledger *ledger.Ledger
+	// Ledger records outcomes, dead letters and outgoing messages, and
+	// reads and marks the dead letters a replay handles (*ledger.Ledger
+	// does; sendingtest.Ledger is one in memory).
+	Ledger Ledger
 	// Metrics receives the sender's counters.
 	Metrics *Metrics
 	// Retry bounds the retries of existence checks and puts.
@@ -88,9 +133,9 @@ type Options struct {
 type Processor struct {
 	model        *kvcore.Model
 	keys         kvcore.KeyBuilder
-	store        kvstore.Store
+	store        Store
 	workers      Workers
-	ledger       *ledger.Ledger
+	ledger       Ledger
 	metrics      *Metrics
 	retry        sendpolicy.RetryPolicy
 	storeTimeout time.Duration
@@ -173,7 +218,8 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 		return nil
 	}
 	s := newSave(task)
-	p.saveTask(ctx, s)
+	valid := p.validate(ctx, s)       // the invalid groups are dead-lettered
+	p.saveGroups(ctx, s, valid, true) // the pressure gate decides the puts
 	if err := ctx.Err(); err != nil {
 		return err // interrupted: the record is delivered again
 	}
@@ -193,28 +239,6 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 		}
 	}
 	return t, nil
-}
-
-// commit writes the save's ledger entry (outcome, dead letters and
-// messages) in one transaction, unless another delivery of the task got
-// there first, and counts it once committed.
-func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
-	e, err := s.entry(src, p.model, p.now(), p.form)
-	if err != nil {
-		return err
-	}
-	e.DropIfDone = true
-	c, err := p.ledger.Commit(ctx, e)
-	if err != nil {
-		return err
-	}
-	p.countDeadLetters(ctx, c.DeadLetters)
-	if c.Done {
-		p.metrics.duplicates.Inc()
-		return nil
-	}
-	p.metrics.countOutcome(e.Outcome)
-	return nil
 }
 
 // countDeadLetters counts and logs the dead letters just written, and

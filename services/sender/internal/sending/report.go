@@ -1,6 +1,7 @@
 package sending
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -16,7 +17,8 @@ import (
 // What a save reports, all read from its own account: the contract's
 // TransferResult (for the scheduler, whose tracker learns the skipped and
 // failed keys from its groups), the save_outcomes row, the ledger entry
-// with the outbox messages, and the BlockStored KV events of the keys put.
+// with the outbox messages, and the BlockStored KV events of the keys put;
+// commit records them through the ledger (Outcomes) in one transaction.
 
 // totals sums every group (Group is -1, Reason the first group's reason).
 func (s *save) totals() contract.GroupOutcome {
@@ -97,6 +99,28 @@ func (s *save) entry(src ledger.Source, m *kvcore.Model, now time.Time, form con
 		return ledger.Entry{}, err
 	}
 	return ledger.Entry{Source: src, Outcome: o, DeadLetters: s.deadLetters, Messages: msgs}, nil
+}
+
+// commit writes the save's ledger entry (outcome, dead letters and
+// messages) in one transaction, unless another delivery of the task got
+// there first, and counts it once committed.
+func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
+	e, err := s.entry(src, p.model, p.now(), p.form)
+	if err != nil {
+		return err
+	}
+	e.DropIfDone = true
+	c, err := p.ledger.Commit(ctx, e)
+	if err != nil {
+		return err
+	}
+	p.countDeadLetters(ctx, c.DeadLetters)
+	if c.Done {
+		p.metrics.duplicates.Inc()
+		return nil
+	}
+	p.metrics.countOutcome(e.Outcome)
+	return nil
 }
 
 // countOutcome counts a committed outcome: the task by its status and its

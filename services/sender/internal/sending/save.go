@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -85,12 +88,6 @@ func taskAttrs(t *kvcore.SaveTask) []attribute.KeyValue {
 		attribute.String("kvmesh.request_id", t.RequestID),
 		attribute.String("kvmesh.task_id", t.TaskID),
 	}
-}
-
-// saveTask validates every group of s's task and saves the valid ones,
-// the pressure gate deciding whether the missing keys are put.
-func (p *Processor) saveTask(ctx context.Context, s *save) {
-	p.saveGroups(ctx, s, p.validate(ctx, s), true)
 }
 
 // validate dead-letters the task's invalid groups and returns the valid ones.
@@ -181,6 +178,49 @@ func (p *Processor) countWork(s *save) {
 	p.skippedKeys.Add(int64(s.skipped))
 	p.metrics.skipped.Add(float64(s.skipped))
 	p.metrics.bytes.Add(float64(s.bytes))
+}
+
+// gate is sendpolicy.PressureGate shared by the consumers and replays of one
+// process, with the pressure-mode gauge kept in step. Pressure is scoped
+// to the request whose put the store answered "no space"
+// (sendpolicy.PressureScopeOf): only that request's saves are skipped.
+type gate struct {
+	mu      sync.Mutex
+	g       sendpolicy.PressureGate
+	metrics *Metrics
+}
+
+// PressureState is the pressure gate as GET /v1/stats shows it.
+type PressureState = adminapi.PressureState
+
+// admit is the gate's answer for the next save task t.
+func (g *gate) admit(t *kvcore.SaveTask, now time.Time) sendpolicy.Admission {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.g.Admit(sendpolicy.PressureScopeOf(t), now)
+}
+
+// onNoSpace puts t's request under pressure.
+func (g *gate) onNoSpace(t *kvcore.SaveTask, now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.g.OnNoSpace(sendpolicy.PressureScopeOf(t), now)
+	g.metrics.pressure.Set(1)
+}
+
+// onPutOK lets every request go: the store took a put.
+func (g *gate) onPutOK() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.g.OnPutOK()
+	g.metrics.pressure.Set(0)
+}
+
+// state is a copy of the gate that shares nothing with it.
+func (g *gate) state() sendpolicy.PressureGate {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.g.Clone()
 }
 
 // record adds n keys of group with outcome k. A dead-lettered or failed
