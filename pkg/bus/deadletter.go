@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"maps"
 	"strconv"
-	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/retry"
+	"github.com/kvmesh/kvmesh/pkg/text"
 )
 
 // maxReasonText bounds the error text carried in contract.HeaderReasonText.
@@ -77,7 +77,7 @@ func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Mes
 	delete(headers, contract.HeaderTracestate)
 	headers[contract.HeaderReason] = reason
 	if cause != nil {
-		headers[contract.HeaderReasonText] = truncate(cause.Error(), maxReasonText)
+		headers[contract.HeaderReasonText] = text.Truncate(cause.Error(), maxReasonText)
 	}
 	headers[contract.HeaderOrigTopic] = rec.Topic
 	headers[contract.HeaderOrigPart] = strconv.Itoa(rec.Partition)
@@ -88,12 +88,4 @@ func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Mes
 		headers[contract.HeaderPayloadTruncated] = "true"
 	}
 	return Message{Topic: dlq, Key: rec.Key, Value: value, Headers: headers}
-}
-
-// truncate shortens s to at most n bytes without splitting a UTF-8 sequence.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return strings.ToValidUTF8(s[:n], "")
 }

@@ -9,9 +9,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/twmb/franz-go/pkg/kadm"
-	"github.com/twmb/franz-go/pkg/kerr"
-	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/segmentio/kafka-go"
 )
 
 // Names of the consumer-lag metric families.
@@ -32,9 +30,9 @@ const lagTimeout = 3 * time.Second
 // is stuck. A failed read leaves that group's series out of the scrape and
 // counts an error.
 type LagCollector struct {
-	client    *kgo.Client
-	admin     *kadm.Client
-	clientErr error // from kgo.NewClient; every read reports it
+	client    *kafka.Client
+	transport *kafka.Transport
+	clientErr error // from the security settings; every read reports it
 	lag       *prometheus.Desc
 	errors    prometheus.Counter
 
@@ -52,9 +50,13 @@ type lagWatch struct {
 // that cannot be used (an unreadable TLS file) makes every read fail with
 // its error.
 func NewLagCollector(brokers []string, opts ...ClientOption) *LagCollector {
-	client, err := newLagClient(brokers, newClientConfig(opts).security)
-	c := &LagCollector{
+	client, transport, err := newClientConfig(opts).adminClient(brokers)
+	if client != nil {
+		client.Timeout = lagTimeout
+	}
+	return &LagCollector{
 		client:    client,
+		transport: transport,
 		clientErr: err,
 		lag: prometheus.NewDesc(MetricConsumerLag,
 			"Records not yet committed by a consumer group, by group and topic (read from the brokers at scrape time).",
@@ -64,19 +66,6 @@ func NewLagCollector(brokers []string, opts ...ClientOption) *LagCollector {
 			Help: "Failed reads of consumer-group lag from the brokers.",
 		}),
 	}
-	if err == nil {
-		c.admin = kadm.NewClient(client)
-	}
-	return c
-}
-
-// newLagClient returns the franz-go client of a LagCollector.
-func newLagClient(brokers []string, s Security) (*kgo.Client, error) {
-	secOpts, err := s.kgoOpts()
-	if err != nil {
-		return nil, err
-	}
-	return kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RetryTimeout(lagTimeout)}, secOpts...)...)
 }
 
 // Watch adds group's lag on topics to what the collector reports. Watching
@@ -125,58 +114,127 @@ func (c *LagCollector) Collect(ch chan<- prometheus.Metric) {
 
 // Close releases the collector's broker connections.
 func (c *LagCollector) Close() {
-	if c.client != nil {
-		c.client.Close()
+	if c.transport != nil {
+		c.transport.CloseIdleConnections()
 	}
 }
 
-// Lag returns group's lag on each of topics, computed by kadm from the
-// group's commits (kadm.FetchOffsetsForTopics: uncommitted partitions count
-// from their start offset) and the partitions' start and end offsets. Any
-// partition whose offsets could not be read makes it an error.
+// Lag returns group's lag on each of topics, computed with kafka-go's
+// offset APIs: the topics' partitions from metadata, their first and end
+// offsets (ListOffsets) and the group's commits (OffsetFetch). A partition
+// the group has not committed counts from its first offset; a commit past
+// the end counts 0. Any topic or partition whose offsets could not be read
+// makes it an error.
 func (c *LagCollector) Lag(ctx context.Context, group string, topics []string) (map[string]int64, error) {
 	if c.clientErr != nil {
 		return nil, fmt.Errorf("bus: lag client: %w", c.clientErr)
 	}
-	starts, err := c.admin.ListStartOffsets(ctx, topics...)
-	if err == nil {
-		err = starts.Error()
-	}
+	parts, err := c.partitions(ctx, topics)
 	if err != nil {
-		return nil, fmt.Errorf("bus: list start offsets: %w", err)
+		return nil, err
 	}
-	ends, err := c.admin.ListEndOffsets(ctx, topics...)
-	if err == nil {
-		err = ends.Error()
-	}
+	offsets, err := c.listOffsets(ctx, parts)
 	if err != nil {
-		return nil, fmt.Errorf("bus: list end offsets: %w", err)
+		return nil, err
 	}
-	commits, err := c.admin.FetchOffsetsForTopics(ctx, group, topics...)
-	if errors.Is(err, kerr.GroupIDNotFound) { // a group yet to commit: nothing consumed
-		commits, err = make(kadm.OffsetResponses), nil
-		ends.Each(func(o kadm.ListedOffset) {
-			if commits[o.Topic] == nil {
-				commits[o.Topic] = map[int32]kadm.OffsetResponse{}
+	commits, err := c.commits(ctx, group, parts)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int64, len(topics))
+	for _, t := range topics {
+		out[t] = 0
+		for _, p := range parts[t] {
+			o := offsets[t][p]
+			lag := o.LastOffset - o.FirstOffset
+			if at, ok := commits[t][p]; ok && at >= 0 {
+				lag = o.LastOffset - at
 			}
-			commits[o.Topic][o.Partition] = kadm.OffsetResponse{Offset: kadm.Offset{Topic: o.Topic, Partition: o.Partition, At: -1}}
-		})
+			out[t] += max(lag, 0)
+		}
 	}
+	return out, nil
+}
+
+// partitions returns the partition ids of each of topics, from metadata; a
+// topic the brokers do not know is an error.
+func (c *LagCollector) partitions(ctx context.Context, topics []string) (map[string][]int, error) {
+	md, err := c.client.Metadata(ctx, &kafka.MetadataRequest{Topics: topics})
+	if err != nil {
+		return nil, fmt.Errorf("bus: lag metadata: %w", err)
+	}
+	parts := make(map[string][]int, len(topics))
+	for _, t := range md.Topics {
+		if t.Error != nil {
+			return nil, fmt.Errorf("bus: lag metadata of %s: %w", t.Name, t.Error)
+		}
+		for _, p := range t.Partitions {
+			parts[t.Name] = append(parts[t.Name], p.ID)
+		}
+	}
+	for _, t := range topics {
+		if _, ok := parts[t]; !ok {
+			return nil, fmt.Errorf("bus: lag metadata of %s: %w", t, kafka.UnknownTopicOrPartition)
+		}
+	}
+	return parts, nil
+}
+
+// listOffsets returns the first and end offsets of every partition of
+// parts, by topic and partition.
+func (c *LagCollector) listOffsets(ctx context.Context, parts map[string][]int) (map[string]map[int]kafka.PartitionOffsets, error) {
+	req := &kafka.ListOffsetsRequest{Topics: make(map[string][]kafka.OffsetRequest, len(parts))}
+	for t, ps := range parts {
+		for _, p := range ps {
+			req.Topics[t] = append(req.Topics[t], kafka.FirstOffsetOf(p), kafka.LastOffsetOf(p))
+		}
+	}
+	resp, err := c.client.ListOffsets(ctx, req)
+	if err != nil {
+		return nil, fmt.Errorf("bus: list offsets: %w", err)
+	}
+	out := make(map[string]map[int]kafka.PartitionOffsets, len(parts))
+	for t, ps := range resp.Topics {
+		out[t] = make(map[int]kafka.PartitionOffsets, len(ps))
+		for _, p := range ps {
+			if p.Error != nil {
+				return nil, fmt.Errorf("bus: list offsets of %s/%d: %w", t, p.Partition, p.Error)
+			}
+			out[t][p.Partition] = p
+		}
+	}
+	for t, ps := range parts {
+		for _, p := range ps {
+			if _, ok := out[t][p]; !ok {
+				return nil, fmt.Errorf("bus: list offsets of %s/%d: no answer", t, p)
+			}
+		}
+	}
+	return out, nil
+}
+
+// commits returns group's committed offset of each partition of parts
+// that it has committed (a partition without a commit is left out or
+// has -1); a group the coordinator does not know has committed nothing.
+func (c *LagCollector) commits(ctx context.Context, group string, parts map[string][]int) (map[string]map[int]int64, error) {
+	resp, err := c.client.OffsetFetch(ctx, &kafka.OffsetFetchRequest{GroupID: group, Topics: parts})
 	if err == nil {
-		err = commits.Error()
+		err = resp.Error
+	}
+	if errors.Is(err, kafka.GroupIdNotFound) { // a group yet to commit: nothing consumed
+		return nil, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("bus: fetch offsets of %s: %w", group, err)
 	}
-	lags := kadm.CalculateGroupLagWithStartOffsets(kadm.DescribedGroup{Group: group}, commits, starts, ends)
-	out := make(map[string]int64, len(topics))
-	for _, t := range topics {
-		out[t] = 0
-		for _, p := range lags[t] {
-			if p.Err != nil {
-				return nil, fmt.Errorf("bus: lag of %s on %s/%d: %w", group, t, p.Partition, p.Err)
+	out := make(map[string]map[int]int64, len(resp.Topics))
+	for t, ps := range resp.Topics {
+		out[t] = make(map[int]int64, len(ps))
+		for _, p := range ps {
+			if p.Error != nil {
+				return nil, fmt.Errorf("bus: fetch offsets of %s on %s/%d: %w", group, t, p.Partition, p.Error)
 			}
-			out[t] += p.Lag
+			out[t][p.Partition] = p.CommittedOffset
 		}
 	}
 	return out, nil

@@ -12,9 +12,6 @@ import (
 	"github.com/segmentio/kafka-go/sasl"
 	"github.com/segmentio/kafka-go/sasl/plain"
 	"github.com/segmentio/kafka-go/sasl/scram"
-	"github.com/twmb/franz-go/pkg/kgo"
-	kgoplain "github.com/twmb/franz-go/pkg/sasl/plain"
-	kgoscram "github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/tlsfiles"
@@ -240,31 +237,6 @@ func (s Security) Dialer() (*kafka.Dialer, error) {
 // isZero reports whether s is plaintext without authentication.
 func (s Security) isZero() bool {
 	return !s.TLS && SASLMechanism(s.SASLMechanism).Normalized() == SASLNone
-}
-
-// kgoOpts returns the franz-go client options of s (the LagCollector's
-// client), with franz-go's own SASL mechanisms.
-func (s Security) kgoOpts() ([]kgo.Opt, error) {
-	var opts []kgo.Opt
-	tc, err := s.TLSConfig()
-	if err != nil {
-		return nil, err
-	}
-	if tc != nil {
-		opts = append(opts, kgo.DialTLSConfig(tc))
-	}
-	switch m := SASLMechanism(s.SASLMechanism).Normalized(); m {
-	case SASLNone:
-	case SASLPlain:
-		opts = append(opts, kgo.SASL(kgoplain.Auth{User: s.SASLUsername, Pass: s.SASLPassword}.AsMechanism()))
-	case SASLScramSHA256:
-		opts = append(opts, kgo.SASL(kgoscram.Auth{User: s.SASLUsername, Pass: s.SASLPassword}.AsSha256Mechanism()))
-	case SASLScramSHA512:
-		opts = append(opts, kgo.SASL(kgoscram.Auth{User: s.SASLUsername, Pass: s.SASLPassword}.AsSha512Mechanism()))
-	default:
-		return nil, fmt.Errorf("%w: unknown SASL mechanism %q", ErrInvalidConfig, s.SASLMechanism)
-	}
-	return opts, nil
 }
 
 // String describes s with the password masked.

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -16,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
+	"github.com/kvmesh/kvmesh/pkg/text"
 )
 
 // Relay defaults, overridable with RelayOptions.
@@ -377,13 +377,9 @@ func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcom
 	return res, nil
 }
 
-// errorText bounds err's text for last_error.
+// errorText bounds err's text for last_error and makes it storable there.
 func errorText(err error) string {
-	text := err.Error()
-	if len(text) > maxErrorText {
-		text = strings.ToValidUTF8(text[:maxErrorText], "")
-	}
-	return text
+	return text.ForPostgres(text.Truncate(err.Error(), maxErrorText))
 }
 
 // claim takes the batch lock — waiting for another relay's batch to end,

@@ -5,6 +5,7 @@ package retry
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -92,6 +93,30 @@ func Do[T any](ctx context.Context, b Backoff, op func() (T, error), notify func
 		return v, fmt.Errorf("retry: %w", err)
 	}
 	return v, nil
+}
+
+// Attempts is Do for a caller that counts its attempts and wants op's own
+// error back: op receives the attempt number (1 for the first call) and
+// bounds the attempts itself by returning a Permanent error. On failure
+// Attempts returns op's last error as op returned it (a Permanent one
+// unwrapped), not wrapped and not the context's cause, also when ctx ended
+// before or during a wait; a caller that needs to know asks ctx.
+func Attempts[T any](ctx context.Context, b Backoff, op func(attempt int) (T, error)) (T, error) {
+	attempt := 0
+	var last error
+	v, err := Do(ctx, b, func() (T, error) {
+		attempt++
+		v, err := op(attempt)
+		last = err
+		return v, err
+	}, nil)
+	if err == nil {
+		return v, nil
+	}
+	if perm := (*backoff.PermanentError)(nil); errors.As(last, &perm) {
+		last = perm.Unwrap()
+	}
+	return v, last
 }
 
 // Sleep waits for d, or until ctx ends, in which case it returns

@@ -77,3 +77,43 @@ func TestDoAndSleepStopWithTheContext(t *testing.T) {
 		t.Errorf("Sleep(1µs) = %v, want nil", err)
 	}
 }
+
+func TestAttemptsCountsAndReturnsTheLastError(t *testing.T) {
+	t.Parallel()
+	b := retry.Backoff{Initial: time.Microsecond, Max: time.Microsecond}
+	var seen []int
+	got, err := retry.Attempts(t.Context(), b, func(attempt int) (string, error) {
+		seen = append(seen, attempt)
+		if attempt < 3 {
+			return "", errors.New("transient")
+		}
+		return "done", nil
+	})
+	if err != nil || got != "done" || len(seen) != 3 || seen[0] != 1 || seen[2] != 3 {
+		t.Errorf("Attempts = %q, %v after attempts %v; want done, nil after 1..3", got, err, seen)
+	}
+
+	boom := errors.New("boom")
+	calls := 0
+	_, err = retry.Attempts(t.Context(), b, func(attempt int) (int, error) {
+		calls++
+		if attempt == 2 {
+			return 0, retry.Permanent(boom)
+		}
+		return 0, errors.New("transient")
+	})
+	if err != boom || calls != 2 {
+		t.Errorf("permanent: err %v after %d calls; want boom itself after 2", err, calls)
+	}
+}
+
+func TestAttemptsReturnsOpsErrorWhenTheContextEnds(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(t.Context())
+	fails := errors.New("fails")
+	b := retry.Backoff{Initial: time.Hour, Max: time.Hour}
+	_, err := retry.Attempts(ctx, b, func(int) (int, error) { cancel(); return 0, fails })
+	if err != fails {
+		t.Errorf("Attempts with ctx cancelled = %v, want op's error", err)
+	}
+}

@@ -10,9 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -21,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/text"
 )
 
 // Sentinel errors.
@@ -32,15 +31,6 @@ var (
 // WholeRecord is the slot of a dead letter that covers a whole record
 // rather than one group of it.
 const WholeRecord = -1
-
-// Text makes s storable in a PostgreSQL text column: NUL characters and
-// invalid UTF-8 become U+FFFD.
-func Text(s string) string {
-	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
-}
-
-// Storable reports whether s is stored unchanged by Text.
-func Storable(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
 // Source identifies the Kafka record a write comes from.
 type Source struct {
@@ -226,8 +216,8 @@ func insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, dls []DeadLet
 		payload = []byte{}
 	}
 	for _, d := range dls {
-		d.Reason, d.Detail = Text(d.Reason), Text(d.Detail)
-		d.TaskID, d.EngineID, d.RequestID = Text(d.TaskID), Text(d.EngineID), Text(d.RequestID)
+		d.Reason, d.Detail = text.ForPostgres(d.Reason), text.ForPostgres(d.Detail)
+		d.TaskID, d.EngineID, d.RequestID = text.ForPostgres(d.TaskID), text.ForPostgres(d.EngineID), text.ForPostgres(d.RequestID)
 		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = payload, src.Topic, src.Partition, src.Offset, src.Time
 		d.ReplayStatus = ReplayNone
 		err := tx.QueryRow(ctx, insertDeadLetterSQL, d.Reason, d.Detail, d.Group, d.TaskID, d.EngineID, d.RequestID,

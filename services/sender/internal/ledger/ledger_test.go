@@ -285,18 +285,6 @@ func TestStatsSumTheAccounting(t *testing.T) {
 	}
 }
 
-func TestText(t *testing.T) {
-	cases := map[string]string{"ok": "ok", "a\x00b": "a\uFFFDb", "\xffx": "\uFFFDx", "": ""}
-	for in, want := range cases {
-		if got := ledger.Text(in); got != want {
-			t.Errorf("Text(%q) = %q, want %q", in, got, want)
-		}
-		if ledger.Storable(in) != (in == want) {
-			t.Errorf("Storable(%q) = %v", in, ledger.Storable(in))
-		}
-	}
-}
-
 // TestHugeDeadLetterMessageIsBounded: the kvmesh.save.dlq message of a
 // ~900 KiB payload carries at most contract.MaxDeadLetterPayload bytes of it,
 // its size and the dead_letters row it is kept in, whose payload (what

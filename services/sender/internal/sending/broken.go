@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 
@@ -40,7 +41,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	s := newSave(&kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID})
 	detail := ""
 	if cause != nil {
-		detail = truncate(cause.Error(), maxDetail)
+		detail = text.Truncate(cause.Error(), maxDetail)
 	}
 	s.addDeadLetter(nil, reason, detail)
 	entry := ledger.Entry{Source: src, DeadLetters: s.deadLetters}
@@ -75,12 +76,4 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 }
 
 // usableID reports whether a salvaged id can name a task.
-func usableID(s string) bool { return s != "" && ledger.Storable(s) }
-
-// truncate shortens s to at most n bytes.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n]
-}
+func usableID(s string) bool { return s != "" && text.PostgresSafe(s) }

@@ -24,6 +24,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
@@ -234,7 +235,7 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 		return nil, err
 	}
 	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}, {"tenant", t.Tenant}} {
-		if !ledger.Storable(f.v) {
+		if !text.PostgresSafe(f.v) {
 			return nil, fmt.Errorf("save task: %w: %s %q is not storable text (it contains NUL)", kvcore.ErrInvalidSaveTask, f.name, f.v)
 		}
 	}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -15,29 +14,36 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
 // exists asks the store which keys of task's items are present, in one
-// batched call, retried per the retry policy.
+// batched call, retried per the retry policy (retry.Attempts with its
+// Delays until ExistsFailed gives up or ctx ends); it returns the last
+// call's error.
 func (p *Processor) exists(ctx context.Context, task *kvcore.SaveTask, items []item) ([]bool, error) {
 	ctx, span := p.startCall(ctx, "sender.exists", task, items)
 	defer span.End()
 	ctx = kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: task.EngineID}) // vLLM's engine label of save_exists
 	keys := itemKeys(items)
-	for attempt := 1; ; attempt++ {
+	found, err := retry.Attempts(ctx, p.retry.Delays(), func(attempt int) ([]bool, error) {
 		found, err := p.existsOnce(ctx, keys)
 		if err == nil {
 			return found, nil
 		}
 		span.RecordError(err)
-		d := p.retry.ExistsFailed(attempt)
-		if ctx.Err() != nil || d.Action != sendpolicy.RetryAgain || !sleep(ctx, d.Delay) {
-			span.SetStatus(codes.Error, string(kvcore.ReasonExistsFailed))
-			span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonExistsFailed)))
-			return nil, err
+		if ctx.Err() != nil || p.retry.ExistsFailed(attempt).Action != sendpolicy.RetryAgain {
+			return nil, retry.Permanent(err)
 		}
+		return nil, err
+	})
+	if err != nil {
+		span.SetStatus(codes.Error, string(kvcore.ReasonExistsFailed))
+		span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonExistsFailed)))
+		return nil, err
 	}
+	return found, nil
 }
 
 // existsOnce is one existence check of keys, bounded by the store timeout
@@ -85,7 +91,8 @@ func (p *Processor) putRanks(ctx context.Context, task *kvcore.SaveTask, batches
 }
 
 // putRank puts one rank's batch, retrying a missing or unreachable worker
-// per the retry policy. A rejected request is not retried.
+// per the retry policy (retry.Attempts with its Delays until PutFailed
+// gives up or ctx ends). A rejected request is not retried.
 func (p *Processor) putRank(ctx context.Context, task *kvcore.SaveTask, batch []item) rankAnswer {
 	rank := batch[0].rank
 	ctx, span := p.startCall(ctx, "sender.put", task, batch, attribute.String("kvmesh.rank", fmt.Sprintf("%+v", rank)))
@@ -95,20 +102,24 @@ func (p *Processor) putRank(ctx context.Context, task *kvcore.SaveTask, batch []
 		req[i] = dataplane.PutItem{BlockRef: dataplane.BlockRef{Group: it.Group, Block: it.Block}, Key: it.Key,
 			Hash: it.Hash, RequestID: task.RequestID}
 	}
-	for attempt := 1; ; attempt++ {
+	answer, err := retry.Attempts(ctx, p.retry.Delays(), func(attempt int) (rankAnswer, error) {
 		results, n, err := p.putOnce(ctx, task.EngineID, rank, req)
 		if err == nil {
-			return rankAnswer{results: results, bytes: n}
+			return rankAnswer{results: results, bytes: n}, nil
 		}
 		span.RecordError(err)
 		p.workers.Forget(task.EngineID)
-		d := p.retry.PutFailed(attempt)
-		if errors.Is(err, dataplane.ErrRejected) || ctx.Err() != nil || d.Action != sendpolicy.RetryAgain || !sleep(ctx, d.Delay) {
-			span.SetStatus(codes.Error, string(kvcore.ReasonPutFailed))
-			span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonPutFailed)))
-			return rankAnswer{err: err}
+		if errors.Is(err, dataplane.ErrRejected) || ctx.Err() != nil || p.retry.PutFailed(attempt).Action != sendpolicy.RetryAgain {
+			return rankAnswer{}, retry.Permanent(err)
 		}
+		return rankAnswer{}, err
+	})
+	if err != nil {
+		span.SetStatus(codes.Error, string(kvcore.ReasonPutFailed))
+		span.SetAttributes(attribute.String("kvmesh.reason", string(kvcore.ReasonPutFailed)))
+		return rankAnswer{err: err}
 	}
+	return answer
 }
 
 func (p *Processor) putOnce(ctx context.Context, engineID string, rank kvcore.Rank, req []dataplane.PutItem) ([]dataplane.PutResult, int64, error) {
@@ -127,18 +138,6 @@ func (p *Processor) putOnce(ctx context.Context, engineID string, rank kvcore.Ra
 		err = fmt.Errorf("worker answered %d of %d items: %w", len(results), len(req), dataplane.ErrFrame)
 	}
 	return results, n, err
-}
-
-// sleep waits d or until ctx ends, and reports whether d elapsed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }
 
 // startCall starts the span of one store or worker call for items of

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // Defaults of the sender's policies.
@@ -207,8 +208,9 @@ type RetryDecision struct {
 }
 
 // RetryPolicy is a bounded exponential backoff: the delay before retry n
-// (n ≥ 1) is BaseDelay·2^(n−1), capped at MaxDelay; after MaxAttempts
-// attempts the call is given up. No jitter and no sleeping: values only.
+// (n ≥ 1) is BaseDelay·2^(n−1), capped at MaxDelay (pkg/retry's Backoff,
+// see Delays); after MaxAttempts attempts the call is given up. No jitter
+// and no sleeping: values only.
 type RetryPolicy struct {
 	// MaxAttempts counts the first attempt too (0: DefaultRetryAttempts).
 	MaxAttempts int `json:"max_attempts,omitempty"`
@@ -247,8 +249,16 @@ func (p RetryPolicy) Attempts() int {
 	return DefaultRetryAttempts
 }
 
-// Backoff is the delay before retry n (n < 1 counts as 1).
+// Backoff is the delay before retry n (n < 1 counts as 1): the n-th of
+// Delays.
 func (p RetryPolicy) Backoff(n int) time.Duration {
+	return p.Delays().Delay(n)
+}
+
+// Delays is the policy's backoff as a retry.Backoff, without jitter, for
+// retry.Attempts: BaseDelay doubling up to MaxDelay (defaults for zero
+// values; a BaseDelay above MaxDelay starts at MaxDelay).
+func (p RetryPolicy) Delays() retry.Backoff {
 	base, ceil := p.BaseDelay, p.MaxDelay
 	if base <= 0 {
 		base = DefaultRetryBase
@@ -256,12 +266,5 @@ func (p RetryPolicy) Backoff(n int) time.Duration {
 	if ceil <= 0 {
 		ceil = DefaultRetryMax
 	}
-	d := base
-	for i := 1; i < n && d < ceil; i++ {
-		if d > ceil/2 {
-			return ceil
-		}
-		d *= 2
-	}
-	return min(d, ceil)
+	return retry.Backoff{Initial: min(base, ceil), Max: ceil}
 }

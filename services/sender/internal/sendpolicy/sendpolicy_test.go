@@ -190,3 +190,39 @@ func TestS18NoSpacePressureUntilPutSucceeds(t *testing.T) {
 		t.Fatalf("after b's put: %s, episodes %d; want put, 2", a, g.Episodes)
 	}
 }
+
+// formerBackoff is RetryPolicy.Backoff as the sender computed it before
+// pkg/retry did: the reference TestBackoffKeepsItsDelays holds it to.
+func formerBackoff(p RetryPolicy, n int) time.Duration {
+	base, ceil := p.BaseDelay, p.MaxDelay
+	if base <= 0 {
+		base = DefaultRetryBase
+	}
+	if ceil <= 0 {
+		ceil = DefaultRetryMax
+	}
+	d := base
+	for i := 1; i < n && d < ceil; i++ {
+		if d > ceil/2 {
+			return ceil
+		}
+		d *= 2
+	}
+	return min(d, ceil)
+}
+
+func TestBackoffKeepsItsDelays(t *testing.T) {
+	policies := []RetryPolicy{
+		{}, {BaseDelay: time.Millisecond, MaxDelay: 2 * time.Millisecond},
+		{BaseDelay: 10 * time.Millisecond, MaxDelay: time.Second}, {BaseDelay: 3 * time.Millisecond, MaxDelay: 7 * time.Millisecond},
+		{BaseDelay: time.Second, MaxDelay: 100 * time.Millisecond}, {BaseDelay: 1, MaxDelay: math.MaxInt64},
+		{BaseDelay: 7, MaxDelay: 1000}, {BaseDelay: -1, MaxDelay: -1},
+	}
+	for _, p := range policies {
+		for _, n := range []int{-1, 0, 1, 2, 3, 4, 5, 8, 20, 62, 63, 64, 65, 1000, math.MaxInt} {
+			if got, want := p.Backoff(n), formerBackoff(p, n); got != want {
+				t.Errorf("%+v.Backoff(%d) = %v, want %v", p, n, got, want)
+			}
+		}
+	}
+}

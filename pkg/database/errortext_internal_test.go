@@ -1,0 +1,28 @@
+package database
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/text"
+)
+
+func TestErrorTextIsBoundedAndStorable(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, in, want string
+	}{
+		{"as is", "broker down", "broker down"},
+		{"nul", "a\x00b", "a\uFFFDb"},
+		{"invalid", "a\xffb", "a\uFFFDb"},
+		{"cut", strings.Repeat("x", maxErrorText+5), strings.Repeat("x", maxErrorText)},
+		{"cut inside a rune", strings.Repeat("x", maxErrorText-1) + "é", strings.Repeat("x", maxErrorText-1)},
+	}
+	for _, tt := range tests {
+		got := errorText(errors.New(tt.in))
+		if got != tt.want || !text.PostgresSafe(got) || len(got) > maxErrorText {
+			t.Errorf("%s: errorText = %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
