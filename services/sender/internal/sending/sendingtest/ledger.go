@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
@@ -127,8 +128,8 @@ func (l *Ledger) newDeadLetters(src ledger.Source, dls []ledger.DeadLetter) ([]l
 			continue // this record's slot is already recorded
 		}
 		seen[d.Slot] = true
-		d.Reason, d.Detail = ledger.Text(d.Reason), ledger.Text(d.Detail)
-		d.TaskID, d.EngineID, d.RequestID = ledger.Text(d.TaskID), ledger.Text(d.EngineID), ledger.Text(d.RequestID)
+		d.Reason, d.Detail = text.ForPostgres(d.Reason), text.ForPostgres(d.Detail)
+		d.TaskID, d.EngineID, d.RequestID = text.ForPostgres(d.TaskID), text.ForPostgres(d.EngineID), text.ForPostgres(d.RequestID)
 		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = payload, src.Topic, src.Partition, src.Offset, src.Time
 		d.ReplayStatus = ledger.ReplayNone
 		d.ID, d.CreatedAt = int64(len(l.deadLetters)+len(rows)+1), l.now()
