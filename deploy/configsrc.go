@@ -29,8 +29,10 @@ var ErrNoType = errors.New("type not found")
 // order, untagged embedded or nested struct fields flattened (resolved
 // through the file's imports when they are declared in another package of
 // this module). It is how a test outside a service's tree reads that
-// service's internal Config, which it cannot import. Value is left empty;
-// Type is derived from the field's type expression (int, uint, float,
+// service's internal Config, which it cannot import. Value and Default are
+// left empty (defaults are Go values set by the Config's SetDefaults,
+// which source cannot evaluate; the deployment checks need none); Type is
+// derived from the field's type expression (int, uint, float,
 // string, bool, duration for time.Duration, list for []string, text for
 // any other named type).
 func ConfigFields(root, dir, typeName string) ([]config.Field, error) {
@@ -128,7 +130,6 @@ func (r *sourceReader) structFields(dir, name string, depth int) ([]config.Field
 			secret := isTrue(tag.Get("secret"))
 			out = append(out, config.Field{
 				Env:      env,
-				Default:  maskDefault(tag.Get("default"), secret),
 				Doc:      tag.Get("doc"),
 				Type:     typeExprName(f.Type),
 				Secret:   secret,
@@ -252,17 +253,6 @@ func isTrue(s string) bool {
 	return err == nil && b
 }
 
-// maskDefault masks a default as config.Describe does.
-func maskDefault(s string, secret bool) string {
-	switch {
-	case s == "":
-		return ""
-	case secret:
-		return config.Masked
-	}
-	return config.MaskPasswords(s)
-}
-
 // textValue stands, in a prototype, for a field whose type parses text
 // (encoding.TextUnmarshaler): it takes any text, and config.Describe names
 // it text, as it names the original.
@@ -275,9 +265,9 @@ func (v *textValue) UnmarshalText(b []byte) error {
 }
 
 // ConfigPrototype returns a pointer to a new struct whose fields carry the
-// env, default, doc, required and secret tags of fields, with Go types of
-// the fields' Type names (text as a string that parses text, a masked secret default as
-// config.Masked): a value config.Load can fill, so that an environment can
+// env, doc, required and secret tags of fields, with Go types of the
+// fields' Type names (text as a string that parses text) and no defaults:
+// a value config.Load can fill, so that an environment can
 // be checked against settings read by ConfigFields (the values parse as
 // their types; required ones are set), and that config.Describe and
 // config.MarkdownTable describe as the original. The Config's own Validate
@@ -296,9 +286,6 @@ func ConfigPrototype(fields []config.Field) any {
 			t = types["string"]
 		}
 		tag := fmt.Sprintf("env:%q", f.Env)
-		if f.Default != "" {
-			tag += fmt.Sprintf(" default:%q", f.Default)
-		}
 		if f.Doc != "" {
 			tag += fmt.Sprintf(" doc:%q", f.Doc)
 		}

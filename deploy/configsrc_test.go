@@ -16,7 +16,7 @@ import (
 // TestConfigFieldsMatchReflection holds the source reader to config.Describe
 // on a Config it can import: the same settings, in the same order, with the
 // same tags and types. Defaults are not compared: a Config may take them
-// from Go constants (config.Defaulter), which the source reader cannot
+// from Go values (config.Defaulter), which the source reader cannot
 // evaluate, and the chart checks need none.
 func TestConfigFieldsMatchReflection(t *testing.T) {
 	root := testenv.ModuleRoot(t)

@@ -147,11 +147,18 @@ services:
 
 // fixtureConfig stands in for a service's Config.
 type fixtureConfig struct {
-	HTTPAddr    string   `env:"KVMESH_HTTP_ADDR" default:":8081"`
-	Brokers     []string `env:"KVMESH_KAFKA_BROKERS" default:"127.0.0.1:9092"`
+	HTTPAddr    string   `env:"KVMESH_HTTP_ADDR"`
+	Brokers     []string `env:"KVMESH_KAFKA_BROKERS"`
 	RedisURL    string   `env:"KVMESH_REDIS_URL" required:"true"`
 	DatabaseURL string   `env:"KVMESH_DATABASE_URL"`
-	Timeout     string   `env:"KVMESH_TIMEOUT" default:"1s"`
+	Timeout     string   `env:"KVMESH_TIMEOUT"`
+}
+
+// SetDefaults gives the fixture's defaults (config.Defaulter).
+func (c *fixtureConfig) SetDefaults() {
+	c.HTTPAddr = ":8081"
+	c.Brokers = []string{"127.0.0.1:9092"}
+	c.Timeout = "1s"
 }
 
 // Validate rejects a timeout of "never", so a loaded-but-invalid setting

@@ -17,7 +17,9 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/service"
 )
 
 // stdout receives command output; tests replace it.
@@ -106,10 +108,22 @@ func addClientFlags(fs *flag.FlagSet) *clientOptions {
 	}
 	o.gpuworkers.urls = strings.Split(envOr("KVMESH_GPUWORKER_URL", "http://127.0.0.1:8084"), ",")
 	fs.Var(&o.gpuworkers, "gpuworker-url", "base URL of a gpuworker; repeat the flag or give a comma list (env KVMESH_GPUWORKER_URL)")
-	fs.StringVar(&o.token, "token", os.Getenv(httpserver.AdminTokenEnv), "admin bearer token for mutating routes (env "+httpserver.AdminTokenEnv+")")
+	fs.StringVar(&o.token, "token", envAdminToken(), "admin bearer token for mutating routes (env "+httpserver.AdminTokenEnv+")")
 	fs.BoolVar(&o.json, "json", false, "print the services' JSON instead of a table")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Second, "time limit of each HTTP request")
 	return o
+}
+
+// envAdminToken is the operator token the services read
+// (KVMESH_ADMIN_TOKEN or KVMESH_ADMIN_TOKEN_FILE), read through the same
+// struct; a token that cannot be read is reported on stderr and left empty.
+func envAdminToken() string {
+	var a service.Admin
+	if err := config.Overlay(&a, os.LookupEnv); err != nil {
+		fmt.Fprintf(stderr, "kvmesh: %v\n", err)
+		return ""
+	}
+	return a.AdminToken
 }
 
 // gpuworkerEndpoints lists the configured gpuworkers.

@@ -26,8 +26,9 @@ func init() {
 // the auth key (KVMESH_AUTH_KEY or KVMESH_AUTH_KEY_FILE) and the operator
 // token, with the services' rules.
 type authSettings struct {
-	Auth       auth.Config
-	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"the operator token"`
+	Auth auth.Config
+	// Admin is the operator token, declared where the services read it.
+	service.Admin
 }
 
 // loadAuth reads authSettings from the environment.

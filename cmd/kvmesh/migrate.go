@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/migrations"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/service"
 )
 
 func init() {
@@ -67,9 +69,13 @@ func migrateDatabase(ctx context.Context, args []string, out io.Writer) error {
 // KVMESH_DATABASE_URL.
 func migrateFlags(args []string) (migrateOptions, error) {
 	var o migrateOptions
+	var db service.Database
+	if err := config.Overlay(&db, os.LookupEnv); err != nil {
+		return o, fmt.Errorf("%w: %w", errUsage, err)
+	}
 	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.url, "database-url", os.Getenv("KVMESH_DATABASE_URL"),
+	fs.StringVar(&o.url, "database-url", db.DatabaseURL,
 		"PostgreSQL URL, postgres://user:pass@host:port/db (env KVMESH_DATABASE_URL)")
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute,
 		"give up when connecting and migrating take longer (the advisory lock may be held by another runner)")

@@ -51,7 +51,11 @@ type groupLayout struct {
 func showModel(args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("model", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	spec := fs.String("model", envOr("KVMESH_MODEL", "hybrid-mla-linear"), "model preset or spec file (env KVMESH_MODEL)")
+	model := config.Defaults[service.ModelSpec]()
+	if err := config.Overlay(&model, os.LookupEnv); err != nil {
+		return err
+	}
+	spec := fs.String("model", model.Model, "model preset or spec file (env KVMESH_MODEL)")
 	var o service.ParallelOverride
 	if err := config.Load(&o, os.LookupEnv); err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
@@ -44,9 +45,13 @@ func runSim(ctx context.Context, args []string) error {
 	}
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: opts.logLevel}))
 	opts.cfg.Log = logger
+	var tel service.Telemetry
+	if err := config.Load(&tel, os.LookupEnv); err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
 	shutdown, err := telemetry.Setup(ctx, telemetry.Options{
 		ServiceName: "kvmesh-sim", Logger: logger,
-		OTLPEndpoint: os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT"), OTLPTracesEndpoint: os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+		OTLPEndpoint: tel.OTLPEndpoint, OTLPTracesEndpoint: tel.OTLPTracesEndpoint,
 	})
 	if err != nil {
 		return fmt.Errorf("telemetry: %w", err)
@@ -119,8 +124,19 @@ func simFlags(args []string) (*simOptions, error) {
 	fs.SetOutput(stderr)
 	var o simOptions
 	var v simValues
+	// The store check's URL and TLS settings default to the services'
+	// variables, read through the struct the services embed.
+	var store service.Store
+	if err := config.Overlay(&store, os.LookupEnv); err != nil {
+		return nil, fmt.Errorf("%w: %w", errUsage, err)
+	}
+	o.cfg.RedisURL, o.cfg.RedisTLS = store.RedisURL, store.RedisTLS
+	brokers, err := defaultBrokers()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errUsage, err)
+	}
 	defineWorkloadFlags(fs, &v)
-	defineMeshFlags(fs, &o, &v)
+	defineMeshFlags(fs, &o, &v, brokers)
 	rest, err := parseFlags(fs, args)
 	if err != nil {
 		return nil, err
@@ -162,21 +178,21 @@ func defineWorkloadFlags(fs *flag.FlagSet, v *simValues) {
 }
 
 // defineMeshFlags defines the addresses and the run's own settings.
-func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues) {
+func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues, brokers string) {
 	fs.StringVar(&v.lookups, "lookup", envOr("KVMESH_LOOKUP_URL", "http://127.0.0.1:8081"), "lookup service base URL, or its replicas' comma-separated (a lookup a replica answers with a 5xx or not at all goes to the next) (env KVMESH_LOOKUP_URL)")
 	fs.StringVar(&v.schedulers, "scheduler", envOr("KVMESH_SCHEDULER_URL", "http://127.0.0.1:8082"), "scheduler base URL, or its replicas' comma-separated, asked after the run whether every tracker is done; empty skips the check (env KVMESH_SCHEDULER_URL)")
-	fs.StringVar(&o.cfg.RedisURL, "redis", os.Getenv("KVMESH_REDIS_URL"), "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
-	fs.StringVar(&o.cfg.RedisTLS.CAFile, "redis-ca-file", os.Getenv("KVMESH_REDIS_CA_FILE"), "PEM CA bundle that verifies the store pool's certificate with a rediss:// -redis URL (default: the system roots) (env KVMESH_REDIS_CA_FILE)")
-	fs.StringVar(&o.cfg.RedisTLS.CertFile, "redis-cert-file", os.Getenv("KVMESH_REDIS_CERT_FILE"), "PEM client certificate presented to the store pool, with -redis-key-file (env KVMESH_REDIS_CERT_FILE)")
-	fs.StringVar(&o.cfg.RedisTLS.KeyFile, "redis-key-file", os.Getenv("KVMESH_REDIS_KEY_FILE"), "PEM private key of -redis-cert-file (env KVMESH_REDIS_KEY_FILE)")
-	fs.StringVar(&o.cfg.RedisTLS.ServerName, "redis-server-name", os.Getenv("KVMESH_REDIS_SERVER_NAME"), "name checked against the store pool's certificate instead of the -redis URL's host (env KVMESH_REDIS_SERVER_NAME)")
+	fs.StringVar(&o.cfg.RedisURL, "redis", o.cfg.RedisURL, "the store pool's Redis URL, read after the run to check every value the run's saves stored; empty skips the check (env KVMESH_REDIS_URL)")
+	fs.StringVar(&o.cfg.RedisTLS.CAFile, "redis-ca-file", o.cfg.RedisTLS.CAFile, "PEM CA bundle that verifies the store pool's certificate with a rediss:// -redis URL (default: the system roots) (env KVMESH_REDIS_CA_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.CertFile, "redis-cert-file", o.cfg.RedisTLS.CertFile, "PEM client certificate presented to the store pool, with -redis-key-file (env KVMESH_REDIS_CERT_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.KeyFile, "redis-key-file", o.cfg.RedisTLS.KeyFile, "PEM private key of -redis-cert-file (env KVMESH_REDIS_KEY_FILE)")
+	fs.StringVar(&o.cfg.RedisTLS.ServerName, "redis-server-name", o.cfg.RedisTLS.ServerName, "name checked against the store pool's certificate instead of the -redis URL's host (env KVMESH_REDIS_SERVER_NAME)")
 	fs.StringVar(&v.senders, "sender", envOr("KVMESH_SENDER_URL", "http://127.0.0.1:8083"), "sender base URL, or its replicas' comma-separated, asked after the run for its dead letters; empty skips the check (env KVMESH_SENDER_URL)")
 	fs.IntVar(&v.engines, "engines", 1, "decode engines in the fleet, each with its own gpuworkers, one per rank (and, with -pd, its own prefill engine and gpuworkers); conversations are spread over them round robin")
 	fs.StringVar(&v.workers, "worker", envOr("KVMESH_WORKER_URL", "http://127.0.0.1:8084"), "the decode engines' gpuworker base URLs, comma-separated: N×W of them for -engines N of W ranks each (W = tp × pcp × pp), engine by engine, each engine's ranks in worker-rank order (as kvmesh model --ranks lists them); or one URL standing for scripts/stack.sh's layout, decode engine i's rank k at its port + 2·i·W + k (env KVMESH_WORKER_URL)")
 	fs.StringVar(&v.prefillWorkers, "prefill-worker", os.Getenv("KVMESH_PREFILL_WORKER_URL"), "the prefill engines' gpuworker base URLs with -pd: N×W comma-separated as -worker, or one URL, prefill engine i's rank k at its port + 2·i·W + k; default: stack.sh's layout from -worker's first URL, prefill engine i's rank k at its port + (2i+1)·W + k (W=1: decode-i :8084+2i, prefill-i :8085+2i) (env KVMESH_PREFILL_WORKER_URL)")
 	fs.StringVar(&v.engineIDs, "engine", "", "the decode engines' ids, comma-separated, one per engine (default: each worker's)")
 	fs.StringVar(&v.prefillIDs, "prefill-engine", "", "the prefill engines' ids, comma-separated (default: each prefill worker's)")
-	fs.StringVar(&v.brokers, "brokers", defaultBrokers(), "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr); TLS and SASL come from the services' KVMESH_KAFKA_TLS, KVMESH_KAFKA_*_FILE, KVMESH_KAFKA_SERVER_NAME and KVMESH_KAFKA_SASL_* variables")
+	fs.StringVar(&v.brokers, "brokers", brokers, "Kafka bootstrap brokers, comma-separated (env KVMESH_KAFKA_BROKERS, else .dev/broker.addr); TLS and SASL come from the services' KVMESH_KAFKA_TLS, KVMESH_KAFKA_*_FILE, KVMESH_KAFKA_SERVER_NAME and KVMESH_KAFKA_SASL_* variables")
 	fs.StringVar(&o.cfg.RunTag, "run-tag", "", "prefix of every request id (default a random sim-xxxxxx)")
 	fs.BoolVar(&v.fresh, "fresh", true, "salt the block hashes with the run tag, so the run starts with a cold store; false shares store keys with earlier runs of the same workload")
 	fs.DurationVar(&v.reqTimeout, "request-timeout", time.Minute, "longest wait for a finished_recving or finished_sending, for blocks at the head of the queue, and for a failing lookup, broker or gpuworker to come back")
@@ -396,13 +412,24 @@ func shiftPort(base string, delta int) (string, error) {
 	return u.String(), nil
 }
 
-// defaultBrokers is KVMESH_KAFKA_BROKERS, else the address scripts/stack.sh
-// wrote to .dev/broker.addr (searched from the working directory up), else
-// the default broker address.
-func defaultBrokers() string {
-	if v := os.Getenv("KVMESH_KAFKA_BROKERS"); v != "" {
-		return v
+// defaultBrokers is KVMESH_KAFKA_BROKERS (read through
+// service.KafkaBrokers, as the services read it), else the address
+// scripts/stack.sh wrote to .dev/broker.addr (searched from the working
+// directory up), else the services' default broker address.
+func defaultBrokers() (string, error) {
+	b := config.Defaults[service.KafkaBrokers]()
+	if addr := stackBrokerAddr(); addr != "" {
+		b.Brokers = []string{addr}
 	}
+	if err := config.Overlay(&b, os.LookupEnv); err != nil {
+		return "", fmt.Errorf("brokers: %w", err)
+	}
+	return strings.Join(b.Brokers, ","), nil
+}
+
+// stackBrokerAddr is the content of .dev/broker.addr, searched from the
+// working directory up; empty when there is none.
+func stackBrokerAddr() string {
 	dir, err := os.Getwd()
 	for err == nil {
 		if b, rerr := os.ReadFile(filepath.Join(dir, ".dev", "broker.addr")); rerr == nil {
@@ -416,7 +443,7 @@ func defaultBrokers() string {
 		}
 		dir = parent
 	}
-	return "127.0.0.1:9092"
+	return ""
 }
 
 func splitList(s string) []string {

@@ -63,12 +63,12 @@ const AuthKey = "kvmesh-servicetest-auth-key-0123456789"
 func (e *Env) Common() service.Common {
 	return service.Common{
 		LogLevel:        "debug",
-		Brokers:         e.Brokers,
+		KafkaBrokers:    service.KafkaBrokers{Brokers: e.Brokers},
 		Partitions:      2,
-		AdminToken:      "test-token",
+		Admin:           service.Admin{AdminToken: "test-token"},
 		ShutdownTimeout: 2 * time.Second,
 		SessionTimeout:  2 * time.Second,
-		Model:           "hybrid-mla-linear",
+		ModelSpec:       service.ModelSpec{Model: service.DefaultModel},
 		Auth:            auth.Config{Mode: auth.ModeOff},
 	}
 }

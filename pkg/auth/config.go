@@ -31,11 +31,9 @@ type Config struct {
 	PreviousKey string `env:"KVMESH_AUTH_PREVIOUS_KEY" secret:"true" doc:"during a key rotation, the key being replaced: tokens it signed are still accepted until they expire, new ones are signed with KVMESH_AUTH_KEY; unset once they have"`
 }
 
-// ConfigDefaults gives KVMESH_AUTH's default, DefaultMode
+// SetDefaults gives KVMESH_AUTH's default, DefaultMode
 // (config.Defaulter).
-func (*Config) ConfigDefaults() map[string]any {
-	return map[string]any{"KVMESH_AUTH": DefaultMode}
-}
+func (c *Config) SetDefaults() { c.Mode = DefaultMode }
 
 // mode is the configured mode, DefaultMode when unset.
 func (c Config) mode() string {

@@ -100,12 +100,16 @@ type Security struct {
 	ServerName string `env:"KVMESH_KAFKA_SERVER_NAME" doc:"name verified in the brokers' TLS certificates instead of the host dialled; empty verifies the host"`
 	// SASLMechanism is the SASL mechanism, one of SASLMechanisms matched
 	// without regard to case; SASLNone (or empty) for none.
-	SASLMechanism string `env:"KVMESH_KAFKA_SASL_MECHANISM" default:"none" doc:"SASL mechanism: none, plain, scram-sha-256 or scram-sha-512 (plain sends the password as is: use it with KVMESH_KAFKA_TLS)"`
+	SASLMechanism string `env:"KVMESH_KAFKA_SASL_MECHANISM" doc:"SASL mechanism: none, plain, scram-sha-256 or scram-sha-512 (plain sends the password as is: use it with KVMESH_KAFKA_TLS)"`
 	// SASLUsername is the SASL user.
 	SASLUsername string `env:"KVMESH_KAFKA_SASL_USERNAME" doc:"SASL username; required with a SASL mechanism"`
 	// SASLPassword is the SASL user's password.
 	SASLPassword string `env:"KVMESH_KAFKA_SASL_PASSWORD" secret:"true" doc:"SASL password; required with a SASL mechanism (or KVMESH_KAFKA_SASL_PASSWORD_FILE)"`
 }
+
+// SetDefaults gives KVMESH_KAFKA_SASL_MECHANISM's default, SASLNone
+// (config.Defaulter).
+func (s *Security) SetDefaults() { s.SASLMechanism = SASLNone }
 
 // LoadSecurity reads the KVMESH_KAFKA_* security settings through lookup
 // (os.LookupEnv in a command) with pkg/config, so a password may also come

@@ -2,24 +2,28 @@
 // one struct, driven by struct tags, and describes the resolved settings for
 // logs and documentation.
 //
-// A service declares its settings once:
+// A service declares its settings once, with their defaults beside them:
 //
 //	type Config struct {
-//		HTTPAddr        string        `env:"KVMESH_HTTP_ADDR" default:":8082" doc:"listen address"`
+//		HTTPAddr        string        `env:"KVMESH_HTTP_ADDR" doc:"listen address"`
 //		DatabaseURL     string        `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL"`
-//		Brokers         []string      `env:"KVMESH_KAFKA_BROKERS" default:"127.0.0.1:9092" doc:"Kafka bootstrap brokers"`
-//		ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" default:"5s" doc:"graceful shutdown limit"`
+//		Brokers         []string      `env:"KVMESH_KAFKA_BROKERS" doc:"Kafka bootstrap brokers"`
+//		ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"graceful shutdown limit"`
+//	}
+//
+//	// SetDefaults sets the defaults (config.Defaulter).
+//	func (c *Config) SetDefaults() {
+//		c.HTTPAddr = ":8082"
+//		c.Brokers = []string{"127.0.0.1:9092"}
+//		c.ShutdownTimeout = httpserver.DefaultShutdownTimeout
 //	}
 //
 // and main calls Load(&cfg, os.LookupEnv). The tags are:
 //
 //   - env: the variable name. Fields without it are skipped, except struct
 //     fields, whose own fields are loaded as if declared in the parent
-//     (nested structs are flattened).
-//   - default: the value used when the variable is unset or empty. A
-//     struct may instead give a default as a Go value, such as a library's
-//     Default constant, by implementing Defaulter; each default is stated
-//     in one of the two places only.
+//     (nested structs are flattened, so settings several programs share
+//     are declared once, in a struct each program's Config embeds).
 //   - doc: a one-line description for Describe and MarkdownTable.
 //   - secret:"true": the value is never shown; Describe masks it as "***".
 //     A secret may also be given in a file: NAME_FILE names a file whose
@@ -27,6 +31,11 @@
 //     secrets are mounted. Setting both NAME and NAME_FILE is an error.
 //   - required:"true": Load fails when neither the variable nor a default
 //     gives a value.
+//
+// Defaults are typed Go values set by the struct's SetDefaults method
+// (Defaulter), never tags: a variable that is unset takes its field's
+// value in a freshly defaulted struct, unless that is the zero value (no
+// default).
 //
 // Supported field types are string, bool, every signed and unsigned integer
 // kind, float32/float64, time.Duration, []string (comma-separated, blanks
@@ -80,25 +89,19 @@ var (
 )
 
 // Load fills the struct that dst points to from the variables that lookup
-// returns (os.LookupEnv in a main, a map in tests), applying defaults from the
-// tags. Every bad or missing variable is reported, joined into one error that
-// names each variable and its bad value (secret values are not shown). When
-// the struct implements Validator, Validate runs after a successful load.
+// returns (os.LookupEnv in a main, a map in tests), applying the defaults its
+// SetDefaults states (Defaulter). Every bad or missing variable is reported,
+// joined into one error that names each variable and its bad value (secret
+// values are not shown). When the struct implements Validator, Validate runs
+// after a successful load.
 func Load(dst any, lookup func(string) (string, bool)) error {
 	rv := reflect.ValueOf(dst)
 	if rv.Kind() != reflect.Pointer || rv.IsNil() || rv.Elem().Kind() != reflect.Struct {
 		return ErrNotStructPointer
 	}
-	defs, err := valueDefaults(rv.Elem().Type())
-	if err == nil {
-		err = checkDefaults(rv.Elem(), defs)
-	}
-	if err != nil {
-		return err
-	}
 	var errs []error
-	walk(rv.Elem(), func(sf reflect.StructField, fv reflect.Value) {
-		if err := loadField(sf, fv, lookup, defs); err != nil {
+	walkDefaults(rv.Elem(), defaultsOf(rv.Elem().Type()), func(sf reflect.StructField, fv, dv reflect.Value) {
+		if err := loadField(sf, fv, dv, lookup, true); err != nil {
 			errs = append(errs, err)
 		}
 	})
@@ -113,29 +116,30 @@ func Load(dst any, lookup func(string) (string, bool)) error {
 	return nil
 }
 
-// walk calls fn for every settable field with an env tag, descending into
-// untagged struct fields.
-func walk(v reflect.Value, fn func(reflect.StructField, reflect.Value)) {
-	t := v.Type()
-	for i := range t.NumField() {
-		sf := t.Field(i)
-		if !sf.IsExported() {
-			continue
-		}
-		fv := v.Field(i)
-		if _, tagged := sf.Tag.Lookup("env"); tagged {
-			fn(sf, fv)
-			continue
-		}
-		if sf.Type.Kind() == reflect.Struct {
-			walk(fv, fn)
-		}
+// Overlay sets, in the struct that dst points to, only the settings whose
+// variable lookup gives (a secret's NAME_FILE included), keeping every
+// other field as it is: no defaults, no required settings and no Validate.
+// It is for a command whose flags fall back to the services' variables,
+// read through the same structs the services embed.
+func Overlay(dst any, lookup func(string) (string, bool)) error {
+	rv := reflect.ValueOf(dst)
+	if rv.Kind() != reflect.Pointer || rv.IsNil() || rv.Elem().Kind() != reflect.Struct {
+		return ErrNotStructPointer
 	}
+	var errs []error
+	none := reflect.New(rv.Elem().Type()).Elem()
+	walkDefaults(rv.Elem(), none, func(sf reflect.StructField, fv, dv reflect.Value) {
+		if err := loadField(sf, fv, dv, lookup, false); err != nil {
+			errs = append(errs, err)
+		}
+	})
+	return errors.Join(errs...)
 }
 
-// loadField sets one field from its variable or default (its tag, else its
-// entry in defs).
-func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (string, bool), defs map[string]string) error {
+// loadField sets one field from its variable or its default dv (none when
+// zero); an unset required setting without a default is an error when
+// required is set.
+func loadField(sf reflect.StructField, fv, dv reflect.Value, lookup func(string) (string, bool), required bool) error {
 	name := sf.Tag.Get("env")
 	raw, ok := lookup(name)
 	source := name
@@ -149,14 +153,14 @@ func loadField(sf reflect.StructField, fv reflect.Value, lookup func(string) (st
 		}
 	}
 	if !ok || raw == "" {
-		def, hasDefault := defaultOf(sf, defs)
-		if !hasDefault || def == "" {
-			if isTrue(sf.Tag.Get("required")) {
-				return fmt.Errorf("%w: %s is not set%s", ErrMissing, name, docSuffix(sf))
-			}
+		if hasDefault(dv) {
+			setDefault(fv, dv)
 			return nil
 		}
-		raw, source = def, name+" (default)"
+		if required && isTrue(sf.Tag.Get("required")) {
+			return fmt.Errorf("%w: %s is not set%s", ErrMissing, name, docSuffix(sf))
+		}
+		return nil
 	}
 	if err := setValue(fv, raw); err != nil {
 		shown := strconv.Quote(raw)

@@ -23,8 +23,8 @@ type Field struct {
 	// unset secret stays empty, so a missing secret is visible) and
 	// passwords inside URLs or key=value connection strings are masked.
 	Value string
-	// Default is the default from the tag or the struct's ConfigDefaults,
-	// masked like Value.
+	// Default is the default the struct's SetDefaults states (empty for
+	// a zero value: no default), masked like Value.
 	Default string
 	// Doc is the description from the doc tag.
 	Doc string
@@ -48,12 +48,13 @@ func Describe(v any) []Field {
 	if rv.Kind() != reflect.Struct {
 		return nil
 	}
-	// A bad ConfigDefaults is reported by Load; Describe shows what it can.
-	defs, _ := valueDefaults(rv.Type())
 	var fields []Field
-	walk(rv, func(sf reflect.StructField, fv reflect.Value) {
+	walkDefaults(rv, defaultsOf(rv.Type()), func(sf reflect.StructField, fv, dv reflect.Value) {
 		secret := isTrue(sf.Tag.Get("secret"))
-		def, _ := defaultOf(sf, defs)
+		def := ""
+		if hasDefault(dv) {
+			def = formatValue(dv)
+		}
 		fields = append(fields, Field{
 			Env:      sf.Tag.Get("env"),
 			Value:    mask(formatValue(fv), secret),
@@ -123,7 +124,7 @@ func formatValue(fv reflect.Value) string {
 		}
 	}
 	if fv.Type() == durationType {
-		return time.Duration(fv.Int()).String()
+		return formatDuration(time.Duration(fv.Int()))
 	}
 	switch fv.Kind() {
 	case reflect.String:
@@ -140,6 +141,20 @@ func formatValue(fv reflect.Value) string {
 		}
 	}
 	return fmt.Sprint(fv.Interface())
+}
+
+// formatDuration is d as time.Duration.String writes it, without zero
+// trailing units: 1h rather than 1h0m0s, 2m rather than 2m0s (as an
+// operator writes it; time.ParseDuration reads both).
+func formatDuration(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
 }
 
 // typeName names the form of a field's value for documentation.

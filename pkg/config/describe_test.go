@@ -28,11 +28,12 @@ func TestDescribe(t *testing.T) {
 		{"T_ADDR", ":9000", ":8082", "string"},
 		{"T_DATABASE_URL", config.Masked, "", "string"},
 		{"T_TIMEOUT", "1.5s", "5s", "duration"},
-		{"T_LEVEL", "WARN", "info", "text"},
+		{"T_LEVEL", "WARN", "ERROR", "text"},
 		{"T_BROKERS", "a:1,b:2", "127.0.0.1:9092", "list"},
 		{"T_WORKERS", "0", "4", "int"},
 		{"T_RATIO", "0", "0.5", "float"},
-		{"T_DEBUG", "false", "false", "bool"},
+		// A zero default is none.
+		{"T_DEBUG", "false", "", "bool"},
 	}
 	for _, tt := range tests {
 		f, ok := byEnv[tt.env]
@@ -109,15 +110,35 @@ func TestLogValue(t *testing.T) {
 }
 
 func TestMarkdownTable(t *testing.T) {
-	type doc struct {
-		Addr  string `env:"T_ADDR" default:":8082" doc:"listen address"`
-		Token string `env:"T_TOKEN" secret:"true" required:"true" doc:"admin | token"`
-	}
 	want := "| Variable | Type | Default | Description |\n" +
 		"|---|---|---|---|\n" +
 		"| `T_ADDR` | string | `:8082` | listen address |\n" +
 		"| `T_TOKEN` | string |  | admin \\| token. Required. Secret: never logged. |\n"
-	if got := config.MarkdownTable(doc{Token: "x"}); got != want {
+	if got := config.MarkdownTable(tableDoc{Token: "x"}); got != want {
 		t.Fatalf("MarkdownTable:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+type tableDoc struct {
+	Addr  string `env:"T_ADDR" doc:"listen address"`
+	Token string `env:"T_TOKEN" secret:"true" required:"true" doc:"admin | token"`
+}
+
+func (d *tableDoc) SetDefaults() { d.Addr = ":8082" }
+
+// TestDescribeDurations: durations are written without zero trailing
+// units, as an operator writes them.
+func TestDescribeDurations(t *testing.T) {
+	type durations struct {
+		H  time.Duration `env:"T_H"`
+		M  time.Duration `env:"T_M"`
+		HM time.Duration `env:"T_HM"`
+		S  time.Duration `env:"T_S"`
+	}
+	want := map[string]string{"T_H": "24h", "T_M": "1m", "T_HM": "1h30m", "T_S": "1.5s"}
+	for _, f := range config.Describe(durations{H: 24 * time.Hour, M: time.Minute, HM: 90 * time.Minute, S: 1500 * time.Millisecond}) {
+		if f.Value != want[f.Env] {
+			t.Errorf("%s = %q, want %q", f.Env, f.Value, want[f.Env])
+		}
 	}
 }

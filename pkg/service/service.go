@@ -32,46 +32,42 @@ import (
 // Config embeds it.
 type Common struct {
 	// LogLevel is the minimum level logged.
-	LogLevel string `env:"KVMESH_LOG_LEVEL" default:"info" doc:"log level: debug, info, warn or error"`
-	// Brokers are the Kafka bootstrap brokers.
-	Brokers []string `env:"KVMESH_KAFKA_BROKERS" doc:"Kafka bootstrap brokers, comma-separated"`
+	LogLevel string `env:"KVMESH_LOG_LEVEL" doc:"log level: debug, info, warn or error"`
+	// KafkaBrokers are the Kafka bootstrap brokers.
+	KafkaBrokers
 	// Kafka is the TLS and SASL security of every Kafka connection.
 	Kafka bus.Security
 	// Partitions is the partition count used when a service creates a missing topic.
 	Partitions int `env:"KVMESH_KAFKA_PARTITIONS" doc:"partitions for topics a service creates when they are missing"`
-	// AdminToken guards mutating admin routes.
-	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"the operator token: bearer token of the admin routes (with KVMESH_AUTH=off only their mutations need it); when unset they are refused"`
+	// Admin is the operator token that guards the admin routes.
+	Admin
 	// Auth is how routes are authenticated (engine and service tokens).
 	Auth auth.Config
 	// HTTPTLS is the TLS of the HTTP server and of calls to other services.
 	HTTPTLS HTTPTLS
 	// ShutdownTimeout bounds the graceful stop.
 	ShutdownTimeout time.Duration `env:"KVMESH_SHUTDOWN_TIMEOUT" doc:"how long a service waits for in-flight work when stopping"`
-	// Model is a preset name or the path of a YAML/JSON model spec.
-	Model string `env:"KVMESH_MODEL" default:"hybrid-mla-linear" doc:"model spec: a preset name (dense, hybrid-mla-linear, hybrid-mla-linear-tp8, full-swa-mamba) or a YAML/JSON file"`
+	// ModelSpec is a preset name or the path of a YAML/JSON model spec.
+	ModelSpec
 	// Parallel overrides the model spec's parallel sizes (zero keeps the spec's).
 	Parallel ParallelOverride
 	// KeyPrefix separates deployments that share one store pool.
 	KeyPrefix string `env:"KVMESH_KEY_PREFIX" doc:"store-key prefix separating deployments that share a store pool (no '@' or whitespace; must be the same in every service); empty for none"`
 	// SessionTimeout is the Kafka consumer-group session timeout.
 	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" doc:"Kafka consumer-group session timeout: how soon a crashed member's partitions go to another"`
-	// OTLPEndpoint is the OTLP/HTTP collector base URL.
-	OTLPEndpoint string `env:"OTEL_EXPORTER_OTLP_ENDPOINT" doc:"OTLP/HTTP collector base URL (e.g. http://collector:4318); unset exports no traces"`
-	// OTLPTracesEndpoint is a full OTLP/HTTP traces URL that wins over OTLPEndpoint.
-	OTLPTracesEndpoint string `env:"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" doc:"full OTLP/HTTP traces URL; wins over OTEL_EXPORTER_OTLP_ENDPOINT"`
+	// Telemetry is where traces are exported.
+	Telemetry
 }
 
-// ConfigDefaults gives the shared settings whose defaults other packages
-// own (config.Defaulter): the contract's broker address and partition
-// count, the HTTP server's shutdown timeout and the consumer's session
-// timeout.
-func (*Common) ConfigDefaults() map[string]any {
-	return map[string]any{
-		"KVMESH_KAFKA_BROKERS":         []string{contract.BrokerAddr},
-		"KVMESH_KAFKA_PARTITIONS":      contract.DefaultPartitions,
-		"KVMESH_SHUTDOWN_TIMEOUT":      httpserver.DefaultShutdownTimeout,
-		"KVMESH_KAFKA_SESSION_TIMEOUT": bus.DefaultSessionTimeout,
-	}
+// SetDefaults gives the shared settings' defaults (config.Defaulter); the
+// brokers' and the model's are KafkaBrokers' and ModelSpec's. Most are owned by other packages: the contract's
+// partition count, the HTTP server's shutdown timeout and the consumer's
+// session timeout.
+func (c *Common) SetDefaults() {
+	c.LogLevel = "info"
+	c.Partitions = contract.DefaultPartitions
+	c.ShutdownTimeout = httpserver.DefaultShutdownTimeout
+	c.SessionTimeout = bus.DefaultSessionTimeout
 }
 
 // Validate checks the shared settings.

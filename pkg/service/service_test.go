@@ -28,8 +28,8 @@ import (
 )
 
 func validCommon() Common {
-	return Common{LogLevel: "info", Brokers: []string{"127.0.0.1:9092"}, Partitions: 4,
-		ShutdownTimeout: 5 * time.Second, SessionTimeout: 10 * time.Second, Model: "dense",
+	return Common{LogLevel: "info", KafkaBrokers: KafkaBrokers{Brokers: []string{"127.0.0.1:9092"}}, Partitions: 4,
+		ShutdownTimeout: 5 * time.Second, SessionTimeout: 10 * time.Second, ModelSpec: ModelSpec{Model: "dense"},
 		Auth: auth.Config{Mode: auth.ModeRequired, Key: strings.Repeat("k", auth.MinKeyBytes)}}
 }
 
@@ -219,7 +219,7 @@ func TestParallelOverrideRederivesBlockSizes(t *testing.T) {
 	if err := os.WriteFile(path, []byte(spec), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	c := Common{Model: path, Parallel: ParallelOverride{DCP: 4}}
+	c := Common{ModelSpec: ModelSpec{Model: path}, Parallel: ParallelOverride{DCP: 4}}
 	m, err := c.LoadModel()
 	if err != nil {
 		t.Fatal(err)

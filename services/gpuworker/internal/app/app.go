@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
@@ -34,49 +35,53 @@ var errNotRegistered = errors.New("not registered in the worker registry yet")
 // Config is the gpuworker's configuration.
 type Config struct {
 	service.Common
-	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API and data plane"`
-	// DatabaseURL locates PostgreSQL.
-	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
-	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
-	// RedisTLS are the CA bundle, client certificate and server name of a
-	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
-	kvstore.RedisTLS
+	// HTTP is the API, health and data-plane listen address.
+	service.HTTP
+	// Database locates PostgreSQL.
+	service.Database
+	// Store locates the store pool, with its TLS settings.
+	service.Store
 	// EngineID is the engine whose pool this worker holds.
 	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
 	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
-	RankTP  int `env:"KVMESH_RANK_TP" default:"0" doc:"tensor-parallel rank of this worker"`
-	RankPCP int `env:"KVMESH_RANK_PCP" default:"0" doc:"prefill context-parallel rank of this worker"`
-	RankDCP int `env:"KVMESH_RANK_DCP" default:"0" doc:"decode context-parallel rank of this worker"`
-	RankPP  int `env:"KVMESH_RANK_PP" default:"0" doc:"pipeline-parallel rank of this worker"`
+	RankTP  int `env:"KVMESH_RANK_TP" doc:"tensor-parallel rank of this worker"`
+	RankPCP int `env:"KVMESH_RANK_PCP" doc:"prefill context-parallel rank of this worker"`
+	RankDCP int `env:"KVMESH_RANK_DCP" doc:"decode context-parallel rank of this worker"`
+	RankPP  int `env:"KVMESH_RANK_PP" doc:"pipeline-parallel rank of this worker"`
 	// PoolBlocks is the number of blocks per KV group.
-	PoolBlocks int `env:"KVMESH_POOL_BLOCKS" default:"1024" doc:"blocks per KV group; the pool takes blocks × bytes_per_block per group (hybrid-mla-linear: 1024 × (72 KiB + 256 KiB) = 328 MiB; dense: 1024 × 2 MiB = 2 GiB), committed only as blocks are written"`
+	PoolBlocks int `env:"KVMESH_POOL_BLOCKS" doc:"blocks per KV group; the pool takes blocks × bytes_per_block per group (hybrid-mla-linear: 1024 × (72 KiB + 256 KiB) = 328 MiB; dense: 1024 × 2 MiB = 2 GiB), committed only as blocks are written"`
 	// DataplaneURL is the base URL others reach this worker's data plane at.
 	DataplaneURL string `env:"KVMESH_DATAPLANE_URL" doc:"base URL the sender and other workers use to reach this worker's data plane; default http://<bound address> (https:// when KVMESH_HTTP_TLS_CERT_FILE is set), with 127.0.0.1 for a wildcard host (set it on multi-host deployments)"`
 	// MaxBatchBytes bounds the value bytes one store Get or Put moves.
-	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" default:"67108864" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
+	MaxBatchBytes int `env:"KVMESH_MAX_BATCH_BYTES" doc:"largest batch of value bytes one store Get or Put (or pd read) moves at once; bounds the worker's transfer buffers"`
 	// StoreStreams is how many put sub-batches (over all puts) or sub-batches of one load are in flight at once.
-	StoreStreams int `env:"KVMESH_STORE_STREAMS" default:"4" doc:"sub-batches in flight at once, each its own store call on its own connection, so framing or verifying one overlaps the transfer of others: for puts over all the worker's puts together (they share this many framing buffers of KVMESH_STREAM_CHUNK_BYTES), for loads per load task (pd reads likewise); raise it for a store of many shards"`
+	StoreStreams int `env:"KVMESH_STORE_STREAMS" doc:"sub-batches in flight at once, each its own store call on its own connection, so framing or verifying one overlaps the transfer of others: for puts over all the worker's puts together (they share this many framing buffers of KVMESH_STREAM_CHUNK_BYTES), for loads per load task (pd reads likewise); raise it for a store of many shards"`
 	// StreamChunkBytes bounds the value bytes of one sub-batch.
-	StreamChunkBytes int `env:"KVMESH_STREAM_CHUNK_BYTES" default:"4194304" doc:"value bytes of one put or load sub-batch (at most KVMESH_MAX_BATCH_BYTES; a larger block goes alone): smaller starts the first transfer sooner, larger costs fewer round trips"`
+	StreamChunkBytes int `env:"KVMESH_STREAM_CHUNK_BYTES" doc:"value bytes of one put or load sub-batch (at most KVMESH_MAX_BATCH_BYTES; a larger block goes alone): smaller starts the first transfer sooner, larger costs fewer round trips"`
 	// LoadMaxAge bounds how old a load task may be when it is consumed.
-	LoadMaxAge time.Duration `env:"KVMESH_LOAD_MAX_AGE" default:"60s" doc:"oldest load task the worker still loads (older: every block reported as a load error, nothing written; its blocks may have been reused since); 0 loads every task"`
+	LoadMaxAge time.Duration `env:"KVMESH_LOAD_MAX_AGE" doc:"oldest load task the worker still loads (older: every block reported as a load error, nothing written; its blocks may have been reused since); 0 loads every task"`
 	// HeartbeatInterval is how often the worker heartbeats in the registry.
-	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" default:"5s" doc:"how often the worker refreshes its registration in PostgreSQL"`
-	// WorkerStaleAfter is how old a heartbeat may be for a pd source worker.
-	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a worker whose heartbeat is older is not used as a pd load source"`
+	HeartbeatInterval time.Duration `env:"KVMESH_HEARTBEAT_INTERVAL" doc:"how often the worker refreshes its registration in PostgreSQL"`
+	// Workers is how old a heartbeat may be for a pd source worker.
+	service.Workers
 }
 
-// ConfigDefaults gives the settings whose defaults other packages own
-// (config.Defaulter): the contract's listen address and the registry's
-// staleness.
-func (c *Config) ConfigDefaults() map[string]any {
-	return map[string]any{
-		"KVMESH_HTTP_ADDR":          contract.GPUWorkerAddr,
-		"KVMESH_WORKER_STALE_AFTER": registry.DefaultStaleAfter,
-	}
+// SetDefaults gives the gpuworker's defaults (config.Defaulter), the
+// shared settings' (Common's, Workers') set before: the contract's listen
+// address and the worker's own (its ranks default to 0).
+func (c *Config) SetDefaults() {
+	c.HTTPAddr = contract.GPUWorkerAddr
+	c.PoolBlocks = 1024
+	c.MaxBatchBytes = 64 << 20
+	c.StoreStreams = 4
+	c.StreamChunkBytes = 4 << 20
+	c.LoadMaxAge = 60 * time.Second
+	c.HeartbeatInterval = 5 * time.Second
 }
+
+// DefaultConfig returns the gpuworker's configuration with every default
+// set: what Load starts from.
+func DefaultConfig() Config { return config.Defaults[Config]() }
 
 // Validate checks the configuration.
 func (c *Config) Validate() error {

@@ -46,14 +46,14 @@ func testConfig(env *servicetest.Env, engine string) app.Config {
 	common.SessionTimeout = 10 * time.Second
 	return app.Config{
 		Common:            common,
-		HTTPAddr:          "127.0.0.1:0",
-		DatabaseURL:       env.DatabaseURL,
-		RedisURL:          env.RedisURL,
+		HTTP:              service.HTTP{HTTPAddr: "127.0.0.1:0"},
+		Database:          service.Database{DatabaseURL: env.DatabaseURL},
+		Store:             service.Store{RedisURL: env.RedisURL},
 		EngineID:          engine,
 		PoolBlocks:        16,
 		MaxBatchBytes:     4 << 20,
 		HeartbeatInterval: 200 * time.Millisecond,
-		WorkerStaleAfter:  10 * time.Second,
+		Workers:           service.Workers{WorkerStaleAfter: 10 * time.Second},
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -27,57 +28,64 @@ const StoreOp = "lookup_exists"
 // Config is the lookup's configuration.
 type Config struct {
 	service.Common
-	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
-	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
-	// RedisTLS are the CA bundle, client certificate and server name of a
-	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
-	kvstore.RedisTLS
+	// HTTP is the API and health listen address.
+	service.HTTP
+	// Store locates the store pool, with its TLS settings.
+	service.Store
 	// Enabled turns lookups on; disabled, every lookup is answered 0.
-	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" default:"true" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
+	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
 	Connectors []string `env:"KVMESH_LOOKUP_CONNECTORS" doc:"connector chain, in order, comma-separated: store, pd (e.g. pd,store); the first child with a positive count is chosen"`
 	// LoadAsync is the default load_async of a positive answer.
-	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" default:"true" doc:"load external tokens asynchronously unless a lookup says otherwise"`
+	LoadAsync bool `env:"KVMESH_LOAD_ASYNC" doc:"load external tokens asynchronously unless a lookup says otherwise"`
 	// Timeout bounds one lookup's store check and decision publish.
 	Timeout time.Duration `env:"KVMESH_LOOKUP_TIMEOUT" doc:"bound on one lookup's store check, and on its own on the decision publish; a store check past it fails open (the store child answers 0), a publish past it answers 503"`
 	// MaxBodyBytes limits a lookup request body.
 	MaxBodyBytes int64 `env:"KVMESH_LOOKUP_MAX_BODY_BYTES" doc:"largest POST /v1/lookup body in bytes (a 32K-token token_ids list is about 250 KB)"`
 	// EngineScores has POST /v1/score score the engines' own prefix caches.
-	EngineScores bool `env:"KVMESH_LOOKUP_ENGINE_SCORES" default:"false" doc:"have POST /v1/score also score each engine's own prefix cache, from the vLLM KV events engines publish to kvmesh.kv.events (header kvmesh-engine-id); every lookup replica reads the whole topic from its oldest retained record into memory"`
+	EngineScores bool `env:"KVMESH_LOOKUP_ENGINE_SCORES" doc:"have POST /v1/score also score each engine's own prefix cache, from the vLLM KV events engines publish to kvmesh.kv.events (header kvmesh-engine-id); every lookup replica reads the whole topic from its oldest retained record into memory"`
 	// KVEventsZMQEndpoint turns the ZMQ publisher of kvmesh.kv.events on.
 	KVEventsZMQEndpoint string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT" doc:"bind address of a ZMQ PUB socket that republishes kvmesh.kv.events exactly as a vLLM pod publishes its KV events (e.g. tcp://*:5557), for a KV-aware router such as llm-d's to index the store as one more pod; empty turns the publisher off"`
 	// KVEventsZMQReplayEndpoint is the publisher's ROUTER replay socket.
 	KVEventsZMQReplayEndpoint string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_ENDPOINT" doc:"bind address of the publisher's ROUTER socket answering vLLM replay requests (8-byte big-endian start seq) from its buffer (e.g. tcp://*:5558); empty for none"`
 	// KVEventsZMQBufferSteps is the batches kept for replay.
-	KVEventsZMQBufferSteps int `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_BUFFER_STEPS" default:"10000" doc:"published batches the publisher keeps for replay (vLLM's buffer_steps); 0 is the default"`
+	KVEventsZMQBufferSteps int `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_BUFFER_STEPS" doc:"published batches the publisher keeps for replay (vLLM's buffer_steps); 0 is the default"`
 	// KVEventsZMQPod is the pod identifier of the publisher's topic.
-	KVEventsZMQPod string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_POD" default:"kvmesh-store" doc:"pod identifier in the publisher's topic kv@<pod>@<model>: the name the router scores the store under; give each tenant's publisher its own"`
+	KVEventsZMQPod string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_POD" doc:"pod identifier in the publisher's topic kv@<pod>@<model>: the name the router scores the store under; give each tenant's publisher its own"`
 	// KVEventsZMQModel is the model name of the publisher's topic.
 	KVEventsZMQModel string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_MODEL" doc:"model name in the publisher's topic kv@<pod>@<model>, the name the router scores requests under (vLLM's served model name); empty for the deployment's model name (KVMESH_MODEL's name)"`
 	// KVEventsZMQTenant is the one tenant key space published.
 	KVEventsZMQTenant string `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_TENANT" doc:"the one tenant whose key space the publisher publishes; empty for the tenant-less key space. Events carry prompt token ids, so one endpoint never mixes tenants: run one publisher (lookup replica) per tenant key space"`
 	// KVEventsZMQForm is the wire form of the published events.
-	KVEventsZMQForm contract.KVEventForm `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM" default:"map" doc:"wire form of the published events: map (vLLM's events since vllm-project/vllm#42892) or array (vLLM's older positional events, the only form llm-d-kv-cache up to v0.8.1 decodes)"`
+	KVEventsZMQForm contract.KVEventForm `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM" doc:"wire form of the published events: map (vLLM's events since vllm-project/vllm#42892) or array (vLLM's older positional events, the only form llm-d-kv-cache up to v0.8.1 decodes)"`
 	// KVEventsZMQClearAsRemoved follows an AllBlocksCleared with the
 	// removal of every block the publisher announced.
-	KVEventsZMQClearAsRemoved bool `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED" default:"true" doc:"follow each AllBlocksCleared with BlockRemoved events of every block hash announced stored and not removed since the publisher started, for routers that ignore AllBlocksCleared (llm-d-kv-cache v0.8.1 only logs it); costs a set of the live hashes in memory, about 40 bytes a block"`
+	KVEventsZMQClearAsRemoved bool `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED" doc:"follow each AllBlocksCleared with BlockRemoved events of every block hash announced stored and not removed since the publisher started, for routers that ignore AllBlocksCleared (llm-d-kv-cache v0.8.1 only logs it); costs a set of the live hashes in memory, about 40 bytes a block"`
 	// KVEventsZMQReplayFraming is the framing of replay replies.
-	KVEventsZMQReplayFraming kvpublish.ReplayFraming `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING" default:"topic" doc:"framing of replay replies: topic ([id, \"\", topic, seq, payload], end [id, \"\", \"\", -1, \"\"], current vLLM) or seq ([id, \"\", seq, payload], end [id, \"\", -1, \"\"], vLLM before it added the topic frame)"`
+	KVEventsZMQReplayFraming kvpublish.ReplayFraming `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING" doc:"framing of replay replies: topic ([id, \"\", topic, seq, payload], end [id, \"\", \"\", -1, \"\"], current vLLM) or seq ([id, \"\", seq, payload], end [id, \"\", -1, \"\"], vLLM before it added the topic frame)"`
 }
 
-// ConfigDefaults gives the settings whose defaults other packages own
-// (config.Defaulter): the contract's listen address, the connector
-// package's default chain and the handler's limits.
-func (c *Config) ConfigDefaults() map[string]any {
-	return map[string]any{
-		"KVMESH_HTTP_ADDR":             contract.LookupAddr,
-		"KVMESH_LOOKUP_CONNECTORS":     connector.DefaultChain(),
-		"KVMESH_LOOKUP_TIMEOUT":        api.DefaultTimeout,
-		"KVMESH_LOOKUP_MAX_BODY_BYTES": api.DefaultMaxBodyBytes,
-	}
+// SetDefaults gives the lookup's defaults (config.Defaulter), the shared
+// settings' (Common's) set before: the contract's listen address, the
+// connector package's default chain, the handler's limits and the ZMQ
+// publisher's settings.
+func (c *Config) SetDefaults() {
+	c.HTTPAddr = contract.LookupAddr
+	c.Enabled = true
+	c.Connectors = connector.DefaultChain()
+	c.LoadAsync = true
+	c.Timeout = api.DefaultTimeout
+	c.MaxBodyBytes = api.DefaultMaxBodyBytes
+	c.KVEventsZMQBufferSteps = 10000
+	c.KVEventsZMQPod = "kvmesh-store"
+	c.KVEventsZMQForm = contract.KVEventFormMap
+	c.KVEventsZMQClearAsRemoved = true
+	c.KVEventsZMQReplayFraming = kvpublish.FramingTopic
 }
+
+// DefaultConfig returns the lookup's configuration with every default set:
+// what Load starts from.
+func DefaultConfig() Config { return config.Defaults[Config]() }
 
 // Validate checks the shared and the lookup settings.
 func (c *Config) Validate() error {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/config"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
 
@@ -25,7 +26,7 @@ func TestMain(m *testing.M) {
 func startApp(t *testing.T) *app.App {
 	t.Helper()
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", RedisURL: env.RedisURL, Enabled: true}
+	cfg := app.Config{Common: env.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Store: service.Store{RedisURL: env.RedisURL}, Enabled: true}
 	cfg.KeyPrefix = randomID("openapi-")
 	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
 	return servicetest.StartReady(t, a, err)

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/app"
 )
 
@@ -15,7 +16,7 @@ import (
 // the operator token, which is no engine's.
 func TestAdminRoutesRequireToken(t *testing.T) {
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.SecuredCommon(), HTTPAddr: "127.0.0.1:0", RedisURL: env.RedisURL, Enabled: true}
+	cfg := app.Config{Common: env.SecuredCommon(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Store: service.Store{RedisURL: env.RedisURL}, Enabled: true}
 	cfg.KeyPrefix = randomID("auth-")
 	a, err := app.New(context.Background(), cfg, slog.New(slog.DiscardHandler))
 	a = servicetest.StartReady(t, a, err)

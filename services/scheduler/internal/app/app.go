@@ -38,33 +38,33 @@ const MaxBatchSize = 4096
 // Config is the scheduler's configuration.
 type Config struct {
 	service.Common
-	// HTTPAddr is the admin and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
-	// DatabaseURL locates PostgreSQL.
-	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
+	// HTTP is the admin and health listen address.
+	service.HTTP
+	// Database locates PostgreSQL.
+	service.Database
 	// Migrate applies migrations at start.
-	Migrate bool `env:"KVMESH_MIGRATE" default:"true" doc:"scheduler only: apply database migrations at start"`
+	Migrate bool `env:"KVMESH_MIGRATE" doc:"scheduler only: apply database migrations at start"`
 	// TrackerRetention is how long finished trackers are kept.
-	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" default:"1h" doc:"how long trackers of finished requests, processed-record ids and sent outbox rows are kept before the purge deletes them"`
+	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" doc:"how long trackers of finished requests, processed-record ids and sent outbox rows are kept before the purge deletes them"`
 	// TrackerIdleTimeout is how long an unfinished tracker may go without
 	// an update before it is purged.
-	TrackerIdleTimeout time.Duration `env:"KVMESH_TRACKER_IDLE_TIMEOUT" default:"24h" doc:"unfinished trackers not updated for this long (their engine is gone) are purged"`
+	TrackerIdleTimeout time.Duration `env:"KVMESH_TRACKER_IDLE_TIMEOUT" doc:"unfinished trackers not updated for this long (their engine is gone) are purged"`
 	// NoOutboxRelay stops this process from running the outbox relay (the
 	// zero value runs it).
-	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" default:"false" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
+	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
 	// Consumers is the number of consumer-group members in this process.
-	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" default:"4" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
+	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" doc:"consumer-group members in this process (1-8); records of different partitions are applied in parallel"`
 	// BatchSize bounds the records one transaction applies.
-	BatchSize int `env:"KVMESH_SCHEDULER_BATCH" default:"256" doc:"most records (engine steps, lookup decisions, transfer results) one consumer applies in one PostgreSQL transaction (1-4096)"`
+	BatchSize int `env:"KVMESH_SCHEDULER_BATCH" doc:"most records (engine steps, lookup decisions, transfer results) one consumer applies in one PostgreSQL transaction (1-4096)"`
 	// MaintenanceInterval paces the gauges and the purge.
-	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" default:"15s" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
+	MaintenanceInterval time.Duration `env:"KVMESH_MAINTENANCE_INTERVAL" doc:"how often the tracker and outbox gauges are refreshed and the retention purge runs"`
 	// LoadRankTimeout is how long a multi-rank load waits for every rank's
 	// result before it is finished with every block in error.
-	LoadRankTimeout time.Duration `env:"KVMESH_LOAD_RANK_TIMEOUT" default:"30s" doc:"how long a load of a multi-rank engine waits for every worker rank's result; then it is finished fail-closed (finished_recving with every block of the load in load_errors and missing_ranks naming the silent ranks). Checked every min(KVMESH_MAINTENANCE_INTERVAL, half of this)"`
+	LoadRankTimeout time.Duration `env:"KVMESH_LOAD_RANK_TIMEOUT" doc:"how long a load of a multi-rank engine waits for every worker rank's result; then it is finished fail-closed (finished_recving with every block of the load in load_errors and missing_ranks naming the silent ranks). Checked every min(KVMESH_MAINTENANCE_INTERVAL, half of this)"`
 	// KVEventsTokenIDs keeps the token ids engines send with admitted
 	// events, for the token_ids of the BlockStored KV events (false drops
 	// them at intake). Like Migrate, a Config built in code must set it.
-	KVEventsTokenIDs bool `env:"KVMESH_KV_EVENTS_TOKEN_IDS" default:"true" doc:"operator switch: keep the prompt token ids engines send with admitted events (the first 32768, one copy per request in PostgreSQL, 4 bytes a token; and on every save task), so the BlockStored events on kvmesh.kv.events carry the token_ids of their blocks and token-keyed routers (llm-d's KV-cache indexer) can index kvmesh's store. false drops them at intake: nothing token-derived is stored or put on tasks, events carry token_ids [] and only hash-keyed consumers can use them"`
+	KVEventsTokenIDs bool `env:"KVMESH_KV_EVENTS_TOKEN_IDS" doc:"operator switch: keep the prompt token ids engines send with admitted events (the first 32768, one copy per request in PostgreSQL, 4 bytes a token; and on every save task), so the BlockStored events on kvmesh.kv.events carry the token_ids of their blocks and token-keyed routers (llm-d's KV-cache indexer) can index kvmesh's store. false drops them at intake: nothing token-derived is stored or put on tasks, events carry token_ids [] and only hash-keyed consumers can use them"`
 }
 
 // Validate checks the settings.
@@ -91,15 +91,28 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// ConfigDefaults gives the settings whose defaults other packages own
-// (config.Defaulter): the contract's listen address.
-func (c *Config) ConfigDefaults() map[string]any {
-	return map[string]any{"KVMESH_HTTP_ADDR": contract.SchedulerAddr}
+// SetDefaults gives the scheduler's defaults (config.Defaulter), the
+// shared settings' (Common's) set before: the contract's listen address
+// and the scheduler's own.
+func (c *Config) SetDefaults() {
+	c.HTTPAddr = contract.SchedulerAddr
+	c.Migrate = true
+	c.TrackerRetention = time.Hour
+	c.TrackerIdleTimeout = 24 * time.Hour
+	c.Consumers = 4
+	c.BatchSize = 256
+	c.MaintenanceInterval = 15 * time.Second
+	c.LoadRankTimeout = 30 * time.Second
+	c.KVEventsTokenIDs = true
 }
 
+// DefaultConfig returns the scheduler's configuration with every default
+// set: what Load starts from.
+func DefaultConfig() Config { return config.Defaults[Config]() }
+
 // codeDefaulted are the scheduler's own settings that New gives their
-// defaults (from the tags) when they are zero, for a Config built in code
-// rather than loaded.
+// defaults (from SetDefaults) when they are zero, for a Config built in
+// code rather than loaded.
 var codeDefaulted = []string{
 	"KVMESH_TRACKER_RETENTION", "KVMESH_TRACKER_IDLE_TIMEOUT",
 	"KVMESH_SCHEDULER_CONSUMERS", "KVMESH_SCHEDULER_BATCH", "KVMESH_MAINTENANCE_INTERVAL",

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
@@ -18,7 +19,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func startApp(t *testing.T) *app.App {
 	t.Helper()
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Consumers: 1, Migrate: true}
+	cfg := app.Config{Common: env.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: env.DatabaseURL}, Consumers: 1, Migrate: true}
 	cfg.LogLevel = "warn"
 	a, err := app.New(context.Background(), cfg, testLogger())
 	return servicetest.StartReady(t, a, err)

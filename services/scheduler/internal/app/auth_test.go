@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
@@ -15,7 +16,7 @@ import (
 // test.
 func TestAdminRoutesRequireToken(t *testing.T) {
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.SecuredCommon(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Consumers: 1, Migrate: true}
+	cfg := app.Config{Common: env.SecuredCommon(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: env.DatabaseURL}, Consumers: 1, Migrate: true}
 	cfg.LogLevel = "warn"
 	a, err := app.New(context.Background(), cfg, testLogger())
 	a = servicetest.StartReady(t, a, err)

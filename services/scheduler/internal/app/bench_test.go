@@ -504,7 +504,7 @@ type benchScheduler struct {
 // benchmark ends.
 func (s *schedBench) startScheduler(b *testing.B, env *servicetest.Env) *benchScheduler {
 	b.Helper()
-	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Migrate: true}
+	cfg := app.Config{Common: env.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: env.DatabaseURL}, Migrate: true}
 	cfg.Partitions = contract.DefaultPartitions
 	cfg.Model = s.modelPath
 	cfg.LogLevel = "warn"

@@ -129,7 +129,7 @@ func startMesh(t testing.TB, brokers []string, dbURL string, o meshOptions) *mes
 	}
 	common := servicetest.Env{Brokers: brokers}
 	cfg := app.Config{
-		Common: common.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: dbURL, Migrate: true, KVEventsTokenIDs: true,
+		Common: common.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: dbURL}, Migrate: true, KVEventsTokenIDs: true,
 		Consumers: max(o.consumers, 2), MaintenanceInterval: 100 * time.Millisecond,
 	}
 	cfg.Model = path

@@ -17,6 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
@@ -65,7 +66,7 @@ func failedPage(t *testing.T, base, query string) api.FailedPage {
 // put it back with POST /v1/outbox/{id}/retry.
 func TestFailedOutboxRowsInAdminAPI(t *testing.T) {
 	env := servicetest.NewEnv(t)
-	cfg := app.Config{Common: env.Common(), HTTPAddr: "127.0.0.1:0", DatabaseURL: env.DatabaseURL, Consumers: 1, Migrate: true}
+	cfg := app.Config{Common: env.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: env.DatabaseURL}, Consumers: 1, Migrate: true}
 	cfg.LogLevel = "warn"
 	a, err := app.New(context.Background(), cfg, testLogger())
 	a = servicetest.StartReady(t, a, err)

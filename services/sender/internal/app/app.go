@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
@@ -30,19 +31,17 @@ const ConsumerGroup = "kvmesh-sender"
 // Config is the sender's configuration.
 type Config struct {
 	service.Common
-	// HTTPAddr is the API and health listen address.
-	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API"`
-	// DatabaseURL locates PostgreSQL.
-	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
-	// RedisURL locates the store pool.
-	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS); the sender checks which keys exist there"`
-	// RedisTLS are the CA bundle, client certificate and server name of a
-	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
-	kvstore.RedisTLS
+	// HTTP is the API and health listen address.
+	service.HTTP
+	// Database locates PostgreSQL.
+	service.Database
+	// Store locates the store pool, where the sender checks which keys
+	// exist, with its TLS settings.
+	service.Store
 	// Consumers is the number of consumer-group members in this process.
-	Consumers int `env:"KVMESH_SENDER_CONSUMERS" default:"1" doc:"consumer-group members in this process (each handles up to KVMESH_SENDER_CONCURRENCY tasks of its partitions at once)"`
+	Consumers int `env:"KVMESH_SENDER_CONSUMERS" doc:"consumer-group members in this process (each handles up to KVMESH_SENDER_CONCURRENCY tasks of its partitions at once)"`
 	// Concurrency is the save tasks each consumer handles at once.
-	Concurrency int `env:"KVMESH_SENDER_CONCURRENCY" default:"16" doc:"save tasks each consumer-group member handles at once, in lanes by request id: the tasks of one request are handled in order, one at a time"`
+	Concurrency int `env:"KVMESH_SENDER_CONCURRENCY" doc:"save tasks each consumer-group member handles at once, in lanes by request id: the tasks of one request are handled in order, one at a time"`
 	// RetryAttempts bounds the attempts of an existence check or a put.
 	RetryAttempts int `env:"KVMESH_SENDER_RETRY_ATTEMPTS" doc:"attempts (the first included) of an existence check or put before the group is dead-lettered"`
 	// RetryBase is the first retry's delay.
@@ -53,37 +52,43 @@ type Config struct {
 	ProbeEvery int `env:"KVMESH_SENDER_PROBE_EVERY" doc:"for a request under store pressure (its put got \"no space\"), let one of its tasks through as a probe after this many of its skipped tasks"`
 	// PressureCoolDown is the longest wait between probes.
 	PressureCoolDown time.Duration `env:"KVMESH_SENDER_PRESSURE_COOLDOWN" doc:"for a request under store pressure, let a probe through at least this often"`
-	// WorkerStaleAfter is how old a gpuworker heartbeat may be.
-	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a gpuworker whose last heartbeat is older is treated as gone"`
+	// Workers is how old a gpuworker heartbeat may be.
+	service.Workers
 	// StoreTimeout bounds one existence check.
 	StoreTimeout time.Duration `env:"KVMESH_SENDER_STORE_TIMEOUT" doc:"time limit of one batched existence check"`
 	// PutTimeout bounds one put request to a gpuworker.
 	PutTimeout time.Duration `env:"KVMESH_SENDER_PUT_TIMEOUT" doc:"time limit of one put request to a gpuworker"`
 	// Evictions turns on the store-removal watcher (package evictions).
-	Evictions bool `env:"KVMESH_SENDER_EVICTIONS" default:"true" doc:"publish BlockRemoved to kvmesh.kv.events for every store key Redis evicts, expires or deletes, observed through keyspace notifications (one sender replica per deployment watches, elected through a PostgreSQL advisory lock); false turns the watcher off"`
+	Evictions bool `env:"KVMESH_SENDER_EVICTIONS" doc:"publish BlockRemoved to kvmesh.kv.events for every store key Redis evicts, expires or deletes, observed through keyspace notifications (one sender replica per deployment watches, elected through a PostgreSQL advisory lock); false turns the watcher off"`
 	// EvictionsConfigure lets the watcher set notify-keyspace-events.
-	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" default:"true" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
+	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
 	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
-	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" default:"map" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
+	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
 }
 
-// ConfigDefaults gives the settings whose defaults other packages own
-// (config.Defaulter): the contract's listen address, kvcore's retry and
-// store-pressure policies, the registry's staleness and the processor's
-// time limits.
-func (c *Config) ConfigDefaults() map[string]any {
-	return map[string]any{
-		"KVMESH_HTTP_ADDR":                contract.SenderAddr,
-		"KVMESH_SENDER_RETRY_ATTEMPTS":    sendpolicy.DefaultRetryAttempts,
-		"KVMESH_SENDER_RETRY_BASE":        sendpolicy.DefaultRetryBase,
-		"KVMESH_SENDER_RETRY_MAX":         sendpolicy.DefaultRetryMax,
-		"KVMESH_SENDER_PROBE_EVERY":       sendpolicy.DefaultProbeEvery,
-		"KVMESH_SENDER_PRESSURE_COOLDOWN": sendpolicy.DefaultPressureCoolDown,
-		"KVMESH_WORKER_STALE_AFTER":       registry.DefaultStaleAfter,
-		"KVMESH_SENDER_STORE_TIMEOUT":     sending.DefaultStoreTimeout,
-		"KVMESH_SENDER_PUT_TIMEOUT":       sending.DefaultPutTimeout,
-	}
+// SetDefaults gives the sender's defaults (config.Defaulter), the shared
+// settings' (Common's, Workers') set before: the contract's listen
+// address, kvcore's retry and store-pressure policies, the processor's
+// time limits and the sender's own.
+func (c *Config) SetDefaults() {
+	c.HTTPAddr = contract.SenderAddr
+	c.Consumers = 1
+	c.Concurrency = 16
+	c.RetryAttempts = sendpolicy.DefaultRetryAttempts
+	c.RetryBase = sendpolicy.DefaultRetryBase
+	c.RetryMax = sendpolicy.DefaultRetryMax
+	c.ProbeEvery = sendpolicy.DefaultProbeEvery
+	c.PressureCoolDown = sendpolicy.DefaultPressureCoolDown
+	c.StoreTimeout = sending.DefaultStoreTimeout
+	c.PutTimeout = sending.DefaultPutTimeout
+	c.Evictions = true
+	c.EvictionsConfigure = true
+	c.KVEventsForm = contract.KVEventFormMap
 }
+
+// DefaultConfig returns the sender's configuration with every default set:
+// what Load starts from.
+func DefaultConfig() Config { return config.Defaults[Config]() }
 
 // Validate checks the configuration.
 func (c *Config) Validate() error {

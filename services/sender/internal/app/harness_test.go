@@ -330,10 +330,10 @@ func (s *stack) senderConfig(redisURL string) app.Config {
 	common := s.env.Common()
 	common.KeyPrefix, common.SessionTimeout = s.prefix, time.Second
 	return app.Config{
-		Common: common, HTTPAddr: "127.0.0.1:0", DatabaseURL: s.env.DatabaseURL, RedisURL: redisURL,
+		Common: common, HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: s.env.DatabaseURL}, Store: service.Store{RedisURL: redisURL},
 		Consumers: 1, Concurrency: 4,
 		RetryAttempts: 3, RetryBase: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
-		ProbeEvery: 2, PressureCoolDown: time.Hour, WorkerStaleAfter: 30 * time.Second,
+		ProbeEvery: 2, PressureCoolDown: time.Hour, Workers: service.Workers{WorkerStaleAfter: 30 * time.Second},
 		StoreTimeout: time.Second, PutTimeout: 10 * time.Second,
 	}
 }

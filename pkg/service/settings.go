@@ -1,0 +1,84 @@
+package service
+
+import (
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/registry"
+)
+
+// The settings several programs share, each declared once: a service's
+// Config embeds those it reads (Common embeds the ones every service
+// reads), and the kvmesh command reads them through the same structs
+// (config.Overlay) for the defaults of its flags. Embedded, their fields
+// are the Config's own (cfg.HTTPAddr, cfg.DatabaseURL, ...).
+
+// HTTP is a service's listen address. It has no default of its own: each
+// service's SetDefaults gives its contract address (contract.LookupAddr,
+// ...).
+type HTTP struct {
+	// HTTPAddr is the API and health listen address.
+	HTTPAddr string `env:"KVMESH_HTTP_ADDR" doc:"listen address of the service's HTTP API (a gpuworker serves its data plane there too)"`
+}
+
+// Database locates PostgreSQL.
+type Database struct {
+	// DatabaseURL locates PostgreSQL.
+	DatabaseURL string `env:"KVMESH_DATABASE_URL" secret:"true" required:"true" doc:"PostgreSQL URL (postgres://user:pass@host:port/db)"`
+}
+
+// Store locates the store pool (Redis) and holds its TLS settings.
+type Store struct {
+	// RedisURL locates the store pool.
+	RedisURL string `env:"KVMESH_REDIS_URL" secret:"true" required:"true" doc:"store pool URL: redis://host:port/db for one server (rediss:// for TLS), or redis+cluster://host:port,host:port,... for a Redis Cluster (rediss+cluster:// for TLS)"`
+	// RedisTLS are the CA bundle, client certificate and server name of a
+	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
+	kvstore.RedisTLS
+}
+
+// Workers is how the services that call gpuworkers judge the worker
+// registry.
+type Workers struct {
+	// WorkerStaleAfter is how old a gpuworker heartbeat may be.
+	WorkerStaleAfter time.Duration `env:"KVMESH_WORKER_STALE_AFTER" doc:"a gpuworker whose last heartbeat is older is treated as gone (the sender sends it no puts, a gpuworker does not use it as a pd load source)"`
+}
+
+// SetDefaults gives the registry's staleness (config.Defaulter).
+func (w *Workers) SetDefaults() { w.WorkerStaleAfter = registry.DefaultStaleAfter }
+
+// KafkaBrokers are the Kafka bootstrap brokers.
+type KafkaBrokers struct {
+	// Brokers are the Kafka bootstrap brokers.
+	Brokers []string `env:"KVMESH_KAFKA_BROKERS" doc:"Kafka bootstrap brokers, comma-separated"`
+}
+
+// SetDefaults gives the contract's broker address (config.Defaulter).
+func (b *KafkaBrokers) SetDefaults() { b.Brokers = []string{contract.BrokerAddr} }
+
+// Admin is the operator token.
+type Admin struct {
+	// AdminToken guards mutating admin routes.
+	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"the operator token: bearer token of the admin routes (with KVMESH_AUTH=off only their mutations need it); when unset they are refused"`
+}
+
+// ModelSpec names the model every service and the kvmesh command lay the
+// KV cache out for.
+type ModelSpec struct {
+	// Model is a preset name or the path of a YAML/JSON model spec.
+	Model string `env:"KVMESH_MODEL" doc:"model spec: a preset name (dense, hybrid-mla-linear, hybrid-mla-linear-tp8, full-swa-mamba) or a YAML/JSON file"`
+}
+
+// DefaultModel is KVMESH_MODEL's default preset.
+const DefaultModel = "hybrid-mla-linear"
+
+// SetDefaults gives DefaultModel (config.Defaulter).
+func (m *ModelSpec) SetDefaults() { m.Model = DefaultModel }
+
+// Telemetry is where traces are exported (OpenTelemetry's own variables).
+type Telemetry struct {
+	// OTLPEndpoint is the OTLP/HTTP collector base URL.
+	OTLPEndpoint string `env:"OTEL_EXPORTER_OTLP_ENDPOINT" doc:"OTLP/HTTP collector base URL (e.g. http://collector:4318); unset exports no traces"`
+	// OTLPTracesEndpoint is a full OTLP/HTTP traces URL that wins over OTLPEndpoint.
+	OTLPTracesEndpoint string `env:"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" doc:"full OTLP/HTTP traces URL; wins over OTEL_EXPORTER_OTLP_ENDPOINT"`
+}
