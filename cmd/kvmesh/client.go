@@ -94,19 +94,20 @@ func (l *urlList) Set(v string) error {
 // addClientFlags registers the shared flags, with defaults from the
 // environment, on fs.
 func addClientFlags(fs *flag.FlagSet) *clientOptions {
+	urls := envURLs()
 	o := &clientOptions{
 		lookup:    endpoint{name: "lookup", flag: "--lookup-url", env: "KVMESH_LOOKUP_URL"},
 		scheduler: endpoint{name: "scheduler", flag: "--scheduler-url", env: "KVMESH_SCHEDULER_URL"},
 		sender:    endpoint{name: "sender", flag: "--sender-url", env: "KVMESH_SENDER_URL"},
 	}
 	for _, e := range []struct {
-		ep   *endpoint
-		port string
-	}{{&o.lookup, "8081"}, {&o.scheduler, "8082"}, {&o.sender, "8083"}} {
-		fs.StringVar(&e.ep.url, strings.TrimPrefix(e.ep.flag, "--"), envOr(e.ep.env, "http://127.0.0.1:"+e.port),
+		ep  *endpoint
+		url string
+	}{{&o.lookup, urls.Lookup}, {&o.scheduler, urls.Scheduler}, {&o.sender, urls.Sender}} {
+		fs.StringVar(&e.ep.url, strings.TrimPrefix(e.ep.flag, "--"), e.url,
 			fmt.Sprintf("base URL of the %s (env %s)", e.ep.name, e.ep.env))
 	}
-	o.gpuworkers.urls = strings.Split(envOr("KVMESH_GPUWORKER_URL", "http://127.0.0.1:8084"), ",")
+	o.gpuworkers.urls = strings.Split(urls.GPUWorker, ",")
 	fs.Var(&o.gpuworkers, "gpuworker-url", "base URL of a gpuworker; repeat the flag or give a comma list (env KVMESH_GPUWORKER_URL)")
 	fs.StringVar(&o.token, "token", envAdminToken(), "admin bearer token for mutating routes (env "+httpserver.AdminTokenEnv+")")
 	fs.BoolVar(&o.json, "json", false, "print the services' JSON instead of a table")
@@ -124,6 +125,16 @@ func envAdminToken() string {
 		return ""
 	}
 	return a.AdminToken
+}
+
+// envURLs are the services' URLs from the environment (serviceURLs); every
+// one is text, so nothing there can be refused.
+func envURLs() serviceURLs {
+	urls, err := loadSettings[serviceURLs]()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvmesh: %v\n", err)
+	}
+	return urls
 }
 
 // gpuworkerEndpoints lists the configured gpuworkers.

@@ -5,12 +5,9 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"os"
-	"strconv"
 	"strings"
 
 	"github.com/kvmesh/kvmesh/internal/devbroker"
-	"github.com/kvmesh/kvmesh/pkg/contract"
 )
 
 func init() {
@@ -44,29 +41,25 @@ func runDevbroker(ctx context.Context, args []string) error {
 
 // devbrokerConfig reads the flags, whose defaults come from the environment.
 func devbrokerConfig(args []string) (devbroker.Config, error) {
-	partitions := devbroker.DefaultPartitions
-	if v, ok := os.LookupEnv("KVMESH_BROKER_PARTITIONS"); ok {
-		n, err := strconv.Atoi(v)
-		if err != nil {
-			return devbroker.Config{}, fmt.Errorf("%w: KVMESH_BROKER_PARTITIONS=%q is not an integer", errUsage, v)
-		}
-		partitions = n
+	env, err := loadSettings[brokerSettings]()
+	if err != nil {
+		return devbroker.Config{}, err
 	}
 	var cfg devbroker.Config
 	fs := flag.NewFlagSet("devbroker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&cfg.Addr, "addr", envOr("KVMESH_BROKER_ADDR", contract.BrokerAddr),
+	fs.StringVar(&cfg.Addr, "addr", env.Addr,
 		"listen address; the host must be loopback, port 0 picks a free port (env KVMESH_BROKER_ADDR)")
-	fs.IntVar(&cfg.Partitions, "partitions", partitions, "partitions per topic (env KVMESH_BROKER_PARTITIONS)")
-	fs.StringVar(&cfg.DataDir, "data-dir", os.Getenv("KVMESH_BROKER_DATA_DIR"),
+	fs.IntVar(&cfg.Partitions, "partitions", env.Partitions, "partitions per topic (env KVMESH_BROKER_PARTITIONS)")
+	fs.StringVar(&cfg.DataDir, "data-dir", env.DataDir,
 		"directory persisting topics, records and offsets; empty keeps them in memory (env KVMESH_BROKER_DATA_DIR)")
-	fs.StringVar(&cfg.TLS.CertFile, "tls-cert", os.Getenv("KVMESH_BROKER_TLS_CERT_FILE"),
+	fs.StringVar(&cfg.TLS.CertFile, "tls-cert", env.TLSCert,
 		"PEM server certificate: with it (and -tls-key) the broker accepts TLS connections only (env KVMESH_BROKER_TLS_CERT_FILE)")
-	fs.StringVar(&cfg.TLS.KeyFile, "tls-key", os.Getenv("KVMESH_BROKER_TLS_KEY_FILE"),
+	fs.StringVar(&cfg.TLS.KeyFile, "tls-key", env.TLSKey,
 		"PEM private key of -tls-cert (env KVMESH_BROKER_TLS_KEY_FILE)")
-	fs.StringVar(&cfg.TLS.CAFile, "tls-client-ca", os.Getenv("KVMESH_BROKER_TLS_CLIENT_CA_FILE"),
+	fs.StringVar(&cfg.TLS.CAFile, "tls-client-ca", env.TLSClientCA,
 		"PEM CA bundle: every client must present a certificate it verifies (mutual TLS; needs -tls-cert) (env KVMESH_BROKER_TLS_CLIENT_CA_FILE)")
-	users := fs.String("sasl-users", os.Getenv("KVMESH_BROKER_SASL_USERS"),
+	users := fs.String("sasl-users", env.SASLUsers,
 		"require SASL as one of these users: comma-separated MECHANISM:NAME:PASSWORD, MECHANISM plain, scram-sha-256 or scram-sha-512; "+
 			"prefer the env variable, a flag shows in the process list (env KVMESH_BROKER_SASL_USERS)")
 	rest, err := parseFlags(fs, args)
@@ -83,11 +76,4 @@ func devbrokerConfig(args []string) (devbroker.Config, error) {
 		return cfg, fmt.Errorf("%w: partitions must be at least 1", errUsage)
 	}
 	return cfg, cfg.Validate()
-}
-
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
 }
