@@ -46,7 +46,7 @@ type BatchHandler func(ctx context.Context, recs []Received) error
 // index in the batch of each failed record to its error, classified as a
 // Handler's error is (Permanent: dead-lettered with its reason; anything
 // else: handled again alone, retried, and dead-lettered with
-// ReasonRetriesExhausted if it keeps failing). Entries with a nil error
+// kvcore.ReasonRetriesExhausted if it keeps failing). Entries with a nil error
 // count as successes, so an empty RecordErrors means success. A RecordErrors
 // with an index outside the batch counts as a failure of the whole batch.
 // The consumer finds it with errors.As, so it may be wrapped.
@@ -267,7 +267,7 @@ func (c *Consumer) handleBatchWithRetry(ctx context.Context, span trace.Span, re
 }
 
 // invokeBatch calls the batch handler, turning a panic into a permanent
-// failure with reason ReasonHandlerPanic.
+// failure with reason kvcore.ReasonHandlerPanic.
 func (c *Consumer) invokeBatch(ctx context.Context, recs []Received) (err error) {
 	defer func() {
 		if v := recover(); v != nil {

@@ -17,7 +17,7 @@ func TestErrorClassification(t *testing.T) {
 		err           error
 		transient     bool
 		permanent     bool
-		reason        string
+		reason        kvcore.Reason
 		unwrapsToBase bool
 	}{
 		{"transient", bus.Transient(base), true, false, "", true},

@@ -163,7 +163,7 @@ func watchResults(t testing.TB, env *servicetest.Env) *results {
 	}, func(_ context.Context, m bus.Received) error {
 		var r contract.TransferResult
 		if err := json.Unmarshal(m.Value, &r); err != nil {
-			return bus.Permanent(bus.ReasonUndecodable, err)
+			return bus.Permanent(kvcore.ReasonUndecodable, err)
 		}
 		rs.mu.Lock()
 		rs.seen = append(rs.seen, r)

@@ -177,7 +177,7 @@ func (a *App) buildConsumers() error {
 	// A database outage must not dead-letter records: retry until it ends.
 	// Data PostgreSQL rejects fails a batch permanently instead: its
 	// records are then applied one at a time and the one at fault is
-	// dead-lettered (intake.ReasonDatabaseRejected).
+	// dead-lettered (kvcore.ReasonDatabaseRejected).
 	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: bus.DefaultMaxBackoff}
 	cc.BatchSize = a.cfg.BatchSize
 	if err := a.deps.WatchConsumerLag(cc); err != nil {

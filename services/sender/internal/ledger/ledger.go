@@ -68,7 +68,7 @@ type DeadLetter = adminapi.DeadLetter
 func Message(d DeadLetter) (bus.Message, error) {
 	id := strconv.FormatInt(d.ID, 10)
 	payload, truncated := contract.BoundDeadLetterPayload(d.Payload)
-	v, err := json.Marshal(contract.DeadLetter{
+	v, err := json.Marshal(contract.DeadLetterNotice{
 		Schema: contract.SchemaDeadLetter, ID: id,
 		Reason: d.Reason, Detail: d.Detail, Group: d.Group,
 		TaskID: d.TaskID, EngineID: d.EngineID, RequestID: d.RequestID,

@@ -91,7 +91,7 @@ func TestCommitIsIdempotentPerTask(t *testing.T) {
 	if err := pool.QueryRow(ctx, "SELECT value FROM outbox WHERE topic = $1", contract.TopicSaveDLQ).Scan(&msg); err != nil {
 		t.Fatal(err)
 	}
-	var got contract.DeadLetter
+	var got contract.DeadLetterNotice
 	if err := json.Unmarshal(msg, &got); err != nil {
 		t.Fatal(err)
 	}
@@ -321,7 +321,7 @@ func TestHugeDeadLetterMessageIsBounded(t *testing.T) {
 	if limit := base64.StdEncoding.EncodedLen(contract.MaxDeadLetterPayload) + 1024; len(msg) > limit {
 		t.Errorf("dlq message of %d bytes, want at most %d", len(msg), limit)
 	}
-	var got contract.DeadLetter
+	var got contract.DeadLetterNotice
 	if err := json.Unmarshal(msg, &got); err != nil {
 		t.Fatal(err)
 	}

@@ -66,7 +66,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	switch {
 	case !complete:
 		if len(c.DeadLetters) > 0 {
-			p.metrics.tasks.WithLabelValues(bus.ReasonUndecodable).Inc()
+			p.metrics.tasks.WithLabelValues(string(kvcore.ReasonUndecodable)).Inc()
 		}
 	case !c.Done:
 		p.metrics.countOutcome(entry.Outcome)

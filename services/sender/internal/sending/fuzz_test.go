@@ -95,7 +95,7 @@ func checkAccounted(t *testing.T, fx *fixture, rec bus.Received) {
 	t.Helper()
 	dls := fx.deadLetters(t, rec.Offset)
 	for _, d := range dls {
-		if d.Group == nil && d.Reason == bus.ReasonUndecodable {
+		if d.Group == nil && d.Reason == kvcore.ReasonUndecodable {
 			return // dead-lettered whole
 		}
 	}

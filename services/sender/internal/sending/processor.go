@@ -162,7 +162,7 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 	src := sourceOf(m)
 	task, err := decodeTask(m.Value)
 	if err != nil {
-		return bus.Permanent(bus.ReasonUndecodable, err)
+		return bus.Permanent(kvcore.ReasonUndecodable, err)
 	}
 	done, err := p.ledger.Done(ctx, task.TaskID)
 	if err != nil {

@@ -125,7 +125,7 @@ func recorded(d ledger.DeadLetter) (Replayed, error) {
 func (p *Processor) replayPlan(d ledger.DeadLetter) (*kvcore.SaveTask, []int, *InvalidError) {
 	task, err := decodeTask(d.Payload)
 	if err != nil {
-		return nil, nil, &InvalidError{Group: d.Group, Reason: bus.ReasonUndecodable, Detail: err.Error()}
+		return nil, nil, &InvalidError{Group: d.Group, Reason: kvcore.ReasonUndecodable, Detail: err.Error()}
 	}
 	var groups []int
 	for _, v := range kvcore.ValidateSave(p.model, nil, task) {

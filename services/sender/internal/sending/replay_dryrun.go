@@ -68,7 +68,7 @@ func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 	s := newSave(task)
 	items := p.plan(s, groups)
 	for _, dl := range s.deadLetters {
-		out.fail(string(ReasonPlanFailed), dl.Detail)
+		out.fail(string(kvcore.ReasonPlanFailed), dl.Detail)
 	}
 	if len(items) == 0 {
 		return out, nil

@@ -17,11 +17,6 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
-// ReasonPlanFailed marks a group that passed validation but could not be
-// planned (a disagreement between kvcore.ValidateSave and kvcore.PlanSend);
-// it should never appear.
-const ReasonPlanFailed kvcore.Reason = "plan_failed"
-
 // Group outcomes, as counted in save_outcomes and kvmesh_sender_groups_total.
 const (
 	groupStored       = "stored"
@@ -150,7 +145,7 @@ func (p *Processor) plan(s *save, groups []int) []item {
 			tis, err := kvcore.PlanSend(p.model, p.keys, s.task, g, rank)
 			if err != nil {
 				gItems = nil
-				s.deadLetter(g, ReasonPlanFailed, err.Error(), 0)
+				s.deadLetter(g, kvcore.ReasonPlanFailed, err.Error(), 0)
 				break
 			}
 			for _, ti := range tis {

@@ -260,12 +260,12 @@ func TestBrokenRecords(t *testing.T) {
 		{"garbage", []byte{0xff, 0x00, 'x'}, "", "undecodable", false},
 		{"unknown field, ids readable", []byte(`{"task_id":"u1","engine_id":"e1","request_id":"r9","junk":1}`), "", "undecodable", true},
 		{"NUL in request id", []byte(`{"schema":"kvmesh.save_task.v1","task_id":"u2","engine_id":"e1","request_id":"r\u0000","model":"m"}`), "", "undecodable", false},
-		{"handler panicked", valid, bus.ReasonHandlerPanic, bus.ReasonHandlerPanic, true},
-		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), bus.ReasonRetriesExhausted, bus.ReasonRetriesExhausted, true},
+		{"handler panicked", valid, kvcore.ReasonHandlerPanic, kvcore.ReasonHandlerPanic, true},
+		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), kvcore.ReasonRetriesExhausted, kvcore.ReasonRetriesExhausted, true},
 	}
 	var pe *bus.PermanentError
-	if err := f.p.Handle(context.Background(), f.record([]byte("not json"))); !errors.As(err, &pe) || pe.Reason != bus.ReasonUndecodable {
-		t.Fatalf("Handle of an undecodable record = %v, want a permanent %s failure for the consumer to dead-letter", err, bus.ReasonUndecodable)
+	if err := f.p.Handle(context.Background(), f.record([]byte("not json"))); !errors.As(err, &pe) || pe.Reason != kvcore.ReasonUndecodable {
+		t.Fatalf("Handle of an undecodable record = %v, want a permanent %s failure for the consumer to dead-letter", err, kvcore.ReasonUndecodable)
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
