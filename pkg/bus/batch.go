@@ -78,14 +78,22 @@ func NewBatchConsumer(cfg ConsumerConfig, h BatchHandler) (*Consumer, error) {
 	if cfg.Concurrency > 1 {
 		return nil, fmt.Errorf("%w: a batch consumer takes no concurrency (%d)", ErrInvalidConfig, cfg.Concurrency)
 	}
-	c, err := newConsumer(cfg, func(ctx context.Context, rec Received) error {
-		return errorOfOne(h(ctx, []Received{rec}))
-	})
+	c, err := newConsumer(cfg, h.Single())
 	if err != nil {
 		return nil, err
 	}
 	c.batch = h
 	return c, nil
+}
+
+// Single is h as a Handler of one record: h over a batch of one, whose
+// RecordErrors entry is the record's error. The consumer handles a record
+// of a failed batch alone this way; a dead letter's replay
+// (deadletter.HandlerReplayer) hands its record to it too.
+func (h BatchHandler) Single() Handler {
+	return func(ctx context.Context, rec Received) error {
+		return errorOfOne(h(ctx, []Received{rec}))
+	}
 }
 
 // errorOfOne is the error of the only record of a batch of one, given the

@@ -42,18 +42,17 @@ func (d DeadLetter) Received() bus.Received {
 
 // Record is a bus.DeadLetterFunc: it stores rec as a whole-record dead
 // letter of the store's service, then calls each of also (metrics, logs)
-// with the stored row. Recording the same record twice keeps one row, and
-// also is called only for a new row.
-func (s *Store) Record(also ...func(ctx context.Context, d DeadLetter)) bus.DeadLetterFunc {
+// with the row and the error. Recording the same record twice keeps one
+// row (the second call's d has no ID), and also is called each time, as
+// the consumer gave up on the delivery each time.
+func (s *Store) Record(also ...func(ctx context.Context, d DeadLetter, cause error)) bus.DeadLetterFunc {
 	return func(ctx context.Context, rec bus.Received, reason kvcore.Reason, cause error) error {
-		d, added, err := s.Add(ctx, FromRecord(rec, reason, cause))
+		d, _, err := s.Add(ctx, FromRecord(rec, reason, cause))
 		if err != nil {
 			return err
 		}
-		if added {
-			for _, f := range also {
-				f(ctx, d)
-			}
+		for _, f := range also {
+			f(ctx, d, cause)
 		}
 		return nil
 	}

@@ -158,7 +158,7 @@ func watchResults(t testing.TB, env *servicetest.Env) *results {
 	c, err := bus.NewConsumer(bus.ConsumerConfig{
 		Brokers: env.Brokers, GroupID: "test-results-" + randomHex(4),
 		Topics:       []string{contract.TopicTransferResults},
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 		Logger:       slog.New(slog.DiscardHandler),
 	}, func(_ context.Context, m bus.Received) error {
 		var r contract.TransferResult

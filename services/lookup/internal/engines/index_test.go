@@ -93,8 +93,8 @@ func TestIndexHandle(t *testing.T) {
 		name    string
 		value   []byte
 		headers map[string]string
-		reason  string // "" for a record handled without error
-		held    bool   // whether engine e holds 7 afterwards
+		reason  kvcore.Reason // "" for a record handled without error
+		held    bool          // whether engine e holds 7 afterwards
 	}{
 		{"an engine's own batch", batch, map[string]string{contract.HeaderKVEngineID: "e"}, "", true},
 		{"kvmesh's store events are skipped", batch, map[string]string{contract.HeaderKVEngineID: "e", contract.HeaderKVSchema: contract.SchemaKVEvent}, "", false},

@@ -59,7 +59,7 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		name    string
 		topic   string
 		value   []byte
-		reason  string // "" = valid
+		reason  kvcore.Reason // "" = valid
 		kind    string
 		request string // the record's own request ("" for a step)
 		changes int

@@ -346,21 +346,3 @@ func message(topic, key string, v any) (bus.Message, error) {
 	}
 	return bus.Message{Topic: topic, Key: key, Value: b}, nil
 }
-
-// DeadLetter is the consumer's OnDeadLetter hook: it keeps the record in
-// the scheduler's dead-letter table and counts it.
-func (h *Handler) DeadLetter(ctx context.Context, rec bus.Received, reason string, cause error) error {
-	detail := ""
-	if cause != nil {
-		detail = cause.Error()
-	}
-	err := h.ledger.AddDeadLetter(ctx, ledger.DeadLetter{
-		Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset, Key: rec.Key,
-		Reason: reason, Detail: detail, Payload: rec.Value,
-	})
-	if err != nil {
-		return err
-	}
-	h.metrics.DeadLettered(rec.Topic, reason)
-	return nil
-}

@@ -7,8 +7,8 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
 // Metrics are the scheduler's record-handling metrics.
@@ -89,6 +89,6 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 }
 
 // DeadLettered counts one dead-lettered record.
-func (m *Metrics) DeadLettered(topic, reason string) {
-	m.deadLetters.WithLabelValues(topic, reason).Inc()
+func (m *Metrics) DeadLettered(topic string, reason kvcore.Reason) {
+	m.deadLetters.WithLabelValues(topic, string(reason)).Inc()
 }

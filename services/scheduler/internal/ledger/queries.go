@@ -159,25 +159,3 @@ func (l *Ledger) CountByState(ctx context.Context) (map[string]int64, error) {
 	}
 	return out, nil
 }
-
-// DeadLetter is one record the scheduler could not apply.
-type DeadLetter struct {
-	Topic     string
-	Partition int
-	Offset    int64
-	Key       string
-	Reason    string
-	Detail    string
-	Payload   []byte
-}
-
-// AddDeadLetter records d; recording the same record twice keeps one row.
-func (l *Ledger) AddDeadLetter(ctx context.Context, d DeadLetter) error {
-	_, err := l.pool.Exec(ctx, `INSERT INTO scheduler_dead_letters
-		(topic, partition, "offset", key, reason, detail, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)
-		ON CONFLICT DO NOTHING`, d.Topic, d.Partition, d.Offset, d.Key, d.Reason, d.Detail, d.Payload)
-	if err != nil {
-		return fmt.Errorf("ledger: dead letter %s/%d/%d: %w", d.Topic, d.Partition, d.Offset, err)
-	}
-	return nil
-}

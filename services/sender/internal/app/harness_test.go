@@ -316,7 +316,7 @@ func (s *stack) startCollector(t testing.TB) {
 	c, err := bus.NewConsumer(bus.ConsumerConfig{
 		Brokers: s.env.Brokers, GroupID: "test-collector-" + randHex(4),
 		Topics:       []string{contract.TopicTransferResults, contract.TopicSaveDLQ, contract.TopicKVEvents},
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 		Logger:       slog.New(slog.DiscardHandler), SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond,
 	}, s.got.handle)
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
@@ -188,7 +189,7 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 		return nil, err
 	}
 	for _, f := range []struct{ name, v string }{{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}, {"tenant", t.Tenant}} {
-		if !ledger.Storable(f.v) {
+		if !deadletter.Storable(f.v) {
 			return nil, fmt.Errorf("save task: %w: %s %q is not storable text (it contains NUL)", kvcore.ErrInvalidSaveTask, f.name, f.v)
 		}
 	}
@@ -221,10 +222,10 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) erro
 // records each as a span of its own ("sender.dead_letter", status error,
 // with its reason code, group and id) under the current span, so a trace
 // shows which group was dead-lettered and why.
-func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLetter) {
+func (p *Processor) countDeadLetters(ctx context.Context, dls []deadletter.DeadLetter) {
 	for _, d := range dls {
 		attrs := []attribute.KeyValue{
-			attribute.String("kvmesh.reason", d.Reason), attribute.String("kvmesh.detail", d.Detail),
+			attribute.String("kvmesh.reason", string(d.Reason)), attribute.String("kvmesh.detail", d.Detail),
 			attribute.Int64("kvmesh.dead_letter_id", d.ID), attribute.String("kvmesh.task_id", d.TaskID),
 			attribute.String("kvmesh.engine_id", d.EngineID), attribute.String("kvmesh.request_id", d.RequestID),
 		}
@@ -232,9 +233,9 @@ func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLette
 			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))
 		}
 		_, span := p.tracer.Start(ctx, "sender.dead_letter", trace.WithAttributes(attrs...))
-		span.SetStatus(codes.Error, d.Reason)
+		span.SetStatus(codes.Error, string(d.Reason))
 		span.End()
-		p.metrics.deadLetters.WithLabelValues(d.Reason).Inc()
+		p.metrics.deadLetters.WithLabelValues(string(d.Reason)).Inc()
 		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
 			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)
 	}

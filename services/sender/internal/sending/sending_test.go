@@ -18,9 +18,9 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
@@ -185,7 +185,7 @@ func TestStoreAndWorkerFailures(t *testing.T) {
 				t.Fatalf("%d dead letters, want %d: %+v", len(dls), tc.wantDL, dls)
 			}
 			for _, d := range dls {
-				if d.Reason != tc.wantReason || d.Group == nil {
+				if d.Reason != kvcore.Reason(tc.wantReason) || d.Group == nil {
 					t.Errorf("dead letter %+v, want reason %s with a group", d, tc.wantReason)
 				}
 			}
@@ -253,8 +253,8 @@ func TestBrokenRecords(t *testing.T) {
 	cases := []struct {
 		name        string
 		value       []byte
-		hook        string // "" delivers as the consumer does; else the bus dead-letter hook with this reason
-		wantReason  string
+		hook        kvcore.Reason // "" delivers as the consumer does; else the bus dead-letter hook with this reason
+		wantReason  kvcore.Reason
 		wantOutcome bool
 	}{
 		{"garbage", []byte{0xff, 0x00, 'x'}, "", "undecodable", false},
@@ -357,16 +357,16 @@ func TestReplay(t *testing.T) {
 		t.Fatalf("seed dead letters %+v, want group 1 invalid and group 0 exists_failed", seedDL)
 	}
 	_, err := up.p.Replay(ctx, seedDL[0].ID)
-	var invalid *sending.InvalidError
+	var invalid *deadletter.InvalidError
 	if !errors.As(err, &invalid) || invalid.Reason != "table_group_count" || *invalid.Group != 1 {
 		t.Fatalf("replay of the seed's group 1 = %v, want still invalid (table_group_count)", err)
 	}
-	if _, err := up.p.Replay(ctx, 999999); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := up.p.Replay(ctx, 999999); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("replay of an unknown id = %v", err)
 	}
 
 	dls := down.deadLetters(t, failedRec.Offset)
-	var group1 ledger.DeadLetter
+	var group1 deadletter.DeadLetter
 	for _, d := range dls {
 		if d.Reason == "exists_failed" && *d.Group == 1 {
 			group1 = d
@@ -376,7 +376,7 @@ func TestReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if first.Already || first.Result.Status != "stored" || first.DeadLetter.ReplayStatus != ledger.ReplayDone ||
+	if first.Already || first.Result.Status != "stored" || first.DeadLetter.ReplayStatus != deadletter.ReplayDone ||
 		len(first.Result.Groups) != 1 || first.Result.Groups[0].Stored != 1 {
 		t.Fatalf("first replay %+v", first)
 	}
