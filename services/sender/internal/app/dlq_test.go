@@ -154,7 +154,7 @@ func TestDLQAdmin(t *testing.T) {
 		for _, e := range []deadletter.Entry{nb, find("", "undecodable")} {
 			var prob httpserver.Problem
 			code := s.do(t, http.MethodPost, fmt.Sprintf("/v1/dlq/%d/replay", e.ID), adminToken, &prob)
-			if code != http.StatusUnprocessableEntity || prob.Extras["reason"] != e.Reason {
+			if code != http.StatusUnprocessableEntity || prob.Extras["reason"] != string(e.Reason) {
 				t.Errorf("replay of still-invalid %s: %d %+v", e.Reason, code, prob)
 			}
 		}
