@@ -14,15 +14,16 @@ import (
 	"strconv"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 )
 
 func init() {
-	register("dlq", "list, show and replay the sender's dead letters (dlq list|show|replay)", runDLQ)
+	register("dlq", "list, show and replay a service's dead letters (dlq list|show|replay [--service sender|scheduler|gpuworker])", runDLQ)
 }
 
-// deadLetter is a sender dead letter as GET /v1/dlq and /v1/dlq/{id}
-// answer it.
-type deadLetter = adminapi.DeadLetterEntry
+// deadLetter is a dead letter as GET /v1/dlq and /v1/dlq/{id} answer it
+// (the same routes in the sender, the scheduler and the gpuworker).
+type deadLetter = deadletter.Entry
 
 // groupText prints a dead letter's group, "record" for a whole record.
 func groupText(d deadLetter) string {
@@ -36,9 +37,9 @@ func groupText(d deadLetter) string {
 func runDLQ(ctx context.Context, args []string) error {
 	sub := map[string]func(context.Context, []string) error{"list": dlqList, "show": dlqShow, "replay": dlqReplay}
 	if len(args) == 0 || sub[args[0]] == nil {
-		fmt.Fprintln(stderr, "usage: kvmesh dlq list [--reason R] [--limit N] [--cursor C] [--all]\n"+
-			"       kvmesh dlq show ID\n"+
-			"       kvmesh dlq replay ID... | --reason R [--dry-run]\n"+
+		fmt.Fprintln(stderr, "usage: kvmesh dlq list [--service S] [--reason R] [--limit N] [--cursor C] [--all]\n"+
+			"       kvmesh dlq show [--service S] ID\n"+
+			"       kvmesh dlq replay [--service S] ID... | --reason R [--dry-run]\n"+
 			"Each takes the shared flags; run 'kvmesh dlq list -h' for them.")
 		return fmt.Errorf("%w: dlq needs list, show or replay", errUsage)
 	}
@@ -64,6 +65,7 @@ func dlqList(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("dlq list", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	o := addClientFlags(fs)
+	svc := addDLQServiceFlag(fs)
 	p := addPageFlags(fs)
 	var f dlqFilters
 	fs.StringVar(&f.reason, "reason", "", "only dead letters with this reason code")
@@ -72,9 +74,13 @@ func dlqList(ctx context.Context, args []string) error {
 	if rest, err := parseFlags(fs, args); err != nil || len(rest) > 0 {
 		return usageOr(err, "dlq list takes no arguments: %q", rest)
 	}
+	ep, err := dlqEndpoint(o, *svc)
+	if err != nil {
+		return err
+	}
 	c := newClient(o)
 	defer c.close()
-	items, raw, next, err := fetchPages[deadLetter](ctx, c, o.sender, "/v1/dlq", f.query(), p, "dead letters")
+	items, raw, next, err := fetchPages[deadLetter](ctx, c, ep, "/v1/dlq", f.query(), p, "dead letters")
 	if err != nil {
 		return err
 	}
@@ -95,14 +101,19 @@ func dlqShow(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("dlq show", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	o := addClientFlags(fs)
+	svc := addDLQServiceFlag(fs)
 	rest, err := parseFlags(fs, args)
 	if err != nil || len(rest) != 1 {
 		return usageOr(err, "dlq show takes one dead-letter id, got %q", rest)
 	}
+	ep, err := dlqEndpoint(o, *svc)
+	if err != nil {
+		return err
+	}
 	c := newClient(o)
 	defer c.close()
 	var d deadLetter
-	raw, err := c.getJSON(ctx, o.sender, "/v1/dlq/"+url.PathEscape(rest[0]), nil, &d)
+	raw, err := c.getJSON(ctx, ep, "/v1/dlq/"+url.PathEscape(rest[0]), nil, &d)
 	if err != nil {
 		return err
 	}
@@ -159,6 +170,7 @@ func dlqReplay(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("dlq replay", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	o := addClientFlags(fs)
+	svc := addDLQServiceFlag(fs)
 	var reason string
 	var dry bool
 	fs.StringVar(&reason, "reason", "", "replay every dead letter with this reason code (all pages)")
@@ -167,15 +179,19 @@ func dlqReplay(ctx context.Context, args []string) error {
 	if err != nil || (len(rest) == 0) == (reason == "") {
 		return usageOr(err, "dlq replay takes dead-letter ids or --reason, not both")
 	}
+	ep, err := dlqEndpoint(o, *svc)
+	if err != nil {
+		return err
+	}
 	c := newClient(o)
 	defer c.close()
-	targets, err := replayTargets(ctx, c, o, rest, reason)
+	targets, err := replayTargets(ctx, c, ep, rest, reason)
 	if err != nil {
 		return err
 	}
 	outcomes := make([]replayOutcome, 0, len(targets))
 	for _, d := range targets {
-		out, err := replayOne(ctx, c, o.sender, d, dry)
+		out, err := replayOne(ctx, c, ep, d, dry)
 		if err != nil {
 			return err
 		}
@@ -185,7 +201,7 @@ func dlqReplay(ctx context.Context, args []string) error {
 }
 
 // replayTargets are the entries named by id, or every entry with reason.
-func replayTargets(ctx context.Context, c *client, o *clientOptions, ids []string, reason string) ([]deadLetter, error) {
+func replayTargets(ctx context.Context, c *client, ep endpoint, ids []string, reason string) ([]deadLetter, error) {
 	if reason == "" {
 		out := make([]deadLetter, 0, len(ids))
 		for _, s := range ids {
@@ -193,11 +209,11 @@ func replayTargets(ctx context.Context, c *client, o *clientOptions, ids []strin
 			if err != nil || id < 1 {
 				return nil, fmt.Errorf("%w: dead-letter id %q is not a positive integer", errUsage, s)
 			}
-			out = append(out, deadLetter{DeadLetter: adminapi.DeadLetter{ID: id}})
+			out = append(out, deadLetter{DeadLetter: deadletter.DeadLetter{ID: id}})
 		}
 		return out, nil
 	}
-	items, _, _, err := fetchPages[deadLetter](ctx, c, o.sender, "/v1/dlq", url.Values{"reason": {reason}},
+	items, _, _, err := fetchPages[deadLetter](ctx, c, ep, "/v1/dlq", url.Values{"reason": {reason}},
 		&pageOptions{limit: 1000, all: true}, "dead letters")
 	return items, err
 }
@@ -210,7 +226,7 @@ func replayOne(ctx context.Context, c *client, ep endpoint, d deadLetter, dry bo
 		q = url.Values{"dry_run": {"true"}}
 	}
 	body, err := c.do(ctx, ep, http.MethodPost, fmt.Sprintf("/v1/dlq/%d/replay", d.ID), q, true)
-	out := replayOutcome{ID: d.ID, Reason: d.Reason, Answer: body}
+	out := replayOutcome{ID: d.ID, Reason: string(d.Reason), Answer: body}
 	var pe *problemError
 	switch {
 	case errors.As(err, &pe) && (pe.status == http.StatusUnauthorized || pe.status == http.StatusForbidden):
@@ -226,7 +242,7 @@ func replayOne(ctx context.Context, c *client, ep endpoint, d deadLetter, dry bo
 		err = json.Unmarshal(body, &a)
 		out.Outcome, out.Detail = dryRunOutcome(a)
 	} else {
-		var a adminapi.ReplayAnswer
+		var a deadletter.ReplayAnswer
 		err = json.Unmarshal(body, &a)
 		out.Outcome, out.Detail = replayedOutcome(a)
 	}
@@ -250,7 +266,7 @@ func problemOutcome(pe *problemError) string {
 }
 
 // replayedOutcome describes a successful replay answer.
-func replayedOutcome(a adminapi.ReplayAnswer) (string, string) {
+func replayedOutcome(a deadletter.ReplayAnswer) (string, string) {
 	stored, existing := 0, 0
 	for _, g := range a.Result.Groups {
 		stored += g.Stored
@@ -335,4 +351,26 @@ func replayTable(w io.Writer, outcomes []replayOutcome, counts map[string]int, d
 	}
 	fmt.Fprintln(w)
 	return nil
+}
+
+// addDLQServiceFlag registers --service, the service whose dead letters a
+// dlq command reads (default sender).
+func addDLQServiceFlag(fs *flag.FlagSet) *string {
+	return fs.String("service", "sender", "the service whose dead letters to use: sender, scheduler or gpuworker (the first --gpuworker-url)")
+}
+
+// dlqEndpoint is the endpoint of service's dead-letter routes.
+func dlqEndpoint(o *clientOptions, service string) (endpoint, error) {
+	switch service {
+	case "sender":
+		return o.sender, nil
+	case "scheduler":
+		return o.scheduler, nil
+	case "gpuworker":
+		if eps := o.gpuworkerEndpoints(); len(eps) > 0 {
+			return eps[0], nil
+		}
+		return endpoint{}, fmt.Errorf("%w: no --gpuworker-url", errUsage)
+	}
+	return endpoint{}, fmt.Errorf("%w: --service %q is not sender, scheduler or gpuworker", errUsage, service)
 }

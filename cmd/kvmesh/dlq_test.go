@@ -99,7 +99,7 @@ func seedDeadLetters(t *testing.T, s *cliStack) dlqIDs {
 		s.getJSON(s.url("sender")+"/v1/dlq?limit=1000", &p)
 		clear(ids)
 		for _, d := range p.Items {
-			ids[d.Reason] = append(ids[d.Reason], d.ID)
+			ids[string(d.Reason)] = append(ids[string(d.Reason)], d.ID)
 		}
 		return len(p.Items) == 8
 	})

@@ -4,86 +4,8 @@ import (
 	"encoding/json"
 	"time"
 
-	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
-
-// DeadLetter is one dead letter of the sender: a row of its dead_letters
-// table, and the head of GET /v1/dlq's entries.
-type DeadLetter struct {
-	// ID is assigned by the database.
-	ID int64 `json:"id"`
-	// Reason is a stable reason code.
-	Reason string `json:"reason"`
-	// Detail explains the reason for operators.
-	Detail string `json:"detail"`
-	// Group is the KV group the entry is about; nil for a whole record.
-	Group *int `json:"group"`
-	// TaskID, EngineID and RequestID identify the task when known.
-	TaskID    string `json:"task_id"`
-	EngineID  string `json:"engine_id"`
-	RequestID string `json:"request_id"`
-	// Payload is the original record value.
-	Payload []byte `json:"payload,omitempty"`
-	// Topic, Partition and Offset locate the original record.
-	Topic     string `json:"topic"`
-	Partition int    `json:"partition"`
-	Offset    int64  `json:"offset"`
-	// RecordTime is the original record's timestamp.
-	RecordTime time.Time `json:"record_time"`
-	// Slot numbers the dead letters of one record (-1 for all of it).
-	Slot int `json:"slot"`
-	// CreatedAt is when the row was written.
-	CreatedAt time.Time `json:"created_at"`
-	// ReplayStatus is none, replayed, invalid or failed.
-	ReplayStatus string `json:"replay_status"`
-	// ReplayCount counts replay attempts.
-	ReplayCount int `json:"replay_count"`
-	// ReplayedAt is the time of the last replay attempt.
-	ReplayedAt *time.Time `json:"replayed_at,omitempty"`
-	// ReplayResult is the recorded result of the last replay attempt.
-	ReplayResult json.RawMessage `json:"replay_result,omitempty"`
-}
-
-// DeadLetterEntry is a dead letter as GET /v1/dlq (payload omitted) and
-// GET /v1/dlq/{id} show it.
-type DeadLetterEntry struct {
-	DeadLetter
-	// PayloadJSON is the payload itself when it is JSON (show only).
-	PayloadJSON json.RawMessage `json:"payload_json,omitempty"`
-	// PayloadBytes is the payload's size.
-	PayloadBytes int `json:"payload_bytes"`
-}
-
-// ReplayResult is the result of replaying a dead letter, as recorded with
-// it and answered by POST /v1/dlq/{id}/replay.
-type ReplayResult struct {
-	// Status is the save status of the replayed groups (stored, skipped,
-	// dead_lettered, failed), or "invalid".
-	Status string `json:"status"`
-	// Groups are the replayed groups' outcomes.
-	Groups []contract.GroupOutcome `json:"groups,omitempty"`
-	// Bytes counts the value bytes stored.
-	Bytes int64 `json:"bytes"`
-	// Reason and Detail explain an invalid or failed replay.
-	Reason string `json:"reason,omitempty"`
-	Detail string `json:"detail,omitempty"`
-}
-
-// ReplayAnswer is the answer of POST /v1/dlq/{id}/replay.
-type ReplayAnswer struct {
-	// ID is the dead letter's id.
-	ID int64 `json:"id"`
-	// ReplayStatus is the entry's replay status after this call.
-	ReplayStatus string `json:"replay_status"`
-	// ReplayCount counts the replay attempts recorded.
-	ReplayCount int `json:"replay_count"`
-	// AlreadyReplayed is set when the entry had been replayed before and
-	// this call did nothing.
-	AlreadyReplayed bool `json:"already_replayed"`
-	// Result is the replay's (or the recorded) result.
-	Result ReplayResult `json:"result"`
-}
 
 // DryRun says what a replay of a dead letter would do now.
 type DryRun struct {

@@ -46,7 +46,7 @@ type BatchHandler func(ctx context.Context, recs []Received) error
 // index in the batch of each failed record to its error, classified as a
 // Handler's error is (Permanent: dead-lettered with its reason; anything
 // else: handled again alone, retried, and dead-lettered with
-// ReasonRetriesExhausted if it keeps failing). Entries with a nil error
+// kvcore.ReasonRetriesExhausted if it keeps failing). Entries with a nil error
 // count as successes, so an empty RecordErrors means success. A RecordErrors
 // with an index outside the batch counts as a failure of the whole batch.
 // The consumer finds it with errors.As, so it may be wrapped.
@@ -78,14 +78,22 @@ func NewBatchConsumer(cfg ConsumerConfig, h BatchHandler) (*Consumer, error) {
 	if cfg.Concurrency > 1 {
 		return nil, fmt.Errorf("%w: a batch consumer takes no concurrency (%d)", ErrInvalidConfig, cfg.Concurrency)
 	}
-	c, err := newConsumer(cfg, func(ctx context.Context, rec Received) error {
-		return errorOfOne(h(ctx, []Received{rec}))
-	})
+	c, err := newConsumer(cfg, h.Single())
 	if err != nil {
 		return nil, err
 	}
 	c.batch = h
 	return c, nil
+}
+
+// Single is h as a Handler of one record: h over a batch of one, whose
+// RecordErrors entry is the record's error. The consumer handles a record
+// of a failed batch alone this way; a dead letter's replay
+// (deadletter.HandlerReplayer) hands its record to it too.
+func (h BatchHandler) Single() Handler {
+	return func(ctx context.Context, rec Received) error {
+		return errorOfOne(h(ctx, []Received{rec}))
+	}
 }
 
 // errorOfOne is the error of the only record of a batch of one, given the
@@ -267,7 +275,7 @@ func (c *Consumer) handleBatchWithRetry(ctx context.Context, span trace.Span, re
 }
 
 // invokeBatch calls the batch handler, turning a panic into a permanent
-// failure with reason ReasonHandlerPanic.
+// failure with reason kvcore.ReasonHandlerPanic.
 func (c *Consumer) invokeBatch(ctx context.Context, recs []Received) (err error) {
 	defer func() {
 		if v := recover(); v != nil {

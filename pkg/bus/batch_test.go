@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // batchConfig is consumerConfig for a batch consumer whose batches stay
@@ -35,8 +36,8 @@ func values(recs []bus.Received) []string {
 
 // deadLetterLog records the OnDeadLetter calls as "value:reason".
 func deadLetterLog(l *seen[string]) bus.DeadLetterFunc {
-	return func(_ context.Context, m bus.Received, reason string, _ error) error {
-		l.add(string(m.Value) + ":" + reason)
+	return func(_ context.Context, m bus.Received, reason kvcore.Reason, _ error) error {
+		l.add(string(m.Value) + ":" + string(reason))
 		return nil
 	}
 }
@@ -193,7 +194,7 @@ func TestBatchPoisonRecordIsIsolated(t *testing.T) {
 	}{
 		// 3 attempts of the batch, then 3 of the poison record alone.
 		{"transient", func() error { return bus.Transient(errors.New("store busy")) }, "retries_exhausted", 6},
-		{"permanent", func() error { return bus.Permanent(bus.ReasonUndecodable, errors.New("bad json")) }, "undecodable", 2},
+		{"permanent", func() error { return bus.Permanent(kvcore.ReasonUndecodable, errors.New("bad json")) }, "undecodable", 2},
 		{"panic", func() error { panic("nil map") }, "handler_panic", 2},
 	}
 	for i, tt := range tests {

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func TestConcurrentKeepsEachKeysOrder(t *testing.T) {
@@ -165,7 +166,7 @@ func TestConcurrentPoisonIsDeadLetteredWithoutBlocking(t *testing.T) {
 		fail       func() error
 		wantReason string
 	}{
-		{"permanent", func() error { return bus.Permanent(bus.ReasonUndecodable, errors.New("bad json")) }, "undecodable"},
+		{"permanent", func() error { return bus.Permanent(kvcore.ReasonUndecodable, errors.New("bad json")) }, "undecodable"},
 		{"retries exhausted", func() error { return bus.Transient(errors.New("busy")) }, "retries_exhausted"},
 		{"panic", func() error { panic("boom") }, "handler_panic"},
 	}

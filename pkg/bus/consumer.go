@@ -16,6 +16,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
@@ -215,7 +216,7 @@ func (c *Consumer) settle(ctx context.Context, rec Received) bool {
 // finish settles rec after its handling ended with err (nil: success) and
 // dead-letter reason, under rec's span, and reports whether rec may be
 // committed: false means ctx ended first.
-func (c *Consumer) finish(ctx context.Context, span trace.Span, rec Received, reason string, err error) bool {
+func (c *Consumer) finish(ctx context.Context, span trace.Span, rec Received, reason kvcore.Reason, err error) bool {
 	if err == nil {
 		return true
 	}
@@ -224,7 +225,7 @@ func (c *Consumer) finish(ctx context.Context, span trace.Span, rec Received, re
 		return false
 	}
 	span.RecordError(err)
-	span.SetStatus(codes.Error, reason)
+	span.SetStatus(codes.Error, string(reason))
 	return c.deadLetter(ctx, span, rec, reason, err)
 }
 
@@ -255,9 +256,9 @@ func (c *Consumer) startSpan(ctx context.Context, rec Received) (context.Context
 // exhausts the retry policy or ctx ends, waiting the policy's backoff
 // between calls. On failure it returns the dead-letter reason with the last
 // error; an interrupted attempt returns no reason.
-func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Received) (string, error) {
+func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Received) (kvcore.Reason, error) {
 	attempt := 0
-	var reason string
+	var reason kvcore.Reason
 	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
 		attempt++
 		start := time.Now()
@@ -289,7 +290,7 @@ func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Rec
 }
 
 // invoke calls the handler, turning a panic into a permanent failure with
-// reason ReasonHandlerPanic.
+// reason kvcore.ReasonHandlerPanic.
 func (c *Consumer) invoke(ctx context.Context, rec Received) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
@@ -300,10 +301,10 @@ func (c *Consumer) invoke(ctx context.Context, rec Received) (err error) {
 }
 
 // panicked logs a handler panic v (msg, attrs, the panic and its stack) and
-// returns it as a permanent failure with reason ReasonHandlerPanic.
+// returns it as a permanent failure with reason kvcore.ReasonHandlerPanic.
 func (c *Consumer) panicked(v any, msg string, attrs ...any) error {
 	c.cfg.Logger.Error(msg, append(attrs, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))...)
-	return Permanent(ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
+	return Permanent(kvcore.ReasonHandlerPanic, fmt.Errorf("%w: %v", errPanic, v))
 }
 
 func (c *Consumer) observe(topic string, o Outcome, start time.Time) {

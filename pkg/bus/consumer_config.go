@@ -9,6 +9,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
@@ -59,7 +60,7 @@ type Received struct {
 // Handler processes one record. It returns nil once the record's effects are
 // durable (the consumer commits its offset after that), Transient(err) for a
 // failure worth retrying, or Permanent(reason, err) for a record that can
-// never succeed, such as Permanent(ReasonUndecodable, err). Other errors are
+// never succeed, such as Permanent(kvcore.ReasonUndecodable, err). Other errors are
 // retried like transient ones. A Handler must be idempotent: delivery is at
 // least once.
 type Handler func(ctx context.Context, m Received) error
@@ -68,7 +69,7 @@ type Handler func(ctx context.Context, m Received) error
 // record is published to the dead-letter topic. If it fails, the consumer
 // retries it (with the publish) and does not commit, so it must be
 // idempotent.
-type DeadLetterFunc func(ctx context.Context, m Received, reason string, cause error) error
+type DeadLetterFunc func(ctx context.Context, m Received, reason kvcore.Reason, cause error) error
 
 // RetryPolicy bounds the retries of transient failures with exponential
 // backoff. Zero fields take the defaults.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // delivery is one handler call.
@@ -174,7 +175,7 @@ func TestFailedRecordsAreDeadLettered(t *testing.T) {
 		wantAttempts int
 		wantOutcomes string
 	}{
-		{"undecodable", func() error { return bus.Permanent(bus.ReasonUndecodable, boom) }, "undecodable", "bad json", 1, "failed ok"},
+		{"undecodable", func() error { return bus.Permanent(kvcore.ReasonUndecodable, boom) }, "undecodable", "bad json", 1, "failed ok"},
 		{"panic", func() error { panic("index out of range") }, "handler_panic", "index out of range", 1, "failed ok"},
 		{"retries exhausted", func() error { return bus.Transient(boom) }, "retries_exhausted", "bad json", 3, "retry retry failed ok"},
 		{"unclassified error", func() error { return boom }, "retries_exhausted", "bad json", 3, "retry retry failed ok"},
@@ -198,8 +199,8 @@ func TestFailedRecordsAreDeadLettered(t *testing.T) {
 			cfg := e.consumerConfig(group, topic)
 			cfg.DLQTopic = dlq
 			cfg.Hooks.Handled = func(_ string, o bus.Outcome, _ time.Duration) { outcomes.add(string(o)) }
-			cfg.OnDeadLetter = func(_ context.Context, m bus.Received, reason string, _ error) error {
-				hookReasons.add(reason + "@" + strconv.FormatInt(m.Offset, 10))
+			cfg.OnDeadLetter = func(_ context.Context, m bus.Received, reason kvcore.Reason, _ error) error {
+				hookReasons.add(string(reason) + "@" + strconv.FormatInt(m.Offset, 10))
 				return nil
 			}
 			stop := e.run(cfg, handler)

@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
 	"github.com/kvmesh/kvmesh/pkg/text"
 )
@@ -21,7 +22,7 @@ const maxReasonText = 1024
 // deadLetter records rec as a dead letter with reason, retrying with backoff
 // until that succeeds, and reports whether it did: false means ctx ended
 // first, and rec must not be committed.
-func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received, reason string, cause error) bool {
+func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received, reason kvcore.Reason, cause error) bool {
 	attempt := 0
 	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
 		attempt++
@@ -37,16 +38,16 @@ func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received
 	if err != nil {
 		return false
 	}
-	span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", reason)))
+	span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", string(reason))))
 	c.cfg.Logger.Warn("record dead-lettered", c.recordAttrs(rec, "reason", reason, "error", cause)...)
 	if c.cfg.Hooks.DeadLettered != nil {
-		c.cfg.Hooks.DeadLettered(rec.Topic, reason)
+		c.cfg.Hooks.DeadLettered(rec.Topic, string(reason))
 	}
 	return true
 }
 
 // sendDeadLetter runs the OnDeadLetter hook, then publishes to the DLQ topic.
-func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason string, cause error) error {
+func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason kvcore.Reason, cause error) error {
 	if c.cfg.OnDeadLetter != nil {
 		if err := c.cfg.OnDeadLetter(ctx, rec, reason, cause); err != nil {
 			return fmt.Errorf("dead-letter hook: %w", err)
@@ -70,12 +71,12 @@ func (c *Consumer) sendDeadLetter(ctx context.Context, rec Received, reason stri
 // first MaxDeadLetterPayload bytes and contract.HeaderPayloadTruncated is
 // set. contract.HeaderPayloadBytes always gives the original value's size;
 // the original headers name the full record.
-func DeadLetterMessage(dlq string, rec Received, reason string, cause error) Message {
+func DeadLetterMessage(dlq string, rec Received, reason kvcore.Reason, cause error) Message {
 	headers := make(map[string]string, len(rec.Headers)+7)
 	maps.Copy(headers, rec.Headers)
 	delete(headers, contract.HeaderTraceparent)
 	delete(headers, contract.HeaderTracestate)
-	headers[contract.HeaderReason] = reason
+	headers[contract.HeaderReason] = string(reason)
 	if cause != nil {
 		headers[contract.HeaderReasonText] = text.Truncate(cause.Error(), maxReasonText)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func TestDeadLetterFailureBlocksCommit(t *testing.T) {
@@ -31,7 +32,7 @@ func TestDeadLetterFailureBlocksCommit(t *testing.T) {
 			var hookCalls atomic.Int32
 			var partition atomic.Int64
 			cfg := e.consumerConfig(group, topic)
-			cfg.OnDeadLetter = func(_ context.Context, m bus.Received, _ string, _ error) error {
+			cfg.OnDeadLetter = func(_ context.Context, m bus.Received, _ kvcore.Reason, _ error) error {
 				partition.Store(int64(m.Partition))
 				if n := hookCalls.Add(1); tt.hookFailures < 0 || n <= tt.hookFailures {
 					return errors.New("sender database down")
@@ -39,7 +40,7 @@ func TestDeadLetterFailureBlocksCommit(t *testing.T) {
 				return nil
 			}
 			poison := func(context.Context, bus.Received) error {
-				return bus.Permanent(bus.ReasonUndecodable, errors.New("not json"))
+				return bus.Permanent(kvcore.ReasonUndecodable, errors.New("not json"))
 			}
 			stop := e.run(cfg, poison)
 			e.publish(e.producer(), bus.Message{Topic: topic, Key: "k", Value: []byte("{")})
@@ -112,7 +113,7 @@ func TestDeadLetterOfHugeRecordIsBounded(t *testing.T) {
 	e.topics(topic)
 	huge := []byte(strings.Repeat("0123456789abcdef", 900<<10/16))
 	poison := func(context.Context, bus.Received) error {
-		return bus.Permanent(bus.ReasonUndecodable, errors.New("junk"))
+		return bus.Permanent(kvcore.ReasonUndecodable, errors.New("junk"))
 	}
 	e.run(e.consumerConfig(group, topic), poison)
 	e.publish(e.producer(), bus.Message{Topic: topic, Key: "k", Value: huge})
@@ -132,7 +133,7 @@ func TestDeadLetterOfHugeRecordIsBounded(t *testing.T) {
 	if got := headers[contract.HeaderPayloadTruncated]; got != "true" {
 		t.Errorf("header %s = %q, want true", contract.HeaderPayloadTruncated, got)
 	}
-	if headers[contract.HeaderOrigTopic] != topic || headers[contract.HeaderReason] != bus.ReasonUndecodable {
+	if headers[contract.HeaderOrigTopic] != topic || headers[contract.HeaderReason] != string(kvcore.ReasonUndecodable) {
 		t.Errorf("dead letter headers %v do not name the original record and reason", headers)
 	}
 }

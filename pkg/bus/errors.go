@@ -3,20 +3,8 @@ package bus
 import (
 	"errors"
 	"fmt"
-)
 
-// Reason codes the consumer writes to contract.HeaderReason when it
-// dead-letters a record. Handlers add their own through Permanent.
-const (
-	// ReasonUndecodable marks a record whose value could not be decoded.
-	ReasonUndecodable = "undecodable"
-	// ReasonHandlerPanic marks a record whose handler panicked.
-	ReasonHandlerPanic = "handler_panic"
-	// ReasonRetriesExhausted marks a record whose handler kept failing with
-	// transient errors until the retry policy gave up.
-	ReasonRetriesExhausted = "retries_exhausted"
-	// ReasonUnspecified replaces an empty reason given to Permanent.
-	ReasonUnspecified = "unspecified"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // Sentinel errors.
@@ -50,7 +38,7 @@ func (e *transientError) Unwrap() error { return e.err }
 func (e *transientError) Is(target error) bool { return target == ErrTransient }
 
 // Transient marks err as transient: the consumer retries the record with
-// backoff and dead-letters it with ReasonRetriesExhausted when the retry
+// backoff and dead-letters it with kvcore.ReasonRetriesExhausted when the retry
 // policy gives up. Transient(nil) is nil.
 func Transient(err error) error {
 	if err == nil {
@@ -60,11 +48,11 @@ func Transient(err error) error {
 }
 
 // PermanentError is a handler failure that retrying cannot fix. Reason is a
-// stable, machine-readable code (such as ReasonUndecodable) that the consumer
+// stable, machine-readable code (such as kvcore.ReasonUndecodable) that the consumer
 // writes to the dead-letter record's contract.HeaderReason.
 type PermanentError struct {
 	// Reason is the stable reason code.
-	Reason string
+	Reason kvcore.Reason
 	// Err is the underlying error; it may be nil.
 	Err error
 }
@@ -72,7 +60,7 @@ type PermanentError struct {
 // Error returns "reason: underlying error".
 func (e *PermanentError) Error() string {
 	if e.Err == nil {
-		return e.Reason
+		return string(e.Reason)
 	}
 	return fmt.Sprintf("%s: %v", e.Reason, e.Err)
 }
@@ -85,21 +73,21 @@ func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
 
 // Permanent marks a handler failure as permanent with a stable reason code:
 // the consumer dead-letters the record at once, without retrying. A handler
-// that cannot decode a record returns Permanent(ReasonUndecodable, err).
-func Permanent(reason string, err error) error {
+// that cannot decode a record returns Permanent(kvcore.ReasonUndecodable, err).
+func Permanent(reason kvcore.Reason, err error) error {
 	return &PermanentError{Reason: reason, Err: err}
 }
 
 // classify returns the dead-letter reason of a handler error and whether the
 // error is permanent. Errors that are neither Permanent nor Transient are
 // treated as transient: an unknown failure is retried before it is given up.
-func classify(err error) (reason string, permanent bool) {
+func classify(err error) (reason kvcore.Reason, permanent bool) {
 	var pe *PermanentError
 	if errors.As(err, &pe) {
 		if pe.Reason == "" {
-			return ReasonUnspecified, true
+			return kvcore.ReasonUnspecified, true
 		}
 		return pe.Reason, true
 	}
-	return ReasonRetriesExhausted, false
+	return kvcore.ReasonRetriesExhausted, false
 }

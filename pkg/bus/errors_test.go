@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func TestErrorClassification(t *testing.T) {
@@ -17,7 +18,7 @@ func TestErrorClassification(t *testing.T) {
 		err           error
 		transient     bool
 		permanent     bool
-		reason        string
+		reason        kvcore.Reason
 		unwrapsToBase bool
 	}{
 		{"transient", bus.Transient(base), true, false, "", true},
@@ -84,7 +85,7 @@ func TestNewConsumerValidatesConfig(t *testing.T) {
 	valid := func() bus.ConsumerConfig {
 		return bus.ConsumerConfig{Brokers: []string{"127.0.0.1:1"}, GroupID: "g", Topics: []string{"t"}, DLQTopic: "dlq", Producer: p}
 	}
-	hook := func(context.Context, bus.Received, string, error) error { return nil }
+	hook := func(context.Context, bus.Received, kvcore.Reason, error) error { return nil }
 	tests := []struct {
 		name   string
 		change func(*bus.ConsumerConfig)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/tlsfiles"
 )
 
@@ -354,7 +355,7 @@ func consumerRefused(t *testing.T, brokers []string, sec bus.Security) {
 	handled := make(chan struct{}, 1)
 	c, err := bus.NewConsumer(bus.ConsumerConfig{
 		Brokers: brokers, Security: sec, GroupID: "refused-group", Topics: []string{"bus.test.refused.in"},
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 		Logger:       slog.New(slog.NewTextHandler(logs, nil)),
 		MaxWait:      100 * time.Millisecond, SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 2 * time.Second, JoinGroupBackoff: 100 * time.Millisecond,

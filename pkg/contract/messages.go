@@ -355,13 +355,13 @@ type KVEventRecord struct {
 }
 
 // MaxDeadLetterPayload bounds the original record bytes a dead-letter
-// message carries (64 KiB): in DeadLetter.Payload on TopicSaveDLQ (about
+// message carries (64 KiB): in DeadLetterNotice.Payload on TopicSaveDLQ (about
 // 88 KiB once base64-encoded) and as the record value of a bus-level dead
 // letter (bus.DeadLetterMessage). A dead letter must stay publishable
 // whatever record caused it, far below the broker's 1 MiB message limit; a
 // longer original is cut to its first MaxDeadLetterPayload bytes and the
-// message says so (DeadLetter.PayloadTruncated, HeaderPayloadTruncated),
-// gives the original size (DeadLetter.PayloadBytes, HeaderPayloadBytes) and
+// message says so (DeadLetterNotice.PayloadTruncated, HeaderPayloadTruncated),
+// gives the original size (DeadLetterNotice.PayloadBytes, HeaderPayloadBytes) and
 // where the full original is kept.
 const MaxDeadLetterPayload = 64 << 10
 
@@ -379,12 +379,13 @@ const (
 	HeaderPayloadTruncated = "kvmesh-payload-truncated"
 )
 
-// DeadLetter is one dead-lettered save group or record, on TopicSaveDLQ,
-// keyed by request id (or the original key). The sender keeps the full
+// DeadLetterNotice is the wire form of a deadletter.DeadLetter (the one
+// dead-letter type, pkg/deadletter) on TopicSaveDLQ: one dead-lettered
+// save group or record, keyed by request id (or the original key). The sender keeps the full
 // original record in PostgreSQL (its dead_letters row, numbered ID) and
 // serves it at GET /v1/dlq/{ID} of its admin API; the message carries at
 // most MaxDeadLetterPayload bytes of it.
-type DeadLetter struct {
+type DeadLetterNotice struct {
 	Schema string `json:"schema"`
 	// ID is the sender's dead-letter id (the dead_letters row), the
 	// reference to the full original.

@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/devices"
 )
@@ -25,10 +26,12 @@ type deviceCursor struct {
 	Index *int `json:"i"`
 }
 
-// mountAPI adds the inventory and pool routes and the OpenAPI document.
+// mountAPI adds the inventory, pool and dead-letter routes and the OpenAPI
+// document.
 func (a *App) mountAPI() {
 	a.srv.ServeOpenAPI(OpenAPI)
 	r := a.srv.Router()
+	dlqhttp.New(a.deadLetters, a.replay, a.deps.Log).Mount(r, a.srv.RequireAdmin(), a.srv.RequireAdmin())
 	r.Get("/v1/devices", a.getDevices)
 	r.Get("/v1/pool", a.getPool)
 	r.With(a.srv.RequireAdmin()).Post("/v1/pool/reset", func(w http.ResponseWriter, r *http.Request) {

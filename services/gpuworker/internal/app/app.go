@@ -16,6 +16,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
@@ -162,7 +163,11 @@ type App struct {
 	pool     *pool.Pool
 	gpus     *devices.Source
 	consumer *bus.Consumer
-	worker   registry.Worker
+	// deadLetters keeps the load tasks the consumer gives up on, and
+	// replay hands one back to the loader (GET/POST /v1/dlq...).
+	deadLetters *deadletter.Store
+	replay      *deadletter.HandlerReplayer
+	worker      registry.Worker
 	// registered is set while the registry holds this worker.
 	registered atomic.Bool
 }
@@ -270,12 +275,15 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
 	cc.DLQTopic, cc.Producer = contract.TopicLoadDLQ, a.deps.Producer
 	cc.MaxWait, cc.CommitInterval = idleFetchWait, idleCommitInterval
-	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
+	// A load task given up on is kept in the shared dead_letters table
+	// (pkg/deadletter), then published to the DLQ topic.
+	a.deadLetters = deadletter.NewStore(a.deps.Pool, deadletter.ServiceGPUWorker)
+	a.replay = deadletter.NewHandlerReplayer(a.deadLetters, loader.Handle)
+	cc.OnDeadLetter = a.deadLetters.Record(func(ctx context.Context, d deadletter.DeadLetter, cause error) {
 		m.Load(load.OutcomeDeadLettered, 0, 0)
 		a.deps.Log.ErrorContext(ctx, "load task dead-lettered to "+contract.TopicLoadDLQ+": no result can be published",
-			"reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
-		return nil
-	}
+			"reason", d.Reason, "err", cause, "partition", d.Partition, "offset", d.Offset)
+	})
 	if err := a.deps.WatchConsumerLag(cc); err != nil {
 		return nil, err
 	}

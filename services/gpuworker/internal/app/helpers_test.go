@@ -158,12 +158,12 @@ func watchResults(t testing.TB, env *servicetest.Env) *results {
 	c, err := bus.NewConsumer(bus.ConsumerConfig{
 		Brokers: env.Brokers, GroupID: "test-results-" + randomHex(4),
 		Topics:       []string{contract.TopicTransferResults},
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 		Logger:       slog.New(slog.DiscardHandler),
 	}, func(_ context.Context, m bus.Received) error {
 		var r contract.TransferResult
 		if err := json.Unmarshal(m.Value, &r); err != nil {
-			return bus.Permanent(bus.ReasonUndecodable, err)
+			return bus.Permanent(kvcore.ReasonUndecodable, err)
 		}
 		rs.mu.Lock()
 		rs.seen = append(rs.seen, r)

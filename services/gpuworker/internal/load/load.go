@@ -154,7 +154,7 @@ func (l *Loader) Handle(ctx context.Context, m bus.Received) error {
 	}
 	task, err := DecodeTask(m.Value)
 	if err != nil {
-		return bus.Permanent(bus.ReasonUndecodable, err)
+		return bus.Permanent(kvcore.ReasonUndecodable, err)
 	}
 	if task.EngineID != l.cfg.EngineID {
 		l.cfg.Metrics.Load(OutcomeIgnored, 0, 0)

@@ -59,7 +59,7 @@ func (a *App) kvEventsConsumer(cfg Config, idx *engines.Index, pub *kvpublish.Pu
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // crypto/rand.Read never fails (it panics instead)
 	cc := cfg.ConsumerConfig("kvmesh-lookup-kv-events-"+hex.EncodeToString(id[:]), []string{contract.TopicKVEvents}, a.deps.Log)
-	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason string, cause error) error {
+	cc.OnDeadLetter = func(ctx context.Context, rec bus.Received, reason kvcore.Reason, cause error) error {
 		a.deps.Log.WarnContext(ctx, "kv event record skipped", "reason", reason, "err", cause, "partition", rec.Partition, "offset", rec.Offset)
 		return nil
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func ptr[T any](v T) *T { return &v }
@@ -92,14 +93,14 @@ func TestIndexHandle(t *testing.T) {
 		name    string
 		value   []byte
 		headers map[string]string
-		reason  string // "" for a record handled without error
-		held    bool   // whether engine e holds 7 afterwards
+		reason  kvcore.Reason // "" for a record handled without error
+		held    bool          // whether engine e holds 7 afterwards
 	}{
 		{"an engine's own batch", batch, map[string]string{contract.HeaderKVEngineID: "e"}, "", true},
 		{"kvmesh's store events are skipped", batch, map[string]string{contract.HeaderKVEngineID: "e", contract.HeaderKVSchema: contract.SchemaKVEvent}, "", false},
 		{"no engine id is skipped", batch, map[string]string{}, "", false},
-		{"an undecodable batch", []byte{0xc1}, map[string]string{contract.HeaderKVEngineID: "e"}, bus.ReasonUndecodable, false},
-		{"an over-long engine id", batch, map[string]string{contract.HeaderKVEngineID: long}, ReasonBadEngineID, false},
+		{"an undecodable batch", []byte{0xc1}, map[string]string{contract.HeaderKVEngineID: "e"}, kvcore.ReasonUndecodable, false},
+		{"an over-long engine id", batch, map[string]string{contract.HeaderKVEngineID: long}, kvcore.ReasonBadEngineID, false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -19,12 +19,12 @@ import (
 // block it announced. Records must come one at a time, in topic order (a
 // consumer of Concurrency 1): Handle owns the sequence counter. A record
 // that does not decode is counted and returned as a permanent failure
-// (bus.ReasonUndecodable), for the consumer to log and skip.
+// (kvcore.ReasonUndecodable), for the consumer to log and skip.
 func (p *Publisher) Handle(_ context.Context, m bus.Received) error {
 	rec, err := contract.DecodeKVEventRecord(m.Value, m.Headers)
 	if err != nil {
 		p.opts.Metrics.decodeFailures.Inc()
-		return bus.Permanent(bus.ReasonUndecodable, fmt.Errorf("kv events zmq publisher: %w", err))
+		return bus.Permanent(kvcore.ReasonUndecodable, fmt.Errorf("kv events zmq publisher: %w", err))
 	}
 	if reason := p.skipReason(rec); reason != "" {
 		p.opts.Metrics.skipped.WithLabelValues(reason).Inc()
@@ -36,7 +36,7 @@ func (p *Publisher) Handle(_ context.Context, m bus.Received) error {
 	payload, err := contract.EncodeKVEventBatch(rec.Batch, p.opts.Form)
 	if err != nil {
 		p.opts.Metrics.decodeFailures.Inc()
-		return bus.Permanent(bus.ReasonUndecodable, fmt.Errorf("kv events zmq publisher: %w", err))
+		return bus.Permanent(kvcore.ReasonUndecodable, fmt.Errorf("kv events zmq publisher: %w", err))
 	}
 	p.publish(payload)
 	if p.opts.ClearAsRemoved {

@@ -95,7 +95,7 @@ func (b *broker) publisher(tweak func(*Options)) *rig {
 		Brokers: b.addrs, GroupID: fmt.Sprintf("kvpublish-test-%d", groups.Add(1)), Topics: []string{contract.TopicKVEvents},
 		MaxWait: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 		// The lookup logs and skips a record Handle refuses; so does the rig.
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 	}, r.p.Handle)
 	if err != nil {
 		t.Fatal(err)

@@ -16,6 +16,8 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
+	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
@@ -121,15 +123,17 @@ var codeDefaulted = []string{
 
 // App is a wired scheduler, ready to Run.
 type App struct {
-	cfg       Config
-	deps      *service.Deps
-	model     *kvcore.Model
-	srv       *httpserver.Server
-	relay     *database.Relay
-	ledger    *ledger.Ledger
-	handler   *intake.Handler
-	consumers []*bus.Consumer
-	gauges    *gauges
+	cfg     Config
+	deps    *service.Deps
+	model   *kvcore.Model
+	srv     *httpserver.Server
+	relay   *database.Relay
+	ledger  *ledger.Ledger
+	handler *intake.Handler
+	// deadLetters keeps the records the consumers give up on.
+	deadLetters *deadletter.Store
+	consumers   []*bus.Consumer
+	gauges      *gauges
 }
 
 // New connects to PostgreSQL (applying migrations), Kafka and binds the HTTP
@@ -172,6 +176,8 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	api.New(a.ledger, a.model, a.relay, log).Mount(a.srv.Router(), a.srv.RequireAdmin())
+	replay := deadletter.NewHandlerReplayer(a.deadLetters, bus.BatchHandler(a.handler.HandleBatch).Single())
+	dlqhttp.New(a.deadLetters, replay, log).Mount(a.srv.Router(), a.srv.RequireAdmin(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }
@@ -186,11 +192,16 @@ func (a *App) buildConsumers() error {
 	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log, intake.Options{DropTokenIDs: !a.cfg.KVEventsTokenIDs})
 	a.handler = h
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
-	cc.OnDeadLetter = h.DeadLetter
+	// A record given up on is kept in the shared dead_letters table
+	// (pkg/deadletter) and counted.
+	a.deadLetters = deadletter.NewStore(a.deps.Pool, deadletter.ServiceScheduler)
+	cc.OnDeadLetter = a.deadLetters.Record(func(_ context.Context, d deadletter.DeadLetter, _ error) {
+		metrics.DeadLettered(d.Topic, d.Reason)
+	})
 	// A database outage must not dead-letter records: retry until it ends.
 	// Data PostgreSQL rejects fails a batch permanently instead: its
 	// records are then applied one at a time and the one at fault is
-	// dead-lettered (intake.ReasonDatabaseRejected).
+	// dead-lettered (kvcore.ReasonDatabaseRejected).
 	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: bus.DefaultMaxBackoff}
 	cc.BatchSize = a.cfg.BatchSize
 	if err := a.deps.WatchConsumerLag(cc); err != nil {

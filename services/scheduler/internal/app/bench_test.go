@@ -623,7 +623,7 @@ func (bs *benchScheduler) checkClean(b *testing.B) {
 	var first string
 	err := bs.pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM trackers WHERE error IS NOT NULL),
 		(SELECT coalesce(min(error), '') FROM trackers WHERE error IS NOT NULL),
-		(SELECT count(*) FROM scheduler_dead_letters)`).Scan(&errored, &first, &dead)
+		(SELECT count(*) FROM dead_letters WHERE service = 'scheduler')`).Scan(&errored, &first, &dead)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -865,7 +865,7 @@ func (bs *benchScheduler) explainMissing(b *testing.B, saves *saveReader, sent m
 		}
 	}
 	saves.mu.Unlock()
-	dl, err := bs.pool.Query(context.Background(), `SELECT topic, reason, left(detail, 300) FROM scheduler_dead_letters ORDER BY id LIMIT 10`)
+	dl, err := bs.pool.Query(context.Background(), `SELECT topic, reason, left(detail, 300) FROM dead_letters WHERE service = 'scheduler' ORDER BY id LIMIT 10`)
 	if err == nil {
 		for dl.Next() {
 			var topic, reason, detail string

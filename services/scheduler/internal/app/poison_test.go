@@ -14,7 +14,7 @@ import (
 // TestPoisonRecordsAreDeadLettered checks, for each topic the scheduler
 // consumes, that a maximum-size junk record, a truncated record and a
 // record of another schema are each dead-lettered into
-// scheduler_dead_letters with a reason, that /readyz stays 200, and that the
+// dead_letters (service scheduler) with a reason, that /readyz stays 200, and that the
 // valid record after each (on the same partition) takes effect within
 // servicetest.PoisonDeadline.
 func TestPoisonRecordsAreDeadLettered(t *testing.T) {
@@ -93,8 +93,8 @@ func nextResult(t *testing.T, h *mesh) servicetest.Valid {
 // record at, or "" while there is none.
 func (h *mesh) deadLetterReason(t *testing.T, at servicetest.Produced) string {
 	var reason string
-	err := h.pool.QueryRow(h.ctx, `SELECT reason FROM scheduler_dead_letters
-		WHERE topic = $1 AND partition = $2 AND "offset" = $3`, at.Topic, at.Partition, at.Offset).Scan(&reason)
+	err := h.pool.QueryRow(h.ctx, `SELECT reason FROM dead_letters
+		WHERE service = 'scheduler' AND topic = $1 AND partition = $2 AND "offset" = $3`, at.Topic, at.Partition, at.Offset).Scan(&reason)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		t.Fatalf("dead letter of %+v: %v", at, err)
 	}

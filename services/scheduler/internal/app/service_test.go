@@ -149,7 +149,7 @@ func invalidRecords(t *testing.T, h *mesh) {
 	h.produce(contract.TopicTransferResults, keyed{key, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x"}})
 	var n int
 	eventually(t, "two dead letters", func() bool {
-		err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM scheduler_dead_letters WHERE key = $1`, key).Scan(&n)
+		err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM dead_letters WHERE service = 'scheduler' AND record_key = $1`, key).Scan(&n)
 		return err == nil && n == 2
 	})
 	r := h.request("alive")

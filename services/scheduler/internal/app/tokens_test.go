@@ -60,7 +60,7 @@ func TestTokenIDsFlowIntoSaveTasks(t *testing.T) {
 				TokenIDs: promptIDs(20)})
 			var reason string
 			eventually(t, "the malformed token list's dead letter", func() bool {
-				err := h.pool.QueryRow(h.ctx, `SELECT reason FROM scheduler_dead_letters WHERE key = $1`, bad.engine).Scan(&reason)
+				err := h.pool.QueryRow(h.ctx, `SELECT reason FROM dead_letters WHERE service = 'scheduler' AND record_key = $1`, bad.engine).Scan(&reason)
 				return err == nil
 			})
 			if reason != "invalid_record" {

@@ -13,16 +13,6 @@ import (
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
-// Dead-letter reason codes of the scheduler, beside bus.ReasonUndecodable.
-const (
-	// ReasonInvalidRecord marks a record that decodes but misses a required
-	// field or carries an impossible value.
-	ReasonInvalidRecord = "invalid_record"
-	// ReasonUnknownTopic marks a record from a topic the scheduler does not
-	// consume.
-	ReasonUnknownTopic = "unknown_topic"
-)
-
 // errInvalid wraps every validation failure.
 var errInvalid = errors.New("invalid record")
 
@@ -75,7 +65,7 @@ func decode(rec bus.Received, rl rules) (item, error) {
 	case contract.TopicTransferResults:
 		it, err = decodeResult(rec.Value)
 	default:
-		return item{}, bus.Permanent(ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
+		return item{}, bus.Permanent(kvcore.ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
 	}
 	if err == nil {
 		it.changes[0].traceparent = rec.Headers[contract.HeaderTraceparent]
@@ -86,14 +76,14 @@ func decode(rec bus.Received, rl rules) (item, error) {
 // unmarshal decodes a JSON value, classifying failures as undecodable.
 func unmarshal(b []byte, v any) error {
 	if err := json.Unmarshal(b, v); err != nil {
-		return bus.Permanent(bus.ReasonUndecodable, err)
+		return bus.Permanent(kvcore.ReasonUndecodable, err)
 	}
 	return nil
 }
 
 // invalid returns a permanent invalid-record error.
 func invalid(format string, args ...any) error {
-	return bus.Permanent(ReasonInvalidRecord, fmt.Errorf("%w: "+format, append([]any{errInvalid}, args...)...))
+	return bus.Permanent(kvcore.ReasonInvalidRecord, fmt.Errorf("%w: "+format, append([]any{errInvalid}, args...)...))
 }
 
 // requireIDs checks the schema and the identifying fields of a record.

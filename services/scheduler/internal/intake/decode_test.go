@@ -59,7 +59,7 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		name    string
 		topic   string
 		value   []byte
-		reason  string // "" = valid
+		reason  kvcore.Reason // "" = valid
 		kind    string
 		request string // the record's own request ("" for a step)
 		changes int
@@ -68,48 +68,48 @@ func TestDecodeClassifiesRecords(t *testing.T) {
 		{"empty step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = nil }), "", ledger.KindStep, "", 0},
 		{"decision", contract.TopicLookupDecisions, mustJSON(t, dec), "", ledger.KindDecision, "r", 1},
 		{"result", contract.TopicTransferResults, mustJSON(t, res), "", ledger.KindResult, "r", 1},
-		{"not json", contract.TopicEngineSteps, []byte("{"), bus.ReasonUndecodable, "", "", 0},
-		{"wrong schema", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Schema = "x" }), ReasonInvalidRecord, "", "", 0},
-		{"no step id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.StepID = "" }), ReasonInvalidRecord, "", "", 0},
-		{"no engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "" }), ReasonInvalidRecord, "", "", 0},
-		{"NUL in engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "e\x00" }), ReasonInvalidRecord, "", "", 0},
-		{"no request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "" }), ReasonInvalidRecord, "", "", 0},
-		{"NUL in request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "r\x00" }), ReasonInvalidRecord, "", "", 0},
+		{"not json", contract.TopicEngineSteps, []byte("{"), kvcore.ReasonUndecodable, "", "", 0},
+		{"wrong schema", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Schema = "x" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"no step id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.StepID = "" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"no engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"NUL in engine id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.EngineID = "e\x00" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"no request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"NUL in request id", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].RequestID = "r\x00" }), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"NUL in tenant", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			s.Requests[0].Kind, s.Requests[0].Step, s.Requests[0].Tenant = contract.EventAdmitted, nil, "t\x00"
-		}), ReasonInvalidRecord, "", "", 0},
-		{"NUL in decision tenant", contract.TopicLookupDecisions, func() []byte { d := dec; d.Tenant = "t\x00"; return mustJSON(t, d) }(), ReasonInvalidRecord, "", "", 0},
-		{"seq 0", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Seq = 0 }), ReasonInvalidRecord, "", "", 0},
-		{"negative external", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].ExternalTokens = -1 }), ReasonInvalidRecord, "", "", 0},
-		{"scheduled without step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Step = nil }), ReasonInvalidRecord, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"NUL in decision tenant", contract.TopicLookupDecisions, func() []byte { d := dec; d.Tenant = "t\x00"; return mustJSON(t, d) }(), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"seq 0", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Seq = 0 }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"negative external", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].ExternalTokens = -1 }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"scheduled without step", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Step = nil }), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"hash not hex", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			s.Requests[0].Kind, s.Requests[0].Step, s.Requests[0].BlockHashes = contract.EventAdmitted, nil, []string{"ab", "a,b"}
-		}), ReasonInvalidRecord, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"step hash not hex", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			s.Requests[0].Step = &kvcore.Step{Kind: kvcore.StepNew, Hashes: []string{"XYZ"}}
-		}), ReasonInvalidRecord, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"admitted with whole blocks of tokens", contract.TopicEngineSteps, with(admittedWith(32)), "", ledger.KindStep, "", 1},
 		{"admitted with one block of tokens", contract.TopicEngineSteps, with(admittedWith(16)), "", ledger.KindStep, "", 1},
-		{"token ids of a partial block", contract.TopicEngineSteps, with(admittedWith(20)), ReasonInvalidRecord, "", "", 0},
+		{"token ids of a partial block", contract.TopicEngineSteps, with(admittedWith(20)), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"token ids past the chain", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			admittedWith(32)(s)
 			s.Requests[0].BlockHashes, s.Requests[0].PromptTokens = []string{"ab"}, 64
-		}), ReasonInvalidRecord, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"token ids past the prompt", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			admittedWith(32)(s)
 			s.Requests[0].PromptTokens = 31
-		}), ReasonInvalidRecord, "", "", 0},
-		{"token ids on a scheduled event", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].TokenIDs = make([]uint32, 16) }), ReasonInvalidRecord, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"token ids on a scheduled event", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].TokenIDs = make([]uint32, 16) }), kvcore.ReasonInvalidRecord, "", "", 0},
 		{"NUL in lora name", contract.TopicEngineSteps, with(func(s *contract.EngineStep) {
 			admittedWith(16)(s)
 			s.Requests[0].LoraName = "l\x00"
-		}), ReasonInvalidRecord, "", "", 0},
-		{"unknown kind", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Kind = "exploded" }), ReasonInvalidRecord, "", "", 0},
-		{"too many requests", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = tooMany }), ReasonInvalidRecord, "", "", 0},
-		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
-		{"result of unknown kind", contract.TopicTransferResults, mustJSON(t, func() contract.TransferResult { r := res; r.Kind = "copy"; return r }()), ReasonInvalidRecord, "", "", 0},
-		{"decision without id", contract.TopicLookupDecisions, mustJSON(t, contract.LookupDecision{Schema: contract.SchemaLookupDecision, EngineID: "e", RequestID: "r"}), ReasonInvalidRecord, "", "", 0},
-		{"other topic", "kvmesh.other", mustJSON(t, st), ReasonUnknownTopic, "", "", 0},
+		}), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"unknown kind", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests[0].Kind = "exploded" }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"too many requests", contract.TopicEngineSteps, with(func(s *contract.EngineStep) { s.Requests = tooMany }), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"result without task", contract.TopicTransferResults, mustJSON(t, contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "x", Kind: "save", EngineID: "e", RequestID: "r"}), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"result of unknown kind", contract.TopicTransferResults, mustJSON(t, func() contract.TransferResult { r := res; r.Kind = "copy"; return r }()), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"decision without id", contract.TopicLookupDecisions, mustJSON(t, contract.LookupDecision{Schema: contract.SchemaLookupDecision, EngineID: "e", RequestID: "r"}), kvcore.ReasonInvalidRecord, "", "", 0},
+		{"other topic", "kvmesh.other", mustJSON(t, st), kvcore.ReasonUnknownTopic, "", "", 0},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -170,8 +170,8 @@ func TestDecodeDropsTokenIDs(t *testing.T) {
 	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: mustJSON(t, bad)}},
 		rules{hashBlockSize: 16, dropTokenIDs: true})
 	var pe *bus.PermanentError
-	if !errors.As(err, &pe) || pe.Reason != ReasonInvalidRecord {
-		t.Fatalf("malformed token ids with the switch off: %v, want permanent %s", err, ReasonInvalidRecord)
+	if !errors.As(err, &pe) || pe.Reason != kvcore.ReasonInvalidRecord {
+		t.Fatalf("malformed token ids with the switch off: %v, want permanent %s", err, kvcore.ReasonInvalidRecord)
 	}
 }
 

@@ -56,16 +56,6 @@ func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.L
 		rules: rules{hashBlockSize: m.HashBlockSize, dropTokenIDs: opts.DropTokenIDs}}
 }
 
-// Dead-letter reasons of a record whose transaction fails for good.
-const (
-	// ReasonDatabaseRejected marks a record PostgreSQL refuses for its
-	// data (SQLSTATE class 22 or 23) every time it is applied alone.
-	ReasonDatabaseRejected = "database_rejected"
-	// ReasonPartsCorrupt marks a record changing a request whose stored
-	// hash or block segments disagree with its row (ledger.ErrPartsCorrupt).
-	ReasonPartsCorrupt = "tracker_parts_corrupt"
-)
-
 // HandleBatch is the bus.BatchHandler: it decodes every record and applies
 // the decodable ones in one ledger transaction (ledger.ApplyBatch). The
 // records that cannot be decoded or are invalid fail permanently, alone
@@ -167,10 +157,10 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 // (an outage, a deadlock, a timeout) is transient.
 func classifyApply(err error) error {
 	if pe, ok := errors.AsType[*pgconn.PgError](err); ok && (strings.HasPrefix(pe.Code, "22") || strings.HasPrefix(pe.Code, "23")) {
-		return bus.Permanent(ReasonDatabaseRejected, err)
+		return bus.Permanent(kvcore.ReasonDatabaseRejected, err)
 	}
 	if errors.Is(err, ledger.ErrPartsCorrupt) {
-		return bus.Permanent(ReasonPartsCorrupt, err)
+		return bus.Permanent(kvcore.ReasonPartsCorrupt, err)
 	}
 	return bus.Transient(err)
 }
@@ -355,22 +345,4 @@ func message(topic, key string, v any) (bus.Message, error) {
 		return bus.Message{}, fmt.Errorf("encode %s message: %w", topic, err)
 	}
 	return bus.Message{Topic: topic, Key: key, Value: b}, nil
-}
-
-// DeadLetter is the consumer's OnDeadLetter hook: it keeps the record in
-// the scheduler's dead-letter table and counts it.
-func (h *Handler) DeadLetter(ctx context.Context, rec bus.Received, reason string, cause error) error {
-	detail := ""
-	if cause != nil {
-		detail = cause.Error()
-	}
-	err := h.ledger.AddDeadLetter(ctx, ledger.DeadLetter{
-		Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset, Key: rec.Key,
-		Reason: reason, Detail: detail, Payload: rec.Value,
-	})
-	if err != nil {
-		return err
-	}
-	h.metrics.DeadLettered(rec.Topic, reason)
-	return nil
 }

@@ -7,7 +7,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 
-	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
@@ -71,8 +71,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	// Every dead-letter and duplicate series exists from the start, at 0,
 	// for dashboards, alerts and readers of a replica's repeats.
 	for _, topic := range Topics {
-		for _, reason := range []string{bus.ReasonUndecodable, ReasonInvalidRecord, ReasonDatabaseRejected, ReasonPartsCorrupt, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted} {
-			m.deadLetters.WithLabelValues(topic, reason)
+		for _, reason := range []kvcore.Reason{kvcore.ReasonUndecodable, kvcore.ReasonInvalidRecord, kvcore.ReasonDatabaseRejected, kvcore.ReasonPartsCorrupt, kvcore.ReasonHandlerPanic, kvcore.ReasonRetriesExhausted} {
+			m.deadLetters.WithLabelValues(topic, string(reason))
 		}
 		m.records.WithLabelValues(topic, "applied")
 		for _, by := range []string{"id", "seq"} {
@@ -89,6 +89,6 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 }
 
 // DeadLettered counts one dead-lettered record.
-func (m *Metrics) DeadLettered(topic, reason string) {
-	m.deadLetters.WithLabelValues(topic, reason).Inc()
+func (m *Metrics) DeadLettered(topic string, reason kvcore.Reason) {
+	m.deadLetters.WithLabelValues(topic, string(reason)).Inc()
 }

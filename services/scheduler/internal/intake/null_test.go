@@ -65,7 +65,7 @@ func TestDecodeStepRefusesANegativeNullBlockID(t *testing.T) {
 	v := fmt.Appendf(nil, `{"schema":%q,"step_id":"e/1","engine_id":"e","model":"m","null_block_id":-1,"requests":[]}`, contract.SchemaEngineStep)
 	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: v}}, testRules)
 	var pe *bus.PermanentError
-	if !errors.As(err, &pe) || pe.Reason != ReasonInvalidRecord {
-		t.Fatalf("error %v, want permanent %s", err, ReasonInvalidRecord)
+	if !errors.As(err, &pe) || pe.Reason != kvcore.ReasonInvalidRecord {
+		t.Fatalf("error %v, want permanent %s", err, kvcore.ReasonInvalidRecord)
 	}
 }

@@ -218,30 +218,3 @@ func TestApplyBatchUnits(t *testing.T) {
 		t.Fatalf("r1 stored with last seq %v, %v; want 2", row, err)
 	}
 }
-
-// TestAddDeadLetterStoresAnyText: a record whose key or error text holds
-// NUL or invalid UTF-8 is still recorded (with U+FFFD in their place), so
-// the consumer is never stuck on its dead letter; recording it again keeps
-// one row.
-func TestAddDeadLetterStoresAnyText(t *testing.T) {
-	pool := dbtest.NewPool(t)
-	l := ledger.New(pool, model(t))
-	d := ledger.DeadLetter{Topic: "t", Partition: 1, Offset: 7, Key: "k\x00\xff", Reason: "undecodable",
-		Detail: "bad \x00 byte", Payload: []byte{0, 0xff}}
-	for range 2 {
-		if err := l.AddDeadLetter(context.Background(), d); err != nil {
-			t.Fatalf("AddDeadLetter: %v", err)
-		}
-	}
-	var key, detail string
-	var payload []byte
-	if err := pool.QueryRow(context.Background(), `SELECT key, detail, payload FROM scheduler_dead_letters`).Scan(&key, &detail, &payload); err != nil {
-		t.Fatal(err)
-	}
-	if key != "k\uFFFD\uFFFD" || detail != "bad \uFFFD byte" || string(payload) != "\x00\xff" {
-		t.Errorf("stored key %q, detail %q, payload %q", key, detail, payload)
-	}
-	if n := count(t, pool, `SELECT count(*) FROM scheduler_dead_letters`); n != 1 {
-		t.Errorf("%d rows, want 1", n)
-	}
-}

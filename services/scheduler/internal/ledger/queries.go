@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
-	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
 )
 
@@ -159,29 +158,4 @@ func (l *Ledger) CountByState(ctx context.Context) (map[string]int64, error) {
 		return nil, fmt.Errorf("ledger: count trackers: %w", err)
 	}
 	return out, nil
-}
-
-// DeadLetter is one record the scheduler could not apply.
-type DeadLetter struct {
-	Topic     string
-	Partition int
-	Offset    int64
-	Key       string
-	Reason    string
-	Detail    string
-	Payload   []byte
-}
-
-// AddDeadLetter records d, its texts made storable (text.ForPostgres: a
-// record key or error with NUL or invalid UTF-8 is kept with U+FFFD in
-// their place); recording the same record twice keeps one row.
-func (l *Ledger) AddDeadLetter(ctx context.Context, d DeadLetter) error {
-	_, err := l.pool.Exec(ctx, `INSERT INTO scheduler_dead_letters
-		(topic, partition, "offset", key, reason, detail, payload) VALUES ($1, $2, $3, $4, $5, $6, $7)
-		ON CONFLICT DO NOTHING`, text.ForPostgres(d.Topic), d.Partition, d.Offset, text.ForPostgres(d.Key),
-		text.ForPostgres(d.Reason), text.ForPostgres(d.Detail), d.Payload)
-	if err != nil {
-		return fmt.Errorf("ledger: dead letter %s/%d/%d: %w", d.Topic, d.Partition, d.Offset, err)
-	}
-	return nil
 }

@@ -13,9 +13,9 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
@@ -70,22 +70,22 @@ type recordingSender struct {
 	calls []string
 }
 
-func (s *recordingSender) Replay(_ context.Context, id int64) (sending.Replayed, error) {
+func (s *recordingSender) Replay(_ context.Context, id int64) (deadletter.Replayed, error) {
 	s.record("replay")
 	if id == 404 {
-		return sending.Replayed{}, ledger.ErrNotFound
+		return deadletter.Replayed{}, deadletter.ErrNotFound
 	}
-	return sending.Replayed{DeadLetter: ledger.DeadLetter{ID: id, ReplayStatus: ledger.ReplayDone, ReplayCount: 1},
-		Result: sending.ReplayResult{Status: "stored"}}, nil
+	return deadletter.Replayed{DeadLetter: deadletter.DeadLetter{ID: id, ReplayStatus: deadletter.ReplayDone, ReplayCount: 1},
+		Result: deadletter.ReplayResult{Status: "stored"}}, nil
 }
 
 func (s *recordingSender) DryRun(_ context.Context, id int64) (sending.DryRun, error) {
 	s.record("dry_run")
 	if id == 404 {
-		return sending.DryRun{}, ledger.ErrNotFound
+		return sending.DryRun{}, deadletter.ErrNotFound
 	}
 	g := 1
-	return sending.DryRun{DeadLetter: ledger.DeadLetter{ID: id, ReplayStatus: ledger.ReplayNone}, DryRun: adminapi.DryRun{
+	return sending.DryRun{DeadLetter: deadletter.DeadLetter{ID: id, ReplayStatus: deadletter.ReplayNone}, DryRun: adminapi.DryRun{
 		Expect: sending.ExpectInvalid, Reason: "table_group_count", Group: &g}}, nil
 }
 

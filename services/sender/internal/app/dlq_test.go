@@ -9,6 +9,8 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
+	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
@@ -31,12 +33,12 @@ func TestDLQAdmin(t *testing.T) {
 	for _, task := range []*kvcore.SaveTask{other, noTable, nullBlock, late} {
 		s.got.result(t, task.TaskID)
 	}
-	var all api.Page
+	var all dlqhttp.Page
 	poll(t, "8 dead letters", func() bool {
 		s.do(t, http.MethodGet, "/v1/dlq", "", &all)
 		return len(all.Items) == 8
 	})
-	ids := func(p api.Page) []int64 {
+	ids := func(p dlqhttp.Page) []int64 {
 		var out []int64
 		for _, e := range p.Items {
 			out = append(out, e.ID)
@@ -46,21 +48,21 @@ func TestDLQAdmin(t *testing.T) {
 	if !slices.IsSortedFunc(ids(all), func(a, b int64) int { return int(b - a) }) || all.NextCursor != "" {
 		t.Fatalf("list not newest first or has a cursor: %v %q", ids(all), all.NextCursor)
 	}
-	byID := map[int64]api.Entry{}
+	byID := map[int64]deadletter.Entry{}
 	for _, e := range all.Items {
 		byID[e.ID] = e
 		if e.Payload != nil || e.PayloadBytes == 0 {
 			t.Fatalf("list entry %d carries its payload or no size", e.ID)
 		}
 	}
-	find := func(request, reason string) api.Entry {
+	find := func(request, reason string) deadletter.Entry {
 		for _, e := range all.Items {
-			if e.RequestID == request && e.Reason == reason {
+			if e.RequestID == request && string(e.Reason) == reason {
 				return e
 			}
 		}
 		t.Fatalf("no dead letter %s/%s in %+v", request, reason, all.Items)
-		return api.Entry{}
+		return deadletter.Entry{}
 	}
 
 	t.Run("filters", func(t *testing.T) {
@@ -73,7 +75,7 @@ func TestDLQAdmin(t *testing.T) {
 			{"reason=undecodable", 1}, {"engine_id=nobody", 0},
 		}
 		for _, tc := range cases {
-			var p api.Page
+			var p dlqhttp.Page
 			if code := s.do(t, http.MethodGet, "/v1/dlq?"+tc.query, "", &p); code != http.StatusOK || len(p.Items) != tc.want {
 				t.Errorf("?%s: %d, %d items, want %d", tc.query, code, len(p.Items), tc.want)
 			}
@@ -87,7 +89,7 @@ func TestDLQAdmin(t *testing.T) {
 			if pages == 5 {
 				t.Fatal("pagination does not end")
 			}
-			var p api.Page
+			var p dlqhttp.Page
 			if code := s.do(t, http.MethodGet, "/v1/dlq?limit=3&cursor="+cursor, "", &p); code != http.StatusOK {
 				t.Fatalf("page %d: %d", pages, code)
 			}
@@ -101,7 +103,7 @@ func TestDLQAdmin(t *testing.T) {
 			t.Fatalf("pages gave %v, want %v", seen, ids(all))
 		}
 		// A last page that is exactly full has no cursor either.
-		var full api.Page
+		var full dlqhttp.Page
 		if code := s.do(t, http.MethodGet, fmt.Sprintf("/v1/dlq?limit=%d", len(all.Items)), "", &full); code != http.StatusOK ||
 			len(full.Items) != len(all.Items) || full.NextCursor != "" {
 			t.Fatalf("exactly full page: %d, %d items, cursor %q; want every item and no cursor", code, len(full.Items), full.NextCursor)
@@ -120,7 +122,7 @@ func TestDLQAdmin(t *testing.T) {
 	})
 
 	t.Run("show", func(t *testing.T) {
-		var e api.Entry
+		var e deadletter.Entry
 		junk := find("", "undecodable")
 		if code := s.do(t, http.MethodGet, fmt.Sprintf("/v1/dlq/%d", junk.ID), "", &e); code != http.StatusOK ||
 			string(e.Payload) != string(garbage) || e.PayloadJSON != nil || e.Topic != contract.TopicSaveTasks {
@@ -149,10 +151,10 @@ func TestDLQAdmin(t *testing.T) {
 				t.Errorf("replay with token %q = %d, want %d", token, code, want)
 			}
 		}
-		for _, e := range []api.Entry{nb, find("", "undecodable")} {
+		for _, e := range []deadletter.Entry{nb, find("", "undecodable")} {
 			var prob httpserver.Problem
 			code := s.do(t, http.MethodPost, fmt.Sprintf("/v1/dlq/%d/replay", e.ID), adminToken, &prob)
-			if code != http.StatusUnprocessableEntity || prob.Extras["reason"] != e.Reason {
+			if code != http.StatusUnprocessableEntity || prob.Extras["reason"] != string(e.Reason) {
 				t.Errorf("replay of still-invalid %s: %d %+v", e.Reason, code, prob)
 			}
 		}
@@ -162,7 +164,7 @@ func TestDLQAdmin(t *testing.T) {
 		s.writeBlocks(t, late)
 		entry := find("a4", "put_failed")
 		path = fmt.Sprintf("/v1/dlq/%d/replay", entry.ID)
-		var first, second api.ReplayAnswer
+		var first, second deadletter.ReplayAnswer
 		if code := s.do(t, http.MethodPost, path, adminToken, &first); code != http.StatusOK ||
 			first.ReplayStatus != "replayed" || first.AlreadyReplayed || first.Result.Status != "stored" {
 			t.Fatalf("replay: %d %+v", code, first)
@@ -173,7 +175,7 @@ func TestDLQAdmin(t *testing.T) {
 			second.ReplayCount != 1 || second.Result.Groups[0] != first.Result.Groups[0] {
 			t.Fatalf("second replay: %d %+v, want the recorded result", code, second)
 		}
-		var shown api.Entry
+		var shown deadletter.Entry
 		s.do(t, http.MethodGet, fmt.Sprintf("/v1/dlq/%d", entry.ID), "", &shown)
 		if shown.ReplayStatus != "replayed" || shown.ReplayCount != 1 {
 			t.Fatalf("entry after replay %+v", shown)

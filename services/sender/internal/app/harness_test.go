@@ -123,7 +123,7 @@ type collector struct {
 	mu      sync.Mutex
 	results []contract.TransferResult
 	waiters map[string]chan contract.TransferResult // by task id (await)
-	dlq     []contract.DeadLetter
+	dlq     []contract.DeadLetterNotice
 	events  []contract.KVEventRecord
 }
 
@@ -142,7 +142,7 @@ func (c *collector) handle(_ context.Context, m bus.Received) error {
 			}
 		}
 	case contract.TopicSaveDLQ:
-		var d contract.DeadLetter
+		var d contract.DeadLetterNotice
 		if err = json.Unmarshal(m.Value, &d); err == nil {
 			c.dlq = append(c.dlq, d)
 		}
@@ -215,9 +215,9 @@ func (c *collector) blockStored(t testing.TB, requestID string, group, want int)
 }
 
 // deadLetters waits for n DLQ records of taskID.
-func (c *collector) deadLetters(t testing.TB, taskID string, n int) []contract.DeadLetter {
+func (c *collector) deadLetters(t testing.TB, taskID string, n int) []contract.DeadLetterNotice {
 	t.Helper()
-	var out []contract.DeadLetter
+	var out []contract.DeadLetterNotice
 	poll(t, fmt.Sprintf("%d dlq records of %s", n, taskID), func() bool {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -316,7 +316,7 @@ func (s *stack) startCollector(t testing.TB) {
 	c, err := bus.NewConsumer(bus.ConsumerConfig{
 		Brokers: s.env.Brokers, GroupID: "test-collector-" + randHex(4),
 		Topics:       []string{contract.TopicTransferResults, contract.TopicSaveDLQ, contract.TopicKVEvents},
-		OnDeadLetter: func(context.Context, bus.Received, string, error) error { return nil },
+		OnDeadLetter: func(context.Context, bus.Received, kvcore.Reason, error) error { return nil },
 		Logger:       slog.New(slog.DiscardHandler), SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond,
 	}, s.got.handle)
 	if err != nil {

@@ -11,8 +11,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 )
 
 // TestSaveOfReusedBlockStoresNoWrongBytes simulates the engine preempting
@@ -71,12 +71,12 @@ func TestSaveOfReusedBlockStoresNoWrongBytes(t *testing.T) {
 			if len(dls) != 1 || dls[0].Reason != string(kvcore.ReasonBlockNotHeld) || dls[0].Group == nil || *dls[0].Group != 0 {
 				t.Fatalf("dlq records %+v, want one block_not_held for group 0", dls)
 			}
-			var page api.Page
+			var page dlqhttp.Page
 			poll(t, "the dead letter in GET /v1/dlq", func() bool {
 				s.do(t, http.MethodGet, "/v1/dlq?reason=block_not_held&request_id="+tc.id, "", &page)
 				return len(page.Items) > 0
 			})
-			if e := page.Items[0]; len(page.Items) != 1 || e.Reason != string(kvcore.ReasonBlockNotHeld) || e.Group == nil || *e.Group != 0 ||
+			if e := page.Items[0]; len(page.Items) != 1 || e.Reason != kvcore.ReasonBlockNotHeld || e.Group == nil || *e.Group != 0 ||
 				e.TaskID != task.TaskID || !strings.Contains(e.Detail, "no longer hold") {
 				t.Fatalf("GET /v1/dlq = %+v", page.Items)
 			}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
@@ -83,7 +84,7 @@ func TestSendingScenarios(t *testing.T) {
 		if dlq[0].Reason != "table_group_count" || dlq[0].Group == nil || *dlq[0].Group != 1 || dlq[0].Topic != contract.TopicSaveTasks {
 			t.Fatalf("dlq record %+v", dlq[0])
 		}
-		var page api.Page
+		var page dlqhttp.Page
 		if code := s.do(t, http.MethodGet, "/v1/dlq?request_id=s16", "", &page); code != http.StatusOK || len(page.Items) != 1 ||
 			page.Items[0].Reason != "table_group_count" || page.Items[0].TaskID != task.TaskID {
 			t.Fatalf("GET /v1/dlq: %d %+v", code, page)

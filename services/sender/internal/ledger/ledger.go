@@ -1,36 +1,24 @@
 // Package ledger is the sender's durable record in PostgreSQL: one
 // save_outcomes row per completed save task (the accounting and the
-// handler's idempotency key), the dead_letters table, and the outgoing
-// messages, all written in one transaction through the outbox.
+// handler's idempotency key), its dead letters (the sender's rows of the
+// shared dead_letters table, through pkg/deadletter's Store), and the
+// outgoing messages, all written in one transaction through the outbox.
 package ledger
 
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
-	"github.com/kvmesh/kvmesh/pkg/text"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 )
-
-// Sentinel errors.
-var (
-	// ErrNotFound reports a dead letter id that does not exist.
-	ErrNotFound = errors.New("ledger: dead letter not found")
-)
-
-// WholeRecord is the slot of a dead letter that covers a whole record
-// rather than one group of it.
-const WholeRecord = -1
 
 // Source identifies the Kafka record a write comes from.
 type Source struct {
@@ -45,41 +33,6 @@ type Source struct {
 	Key string
 	// Payload is the record's value, kept with each dead letter.
 	Payload []byte
-}
-
-// DeadLetter is one row of the dead_letters table, in the shape the
-// sender's admin API shows.
-type DeadLetter = adminapi.DeadLetter
-
-// Message is dead letter d as published on contract.TopicSaveDLQ. Its
-// payload is bounded (contract.MaxDeadLetterPayload) so that any dead letter
-// can be published; the full payload stays in the dead_letters row d.ID,
-// which the message names (payload_ref, GET /v1/dlq/{id}).
-func Message(d DeadLetter) (bus.Message, error) {
-	id := strconv.FormatInt(d.ID, 10)
-	payload, truncated := contract.BoundDeadLetterPayload(d.Payload)
-	v, err := json.Marshal(contract.DeadLetter{
-		Schema: contract.SchemaDeadLetter, ID: id,
-		Reason: d.Reason, Detail: d.Detail, Group: d.Group,
-		TaskID: d.TaskID, EngineID: d.EngineID, RequestID: d.RequestID,
-		Topic: d.Topic, Partition: d.Partition, Offset: d.Offset,
-		Payload: payload, PayloadBytes: len(d.Payload), PayloadTruncated: truncated,
-		PayloadRef: "/v1/dlq/" + id,
-	})
-	if err != nil {
-		return bus.Message{}, fmt.Errorf("encode dead letter: %w", err)
-	}
-	key := d.RequestID
-	if key == "" {
-		key = "dead-letter-" + strconv.FormatInt(d.ID, 10)
-	}
-	return bus.Message{Topic: contract.TopicSaveDLQ, Key: key, Value: v, Headers: map[string]string{
-		contract.HeaderReason:       d.Reason,
-		contract.HeaderOrigTopic:    d.Topic,
-		contract.HeaderOrigPart:     strconv.Itoa(d.Partition),
-		contract.HeaderOrigOffset:   strconv.FormatInt(d.Offset, 10),
-		contract.HeaderPayloadBytes: strconv.Itoa(len(d.Payload)),
-	}}, nil
 }
 
 // Outcome is one save task's row in save_outcomes.
@@ -103,7 +56,7 @@ type Entry struct {
 	DropIfDone bool
 	// DeadLetters are written with ON CONFLICT DO NOTHING on the record's
 	// slot; ID, CreatedAt and the source fields are filled in.
-	DeadLetters []DeadLetter
+	DeadLetters []deadletter.DeadLetter
 	// Messages (transfer result, kv events) are enqueued when the outcome
 	// is new (or there is no outcome).
 	Messages []bus.Message
@@ -114,16 +67,29 @@ type Committed struct {
 	// Done is set when the task's outcome already existed.
 	Done bool
 	// DeadLetters are the rows inserted now (not those already present).
-	DeadLetters []DeadLetter
+	DeadLetters []deadletter.DeadLetter
 }
 
 // Ledger reads and writes the sender's tables.
 type Ledger struct {
 	pool *pgxpool.Pool
+	dl   *deadletter.Store
 }
 
-// New returns a ledger over pool (migrated to 0003 or later).
-func New(pool *pgxpool.Pool) *Ledger { return &Ledger{pool: pool} }
+// New returns a ledger over pool (migrated to 0010 or later).
+func New(pool *pgxpool.Pool) *Ledger {
+	return &Ledger{pool: pool, dl: deadletter.NewStore(pool, deadletter.ServiceSender)}
+}
+
+// DeadLetters is the store of the sender's dead letters, which the admin
+// routes (pkg/deadletter/dlqhttp) serve.
+// A nil ledger has no store (nil).
+func (l *Ledger) DeadLetters() *deadletter.Store {
+	if l == nil {
+		return nil
+	}
+	return l.dl
+}
 
 // Done reports whether the task's outcome is recorded.
 func (l *Ledger) Done(ctx context.Context, taskID string) (bool, error) {
@@ -153,7 +119,7 @@ func (l *Ledger) Commit(ctx context.Context, e Entry) (Committed, error) {
 			}
 			out.Done = !fresh
 		}
-		msgs, err := insertDeadLetters(ctx, tx, e.Source, e.DeadLetters, &out)
+		msgs, err := l.insertDeadLetters(ctx, tx, e.Source, e.DeadLetters, &out)
 		if err != nil {
 			return err
 		}
@@ -200,35 +166,20 @@ func insertOutcome(ctx context.Context, tx pgx.Tx, src Source, o *Outcome) (bool
 	return tag.RowsAffected() == 1, nil
 }
 
-const insertDeadLetterSQL = `
-INSERT INTO dead_letters (reason, detail, group_index, task_id, engine_id, request_id,
-	payload, topic, partition, "offset", record_time, slot)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-ON CONFLICT (topic, partition, "offset", record_time, slot) DO NOTHING
-RETURNING id, created_at`
-
 // insertDeadLetters inserts the rows not yet present and returns the DLQ
 // messages of those inserted.
-func insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, dls []DeadLetter, out *Committed) ([]bus.Message, error) {
+func (l *Ledger) insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, dls []deadletter.DeadLetter, out *Committed) ([]bus.Message, error) {
 	var msgs []bus.Message
-	payload := src.Payload
-	if payload == nil {
-		payload = []byte{}
-	}
 	for _, d := range dls {
-		d.Reason, d.Detail = text.ForPostgres(d.Reason), text.ForPostgres(d.Detail)
-		d.TaskID, d.EngineID, d.RequestID = text.ForPostgres(d.TaskID), text.ForPostgres(d.EngineID), text.ForPostgres(d.RequestID)
-		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = payload, src.Topic, src.Partition, src.Offset, src.Time
-		d.ReplayStatus = ReplayNone
-		err := tx.QueryRow(ctx, insertDeadLetterSQL, d.Reason, d.Detail, d.Group, d.TaskID, d.EngineID, d.RequestID,
-			d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime, d.Slot).Scan(&d.ID, &d.CreatedAt)
-		if errors.Is(err, pgx.ErrNoRows) {
+		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = src.Payload, src.Topic, src.Partition, src.Offset, src.Time
+		d, added, err := l.dl.Insert(ctx, tx, d)
+		if err != nil {
+			return nil, err
+		}
+		if !added {
 			continue // this record's slot is already recorded
 		}
-		if err != nil {
-			return nil, fmt.Errorf("insert dead letter %s: %w", d.Reason, err)
-		}
-		m, err := Message(d)
+		m, err := deadletter.Message(d)
 		if err != nil {
 			return nil, err
 		}

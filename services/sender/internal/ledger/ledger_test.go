@@ -16,6 +16,8 @@ import (
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 
@@ -29,7 +31,7 @@ func src(offset int64) ledger.Source {
 
 func group(g int) *int { return &g }
 
-func taskEntry(taskID string, offset int64, dls ...ledger.DeadLetter) ledger.Entry {
+func taskEntry(taskID string, offset int64, dls ...deadletter.DeadLetter) ledger.Entry {
 	res := contract.TransferResult{Schema: contract.SchemaTransferResult, ResultID: "save/" + taskID, Kind: contract.TransferSave,
 		TaskID: taskID, EngineID: "e1", RequestID: "r1", Status: "dead_lettered", Bytes: 10,
 		Groups: []contract.GroupOutcome{{Group: 0, Stored: 2, Existing: 1}, {Group: 1, DeadLettered: 1, Reason: "table_group_count"}}}
@@ -56,7 +58,7 @@ func TestCommitIsIdempotentPerTask(t *testing.T) {
 	pool := dbtest.NewPool(t)
 	l := ledger.New(pool)
 	ctx := context.Background()
-	dl := ledger.DeadLetter{Reason: "table_group_count", Detail: "no block list for group 1", Group: group(1), Slot: 0,
+	dl := deadletter.DeadLetter{Reason: "table_group_count", Detail: "no block list for group 1", Group: group(1), Slot: 0,
 		TaskID: "t1", EngineID: "e1", RequestID: "r1"}
 
 	c, err := l.Commit(ctx, taskEntry("t1", 5, dl))
@@ -91,7 +93,7 @@ func TestCommitIsIdempotentPerTask(t *testing.T) {
 	if err := pool.QueryRow(ctx, "SELECT value FROM outbox WHERE topic = $1", contract.TopicSaveDLQ).Scan(&msg); err != nil {
 		t.Fatal(err)
 	}
-	var got contract.DeadLetter
+	var got contract.DeadLetterNotice
 	if err := json.Unmarshal(msg, &got); err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +107,7 @@ func TestWholeRecordDeadLetterDedupedPerDelivery(t *testing.T) {
 	pool := dbtest.NewPool(t)
 	l := ledger.New(pool)
 	ctx := context.Background()
-	dl := ledger.DeadLetter{Reason: "undecodable", Detail: "bad\x00 byte \xff", Slot: ledger.WholeRecord}
+	dl := deadletter.DeadLetter{Reason: "undecodable", Detail: "bad\x00 byte \xff", Slot: deadletter.WholeRecord}
 	cases := []struct {
 		name    string
 		source  ledger.Source
@@ -116,7 +118,7 @@ func TestWholeRecordDeadLetterDedupedPerDelivery(t *testing.T) {
 		{"same offset after a broker reset (new record time)", func() ledger.Source { s := src(7); s.Time = t0.Add(time.Hour); return s }(), 1},
 	}
 	for _, tc := range cases {
-		c, err := l.Commit(ctx, ledger.Entry{Source: tc.source, DeadLetters: []ledger.DeadLetter{dl}})
+		c, err := l.Commit(ctx, ledger.Entry{Source: tc.source, DeadLetters: []deadletter.DeadLetter{dl}})
 		if err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
@@ -127,7 +129,7 @@ func TestWholeRecordDeadLetterDedupedPerDelivery(t *testing.T) {
 	if got := outboxCount(t, pool, contract.TopicSaveDLQ); got != 2 {
 		t.Errorf("dlq messages = %d, want 2", got)
 	}
-	rows, err := l.List(ctx, ledger.Filter{Reason: "undecodable", Limit: 10})
+	rows, err := l.DeadLetters().List(ctx, deadletter.Filter{Reason: "undecodable", Limit: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,13 +146,13 @@ func TestListFiltersAndPages(t *testing.T) {
 		{"null_block", "e1", "r1"}, {"table_group_count", "e1", "r2"}, {"null_block", "e2", "r3"},
 		{"null_block", "e1", "r4"}, {"exists_failed", "e2", "r5"},
 	} {
-		_, err := l.Commit(ctx, ledger.Entry{Source: src(int64(i)), DeadLetters: []ledger.DeadLetter{{
-			Reason: d.reason, Group: group(0), EngineID: d.engine, RequestID: d.request, TaskID: "t" + d.request}}})
+		_, err := l.Commit(ctx, ledger.Entry{Source: src(int64(i)), DeadLetters: []deadletter.DeadLetter{{
+			Reason: kvcore.Reason(d.reason), Group: group(0), EngineID: d.engine, RequestID: d.request, TaskID: "t" + d.request}}})
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
-	requests := func(rows []ledger.DeadLetter) []string {
+	requests := func(rows []deadletter.DeadLetter) []string {
 		var out []string
 		for _, r := range rows {
 			out = append(out, r.RequestID)
@@ -159,19 +161,19 @@ func TestListFiltersAndPages(t *testing.T) {
 	}
 	cases := []struct {
 		name string
-		f    ledger.Filter
+		f    deadletter.Filter
 		want []string
 	}{
-		{"all, newest first", ledger.Filter{Limit: 10}, []string{"r5", "r4", "r3", "r2", "r1"}},
-		{"by reason", ledger.Filter{Reason: "null_block", Limit: 10}, []string{"r4", "r3", "r1"}},
-		{"by engine", ledger.Filter{EngineID: "e2", Limit: 10}, []string{"r5", "r3"}},
-		{"by request", ledger.Filter{RequestID: "r2", Limit: 10}, []string{"r2"}},
-		{"by reason and engine", ledger.Filter{Reason: "null_block", EngineID: "e1", Limit: 10}, []string{"r4", "r1"}},
-		{"first page", ledger.Filter{Limit: 2}, []string{"r5", "r4"}},
+		{"all, newest first", deadletter.Filter{Limit: 10}, []string{"r5", "r4", "r3", "r2", "r1"}},
+		{"by reason", deadletter.Filter{Reason: "null_block", Limit: 10}, []string{"r4", "r3", "r1"}},
+		{"by engine", deadletter.Filter{EngineID: "e2", Limit: 10}, []string{"r5", "r3"}},
+		{"by request", deadletter.Filter{RequestID: "r2", Limit: 10}, []string{"r2"}},
+		{"by reason and engine", deadletter.Filter{Reason: "null_block", EngineID: "e1", Limit: 10}, []string{"r4", "r1"}},
+		{"first page", deadletter.Filter{Limit: 2}, []string{"r5", "r4"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			rows, err := l.List(ctx, tc.f)
+			rows, err := l.DeadLetters().List(ctx, tc.f)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -180,8 +182,8 @@ func TestListFiltersAndPages(t *testing.T) {
 			}
 		})
 	}
-	first, _ := l.List(ctx, ledger.Filter{Limit: 2})
-	next, err := l.List(ctx, ledger.Filter{Limit: 2, Before: first[1].ID})
+	first, _ := l.DeadLetters().List(ctx, deadletter.Filter{Limit: 2})
+	next, err := l.DeadLetters().List(ctx, deadletter.Filter{Limit: 2, Before: first[1].ID})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,12 +208,12 @@ func TestReplayRecordedOnceSuccessful(t *testing.T) {
 	pool := dbtest.NewPool(t)
 	l := ledger.New(pool)
 	ctx := context.Background()
-	c, err := l.Commit(ctx, ledger.Entry{Source: src(1), DeadLetters: []ledger.DeadLetter{{Reason: "exists_failed", Group: group(0)}}})
+	c, err := l.Commit(ctx, ledger.Entry{Source: src(1), DeadLetters: []deadletter.DeadLetter{{Reason: "exists_failed", Group: group(0)}}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	id := c.DeadLetters[0].ID
-	if _, err := l.Get(ctx, id+100); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := l.Get(ctx, id+100); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("Get(unknown) = %v, want ErrNotFound", err)
 	}
 	steps := []struct {
@@ -220,10 +222,10 @@ func TestReplayRecordedOnceSuccessful(t *testing.T) {
 		wantStatus  string
 		wantCount   int
 	}{
-		{ledger.ReplayFailed, true, ledger.ReplayFailed, 1},
-		{ledger.ReplayDone, true, ledger.ReplayDone, 2},
-		{ledger.ReplayDone, false, ledger.ReplayDone, 2},
-		{ledger.ReplayFailed, false, ledger.ReplayDone, 2},
+		{deadletter.ReplayFailed, true, deadletter.ReplayFailed, 1},
+		{deadletter.ReplayDone, true, deadletter.ReplayDone, 2},
+		{deadletter.ReplayDone, false, deadletter.ReplayDone, 2},
+		{deadletter.ReplayFailed, false, deadletter.ReplayDone, 2},
 	}
 	kv := bus.Message{Topic: contract.TopicKVEvents, Key: "r", Value: []byte(`{}`)}
 	for i, s := range steps {
@@ -250,12 +252,12 @@ func TestStatsSumTheAccounting(t *testing.T) {
 	l := ledger.New(pool)
 	ctx := context.Background()
 	for i, id := range []string{"t1", "t2"} {
-		e := taskEntry(id, int64(i), ledger.DeadLetter{Reason: "null_block", Group: group(1), Slot: 0})
+		e := taskEntry(id, int64(i), deadletter.DeadLetter{Reason: "null_block", Group: group(1), Slot: 0})
 		if _, err := l.Commit(ctx, e); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if _, err := l.Commit(ctx, ledger.Entry{Source: src(9), DeadLetters: []ledger.DeadLetter{{Reason: "undecodable", Slot: -1}}}); err != nil {
+	if _, err := l.Commit(ctx, ledger.Entry{Source: src(9), DeadLetters: []deadletter.DeadLetter{{Reason: "undecodable", Slot: -1}}}); err != nil {
 		t.Fatal(err)
 	}
 	s, err := l.Stats(ctx)
@@ -294,7 +296,7 @@ func TestHugeDeadLetterMessageIsBounded(t *testing.T) {
 	l := ledger.New(pool)
 	ctx := context.Background()
 	huge := bytes.Repeat([]byte{0xff, 0x00, 0x7f}, 900<<10/3)
-	e := ledger.Entry{Source: src(3), DeadLetters: []ledger.DeadLetter{{Reason: "undecodable", Slot: ledger.WholeRecord}}}
+	e := ledger.Entry{Source: src(3), DeadLetters: []deadletter.DeadLetter{{Reason: "undecodable", Slot: deadletter.WholeRecord}}}
 	e.Source.Payload = huge
 	c, err := l.Commit(ctx, e)
 	if err != nil || len(c.DeadLetters) != 1 {
@@ -309,7 +311,7 @@ func TestHugeDeadLetterMessageIsBounded(t *testing.T) {
 	if limit := base64.StdEncoding.EncodedLen(contract.MaxDeadLetterPayload) + 1024; len(msg) > limit {
 		t.Errorf("dlq message of %d bytes, want at most %d", len(msg), limit)
 	}
-	var got contract.DeadLetter
+	var got contract.DeadLetterNotice
 	if err := json.Unmarshal(msg, &got); err != nil {
 		t.Fatal(err)
 	}

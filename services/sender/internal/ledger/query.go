@@ -2,139 +2,25 @@ package ledger
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"strconv"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
-	"github.com/kvmesh/kvmesh/pkg/database"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 )
 
-// Replay statuses of a dead letter.
-const (
-	// ReplayNone: never replayed.
-	ReplayNone = "none"
-	// ReplayDone: replayed successfully; a later replay is a no-op.
-	ReplayDone = "replayed"
-	// ReplayInvalid: the last replay found the payload still invalid.
-	ReplayInvalid = "invalid"
-	// ReplayFailed: the last replay failed (store or worker unavailable).
-	ReplayFailed = "failed"
-)
-
-// Filter selects dead letters for List. Empty fields match everything.
-type Filter struct {
-	// Reason, EngineID and RequestID match exactly.
-	Reason, EngineID, RequestID string
-	// Before returns only ids below it (the cursor); 0 means no bound.
-	Before int64
-	// Limit bounds the rows returned.
-	Limit int
+// Get returns one of the sender's dead letters, or a
+// deadletter.ErrNotFound error.
+func (l *Ledger) Get(ctx context.Context, id int64) (deadletter.DeadLetter, error) {
+	return l.dl.Get(ctx, id)
 }
 
-const deadLetterColumns = `id, reason, detail, group_index, task_id, engine_id, request_id, payload,
-	topic, partition, "offset", record_time, slot, created_at, replay_status, replay_count,
-	replayed_at, replay_result`
-
-func scanDeadLetter(row pgx.Row) (DeadLetter, error) {
-	var d DeadLetter
-	var result []byte
-	err := row.Scan(&d.ID, &d.Reason, &d.Detail, &d.Group, &d.TaskID, &d.EngineID, &d.RequestID, &d.Payload,
-		&d.Topic, &d.Partition, &d.Offset, &d.RecordTime, &d.Slot, &d.CreatedAt, &d.ReplayStatus, &d.ReplayCount,
-		&d.ReplayedAt, &result)
-	if result != nil {
-		d.ReplayResult = json.RawMessage(result)
-	}
-	return d, err
-}
-
-// List returns the dead letters matching f, newest first.
-func (l *Ledger) List(ctx context.Context, f Filter) ([]DeadLetter, error) {
-	var where []string
-	var args []any
-	add := func(cond string, v any) {
-		args = append(args, v)
-		where = append(where, strings.Replace(cond, "?", "$"+strconv.Itoa(len(args)), 1))
-	}
-	if f.Reason != "" {
-		add("reason = ?", f.Reason)
-	}
-	if f.EngineID != "" {
-		add("engine_id = ?", f.EngineID)
-	}
-	if f.RequestID != "" {
-		add("request_id = ?", f.RequestID)
-	}
-	if f.Before > 0 {
-		add("id < ?", f.Before)
-	}
-	q := "SELECT " + deadLetterColumns + " FROM dead_letters"
-	if len(where) > 0 {
-		q += " WHERE " + strings.Join(where, " AND ")
-	}
-	args = append(args, f.Limit)
-	q += " ORDER BY id DESC LIMIT $" + strconv.Itoa(len(args))
-	rows, err := l.pool.Query(ctx, q, args...)
-	if err != nil {
-		return nil, fmt.Errorf("ledger: list dead letters: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (DeadLetter, error) { return scanDeadLetter(r) })
-	if err != nil {
-		return nil, fmt.Errorf("ledger: list dead letters: %w", err)
-	}
-	return out, nil
-}
-
-// Get returns one dead letter, or an ErrNotFound error.
-func (l *Ledger) Get(ctx context.Context, id int64) (DeadLetter, error) {
-	d, err := scanDeadLetter(l.pool.QueryRow(ctx, "SELECT "+deadLetterColumns+" FROM dead_letters WHERE id = $1", id))
-	if errors.Is(err, pgx.ErrNoRows) {
-		return DeadLetter{}, fmt.Errorf("dead letter %d: %w", id, ErrNotFound)
-	}
-	if err != nil {
-		return DeadLetter{}, fmt.Errorf("ledger: get dead letter %d: %w", id, err)
-	}
-	return d, nil
-}
-
-// RecordReplay records a replay attempt of dead letter id with its status
-// and result and enqueues msgs, in one transaction. A dead letter already
-// replayed successfully is left as it is, msgs are not enqueued, and the
-// row is returned with applied false.
-func (l *Ledger) RecordReplay(ctx context.Context, id int64, status string, result any, msgs ...bus.Message) (DeadLetter, bool, error) {
-	body, err := json.Marshal(result)
-	if err != nil {
-		return DeadLetter{}, false, fmt.Errorf("ledger: encode replay result: %w", err)
-	}
-	var d DeadLetter
-	applied := false
-	err = pgx.BeginFunc(ctx, l.pool, func(tx pgx.Tx) error {
-		row, err := scanDeadLetter(tx.QueryRow(ctx, `
-			UPDATE dead_letters SET replay_status = $2, replay_count = replay_count + 1,
-				replayed_at = now(), replay_result = $3
-			WHERE id = $1 AND replay_status <> 'replayed'
-			RETURNING `+deadLetterColumns, id, status, body))
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		d, applied = row, true
-		return database.Enqueue(ctx, tx, msgs...)
-	})
-	if err != nil {
-		return DeadLetter{}, false, fmt.Errorf("ledger: record replay of %d: %w", id, err)
-	}
-	if !applied {
-		d, err = l.Get(ctx, id)
-	}
-	return d, applied, err
+// RecordReplay records a replay attempt of the sender's dead letter id; see
+// deadletter.Store.RecordReplay.
+func (l *Ledger) RecordReplay(ctx context.Context, id int64, status string, result any, msgs ...bus.Message) (deadletter.DeadLetter, bool, error) {
+	return l.dl.RecordReplay(ctx, id, status, result, msgs...)
 }
 
 // Stats sums the accounting.
@@ -164,8 +50,8 @@ func (l *Ledger) Stats(ctx context.Context) (Stats, error) {
 	if err := l.countBy(ctx, "SELECT status, count(*) FROM save_outcomes GROUP BY status", s.Tasks); err != nil {
 		return Stats{}, err
 	}
-	if err := l.countBy(ctx, "SELECT reason, count(*) FROM dead_letters GROUP BY reason", s.DeadLetters); err != nil {
-		return Stats{}, err
+	if err := l.dl.CountByReason(ctx, s.DeadLetters); err != nil {
+		return Stats{}, fmt.Errorf("ledger: stats: %w", err)
 	}
 	var dlTotal int64
 	for _, n := range s.DeadLetters {

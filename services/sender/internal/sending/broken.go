@@ -17,7 +17,7 @@ const maxDetail = 2000
 // save task (undecodable), whose handler panicked (handler_panic) or kept
 // failing (retries_exhausted) is dead-lettered whole, and its task, when its ids can be read, is reported
 // dead_lettered so the request's blocks are freed.
-func (p *Processor) DeadLetter(ctx context.Context, m bus.Received, reason string, cause error) error {
+func (p *Processor) DeadLetter(ctx context.Context, m bus.Received, reason kvcore.Reason, cause error) error {
 	return p.recordBroken(ctx, sourceOf(m), reason, cause)
 }
 
@@ -35,7 +35,7 @@ type taskIDs struct {
 // and request, the task also gets an outcome:
 // every model group dead-lettered with reason, reported on
 // transfer.results, unless an outcome is already recorded.
-func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason string, cause error) error {
+func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason kvcore.Reason, cause error) error {
 	var ids taskIDs
 	_ = json.Unmarshal(src.Payload, &ids) // best effort: a record need not be JSON
 	s := newSave(&kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID})
@@ -52,7 +52,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 		(ids.Schema == "" || ids.Schema == kvcore.SchemaSaveTask)
 	if complete {
 		for g := range p.model.Groups {
-			s.record(g, keysDeadLettered, 1, kvcore.Reason(reason))
+			s.record(g, keysDeadLettered, 1, reason)
 		}
 		var err error
 		if entry, err = s.entry(src, p.model, p.now(), p.form); err != nil {
@@ -67,7 +67,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	switch {
 	case !complete:
 		if len(c.DeadLetters) > 0 {
-			p.metrics.tasks.WithLabelValues(bus.ReasonUndecodable).Inc()
+			p.metrics.tasks.WithLabelValues(string(kvcore.ReasonUndecodable)).Inc()
 		}
 	case !c.Done:
 		p.metrics.countOutcome(entry.Outcome)

@@ -71,13 +71,13 @@ func TestHandlerPanicIsDeadLetteredThroughTheBus(t *testing.T) {
 		time.Sleep(10 * time.Millisecond) // polling interval
 	}
 	res, found := f.outcome(t, boom.TaskID)
-	if !found || res.Status != "dead_lettered" || res.Groups[0].Reason != bus.ReasonHandlerPanic {
+	if !found || res.Status != "dead_lettered" || res.Groups[0].Reason != string(kvcore.ReasonHandlerPanic) {
 		t.Fatalf("panicked task outcome %+v (found %v)", res, found)
 	}
 	var reason, detail string
 	err = pool.QueryRow(context.Background(),
 		"SELECT reason, detail FROM dead_letters WHERE task_id = $1 AND group_index IS NULL", boom.TaskID).Scan(&reason, &detail)
-	if err != nil || reason != bus.ReasonHandlerPanic || detail == "" {
+	if err != nil || reason != string(kvcore.ReasonHandlerPanic) || detail == "" {
 		t.Fatalf("dead letter of the panicked task: %q %q %v", reason, detail, err)
 	}
 	if res, _ := f.outcome(t, ok.TaskID); res.Status != "stored" {

@@ -7,9 +7,9 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 
 // mutations of a valid task, chosen by the fuzzer's op byte; op 0 feeds
@@ -95,7 +95,7 @@ func checkAccounted(t *testing.T, fx *fixture, rec bus.Received) {
 	t.Helper()
 	dls := fx.deadLetters(t, rec.Offset)
 	for _, d := range dls {
-		if d.Group == nil && d.Reason == bus.ReasonUndecodable {
+		if d.Group == nil && d.Reason == kvcore.ReasonUndecodable {
 			return // dead-lettered whole
 		}
 	}
@@ -135,7 +135,7 @@ func checkAccounted(t *testing.T, fx *fixture, rec bus.Received) {
 		if d.Group == nil || !counted[*d.Group] || d.TaskID != ids.TaskID {
 			t.Fatalf("dead letter %+v is not counted in the outcome %+v", d, res)
 		}
-		if d.Reason == "" || d.Slot == ledger.WholeRecord {
+		if d.Reason == "" || d.Slot == deadletter.WholeRecord {
 			t.Fatalf("dead letter %+v lacks a reason or a group slot", d)
 		}
 	}

@@ -6,11 +6,10 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending/sendingtest"
 )
 
@@ -132,7 +131,7 @@ func TestHandleSaveTask(t *testing.T) {
 }
 
 type deadLetterWant struct {
-	reason string
+	reason kvcore.Reason
 	group  int
 }
 
@@ -173,14 +172,14 @@ func TestHandlePermanentFailures(t *testing.T) {
 			w := sendingtest.NewWorker(t, m)
 			rec := w.Record("x", tc.value)
 			r := w.WorkRecord(context.Background(), t, rec)
-			if r.Err != nil || r.Reason != bus.ReasonUndecodable {
-				t.Fatalf("Work: err %v, reason %q; want a permanent %s", r.Err, r.Reason, bus.ReasonUndecodable)
+			if r.Err != nil || r.Reason != kvcore.ReasonUndecodable {
+				t.Fatalf("Work: err %v, reason %q; want a permanent %s", r.Err, r.Reason, kvcore.ReasonUndecodable)
 			}
 			if r.Status() != tc.wantOutcome {
 				t.Fatalf("outcome %+v, want status %q", r.Outcome, tc.wantOutcome)
 			}
-			if len(r.DeadLetters) != 1 || r.DeadLetters[0].Slot != ledger.WholeRecord || r.DeadLetters[0].Group != nil ||
-				r.DeadLetters[0].Reason != bus.ReasonUndecodable || !bytes.Equal(r.DeadLetters[0].Payload, tc.value) {
+			if len(r.DeadLetters) != 1 || r.DeadLetters[0].Slot != deadletter.WholeRecord || r.DeadLetters[0].Group != nil ||
+				r.DeadLetters[0].Reason != kvcore.ReasonUndecodable || !bytes.Equal(r.DeadLetters[0].Payload, tc.value) {
 				t.Fatalf("dead letters %+v, want one whole-record undecodable", r.DeadLetters)
 			}
 			if n := len(r.On(contract.TopicTransferResults)); n != tc.wantResults {
@@ -191,7 +190,7 @@ func TestHandlePermanentFailures(t *testing.T) {
 			}
 			// The consumer retries DeadLetter until it is recorded: a second
 			// call adds nothing.
-			if err := w.Processor.DeadLetter(context.Background(), rec, bus.ReasonUndecodable, errors.New("again")); err != nil {
+			if err := w.Processor.DeadLetter(context.Background(), rec, kvcore.ReasonUndecodable, errors.New("again")); err != nil {
 				t.Fatal(err)
 			}
 			if n := len(w.Ledger.DeadLetters()); n != 1 {
@@ -236,7 +235,7 @@ func TestReplayWithoutDatabase(t *testing.T) {
 	ctx := context.Background()
 	for _, d := range r.DeadLetters {
 		out, err := w.Processor.Replay(ctx, d.ID)
-		if err != nil || out.Already || out.DeadLetter.ReplayStatus != ledger.ReplayDone {
+		if err != nil || out.Already || out.DeadLetter.ReplayStatus != deadletter.ReplayDone {
 			t.Fatalf("replay of %d: %+v, %v", d.ID, out, err)
 		}
 	}
@@ -244,7 +243,7 @@ func TestReplayWithoutDatabase(t *testing.T) {
 	if err != nil || !again.Already {
 		t.Fatalf("second replay: %+v, %v; want already replayed", again, err)
 	}
-	if _, err := w.Processor.Replay(ctx, 99); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := w.Processor.Replay(ctx, 99); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("replay of an unknown id: %v, want ErrNotFound", err)
 	}
 	if n := len(w.Store.Keys()); n != 3 {

@@ -17,6 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
@@ -291,7 +292,7 @@ func (f *fixture) outbox(t testing.TB, topic string) [][]byte {
 }
 
 // deadLetters returns the dead letters of one record offset.
-func (f *fixture) deadLetters(t testing.TB, offset int64) []ledger.DeadLetter {
+func (f *fixture) deadLetters(t testing.TB, offset int64) []deadletter.DeadLetter {
 	t.Helper()
 	ctx := context.Background()
 	rows, err := f.pool.Query(ctx, `SELECT id FROM dead_letters WHERE "offset" = $1 ORDER BY id`, offset)
@@ -302,7 +303,7 @@ func (f *fixture) deadLetters(t testing.TB, offset int64) []ledger.DeadLetter {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := make([]ledger.DeadLetter, 0, len(ids))
+	out := make([]deadletter.DeadLetter, 0, len(ids))
 	for _, id := range ids {
 		d, err := f.ledger.Get(ctx, id)
 		if err != nil {

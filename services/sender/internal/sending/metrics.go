@@ -7,7 +7,6 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 
-	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
@@ -36,7 +35,7 @@ var replayResults = []string{ReplayReplayed, ReplayAlready, ReplayInvalid, Repla
 // exported at 0 from the start so that dashboards and alerts see every
 // series before the first dead letter.
 var deadLetterReasons = []string{
-	bus.ReasonUndecodable, bus.ReasonHandlerPanic, bus.ReasonRetriesExhausted, string(ReasonPlanFailed),
+	string(kvcore.ReasonUndecodable), string(kvcore.ReasonHandlerPanic), string(kvcore.ReasonRetriesExhausted), string(kvcore.ReasonPlanFailed),
 	string(kvcore.ReasonModelUnknown), string(kvcore.ReasonTokenRangeInvalid), string(kvcore.ReasonTableGroupCount),
 	string(kvcore.ReasonGroupOutOfRange), string(kvcore.ReasonGroupMissing), string(kvcore.ReasonGroupDuplicate),
 	string(kvcore.ReasonHashCountMismatch), string(kvcore.ReasonTokenIDsInvalid), string(kvcore.ReasonHashInvalid), string(kvcore.ReasonChunksMismatch),
@@ -101,7 +100,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, r := range replayResults {
 		m.replays.WithLabelValues(r)
 	}
-	for _, st := range []string{"stored", "skipped", "dead_lettered", "failed", bus.ReasonUndecodable} {
+	for _, st := range []string{"stored", "skipped", "dead_lettered", "failed", string(kvcore.ReasonUndecodable)} {
 		m.tasks.WithLabelValues(st)
 	}
 	for _, o := range []string{"stored", "existing", "skipped", "dead_lettered", "failed"} {

@@ -16,6 +16,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
@@ -357,7 +358,7 @@ func TestTP4DryRunNamesTheWritingRank(t *testing.T) {
 	if dr, err = f.p.DryRun(context.Background(), dls[0].ID); err != nil || dr.Expect != sending.ExpectSave {
 		t.Fatalf("dry run with the worker back: %+v, %v; want save", dr, err)
 	}
-	if _, err := f.p.Replay(context.Background(), 999999); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := f.p.Replay(context.Background(), 999999); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("replay of an unknown id: %v", err)
 	}
 }

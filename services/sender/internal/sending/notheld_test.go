@@ -61,7 +61,7 @@ func TestBlocksNotHeldAreDeadLetteredPerGroup(t *testing.T) {
 				t.Fatalf("%d dead letters, want %d: %+v", len(dls), len(tc.dlGroups), dls)
 			}
 			for i, d := range dls {
-				if d.Reason != string(kvcore.ReasonBlockNotHeld) || d.Group == nil || *d.Group != tc.dlGroups[i] ||
+				if d.Reason != kvcore.ReasonBlockNotHeld || d.Group == nil || *d.Group != tc.dlGroups[i] ||
 					d.TaskID != task.TaskID || d.RequestID != task.RequestID || !strings.Contains(d.Detail, "no longer hold") {
 					t.Fatalf("dead letter %d: %+v", i, d)
 				}

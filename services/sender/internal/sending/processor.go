@@ -22,6 +22,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/text"
@@ -64,11 +65,11 @@ type Outcomes interface {
 // one transaction that records a replay attempt with its messages.
 type DeadLetters interface {
 	// Get returns dead letter id, or an error wrapping ledger.ErrNotFound.
-	Get(ctx context.Context, id int64) (ledger.DeadLetter, error)
+	Get(ctx context.Context, id int64) (deadletter.DeadLetter, error)
 	// RecordReplay records a replay attempt of dead letter id and enqueues
 	// msgs, unless the entry was replayed before (applied false; the row as
 	// it is).
-	RecordReplay(ctx context.Context, id int64, status string, result any, msgs ...bus.Message) (ledger.DeadLetter, bool, error)
+	RecordReplay(ctx context.Context, id int64, status string, result any, msgs ...bus.Message) (deadletter.DeadLetter, bool, error)
 }
 
 // Ledger is the durable record a Processor writes: the save path's
@@ -208,7 +209,7 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 	src := sourceOf(m)
 	task, err := decodeTask(m.Value)
 	if err != nil {
-		return bus.Permanent(bus.ReasonUndecodable, err)
+		return bus.Permanent(kvcore.ReasonUndecodable, err)
 	}
 	done, err := p.ledger.Done(ctx, task.TaskID)
 	if err != nil {
@@ -246,10 +247,10 @@ func decodeTask(b []byte) (*kvcore.SaveTask, error) {
 // records each as a span of its own ("sender.dead_letter", status error,
 // with its reason code, group and id) under the current span, so a trace
 // shows which group was dead-lettered and why.
-func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLetter) {
+func (p *Processor) countDeadLetters(ctx context.Context, dls []deadletter.DeadLetter) {
 	for _, d := range dls {
 		attrs := []attribute.KeyValue{
-			attribute.String("kvmesh.reason", d.Reason), attribute.String("kvmesh.detail", d.Detail),
+			attribute.String("kvmesh.reason", string(d.Reason)), attribute.String("kvmesh.detail", d.Detail),
 			attribute.Int64("kvmesh.dead_letter_id", d.ID), attribute.String("kvmesh.task_id", d.TaskID),
 			attribute.String("kvmesh.engine_id", d.EngineID), attribute.String("kvmesh.request_id", d.RequestID),
 		}
@@ -257,9 +258,9 @@ func (p *Processor) countDeadLetters(ctx context.Context, dls []ledger.DeadLette
 			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))
 		}
 		_, span := p.tracer.Start(ctx, "sender.dead_letter", trace.WithAttributes(attrs...))
-		span.SetStatus(codes.Error, d.Reason)
+		span.SetStatus(codes.Error, string(d.Reason))
 		span.End()
-		p.metrics.deadLetters.WithLabelValues(d.Reason).Inc()
+		p.metrics.deadLetters.WithLabelValues(string(d.Reason)).Inc()
 		p.log.Warn("save dead-lettered", "id", d.ID, "reason", d.Reason, "detail", d.Detail, "group", d.Group,
 			"task_id", d.TaskID, "engine_id", d.EngineID, "request_id", d.RequestID)
 	}

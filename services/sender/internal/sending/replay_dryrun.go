@@ -7,8 +7,8 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 
 // What a dry run expects a replay to do now (DryRun.Expect).
@@ -33,7 +33,7 @@ const (
 // saving, recording or publishing anything.
 type DryRun struct {
 	// DeadLetter is the entry as stored.
-	DeadLetter ledger.DeadLetter `json:"-"`
+	DeadLetter deadletter.DeadLetter `json:"-"`
 	adminapi.DryRun
 }
 
@@ -46,7 +46,7 @@ type DryRunKey = adminapi.DryRunKey
 // DryRun answers what Replay(id) would do now: the entry's validity
 // against the current model, the keys of the groups a replay would save,
 // one existence check (not retried) and a look at the worker registry. It
-// saves, records and publishes nothing. Errors: ledger.ErrNotFound, or a
+// saves, records and publishes nothing. Errors: deadletter.ErrNotFound, or a
 // failure reading the entry.
 func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 	p.metrics.countReplay(ReplayDryRun)
@@ -55,20 +55,20 @@ func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 		return DryRun{}, err
 	}
 	out := DryRun{DeadLetter: d}
-	if d.ReplayStatus == ledger.ReplayDone {
+	if d.ReplayStatus == deadletter.ReplayDone {
 		out.Expect, out.Reason = ExpectAlreadyReplayed, ExpectAlreadyReplayed
 		return out, nil
 	}
 	task, groups, invalid := p.replayPlan(d)
 	if invalid != nil {
-		out.Expect, out.Reason, out.Detail, out.Group = ExpectInvalid, invalid.Reason, invalid.Detail, invalid.Group
+		out.Expect, out.Reason, out.Detail, out.Group = ExpectInvalid, string(invalid.Reason), invalid.Detail, invalid.Group
 		return out, nil
 	}
 	out.Replayable, out.Expect = true, ExpectSave
 	s := newSave(task)
 	items := p.plan(s, groups)
 	for _, dl := range s.deadLetters {
-		out.fail(string(ReasonPlanFailed), dl.Detail)
+		out.fail(string(kvcore.ReasonPlanFailed), dl.Detail)
 	}
 	if len(items) == 0 {
 		return out, nil

@@ -9,8 +9,8 @@ import (
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
@@ -24,7 +24,7 @@ func TestDryRunSaysWhatAReplayWouldDo(t *testing.T) {
 	seed.BlockTable = seed.BlockTable[:1]
 	seedDL := down.deadLetters(t, down.handle(t, encode(t, seed)).Offset)
 	flaky := saveTask(down.model, "flaky", 0, 32, 4)
-	var group1 ledger.DeadLetter
+	var group1 deadletter.DeadLetter
 	for _, d := range down.deadLetters(t, down.handle(t, encode(t, flaky)).Offset) {
 		if d.Reason == "exists_failed" && *d.Group == 1 {
 			group1 = d
@@ -92,7 +92,7 @@ func TestDryRunSaysWhatAReplayWouldDo(t *testing.T) {
 	up.worker.setNotHeld()
 
 	// Nothing was saved, recorded or published by the dry runs.
-	if d, err := up.ledger.Get(ctx, group1.ID); err != nil || d.ReplayStatus != ledger.ReplayNone || d.ReplayCount != 0 {
+	if d, err := up.ledger.Get(ctx, group1.ID); err != nil || d.ReplayStatus != deadletter.ReplayNone || d.ReplayCount != 0 {
 		t.Fatalf("entry after dry runs: %+v, %v", d, err)
 	}
 	if _, errs, _ := up.store.Get(ctx, []string{missingKey}); !errors.Is(errs[0], kvstore.ErrNotFound) {
@@ -109,7 +109,7 @@ func TestDryRunSaysWhatAReplayWouldDo(t *testing.T) {
 	if err != nil || dr.Replayable || dr.Expect != sending.ExpectAlreadyReplayed {
 		t.Fatalf("dry run after the replay: %+v, %v", dr, err)
 	}
-	if _, err := up.p.DryRun(ctx, 999999); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := up.p.DryRun(ctx, 999999); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("dry run of an unknown id: %v", err)
 	}
 }

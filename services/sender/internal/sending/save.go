@@ -15,15 +15,10 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
-
-// ReasonPlanFailed marks a group that passed validation but could not be
-// planned (a disagreement between kvcore.ValidateSave and kvcore.PlanSend);
-// it should never appear.
-const ReasonPlanFailed kvcore.Reason = "plan_failed"
 
 // Group outcomes, as counted in save_outcomes and kvmesh_sender_groups_total.
 const (
@@ -60,7 +55,7 @@ const (
 type save struct {
 	task        *kvcore.SaveTask
 	groups      []contract.GroupOutcome // in group order
-	deadLetters []ledger.DeadLetter
+	deadLetters []deadletter.DeadLetter
 	// stored are, per group, the keys the save put; present the keys it
 	// found already in the store (kvEvents announces those a put key
 	// hangs from).
@@ -147,7 +142,7 @@ func (p *Processor) plan(s *save, groups []int) []item {
 			tis, err := kvcore.PlanSend(p.model, p.keys, s.task, g, rank)
 			if err != nil {
 				gItems = nil
-				s.deadLetter(g, ReasonPlanFailed, err.Error(), 0)
+				s.deadLetter(g, kvcore.ReasonPlanFailed, err.Error(), 0)
 				break
 			}
 			for _, ti := range tis {
@@ -263,16 +258,16 @@ func (s *save) group(group int) *contract.GroupOutcome {
 // group and written as a dead letter of the task.
 func (s *save) deadLetter(group int, reason kvcore.Reason, detail string, keys int) {
 	s.record(group, keysDeadLettered, keys, reason)
-	s.addDeadLetter(&group, string(reason), detail)
+	s.addDeadLetter(&group, reason, detail)
 }
 
 // addDeadLetter adds a dead-letter row for group (nil: the whole task).
-func (s *save) addDeadLetter(group *int, reason, detail string) {
+func (s *save) addDeadLetter(group *int, reason kvcore.Reason, detail string) {
 	slot := len(s.deadLetters)
 	if group == nil {
-		slot = ledger.WholeRecord
+		slot = deadletter.WholeRecord
 	}
-	s.deadLetters = append(s.deadLetters, ledger.DeadLetter{
+	s.deadLetters = append(s.deadLetters, deadletter.DeadLetter{
 		Reason: reason, Detail: detail, Group: group, Slot: slot,
 		TaskID: s.task.TaskID, EngineID: s.task.EngineID, RequestID: s.task.RequestID,
 	})
@@ -400,7 +395,7 @@ func (s *save) putFailed(batch []item, err error, attempts int) {
 		s.record(g.group, keysFailed, g.n, kvcore.ReasonPutFailed)
 		if !errors.Is(err, dataplane.ErrRejected) {
 			group := g.group
-			s.addDeadLetter(&group, string(kvcore.ReasonPutFailed),
+			s.addDeadLetter(&group, kvcore.ReasonPutFailed,
 				fmt.Sprintf("rank %s: put of %d key(s) through the gpuworker failed %d times: %v", rank, g.n, attempts, err))
 		}
 	}

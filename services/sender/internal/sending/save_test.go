@@ -125,7 +125,7 @@ func TestSaveAnswered(t *testing.T) {
 	}
 	var reasons []string
 	for _, d := range s.deadLetters {
-		reasons = append(reasons, d.Reason)
+		reasons = append(reasons, string(d.Reason))
 	}
 	if !reflect.DeepEqual(reasons, []string{string(kvcore.ReasonPutFailed), string(kvcore.ReasonBlockNotHeld)}) ||
 		!strings.Contains(s.deadLetters[0].Detail, "failed 3 times") || !strings.Contains(s.deadLetters[1].Detail, "reused") {

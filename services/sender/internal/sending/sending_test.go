@@ -18,9 +18,9 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
-	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
@@ -185,7 +185,7 @@ func TestStoreAndWorkerFailures(t *testing.T) {
 				t.Fatalf("%d dead letters, want %d: %+v", len(dls), tc.wantDL, dls)
 			}
 			for _, d := range dls {
-				if d.Reason != tc.wantReason || d.Group == nil {
+				if d.Reason != kvcore.Reason(tc.wantReason) || d.Group == nil {
 					t.Errorf("dead letter %+v, want reason %s with a group", d, tc.wantReason)
 				}
 			}
@@ -253,19 +253,19 @@ func TestBrokenRecords(t *testing.T) {
 	cases := []struct {
 		name        string
 		value       []byte
-		hook        string // "" delivers as the consumer does; else the bus dead-letter hook with this reason
-		wantReason  string
+		hook        kvcore.Reason // "" delivers as the consumer does; else the bus dead-letter hook with this reason
+		wantReason  kvcore.Reason
 		wantOutcome bool
 	}{
 		{"garbage", []byte{0xff, 0x00, 'x'}, "", "undecodable", false},
 		{"unknown field, ids readable", []byte(`{"task_id":"u1","engine_id":"e1","request_id":"r9","junk":1}`), "", "undecodable", true},
 		{"NUL in request id", []byte(`{"schema":"kvmesh.save_task.v1","task_id":"u2","engine_id":"e1","request_id":"r\u0000","model":"m"}`), "", "undecodable", false},
-		{"handler panicked", valid, bus.ReasonHandlerPanic, bus.ReasonHandlerPanic, true},
-		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), bus.ReasonRetriesExhausted, bus.ReasonRetriesExhausted, true},
+		{"handler panicked", valid, kvcore.ReasonHandlerPanic, kvcore.ReasonHandlerPanic, true},
+		{"retries exhausted", []byte(`{"task_id":"u3","engine_id":"e1","request_id":"r3"}`), kvcore.ReasonRetriesExhausted, kvcore.ReasonRetriesExhausted, true},
 	}
 	var pe *bus.PermanentError
-	if err := f.p.Handle(context.Background(), f.record([]byte("not json"))); !errors.As(err, &pe) || pe.Reason != bus.ReasonUndecodable {
-		t.Fatalf("Handle of an undecodable record = %v, want a permanent %s failure for the consumer to dead-letter", err, bus.ReasonUndecodable)
+	if err := f.p.Handle(context.Background(), f.record([]byte("not json"))); !errors.As(err, &pe) || pe.Reason != kvcore.ReasonUndecodable {
+		t.Fatalf("Handle of an undecodable record = %v, want a permanent %s failure for the consumer to dead-letter", err, kvcore.ReasonUndecodable)
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -357,16 +357,16 @@ func TestReplay(t *testing.T) {
 		t.Fatalf("seed dead letters %+v, want group 1 invalid and group 0 exists_failed", seedDL)
 	}
 	_, err := up.p.Replay(ctx, seedDL[0].ID)
-	var invalid *sending.InvalidError
+	var invalid *deadletter.InvalidError
 	if !errors.As(err, &invalid) || invalid.Reason != "table_group_count" || *invalid.Group != 1 {
 		t.Fatalf("replay of the seed's group 1 = %v, want still invalid (table_group_count)", err)
 	}
-	if _, err := up.p.Replay(ctx, 999999); !errors.Is(err, ledger.ErrNotFound) {
+	if _, err := up.p.Replay(ctx, 999999); !errors.Is(err, deadletter.ErrNotFound) {
 		t.Fatalf("replay of an unknown id = %v", err)
 	}
 
 	dls := down.deadLetters(t, failedRec.Offset)
-	var group1 ledger.DeadLetter
+	var group1 deadletter.DeadLetter
 	for _, d := range dls {
 		if d.Reason == "exists_failed" && *d.Group == 1 {
 			group1 = d
@@ -376,7 +376,7 @@ func TestReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if first.Already || first.Result.Status != "stored" || first.DeadLetter.ReplayStatus != ledger.ReplayDone ||
+	if first.Already || first.Result.Status != "stored" || first.DeadLetter.ReplayStatus != deadletter.ReplayDone ||
 		len(first.Result.Groups) != 1 || first.Result.Groups[0].Stored != 1 {
 		t.Fatalf("first replay %+v", first)
 	}

@@ -82,7 +82,7 @@ func TestBadTenantDeadLettered(t *testing.T) {
 		t.Fatalf("%d dead letters, want one per group", len(dls))
 	}
 	for _, d := range dls {
-		if d.Reason != string(kvcore.ReasonTenantInvalid) {
+		if d.Reason != kvcore.ReasonTenantInvalid {
 			t.Fatalf("dead letter %+v, want tenant_invalid", d)
 		}
 	}

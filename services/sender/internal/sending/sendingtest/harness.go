@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
@@ -45,13 +46,13 @@ type Result struct {
 	Err error
 	// Reason is the reason code of a permanent failure, which the record
 	// was handed to the processor's DeadLetter for ("" for none).
-	Reason string
+	Reason kvcore.Reason
 	// Outcome is the task's recorded outcome, if any (possibly recorded by
 	// an earlier delivery).
 	Outcome *ledger.Outcome
 	// DeadLetters and Messages are the rows and outbox messages this
 	// record added (transfer results, KV events, DLQ messages).
-	DeadLetters []ledger.DeadLetter
+	DeadLetters []deadletter.DeadLetter
 	Messages    []bus.Message
 }
 

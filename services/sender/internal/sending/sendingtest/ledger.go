@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/deadletter"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
@@ -35,7 +37,7 @@ type Ledger struct {
 	mu          sync.Mutex
 	now         func() time.Time
 	outcomes    map[string]ledger.Outcome
-	deadLetters []ledger.DeadLetter
+	deadLetters []deadletter.DeadLetter
 	slots       map[slotKey]bool
 	outbox      []bus.Message
 	failCommits int
@@ -115,12 +117,12 @@ func (l *Ledger) Commit(_ context.Context, e ledger.Entry) (ledger.Committed, er
 
 // newDeadLetters numbers the dead letters of src not yet recorded and
 // returns them with their DLQ messages, recording nothing.
-func (l *Ledger) newDeadLetters(src ledger.Source, dls []ledger.DeadLetter) ([]ledger.DeadLetter, []bus.Message, error) {
+func (l *Ledger) newDeadLetters(src ledger.Source, dls []deadletter.DeadLetter) ([]deadletter.DeadLetter, []bus.Message, error) {
 	payload := src.Payload
 	if payload == nil {
 		payload = []byte{}
 	}
-	var rows []ledger.DeadLetter
+	var rows []deadletter.DeadLetter
 	var msgs []bus.Message
 	seen := map[int]bool{}
 	for _, d := range dls {
@@ -128,12 +130,12 @@ func (l *Ledger) newDeadLetters(src ledger.Source, dls []ledger.DeadLetter) ([]l
 			continue // this record's slot is already recorded
 		}
 		seen[d.Slot] = true
-		d.Reason, d.Detail = text.ForPostgres(d.Reason), text.ForPostgres(d.Detail)
+		d.Reason, d.Detail = kvcore.Reason(text.ForPostgres(string(d.Reason))), text.ForPostgres(d.Detail)
 		d.TaskID, d.EngineID, d.RequestID = text.ForPostgres(d.TaskID), text.ForPostgres(d.EngineID), text.ForPostgres(d.RequestID)
 		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = payload, src.Topic, src.Partition, src.Offset, src.Time
-		d.ReplayStatus = ledger.ReplayNone
+		d.ReplayStatus = deadletter.ReplayNone
 		d.ID, d.CreatedAt = int64(len(l.deadLetters)+len(rows)+1), l.now()
-		m, err := ledger.Message(d)
+		m, err := deadletter.Message(d)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -143,39 +145,39 @@ func (l *Ledger) newDeadLetters(src ledger.Source, dls []ledger.DeadLetter) ([]l
 	return rows, msgs, nil
 }
 
-// Get returns dead letter id, or an error wrapping ledger.ErrNotFound.
-func (l *Ledger) Get(_ context.Context, id int64) (ledger.DeadLetter, error) {
+// Get returns dead letter id, or an error wrapping deadletter.ErrNotFound.
+func (l *Ledger) Get(_ context.Context, id int64) (deadletter.DeadLetter, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	i, err := l.index(id)
 	if err != nil {
-		return ledger.DeadLetter{}, err
+		return deadletter.DeadLetter{}, err
 	}
 	return l.deadLetters[i], nil
 }
 
 func (l *Ledger) index(id int64) (int, error) {
 	if id < 1 || id > int64(len(l.deadLetters)) {
-		return 0, fmt.Errorf("dead letter %d: %w", id, ledger.ErrNotFound)
+		return 0, fmt.Errorf("dead letter %d: %w", id, deadletter.ErrNotFound)
 	}
 	return int(id - 1), nil
 }
 
 // RecordReplay records a replay attempt as ledger.Ledger.RecordReplay does:
 // an entry replayed before is left as it is (applied false).
-func (l *Ledger) RecordReplay(_ context.Context, id int64, status string, result any, msgs ...bus.Message) (ledger.DeadLetter, bool, error) {
+func (l *Ledger) RecordReplay(_ context.Context, id int64, status string, result any, msgs ...bus.Message) (deadletter.DeadLetter, bool, error) {
 	body, err := json.Marshal(result)
 	if err != nil {
-		return ledger.DeadLetter{}, false, fmt.Errorf("ledger: encode replay result: %w", err)
+		return deadletter.DeadLetter{}, false, fmt.Errorf("ledger: encode replay result: %w", err)
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	i, err := l.index(id)
 	if err != nil {
-		return ledger.DeadLetter{}, false, err
+		return deadletter.DeadLetter{}, false, err
 	}
 	d := &l.deadLetters[i]
-	if d.ReplayStatus == ledger.ReplayDone {
+	if d.ReplayStatus == deadletter.ReplayDone {
 		return *d, false, nil
 	}
 	at := l.now()
@@ -193,10 +195,10 @@ func (l *Ledger) Outcome(taskID string) (ledger.Outcome, bool) {
 }
 
 // DeadLetters returns every dead letter, oldest first.
-func (l *Ledger) DeadLetters() []ledger.DeadLetter {
+func (l *Ledger) DeadLetters() []deadletter.DeadLetter {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return append([]ledger.DeadLetter(nil), l.deadLetters...)
+	return append([]deadletter.DeadLetter(nil), l.deadLetters...)
 }
 
 // Outbox returns every message enqueued, oldest first.
@@ -224,8 +226,8 @@ func (l *Ledger) mark() marks {
 }
 
 // since returns the dead letters and messages added after m.
-func (l *Ledger) since(m marks) ([]ledger.DeadLetter, []bus.Message) {
+func (l *Ledger) since(m marks) ([]deadletter.DeadLetter, []bus.Message) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return append([]ledger.DeadLetter(nil), l.deadLetters[m.deadLetters:]...), append([]bus.Message(nil), l.outbox[m.outbox:]...)
+	return append([]deadletter.DeadLetter(nil), l.deadLetters[m.deadLetters:]...), append([]bus.Message(nil), l.outbox[m.outbox:]...)
 }
