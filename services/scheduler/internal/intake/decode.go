@@ -10,7 +10,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Dead-letter reason codes of the scheduler, beside bus.ReasonUndecodable.
@@ -44,7 +44,7 @@ type change struct {
 	// traceparent is the request's trace context, when the producer gave
 	// it: a step event's own, the headers' of a decision or a result.
 	traceparent string
-	apply       func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
+	apply       func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome
 }
 
 // rules are what intake checks and keeps of engine events beyond their
@@ -156,7 +156,7 @@ func decodeStep(b []byte, rl rules) (item, error) {
 		it.changes = append(it.changes, change{
 			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
 			traceparent: ev.Traceparent,
-			apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+			apply: func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
 				return req.Engine(m, st.Model, ev)
 			},
 		})
@@ -261,7 +261,7 @@ func decodeDecision(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindDecision, ID: d.DecisionID, EngineID: d.EngineID, RequestID: d.RequestID, Create: true},
-		"decision "+d.DecisionID, func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+		"decision "+d.DecisionID, func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
 			return req.Decision(m, d)
 		}), nil
 }
@@ -283,12 +283,12 @@ func decodeResult(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindResult, ID: res.ResultID, EngineID: res.EngineID, RequestID: res.RequestID},
-		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
+		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
 			return req.Result(m, res)
 		}), nil
 }
 
 // single is the item of a record changing its own request.
-func single(rec ledger.Record, label string, apply func(*kvcore.Model, *tracking.Request) tracking.Outcome) item {
+func single(rec ledger.Record, label string, apply func(*kvcore.Model, *requeststate.Request) requeststate.Outcome) item {
 	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, apply: apply}}}
 }

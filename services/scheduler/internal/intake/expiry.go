@@ -13,7 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // ExpiryBatch is the most overdue requests one ExpireLoads call applies
@@ -48,7 +48,7 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 			attribute.String("kvmesh.model", h.model.Name),
 		}}
 		units[i] = ledger.Unit{Record: rec, Changes: []ledger.Change{{RequestID: o.RequestID,
-			Apply: func(req *tracking.Request) ([]bus.Message, error) {
+			Apply: func(req *requeststate.Request) ([]bus.Message, error) {
 				h.begin(ctx, r, req)
 				r.out = req.ExpireLoads(now, o.TaskIDs)
 				return tracedMessages(r.ctx, r.out)

@@ -24,7 +24,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Topics are the topics the scheduler consumes.
@@ -103,7 +103,7 @@ func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
 type run struct {
 	ctx  context.Context
 	span trace.Span
-	out  tracking.Outcome
+	out  requeststate.Outcome
 	// start is how the span starts: its name, attributes and start time,
 	// and the trace context the record gave the request.
 	start spanStart
@@ -128,7 +128,7 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 			r := &runs[i][j]
 			r.start = h.applyStart(recs[at[i]].Topic, it, c, start)
 			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create,
-				Apply: func(req *tracking.Request) ([]bus.Message, error) {
+				Apply: func(req *requeststate.Request) ([]bus.Message, error) {
 					h.begin(ctx, r, req)
 					r.out = c.apply(h.model, req)
 					return tracedMessages(r.ctx, r.out)
@@ -201,7 +201,7 @@ func (h *Handler) applyStart(topic string, it item, c change, at time.Time) span
 // context yet keeps the record's, so the request's later records that
 // carry none (an engine that does not trace, a load expiry) join the
 // trace.
-func (h *Handler) begin(ctx context.Context, r *run, req *tracking.Request) {
+func (h *Handler) begin(ctx context.Context, r *run, req *requeststate.Request) {
 	if r.span != nil {
 		return
 	}
@@ -244,7 +244,7 @@ func (h *Handler) finishSpan(r *run, status ledger.Status) {
 
 // tracedMessages is Messages with the trace context of ctx (the change's
 // span) in every message's headers.
-func tracedMessages(ctx context.Context, out tracking.Outcome) ([]bus.Message, error) {
+func tracedMessages(ctx context.Context, out requeststate.Outcome) ([]bus.Message, error) {
 	msgs, err := Messages(out)
 	if err != nil {
 		return nil, err
@@ -293,7 +293,7 @@ func (h *Handler) countResult(topic, result string) {
 }
 
 // resultLabel is the records_total result of one record.
-func resultLabel(status ledger.Status, out tracking.Outcome) string {
+func resultLabel(status ledger.Status, out requeststate.Outcome) string {
 	switch {
 	case status != ledger.Applied:
 		return string(status)
@@ -308,7 +308,7 @@ func resultLabel(status ledger.Status, out tracking.Outcome) string {
 }
 
 // logOutcome logs a request that errored (warn) and other problems (info).
-func (h *Handler) logOutcome(ctx context.Context, it item, c change, out tracking.Outcome) {
+func (h *Handler) logOutcome(ctx context.Context, it item, c change, out requeststate.Outcome) {
 	if len(out.Errors) == 0 {
 		return
 	}
@@ -323,7 +323,7 @@ func (h *Handler) logOutcome(ctx context.Context, it item, c change, out trackin
 
 // Messages turns an outcome into outbox messages: save tasks keyed by
 // request id, load tasks and feedback keyed by engine id.
-func Messages(out tracking.Outcome) ([]bus.Message, error) {
+func Messages(out requeststate.Outcome) ([]bus.Message, error) {
 	msgs := make([]bus.Message, 0, len(out.Saves)+len(out.Loads)+len(out.Feedback))
 	for _, s := range out.Saves {
 		m, err := message(contract.TopicSaveTasks, s.RequestID, s)

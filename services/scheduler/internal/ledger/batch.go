@@ -15,7 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // ErrPartsCorrupt reports stored segments that disagree with their row's
@@ -91,7 +91,7 @@ const (
 // loaded is one locked request of a batch.
 type loaded struct {
 	key   Key
-	req   *tracking.Request
+	req   *requeststate.Request
 	born  int64
 	old   *parts // what the segments hold (empty for a legacy row)
 	dirty bool
@@ -331,7 +331,7 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	if len(missing) == 0 {
 		return nil
 	}
-	fresh := tracking.New(b.l.model, "", "")
+	fresh := requeststate.New(b.l.model, "", "")
 	tb, xb, err := smallJSON(fresh, &PartsMeta{})
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"fmt"
@@ -89,8 +89,8 @@ func (r *Request) allocatePD(m *kvcore.Model, out *Outcome, src string, d *contr
 
 // newPD starts the pd child's tracker: it loads only (the consumer role
 // never saves) and shares the store tracker's hash chain.
-func newPD(m *kvcore.Model, store *kvcore.Tracker) *kvcore.Tracker {
-	pd := kvcore.NewTracker(m, store.EngineID, store.RequestID)
+func newPD(m *kvcore.Model, store *Tracker) *Tracker {
+	pd := NewTracker(m, store.EngineID, store.RequestID)
 	pd.Connector = ConnectorPD
 	pd.Consumer = true
 	pd.Tenant = store.Tenant

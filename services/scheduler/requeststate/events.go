@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"fmt"
@@ -58,7 +58,7 @@ func (r *Request) seqGap(m *kvcore.Model, out *Outcome, ev contract.RequestEvent
 	case r.Store.Finished():
 		r.warn(out, src, err)
 		return
-	case r.Store.State == kvcore.StateErrored:
+	case r.Store.State == StateErrored:
 		r.warn(out, src, err)
 	default:
 		r.dropHeld(out)
@@ -95,7 +95,7 @@ func source(ev contract.RequestEvent) string { return "event " + strconv.FormatI
 // dispatch routes one in-order engine event.
 func (r *Request) dispatch(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	switch {
-	case r.Store.State == kvcore.StateErrored && ev.Kind != contract.EventFinished:
+	case r.Store.State == StateErrored && ev.Kind != contract.EventFinished:
 		out.Ignored = "errored"
 	case ev.Kind == contract.EventAdmitted:
 		r.admit(m, out, ev)
@@ -222,7 +222,7 @@ func (r *Request) Decision(m *kvcore.Model, d contract.LookupDecision) Outcome {
 		r.warn(&out, "decision "+d.DecisionID, fmt.Errorf("decision names model %q, this scheduler serves %q: %w", d.Model, m.Name, ErrWrongModel))
 	case r.Store.Finished():
 		out.Ignored = "finished"
-	case r.Store.State == kvcore.StateErrored:
+	case r.Store.State == StateErrored:
 		out.Ignored = "errored"
 	case r.Held != nil && (r.Held.Alloc.DecisionID == "" || r.Held.Alloc.DecisionID == d.DecisionID):
 		held := r.Held
