@@ -44,7 +44,9 @@ type change struct {
 	// traceparent is the request's trace context, when the producer gave
 	// it: a step event's own, the headers' of a decision or a result.
 	traceparent string
-	apply       func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome
+	// event is what the change applies to its request
+	// (requeststate.Request.Apply).
+	event requeststate.Event
 }
 
 // rules are what intake checks and keeps of engine events beyond their
@@ -156,9 +158,7 @@ func decodeStep(b []byte, rl rules) (item, error) {
 		it.changes = append(it.changes, change{
 			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
 			traceparent: ev.Traceparent,
-			apply: func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
-				return req.Engine(m, st.Model, ev)
-			},
+			event:       requeststate.EngineEvent{Model: st.Model, Event: ev},
 		})
 	}
 	return it, nil
@@ -261,9 +261,7 @@ func decodeDecision(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindDecision, ID: d.DecisionID, EngineID: d.EngineID, RequestID: d.RequestID, Create: true},
-		"decision "+d.DecisionID, func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
-			return req.Decision(m, d)
-		}), nil
+		"decision "+d.DecisionID, requeststate.DecisionEvent{Decision: d}), nil
 }
 
 func decodeResult(b []byte) (item, error) {
@@ -283,12 +281,10 @@ func decodeResult(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindResult, ID: res.ResultID, EngineID: res.EngineID, RequestID: res.RequestID},
-		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), func(m *kvcore.Model, req *requeststate.Request) requeststate.Outcome {
-			return req.Result(m, res)
-		}), nil
+		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), requeststate.ResultEvent{Result: res}), nil
 }
 
 // single is the item of a record changing its own request.
-func single(rec ledger.Record, label string, apply func(*kvcore.Model, *requeststate.Request) requeststate.Outcome) item {
-	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, apply: apply}}}
+func single(rec ledger.Record, label string, ev requeststate.Event) item {
+	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, event: ev}}}
 }

@@ -158,7 +158,7 @@ func TestDecodeDropsTokenIDs(t *testing.T) {
 				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
 			}
 			req := requeststate.New(m, "e", "r")
-			it.changes[0].apply(m, req)
+			req.Apply(m, it.changes[0].event)
 			if len(req.Store.TokenIDs) != c.tokens || req.Store.LoraName != "sql" {
 				t.Fatalf("tracker keeps %d tokens, lora %q; want %d, sql", len(req.Store.TokenIDs), req.Store.LoraName, c.tokens)
 			}

@@ -48,10 +48,11 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 			attribute.String("kvmesh.model", h.model.Name),
 		}}
 		units[i] = ledger.Unit{Record: rec, Changes: []ledger.Change{{RequestID: o.RequestID,
-			Apply: func(req *requeststate.Request) ([]bus.Message, error) {
+			Event: requeststate.ExpiryEvent{Now: now, TaskIDs: o.TaskIDs},
+			Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
 				h.begin(ctx, r, req)
-				r.out = req.ExpireLoads(now, o.TaskIDs)
-				return tracedMessages(r.ctx, r.out)
+				r.out = out
+				return tracedMessages(r.ctx, out)
 			}}}}
 	}
 	statuses, err := h.applyExpiries(ctx, units)

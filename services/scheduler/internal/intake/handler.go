@@ -127,11 +127,11 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 		for j, c := range it.changes {
 			r := &runs[i][j]
 			r.start = h.applyStart(recs[at[i]].Topic, it, c, start)
-			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create,
-				Apply: func(req *requeststate.Request) ([]bus.Message, error) {
+			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create, Event: c.event,
+				Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
 					h.begin(ctx, r, req)
-					r.out = c.apply(h.model, req)
-					return tracedMessages(r.ctx, r.out)
+					r.out = out
+					return tracedMessages(r.ctx, out)
 				}}
 		}
 	}

@@ -45,7 +45,7 @@ func TestDecodeStepNormalisesTheEnginesNullBlock(t *testing.T) {
 			req := requeststate.New(m, "e", "r")
 			var saves []kvcore.SaveTask
 			for _, ch := range it.changes {
-				out := ch.apply(m, req)
+				out := req.Apply(m, ch.event)
 				saves = append(saves, out.Saves...)
 			}
 			if len(saves) != 1 {
