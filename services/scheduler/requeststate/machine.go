@@ -8,11 +8,11 @@ import (
 )
 
 // Event is one decoded record's change to one request: an EngineEvent, a
-// DecisionEvent, a ResultEvent or an ExpiryEvent. Request.Apply applies
-// it; the set is closed (the method is unexported).
+// DecisionEvent, a ResultEvent or an ExpiryEvent (the set is closed).
+// Request.Apply applies it.
 type Event interface {
-	// applyTo applies the event to r through r's named method.
-	applyTo(r *Request, m *kvcore.Model) Outcome
+	// event marks the event types.
+	event()
 }
 
 // EngineEvent is one request event of an engine step record
@@ -48,28 +48,25 @@ type ExpiryEvent struct {
 	TaskIDs []string
 }
 
-func (e EngineEvent) applyTo(r *Request, m *kvcore.Model) Outcome {
-	return r.Engine(m, e.Model, e.Event)
-}
-
-func (e DecisionEvent) applyTo(r *Request, m *kvcore.Model) Outcome {
-	return r.Decision(m, e.Decision)
-}
-
-func (e ResultEvent) applyTo(r *Request, m *kvcore.Model) Outcome { return r.Result(m, e.Result) }
-
-func (e ExpiryEvent) applyTo(r *Request, m *kvcore.Model) Outcome {
-	return r.ExpireLoads(e.Now, e.TaskIDs)
-}
+func (EngineEvent) event()   {}
+func (DecisionEvent) event() {}
+func (ResultEvent) event()   {}
+func (ExpiryEvent) event()   {}
 
 // Apply applies one event to the request of model m and returns what the
 // caller must publish: the one entry the ledger calls for every record.
 // Each kind goes to its named method (Engine, Decision, Result,
-// ExpireLoads), which holds that kind's rules; a nil event changes
-// nothing.
+// ExpireLoads), which holds that kind's rules.
 func (r *Request) Apply(m *kvcore.Model, ev Event) Outcome {
-	if ev == nil {
-		return Outcome{Ignored: "no_event"}
+	switch e := ev.(type) {
+	case EngineEvent:
+		return r.Engine(m, e.Model, e.Event)
+	case DecisionEvent:
+		return r.Decision(m, e.Decision)
+	case ResultEvent:
+		return r.Result(m, e.Result)
+	case ExpiryEvent:
+		return r.ExpireLoads(e.Now, e.TaskIDs)
 	}
-	return ev.applyTo(r, m)
+	return Outcome{Ignored: "no_event"}
 }

@@ -29,6 +29,8 @@ var errInvalid = errors.New("invalid record")
 // item is one decoded record: its ledger identity and the requests it
 // changes.
 type item struct {
+	// topic is the topic the record was consumed from.
+	topic  string
 	record ledger.Record
 	// label names the record in spans and logs ("step e1/7", "decision d1").
 	label   string
@@ -71,7 +73,9 @@ func decode(rec bus.Received, rl rules) (item, error) {
 	var err error
 	switch rec.Topic {
 	case contract.TopicEngineSteps:
-		return decodeStep(rec.Value, rl)
+		it, err = decodeStep(rec.Value, rl)
+		it.topic = rec.Topic
+		return it, err
 	case contract.TopicLookupDecisions:
 		it, err = decodeDecision(rec.Value)
 	case contract.TopicTransferResults:
@@ -80,6 +84,7 @@ func decode(rec bus.Received, rl rules) (item, error) {
 		return item{}, bus.Permanent(ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
 	}
 	if err == nil {
+		it.topic = rec.Topic
 		it.changes[0].traceparent = rec.Headers[contract.HeaderTraceparent]
 	}
 	return it, err

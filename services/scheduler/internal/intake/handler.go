@@ -74,28 +74,43 @@ const (
 // is transient (retried), data PostgreSQL rejects is permanent, and the
 // consumer then applies the records one at a time to find the one at fault.
 func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
-	start := time.Now()
-	failed := bus.RecordErrors{}
-	items := make([]item, 0, len(recs))
-	at := make([]int, 0, len(recs))
+	b := h.decodeBatch(recs)
+	if len(b.items) > 0 {
+		if err := h.apply(ctx, b); err != nil {
+			return err
+		}
+	}
+	if len(b.failed) > 0 {
+		return b.failed
+	}
+	return nil
+}
+
+// batch is one consumed batch, decoded: its items, in record order, and
+// the records that failed to decode, by index.
+type batch struct {
+	start  time.Time
+	items  []item
+	failed bus.RecordErrors
+	// units are the items' ledger units and runs[i][j] the span and
+	// outcome of item i's change j (prepare).
+	units []ledger.Unit
+	runs  [][]run
+}
+
+// decodeBatch decodes every record of a batch, counting those that fail.
+func (h *Handler) decodeBatch(recs []bus.Received) batch {
+	b := batch{start: time.Now(), items: make([]item, 0, len(recs)), failed: bus.RecordErrors{}}
 	for i, rec := range recs {
 		it, err := decode(rec, h.rules)
 		if err != nil {
 			h.metrics.records.WithLabelValues(rec.Topic, "invalid").Inc()
-			failed[i] = err
+			b.failed[i] = err
 			continue
 		}
-		items, at = append(items, it), append(at, i)
+		b.items = append(b.items, it)
 	}
-	if len(items) > 0 {
-		if err := h.apply(ctx, recs, items, at, start); err != nil {
-			return err
-		}
-	}
-	if len(failed) > 0 {
-		return failed
-	}
-	return nil
+	return b
 }
 
 // run is one change of a batch: its span, started once the change's
@@ -117,25 +132,11 @@ type spanStart struct {
 	traceparent string
 }
 
-// apply applies the decoded items in one transaction and observes them.
-func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, at []int, start time.Time) error {
-	units := make([]ledger.Unit, len(items))
-	runs := make([][]run, len(items))
-	for i, it := range items {
-		runs[i] = make([]run, len(it.changes))
-		units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
-		for j, c := range it.changes {
-			r := &runs[i][j]
-			r.start = h.applyStart(recs[at[i]].Topic, it, c, start)
-			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create, Event: c.event,
-				Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
-					h.begin(ctx, r, req)
-					r.out = out
-					return tracedMessages(r.ctx, out)
-				}}
-		}
-	}
-	statuses, err := h.ledger.ApplyBatch(ctx, units)
+// apply applies a batch's items in one transaction and observes them.
+func (h *Handler) apply(ctx context.Context, b batch) error {
+	h.prepare(ctx, &b)
+	items, start, runs := b.items, b.start, b.runs
+	statuses, err := h.ledger.ApplyBatch(ctx, b.units)
 	elapsed := time.Since(start)
 	for i, it := range items {
 		for j := range runs[i] {
@@ -151,13 +152,37 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 			r.span.End()
 		}
 		if err == nil {
-			h.observe(recs[at[i]].Topic, statuses[i], runs[i], elapsed/time.Duration(len(items)))
+			h.observe(it.topic, statuses[i], runs[i], elapsed/time.Duration(len(items)))
 		}
 	}
 	if err != nil {
 		return classifyApply(err)
 	}
 	return nil
+}
+
+// prepare builds the ledger units of a batch's items, one change per
+// request event: the change's typed event, which the ledger applies
+// through requeststate.Request.Apply, and its Emit, which starts the
+// change's span once its request is locked and turns the outcome into
+// outbox messages.
+func (h *Handler) prepare(ctx context.Context, b *batch) {
+	b.units = make([]ledger.Unit, len(b.items))
+	b.runs = make([][]run, len(b.items))
+	for i, it := range b.items {
+		b.runs[i] = make([]run, len(it.changes))
+		b.units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
+		for j, c := range it.changes {
+			r := &b.runs[i][j]
+			r.start = h.applyStart(it.topic, it, c, b.start)
+			b.units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create, Event: c.event,
+				Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
+					h.begin(ctx, r, req)
+					r.out = out
+					return tracedMessages(r.ctx, out)
+				}}
+		}
+	}
 }
 
 // classifyApply sorts a failed transaction: data PostgreSQL refuses
