@@ -8,7 +8,6 @@ package requeststate
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -155,88 +154,6 @@ func (r *Request) State() TrackerState { return r.Store.State }
 
 // Done reports whether the request finished and was freed.
 func (r *Request) Done() bool { return r.Store.State == StateDone }
-
-// warn records a problem with source, keeping the latest maxWarnings.
-func (r *Request) warn(out *Outcome, source string, err error) {
-	out.Errors = append(out.Errors, err)
-	r.Warnings = append(r.Warnings, Warning{Source: source, Error: err.Error()})
-	if n := len(r.Warnings); n > maxWarnings {
-		r.Warnings = append([]Warning(nil), r.Warnings[n-maxWarnings:]...)
-	}
-}
-
-// fail stops the request with err (e.g. a wrong model) outside the tracker.
-func (r *Request) fail(out *Outcome, err error) {
-	if r.Store.State == StateErrored || r.Store.Finished() {
-		out.Errors = append(out.Errors, err)
-		return
-	}
-	r.Store.State = StateErrored
-	r.Store.Error = err.Error()
-	out.Errors = append(out.Errors, err)
-	r.erroredFeedback(out)
-}
-
-// erroredFeedback tells the engine the request stopped, and why.
-func (r *Request) erroredFeedback(out *Outcome) {
-	out.Errored = true
-	out.Feedback = append(out.Feedback, contract.EngineFeedback{
-		Schema: contract.SchemaEngineFeedback,
-		Feedback: kvcore.Feedback{
-			Kind: contract.FeedbackRequestError, EngineID: r.Store.EngineID, RequestID: r.Store.RequestID,
-		},
-		Error: r.Store.Error,
-	})
-}
-
-// feedback wraps a tracker's feedback for the engine.
-func feedback(f kvcore.Feedback) contract.EngineFeedback {
-	return contract.EngineFeedback{Schema: contract.SchemaEngineFeedback, Feedback: f}
-}
-
-// storeEffects collects the store tracker's effects of one call; the call
-// that errored the request (eff.Failed) stops it with request_error.
-func (r *Request) storeEffects(out *Outcome, source string, eff Effects) {
-	r.taskEffects(out, eff)
-	for _, f := range eff.Feedback {
-		out.Feedback = append(out.Feedback, feedback(f))
-	}
-	if eff.Failed {
-		out.Errors = append(out.Errors, eff.Err)
-		r.erroredFeedback(out)
-		return
-	}
-	if eff.Err != nil {
-		r.warn(out, source, eff.Err)
-	}
-}
-
-// pdEffects collects the pd tracker's effects: its loads and
-// finished_recving, never its finished_sending (the pd child never saves;
-// the store child decides when the blocks are freed).
-func (r *Request) pdEffects(out *Outcome, source string, eff Effects, quiet bool) {
-	r.taskEffects(out, eff)
-	for _, f := range eff.Feedback {
-		if f.Kind != kvcore.FeedbackFinishedSending {
-			out.Feedback = append(out.Feedback, feedback(f))
-		}
-	}
-	if eff.Err != nil && !quiet {
-		r.warn(out, source, fmt.Errorf("pd: %w", eff.Err))
-	}
-}
-
-// taskEffects records the emitted tasks as outstanding.
-func (r *Request) taskEffects(out *Outcome, eff Effects) {
-	for _, s := range eff.Saves {
-		r.Tasks = append(r.Tasks, TaskRef{ID: s.TaskID, Kind: "save", Start: s.Start, End: s.End, Epoch: s.Epoch})
-	}
-	for _, l := range eff.Loads {
-		r.Tasks = append(r.Tasks, TaskRef{ID: l.TaskID, Kind: "load", Connector: l.Connector, Start: l.Start, End: l.End, Epoch: l.Epoch})
-	}
-	out.Saves = append(out.Saves, eff.Saves...)
-	out.Loads = append(out.Loads, eff.Loads...)
-}
 
 // takeTask removes and returns the outstanding task id, if any.
 func (r *Request) takeTask(id string) (TaskRef, bool) {

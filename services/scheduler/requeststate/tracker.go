@@ -269,16 +269,6 @@ func NewTracker(m *kvcore.Model, engineID, requestID string) *Tracker {
 	return &Tracker{EngineID: engineID, RequestID: requestID, Model: m.Name, State: StateWaiting}
 }
 
-// OnAdmit records what the engine tells at admission: the request's hash
-// chain so far and its prompt length (0 if unknown).
-func (t *Tracker) OnAdmit(hashes []string, promptTokens int) {
-	t.extendHashes(hashes)
-	if promptTokens > 0 {
-		t.PrefillEnd = promptTokens
-		t.PromptTokens = promptTokens
-	}
-}
-
 // Finished reports whether the request has finished (freed or waiting for
 // its saves).
 func (t *Tracker) Finished() bool { return t.State == StateFinishing || t.State == StateDone }
