@@ -1,9 +1,15 @@
-// Package tracking is the scheduler's per-request state machine around the
-// domain core: the store connector's kvcore.Tracker, plus what the
-// MultiConnector level needs at service level — lookup decisions waiting to
-// be bound to an allocation, engine events held until that decision
-// arrives, the pd child's tracker, outstanding task ranges, per-group saved
-// coverage and warnings. It is pure: no I/O, no clock, no goroutines.
+// Package requeststate is the scheduler's request state machine, in one
+// place: a Request per request (engine id, request id), driven by typed
+// events (Request.Apply, or the named methods Admit, Allocate, Step,
+// Preempt, Finish, Decision, Result, ExpireLoads) that enforce the
+// engine-event sequence and the allocation epochs; the store connector's
+// tracker core it drives (Tracker: saves, loads, re-saves, preemption),
+// with what the MultiConnector level needs beside it — lookup decisions
+// waiting to be bound to an allocation, engine events held until that
+// decision arrives, the pd child's tracker, outstanding task ranges,
+// per-group saved coverage and warnings; and its stored form (stored.go),
+// separate from the admin API's (pkg/adminapi). It is pure: no I/O, no
+// clock, no goroutines. docs/state_machine.md draws it.
 package requeststate
 
 import (
