@@ -81,7 +81,7 @@ type Ledger struct {
 type Option func(*Ledger)
 
 // WithLoadRankTimeout sets how long after a multi-rank load is first
-// stored its ranks are given up on (its kvcore.LoadWait deadline); d <= 0
+// stored its ranks are given up on (its requeststate.LoadWait deadline); d <= 0
 // keeps DefaultLoadRankTimeout.
 func WithLoadRankTimeout(d time.Duration) Option {
 	return func(l *Ledger) {
