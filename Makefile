@@ -52,7 +52,7 @@ traces: build deps ## Build Jaeger v2 once into .dev/bin (5-17 min), run the sta
 # binaries, and a data race in a service process stops it: GORACE below).
 TESTBIN   := $(DEV)/testbin
 # Fuzz targets that `make test` runs for FUZZTIME; `make fuzz` runs them all.
-TESTFUZZ  := ./pkg/kvcore
+TESTFUZZ  := ./services/scheduler/requeststate
 
 # The vLLM connector's Python tests run on Debian's interpreter (the
 # packages scripts/pydeps.sh installs are for it, not for a pyenv python3 on
@@ -80,7 +80,7 @@ test-python: python-deps ## The vLLM connector's Python unit tests (connectors/v
 	$(PYTEST) $(PYTESTS) --ignore=$(PYTESTS)/mesh --ignore=$(PYTESTS)/vllm
 
 .PHONY: fuzz
-fuzz: deps ## Run every fuzz target (kvcore's and the sender's) for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
+fuzz: deps ## Run every fuzz target (the request state machine's and the sender's) for FUZZTIME each (default 10s; e.g. make fuzz FUZZTIME=5m).
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME)
 
 .PHONY: bench

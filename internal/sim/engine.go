@@ -20,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Role is what an engine does in the deployment.
@@ -237,7 +238,7 @@ func (e *engine) applyEach(ctx context.Context, out *outbox) error {
 		switch m := m.(type) {
 		case *request:
 			m.phase, m.arrived, m.since = phaseWaiting, time.Now(), time.Now()
-			m.shadow = kvcore.NewTracker(e.model, e.id, m.id)
+			m.shadow = requeststate.NewTracker(e.model, e.id, m.id)
 			e.live[m.id] = m
 			e.waiting = append(e.waiting, m)
 		case contract.EngineFeedback:
@@ -480,7 +481,7 @@ func (e *engine) dropPins(r *request) int {
 // shadowEffects applies the shadow tracker's effects: its saves pin blocks
 // and are expected in the ledger. A shadow error means the engine drove the
 // connector in a way kvcore refuses: the request is marked failed.
-func (e *engine) shadowEffects(r *request, eff kvcore.Effects) {
+func (e *engine) shadowEffects(r *request, eff requeststate.Effects) {
 	for _, t := range eff.Saves {
 		e.pinSave(r, t)
 	}

@@ -50,7 +50,7 @@ func (e *engine) compute(ctx context.Context, sched []scheduled) error {
 // [block start, P), identified by P's hash — what vLLM's engine hands the
 // connector for _sub_block_tail_puts (the full-attention block's prefix up
 // to P, the Mamba state at P copied on write), and what the tracker's
-// prompt-tail save reads (kvcore Tracker.maybeSaveTail, the same rule). It
+// prompt-tail save reads (requeststate Tracker.maybeSaveTail, the same rule). It
 // is written once per allocation; completing the block later replaces it
 // with the whole block's content.
 func (e *engine) promptTail(r *request, to int) []chunkBlock {
@@ -295,7 +295,7 @@ func (e *engine) missingRanks(missing []kvcore.Rank) {
 }
 
 // shadowLoaded reports the request's loads finished to its shadow tracker:
-// on every rank of a multi-rank engine (kvcore.Tracker.OnRankLoadResult),
+// on every rank of a multi-rank engine (requeststate.Tracker.OnRankLoadResult),
 // as the scheduler's tracker saw them.
 func (e *engine) shadowLoaded(r *request) {
 	for _, id := range slices.Clone(r.shadow.PendingLoads) {

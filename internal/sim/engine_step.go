@@ -97,7 +97,7 @@ func (e *engine) scheduleRunning(out *outbox, budget *int) ([]scheduled, bool) {
 }
 
 // tailHeld reports whether a prompt-tail save of the request (a save
-// whose span ends inside a scheduler block, kvcore Tracker.maybeSaveTail)
+// whose span ends inside a scheduler block, requeststate Tracker.maybeSaveTail)
 // is still in flight, and then the most tokens the request may compute
 // meanwhile: one short of the end of the block holding the tail. The save
 // reads that block under the tail's identity; completing the block would

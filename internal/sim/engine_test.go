@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // testEngine is an engine with no I/O parts, for the block-manager and
@@ -31,7 +32,7 @@ func testRequest(e *engine, id string, n int, base uint32) *request {
 	for i := range r.prompt {
 		r.prompt[i] = base + uint32(i)
 	}
-	r.shadow = kvcore.NewTracker(e.model, e.id, id)
+	r.shadow = requeststate.NewTracker(e.model, e.id, id)
 	r.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 	r.extendHashes(e.model.HashBlockSize)
 	return r

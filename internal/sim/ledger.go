@@ -16,7 +16,7 @@ import (
 // ledger accounts for every save of the run: the save tasks the scheduler
 // published (kvmesh.save.tasks), the sender's result for each
 // (kvmesh.transfer.results), and the saves the engines expected from their
-// own steps (a shadow kvcore.Tracker per request). Safe for concurrent use.
+// own steps (a shadow requeststate.Tracker per request). Safe for concurrent use.
 type ledger struct {
 	mu                         sync.Mutex
 	model                      *kvcore.Model

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // phase is where a request is in its engine.
@@ -57,7 +58,7 @@ type request struct {
 	computed  int
 	load      *expectedLoad
 	pd        *contract.PDSource // kv_transfer_params (decode engine, first attempt)
-	shadow    *kvcore.Tracker
+	shadow    *requeststate.Tracker
 
 	arrived, since time.Time // since: entered the current phase
 	firstToken     time.Time

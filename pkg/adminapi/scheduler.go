@@ -36,9 +36,9 @@ type RequestSummary struct {
 type RequestDetail struct {
 	RequestSummary
 	// Tracker is the store connector's tracker.
-	Tracker *kvcore.Tracker `json:"tracker"`
+	Tracker *Tracker `json:"tracker"`
 	// PDTracker is the pd child's tracker, once pd was chosen.
-	PDTracker *kvcore.Tracker `json:"pd_tracker,omitempty"`
+	PDTracker *Tracker `json:"pd_tracker,omitempty"`
 	// Coverage is the saved coverage of each group.
 	Coverage []Coverage `json:"coverage"`
 	// Tasks are the emitted tasks not reported yet.

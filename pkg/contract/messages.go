@@ -222,9 +222,9 @@ type TransferResult struct {
 // failed, or dead-lettered exists_failed (the store's existence check kept
 // failing: a transient problem vLLM's next job retries), summed over the
 // groups. Any such key marks the task's range unsaved, so it is saved again
-// (kvcore.Tracker.OnSaveReport), even when a dead-lettered group set the
-// status; keys dead-lettered for a permanent cause do not. Negative counts
-// are ignored. The scheduler's trackers and the simulator's engine-side
+// (the scheduler's services/scheduler/requeststate Tracker.OnSaveReport),
+// even when a dead-lettered group set the status; keys dead-lettered for a
+// permanent cause do not. Negative counts are ignored. The scheduler's trackers and the simulator's engine-side
 // shadow both read results through it, so they agree on every re-save.
 func SaveReportOf(status kvcore.SaveStatus, groups []GroupOutcome) kvcore.SaveReport {
 	rep := kvcore.SaveReport{Status: status}

@@ -7,8 +7,9 @@
 // hybrid longest-hit and full-hit rules, group-aware scoring of a prompt for
 // routers (ScorePlan: the hybrid hit beside each group's own counts and the
 // count of a router that folds the groups together), MultiConnector selection, the
-// per-request tracker state machine that yields load and save tasks, save-task
-// validation with stable reason codes, and chunk planning for send and
+// wire vocabulary of a request's engine steps, feedback and save reports (the
+// state machine that applies them is the scheduler's
+// services/scheduler/requeststate), save-task validation with stable reason codes, and chunk planning for send and
 // receive. The behaviour follows vLLM's connectors as docs/architecture.md
 // describes them.
 package kvcore

@@ -13,35 +13,6 @@ import (
 // cites the vLLM code it follows; "coordinator.py" and "worker.py" are
 // vllm/backends/distributed/kv_transfer/kv_connector/v1/mooncake/store/.
 
-func TestScenariosVLLM(t *testing.T) {
-	scenarios := []struct {
-		name string
-		run  func(t *testing.T)
-	}{
-		{"S30_swa_window_blocks_ceil_window_minus_one", scenarioSWAWindowBlocks},
-		{"S31_swa_save_keeps_segment_tails", scenarioSWASegmentTails},
-		{"S32_swa_tail_reaches_whole_segment", scenarioSWAWholeSegment},
-		{"S33_mamba_state_per_save_and_resume", scenarioMambaStates},
-		{"S34_full_hit_recomputes_one_token", scenarioFullHitVLLM},
-		{"S35_hybrid_spec_refusals", scenarioHybridRefusals},
-		{"S36_hash_block_finer_than_attention_block", scenarioFineHashAttention},
-		{"S37_save_skips_freed_window_blocks", scenarioSaveSkipsNull},
-		{"S38_partial_hits_layouts_accepted", scenarioPartialAccepted},
-		{"S39_partial_lookup_every_hash_block", scenarioPartialKeys},
-		{"S40_partial_prompt_tail_save", scenarioPartialTailSave},
-		{"S41_partial_hit_inside_a_block", scenarioPartialHit},
-		{"S42_partial_tail_key_later_boundary", scenarioPartialTailKey},
-		{"S43_partial_chunk_whole_block_bytes", scenarioPartialChunkItems},
-		{"S44_swa_hit_then_save_skips_freed_blocks", scenarioSWAHitSaveHeld},
-		{"S45_partial_load_task_inside_a_block", scenarioPartialLoadTask},
-		{"S46_partial_prompt_tail_save_task", scenarioPartialTailTask},
-		{"S47_partial_prompt_tail_forged_refused", scenarioPartialTailForged},
-	}
-	for _, sc := range scenarios {
-		t.Run(sc.name, sc.run)
-	}
-}
-
 // storeSaves fills s with the keys (rank 0) of every chunk SaveGroups lists
 // for the save ranges, as a sender storing them would.
 func storeSaves(s *storeFake, m *Model, hashes []BlockHash, ranges ...[2]int) {
@@ -536,207 +507,27 @@ func scenarioPartialChunkItems(t *testing.T) {
 	}
 }
 
-// S44 (coordinator.py store_mask → reachable_block_mask; worker.py
-// KVCacheStoreSendingThread._handle_request skips unavailable source
-// blocks): full 16 + SWA 16 window 17 (one block). A 96-token request hits
-// 48 in the store; its SWA blocks below the window of the hit (0 and 1)
-// are null. Once loaded and computed to 80, its save of [0, 80) lists
-// every full-attention chunk and only the SWA chunks whose block is held;
-// the sender's validation accepts it (nothing dead-lettered), while a task
-// listing the null blocks' chunks is refused null_block.
-func scenarioSWAHitSaveHeld(t *testing.T) {
-	m := lookupModel(16, grpFull(16), grpSWA(16, 17))
-	tr := NewTracker(m, "e1", "r1")
-	tr.OnAdmit(trkHashes(6), 96)
-	table := tbl(ids(1, 6), []BlockID{NullBlock, NullBlock, 12, 13, 14, 15})
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 48}))
-	noErr(t, tr.OnAllocate(m, 48, table))
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: table}))
-	if len(eff.Loads) != 1 || len(eff.Saves) != 0 {
-		t.Fatalf("new step: %d loads, %d saves; want the load only", len(eff.Loads), len(eff.Saves))
-	}
-	if got := eff.Loads[0].Groups[1].Chunks; !slices.Equal(got, []Chunk{{32, 48}}) {
-		t.Fatalf("load SWA chunks %v, want the window [32,48)", got)
-	}
-	noErr(t, tr.OnLoadResult(eff.Loads[0].TaskID, nil))
-	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 80}))
-	if len(eff.Saves) != 1 || eff.Failed || tr.State != StateRunning {
-		t.Fatalf("running step: saves %+v, failed %v, state %s; want one save", eff.Saves, eff.Failed, tr.State)
-	}
-	task := eff.Saves[0]
-	want := []GroupChunks{{Group: 0, Chunks: Chunks(0, 80, 16)}, {Group: 1, Chunks: []Chunk{{32, 48}, {48, 64}, {64, 80}}}}
-	if task.Start != 0 || task.End != 80 || !reflect.DeepEqual(task.Groups, want) {
-		t.Fatalf("save [%d,%d) %v, want [0,80) %v", task.Start, task.End, task.Groups, want)
-	}
-	for _, v := range ValidateSave(m, []int{32, 32}, &task) {
-		if !v.OK() {
-			t.Fatalf("tracker-built save refused: %+v", v)
-		}
-	}
-	forged := task
-	forged.Groups = m.SaveGroups(0, 80)
-	if v := ValidateSave(m, []int{32, 32}, &forged); !v[0].OK() || v[1].Reason != ReasonNullBlock {
-		t.Fatalf("save listing the freed blocks: verdicts %+v, want group 1 null_block", v)
-	}
-	dropped := task
-	dropped.Groups = []GroupChunks{want[0], {Group: 1, Chunks: []Chunk{{32, 48}, {64, 80}}}}
-	if v := ValidateSave(m, []int{32, 32}, &dropped); v[1].Reason != ReasonChunksMismatch {
-		t.Fatalf("save leaving out a held chunk: verdicts %+v, want group 1 chunks_mismatch", v)
-	}
-}
-
-// S45 (worker.py KVCacheStoreRecvingThread._handle_request,
-// _tail_key_boundaries; data.py process_tokens): under partial hash hits
-// (MLA 64 + Mamba 64, hash 16) the tracker builds the load of a hit inside
-// a block. The lookup hit 80 with MLA's tail key at 96 (S42): the load task
-// covers [0, 80), MLA reads block 0 and block 1 keyed at 96, Mamba block 1
-// keyed at 80, and the task's hash chain reaches the tail key. Without tail
-// keys MLA's chunk ends at the hit. A hit inside a block of a layout
-// without partial hits is refused (every block in error).
-func scenarioPartialLoadTask(t *testing.T) {
-	m := partialModel()
-	hashes := promptHashes(m, 112, 45)
-	cases := []struct {
-		name  string
-		tails []TailKey
-		want  []GroupChunks
+func TestScenariosVLLM(t *testing.T) {
+	scenarios := []struct {
+		name string
+		run  func(t *testing.T)
 	}{
-		{"tail keys", []TailKey{{0, 96}, {1, 80}}, []GroupChunks{{Group: 0, Chunks: []Chunk{{0, 64}, {64, 96}}}, {Group: 1, Chunks: []Chunk{{64, 80}}}}},
-		{"no tail keys", nil, []GroupChunks{{Group: 0, Chunks: []Chunk{{0, 64}, {64, 80}}}, {Group: 1, Chunks: []Chunk{{64, 80}}}}},
+		{"S30_swa_window_blocks_ceil_window_minus_one", scenarioSWAWindowBlocks},
+		{"S31_swa_save_keeps_segment_tails", scenarioSWASegmentTails},
+		{"S32_swa_tail_reaches_whole_segment", scenarioSWAWholeSegment},
+		{"S33_mamba_state_per_save_and_resume", scenarioMambaStates},
+		{"S34_full_hit_recomputes_one_token", scenarioFullHitVLLM},
+		{"S35_hybrid_spec_refusals", scenarioHybridRefusals},
+		{"S36_hash_block_finer_than_attention_block", scenarioFineHashAttention},
+		{"S37_save_skips_freed_window_blocks", scenarioSaveSkipsNull},
+		{"S38_partial_hits_layouts_accepted", scenarioPartialAccepted},
+		{"S39_partial_lookup_every_hash_block", scenarioPartialKeys},
+		{"S40_partial_prompt_tail_save", scenarioPartialTailSave},
+		{"S41_partial_hit_inside_a_block", scenarioPartialHit},
+		{"S42_partial_tail_key_later_boundary", scenarioPartialTailKey},
+		{"S43_partial_chunk_whole_block_bytes", scenarioPartialChunkItems},
 	}
-	for _, tc := range cases {
-		tr := NewTracker(m, "e1", "r1")
-		tr.OnAdmit(hexes(hashes), 112)
-		table := tbl([]BlockID{5, 6}, []BlockID{NullBlock, 8})
-		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 80, TailKeys: tc.tails}))
-		noErr(t, tr.OnAllocate(m, 80, table))
-		eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
-		if len(eff.Loads) != 1 {
-			t.Fatalf("%s: loads %+v, want one", tc.name, eff.Loads)
-		}
-		task := eff.Loads[0]
-		if task.Start != 0 || task.End != 80 || !reflect.DeepEqual(task.Groups, tc.want) {
-			t.Fatalf("%s: load [%d,%d) %v, want [0,80) %v", tc.name, task.Start, task.End, task.Groups, tc.want)
-		}
-		items, err := PlanLoad(m, KeyBuilder{Model: m.Name}, &task, Rank{})
-		if err != nil || len(items) != 3 {
-			t.Fatalf("%s: PlanLoad = %+v, %v; want 3 items", tc.name, items, err)
-		}
-		if last := tc.want[0].Chunks[1]; items[1].Block != 6 || items[1].Hash != hashes[last.End/16-1].Hex() {
-			t.Fatalf("%s: MLA block 1 item %+v, want block 6 keyed at %d", tc.name, items[1], last.End)
-		}
-	}
-	plain := lookupModel(64, grpMLA(64), grpMamba(64))
-	tr := NewTracker(plain, "e1", "r1")
-	tr.OnAdmit(hexes(promptHashes(plain, 128, 45)), 128)
-	noErr(t, tr.OnLookup(plain, &LoadSpec{KVPoolCachedTokens: 80}))
-	noErr(t, tr.OnAllocate(plain, 80, tbl([]BlockID{5, 6}, []BlockID{7, 8})))
-	eff := tr.Step(plain, Step{Kind: StepPendingLoad})
-	if !errors.Is(eff.Err, ErrChunkOutOfRange) || len(eff.Loads) != 0 || len(eff.Feedback) != 1 || len(eff.Feedback[0].LoadErrors) != 4 {
-		t.Fatalf("hit 80 without partial hits: %+v, want the load abandoned with every block in error", eff)
-	}
-}
-
-// S46 (worker.py _maybe_offload_boundary_states → _sub_block_tail_puts;
-// single_type_kv_cache_manager.py _cache_partial_tail_block): a 100-token
-// prompt under partial hash hits stores, at the step that reaches it, its
-// tail at P = 96 inside block 1 — after that step's save of [0, 64), a
-// task [64, 96) listing MLA's and Mamba's block 1 cut at 96, keyed by the
-// hash at 96 — once per allocation epoch; the sender's validation accepts
-// it. A prompt computed in one step gets both saves in that step. A
-// resumed request whose re-prefill completes P's block stores no tail.
-func scenarioPartialTailTask(t *testing.T) {
-	m := partialModel()
-	hashes := hexes(promptHashes(m, 100, 46))
-	table := tbl([]BlockID{1, 2}, []BlockID{3, 4})
-	tr := NewTracker(m, "e1", "r1")
-	tr.OnAdmit(hashes, 100)
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 64, Table: table}))
-	if len(eff.Saves) != 1 || eff.Saves[0].End != 64 {
-		t.Fatalf("64 tokens: saves %+v, want [0,64)", eff.Saves)
-	}
-	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 100}))
-	if len(eff.Saves) != 1 {
-		t.Fatalf("100 tokens: saves %+v, want the prompt tail", eff.Saves)
-	}
-	tail := eff.Saves[0]
-	want := []GroupChunks{{Group: 0, Chunks: []Chunk{{64, 96}}}, {Group: 1, Chunks: []Chunk{{64, 96}}}}
-	if tail.Start != 64 || tail.End != 96 || len(tail.BlockHashes) != 6 || !reflect.DeepEqual(tail.Groups, want) {
-		t.Fatalf("tail save [%d,%d) %v (%d hashes), want [64,96) %v (6 hashes)", tail.Start, tail.End, tail.Groups, len(tail.BlockHashes), want)
-	}
-	for _, v := range ValidateSave(m, []int{8, 8}, &tail) {
-		if !v.OK() {
-			t.Fatalf("tail save refused: %+v", v)
-		}
-	}
-	kb := KeyBuilder{Model: m.Name}
-	for g, block := range []BlockID{2, 4} {
-		items, err := PlanSend(m, kb, &tail, g, Rank{})
-		if err != nil || len(items) != 1 || items[0].Block != block || items[0].Hash != hashes[5] {
-			t.Fatalf("group %d: PlanSend = %+v, %v; want block %d keyed by hash 5", g, items, err, block)
-		}
-	}
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 100})); len(eff.Saves) != 0 {
-		t.Fatalf("a second step at 100: saves %+v, want none (once per epoch)", eff.Saves)
-	}
-
-	one := NewTracker(m, "e1", "r2")
-	one.OnAdmit(hashes, 100)
-	eff = noErr(t, one.Step(m, Step{Kind: StepNew, Tokens: 100, Table: table}))
-	if len(eff.Saves) != 2 || eff.Saves[0].End != 64 || eff.Saves[1].Start != 64 || eff.Saves[1].End != 96 {
-		t.Fatalf("one step of 100: saves %+v, want [0,64) then the tail [64,96)", eff.Saves)
-	}
-	one.Step(m, Step{Kind: StepPreempted})
-	long := hexes(promptHashes(m, 128, 46))
-	eff = noErr(t, one.Step(m, Step{Kind: StepResumed, Tokens: 130, PrefillTokens: 130, Hashes: long, Table: tbl(ids(1, 3), ids(4, 3))}))
-	if len(eff.Saves) != 1 || eff.Saves[0].End != 128 {
-		t.Fatalf("resumed past P's block: saves %+v, want only [0,128)", eff.Saves)
-	}
-}
-
-// S47 (fail closed): the sender refuses a prompt-tail task the tracker
-// would not build: a chunk outside PromptTailChunks, an end off the hash
-// grid, a listed chunk on a null block. A Mamba block the table does not
-// hold is left out of the tracker's own task, which stays valid.
-func scenarioPartialTailForged(t *testing.T) {
-	m := partialModel()
-	hashes := hexes(promptHashes(m, 100, 47))
-	tr := NewTracker(m, "e1", "r1")
-	tr.OnAdmit(hashes, 100)
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 100, Table: tbl([]BlockID{1, 2}, []BlockID{3, NullBlock})}))
-	if len(eff.Saves) != 2 {
-		t.Fatalf("saves %+v, want the step's and the tail", eff.Saves)
-	}
-	tail := eff.Saves[1]
-	if !reflect.DeepEqual(tail.Groups, []GroupChunks{{Group: 0, Chunks: []Chunk{{64, 96}}}, {Group: 1, Chunks: []Chunk{}}}) {
-		t.Fatalf("tail groups %v, want Mamba's null block left out", tail.Groups)
-	}
-	if v := ValidateSave(m, nil, &tail); !v[0].OK() || !v[1].OK() {
-		t.Fatalf("tracker-built tail refused: %+v", v)
-	}
-	cases := []struct {
-		name   string
-		mutate func(s *SaveTask)
-		group  int
-		want   Reason
-	}{
-		{"whole block not in the tail", func(s *SaveTask) { s.Groups[0].Chunks = []Chunk{{0, 64}, {64, 96}} }, 0, ReasonChunksMismatch},
-		{"cut at another boundary", func(s *SaveTask) { s.Groups[0].Chunks = []Chunk{{64, 80}} }, 0, ReasonChunksMismatch},
-		{"end off the hash grid", func(s *SaveTask) { s.End = 90 }, 0, ReasonTokenRangeInvalid},
-		{"null block listed", func(s *SaveTask) { s.Groups[1].Chunks = []Chunk{{64, 96}} }, 1, ReasonNullBlock},
-	}
-	for _, tc := range cases {
-		forged := tail
-		forged.Groups = []GroupChunks{{Group: 0, Chunks: slices.Clone(tail.Groups[0].Chunks)}, {Group: 1, Chunks: slices.Clone(tail.Groups[1].Chunks)}}
-		tc.mutate(&forged)
-		if v := ValidateSave(m, nil, &forged); v[tc.group].Reason != tc.want {
-			t.Errorf("%s: verdicts %+v, want group %d %q", tc.name, v, tc.group, tc.want)
-		}
-	}
-	plain := lookupModel(64, grpMLA(64), grpMamba(64))
-	forged := tail
-	forged.Model = plain.Name
-	if v := ValidateSave(plain, nil, &forged); v[0].Reason != ReasonTokenRangeInvalid {
-		t.Fatalf("a tail task without partial hits: verdicts %+v, want token_range_invalid", v)
+	for _, sc := range scenarios {
+		t.Run(sc.name, sc.run)
 	}
 }

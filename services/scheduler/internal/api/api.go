@@ -22,13 +22,13 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // States are the values the state filter accepts.
-var States = []kvcore.TrackerState{
-	kvcore.StateWaiting, kvcore.StateRunning, kvcore.StatePreempted,
-	kvcore.StateFinishing, kvcore.StateDone, kvcore.StateErrored,
+var States = []requeststate.TrackerState{
+	requeststate.StateWaiting, requeststate.StateRunning, requeststate.StatePreempted,
+	requeststate.StateFinishing, requeststate.StateDone, requeststate.StateErrored,
 }
 
 // API serves the admin routes.
@@ -81,7 +81,7 @@ func (a *API) list(w http.ResponseWriter, r *http.Request) {
 func parseFilter(w http.ResponseWriter, r *http.Request) (ledger.Filter, bool) {
 	q := r.URL.Query()
 	f := ledger.Filter{EngineID: q.Get("engine_id"), State: q.Get("state")}
-	if f.State != "" && !slices.Contains(States, kvcore.TrackerState(f.State)) {
+	if f.State != "" && !slices.Contains(States, requeststate.TrackerState(f.State)) {
 		httpserver.BadParameter(w, r, "state", fmt.Sprintf("state %q is not one of %v", f.State, States))
 		return f, false
 	}
@@ -156,16 +156,16 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		return nil, err
 	}
 	t, x := req.Store, req.Extras
-	d := &Detail{RequestSummary: row.RequestSummary, Tracker: t, PDTracker: x.PD, Tasks: x.Tasks, Held: x.Held,
-		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []tracking.Warning{}}
+	d := &Detail{RequestSummary: row.RequestSummary, Tracker: toAPITracker(t), PDTracker: toAPITracker(x.PD), Tasks: x.Tasks, Held: x.Held,
+		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []requeststate.Warning{}}
 	if d.Tasks == nil {
-		d.Tasks = []tracking.TaskRef{}
+		d.Tasks = []requeststate.TaskRef{}
 	}
 	if sc := bus.ParseTraceparent(x.Traceparent); sc.IsValid() {
 		d.TraceID = sc.TraceID().String()
 	}
 	if t.Error != "" {
-		d.Errors = append(d.Errors, tracking.Warning{Source: "request", Error: t.Error})
+		d.Errors = append(d.Errors, requeststate.Warning{Source: "request", Error: t.Error})
 	}
 	d.Errors = append(d.Errors, x.Warnings...)
 	d.Coverage = make([]Coverage, 0, len(x.Coverage))

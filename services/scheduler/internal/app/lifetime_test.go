@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // TestBlockLifetime drives the block-lifetime contract (API.md) through
@@ -63,13 +64,13 @@ func droppedEvent(t *testing.T, h *mesh) {
 	}
 	r.step(kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: kvcore.BlockTable{{4}, {104}}})
 	d := r.settled()
-	if d.State != string(kvcore.StateErrored) || !strings.Contains(d.Error, "sequence gap") || d.LastSeq != 6 {
+	if d.State != string(requeststate.StateErrored) || !strings.Contains(d.Error, "sequence gap") || d.LastSeq != 6 {
 		t.Fatalf("after the gap: state %s error %q last seq %d", d.State, d.Error, d.LastSeq)
 	}
 	r.finish()
 	sending := r.waitFeedback(kvcore.FeedbackFinishedSending)
 	d = r.settled()
-	if !sending.Immediate || d.State != string(kvcore.StateDone) {
+	if !sending.Immediate || d.State != string(requeststate.StateDone) {
 		t.Fatalf("finish: %+v state %s; want immediate finished_sending and done", sending, d.State)
 	}
 	if n := len(r.saves()); n != 1 || h.outboxCount(contract.TopicSaveTasks, r.id) != 1 {
@@ -111,12 +112,12 @@ func preemptedSaveInFlight(t *testing.T, h *mesh) {
 	d := r.settled()
 	eventually(t, "the old save settled", func() bool { d, _ = r.detail(); return len(d.Tasks) == 1 })
 	r.settled()
-	if d.State != string(kvcore.StateFinishing) || len(r.feedback()) != 0 || d.Tasks[0].ID != cur.TaskID {
+	if d.State != string(requeststate.StateFinishing) || len(r.feedback()) != 0 || d.Tasks[0].ID != cur.TaskID {
 		t.Fatalf("after the old-epoch result: state %s feedback %v tasks %+v", d.State, feedbackKinds(r), d.Tasks)
 	}
 	r.saved(cur)
 	f := r.waitFeedback(kvcore.FeedbackFinishedSending)
-	eventually(t, "done", func() bool { d, _ = r.detail(); return d.State == string(kvcore.StateDone) })
+	eventually(t, "done", func() bool { d, _ = r.detail(); return d.State == string(requeststate.StateDone) })
 	if f.Immediate || f.Epoch != 1 || d.Coverage[0].SavedTokens != 48 || d.Coverage[1].SavedTokens != 48 {
 		t.Fatalf("finished_sending %+v coverage %+v", f, d.Coverage)
 	}

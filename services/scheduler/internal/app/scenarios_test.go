@@ -5,8 +5,10 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // TestScenarios drives docs/architecture.md scenarios 3–13, 20 and 21
@@ -220,7 +222,7 @@ func s09(t *testing.T, h *mesh) {
 			t.Fatalf("%d %s rows for a rejected load", n, topic)
 		}
 	}
-	if d.State != string(kvcore.StateWaiting) || d.Error != "" {
+	if d.State != string(requeststate.StateWaiting) || d.Error != "" {
 		t.Fatalf("state %s error %q", d.State, d.Error)
 	}
 	r.finish()
@@ -277,7 +279,7 @@ func s12(t *testing.T, h *mesh) {
 	r.preempt()
 	d := r.settled()
 	eventually(t, "the save result", func() bool { d, _ = r.detail(); return len(d.Tasks) == 0 })
-	if d.State != string(kvcore.StatePreempted) || d.Tracker.Table != nil || d.TokenLen != 0 || !reflect.DeepEqual(d.Tracker.Load, kvcore.LoadState{}) {
+	if d.State != string(requeststate.StatePreempted) || d.Tracker.Table != nil || d.TokenLen != 0 || !reflect.DeepEqual(d.Tracker.Load, adminapi.TrackerLoad{}) {
 		t.Fatalf("not reset: %+v", d.Tracker)
 	}
 	r.finish()
@@ -352,13 +354,13 @@ func s20(t *testing.T, h *mesh) {
 	s := r.waitSaves(1)
 	r.finish()
 	d := r.settled()
-	if d.State != string(kvcore.StateFinishing) || len(r.feedback()) != 0 || h.outboxCount(contract.TopicEngineFeedback, r.id) != 0 {
+	if d.State != string(requeststate.StateFinishing) || len(r.feedback()) != 0 || h.outboxCount(contract.TopicEngineFeedback, r.id) != 0 {
 		t.Fatalf("finish with a save in flight: state %s, feedback %+v", d.State, r.feedback())
 	}
 	r.result(contract.TransferResult{Kind: contract.TransferSave, TaskID: s[0].TaskID, Status: string(kvcore.SaveStored),
 		Groups: []contract.GroupOutcome{{Group: 0, Stored: 2}, {Group: 1, Stored: 1}}})
 	f := r.waitFeedback(kvcore.FeedbackFinishedSending)
-	eventually(t, "done", func() bool { d, _ = r.detail(); return d.State == string(kvcore.StateDone) })
+	eventually(t, "done", func() bool { d, _ = r.detail(); return d.State == string(requeststate.StateDone) })
 	if f.Immediate || d.FinishedAt == nil || d.Coverage[0].SavedTokens != 32 || d.Coverage[1].SavedTokens != 32 {
 		t.Fatalf("feedback %+v, detail %+v", f, d)
 	}

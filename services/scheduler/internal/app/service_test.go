@@ -15,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // TestService covers the scheduler's own guarantees on one running
@@ -55,7 +56,7 @@ func groupCountErrored(t *testing.T, h *mesh) {
 	r.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: kvcore.BlockTable{{0, 1}}})
 	f := r.waitFeedback(contract.FeedbackRequestError)
 	d := r.settled()
-	if !strings.Contains(f.Error, "group count") || d.State != string(kvcore.StateErrored) || !strings.Contains(d.Error, "1 group") {
+	if !strings.Contains(f.Error, "group count") || d.State != string(requeststate.StateErrored) || !strings.Contains(d.Error, "1 group") {
 		t.Fatalf("feedback %+v, state %s, error %q", f, d.State, d.Error)
 	}
 	if len(d.Errors) == 0 || d.Errors[0].Source != "request" || len(r.saves()) != 0 {
@@ -72,7 +73,7 @@ func groupCountErrored(t *testing.T, h *mesh) {
 	}
 	var page api.Page
 	h.get("/v1/requests?engine_id="+r.engine, &page)
-	if len(page.Items) != 1 || page.Items[0].State != string(kvcore.StateDone) || page.Items[0].Error == "" {
+	if len(page.Items) != 1 || page.Items[0].State != string(requeststate.StateDone) || page.Items[0].Error == "" {
 		t.Fatalf("list after finish %+v", page.Items)
 	}
 }

@@ -5,6 +5,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // TestTenantFlowsIntoTasks: the tenant of a request's admitted event is
@@ -72,7 +73,7 @@ func TestTenantFlowsIntoTasks(t *testing.T) {
 		}
 		r.allocate(0, table(0, 3), "")
 		r.step(kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: table(0, 3)})
-		if d := r.settled(); d.Tracker.State != kvcore.StateErrored || len(r.saves()) != 0 {
+		if d := r.settled(); d.Tracker.State != string(requeststate.StateErrored) || len(r.saves()) != 0 {
 			t.Fatalf("state %s, %d saves; want errored, none", d.Tracker.State, len(r.saves()))
 		}
 	})

@@ -10,7 +10,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // errInvalid wraps every validation failure.
@@ -19,6 +19,8 @@ var errInvalid = errors.New("invalid record")
 // item is one decoded record: its ledger identity and the requests it
 // changes.
 type item struct {
+	// topic is the topic the record was consumed from.
+	topic  string
 	record ledger.Record
 	// label names the record in spans and logs ("step e1/7", "decision d1").
 	label   string
@@ -34,7 +36,9 @@ type change struct {
 	// traceparent is the request's trace context, when the producer gave
 	// it: a step event's own, the headers' of a decision or a result.
 	traceparent string
-	apply       func(m *kvcore.Model, req *tracking.Request) tracking.Outcome
+	// event is what the change applies to its request
+	// (requeststate.Request.Apply).
+	event requeststate.Event
 }
 
 // rules are what intake checks and keeps of engine events beyond their
@@ -59,7 +63,9 @@ func decode(rec bus.Received, rl rules) (item, error) {
 	var err error
 	switch rec.Topic {
 	case contract.TopicEngineSteps:
-		return decodeStep(rec.Value, rl)
+		it, err = decodeStep(rec.Value, rl)
+		it.topic = rec.Topic
+		return it, err
 	case contract.TopicLookupDecisions:
 		it, err = decodeDecision(rec.Value)
 	case contract.TopicTransferResults:
@@ -68,6 +74,7 @@ func decode(rec bus.Received, rl rules) (item, error) {
 		return item{}, bus.Permanent(kvcore.ReasonUnknownTopic, fmt.Errorf("topic %q", rec.Topic))
 	}
 	if err == nil {
+		it.topic = rec.Topic
 		it.changes[0].traceparent = rec.Headers[contract.HeaderTraceparent]
 	}
 	return it, err
@@ -146,9 +153,7 @@ func decodeStep(b []byte, rl rules) (item, error) {
 		it.changes = append(it.changes, change{
 			requestID: ev.RequestID, create: true, label: fmt.Sprintf("event %d %s", ev.Seq, ev.Kind),
 			traceparent: ev.Traceparent,
-			apply: func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
-				return req.Engine(m, st.Model, ev)
-			},
+			event:       requeststate.EngineEvent{Model: st.Model, Event: ev},
 		})
 	}
 	return it, nil
@@ -251,9 +256,7 @@ func decodeDecision(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindDecision, ID: d.DecisionID, EngineID: d.EngineID, RequestID: d.RequestID, Create: true},
-		"decision "+d.DecisionID, func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
-			return req.Decision(m, d)
-		}), nil
+		"decision "+d.DecisionID, requeststate.DecisionEvent{Decision: d}), nil
 }
 
 func decodeResult(b []byte) (item, error) {
@@ -273,12 +276,10 @@ func decodeResult(b []byte) (item, error) {
 		return item{}, err
 	}
 	return single(ledger.Record{Kind: ledger.KindResult, ID: res.ResultID, EngineID: res.EngineID, RequestID: res.RequestID},
-		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), func(m *kvcore.Model, req *tracking.Request) tracking.Outcome {
-			return req.Result(m, res)
-		}), nil
+		fmt.Sprintf("%s result %s", res.Kind, res.ResultID), requeststate.ResultEvent{Result: res}), nil
 }
 
 // single is the item of a record changing its own request.
-func single(rec ledger.Record, label string, apply func(*kvcore.Model, *tracking.Request) tracking.Outcome) item {
-	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, apply: apply}}}
+func single(rec ledger.Record, label string, ev requeststate.Event) item {
+	return item{record: rec, label: label, changes: []change{{requestID: rec.RequestID, create: rec.Create, label: label, event: ev}}}
 }

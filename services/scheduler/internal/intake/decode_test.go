@@ -12,7 +12,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 func mustJSON(t *testing.T, v any) []byte {
@@ -157,8 +157,8 @@ func TestDecodeDropsTokenIDs(t *testing.T) {
 			if err != nil || len(it.changes) != 1 {
 				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
 			}
-			req := tracking.New(m, "e", "r")
-			it.changes[0].apply(m, req)
+			req := requeststate.New(m, "e", "r")
+			req.Apply(m, it.changes[0].event)
 			if len(req.Store.TokenIDs) != c.tokens || req.Store.LoraName != "sql" {
 				t.Fatalf("tracker keeps %d tokens, lora %q; want %d, sql", len(req.Store.TokenIDs), req.Store.LoraName, c.tokens)
 			}
@@ -190,8 +190,8 @@ func TestMessagesKeys(t *testing.T) {
 }
 
 // trackingOutcome is an outcome with one save, one load and one feedback.
-func trackingOutcome() tracking.Outcome {
-	return tracking.Outcome{
+func trackingOutcome() requeststate.Outcome {
+	return requeststate.Outcome{
 		Saves:    []kvcore.SaveTask{{TaskID: "s", EngineID: "e", RequestID: "r"}},
 		Loads:    []kvcore.LoadTask{{TaskID: "l", EngineID: "e", RequestID: "r"}},
 		Feedback: []contract.EngineFeedback{{Feedback: kvcore.Feedback{Kind: kvcore.FeedbackFinishedSending, EngineID: "e", RequestID: "r"}}},

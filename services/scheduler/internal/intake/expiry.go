@@ -13,7 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // ExpiryBatch is the most overdue requests one ExpireLoads call applies
@@ -48,10 +48,11 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 			attribute.String("kvmesh.model", h.model.Name),
 		}}
 		units[i] = ledger.Unit{Record: rec, Changes: []ledger.Change{{RequestID: o.RequestID,
-			Apply: func(req *tracking.Request) ([]bus.Message, error) {
+			Event: requeststate.ExpiryEvent{Now: now, TaskIDs: o.TaskIDs},
+			Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
 				h.begin(ctx, r, req)
-				r.out = req.ExpireLoads(now, o.TaskIDs)
-				return tracedMessages(r.ctx, r.out)
+				r.out = out
+				return tracedMessages(r.ctx, out)
 			}}}}
 	}
 	statuses, err := h.applyExpiries(ctx, units)

@@ -24,7 +24,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Topics are the topics the scheduler consumes.
@@ -64,28 +64,43 @@ func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.L
 // is transient (retried), data PostgreSQL rejects is permanent, and the
 // consumer then applies the records one at a time to find the one at fault.
 func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
-	start := time.Now()
-	failed := bus.RecordErrors{}
-	items := make([]item, 0, len(recs))
-	at := make([]int, 0, len(recs))
+	b := h.decodeBatch(recs)
+	if len(b.items) > 0 {
+		if err := h.apply(ctx, b); err != nil {
+			return err
+		}
+	}
+	if len(b.failed) > 0 {
+		return b.failed
+	}
+	return nil
+}
+
+// batch is one consumed batch, decoded: its items, in record order, and
+// the records that failed to decode, by index.
+type batch struct {
+	start  time.Time
+	items  []item
+	failed bus.RecordErrors
+	// units are the items' ledger units and runs[i][j] the span and
+	// outcome of item i's change j (prepare).
+	units []ledger.Unit
+	runs  [][]run
+}
+
+// decodeBatch decodes every record of a batch, counting those that fail.
+func (h *Handler) decodeBatch(recs []bus.Received) batch {
+	b := batch{start: time.Now(), items: make([]item, 0, len(recs)), failed: bus.RecordErrors{}}
 	for i, rec := range recs {
 		it, err := decode(rec, h.rules)
 		if err != nil {
 			h.metrics.records.WithLabelValues(rec.Topic, "invalid").Inc()
-			failed[i] = err
+			b.failed[i] = err
 			continue
 		}
-		items, at = append(items, it), append(at, i)
+		b.items = append(b.items, it)
 	}
-	if len(items) > 0 {
-		if err := h.apply(ctx, recs, items, at, start); err != nil {
-			return err
-		}
-	}
-	if len(failed) > 0 {
-		return failed
-	}
-	return nil
+	return b
 }
 
 // run is one change of a batch: its span, started once the change's
@@ -93,7 +108,7 @@ func (h *Handler) HandleBatch(ctx context.Context, recs []bus.Received) error {
 type run struct {
 	ctx  context.Context
 	span trace.Span
-	out  tracking.Outcome
+	out  requeststate.Outcome
 	// start is how the span starts: its name, attributes and start time,
 	// and the trace context the record gave the request.
 	start spanStart
@@ -107,25 +122,11 @@ type spanStart struct {
 	traceparent string
 }
 
-// apply applies the decoded items in one transaction and observes them.
-func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, at []int, start time.Time) error {
-	units := make([]ledger.Unit, len(items))
-	runs := make([][]run, len(items))
-	for i, it := range items {
-		runs[i] = make([]run, len(it.changes))
-		units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
-		for j, c := range it.changes {
-			r := &runs[i][j]
-			r.start = h.applyStart(recs[at[i]].Topic, it, c, start)
-			units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create,
-				Apply: func(req *tracking.Request) ([]bus.Message, error) {
-					h.begin(ctx, r, req)
-					r.out = c.apply(h.model, req)
-					return tracedMessages(r.ctx, r.out)
-				}}
-		}
-	}
-	statuses, err := h.ledger.ApplyBatch(ctx, units)
+// apply applies a batch's items in one transaction and observes them.
+func (h *Handler) apply(ctx context.Context, b batch) error {
+	h.prepare(ctx, &b)
+	items, start, runs := b.items, b.start, b.runs
+	statuses, err := h.ledger.ApplyBatch(ctx, b.units)
 	elapsed := time.Since(start)
 	for i, it := range items {
 		for j := range runs[i] {
@@ -141,13 +142,37 @@ func (h *Handler) apply(ctx context.Context, recs []bus.Received, items []item, 
 			r.span.End()
 		}
 		if err == nil {
-			h.observe(recs[at[i]].Topic, statuses[i], runs[i], elapsed/time.Duration(len(items)))
+			h.observe(it.topic, statuses[i], runs[i], elapsed/time.Duration(len(items)))
 		}
 	}
 	if err != nil {
 		return classifyApply(err)
 	}
 	return nil
+}
+
+// prepare builds the ledger units of a batch's items, one change per
+// request event: the change's typed event, which the ledger applies
+// through requeststate.Request.Apply, and its Emit, which starts the
+// change's span once its request is locked and turns the outcome into
+// outbox messages.
+func (h *Handler) prepare(ctx context.Context, b *batch) {
+	b.units = make([]ledger.Unit, len(b.items))
+	b.runs = make([][]run, len(b.items))
+	for i, it := range b.items {
+		b.runs[i] = make([]run, len(it.changes))
+		b.units[i] = ledger.Unit{Record: it.record, Changes: make([]ledger.Change, len(it.changes))}
+		for j, c := range it.changes {
+			r := &b.runs[i][j]
+			r.start = h.applyStart(it.topic, it, c, b.start)
+			b.units[i].Changes[j] = ledger.Change{RequestID: c.requestID, Create: c.create, Event: c.event,
+				Emit: func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error) {
+					h.begin(ctx, r, req)
+					r.out = out
+					return tracedMessages(r.ctx, out)
+				}}
+		}
+	}
 }
 
 // classifyApply sorts a failed transaction: data PostgreSQL refuses
@@ -191,7 +216,7 @@ func (h *Handler) applyStart(topic string, it item, c change, at time.Time) span
 // context yet keeps the record's, so the request's later records that
 // carry none (an engine that does not trace, a load expiry) join the
 // trace.
-func (h *Handler) begin(ctx context.Context, r *run, req *tracking.Request) {
+func (h *Handler) begin(ctx context.Context, r *run, req *requeststate.Request) {
 	if r.span != nil {
 		return
 	}
@@ -234,7 +259,7 @@ func (h *Handler) finishSpan(r *run, status ledger.Status) {
 
 // tracedMessages is Messages with the trace context of ctx (the change's
 // span) in every message's headers.
-func tracedMessages(ctx context.Context, out tracking.Outcome) ([]bus.Message, error) {
+func tracedMessages(ctx context.Context, out requeststate.Outcome) ([]bus.Message, error) {
 	msgs, err := Messages(out)
 	if err != nil {
 		return nil, err
@@ -283,7 +308,7 @@ func (h *Handler) countResult(topic, result string) {
 }
 
 // resultLabel is the records_total result of one record.
-func resultLabel(status ledger.Status, out tracking.Outcome) string {
+func resultLabel(status ledger.Status, out requeststate.Outcome) string {
 	switch {
 	case status != ledger.Applied:
 		return string(status)
@@ -298,7 +323,7 @@ func resultLabel(status ledger.Status, out tracking.Outcome) string {
 }
 
 // logOutcome logs a request that errored (warn) and other problems (info).
-func (h *Handler) logOutcome(ctx context.Context, it item, c change, out tracking.Outcome) {
+func (h *Handler) logOutcome(ctx context.Context, it item, c change, out requeststate.Outcome) {
 	if len(out.Errors) == 0 {
 		return
 	}
@@ -313,7 +338,7 @@ func (h *Handler) logOutcome(ctx context.Context, it item, c change, out trackin
 
 // Messages turns an outcome into outbox messages: save tasks keyed by
 // request id, load tasks and feedback keyed by engine id.
-func Messages(out tracking.Outcome) ([]bus.Message, error) {
+func Messages(out requeststate.Outcome) ([]bus.Message, error) {
 	msgs := make([]bus.Message, 0, len(out.Saves)+len(out.Loads)+len(out.Feedback))
 	for _, s := range out.Saves {
 		m, err := message(contract.TopicSaveTasks, s.RequestID, s)

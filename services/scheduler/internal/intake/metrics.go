@@ -5,10 +5,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvmesh/kvmesh/pkg/telemetry"
-
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Metrics are the scheduler's record-handling metrics.
@@ -82,7 +81,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, kind := range []string{"save", "load"} {
 		m.tasks.WithLabelValues(kind)
 	}
-	for _, connector := range []string{tracking.ConnectorStore, tracking.ConnectorPD} {
+	for _, connector := range []string{requeststate.ConnectorStore, requeststate.ConnectorPD} {
 		m.ranksExpired.WithLabelValues(connector)
 	}
 	return m, nil

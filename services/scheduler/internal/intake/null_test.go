@@ -9,7 +9,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // TestDecodeStepNormalisesTheEnginesNullBlock: a step record's tables are
@@ -42,10 +42,10 @@ func TestDecodeStepNormalisesTheEnginesNullBlock(t *testing.T) {
 			if err != nil || len(it.changes) != 3 {
 				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
 			}
-			req := tracking.New(m, "e", "r")
+			req := requeststate.New(m, "e", "r")
 			var saves []kvcore.SaveTask
 			for _, ch := range it.changes {
-				out := ch.apply(m, req)
+				out := req.Apply(m, ch.event)
 				saves = append(saves, out.Saves...)
 			}
 			if len(saves) != 1 {

@@ -15,7 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // ErrPartsCorrupt reports stored segments that disagree with their row's
@@ -29,9 +29,19 @@ type Change struct {
 	RequestID string
 	// Create lets the change start a request that has no row yet.
 	Create bool
-	// Apply changes the locked request and returns the messages to enqueue.
+	// Event is the change: the ledger applies it to the locked request
+	// with requeststate.Request.Apply.
+	Event requeststate.Event
+	// Emit turns what Event did into the messages to enqueue (nil: none).
+	Emit EmitFunc
+	// Apply, set instead of Event, changes the locked request itself and
+	// returns the messages to enqueue (tests and one-off repairs).
 	Apply ApplyFunc
 }
+
+// EmitFunc turns the outcome of a change's event on its request into the
+// messages to enqueue. An error rolls the transaction back.
+type EmitFunc func(req *requeststate.Request, out requeststate.Outcome) ([]bus.Message, error)
 
 // Unit is one consumed record: its id, recorded in processed_records, and
 // the requests it changes, in order. An engine step record is one unit
@@ -91,7 +101,7 @@ const (
 // loaded is one locked request of a batch.
 type loaded struct {
 	key   Key
-	req   *tracking.Request
+	req   *requeststate.Request
 	born  int64
 	old   *parts // what the segments hold (empty for a legacy row)
 	dirty bool
@@ -331,7 +341,7 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	if len(missing) == 0 {
 		return nil
 	}
-	fresh := tracking.New(b.l.model, "", "")
+	fresh := requeststate.New(b.l.model, "", "")
 	tb, xb, err := smallJSON(fresh, &PartsMeta{})
 	if err != nil {
 		return err
@@ -529,7 +539,7 @@ func (b *batchTx) apply(u Unit) (Status, []bus.Message, error) {
 			continue
 		}
 		found = true
-		out, err := c.Apply(r.req)
+		out, err := b.change(c, r.req)
 		if err != nil {
 			return "", nil, err
 		}
@@ -540,6 +550,23 @@ func (b *batchTx) apply(u Unit) (Status, []bus.Message, error) {
 		return NoRequest, nil, nil
 	}
 	return Applied, msgs, nil
+}
+
+// change applies one change to its locked request: its event through the
+// state machine's one entry (requeststate.Request.Apply), then Emit; or
+// its Apply function.
+func (b *batchTx) change(c Change, req *requeststate.Request) ([]bus.Message, error) {
+	if c.Event == nil {
+		if c.Apply == nil {
+			return nil, nil
+		}
+		return c.Apply(req)
+	}
+	out := req.Apply(b.l.model, c.Event)
+	if c.Emit == nil {
+		return nil, nil
+	}
+	return c.Emit(req, out)
 }
 
 // write stores every changed request and enqueues msgs, in one round trip.

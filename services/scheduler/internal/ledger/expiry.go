@@ -2,15 +2,13 @@ package ledger
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // selectOverdue lists the requests with a multi-rank load whose deadline
@@ -74,18 +72,20 @@ func (l *Ledger) OverdueLoads(ctx context.Context, now time.Time, limit int) ([]
 // overdueTasks decodes the load waits of a row's store and pd trackers
 // (JSON arrays, nil when absent) and lists the overdue ones.
 func overdueTasks(store, pd []byte, now time.Time) ([]string, error) {
-	req := &tracking.Request{Store: &kvcore.Tracker{}}
-	req.PD = &kvcore.Tracker{}
+	req := &requeststate.Request{Store: &requeststate.Tracker{}}
+	req.PD = &requeststate.Tracker{}
 	for _, part := range []struct {
 		b []byte
-		t *kvcore.Tracker
+		t *requeststate.Tracker
 	}{{store, req.Store}, {pd, req.PD}} {
 		if part.b == nil {
 			continue
 		}
-		if err := json.Unmarshal(part.b, &part.t.LoadWaits); err != nil {
+		waits, err := requeststate.UnmarshalLoadWaits(part.b)
+		if err != nil {
 			return nil, fmt.Errorf("decode load waits: %w", err)
 		}
+		part.t.LoadWaits = waits
 	}
 	return req.OverdueLoads(now), nil
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // tp2 is the hybrid preset at tensor parallel 2.
@@ -33,10 +33,10 @@ func issueLoad(t *testing.T, l *ledger.Ledger, m *kvcore.Model, id string) kvcor
 	var loads []kvcore.LoadTask
 	tbl := kvcore.BlockTable{blocks(0, 3), blocks(100, 3)}
 	d := contract.LookupDecision{Schema: contract.SchemaLookupDecision, DecisionID: "d1", EngineID: "e1", RequestID: id,
-		Model: m.Name, NumTokens: 48, Chosen: tracking.ConnectorStore, ExternalTokens: 32,
-		Children: []contract.ChildDecision{{Name: tracking.ConnectorStore, Tokens: 32, Spec: &kvcore.LoadSpec{KVPoolCachedTokens: 32}}}}
+		Model: m.Name, NumTokens: 48, Chosen: requeststate.ConnectorStore, ExternalTokens: 32,
+		Children: []contract.ChildDecision{{Name: requeststate.ConnectorStore, Tokens: 32, Spec: &kvcore.LoadSpec{KVPoolCachedTokens: 32}}}}
 	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindStep, ID: "load-" + id, EngineID: "e1", RequestID: id, Create: true},
-		func(req *tracking.Request) ([]bus.Message, error) {
+		func(req *requeststate.Request) ([]bus.Message, error) {
 			req.Engine(m, m.Name, contract.RequestEvent{Seq: 1, Kind: contract.EventAdmitted, PromptTokens: 48, BlockHashes: hexChain(3)})
 			req.Decision(m, d)
 			req.Engine(m, m.Name, contract.RequestEvent{Seq: 2, Kind: contract.EventAllocated, ExternalTokens: 32, BlockTable: tbl, DecisionID: "d1"})
@@ -55,7 +55,7 @@ func issueLoad(t *testing.T, l *ledger.Ledger, m *kvcore.Model, id string) kvcor
 func loadDeadline(t *testing.T, pool *pgxpool.Pool, id string) (*time.Time, time.Time) {
 	t.Helper()
 	var col *time.Time
-	var waits []kvcore.LoadWait
+	var waits []requeststate.LoadWait
 	err := pool.QueryRow(context.Background(), `SELECT load_deadline, coalesce(tracker->'load_waits', '[]')
 		FROM trackers WHERE request_id = $1`, id).Scan(&col, &waits)
 	if err != nil {
@@ -91,7 +91,7 @@ func TestLoadDeadlineStoredAndExpired(t *testing.T) {
 	}
 	var fb []contract.EngineFeedback
 	unit := ledger.Unit{Record: due[0].Record(), Changes: []ledger.Change{{RequestID: "r1",
-		Apply: func(req *tracking.Request) ([]bus.Message, error) {
+		Apply: func(req *requeststate.Request) ([]bus.Message, error) {
 			fb = append(fb, req.ExpireLoads(wait, due[0].TaskIDs).Feedback...)
 			return nil, nil
 		}}}}
@@ -119,7 +119,7 @@ func TestLoadDeadlineKeepsTheFirstStamp(t *testing.T) {
 	first, _ := loadDeadline(t, pool, "r1")
 	r0 := kvcore.Rank{TP: 0}
 	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindResult, ID: "res0", EngineID: "e1", RequestID: "r1"},
-		func(req *tracking.Request) ([]bus.Message, error) {
+		func(req *requeststate.Request) ([]bus.Message, error) {
 			req.Result(m, contract.TransferResult{Kind: contract.TransferLoad, TaskID: task.TaskID, Rank: &r0})
 			return nil, nil
 		})

@@ -9,7 +9,6 @@ package ledger
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -19,7 +18,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Record kinds in processed_records.
@@ -68,7 +67,7 @@ type Record struct {
 
 // ApplyFunc changes a locked request and returns the messages to enqueue.
 // An error rolls the transaction back and is returned by Apply.
-type ApplyFunc func(req *tracking.Request) ([]bus.Message, error)
+type ApplyFunc func(req *requeststate.Request) ([]bus.Message, error)
 
 // Ledger reads and writes the scheduler's tables.
 type Ledger struct {
@@ -82,7 +81,7 @@ type Ledger struct {
 type Option func(*Ledger)
 
 // WithLoadRankTimeout sets how long after a multi-rank load is first
-// stored its ranks are given up on (its kvcore.LoadWait deadline); d <= 0
+// stored its ranks are given up on (its requeststate.LoadWait deadline); d <= 0
 // keeps DefaultLoadRankTimeout.
 func WithLoadRankTimeout(d time.Duration) Option {
 	return func(l *Ledger) {
@@ -119,15 +118,17 @@ func commit(ctx context.Context, tx pgx.Tx) error {
 }
 
 // decode rebuilds a request from its row.
-func decode(tracker, extras []byte, lastSeq int64) (*tracking.Request, error) {
-	t, err := kvcore.UnmarshalTracker(tracker)
+func decode(tracker, extras []byte, lastSeq int64) (*requeststate.Request, error) {
+	t, err := requeststate.UnmarshalTracker(tracker)
 	if err != nil {
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
-	req := &tracking.Request{Store: t, LastSeq: lastSeq}
-	if err := json.Unmarshal(extras, &req.Extras); err != nil {
+	req := &requeststate.Request{Store: t, LastSeq: lastSeq}
+	x, err := requeststate.UnmarshalExtras(extras)
+	if err != nil {
 		return nil, fmt.Errorf("ledger: decode extras of %s/%s: %w", t.EngineID, t.RequestID, err)
 	}
+	req.Extras = x
 	return req, nil
 }
 

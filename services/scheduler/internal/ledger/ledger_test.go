@@ -15,7 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 func model(t testing.TB) *kvcore.Model {
@@ -30,7 +30,7 @@ func model(t testing.TB) *kvcore.Model {
 // admit applies an admitted event with seq to (e1, id).
 func admit(l *ledger.Ledger, m *kvcore.Model, id, eventID string, seq int64, msgs ...bus.Message) (ledger.Status, error) {
 	rec := ledger.Record{Kind: ledger.KindStep, ID: eventID, EngineID: "e1", RequestID: id, Create: true}
-	return l.Apply(context.Background(), rec, func(req *tracking.Request) ([]bus.Message, error) {
+	return l.Apply(context.Background(), rec, func(req *requeststate.Request) ([]bus.Message, error) {
 		req.Engine(m, m.Name, contract.RequestEvent{Seq: seq, Kind: contract.EventAdmitted, PromptTokens: 48})
 		return msgs, nil
 	})
@@ -58,7 +58,7 @@ func TestApplyIsIdempotentAndTransactional(t *testing.T) {
 	}
 	boom := errors.New("boom")
 	_, err := l.Apply(context.Background(), ledger.Record{Kind: ledger.KindStep, ID: "ev2", EngineID: "e1", RequestID: "r1", Create: true},
-		func(*tracking.Request) ([]bus.Message, error) { return []bus.Message{msg}, boom })
+		func(*requeststate.Request) ([]bus.Message, error) { return []bus.Message{msg}, boom })
 	if !errors.Is(err, boom) {
 		t.Fatalf("failing apply: %v", err)
 	}
@@ -69,11 +69,11 @@ func TestApplyIsIdempotentAndTransactional(t *testing.T) {
 		t.Fatalf("%d processed ids, want 1", n)
 	}
 	row, err := l.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "r1"})
-	if err != nil || row.LastSeq != 1 || row.State != string(kvcore.StateWaiting) {
+	if err != nil || row.LastSeq != 1 || row.State != string(requeststate.StateWaiting) {
 		t.Fatalf("row %+v, %v", row, err)
 	}
 	res := ledger.Record{Kind: ledger.KindResult, ID: "x", EngineID: "e1", RequestID: "nope"}
-	s, err := l.Apply(context.Background(), res, func(*tracking.Request) ([]bus.Message, error) {
+	s, err := l.Apply(context.Background(), res, func(*requeststate.Request) ([]bus.Message, error) {
 		t.Fatal("ran on a missing request")
 		return nil, nil
 	})
@@ -171,7 +171,7 @@ func TestApplyBatchUnits(t *testing.T) {
 	}
 	var order []string
 	change := func(id string, create bool) ledger.Change {
-		return ledger.Change{RequestID: id, Create: create, Apply: func(req *tracking.Request) ([]bus.Message, error) {
+		return ledger.Change{RequestID: id, Create: create, Apply: func(req *requeststate.Request) ([]bus.Message, error) {
 			req.LastSeq++
 			order = append(order, fmt.Sprint(id, "@", req.LastSeq))
 			return []bus.Message{{Topic: contract.TopicEngineFeedback, Key: id, Value: []byte(fmt.Sprintf(`{"n":%d}`, len(order)))}}, nil

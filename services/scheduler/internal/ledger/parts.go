@@ -8,7 +8,7 @@ import (
 	"sync"
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // A request's trackers keep two parts that grow with the prompt: the hash
@@ -107,13 +107,13 @@ type delta struct {
 }
 
 // slotTrackers returns the request's trackers by slot (nil: none).
-func slotTrackers(req *tracking.Request) [numSlots]*kvcore.Tracker {
-	return [numSlots]*kvcore.Tracker{slotStore: req.Store, slotPD: req.PD}
+func slotTrackers(req *requeststate.Request) [numSlots]*requeststate.Tracker {
+	return [numSlots]*requeststate.Tracker{slotStore: req.Store, slotPD: req.PD}
 }
 
 // install puts p's chain and tables into req's trackers (clipped, so an
 // append by the tracker never writes into p's arrays).
-func (p *parts) install(req *tracking.Request) {
+func (p *parts) install(req *requeststate.Request) {
 	req.Store.Hashes = slices.Clip(p.hashes)
 	req.Store.TokenIDs = slices.Clip(p.tokens)
 	if req.PD != nil && p.meta.PDHashes >= 0 && p.meta.PDHashes <= len(p.hashes) {
@@ -142,7 +142,7 @@ func clipTable(t kvcore.BlockTable) kvcore.BlockTable {
 // new parts and the segments to write. The chain only grows; a table
 // either grows in every group (appended segments) or is replaced (a new
 // generation holding the whole table).
-func diff(old *parts, req *tracking.Request) (*parts, delta) {
+func diff(old *parts, req *requeststate.Request) (*parts, delta) {
 	var d delta
 	nw := &parts{meta: old.meta}
 	h := req.Store.Hashes
@@ -245,10 +245,10 @@ func ids(b []kvcore.BlockID) []int64 {
 // smallJSON encodes the request's mutable state: its trackers without the
 // parts (the pd tracker keeps its chain inline only when it is not a
 // prefix of the request's, meta.PDHashes -1).
-func smallJSON(req *tracking.Request, meta *PartsMeta) (tracker, extras []byte, err error) {
+func smallJSON(req *requeststate.Request, meta *PartsMeta) (tracker, extras []byte, err error) {
 	st := *req.Store
 	st.Hashes, st.Table, st.TokenIDs = nil, nil, nil
-	if tracker, err = kvcore.MarshalTracker(&st); err != nil {
+	if tracker, err = requeststate.MarshalTracker(&st); err != nil {
 		return nil, nil, fmt.Errorf("ledger: %w", err)
 	}
 	x := req.Extras
@@ -260,7 +260,7 @@ func smallJSON(req *tracking.Request, meta *PartsMeta) (tracker, extras []byte, 
 		}
 		x.PD = &pd
 	}
-	if extras, err = json.Marshal(x); err != nil {
+	if extras, err = requeststate.MarshalExtras(x); err != nil {
 		return nil, nil, fmt.Errorf("ledger: encode extras of %s/%s: %w", req.Store.EngineID, req.Store.RequestID, err)
 	}
 	return tracker, extras, nil

@@ -17,7 +17,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // driver applies engine steps to one engine's requests through a ledger
@@ -29,11 +29,11 @@ type driver struct {
 	m     *kvcore.Model
 	step  int
 	seq   map[string]int64
-	twins map[string]*tracking.Request
+	twins map[string]*requeststate.Request
 }
 
 func newDriver(t *testing.T, pool *pgxpool.Pool, m *kvcore.Model) *driver {
-	return &driver{t: t, l: ledger.New(pool, m), m: m, seq: map[string]int64{}, twins: map[string]*tracking.Request{}}
+	return &driver{t: t, l: ledger.New(pool, m), m: m, seq: map[string]int64{}, twins: map[string]*requeststate.Request{}}
 }
 
 // apply applies one step record with evs (request id → event) in order.
@@ -46,12 +46,12 @@ func (d *driver) apply(evs ...contract.RequestEvent) {
 		ev.Seq = d.seq[ev.RequestID]
 		twin := d.twins[ev.RequestID]
 		if twin == nil {
-			twin = tracking.New(d.m, "e1", ev.RequestID)
+			twin = requeststate.New(d.m, "e1", ev.RequestID)
 			d.twins[ev.RequestID] = twin
 		}
 		twin.Engine(d.m, d.m.Name, ev)
 		u.Changes = append(u.Changes, ledger.Change{RequestID: ev.RequestID, Create: true,
-			Apply: func(req *tracking.Request) ([]bus.Message, error) {
+			Apply: func(req *requeststate.Request) ([]bus.Message, error) {
 				req.Engine(d.m, d.m.Name, ev)
 				return nil, nil
 			}})
@@ -252,10 +252,10 @@ func TestLegacyRowIsMovedToSegments(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	tr := kvcore.NewTracker(m, "e1", "old")
+	tr := requeststate.NewTracker(m, "e1", "old")
 	tr.OnAdmit(hexChain(8), 128)
 	tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 64, Table: kvcore.BlockTable{blocks(0, 4)}})
-	tb, err := kvcore.MarshalTracker(tr)
+	tb, err := requeststate.MarshalTracker(tr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,7 +272,7 @@ func TestLegacyRowIsMovedToSegments(t *testing.T) {
 		t.Fatalf("legacy row read as %d hashes, table %v", len(got.Store.Hashes), got.Store.Table)
 	}
 	_, err = l.Apply(ctx, ledger.Record{Kind: ledger.KindStep, ID: "s3", EngineID: "e1", RequestID: "old", Create: true},
-		func(req *tracking.Request) ([]bus.Message, error) {
+		func(req *requeststate.Request) ([]bus.Message, error) {
 			ev := scheduled("old", kvcore.StepRunning, 128, kvcore.BlockTable{blocks(4, 4)}, nil)
 			ev.Seq = 3
 			req.Engine(m, m.Name, ev)
@@ -322,7 +322,7 @@ func TestDownMigrationFoldsPartsBack(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT tracker FROM trackers WHERE request_id = 'r1'`).Scan(&tb); err != nil {
 		t.Fatal(err)
 	}
-	folded, err := kvcore.UnmarshalTracker(tb)
+	folded, err := requeststate.UnmarshalTracker(tb)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -371,7 +371,7 @@ func TestCorruptPartsFailTheApply(t *testing.T) {
 	}
 	fresh := ledger.New(pool, m) // no cache: reads the segments
 	_, err = fresh.Apply(context.Background(), ledger.Record{Kind: ledger.KindStep, ID: "x", EngineID: "e1", RequestID: "r1", Create: true},
-		func(*tracking.Request) ([]bus.Message, error) { return nil, nil })
+		func(*requeststate.Request) ([]bus.Message, error) { return nil, nil })
 	if !errors.Is(err, ledger.ErrPartsCorrupt) {
 		t.Fatalf("apply over a missing segment: %v, want ErrPartsCorrupt", err)
 	}

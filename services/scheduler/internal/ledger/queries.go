@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
-	"github.com/kvmesh/kvmesh/services/scheduler/internal/tracking"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
 // Key names one request.
@@ -35,12 +35,12 @@ type Filter struct {
 // Row is one request's full row.
 type Row struct {
 	adminapi.RequestSummary
-	req *tracking.Request
+	req *requeststate.Request
 }
 
 // Request returns the row's request state, its trackers' hash chain and
 // block tables included, as Apply sees it.
-func (r *Row) Request() (*tracking.Request, error) { return r.req, nil }
+func (r *Row) Request() (*requeststate.Request, error) { return r.req, nil }
 
 const listColumns = `engine_id, request_id, model, state, coalesce(error, ''), last_seq,
 	coalesce((tracker->>'token_len')::int, 0), coalesce((tracker->>'num_saved_tokens')::int, 0),

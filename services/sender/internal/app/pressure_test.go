@@ -8,6 +8,7 @@ import (
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
 )
@@ -16,7 +17,7 @@ import (
 // blocks of the save it emits into the engine's pool, publishes it and
 // waits for its result, which it reports to the tracker as the scheduler
 // does (the skipped and failed keys summed over the groups).
-func (s *stack) trackedSave(t *testing.T, tr *kvcore.Tracker, step kvcore.Step) (*kvcore.SaveTask, contract.TransferResult) {
+func (s *stack) trackedSave(t *testing.T, tr *requeststate.Tracker, step kvcore.Step) (*kvcore.SaveTask, contract.TransferResult) {
 	t.Helper()
 	eff := tr.Step(s.model, step)
 	if eff.Err != nil || len(eff.Saves) != 1 {
@@ -71,7 +72,7 @@ func TestS66_PressureScopedToTheRequest(t *testing.T) {
 	}
 
 	m := s.model
-	a := kvcore.NewTracker(m, "e1", "s66-a")
+	a := requeststate.NewTracker(m, "e1", "s66-a")
 	var hashes []string
 	for _, h := range kvcore.HashChain(tokensFor(s.prefix+"s66-a", 64), m.HashBlockSize, nil) {
 		hashes = append(hashes, h.Hex())
@@ -104,7 +105,7 @@ func TestS66_PressureScopedToTheRequest(t *testing.T) {
 	if st := stats(); !st.Pressure.Active || st.Pressure.SkippedTasks != 1 {
 		t.Fatalf("pressure %+v; want on, one task skipped by the gate (a's second)", st.Pressure)
 	}
-	if want := []kvcore.SaveSpan{{TaskID: a2.TaskID, Start: 0, End: 48}}; !reflect.DeepEqual(a.Unsaved, want) || a.Reports.Skipped != 2 {
+	if want := []requeststate.SaveSpan{{TaskID: a2.TaskID, Start: 0, End: 48}}; !reflect.DeepEqual(a.Unsaved, want) || a.Reports.Skipped != 2 {
 		t.Fatalf("a's tracker: unsaved %+v reports %+v; want %+v (the second save covered the first's range)", a.Unsaved, a.Reports, want)
 	}
 

@@ -11,6 +11,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
@@ -179,8 +180,8 @@ func TestSaveScenarioPressureScoped(t *testing.T) {
 	for i := range hashes {
 		hashes[i] = fmt.Sprintf("%064x", i+1)
 	}
-	a, b := kvcore.NewTracker(m, "e1", "a"), kvcore.NewTracker(m, "e1", "b")
-	for _, tr := range []*kvcore.Tracker{a, b} {
+	a, b := requeststate.NewTracker(m, "e1", "a"), requeststate.NewTracker(m, "e1", "b")
+	for _, tr := range []*requeststate.Tracker{a, b} {
 		tr.OnAdmit(hashes, 0)
 	}
 	table := func(first, n int) kvcore.BlockTable {
@@ -212,7 +213,7 @@ func TestSaveScenarioPressureScoped(t *testing.T) {
 	}
 	type span struct{ start, end, epoch int }
 	steps := []struct {
-		tr       *kvcore.Tracker
+		tr       *requeststate.Tracker
 		step     kvcore.Step
 		noSpace  bool
 		want     span

@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"fmt"
@@ -86,8 +86,8 @@ func (r *Request) loadResult(m *kvcore.Model, out *Outcome, src string, res cont
 
 // loadTracker is the tracker with taskID pending or stale (nil when
 // none), and whether it is the pd tracker.
-func (r *Request) loadTracker(taskID string) (*kvcore.Tracker, bool) {
-	has := func(t *kvcore.Tracker) bool {
+func (r *Request) loadTracker(taskID string) (*Tracker, bool) {
+	has := func(t *Tracker) bool {
 		return slices.Contains(t.PendingLoads, taskID) || slices.Contains(t.StaleLoads, taskID)
 	}
 	switch {
@@ -102,7 +102,7 @@ func (r *Request) loadTracker(taskID string) (*kvcore.Tracker, bool) {
 // rankIgnored says why a load result's rank makes it change nothing ("":
 // it does not): a multi-rank load takes one result from each of its
 // waiting ranks.
-func rankIgnored(m *kvcore.Model, t *kvcore.Tracker, res contract.TransferResult) string {
+func rankIgnored(m *kvcore.Model, t *Tracker, res contract.TransferResult) string {
 	i := t.LoadWait(res.TaskID)
 	switch {
 	case i < 0:

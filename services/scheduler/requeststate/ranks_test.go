@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"errors"

@@ -1,4 +1,4 @@
-package kvcore
+package requeststate
 
 import (
 	"errors"
@@ -6,12 +6,14 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // trkModel builds a model named test-model (hash block 16) from groups.
-func trkModel(t testing.TB, groups ...Group) *Model {
+func trkModel(t testing.TB, groups ...kvcore.Group) *kvcore.Model {
 	t.Helper()
-	m := &Model{Name: "test-model", HashBlockSize: 16}
+	m := &kvcore.Model{Name: "test-model", HashBlockSize: 16}
 	for _, g := range groups {
 		g.BytesPerBlock = 1024
 		m.Groups = append(m.Groups, g)
@@ -23,13 +25,13 @@ func trkModel(t testing.TB, groups ...Group) *Model {
 }
 
 // trkDense is one full-attention group of block size 16.
-func trkDense(t testing.TB) *Model {
-	return trkModel(t, Group{Kind: KindFullAttention, BlockSize: 16})
+func trkDense(t testing.TB) *kvcore.Model {
+	return trkModel(t, kvcore.Group{Kind: kvcore.KindFullAttention, BlockSize: 16})
 }
 
 // trkHybrid is full attention plus Mamba state, both block size 16.
-func trkHybrid(t testing.TB) *Model {
-	return trkModel(t, Group{Kind: KindFullAttention, BlockSize: 16}, Group{Kind: KindMamba, BlockSize: 16})
+func trkHybrid(t testing.TB) *kvcore.Model {
+	return trkModel(t, kvcore.Group{Kind: kvcore.KindFullAttention, BlockSize: 16}, kvcore.Group{Kind: kvcore.KindMamba, BlockSize: 16})
 }
 
 // trkHashes is a hash chain of n distinct lower-case hex hashes.
@@ -42,19 +44,19 @@ func trkHashes(n int) []string {
 }
 
 // tbl builds a block table from per-group lists.
-func tbl(groups ...[]BlockID) BlockTable { return BlockTable(groups) }
+func tbl(groups ...[]kvcore.BlockID) kvcore.BlockTable { return kvcore.BlockTable(groups) }
 
 // ids lists n block ids from first.
-func ids(first, n int) []BlockID {
-	out := make([]BlockID, n)
+func ids(first, n int) []kvcore.BlockID {
+	out := make([]kvcore.BlockID, n)
 	for i := range out {
-		out[i] = BlockID(first + i)
+		out[i] = kvcore.BlockID(first + i)
 	}
 	return out
 }
 
 // newTrk is a tracker of model m with a 64-block hash chain admitted.
-func newTrk(m *Model) *Tracker {
+func newTrk(m *kvcore.Model) *Tracker {
 	tr := NewTracker(m, "e1", "r1")
 	tr.OnAdmit(trkHashes(64), 0)
 	return tr
@@ -79,17 +81,17 @@ func isErr(t *testing.T, eff Effects, want error) Effects {
 }
 
 // counts returns the number of saves, loads and feedback messages.
-func counts(eff Effects) [3]int { return [3]int{len(eff.Saves), len(eff.Loads), len(eff.Feedback)} }
+func effCounts(eff Effects) [3]int { return [3]int{len(eff.Saves), len(eff.Loads), len(eff.Feedback)} }
 
 func TestTrackerNewSavesAlignedRange(t *testing.T) {
-	m := trkModel(t, Group{Kind: KindFullAttention, BlockSize: 32}, Group{Kind: KindSlidingWindow, BlockSize: 16, Window: 32})
+	m := trkModel(t, kvcore.Group{Kind: kvcore.KindFullAttention, BlockSize: 32}, kvcore.Group{Kind: kvcore.KindSlidingWindow, BlockSize: 16, Window: 32})
 	tr := newTrk(m)
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 100, Table: tbl(ids(0, 4), ids(10, 7))}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 100, Table: tbl(ids(0, 4), ids(10, 7))}))
 	if len(eff.Saves) != 1 {
 		t.Fatalf("saves = %d, want 1", len(eff.Saves))
 	}
 	s := eff.Saves[0]
-	if s.Start != 0 || s.End != 96 || s.Schema != SchemaSaveTask || s.Model != "test-model" {
+	if s.Start != 0 || s.End != 96 || s.Schema != kvcore.SchemaSaveTask || s.Model != "test-model" {
 		t.Fatalf("save = %+v", s)
 	}
 	if s.TaskID != "e1/r1/save/1" || len(s.BlockHashes) != 6 {
@@ -101,7 +103,7 @@ func TestTrackerNewSavesAlignedRange(t *testing.T) {
 	if tr.NumSavedTokens != 96 || !reflect.DeepEqual(tr.PendingSaves, []string{s.TaskID}) {
 		t.Fatalf("saved %d, pending %v", tr.NumSavedTokens, tr.PendingSaves)
 	}
-	for _, v := range ValidateSave(m, nil, &s) {
+	for _, v := range kvcore.ValidateSave(m, nil, &s) {
 		if !v.OK() {
 			t.Fatalf("emitted save invalid: %+v", v)
 		}
@@ -112,10 +114,10 @@ func TestTrackerSaveSnapshotDoesNotAlias(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
 	in := tbl(ids(0, 2))
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: in}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: in}))
 	in[0][0] = 99
 	tr.Table[0][1] = 98
-	noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl(ids(2, 1))}))
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 48, Table: tbl(ids(2, 1))}))
 	if got := eff.Saves[0].BlockTable; !reflect.DeepEqual(got, tbl(ids(0, 2))) {
 		t.Fatalf("snapshot changed to %v", got)
 	}
@@ -125,18 +127,18 @@ func TestTrackerGroupCountMismatchErrors(t *testing.T) {
 	m := trkHybrid(t)
 	cases := []struct {
 		name  string
-		steps []Step
+		steps []kvcore.Step
 	}{
-		{"new with one group", []Step{{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}}},
-		{"new with empty table", []Step{{Kind: StepNew, Tokens: 32, Table: BlockTable{}}}},
-		{"resumed with three groups", []Step{{Kind: StepResumed, Tokens: 32, Table: tbl(ids(0, 2), ids(2, 2), ids(4, 2))}}},
-		{"running appends one group", []Step{
-			{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1), ids(5, 1))},
-			{Kind: StepRunning, Tokens: 32, Table: tbl(ids(1, 1))},
+		{"new with one group", []kvcore.Step{{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))}}},
+		{"new with empty table", []kvcore.Step{{Kind: kvcore.StepNew, Tokens: 32, Table: kvcore.BlockTable{}}}},
+		{"resumed with three groups", []kvcore.Step{{Kind: kvcore.StepResumed, Tokens: 32, Table: tbl(ids(0, 2), ids(2, 2), ids(4, 2))}}},
+		{"running appends one group", []kvcore.Step{
+			{Kind: kvcore.StepNew, Tokens: 16, Table: tbl(ids(0, 1), ids(5, 1))},
+			{Kind: kvcore.StepRunning, Tokens: 32, Table: tbl(ids(1, 1))},
 		}},
-		{"decode appends empty table", []Step{
-			{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1), ids(5, 1))},
-			{Kind: StepDecode, Tokens: 17, Table: BlockTable{}},
+		{"decode appends empty table", []kvcore.Step{
+			{Kind: kvcore.StepNew, Tokens: 16, Table: tbl(ids(0, 1), ids(5, 1))},
+			{Kind: kvcore.StepDecode, Tokens: 17, Table: kvcore.BlockTable{}},
 		}},
 	}
 	for _, c := range cases {
@@ -146,13 +148,13 @@ func TestTrackerGroupCountMismatchErrors(t *testing.T) {
 			for _, s := range c.steps {
 				eff = tr.Step(m, s)
 			}
-			isErr(t, eff, ErrGroupCount)
+			isErr(t, eff, kvcore.ErrGroupCount)
 			if tr.State != StateErrored || !strings.Contains(tr.Error, "group") {
 				t.Fatalf("state %s error %q", tr.State, tr.Error)
 			}
 			saved := tr.NumSavedTokens
-			eff = tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(8, 2), ids(9, 2))})
-			if counts(eff) != [3]int{} || eff.Err != nil || tr.NumSavedTokens != saved {
+			eff = tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: tbl(ids(8, 2), ids(9, 2))})
+			if effCounts(eff) != [3]int{} || eff.Err != nil || tr.NumSavedTokens != saved {
 				t.Fatalf("errored request acted: %+v", eff)
 			}
 		})
@@ -163,22 +165,22 @@ func TestTrackerErroredFinish(t *testing.T) {
 	m := trkHybrid(t)
 	t.Run("nothing outstanding frees now", func(t *testing.T) {
 		tr := newTrk(m)
-		tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})
-		eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+		tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))})
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
 		if len(eff.Feedback) != 1 || !eff.Feedback[0].Immediate || !eff.Drop {
 			t.Fatalf("finish effects %+v", eff)
 		}
 	})
 	t.Run("outstanding save delays the free", func(t *testing.T) {
 		tr := newTrk(m)
-		save := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(4, 2))})).Saves[0]
-		isErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl(ids(2, 1))}), ErrGroupCount)
-		eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-		if counts(eff) != [3]int{} || tr.State != StateFinishing {
+		save := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(4, 2))})).Saves[0]
+		isErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 48, Table: tbl(ids(2, 1))}), kvcore.ErrGroupCount)
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
+		if effCounts(eff) != [3]int{} || tr.State != StateFinishing {
 			t.Fatalf("finish effects %+v state %s", eff, tr.State)
 		}
-		eff = noErr(t, tr.OnSaveResult(save.TaskID, SaveStored))
-		if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || eff.Feedback[0].Immediate || !eff.Drop {
+		eff = noErr(t, tr.OnSaveResult(save.TaskID, kvcore.SaveStored))
+		if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedSending || eff.Feedback[0].Immediate || !eff.Drop {
 			t.Fatalf("result effects %+v", eff)
 		}
 	})
@@ -186,23 +188,23 @@ func TestTrackerErroredFinish(t *testing.T) {
 
 func TestTrackerAllocation(t *testing.T) {
 	m := trkDense(t)
-	spec := &LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 48}
+	spec := &kvcore.LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 48}
 	cases := []struct {
 		name      string
 		lookFirst bool
-		spec      *LoadSpec
+		spec      *kvcore.LoadSpec
 		external  int
 		canLoad   bool
 		err       error
-		recvErrs  []BlockID // finished_recving with these blocks, nil: none
+		recvErrs  []kvcore.BlockID // finished_recving with these blocks, nil: none
 	}{
 		{"accepted", true, spec, 32, true, nil, nil},
 		{"accepted, lookup arrives late", false, spec, 32, true, nil, nil},
 		{"rejected", true, spec, 0, false, nil, nil},
 		{"rejected, lookup arrives late", false, spec, 0, false, nil, nil},
-		{"count mismatch", true, spec, 16, false, ErrExternalTokens, ids(0, 3)},
-		{"external without spec", true, nil, 32, false, ErrExternalTokens, ids(0, 3)},
-		{"negative", true, spec, -1, false, ErrNegativeCount, nil},
+		{"count mismatch", true, spec, 16, false, kvcore.ErrExternalTokens, ids(0, 3)},
+		{"external without spec", true, nil, 32, false, kvcore.ErrExternalTokens, ids(0, 3)},
+		{"negative", true, spec, -1, false, kvcore.ErrNegativeCount, nil},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -224,7 +226,7 @@ func TestTrackerAllocation(t *testing.T) {
 				t.Fatalf("can_load = %v, want %v", got, c.canLoad)
 			}
 			if c.recvErrs != nil {
-				if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, c.recvErrs) {
+				if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, c.recvErrs) {
 					t.Fatalf("feedback %+v", eff.Feedback)
 				}
 			} else if len(eff.Feedback) != 0 {
@@ -240,14 +242,14 @@ func TestTrackerAllocation(t *testing.T) {
 func TestTrackerAllocateTwice(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 0, nil))
-	isErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))), ErrAllocatedTwice)
+	isErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))), kvcore.ErrAllocatedTwice)
 	if tr.Load.Spec.CanLoad {
 		t.Fatal("a rejected spec became loadable without a new lookup")
 	}
 	// A new lookup starts a new attempt, which may accept.
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))))
 	if !tr.Load.Spec.CanLoad {
 		t.Fatal("new attempt not accepted")
@@ -257,15 +259,15 @@ func TestTrackerAllocateTwice(t *testing.T) {
 func TestTrackerAllocationTableGroupCount(t *testing.T) {
 	m := trkHybrid(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
-	eff := isErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))), ErrGroupCount)
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
+	eff := isErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))), kvcore.ErrGroupCount)
 	if tr.State != StateErrored {
 		t.Fatalf("state %s", tr.State)
 	}
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, ids(0, 2)) {
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, ids(0, 2)) {
 		t.Fatalf("feedback %+v, want finished_recving with every block in error", eff.Feedback)
 	}
-	if eff = tr.Step(m, Step{Kind: StepPendingLoad}); counts(eff) != [3]int{} {
+	if eff = tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad}); effCounts(eff) != [3]int{} {
 		t.Fatalf("errored request emitted %+v", eff)
 	}
 }
@@ -275,10 +277,10 @@ func TestTrackerLateLookupIssuesLoad(t *testing.T) {
 	t.Run("pending", func(t *testing.T) {
 		tr := newTrk(m)
 		noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
-		if eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})); counts(eff) != [3]int{} {
+		if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})); effCounts(eff) != [3]int{} {
 			t.Fatalf("unresolved pending emitted %+v", eff)
 		}
-		eff := noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		eff := noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 		if len(eff.Loads) != 1 || !reflect.DeepEqual(eff.Loads[0].BlockTable, tbl(ids(0, 3))) {
 			t.Fatalf("late lookup effects %+v", eff)
 		}
@@ -286,10 +288,10 @@ func TestTrackerLateLookupIssuesLoad(t *testing.T) {
 	t.Run("scheduled", func(t *testing.T) {
 		tr := newTrk(m)
 		noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
-		if eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))})); counts(eff) != [3]int{} {
+		if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: tbl(ids(0, 3))})); effCounts(eff) != [3]int{} {
 			t.Fatalf("a save before the expected load: %+v", eff)
 		}
-		eff := noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		eff := noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 		if len(eff.Loads) != 1 || len(eff.Saves) != 0 || tr.NumSavedTokens != 0 {
 			t.Fatalf("late lookup effects %+v", eff)
 		}
@@ -299,20 +301,20 @@ func TestTrackerLateLookupIssuesLoad(t *testing.T) {
 func TestTrackerNoSaveWhileLoadOutstanding(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
-	load := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))})).Loads[0]
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(3, 1))})); len(eff.Saves) != 0 {
+	load := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: tbl(ids(0, 3))})).Loads[0]
+	if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: tbl(ids(3, 1))})); len(eff.Saves) != 0 {
 		t.Fatalf("saved while the load is outstanding: %+v", eff.Saves)
 	}
-	eff := noErr(t, tr.OnLoadResult(load.TaskID, []BlockID{1}))
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, []BlockID{1}) {
+	eff := noErr(t, tr.OnLoadResult(load.TaskID, []kvcore.BlockID{1}))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedRecving || !reflect.DeepEqual(eff.Feedback[0].LoadErrors, []kvcore.BlockID{1}) {
 		t.Fatalf("load result effects %+v", eff)
 	}
-	if eff := noErr(t, tr.OnLoadResult(load.TaskID, nil)); counts(eff) != [3]int{} {
+	if eff := noErr(t, tr.OnLoadResult(load.TaskID, nil)); effCounts(eff) != [3]int{} {
 		t.Fatalf("repeated load result acted: %+v", eff)
 	}
-	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 65}))
+	eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 65}))
 	if len(eff.Saves) != 1 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 64 {
 		t.Fatalf("save after the load: %+v", eff.Saves)
 	}
@@ -322,11 +324,11 @@ func TestTrackerPrefillEndCapsSaves(t *testing.T) {
 	m := trkDense(t)
 	tr := NewTracker(m, "e1", "r1")
 	tr.OnAdmit(trkHashes(8), 40)
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 40, Table: tbl(ids(0, 3))}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 40, Table: tbl(ids(0, 3))}))
 	if len(eff.Saves) != 1 || eff.Saves[0].End != 32 {
 		t.Fatalf("prefill save %+v", eff.Saves)
 	}
-	if eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(3, 1))})); len(eff.Saves) != 0 {
+	if eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: tbl(ids(3, 1))})); len(eff.Saves) != 0 {
 		t.Fatalf("decode tokens saved: %+v", eff.Saves)
 	}
 }
@@ -335,11 +337,11 @@ func TestTrackerShortHashChainHoldsSave(t *testing.T) {
 	m := trkDense(t)
 	tr := NewTracker(m, "e1", "r1")
 	tr.OnAdmit(trkHashes(2), 0)
-	eff := isErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 64, Table: tbl(ids(0, 4))}), ErrShortHashChain)
+	eff := isErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 64, Table: tbl(ids(0, 4))}), kvcore.ErrShortHashChain)
 	if len(eff.Saves) != 1 || eff.Saves[0].End != 32 || tr.State != StateRunning {
 		t.Fatalf("saves %+v state %s", eff.Saves, tr.State)
 	}
-	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Hashes: trkHashes(4)}))
+	eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Hashes: trkHashes(4)}))
 	if len(eff.Saves) != 1 || eff.Saves[0].Start != 32 || eff.Saves[0].End != 64 {
 		t.Fatalf("saves after hashes arrived %+v", eff.Saves)
 	}
@@ -348,7 +350,7 @@ func TestTrackerShortHashChainHoldsSave(t *testing.T) {
 func TestTrackerTableCoverageCapsSave(t *testing.T) {
 	m := trkHybrid(t)
 	tr := newTrk(m)
-	eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 64, Table: tbl(ids(0, 4), ids(10, 2))}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 64, Table: tbl(ids(0, 4), ids(10, 2))}))
 	if len(eff.Saves) != 1 || eff.Saves[0].End != 32 {
 		t.Fatalf("saves %+v, want one ending at 32", eff.Saves)
 	}
@@ -358,16 +360,16 @@ func TestTrackerStepErrors(t *testing.T) {
 	m := trkDense(t)
 	cases := []struct {
 		name    string
-		prepare []Step
-		step    Step
+		prepare []kvcore.Step
+		step    kvcore.Step
 		want    error
 		errored bool
 	}{
-		{"running before scheduled", nil, Step{Kind: StepRunning, Tokens: 16}, ErrBadStep, true},
-		{"pending while running", []Step{{Kind: StepNew, Tokens: 8, Table: tbl(ids(0, 1))}}, Step{Kind: StepPendingLoad}, ErrBadStep, false},
-		{"unknown kind", nil, Step{Kind: "bogus"}, ErrUnknownStep, false},
-		{"negative tokens", nil, Step{Kind: StepNew, Tokens: -1, Table: tbl(ids(0, 1))}, ErrNegativeCount, true},
-		{"step after finish", []Step{{Kind: StepFinished}}, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))}, ErrRequestFinished, false},
+		{"running before scheduled", nil, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 16}, kvcore.ErrBadStep, true},
+		{"pending while running", []kvcore.Step{{Kind: kvcore.StepNew, Tokens: 8, Table: tbl(ids(0, 1))}}, kvcore.Step{Kind: kvcore.StepPendingLoad}, kvcore.ErrBadStep, false},
+		{"unknown kind", nil, kvcore.Step{Kind: "bogus"}, kvcore.ErrUnknownStep, false},
+		{"negative tokens", nil, kvcore.Step{Kind: kvcore.StepNew, Tokens: -1, Table: tbl(ids(0, 1))}, kvcore.ErrNegativeCount, true},
+		{"step after finish", []kvcore.Step{{Kind: kvcore.StepFinished}}, kvcore.Step{Kind: kvcore.StepNew, Tokens: 16, Table: tbl(ids(0, 1))}, kvcore.ErrRequestFinished, false},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -388,8 +390,8 @@ func TestTrackerRefusesOtherModel(t *testing.T) {
 	tr := newTrk(m)
 	other := trkDense(t)
 	other.Name = "other"
-	isErr(t, tr.Step(other, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))}), ErrUnknownModel)
-	isErr(t, tr.OnLookup(nil, nil), ErrUnknownModel)
+	isErr(t, tr.Step(other, kvcore.Step{Kind: kvcore.StepNew, Tokens: 16, Table: tbl(ids(0, 1))}), kvcore.ErrUnknownModel)
+	isErr(t, tr.OnLookup(nil, nil), kvcore.ErrUnknownModel)
 	if tr.State != StateWaiting {
 		t.Fatalf("state %s", tr.State)
 	}
@@ -399,10 +401,10 @@ func TestTrackerConsumerNeverSaves(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
 	tr.Consumer = true
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 64, Table: tbl(ids(0, 4))})); len(eff.Saves) != 0 {
+	if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 64, Table: tbl(ids(0, 4))})); len(eff.Saves) != 0 {
 		t.Fatalf("consumer saved %+v", eff.Saves)
 	}
-	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
 	if len(eff.Feedback) != 1 || !eff.Feedback[0].Immediate {
 		t.Fatalf("consumer finish %+v", eff)
 	}
@@ -411,24 +413,24 @@ func TestTrackerConsumerNeverSaves(t *testing.T) {
 func TestTrackerSaveResults(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	a := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
-	b := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl(ids(2, 1))})).Saves[0]
+	a := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+	b := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 48, Table: tbl(ids(2, 1))})).Saves[0]
 	if a.TaskID == b.TaskID || b.Start != 32 {
 		t.Fatalf("tasks %q %q start %d", a.TaskID, b.TaskID, b.Start)
 	}
-	isErr(t, tr.OnSaveResult(a.TaskID, "maybe"), ErrUnknownSaveStatus)
-	noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-	if eff := noErr(t, tr.OnSaveResult(a.TaskID, SaveDeadLettered)); counts(eff) != [3]int{} || eff.Drop {
+	isErr(t, tr.OnSaveResult(a.TaskID, "maybe"), kvcore.ErrUnknownSaveStatus)
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
+	if eff := noErr(t, tr.OnSaveResult(a.TaskID, kvcore.SaveDeadLettered)); effCounts(eff) != [3]int{} || eff.Drop {
 		t.Fatalf("first of two results %+v", eff)
 	}
-	if eff := noErr(t, tr.OnSaveResult(a.TaskID, SaveStored)); counts(eff) != [3]int{} {
+	if eff := noErr(t, tr.OnSaveResult(a.TaskID, kvcore.SaveStored)); effCounts(eff) != [3]int{} {
 		t.Fatalf("repeated result acted: %+v", eff)
 	}
-	eff := noErr(t, tr.OnSaveResult(b.TaskID, SaveSkipped))
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || !eff.Drop {
+	eff := noErr(t, tr.OnSaveResult(b.TaskID, kvcore.SaveSkipped))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedSending || !eff.Drop {
 		t.Fatalf("last result %+v", eff)
 	}
-	if want := (SaveCounts{Skipped: 1, DeadLettered: 1}); tr.Reports != want {
+	if want := (kvcore.SaveCounts{Skipped: 1, DeadLettered: 1}); tr.Reports != want {
 		t.Fatalf("reports %+v, want %+v", tr.Reports, want)
 	}
 }
@@ -436,15 +438,15 @@ func TestTrackerSaveResults(t *testing.T) {
 func TestTrackerDropWaitsForLoad(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2))))
-	load := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})).Loads[0]
-	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	load := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})).Loads[0]
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
 	if len(eff.Feedback) != 1 || eff.Drop {
 		t.Fatalf("finish with a load outstanding %+v", eff)
 	}
 	eff = noErr(t, tr.OnLoadResult(load.TaskID, nil))
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedRecving || !eff.Drop {
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedRecving || !eff.Drop {
 		t.Fatalf("load result %+v", eff)
 	}
 }
@@ -453,9 +455,9 @@ func TestTrackerJSONRoundTrip(t *testing.T) {
 	m := trkHybrid(t)
 	tr := newTrk(m)
 	tr.Connector = "store"
-	noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
-	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3), []BlockID{NullBlock, NullBlock, 9})))
-	noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3), []kvcore.BlockID{kvcore.NullBlock, kvcore.NullBlock, 9})))
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad}))
 	tr.PendingSaves = []string{"e1/r1/save/9"}
 	tr.Reports.Failed = 2
 	b, err := MarshalTracker(tr)
@@ -470,7 +472,7 @@ func TestTrackerJSONRoundTrip(t *testing.T) {
 		t.Fatalf("round trip changed the tracker:\n%+v\n%+v", tr, back)
 	}
 	// The restored tracker behaves the same: the load is not issued twice.
-	if eff := noErr(t, back.Step(m, Step{Kind: StepPendingLoad})); len(eff.Loads) != 0 {
+	if eff := noErr(t, back.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})); len(eff.Loads) != 0 {
 		t.Fatalf("restored tracker re-issued the load")
 	}
 	if _, err := UnmarshalTracker([]byte(`{"state":`)); err == nil {

@@ -1,9 +1,10 @@
-package kvcore
+package requeststate
 
 import (
-	"encoding/json"
 	"fmt"
 	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // TrackerState is the lifecycle state of a request tracker.
@@ -30,91 +31,25 @@ const (
 // tasks unless Tracker.Connector says otherwise.
 const DefaultTrackerConnector = "store"
 
-// SaveStatus is the outcome of one save task, as the sender reports it.
-type SaveStatus string
-
-// Save outcomes. Every one of them counts as "reported" for the free.
-const (
-	// SaveStored: every group was stored (or already present).
-	SaveStored SaveStatus = "stored"
-	// SaveSkipped: the save was skipped (store pressure).
-	SaveSkipped SaveStatus = "skipped"
-	// SaveDeadLettered: at least one group was dead-lettered.
-	SaveDeadLettered SaveStatus = "dead_lettered"
-	// SaveFailed: at least one group failed (e.g. put_failed).
-	SaveFailed SaveStatus = "failed"
-)
-
-// Valid reports whether s is one of the known save outcomes.
-func (s SaveStatus) Valid() bool {
-	switch s {
-	case SaveStored, SaveSkipped, SaveDeadLettered, SaveFailed:
-		return true
-	}
-	return false
-}
-
-// SaveCounts counts a request's reported save outcomes.
-type SaveCounts struct {
-	// Stored counts saves reported stored.
-	Stored int `json:"stored"`
-	// Skipped counts saves reported skipped.
-	Skipped int `json:"skipped"`
-	// DeadLettered counts saves reported dead-lettered.
-	DeadLettered int `json:"dead_lettered"`
-	// Failed counts saves reported failed.
-	Failed int `json:"failed"`
-}
-
-// SaveReport is the sender's report of one save task, as the tracker reads
-// it: the task's outcome and how many of its keys were neither stored nor
-// found present for a cause a later save of the request can cure — skipped
-// under store pressure (the store answered "no space", or the request was
-// under pressure), failed puts, or dead-lettered exists_failed (the store's
-// existence check kept failing: a transient store problem, which vLLM's
-// next job retries, as it retries any job whose existence check raised).
-// Keys dead-lettered for a permanent cause (an invalid group, a block that
-// no longer holds its chunk) are not counted: their dead letter, and an
-// operator's replay, is their second chance.
-type SaveReport struct {
-	// Status is the task's overall outcome.
-	Status SaveStatus `json:"status"`
-	// Skipped counts the task's keys skipped under store pressure.
-	Skipped int `json:"skipped,omitempty"`
-	// Failed counts the task's keys whose put failed.
-	Failed int `json:"failed,omitempty"`
-	// ExistsFailed counts the task's keys dead-lettered exists_failed
-	// (ReasonExistsFailed): the sender gave up on the existence check of
-	// their group, so it neither stored nor found them.
-	ExistsFailed int `json:"exists_failed,omitempty"`
-}
-
-// unsaved reports whether some of the task's range was not persisted for a
-// cause a later save can cure. A report without key counts says so by its
-// status alone (skipped or failed; dead_lettered alone is a permanent cause).
-func (r SaveReport) unsaved() bool {
-	return r.Skipped > 0 || r.Failed > 0 || r.ExistsFailed > 0 || r.Status == SaveSkipped || r.Status == SaveFailed
-}
-
 // SaveSpan is the token range [Start, End) of one save task.
 type SaveSpan struct {
 	// TaskID is the save task.
-	TaskID string `json:"task_id"`
+	TaskID string
 	// Start is the first token the task saves.
-	Start int `json:"start"`
+	Start int
 	// End is the token the task saves up to (exclusive).
-	End int `json:"end"`
+	End int
 	// Job is, on a pending save, the store job of the current epoch the
 	// task runs as (Tracker.SaveJobs): a step's save and its prompt-tail
 	// save share one, and a re-save runs as the job after its failed
 	// task's (0: a tracker stored before jobs were counted).
-	Job int `json:"job,omitempty"`
+	Job int
 	// CoveredLow and CoveredHigh count, on a pending save, the tokens at
 	// the start and at the end of its range that a save emitted after it
 	// covers again (Tracker.markCovered): if the task leaves its range
 	// unsaved, only [Start+CoveredLow, End-CoveredHigh) is saved again.
-	CoveredLow  int `json:"covered_low,omitempty"`
-	CoveredHigh int `json:"covered_high,omitempty"`
+	CoveredLow  int
+	CoveredHigh int
 }
 
 // uncovered is the part of a pending save's range that no save emitted
@@ -123,67 +58,15 @@ func (s SaveSpan) uncovered() (lo, hi int) {
 	return s.Start + s.CoveredLow, s.End - s.CoveredHigh
 }
 
-// add counts one report.
-func (c *SaveCounts) add(s SaveStatus) {
-	switch s {
-	case SaveStored:
-		c.Stored++
-	case SaveSkipped:
-		c.Skipped++
-	case SaveDeadLettered:
-		c.DeadLettered++
-	case SaveFailed:
-		c.Failed++
-	}
-}
-
-// FeedbackKind names a message the scheduler sends to an engine.
-type FeedbackKind string
-
-// Feedback kinds.
-const (
-	// FeedbackFinishedSending: the request's blocks may be freed.
-	FeedbackFinishedSending FeedbackKind = "finished_sending"
-	// FeedbackFinishedRecving: the request's load is over; LoadErrors lists
-	// the blocks the engine must recompute.
-	FeedbackFinishedRecving FeedbackKind = "finished_recving"
-)
-
-// Feedback is one message to the engine.
-type Feedback struct {
-	// Kind says what finished.
-	Kind FeedbackKind `json:"kind"`
-	// EngineID is the engine the message goes to.
-	EngineID string `json:"engine_id"`
-	// RequestID is the request it concerns.
-	RequestID string `json:"request_id"`
-	// Immediate is set on finished_sending when nothing had to be waited for
-	// (vLLM's request_finished returning "do not delay the free").
-	Immediate bool `json:"immediate,omitempty"`
-	// LoadErrors lists, on finished_recving, the block ids whose load failed.
-	LoadErrors []BlockID `json:"load_errors,omitempty"`
-	// TaskID names, on finished_recving, the load task that finished ("" when
-	// no load was issued: the load was abandoned before a task existed).
-	TaskID string `json:"task_id,omitempty"`
-	// Epoch is the request's allocation epoch the message belongs to (absent:
-	// 0). On finished_recving it is the load task's epoch, which is always
-	// the current one: a load of an older epoch never yields feedback.
-	Epoch int `json:"epoch,omitempty"`
-	// MissingRanks lists, on finished_recving of a multi-rank load, the
-	// worker ranks that never reported (Tracker.ExpireLoads): every block of
-	// the load is then in LoadErrors.
-	MissingRanks []Rank `json:"missing_ranks,omitempty"`
-}
-
 // Effects is what one tracker event asks the caller to do. The tracker does
 // nothing itself; the caller persists the tracker and publishes the effects.
 type Effects struct {
 	// Saves are save tasks to publish.
-	Saves []SaveTask
+	Saves []kvcore.SaveTask
 	// Loads are load tasks to publish.
-	Loads []LoadTask
+	Loads []kvcore.LoadTask
 	// Feedback are messages to the engine.
-	Feedback []Feedback
+	Feedback []kvcore.Feedback
 	// Drop is set when the tracker has nothing left to do and may be deleted.
 	Drop bool
 	// Err reports a problem with the event, wrapping a sentinel error. When
@@ -198,23 +81,23 @@ type Effects struct {
 // current scheduling attempt (lookup, then allocation, in either order).
 type LoadState struct {
 	// LookedUp is set once the lookup decision arrived.
-	LookedUp bool `json:"looked_up,omitempty"`
+	LookedUp bool
 	// Spec is the lookup's LoadSpec (nil: the lookup kept none).
-	Spec *LoadSpec `json:"spec,omitempty"`
+	Spec *kvcore.LoadSpec
 	// Allocated is set once the allocation arrived.
-	Allocated bool `json:"allocated,omitempty"`
+	Allocated bool
 	// External is the external-token count the allocation gave this connector.
-	External int `json:"external_tokens,omitempty"`
+	External int
 	// Table is the allocation's block table, kept only while an accepted
 	// load may still be issued from it. It never feeds a save.
-	Table BlockTable `json:"block_table,omitempty"`
+	Table kvcore.BlockTable
 	// Resolved is set once lookup and allocation were matched: Spec.CanLoad
 	// is then final.
-	Resolved bool `json:"resolved,omitempty"`
+	Resolved bool
 	// Issued is set once the load was emitted (or abandoned and reported).
-	Issued bool `json:"issued,omitempty"`
+	Issued bool
 	// PendingSeen is set once a step listed the request as a pending load.
-	PendingSeen bool `json:"pending_seen,omitempty"`
+	PendingSeen bool
 }
 
 // canIssue reports whether an accepted load is waiting to be issued.
@@ -274,92 +157,92 @@ func (l *LoadState) expecting() bool {
 // mark a range unsaved and never block a save of the new epoch.
 type Tracker struct {
 	// EngineID is the engine that owns the request.
-	EngineID string `json:"engine_id"`
+	EngineID string
 	// RequestID is the engine's request id.
-	RequestID string `json:"request_id"`
+	RequestID string
 	// Model is the model name (Model.Name); events for another model are refused.
-	Model string `json:"model"`
+	Model string
 	// Tenant is the request's tenant (ValidateTenant; absent: none), as
 	// the engine admitted it: every task the tracker emits carries it, so
 	// the request's keys are its tenant's. The caller sets it at admission.
-	Tenant string `json:"tenant,omitempty"`
+	Tenant string
 	// Connector names the connector on load tasks ("" means DefaultTrackerConnector).
 	// A tracker of another connector prefixes its task ids' kind with the
 	// connector's name ("pd-load"), so two trackers of one request never
 	// emit the same task id.
-	Connector string `json:"connector,omitempty"`
+	Connector string
 	// Remote, when set, is copied into every load task the tracker emits:
 	// the blocks come from another engine's pool (a disaggregated-prefill
 	// source) instead of the store pool.
-	Remote *RemoteSource `json:"remote,omitempty"`
+	Remote *kvcore.RemoteSource
 	// Consumer is set for the kv_consumer role: the request never saves.
-	Consumer bool `json:"consumer,omitempty"`
+	Consumer bool
 	// State is the lifecycle state.
-	State TrackerState `json:"state"`
+	State TrackerState
 	// Error says why the request is in StateErrored.
-	Error string `json:"error,omitempty"`
+	Error string
 	// TokenLen is the number of tokens computed once the last step ran.
-	TokenLen int `json:"token_len"`
+	TokenLen int
 	// PrefillEnd is the prompt length (0: unknown); tokens past it are
 	// decode tokens and are not saved.
-	PrefillEnd int `json:"prefill_end,omitempty"`
+	PrefillEnd int
 	// PromptTokens is the prompt length the engine admitted the request
 	// with (0: unknown), vLLM's request.num_prompt_tokens: the sub-block
 	// prompt tail is stored at its last hash boundary (maybeSaveTail). Unlike
 	// PrefillEnd it does not grow when a resumed request re-prefills the
 	// tokens it generated.
-	PromptTokens int `json:"prompt_tokens,omitempty"`
+	PromptTokens int
 	// TailSaved is set once the current epoch emitted the request's
 	// sub-block prompt-tail save (or found it due past its block): it is
 	// emitted at most once per epoch.
-	TailSaved bool `json:"tail_saved,omitempty"`
+	TailSaved bool
 	// Table is the scheduled block table, one list per group. It is only
 	// ever set from a table whose group count equals the model's.
-	Table BlockTable `json:"block_table"`
+	Table kvcore.BlockTable
 	// NumSavedTokens is the saved offset: tokens covered by the current
 	// epoch's emitted saves (vLLM's num_saved_tokens).
-	NumSavedTokens int `json:"num_saved_tokens"`
+	NumSavedTokens int
 	// SaveSpans are the token ranges of the PendingSaves, so a report can
 	// say which range was not persisted.
-	SaveSpans []SaveSpan `json:"save_spans,omitempty"`
+	SaveSpans []SaveSpan
 	// Unsaved are the current epoch's save ranges reported not persisted
 	// (SaveReport) that no save emitted since covers again; the next save
 	// starts at the lowest of them.
-	Unsaved []SaveSpan `json:"unsaved,omitempty"`
+	Unsaved []SaveSpan
 	// SaveJobs counts the current epoch's store jobs: the steps that
 	// emitted a save of full blocks (a prompt-tail save alone is no job:
 	// vLLM's offload-only job saves no range, token_len_chunk 0). A save
 	// reported not persisted whose Job is below it is saved again at once.
-	SaveJobs int `json:"save_jobs,omitempty"`
+	SaveJobs int
 	// Hashes is the request's hash chain (hex), one per hash block.
-	Hashes []string `json:"block_hashes,omitempty"`
+	Hashes []string
 	// TokenIDs are the prompt's tokens of complete hash blocks, as the
 	// engine admitted them (OnAdmitTokens; nil: none given, or the
 	// operator dropped them): every save task carries those its chain
 	// covers, for the token ids of its BlockStored events. Only grows.
-	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	TokenIDs []uint32
 	// LoraName is the LoRA adapter the engine serves the request with
 	// ("": none), put on every save task (BlockStored lora_name).
-	LoraName string `json:"lora_name,omitempty"`
+	LoraName string
 	// Load is the LoadSpec state of the current scheduling attempt.
-	Load LoadState `json:"load"`
+	Load LoadState
 	// Seq numbers the tasks the tracker emitted; task ids derive from it.
-	Seq int `json:"seq"`
+	Seq int
 	// Epoch is the allocation epoch (see the type's documentation).
-	Epoch int `json:"epoch,omitempty"`
+	Epoch int
 	// PendingSaves are the ids of the current epoch's saves not yet reported.
-	PendingSaves []string `json:"pending_saves,omitempty"`
+	PendingSaves []string
 	// PendingLoads are the ids of the current epoch's loads not yet reported.
-	PendingLoads []string `json:"pending_loads,omitempty"`
+	PendingLoads []string
 	// StaleSaves are the ids of earlier epochs' saves not yet reported.
-	StaleSaves []string `json:"stale_saves,omitempty"`
+	StaleSaves []string
 	// StaleLoads are the ids of earlier epochs' loads not yet reported.
-	StaleLoads []string `json:"stale_loads,omitempty"`
+	StaleLoads []string
 	// LoadWaits are the loads of a multi-rank engine (pending or stale) that
 	// not every rank has reported yet.
-	LoadWaits []LoadWait `json:"load_waits,omitempty"`
+	LoadWaits []LoadWait
 	// Reports counts the reported save outcomes.
-	Reports SaveCounts `json:"save_reports"`
+	Reports kvcore.SaveCounts
 }
 
 // LoadWait is one load task of a multi-rank engine that some of its ranks
@@ -367,51 +250,23 @@ type Tracker struct {
 // the union of every rank's load errors.
 type LoadWait struct {
 	// TaskID is the load task.
-	TaskID string `json:"task_id"`
+	TaskID string
 	// Waiting are the ranks that have not reported.
-	Waiting []Rank `json:"waiting"`
+	Waiting []kvcore.Rank
 	// Errors is the union of the reported ranks' load errors.
-	Errors []BlockID `json:"errors,omitempty"`
+	Errors []kvcore.BlockID
 	// Blocks are every block the task loads into: the load errors of a rank
 	// that never reports.
-	Blocks []BlockID `json:"blocks"`
+	Blocks []kvcore.BlockID
 	// Deadline is when the caller gives up on the waiting ranks
 	// (ExpireLoads). The tracker never reads a clock: the scheduler stamps
 	// a zero Deadline when it persists the tracker.
-	Deadline time.Time `json:"deadline,omitzero"`
+	Deadline time.Time
 }
 
 // NewTracker starts the tracker of one request of model m.
-func NewTracker(m *Model, engineID, requestID string) *Tracker {
+func NewTracker(m *kvcore.Model, engineID, requestID string) *Tracker {
 	return &Tracker{EngineID: engineID, RequestID: requestID, Model: m.Name, State: StateWaiting}
-}
-
-// MarshalTracker encodes a tracker for storage.
-func MarshalTracker(t *Tracker) ([]byte, error) {
-	b, err := json.Marshal(t)
-	if err != nil {
-		return nil, fmt.Errorf("tracker %s/%s: encode: %w", t.EngineID, t.RequestID, err)
-	}
-	return b, nil
-}
-
-// UnmarshalTracker decodes a stored tracker.
-func UnmarshalTracker(b []byte) (*Tracker, error) {
-	var t Tracker
-	if err := json.Unmarshal(b, &t); err != nil {
-		return nil, fmt.Errorf("tracker: decode: %w", err)
-	}
-	return &t, nil
-}
-
-// OnAdmit records what the engine tells at admission: the request's hash
-// chain so far and its prompt length (0 if unknown).
-func (t *Tracker) OnAdmit(hashes []string, promptTokens int) {
-	t.extendHashes(hashes)
-	if promptTokens > 0 {
-		t.PrefillEnd = promptTokens
-		t.PromptTokens = promptTokens
-	}
 }
 
 // Finished reports whether the request has finished (freed or waiting for
@@ -427,12 +282,12 @@ func (t *Tracker) extendHashes(h []string) {
 }
 
 // checkModel refuses an event driven with another model than the tracker's.
-func (t *Tracker) checkModel(m *Model) error {
+func (t *Tracker) checkModel(m *kvcore.Model) error {
 	if m == nil {
-		return fmt.Errorf("request %s/%s: no model: %w", t.EngineID, t.RequestID, ErrUnknownModel)
+		return fmt.Errorf("request %s/%s: no model: %w", t.EngineID, t.RequestID, kvcore.ErrUnknownModel)
 	}
 	if t.Model != m.Name {
-		return fmt.Errorf("request %s/%s: tracker of model %q driven with %q: %w", t.EngineID, t.RequestID, t.Model, m.Name, ErrUnknownModel)
+		return fmt.Errorf("request %s/%s: tracker of model %q driven with %q: %w", t.EngineID, t.RequestID, t.Model, m.Name, kvcore.ErrUnknownModel)
 	}
 	return nil
 }
@@ -440,7 +295,7 @@ func (t *Tracker) checkModel(m *Model) error {
 // fail moves the request to StateErrored. An allocation that promised
 // external tokens is answered with finished_recving listing every block as
 // a load error, so the engine recomputes instead of waiting forever.
-func (t *Tracker) fail(eff *Effects, err error, table BlockTable) {
+func (t *Tracker) fail(eff *Effects, err error, table kvcore.BlockTable) {
 	eff.Failed = t.State != StateErrored
 	t.State = StateErrored
 	t.Error = err.Error()
@@ -507,21 +362,22 @@ func (t *Tracker) retireSaves() {
 
 // abandonLoad reports an expected load as finished with every block of
 // table in error, and marks it issued so it is never emitted later.
-func (t *Tracker) abandonLoad(eff *Effects, table BlockTable) {
+func (t *Tracker) abandonLoad(eff *Effects, table kvcore.BlockTable) {
 	t.Load.Issued = true
 	if table == nil {
 		table = t.Load.Table
 	}
 	t.Load.Table = nil
-	eff.Feedback = append(eff.Feedback, Feedback{
-		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
-		LoadErrors: liveBlocks(table), Epoch: t.Epoch,
+	eff.Feedback = append(eff.Feedback, kvcore.Feedback{
+		Kind: kvcore.FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
+		LoadErrors: nonNegativeBlocks(table), Epoch: t.Epoch,
 	})
 }
 
-// liveBlocks lists the non-null block ids of a table, group by group.
-func liveBlocks(table BlockTable) []BlockID {
-	out := []BlockID{}
+// nonNegativeBlocks lists the block ids >= 0 of a table, group by group
+// (the tracker core's own rule; liveBlocks drops only kvcore.NullBlock).
+func nonNegativeBlocks(table kvcore.BlockTable) []kvcore.BlockID {
+	out := []kvcore.BlockID{}
 	for _, g := range table {
 		for _, b := range g {
 			if b >= 0 {
@@ -548,4 +404,25 @@ func removeID(ids []string, id string) ([]string, bool) {
 		}
 	}
 	return ids, false
+}
+
+// unsaved reports whether some of the task's range was not persisted for a
+// cause a later save can cure. A report without key counts says so by its
+// status alone (skipped or failed; dead_lettered alone is a permanent cause).
+func unsaved(r kvcore.SaveReport) bool {
+	return r.Skipped > 0 || r.Failed > 0 || r.ExistsFailed > 0 || r.Status == kvcore.SaveSkipped || r.Status == kvcore.SaveFailed
+}
+
+// countReport counts one report in c.
+func countReport(c *kvcore.SaveCounts, s kvcore.SaveStatus) {
+	switch s {
+	case kvcore.SaveStored:
+		c.Stored++
+	case kvcore.SaveSkipped:
+		c.Skipped++
+	case kvcore.SaveDeadLettered:
+		c.DeadLettered++
+	case kvcore.SaveFailed:
+		c.Failed++
+	}
 }

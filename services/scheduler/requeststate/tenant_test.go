@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"errors"
@@ -53,7 +53,7 @@ func TestTenantFlowsToTasks(t *testing.T) {
 
 func TestBadTenantStopsTheRequest(t *testing.T) {
 	h, o := newTenantHarness(t, "not a tenant")
-	if !o.Errored || h.r.State() != kvcore.StateErrored || len(o.Errors) == 0 || !errors.Is(o.Errors[0], kvcore.ErrBadTenant) {
+	if !o.Errored || h.r.State() != StateErrored || len(o.Errors) == 0 || !errors.Is(o.Errors[0], kvcore.ErrBadTenant) {
 		t.Fatalf("bad tenant: %+v, state %s", o, h.r.State())
 	}
 	if o.Feedback[0].Kind != contract.FeedbackRequestError {

@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"fmt"
@@ -66,7 +66,7 @@ func (r *Request) OverdueLoads(now time.Time) []string {
 // alone, so applying the same expiry twice changes nothing the second time.
 func (r *Request) ExpireLoads(now time.Time, taskIDs []string) Outcome {
 	var out Outcome
-	expired := func(w kvcore.LoadWait) bool { return overdue(w, now) && slices.Contains(taskIDs, w.TaskID) }
+	expired := func(w LoadWait) bool { return overdue(w, now) && slices.Contains(taskIDs, w.TaskID) }
 	src := "load expiry"
 	r.noteExpired(&out, src, ConnectorStore, r.Store, expired)
 	r.storeEffects(&out, src, r.Store.ExpireLoads(expired))
@@ -79,7 +79,7 @@ func (r *Request) ExpireLoads(now time.Time, taskIDs []string) Outcome {
 
 // noteExpired records the waits of t that expired says are overdue: in
 // out.Expired and the warnings, and no longer outstanding.
-func (r *Request) noteExpired(out *Outcome, src, connector string, t *kvcore.Tracker, expired func(kvcore.LoadWait) bool) {
+func (r *Request) noteExpired(out *Outcome, src, connector string, t *Tracker, expired func(LoadWait) bool) {
 	for _, w := range t.LoadWaits {
 		if !expired(w) {
 			continue
@@ -92,14 +92,14 @@ func (r *Request) noteExpired(out *Outcome, src, connector string, t *kvcore.Tra
 }
 
 // trackers are the request's trackers that issue loads.
-func (r *Request) trackers() []*kvcore.Tracker {
+func (r *Request) trackers() []*Tracker {
 	if r.PD == nil {
-		return []*kvcore.Tracker{r.Store}
+		return []*Tracker{r.Store}
 	}
-	return []*kvcore.Tracker{r.Store, r.PD}
+	return []*Tracker{r.Store, r.PD}
 }
 
 // overdue reports whether w has a deadline at or before now.
-func overdue(w kvcore.LoadWait, now time.Time) bool {
+func overdue(w LoadWait, now time.Time) bool {
 	return !w.Deadline.IsZero() && !w.Deadline.After(now)
 }

@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"errors"
@@ -54,7 +54,7 @@ func TestSeqGapFailsClosed(t *testing.T) {
 			o := c.gap(h)                                                                           // event 5
 			f := requestError(t, o)
 			if !o.Errored || len(o.Saves)+len(o.Loads) != 0 || !errors.Is(errors.Join(o.Errors...), ErrSeqGap) ||
-				!strings.Contains(f.Error, "expected seq 4, received 5") || h.r.State() == kvcore.StateRunning {
+				!strings.Contains(f.Error, "expected seq 4, received 5") || h.r.State() == StateRunning {
 				t.Fatalf("gap outcome %+v (error %q) state %s", o, f.Error, h.r.State())
 			}
 			if h.r.LastSeq != 5 || h.r.Store.Epoch != 1 || !reflect.DeepEqual(h.r.Store.StaleSaves, []string{s.TaskID}) {

@@ -1,10 +1,12 @@
-package kvcore
+package requeststate
 
 import (
 	"errors"
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // TestTrackerScenarios runs the scenarios of docs/architecture.md owned by the
@@ -41,13 +43,13 @@ func scenario07(t *testing.T) {
 	m := trkDense(t)
 	for _, accept := range []bool{true, false} {
 		tr := newTrk(m)
-		noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
 		external := 0
 		if accept {
 			external = 32
 		}
 		noErr(t, tr.OnAllocate(m, external, tbl(ids(0, 3))))
-		eff := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))}))
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: tbl(ids(0, 3))}))
 		if accept {
 			if len(eff.Saves) != 0 || len(eff.Loads) != 1 || tr.NumSavedTokens != 0 {
 				t.Fatalf("can_load: %d saves, %d loads, saved %d; want 0, 1, 0", len(eff.Saves), len(eff.Loads), tr.NumSavedTokens)
@@ -70,9 +72,9 @@ func scenario07(t *testing.T) {
 func scenario08(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 48}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{VLLMCachedTokens: 16, KVPoolCachedTokens: 48}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 4))))
-	eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad}))
 	if len(eff.Loads) != 1 || len(eff.Saves) != 0 {
 		t.Fatalf("%d loads, %d saves; want 1, 0", len(eff.Loads), len(eff.Saves))
 	}
@@ -80,7 +82,7 @@ func scenario08(t *testing.T) {
 	if l.Start != 16 || l.End != 48 || !reflect.DeepEqual(l.BlockTable, tbl(ids(0, 4))) || len(l.BlockHashes) != 3 {
 		t.Fatalf("load %+v", l)
 	}
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})); counts(eff) != [3]int{} {
+	if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})); effCounts(eff) != [3]int{} {
 		t.Fatalf("second pending step emitted %+v", eff)
 	}
 }
@@ -90,8 +92,8 @@ func scenario08(t *testing.T) {
 func scenario09(t *testing.T) {
 	m := trkHybrid(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
-	noErr(t, tr.OnAllocate(m, 0, BlockTable{}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnAllocate(m, 0, kvcore.BlockTable{}))
 	if tr.Load.Spec == nil || tr.Load.Spec.CanLoad {
 		t.Fatalf("load spec %+v, want kept with can_load false", tr.Load.Spec)
 	}
@@ -100,22 +102,22 @@ func scenario09(t *testing.T) {
 
 // assertRejectedThenFreed drives a request whose load was rejected through
 // pending steps and its finish: nothing is emitted, the finish frees at once.
-func assertRejectedThenFreed(t *testing.T, m *Model, tr *Tracker) {
+func assertRejectedThenFreed(t *testing.T, m *kvcore.Model, tr *Tracker) {
 	t.Helper()
 	for range 3 {
-		eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad}))
-		if counts(eff) != [3]int{} || eff.Drop {
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad}))
+		if effCounts(eff) != [3]int{} || eff.Drop {
 			t.Fatalf("rejected pending load emitted %+v", eff)
 		}
 	}
 	if tr.NumSavedTokens != 0 || len(tr.PendingSaves) != 0 || tr.State == StateErrored {
 		t.Fatalf("tracker after rejected load: %+v", tr)
 	}
-	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
 	if len(eff.Saves)+len(eff.Loads) != 0 || len(eff.Feedback) != 1 {
 		t.Fatalf("finish effects %+v", eff)
 	}
-	if f := eff.Feedback[0]; f.Kind != FeedbackFinishedSending || !f.Immediate || !eff.Drop {
+	if f := eff.Feedback[0]; f.Kind != kvcore.FeedbackFinishedSending || !f.Immediate || !eff.Drop {
 		t.Fatalf("finish feedback %+v drop %v; want immediate finished_sending and drop", f, eff.Drop)
 	}
 }
@@ -125,15 +127,15 @@ func assertRejectedThenFreed(t *testing.T, m *Model, tr *Tracker) {
 func scenario10(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 44, Table: tbl(ids(0, 2))}))
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 44, Table: tbl(ids(0, 2))}))
 	if tr.TokenLen != 44 || tr.NumSavedTokens != 32 {
 		t.Fatalf("tracker %d tokens saved %d, want 44 and 32", tr.TokenLen, tr.NumSavedTokens)
 	}
-	eff := noErr(t, tr.Step(m, Step{Kind: StepDecode, Tokens: 45, Table: tbl([]BlockID{2})}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepDecode, Tokens: 45, Table: tbl([]kvcore.BlockID{2})}))
 	if len(eff.Saves) != 0 || !reflect.DeepEqual(tr.Table, tbl(ids(0, 3))) {
 		t.Fatalf("decode: %d saves, table %v", len(eff.Saves), tr.Table)
 	}
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepDecode, Tokens: 49})); len(eff.Saves) != 0 || tr.NumSavedTokens != 32 {
+	if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepDecode, Tokens: 49})); len(eff.Saves) != 0 || tr.NumSavedTokens != 32 {
 		t.Fatalf("decode past a block boundary saved")
 	}
 }
@@ -142,13 +144,13 @@ func scenario10(t *testing.T) {
 func scenario11(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}))
-	eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl([]BlockID{2})}))
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 48, Table: tbl([]kvcore.BlockID{2})}))
 	if len(eff.Saves) != 1 || tr.NumSavedTokens != 48 {
 		t.Fatalf("%d saves, saved %d", len(eff.Saves), tr.NumSavedTokens)
 	}
 	s := eff.Saves[0]
-	want := []GroupChunks{{Group: 0, Chunks: []Chunk{{Start: 32, End: 48}}}}
+	want := []kvcore.GroupChunks{{Group: 0, Chunks: []kvcore.Chunk{{Start: 32, End: 48}}}}
 	if s.Start != 32 || s.End != 48 || !reflect.DeepEqual(s.Groups, want) || len(s.BlockHashes) != 3 {
 		t.Fatalf("save %+v", s)
 	}
@@ -158,15 +160,15 @@ func scenario11(t *testing.T) {
 func scenario12(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 0, tbl(ids(0, 3))))
-	s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 48, Table: tbl(ids(0, 3))})).Saves[0]
-	noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
-	noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+	s := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 48, Table: tbl(ids(0, 3))})).Saves[0]
+	noErr(t, tr.OnSaveResult(s.TaskID, kvcore.SaveStored))
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPreempted}))
 	if tr.State != StatePreempted || tr.Table != nil || tr.TokenLen != 0 || !reflect.DeepEqual(tr.Load, LoadState{}) {
 		t.Fatalf("tracker not reset: %+v", tr)
 	}
-	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
 	if len(eff.Feedback) != 1 || !eff.Feedback[0].Immediate || !eff.Drop {
 		t.Fatalf("finish %+v", eff)
 	}
@@ -178,15 +180,15 @@ func scenario13(t *testing.T) {
 	m := trkDense(t)
 	preempted := func(t *testing.T) *Tracker {
 		tr := newTrk(m)
-		noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 10, Table: tbl(ids(0, 1))}))
-		noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+		noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 10, Table: tbl(ids(0, 1))}))
+		noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPreempted}))
 		return tr
 	}
 	t.Run("with_can_load_no_save", func(t *testing.T) {
 		tr := preempted(t)
-		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 		noErr(t, tr.OnAllocate(m, 32, tbl(ids(7, 3))))
-		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
 		if len(eff.Saves) != 0 || len(eff.Loads) != 1 || !reflect.DeepEqual(eff.Loads[0].BlockTable, tbl(ids(7, 3))) {
 			t.Fatalf("effects %+v", eff)
 		}
@@ -195,7 +197,7 @@ func scenario13(t *testing.T) {
 		tr := preempted(t)
 		noErr(t, tr.OnLookup(m, nil))
 		noErr(t, tr.OnAllocate(m, 0, tbl(ids(7, 3))))
-		eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+		eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
 		if len(eff.Saves) != 1 || len(eff.Loads) != 0 || eff.Saves[0].Start != 0 || eff.Saves[0].End != 48 {
 			t.Fatalf("effects %+v", eff)
 		}
@@ -215,11 +217,11 @@ func scenario13(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			tr := newTrk(m)
-			s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 16, Table: tbl(ids(0, 1))})).Saves[0]
+			s := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 16, Table: tbl(ids(0, 1))})).Saves[0]
 			if c.report {
-				noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
+				noErr(t, tr.OnSaveResult(s.TaskID, kvcore.SaveStored))
 			}
-			eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(4, 3))}))
+			eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: tbl(ids(4, 3))}))
 			if !reflect.DeepEqual(tr.Table, tbl(ids(4, 3))) || tr.Epoch != 1 || !reflect.DeepEqual(tr.StaleSaves, c.wantStale) {
 				t.Fatalf("table %v epoch %d stale %v; want the resumed table, epoch 1, stale %v", tr.Table, tr.Epoch, tr.StaleSaves, c.wantStale)
 			}
@@ -238,23 +240,23 @@ func scenario13(t *testing.T) {
 // TestSaveOutcomeScenarios.)
 func scenario16(t *testing.T) {
 	m := trkHybrid(t)
-	task := SaveTask{
-		Schema: SchemaSaveTask, TaskID: "e1/r1/save/1", EngineID: "e1", RequestID: "r1", Model: m.Name,
+	task := kvcore.SaveTask{
+		Schema: kvcore.SchemaSaveTask, TaskID: "e1/r1/save/1", EngineID: "e1", RequestID: "r1", Model: m.Name,
 		Start: 0, End: 32, BlockTable: tbl(ids(0, 2)), BlockHashes: trkHashes(2), Groups: m.SaveGroups(0, 32),
 	}
-	vs := ValidateSave(m, []int{64, 64}, &task)
-	if len(vs) != 2 || !vs[0].OK() || vs[1].Reason != ReasonTableGroupCount {
+	vs := kvcore.ValidateSave(m, []int{64, 64}, &task)
+	if len(vs) != 2 || !vs[0].OK() || vs[1].Reason != kvcore.ReasonTableGroupCount {
 		t.Fatalf("verdicts %+v", vs)
 	}
 	if !strings.Contains(vs[1].Detail, "1 group") || !strings.Contains(vs[1].Detail, "group 1") {
 		t.Fatalf("detail %q does not explain", vs[1].Detail)
 	}
 	tr := newTrk(m)
-	eff := isErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))}), ErrGroupCount)
+	eff := isErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))}), kvcore.ErrGroupCount)
 	if len(eff.Saves) != 0 || tr.State != StateErrored {
 		t.Fatalf("tracker built a save from a 1-group table: %+v", eff)
 	}
-	if eff := noErr(t, tr.Step(m, Step{Kind: StepFinished})); len(eff.Feedback) != 1 || !eff.Drop {
+	if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished})); len(eff.Feedback) != 1 || !eff.Drop {
 		t.Fatalf("errored request not freed: %+v", eff)
 	}
 }
@@ -267,10 +269,10 @@ func scenario16(t *testing.T) {
 func scenario17(t *testing.T) {
 	m := trkHybrid(t)
 	tr := newTrk(m)
-	task := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(5, 2))})).Saves[0]
-	noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-	eff := noErr(t, tr.OnSaveResult(task.TaskID, SaveFailed))
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || tr.Reports.Failed != 1 {
+	task := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2), ids(5, 2))})).Saves[0]
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
+	eff := noErr(t, tr.OnSaveResult(task.TaskID, kvcore.SaveFailed))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedSending || tr.Reports.Failed != 1 {
 		t.Fatalf("failed save not reported: %+v reports %+v", eff, tr.Reports)
 	}
 }
@@ -280,16 +282,16 @@ func scenario17(t *testing.T) {
 func scenario20(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
-	eff := noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-	if counts(eff) != [3]int{} || eff.Drop || tr.State != StateFinishing {
+	s := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+	eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
+	if effCounts(eff) != [3]int{} || eff.Drop || tr.State != StateFinishing {
 		t.Fatalf("finish with a save in flight: %+v state %s", eff, tr.State)
 	}
-	eff = noErr(t, tr.OnSaveResult(s.TaskID, SaveStored))
-	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != FeedbackFinishedSending || eff.Feedback[0].Immediate || !eff.Drop {
+	eff = noErr(t, tr.OnSaveResult(s.TaskID, kvcore.SaveStored))
+	if len(eff.Feedback) != 1 || eff.Feedback[0].Kind != kvcore.FeedbackFinishedSending || eff.Feedback[0].Immediate || !eff.Drop {
 		t.Fatalf("save result %+v", eff)
 	}
-	if eff := noErr(t, tr.OnSaveResult(s.TaskID, SaveStored)); len(eff.Feedback) != 0 {
+	if eff := noErr(t, tr.OnSaveResult(s.TaskID, kvcore.SaveStored)); len(eff.Feedback) != 0 {
 		t.Fatalf("finished_sending reported twice")
 	}
 }
@@ -297,29 +299,29 @@ func scenario20(t *testing.T) {
 // scenario21: [pd: 0, store: 32] → store chosen; [pd: 32, store: 32] → pd
 // chosen, store gets 0 → store's LoadSpec can_load false → scenario 9.
 func scenario21(t *testing.T) {
-	spec := &LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}
-	a := []ChildAnswer{{Name: "pd", Tokens: 0}, {Name: "store", Tokens: 32, Spec: spec}}
-	sel := SelectChild(a)
+	spec := &kvcore.LoadSpec{VLLMCachedTokens: 0, KVPoolCachedTokens: 32}
+	a := []kvcore.ChildAnswer{{Name: "pd", Tokens: 0}, {Name: "store", Tokens: 32, Spec: spec}}
+	sel := kvcore.SelectChild(a)
 	if sel.Pending || sel.Name(a) != "store" || sel.Tokens != 32 {
 		t.Fatalf("selection %+v", sel)
 	}
-	if got := AllocationCounts(sel.Chosen, a, 32); !reflect.DeepEqual(got, []int{0, 32}) {
+	if got := kvcore.AllocationCounts(sel.Chosen, a, 32); !reflect.DeepEqual(got, []int{0, 32}) {
 		t.Fatalf("counts %v", got)
 	}
 
-	b := []ChildAnswer{{Name: "pd", Tokens: 32}, {Name: "store", Tokens: 32, Spec: spec}}
-	sel = SelectChild(b)
+	b := []kvcore.ChildAnswer{{Name: "pd", Tokens: 32}, {Name: "store", Tokens: 32, Spec: spec}}
+	sel = kvcore.SelectChild(b)
 	if sel.Name(b) != "pd" || sel.Tokens != 32 {
 		t.Fatalf("selection %+v", sel)
 	}
-	alloc := AllocationCounts(sel.Chosen, b, 32)
+	alloc := kvcore.AllocationCounts(sel.Chosen, b, 32)
 	if !reflect.DeepEqual(alloc, []int{32, 0}) {
 		t.Fatalf("counts %v", alloc)
 	}
 	m := trkHybrid(t)
 	tr := newTrk(m)
 	noErr(t, tr.OnLookup(m, b[1].Spec))
-	noErr(t, tr.OnAllocate(m, alloc[1], BlockTable{}))
+	noErr(t, tr.OnAllocate(m, alloc[1], kvcore.BlockTable{}))
 	if tr.Load.Spec.CanLoad {
 		t.Fatal("the losing store child's LoadSpec can load")
 	}
@@ -335,40 +337,40 @@ func scenarioSeqGap(t *testing.T) {
 	gap := errors.New("event 4: expected seq 3, received 4")
 	t.Run("save_in_flight", func(t *testing.T) {
 		tr := newTrk(m)
-		s := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+		s := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
 		eff := isErr(t, tr.FailClosed(gap), gap)
-		if !eff.Failed || counts(eff) != [3]int{} || tr.State != StateErrored || tr.Error != gap.Error() {
+		if !eff.Failed || effCounts(eff) != [3]int{} || tr.State != StateErrored || tr.Error != gap.Error() {
 			t.Fatalf("fail closed: %+v state %s error %q", eff, tr.State, tr.Error)
 		}
 		if tr.Epoch != 1 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{s.TaskID}) {
 			t.Fatalf("epoch %d pending %v stale %v; want 1, none, [%s]", tr.Epoch, tr.PendingSaves, tr.StaleSaves, s.TaskID)
 		}
-		if eff := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(2, 2))})); counts(eff) != [3]int{} {
+		if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: tbl(ids(2, 2))})); effCounts(eff) != [3]int{} {
 			t.Fatalf("errored request emitted %+v", eff)
 		}
-		if eff := tr.FailClosed(gap); eff.Failed || counts(eff) != [3]int{} || tr.Epoch != 1 {
+		if eff := tr.FailClosed(gap); eff.Failed || effCounts(eff) != [3]int{} || tr.Epoch != 1 {
 			t.Fatalf("second fail: %+v epoch %d", eff, tr.Epoch)
 		}
-		eff = noErr(t, tr.Step(m, Step{Kind: StepFinished}))
-		want := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Immediate: true, Epoch: 1}}
+		eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished}))
+		want := []kvcore.Feedback{{Kind: kvcore.FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Immediate: true, Epoch: 1}}
 		if !reflect.DeepEqual(eff.Feedback, want) || len(eff.Saves) != 0 || eff.Drop {
 			t.Fatalf("finish %+v; want %+v, the stale save keeping the tracker", eff, want)
 		}
-		eff = noErr(t, tr.OnSaveResult(s.TaskID, SaveDeadLettered))
+		eff = noErr(t, tr.OnSaveResult(s.TaskID, kvcore.SaveDeadLettered))
 		if len(eff.Feedback) != 0 || !eff.Drop || tr.Reports.DeadLettered != 1 || tr.NumSavedTokens != 32 {
 			t.Fatalf("stale result %+v reports %+v saved %d", eff, tr.Reports, tr.NumSavedTokens)
 		}
 	})
 	t.Run("expected_load", func(t *testing.T) {
 		tr := newTrk(m)
-		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 		noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
 		eff := isErr(t, tr.FailClosed(gap), gap)
-		want := []Feedback{{Kind: FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: ids(0, 3)}}
+		want := []kvcore.Feedback{{Kind: kvcore.FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: ids(0, 3)}}
 		if !eff.Failed || !reflect.DeepEqual(eff.Feedback, want) || len(eff.Loads) != 0 {
 			t.Fatalf("fail closed %+v; want %+v", eff, want)
 		}
-		if eff := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})); counts(eff) != [3]int{} {
+		if eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})); effCounts(eff) != [3]int{} {
 			t.Fatalf("errored request issued %+v", eff)
 		}
 	})
@@ -384,23 +386,23 @@ func scenarioSeqGap(t *testing.T) {
 // then waits for the epoch-1 save only.
 func scenarioPreemptSave(t *testing.T) {
 	m := trkDense(t)
-	for _, old := range []SaveStatus{SaveStored, SaveDeadLettered} {
+	for _, old := range []kvcore.SaveStatus{kvcore.SaveStored, kvcore.SaveDeadLettered} {
 		t.Run(string(old), func(t *testing.T) {
 			tr := newTrk(m)
-			a := noErr(t, tr.Step(m, Step{Kind: StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
-			b := noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 48, Table: tbl(ids(2, 1))})).Saves[0]
+			a := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 32, Table: tbl(ids(0, 2))})).Saves[0]
+			b := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 48, Table: tbl(ids(2, 1))})).Saves[0]
 			if a.Epoch != 0 || b.Epoch != 0 || b.Start != 32 || b.End != 48 {
 				t.Fatalf("epoch-0 saves %+v %+v", a, b)
 			}
-			noErr(t, tr.OnSaveResult(a.TaskID, SaveStored))
-			noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+			noErr(t, tr.OnSaveResult(a.TaskID, kvcore.SaveStored))
+			noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPreempted}))
 			if tr.Epoch != 1 || tr.NumSavedTokens != 0 || len(tr.PendingSaves) != 0 || !reflect.DeepEqual(tr.StaleSaves, []string{b.TaskID}) {
 				t.Fatalf("preempted: epoch %d saved %d pending %v stale %v; want 1, 0, none, [%s]",
 					tr.Epoch, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves, b.TaskID)
 			}
 			noErr(t, tr.OnLookup(m, nil))
 			noErr(t, tr.OnAllocate(m, 0, tbl(ids(7, 3))))
-			eff := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
+			eff := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: tbl(ids(7, 3))}))
 			if len(eff.Saves) != 1 || !reflect.DeepEqual(tr.Table, tbl(ids(7, 3))) {
 				t.Fatalf("resumed: saves %+v table %v; want one and the new table", eff.Saves, tr.Table)
 			}
@@ -409,15 +411,15 @@ func scenarioPreemptSave(t *testing.T) {
 				t.Fatalf("resumed save %+v, want [0,48) of epoch 1 from blocks 7,8,9", c)
 			}
 			eff = noErr(t, tr.OnSaveResult(b.TaskID, old))
-			if counts(eff) != [3]int{} || tr.NumSavedTokens != 48 || !reflect.DeepEqual(tr.PendingSaves, []string{c.TaskID}) ||
+			if effCounts(eff) != [3]int{} || tr.NumSavedTokens != 48 || !reflect.DeepEqual(tr.PendingSaves, []string{c.TaskID}) ||
 				len(tr.StaleSaves) != 0 || len(tr.Unsaved) != 0 {
 				t.Fatalf("old-epoch result: %+v saved %d pending %v stale %v unsaved %v", eff, tr.NumSavedTokens, tr.PendingSaves, tr.StaleSaves, tr.Unsaved)
 			}
-			if eff = noErr(t, tr.Step(m, Step{Kind: StepFinished})); len(eff.Feedback) != 0 || eff.Drop {
+			if eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepFinished})); len(eff.Feedback) != 0 || eff.Drop {
 				t.Fatalf("finish with the epoch-1 save outstanding %+v", eff)
 			}
-			eff = noErr(t, tr.OnSaveResult(c.TaskID, SaveStored))
-			fb := []Feedback{{Kind: FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Epoch: 1}}
+			eff = noErr(t, tr.OnSaveResult(c.TaskID, kvcore.SaveStored))
+			fb := []kvcore.Feedback{{Kind: kvcore.FeedbackFinishedSending, EngineID: "e1", RequestID: "r1", Epoch: 1}}
 			if !reflect.DeepEqual(eff.Feedback, fb) || !eff.Drop || tr.Reports.Stored+tr.Reports.DeadLettered != 3 {
 				t.Fatalf("last save %+v reports %+v; want %+v and drop", eff, tr.Reports, fb)
 			}
@@ -432,29 +434,29 @@ func scenarioPreemptSave(t *testing.T) {
 func scenarioPreemptLoad(t *testing.T) {
 	m := trkDense(t)
 	tr := newTrk(m)
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 3))))
-	old := noErr(t, tr.Step(m, Step{Kind: StepPendingLoad})).Loads[0]
-	noErr(t, tr.Step(m, Step{Kind: StepPreempted}))
+	old := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})).Loads[0]
+	noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepPreempted}))
 	if tr.Epoch != 1 || len(tr.PendingLoads) != 0 || !reflect.DeepEqual(tr.StaleLoads, []string{old.TaskID}) {
 		t.Fatalf("preempted: epoch %d pending %v stale %v", tr.Epoch, tr.PendingLoads, tr.StaleLoads)
 	}
-	noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+	noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 	noErr(t, tr.OnAllocate(m, 32, tbl(ids(5, 3))))
-	cur := noErr(t, tr.Step(m, Step{Kind: StepResumed, Tokens: 48, Table: tbl(ids(5, 3))})).Loads[0]
+	cur := noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepResumed, Tokens: 48, Table: tbl(ids(5, 3))})).Loads[0]
 	if old.Epoch != 0 || cur.Epoch != 1 || cur.TaskID != "e1/r1/load/2" || !reflect.DeepEqual(cur.BlockTable, tbl(ids(5, 3))) {
 		t.Fatalf("loads old %+v current %+v", old, cur)
 	}
-	eff := noErr(t, tr.OnLoadResult(cur.TaskID, []BlockID{6}))
-	want := []Feedback{{Kind: FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: []BlockID{6}, TaskID: cur.TaskID, Epoch: 1}}
+	eff := noErr(t, tr.OnLoadResult(cur.TaskID, []kvcore.BlockID{6}))
+	want := []kvcore.Feedback{{Kind: kvcore.FeedbackFinishedRecving, EngineID: "e1", RequestID: "r1", LoadErrors: []kvcore.BlockID{6}, TaskID: cur.TaskID, Epoch: 1}}
 	if !reflect.DeepEqual(eff.Feedback, want) {
 		t.Fatalf("current load result %+v, want %+v", eff.Feedback, want)
 	}
-	eff = noErr(t, tr.Step(m, Step{Kind: StepRunning, Tokens: 64, Table: tbl(ids(8, 1))}))
+	eff = noErr(t, tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: 64, Table: tbl(ids(8, 1))}))
 	if len(eff.Saves) != 1 || eff.Saves[0].Epoch != 1 || eff.Saves[0].End != 64 {
 		t.Fatalf("save held back by the stale load: %+v", eff)
 	}
-	if eff := noErr(t, tr.OnLoadResult(old.TaskID, nil)); counts(eff) != [3]int{} || len(tr.StaleLoads) != 0 {
+	if eff := noErr(t, tr.OnLoadResult(old.TaskID, nil)); effCounts(eff) != [3]int{} || len(tr.StaleLoads) != 0 {
 		t.Fatalf("stale load result emitted %+v (stale %v)", eff, tr.StaleLoads)
 	}
 }

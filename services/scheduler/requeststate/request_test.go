@@ -1,4 +1,4 @@
-package tracking
+package requeststate
 
 import (
 	"errors"
@@ -211,7 +211,7 @@ func TestErroredRequests(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			h := newHarness(t)
 			o := c.drive(h)
-			if !o.Errored || h.r.State() != kvcore.StateErrored || len(o.Saves) != 0 {
+			if !o.Errored || h.r.State() != StateErrored || len(o.Saves) != 0 {
 				t.Fatalf("outcome %+v state %s", o, h.r.State())
 			}
 			f := o.Feedback[len(o.Feedback)-1]

@@ -1,9 +1,11 @@
-package kvcore
+package requeststate
 
 import (
 	"encoding/json"
 	"reflect"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // TestTrackerRemoteLoad: a pd tracker (Connector "pd", Remote set) copies
@@ -13,13 +15,13 @@ func TestTrackerRemoteLoad(t *testing.T) {
 	m := trkHybrid(t)
 	store, pd := newTrk(m), newTrk(m)
 	pd.Connector, pd.Consumer = "pd", true
-	pd.Remote = &RemoteSource{EngineID: "prefill-1", BlockTable: tbl(ids(40, 2), ids(60, 2))}
+	pd.Remote = &kvcore.RemoteSource{EngineID: "prefill-1", BlockTable: tbl(ids(40, 2), ids(60, 2))}
 	for _, tr := range []*Tracker{store, pd} {
-		noErr(t, tr.OnLookup(m, &LoadSpec{KVPoolCachedTokens: 32}))
+		noErr(t, tr.OnLookup(m, &kvcore.LoadSpec{KVPoolCachedTokens: 32}))
 		noErr(t, tr.OnAllocate(m, 32, tbl(ids(0, 2), ids(8, 2))))
 	}
-	ls := noErr(t, store.Step(m, Step{Kind: StepPendingLoad})).Loads
-	lp := noErr(t, pd.Step(m, Step{Kind: StepPendingLoad})).Loads
+	ls := noErr(t, store.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})).Loads
+	lp := noErr(t, pd.Step(m, kvcore.Step{Kind: kvcore.StepPendingLoad})).Loads
 	if len(ls) != 1 || len(lp) != 1 {
 		t.Fatalf("loads: store %d, pd %d; want 1 each", len(ls), len(lp))
 	}

@@ -1,31 +1,33 @@
-package kvcore
+package requeststate
 
 import (
 	"cmp"
 	"fmt"
 	"slices"
 	"strconv"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // checkGroups refuses a block table whose group count is not the model's.
 // Every table a task is built from passes through it.
-func checkGroups(m *Model, table BlockTable, what string) error {
+func checkGroups(m *kvcore.Model, table kvcore.BlockTable, what string) error {
 	if len(table) != len(m.Groups) {
-		return fmt.Errorf("%s has %d group(s), model %q has %d: %w", what, len(table), m.Name, len(m.Groups), ErrGroupCount)
+		return fmt.Errorf("%s has %d group(s), model %q has %d: %w", what, len(table), m.Name, len(m.Groups), kvcore.ErrGroupCount)
 	}
 	return nil
 }
 
 // chunksFit checks that every chunk of groups lies inside table and hashes.
-func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks) error {
+func chunksFit(m *kvcore.Model, table kvcore.BlockTable, hashes []string, groups []kvcore.GroupChunks) error {
 	for _, gc := range groups {
 		bs := m.Groups[gc.Group].BlockSize
 		for _, c := range gc.Chunks {
 			if bi := c.BlockIndex(bs); bi >= len(table[gc.Group]) {
-				return fmt.Errorf("group %d chunk [%d,%d) needs block %d of %d: %w", gc.Group, c.Start, c.End, bi, len(table[gc.Group]), ErrChunkOutOfRange)
+				return fmt.Errorf("group %d chunk [%d,%d) needs block %d of %d: %w", gc.Group, c.Start, c.End, bi, len(table[gc.Group]), kvcore.ErrChunkOutOfRange)
 			}
 			if hi := c.HashIndex(m.HashBlockSize); hi >= len(hashes) {
-				return fmt.Errorf("group %d chunk [%d,%d) needs hash %d of %d: %w", gc.Group, c.Start, c.End, hi, len(hashes), ErrChunkOutOfRange)
+				return fmt.Errorf("group %d chunk [%d,%d) needs hash %d of %d: %w", gc.Group, c.Start, c.End, hi, len(hashes), kvcore.ErrChunkOutOfRange)
 			}
 		}
 	}
@@ -40,7 +42,7 @@ func chunksFit(m *Model, table BlockTable, hashes []string, groups []GroupChunks
 // which it covers again (saveStart). It never saves for the consumer role,
 // for a request not running, or while a load of the request is expected or
 // outstanding (its blocks are not filled yet: canSave).
-func (t *Tracker) maybeSave(m *Model, eff *Effects) {
+func (t *Tracker) maybeSave(m *kvcore.Model, eff *Effects) {
 	if t.State != StateRunning || !t.canSave() {
 		return
 	}
@@ -59,10 +61,10 @@ func (t *Tracker) canSave() bool {
 
 // maybeSaveSteps emits the save of full scheduler blocks (maybeSave): a
 // new store job of the epoch (SaveJobs).
-func (t *Tracker) maybeSaveSteps(m *Model, eff *Effects) {
+func (t *Tracker) maybeSaveSteps(m *kvcore.Model, eff *Effects) {
 	end, hashLimited := t.saveEnd(m)
 	if hashLimited {
-		eff.Err = fmt.Errorf("request %s/%s: %d tokens, %d block hashes: save held back: %w", t.EngineID, t.RequestID, t.TokenLen, len(t.Hashes), ErrShortHashChain)
+		eff.Err = fmt.Errorf("request %s/%s: %d tokens, %d block hashes: save held back: %w", t.EngineID, t.RequestID, t.TokenLen, len(t.Hashes), kvcore.ErrShortHashChain)
 	}
 	if end <= t.NumSavedTokens {
 		return
@@ -83,7 +85,7 @@ func (t *Tracker) maybeSaveSteps(m *Model, eff *Effects) {
 // hands it to the caller. A save of full blocks (covers: a step's save or a
 // re-save, not a prompt tail) first marks what it covers of the pending
 // saves' ranges (markCovered).
-func (t *Tracker) emitSave(m *Model, task SaveTask, job int, covers bool, eff *Effects) {
+func (t *Tracker) emitSave(m *kvcore.Model, task kvcore.SaveTask, job int, covers bool, eff *Effects) {
 	if covers {
 		t.markCovered(m, task.Start, task.End)
 	}
@@ -101,7 +103,7 @@ func (t *Tracker) emitSave(m *Model, task SaveTask, job int, covers bool, eff *E
 // twice, and is found present the second time. A range's end inside a
 // scheduler block (a prompt tail) counts from that block's start: its
 // sub-block key is saved only once, as vLLM's offload of the tail is.
-func (t *Tracker) markCovered(m *Model, start, end int) {
+func (t *Tracker) markCovered(m *kvcore.Model, start, end int) {
 	sbs := m.SchedulerBlockSize()
 	for i := range t.SaveSpans {
 		s := &t.SaveSpans[i]
@@ -134,7 +136,7 @@ func (t *Tracker) markCovered(m *Model, start, end int) {
 // request's next save covers it (saveStart); a finishing request has no
 // next save, as in vLLM. Without the model (OnSaveResult) no task can be
 // built, and the range joins Unsaved.
-func (t *Tracker) resave(m *Model, span SaveSpan, eff *Effects) {
+func (t *Tracker) resave(m *kvcore.Model, span SaveSpan, eff *Effects) {
 	lo, hi := span.uncovered()
 	if lo >= hi || (t.State != StateRunning && t.State != StateFinishing) {
 		return
@@ -158,7 +160,7 @@ func (t *Tracker) resave(m *Model, span SaveSpan, eff *Effects) {
 // store (vLLM's next job stores the state only at its own end). A range
 // with nothing to save emits nothing. A task that cannot be built leaves
 // the range to the request's next save.
-func (t *Tracker) retrySave(m *Model, taskID string, job, start, end int, eff *Effects) {
+func (t *Tracker) retrySave(m *kvcore.Model, taskID string, job, start, end int, eff *Effects) {
 	sbs := m.SchedulerBlockSize()
 	end = end / sbs * sbs
 	if end <= start {
@@ -199,11 +201,11 @@ func (t *Tracker) retrySave(m *Model, taskID string, job, start, end int, eff *E
 // so at a fresh prompt's last step): once the engine computed the whole
 // block, its block holds the whole block's KV under the whole block's
 // identity, and a worker serves a block only under the identity it holds.
-func (t *Tracker) maybeSaveTail(m *Model, eff *Effects) {
+func (t *Tracker) maybeSaveTail(m *kvcore.Model, eff *Effects) {
 	if t.TailSaved || !m.PartialHashHits() {
 		return
 	}
-	p := PromptTailEnd(m, cmp.Or(t.PromptTokens, t.PrefillEnd))
+	p := kvcore.PromptTailEnd(m, cmp.Or(t.PromptTokens, t.PrefillEnd))
 	if p == 0 || t.TokenLen < p {
 		return
 	}
@@ -230,7 +232,7 @@ func (t *Tracker) maybeSaveTail(m *Model, eff *Effects) {
 }
 
 // anyChunk reports whether some group lists a chunk.
-func anyChunk(groups []GroupChunks) bool {
+func anyChunk(groups []kvcore.GroupChunks) bool {
 	for _, gc := range groups {
 		if len(gc.Chunks) > 0 {
 			return true
@@ -255,7 +257,7 @@ func (t *Tracker) saveStart() int {
 // prompt (decode tokens are not saved), nor past what the hash chain and
 // every group's block table cover. hashLimited reports that the hash chain
 // alone held back tokens that could otherwise be saved now.
-func (t *Tracker) saveEnd(m *Model) (end int, hashLimited bool) {
+func (t *Tracker) saveEnd(m *kvcore.Model) (end int, hashLimited bool) {
 	if len(t.Table) != len(m.Groups) {
 		return 0, false
 	}
@@ -281,16 +283,16 @@ func (t *Tracker) saveEnd(m *Model) (end int, hashLimited bool) {
 // SaveTask is built, and it refuses a table whose group count is not the
 // model's: the seed crash (a save with an empty table on a hybrid model)
 // cannot be built.
-func (t *Tracker) newSaveTask(m *Model, start, end int, groups []GroupChunks) (SaveTask, error) {
+func (t *Tracker) newSaveTask(m *kvcore.Model, start, end int, groups []kvcore.GroupChunks) (kvcore.SaveTask, error) {
 	if err := checkGroups(m, t.Table, "tracker block table"); err != nil {
-		return SaveTask{}, err
+		return kvcore.SaveTask{}, err
 	}
 	if err := chunksFit(m, t.Table, t.Hashes, groups); err != nil {
-		return SaveTask{}, err
+		return kvcore.SaveTask{}, err
 	}
 	t.Seq++
-	return SaveTask{
-		Schema:      SchemaSaveTask,
+	return kvcore.SaveTask{
+		Schema:      kvcore.SchemaSaveTask,
 		TaskID:      t.taskID("save"),
 		EngineID:    t.EngineID,
 		RequestID:   t.RequestID,
@@ -309,7 +311,7 @@ func (t *Tracker) newSaveTask(m *Model, start, end int, groups []GroupChunks) (S
 
 // emitLoad issues the accepted load into table's blocks. A load that cannot
 // be built is reported finished at once with every block in error.
-func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
+func (t *Tracker) emitLoad(m *kvcore.Model, table kvcore.BlockTable, eff *Effects) {
 	task, err := t.newLoadTask(m, table)
 	if err != nil {
 		t.abandonLoad(eff, table)
@@ -320,7 +322,7 @@ func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
 	t.Load.Table = nil
 	t.PendingLoads = append(t.PendingLoads, task.TaskID)
 	if len(task.Ranks) > 0 {
-		t.LoadWaits = append(t.LoadWaits, LoadWait{TaskID: task.TaskID, Waiting: slices.Clone(task.Ranks), Blocks: ListedBlocks(m, &task)})
+		t.LoadWaits = append(t.LoadWaits, LoadWait{TaskID: task.TaskID, Waiting: slices.Clone(task.Ranks), Blocks: kvcore.ListedBlocks(m, &task)})
 	}
 	eff.Loads = append(eff.Loads, task)
 }
@@ -330,13 +332,13 @@ func (t *Tracker) emitLoad(m *Model, table BlockTable, eff *Effects) {
 // hash hits), and each group's last chunk is keyed by the LoadSpec's tail
 // key (Model.LoadGroupsTail), as vLLM's KVCacheStoreRecvingThread
 // ._handle_request keys it by its TailKeyBoundary (worker.py).
-func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
+func (t *Tracker) newLoadTask(m *kvcore.Model, table kvcore.BlockTable) (kvcore.LoadTask, error) {
 	if err := checkGroups(m, table, "load block table"); err != nil {
-		return LoadTask{}, err
+		return kvcore.LoadTask{}, err
 	}
 	start, end := m.LoadRange(*t.Load.Spec)
 	if align := m.HitAlignment(); start < 0 || end <= start || end%align != 0 {
-		return LoadTask{}, fmt.Errorf("load range [%d,%d) with hit alignment %d: %w", start, end, align, ErrChunkOutOfRange)
+		return kvcore.LoadTask{}, fmt.Errorf("load range [%d,%d) with hit alignment %d: %w", start, end, align, kvcore.ErrChunkOutOfRange)
 	}
 	groups := m.LoadGroupsTail(start, end, t.Load.Spec.TailKeys)
 	keyed := end // the hash chain must reach every chunk's key, tail keys past the hit included
@@ -346,18 +348,18 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		}
 	}
 	if n := keyed / m.HashBlockSize; n > len(t.Hashes) {
-		return LoadTask{}, fmt.Errorf("load to %d (keys to %d) needs %d block hashes, have %d: %w", end, keyed, n, len(t.Hashes), ErrShortHashChain)
+		return kvcore.LoadTask{}, fmt.Errorf("load to %d (keys to %d) needs %d block hashes, have %d: %w", end, keyed, n, len(t.Hashes), kvcore.ErrShortHashChain)
 	}
 	if err := chunksFit(m, table, t.Hashes, groups); err != nil {
-		return LoadTask{}, err
+		return kvcore.LoadTask{}, err
 	}
 	t.Seq++
 	conn := t.Connector
 	if conn == "" {
 		conn = DefaultTrackerConnector
 	}
-	return LoadTask{
-		Schema:      SchemaLoadTask,
+	return kvcore.LoadTask{
+		Schema:      kvcore.SchemaLoadTask,
 		TaskID:      t.taskID("load"),
 		EngineID:    t.EngineID,
 		RequestID:   t.RequestID,
@@ -370,27 +372,27 @@ func (t *Tracker) newLoadTask(m *Model, table BlockTable) (LoadTask, error) {
 		BlockTable:  table.Clone(),
 		BlockHashes: append([]string(nil), t.Hashes[:keyed/m.HashBlockSize]...),
 		Groups:      groups,
-		Remote:      t.Remote.clone(),
+		Remote:      cloneRemote(t.Remote),
 		Ranks:       loadRanks(m),
 	}, nil
 }
 
 // loadRanks are the ranks that must each report a load: every worker rank
 // of a multi-rank engine (each loads its own memory); none for one rank.
-func loadRanks(m *Model) []Rank {
+func loadRanks(m *kvcore.Model) []kvcore.Rank {
 	if m.WorldSize() == 1 {
 		return nil
 	}
 	return m.WorkerRanks()
 }
 
-// clone returns a deep copy of r (nil for nil), so a task's snapshot never
-// aliases a tracker.
-func (r *RemoteSource) clone() *RemoteSource {
+// cloneRemote returns a deep copy of r (nil for nil), so a task's snapshot
+// never aliases a tracker.
+func cloneRemote(r *kvcore.RemoteSource) *kvcore.RemoteSource {
 	if r == nil {
 		return nil
 	}
-	return &RemoteSource{EngineID: r.EngineID, BlockTable: r.BlockTable.Clone()}
+	return &kvcore.RemoteSource{EngineID: r.EngineID, BlockTable: r.BlockTable.Clone()}
 }
 
 // taskID is engine/request/kind/seq (kind prefixed by a non-default
@@ -403,3 +405,6 @@ func (t *Tracker) taskID(kind string) string {
 	}
 	return t.EngineID + "/" + t.RequestID + "/" + kind + "/" + strconv.Itoa(t.Seq)
 }
+
+// ceilTo rounds x up to a multiple of m.
+func ceilTo(x, m int) int { return (x + m - 1) / m * m }

@@ -1,8 +1,10 @@
-package kvcore
+package requeststate
 
 import (
 	"strconv"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // BenchmarkTrackerStep256 measures one engine step of 256 running requests
@@ -11,7 +13,7 @@ import (
 // the sender's report of its previous save is applied. A request that
 // reaches 1024 tokens is replaced by a new one, as a busy engine would.
 func BenchmarkTrackerStep256(b *testing.B) {
-	m, err := Preset("hybrid-mla-linear")
+	m, err := kvcore.Preset("hybrid-mla-linear")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -20,7 +22,7 @@ func BenchmarkTrackerStep256(b *testing.B) {
 	admit := func(i int) *Tracker {
 		tr := NewTracker(m, "engine-0", "req-"+strconv.Itoa(i))
 		tr.OnAdmit(hashes, 0)
-		eff := tr.Step(m, Step{Kind: StepNew, Tokens: 16, Table: BlockTable{{0}, {0}}})
+		eff := tr.Step(m, kvcore.Step{Kind: kvcore.StepNew, Tokens: 16, Table: kvcore.BlockTable{{0}, {0}}})
 		if len(eff.Saves) != 1 {
 			b.Fatalf("new request did not save: %+v", eff)
 		}
@@ -32,7 +34,7 @@ func BenchmarkTrackerStep256(b *testing.B) {
 		trackers[i] = admit(i)
 		last[i] = trackers[i].PendingSaves[0]
 	}
-	newBlocks := BlockTable{{7}, {7}}
+	newBlocks := kvcore.BlockTable{{7}, {7}}
 	b.ReportAllocs()
 	b.ResetTimer()
 	saves := 0
@@ -43,8 +45,8 @@ func BenchmarkTrackerStep256(b *testing.B) {
 				trackers[i] = tr
 				last[i] = tr.PendingSaves[0]
 			}
-			eff := tr.Step(m, Step{Kind: StepRunning, Tokens: tr.TokenLen + 16, Table: newBlocks})
-			tr.OnSaveResult(last[i], SaveStored)
+			eff := tr.Step(m, kvcore.Step{Kind: kvcore.StepRunning, Tokens: tr.TokenLen + 16, Table: newBlocks})
+			tr.OnSaveResult(last[i], kvcore.SaveStored)
 			if len(eff.Saves) == 1 {
 				last[i] = eff.Saves[0].TaskID
 				saves++

@@ -1,14 +1,19 @@
-// Package tracking is the scheduler's per-request state machine around the
-// domain core: the store connector's kvcore.Tracker, plus what the
-// MultiConnector level needs at service level — lookup decisions waiting to
-// be bound to an allocation, engine events held until that decision
-// arrives, the pd child's tracker, outstanding task ranges, per-group saved
-// coverage and warnings. It is pure: no I/O, no clock, no goroutines.
-package tracking
+// Package requeststate is the scheduler's request state machine, in one
+// place: a Request per request (engine id, request id), driven by typed
+// events (Request.Apply, or the named methods Admit, Allocate, Step,
+// Preempt, Finish, Decision, Result, ExpireLoads) that enforce the
+// engine-event sequence and the allocation epochs; the store connector's
+// tracker core it drives (Tracker: saves, loads, re-saves, preemption),
+// with what the MultiConnector level needs beside it — lookup decisions
+// waiting to be bound to an allocation, engine events held until that
+// decision arrives, the pd child's tracker, outstanding task ranges,
+// per-group saved coverage and warnings; and its stored form (stored.go),
+// separate from the admin API's (pkg/adminapi). It is pure: no I/O, no
+// clock, no goroutines. docs/state_machine.md draws it.
+package requeststate
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -18,7 +23,7 @@ import (
 // Connector names the scheduler serves as MultiConnector children.
 const (
 	// ConnectorStore is the store-pool connector: it loads and saves.
-	ConnectorStore = kvcore.DefaultTrackerConnector
+	ConnectorStore = DefaultTrackerConnector
 	// ConnectorPD is the disaggregated-prefill connector: it only loads,
 	// from the prefill engine's pool.
 	ConnectorPD = "pd"
@@ -72,7 +77,7 @@ const (
 // Request is the scheduler's state of one request.
 type Request struct {
 	// Store is the store connector's tracker (persisted on its own).
-	Store *kvcore.Tracker `json:"-"`
+	Store *Tracker `json:"-"`
 	// LastSeq is the highest engine-event sequence number applied.
 	LastSeq int64 `json:"-"`
 	// Extras is the state around the tracker (persisted on its own).
@@ -82,27 +87,27 @@ type Request struct {
 // Extras is the service-level state kept beside the store tracker.
 type Extras struct {
 	// PD is the pd child's tracker, created the first time pd is chosen.
-	PD *kvcore.Tracker `json:"pd,omitempty"`
+	PD *Tracker
 	// Decisions are lookup decisions not bound to an allocation yet,
 	// oldest first.
-	Decisions []contract.LookupDecision `json:"decisions,omitempty"`
+	Decisions []contract.LookupDecision
 	// Held is an allocation waiting for its lookup decision, with the
 	// engine events that came after it.
-	Held *Held `json:"held,omitempty"`
+	Held *Held
 	// Awaiting is the id of the decision of an allocation applied without
 	// it (0 external tokens); when it arrives its LoadSpec is recorded.
-	Awaiting string `json:"awaiting_decision,omitempty"`
+	Awaiting string
 	// Tasks are the emitted tasks not reported yet.
-	Tasks []TaskRef `json:"tasks,omitempty"`
+	Tasks []TaskRef
 	// Coverage is the saved coverage of each group, as the sender reported it.
-	Coverage []GroupCoverage `json:"coverage,omitempty"`
+	Coverage []GroupCoverage
 	// Warnings are the latest problems that did not stop the request.
-	Warnings []Warning `json:"warnings,omitempty"`
+	Warnings []Warning
 	// Traceparent is the W3C trace context of the request's trace, taken
 	// from the first record about the request that carried one: the
 	// scheduler continues that trace for the request's records that carry
 	// none (an engine that does not trace its requests, a load expiry).
-	Traceparent string `json:"traceparent,omitempty"`
+	Traceparent string
 }
 
 // The shapes the scheduler keeps with a request's tracker (its extras) are
@@ -142,7 +147,7 @@ type Outcome struct {
 
 // New starts the state of a request of model m.
 func New(m *kvcore.Model, engineID, requestID string) *Request {
-	r := &Request{Store: kvcore.NewTracker(m, engineID, requestID)}
+	r := &Request{Store: NewTracker(m, engineID, requestID)}
 	r.Coverage = make([]GroupCoverage, len(m.Groups))
 	for g := range r.Coverage {
 		r.Coverage[g].Group = g
@@ -151,92 +156,10 @@ func New(m *kvcore.Model, engineID, requestID string) *Request {
 }
 
 // State is the request's lifecycle state: its store tracker's.
-func (r *Request) State() kvcore.TrackerState { return r.Store.State }
+func (r *Request) State() TrackerState { return r.Store.State }
 
 // Done reports whether the request finished and was freed.
-func (r *Request) Done() bool { return r.Store.State == kvcore.StateDone }
-
-// warn records a problem with source, keeping the latest maxWarnings.
-func (r *Request) warn(out *Outcome, source string, err error) {
-	out.Errors = append(out.Errors, err)
-	r.Warnings = append(r.Warnings, Warning{Source: source, Error: err.Error()})
-	if n := len(r.Warnings); n > maxWarnings {
-		r.Warnings = append([]Warning(nil), r.Warnings[n-maxWarnings:]...)
-	}
-}
-
-// fail stops the request with err (e.g. a wrong model) outside the tracker.
-func (r *Request) fail(out *Outcome, err error) {
-	if r.Store.State == kvcore.StateErrored || r.Store.Finished() {
-		out.Errors = append(out.Errors, err)
-		return
-	}
-	r.Store.State = kvcore.StateErrored
-	r.Store.Error = err.Error()
-	out.Errors = append(out.Errors, err)
-	r.erroredFeedback(out)
-}
-
-// erroredFeedback tells the engine the request stopped, and why.
-func (r *Request) erroredFeedback(out *Outcome) {
-	out.Errored = true
-	out.Feedback = append(out.Feedback, contract.EngineFeedback{
-		Schema: contract.SchemaEngineFeedback,
-		Feedback: kvcore.Feedback{
-			Kind: contract.FeedbackRequestError, EngineID: r.Store.EngineID, RequestID: r.Store.RequestID,
-		},
-		Error: r.Store.Error,
-	})
-}
-
-// feedback wraps a tracker's feedback for the engine.
-func feedback(f kvcore.Feedback) contract.EngineFeedback {
-	return contract.EngineFeedback{Schema: contract.SchemaEngineFeedback, Feedback: f}
-}
-
-// storeEffects collects the store tracker's effects of one call; the call
-// that errored the request (eff.Failed) stops it with request_error.
-func (r *Request) storeEffects(out *Outcome, source string, eff kvcore.Effects) {
-	r.taskEffects(out, eff)
-	for _, f := range eff.Feedback {
-		out.Feedback = append(out.Feedback, feedback(f))
-	}
-	if eff.Failed {
-		out.Errors = append(out.Errors, eff.Err)
-		r.erroredFeedback(out)
-		return
-	}
-	if eff.Err != nil {
-		r.warn(out, source, eff.Err)
-	}
-}
-
-// pdEffects collects the pd tracker's effects: its loads and
-// finished_recving, never its finished_sending (the pd child never saves;
-// the store child decides when the blocks are freed).
-func (r *Request) pdEffects(out *Outcome, source string, eff kvcore.Effects, quiet bool) {
-	r.taskEffects(out, eff)
-	for _, f := range eff.Feedback {
-		if f.Kind != kvcore.FeedbackFinishedSending {
-			out.Feedback = append(out.Feedback, feedback(f))
-		}
-	}
-	if eff.Err != nil && !quiet {
-		r.warn(out, source, fmt.Errorf("pd: %w", eff.Err))
-	}
-}
-
-// taskEffects records the emitted tasks as outstanding.
-func (r *Request) taskEffects(out *Outcome, eff kvcore.Effects) {
-	for _, s := range eff.Saves {
-		r.Tasks = append(r.Tasks, TaskRef{ID: s.TaskID, Kind: "save", Start: s.Start, End: s.End, Epoch: s.Epoch})
-	}
-	for _, l := range eff.Loads {
-		r.Tasks = append(r.Tasks, TaskRef{ID: l.TaskID, Kind: "load", Connector: l.Connector, Start: l.Start, End: l.End, Epoch: l.Epoch})
-	}
-	out.Saves = append(out.Saves, eff.Saves...)
-	out.Loads = append(out.Loads, eff.Loads...)
-}
+func (r *Request) Done() bool { return r.Store.State == StateDone }
 
 // takeTask removes and returns the outstanding task id, if any.
 func (r *Request) takeTask(id string) (TaskRef, bool) {

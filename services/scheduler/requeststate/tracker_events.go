@@ -1,170 +1,14 @@
-package kvcore
+package requeststate
 
 import (
 	"fmt"
 	"slices"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
-
-// StepKind says how one engine step saw a request.
-type StepKind string
-
-// Step kinds.
-const (
-	// StepNew: newly scheduled; Tokens and the full scheduled Table.
-	StepNew StepKind = "new"
-	// StepRunning: already running; Table holds the new block ids per group
-	// (nil: none) and Tokens the token count after the step.
-	StepRunning StepKind = "running"
-	// StepResumed: resumed after preemption; Table replaces the tracker's,
-	// and the request saves again from token 0. For a running request (a
-	// preemption the tracker did not see) it first applies the preemption:
-	// the allocation epoch advances and the saved offset returns to 0.
-	StepResumed StepKind = "resumed"
-	// StepDecode: a running request in its decode phase; like StepRunning,
-	// but a decode step never saves.
-	StepDecode StepKind = "decode"
-	// StepPendingLoad: allocated but not scheduled this step (waiting for
-	// its external KV).
-	StepPendingLoad StepKind = "pending_load"
-	// StepPreempted: preempted; the tracker is reset (the saved offset to
-	// 0), load state dropped, the allocation epoch advances and the
-	// outstanding tasks become stale.
-	StepPreempted StepKind = "preempted"
-	// StepFinished: the request finished (vLLM's request_finished).
-	StepFinished StepKind = "finished"
-)
-
-// Step is one engine step's input for one request.
-type Step struct {
-	// Kind says how the step saw the request.
-	Kind StepKind `json:"kind"`
-	// Tokens is the request's token count once the step has run
-	// (computed plus scheduled tokens).
-	Tokens int `json:"tokens,omitempty"`
-	// Table is the scheduled block table (new, resumed) or the new block ids
-	// per group (running, decode; nil when no block was added). Its group
-	// count must equal the model's; an empty non-nil table has zero groups.
-	Table BlockTable `json:"block_table"`
-	// Hashes is the request's hash chain so far (hex); it may be omitted.
-	Hashes []string `json:"block_hashes,omitempty"`
-	// PrefillTokens is, on new and resumed steps, the end of the request's
-	// prefill range: vLLM's prefill_end_tokens, the prompt for a fresh
-	// request and, for one resumed after a preemption, every token it had
-	// (prompt plus generated), since all of them are prefilled again
-	// (0: not given — a new step keeps the admission's prompt length, a
-	// resumed one takes max(prompt length, Tokens)). Tokens past it are
-	// decode tokens and are not saved.
-	PrefillTokens int `json:"prefill_tokens,omitempty"`
-}
-
-// OnLookup records the store connector's lookup decision: its LoadSpec, or
-// nil when the lookup kept none. CanLoad is only ever set by allocation. A
-// lookup after a settled allocation starts a new scheduling attempt; one
-// that arrives after its own allocation settles it.
-func (t *Tracker) OnLookup(m *Model, spec *LoadSpec) Effects {
-	var eff Effects
-	if err := t.checkModel(m); err != nil {
-		eff.Err = err
-		return eff
-	}
-	if t.Finished() || t.State == StateErrored {
-		return t.settle(&eff)
-	}
-	if !t.Load.Allocated || t.Load.Resolved {
-		t.Load = LoadState{}
-	}
-	t.Load.LookedUp = true
-	t.Load.Spec = nil
-	if spec != nil {
-		c := *spec
-		c.CanLoad = false
-		t.Load.Spec = &c
-	}
-	t.resolve(m, &eff)
-	return t.settle(&eff)
-}
-
-// OnAllocate records the allocation (vLLM's update_state_after_alloc):
-// externalTokens > 0 with a LoadSpec accepts the load (CanLoad = true; the
-// count must equal hit − num_computed); 0 rejects it (CanLoad = false, and
-// the table is not kept: a rejected load emits nothing). table is the
-// request's block table after allocation.
-func (t *Tracker) OnAllocate(m *Model, externalTokens int, table BlockTable) Effects {
-	var eff Effects
-	if err := t.checkModel(m); err != nil {
-		eff.Err = err
-		return eff
-	}
-	if t.Finished() || t.State == StateErrored {
-		return t.settle(&eff)
-	}
-	switch {
-	case externalTokens < 0:
-		eff.Err = fmt.Errorf("request %s/%s: allocation of %d external tokens: %w", t.EngineID, t.RequestID, externalTokens, ErrNegativeCount)
-	case t.Load.Allocated:
-		eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, ErrAllocatedTwice)
-	default:
-		t.Load.Allocated = true
-		t.Load.External = externalTokens
-		if externalTokens > 0 {
-			t.Load.Table = table.Clone()
-		}
-		t.resolve(m, &eff)
-	}
-	return t.settle(&eff)
-}
-
-// resolve matches lookup and allocation once both are known, settling
-// Spec.CanLoad, and issues the accepted load if the request already waits
-// for it.
-func (t *Tracker) resolve(m *Model, eff *Effects) {
-	l := &t.Load
-	if !l.LookedUp || !l.Allocated || l.Resolved {
-		return
-	}
-	l.Resolved = true
-	if l.External == 0 {
-		if l.Spec != nil {
-			l.Spec.CanLoad = false
-		}
-		l.Table = nil
-		return
-	}
-	if err := t.checkExternal(); err != nil {
-		t.abandonLoad(eff, nil)
-		eff.Err = fmt.Errorf("request %s/%s: %w", t.EngineID, t.RequestID, err)
-		return
-	}
-	if t.State != StateRunning {
-		if err := checkGroups(m, l.Table, "allocation block table"); err != nil {
-			t.fail(eff, err, nil)
-			return
-		}
-	}
-	l.Spec.CanLoad = true
-	switch {
-	case t.State == StateRunning:
-		t.emitLoad(m, t.Table, eff)
-	case l.PendingSeen:
-		t.emitLoad(m, l.Table, eff)
-	}
-}
-
-// checkExternal checks an accepting allocation against the LoadSpec.
-func (t *Tracker) checkExternal() error {
-	l := &t.Load
-	if l.Spec == nil {
-		return fmt.Errorf("%d external tokens without a load spec: %w", l.External, ErrExternalTokens)
-	}
-	if need := l.Spec.KVPoolCachedTokens - l.Spec.VLLMCachedTokens; l.External != need {
-		return fmt.Errorf("%d external tokens, load spec needs %d (hit %d - cached %d): %w",
-			l.External, need, l.Spec.KVPoolCachedTokens, l.Spec.VLLMCachedTokens, ErrExternalTokens)
-	}
-	return nil
-}
 
 // Step applies one engine step to the request.
-func (t *Tracker) Step(m *Model, s Step) Effects {
+func (t *Tracker) Step(m *kvcore.Model, s kvcore.Step) Effects {
 	var eff Effects
 	if err := t.checkModel(m); err != nil {
 		eff.Err = err
@@ -174,32 +18,32 @@ func (t *Tracker) Step(m *Model, s Step) Effects {
 		return t.settle(&eff)
 	}
 	switch s.Kind {
-	case StepFinished:
+	case kvcore.StepFinished:
 		t.finish(&eff)
-	case StepPreempted:
+	case kvcore.StepPreempted:
 		t.preempt()
-	case StepPendingLoad:
+	case kvcore.StepPendingLoad:
 		t.pending(m, &eff)
-	case StepNew, StepResumed:
+	case kvcore.StepNew, kvcore.StepResumed:
 		t.schedule(m, s, &eff)
-	case StepRunning, StepDecode:
+	case kvcore.StepRunning, kvcore.StepDecode:
 		t.advance(m, s, &eff)
 	default:
-		eff.Err = fmt.Errorf("request %s/%s: step kind %q: %w", t.EngineID, t.RequestID, s.Kind, ErrUnknownStep)
+		eff.Err = fmt.Errorf("request %s/%s: step kind %q: %w", t.EngineID, t.RequestID, s.Kind, kvcore.ErrUnknownStep)
 	}
 	return t.settle(&eff)
 }
 
 // accepts filters steps by lifecycle: a finished request takes only a
 // (repeated, ignored) finish; an errored one only its finish.
-func (t *Tracker) accepts(k StepKind, eff *Effects) bool {
+func (t *Tracker) accepts(k kvcore.StepKind, eff *Effects) bool {
 	if t.Finished() {
-		if k != StepFinished {
-			eff.Err = fmt.Errorf("request %s/%s: %s step: %w", t.EngineID, t.RequestID, k, ErrRequestFinished)
+		if k != kvcore.StepFinished {
+			eff.Err = fmt.Errorf("request %s/%s: %s step: %w", t.EngineID, t.RequestID, k, kvcore.ErrRequestFinished)
 		}
 		return false
 	}
-	return t.State != StateErrored || k == StepFinished
+	return t.State != StateErrored || k == kvcore.StepFinished
 }
 
 // schedule handles a new or resumed request: the tracker is rebuilt from
@@ -210,17 +54,17 @@ func (t *Tracker) accepts(k StepKind, eff *Effects) bool {
 // preemption the tracker did not see) up to its new prefill end. An
 // accepted load not yet issued is issued now, and then nothing is saved
 // this step.
-func (t *Tracker) schedule(m *Model, s Step, eff *Effects) {
+func (t *Tracker) schedule(m *kvcore.Model, s kvcore.Step, eff *Effects) {
 	if s.Tokens < 0 || s.PrefillTokens < 0 {
-		t.fail(eff, fmt.Errorf("%s step with %d tokens, %d prefill tokens: %w", s.Kind, s.Tokens, s.PrefillTokens, ErrNegativeCount), s.Table)
+		t.fail(eff, fmt.Errorf("%s step with %d tokens, %d prefill tokens: %w", s.Kind, s.Tokens, s.PrefillTokens, kvcore.ErrNegativeCount), s.Table)
 		return
 	}
 	if err := checkGroups(m, s.Table, string(s.Kind)+" step block table"); err != nil {
 		t.fail(eff, err, s.Table)
 		return
 	}
-	resumed := s.Kind == StepResumed || t.State == StatePreempted
-	if s.Kind == StepResumed && t.State == StateRunning {
+	resumed := s.Kind == kvcore.StepResumed || t.State == StatePreempted
+	if s.Kind == kvcore.StepResumed && t.State == StateRunning {
 		t.release()
 	}
 	t.State = StateRunning
@@ -241,7 +85,7 @@ func (t *Tracker) schedule(m *Model, s Step, eff *Effects) {
 // len(all_token_ids) for a resumed one), so a resumed request keeps saving
 // past its original prompt. Without PrefillTokens a resumed request's range
 // is at least the tokens this step computed.
-func (t *Tracker) setPrefillEnd(s Step, resumed bool) {
+func (t *Tracker) setPrefillEnd(s kvcore.Step, resumed bool) {
 	switch {
 	case s.PrefillTokens > 0:
 		t.PrefillEnd = s.PrefillTokens
@@ -252,9 +96,9 @@ func (t *Tracker) setPrefillEnd(s Step, resumed bool) {
 
 // advance handles a running or decode step: new block ids are appended per
 // group; a running step saves, a decode step does not.
-func (t *Tracker) advance(m *Model, s Step, eff *Effects) {
+func (t *Tracker) advance(m *kvcore.Model, s kvcore.Step, eff *Effects) {
 	if t.State != StateRunning {
-		t.fail(eff, fmt.Errorf("%s step for a %s request: %w", s.Kind, t.State, ErrBadStep), nil)
+		t.fail(eff, fmt.Errorf("%s step for a %s request: %w", s.Kind, t.State, kvcore.ErrBadStep), nil)
 		return
 	}
 	if s.Table != nil {
@@ -270,7 +114,7 @@ func (t *Tracker) advance(m *Model, s Step, eff *Effects) {
 		t.TokenLen = s.Tokens
 	}
 	t.extendHashes(s.Hashes)
-	if s.Kind == StepRunning {
+	if s.Kind == kvcore.StepRunning {
 		t.maybeSave(m, eff)
 	}
 }
@@ -278,9 +122,9 @@ func (t *Tracker) advance(m *Model, s Step, eff *Effects) {
 // pending handles a request allocated but not scheduled this step: the
 // load is issued only if it was accepted (CanLoad). kvmesh fix: a rejected
 // load emits nothing — in particular never a save.
-func (t *Tracker) pending(m *Model, eff *Effects) {
+func (t *Tracker) pending(m *kvcore.Model, eff *Effects) {
 	if t.State == StateRunning {
-		eff.Err = fmt.Errorf("request %s/%s: pending-load step for a running request: %w", t.EngineID, t.RequestID, ErrBadStep)
+		eff.Err = fmt.Errorf("request %s/%s: pending-load step for a running request: %w", t.EngineID, t.RequestID, kvcore.ErrBadStep)
 		return
 	}
 	t.Load.PendingSeen = true
@@ -320,8 +164,8 @@ func (t *Tracker) finish(eff *Effects) {
 }
 
 // finishedSending is the feedback that frees the request's blocks.
-func (t *Tracker) finishedSending(immediate bool) Feedback {
-	return Feedback{Kind: FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate, Epoch: t.Epoch}
+func (t *Tracker) finishedSending(immediate bool) kvcore.Feedback {
+	return kvcore.Feedback{Kind: kvcore.FeedbackFinishedSending, EngineID: t.EngineID, RequestID: t.RequestID, Immediate: immediate, Epoch: t.Epoch}
 }
 
 // OnSaveResult records the sender's report for one save task by its status
@@ -329,8 +173,8 @@ func (t *Tracker) finishedSending(immediate bool) Feedback {
 // skipped or failed mark the task's range unsaved). Without the model no
 // re-save can be built: a range a later job would have covered again joins
 // Unsaved, for the request's next save, instead.
-func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
-	return t.onSaveReport(nil, taskID, SaveReport{Status: status})
+func (t *Tracker) OnSaveResult(taskID string, status kvcore.SaveStatus) Effects {
+	return t.onSaveReport(nil, taskID, kvcore.SaveReport{Status: status})
 }
 
 // OnSaveReport records the sender's report for one save task of model m.
@@ -347,7 +191,7 @@ func (t *Tracker) OnSaveResult(taskID string, status SaveStatus) Effects {
 // (an earlier epoch's) is only settled and counted: its range belongs to
 // blocks the engine released. Unknown or repeated task ids (redelivery)
 // change nothing.
-func (t *Tracker) OnSaveReport(m *Model, taskID string, r SaveReport) Effects {
+func (t *Tracker) OnSaveReport(m *kvcore.Model, taskID string, r kvcore.SaveReport) Effects {
 	if err := t.checkModel(m); err != nil {
 		return Effects{Err: err}
 	}
@@ -355,24 +199,24 @@ func (t *Tracker) OnSaveReport(m *Model, taskID string, r SaveReport) Effects {
 }
 
 // onSaveReport is OnSaveReport; m is nil for OnSaveResult.
-func (t *Tracker) onSaveReport(m *Model, taskID string, r SaveReport) Effects {
+func (t *Tracker) onSaveReport(m *kvcore.Model, taskID string, r kvcore.SaveReport) Effects {
 	var eff Effects
 	status := r.Status
 	if !status.Valid() {
-		eff.Err = fmt.Errorf("request %s/%s: save %s: status %q: %w", t.EngineID, t.RequestID, taskID, status, ErrUnknownSaveStatus)
+		eff.Err = fmt.Errorf("request %s/%s: save %s: status %q: %w", t.EngineID, t.RequestID, taskID, status, kvcore.ErrUnknownSaveStatus)
 		return eff
 	}
 	var found bool
 	if t.StaleSaves, found = removeID(t.StaleSaves, taskID); found {
-		t.Reports.add(status)
+		countReport(&t.Reports, status)
 		return t.settle(&eff)
 	}
 	if t.PendingSaves, found = removeID(t.PendingSaves, taskID); !found {
 		return t.settle(&eff)
 	}
-	t.Reports.add(status)
+	countReport(&t.Reports, status)
 	span := t.takeSpan(taskID)
-	if r.unsaved() {
+	if unsaved(r) {
 		t.resave(m, span, &eff)
 	}
 	if t.State == StateFinishing && len(t.PendingSaves) == 0 {
@@ -398,7 +242,7 @@ func (t *Tracker) takeSpan(taskID string) SaveSpan {
 
 // OnLoadResult records a gpuworker's report for one load task of a
 // single-rank engine (OnRankLoadResult with no rank).
-func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects {
+func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []kvcore.BlockID) Effects {
 	return t.OnRankLoadResult(taskID, nil, loadErrorBlocks)
 }
 
@@ -411,7 +255,7 @@ func (t *Tracker) OnLoadResult(taskID string, loadErrorBlocks []BlockID) Effects
 // nothing. A stale load (an earlier epoch's) is only settled: its
 // finished_recving could complete the current attempt's load. Unknown or
 // repeated task ids change nothing.
-func (t *Tracker) OnRankLoadResult(taskID string, rank *Rank, loadErrorBlocks []BlockID) Effects {
+func (t *Tracker) OnRankLoadResult(taskID string, rank *kvcore.Rank, loadErrorBlocks []kvcore.BlockID) Effects {
 	var eff Effects
 	if i := t.LoadWait(taskID); i >= 0 {
 		w := &t.LoadWaits[i]
@@ -455,7 +299,7 @@ func (t *Tracker) ExpireLoads(expired func(LoadWait) bool) Effects {
 
 // finishLoad retires a finished load: a stale one silently, a current one
 // with finished_recving.
-func (t *Tracker) finishLoad(eff *Effects, taskID string, loadErrorBlocks []BlockID, missing []Rank) {
+func (t *Tracker) finishLoad(eff *Effects, taskID string, loadErrorBlocks []kvcore.BlockID, missing []kvcore.Rank) {
 	var found bool
 	if t.StaleLoads, found = removeID(t.StaleLoads, taskID); found {
 		return
@@ -463,9 +307,9 @@ func (t *Tracker) finishLoad(eff *Effects, taskID string, loadErrorBlocks []Bloc
 	if t.PendingLoads, found = removeID(t.PendingLoads, taskID); !found {
 		return
 	}
-	eff.Feedback = append(eff.Feedback, Feedback{
-		Kind: FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
-		LoadErrors: append([]BlockID{}, loadErrorBlocks...), TaskID: taskID, Epoch: t.Epoch,
+	eff.Feedback = append(eff.Feedback, kvcore.Feedback{
+		Kind: kvcore.FeedbackFinishedRecving, EngineID: t.EngineID, RequestID: t.RequestID,
+		LoadErrors: append([]kvcore.BlockID{}, loadErrorBlocks...), TaskID: taskID, Epoch: t.Epoch,
 		MissingRanks: slices.Clone(missing),
 	})
 }
@@ -477,7 +321,7 @@ func (t *Tracker) LoadWait(taskID string) int {
 }
 
 // unionBlocks appends the blocks of add not already in have, in order.
-func unionBlocks(have, add []BlockID) []BlockID {
+func unionBlocks(have, add []kvcore.BlockID) []kvcore.BlockID {
 	for _, b := range add {
 		if !slices.Contains(have, b) {
 			have = append(have, b)
