@@ -15,7 +15,6 @@ package requeststate
 import (
 	"errors"
 
-	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -110,19 +109,59 @@ type Extras struct {
 	Traceparent string
 }
 
-// The shapes the scheduler keeps with a request's tracker (its extras) are
-// the ones its admin API shows (GET /v1/requests/{engine_id}/{request_id}).
-type (
-	// Held is an allocation whose lookup decision has not arrived, and the
-	// engine events received after it, in order.
-	Held = adminapi.Held
-	// TaskRef is one emitted task awaiting its result.
-	TaskRef = adminapi.TaskRef
-	// GroupCoverage is what the sender reported for one KV group.
-	GroupCoverage = adminapi.GroupCoverage
-	// Warning is a problem with one record that did not stop the request.
-	Warning = adminapi.Warning
-)
+// The shapes the scheduler keeps with a request's tracker (its extras).
+// They are its own: the admin API shows them as pkg/adminapi's types of the
+// same fields, converted at the API's edge (services/scheduler/internal/api),
+// so a change here is no wire change and a wire change no schema change.
+
+// Held is an allocation whose lookup decision has not arrived, and the
+// engine events received after it, in order.
+type Held struct {
+	// Alloc is the allocated event.
+	Alloc contract.RequestEvent `json:"allocation"`
+	// Events are the later events, applied once the decision arrives.
+	Events []contract.RequestEvent `json:"events,omitempty"`
+}
+
+// TaskRef is one emitted task awaiting its result.
+type TaskRef struct {
+	// ID is the task id.
+	ID string `json:"task_id"`
+	// Kind is "save" or "load".
+	Kind string `json:"kind"`
+	// Connector is the loading connector (loads only).
+	Connector string `json:"connector,omitempty"`
+	// Start and End are the task's token range.
+	Start int `json:"start"`
+	End   int `json:"end"`
+	// Epoch is the allocation epoch the task was emitted in (absent: 0).
+	Epoch int `json:"epoch,omitempty"`
+}
+
+// GroupCoverage is what the sender reported for one KV group.
+type GroupCoverage struct {
+	// Group is the group index.
+	Group int `json:"group"`
+	// SavedTokens is the prefix [0, SavedTokens) reported stored (or
+	// already present) for this group.
+	SavedTokens int `json:"saved_tokens"`
+	// Stored, Existing, Skipped, DeadLettered and Failed count blocks.
+	Stored       int `json:"stored"`
+	Existing     int `json:"existing"`
+	Skipped      int `json:"skipped"`
+	DeadLettered int `json:"dead_lettered"`
+	Failed       int `json:"failed"`
+	// LastReason is the last reason code reported for the group.
+	LastReason string `json:"last_reason,omitempty"`
+}
+
+// Warning is a problem with one record that did not stop the request.
+type Warning struct {
+	// Source names the record: "event 7", "decision d1", "result r1".
+	Source string `json:"source"`
+	// Error is the problem.
+	Error string `json:"error"`
+}
 
 // Outcome is what applying one record asks the caller to do.
 type Outcome struct {

@@ -156,21 +156,25 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		return nil, err
 	}
 	t, x := req.Store, req.Extras
-	d := &Detail{RequestSummary: row.RequestSummary, Tracker: toAPITracker(t), PDTracker: toAPITracker(x.PD), Tasks: x.Tasks, Held: x.Held,
-		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []requeststate.Warning{}}
+	d := &Detail{RequestSummary: row.RequestSummary, Tracker: toAPITracker(t), PDTracker: toAPITracker(x.PD),
+		Tasks:     apiSlice(x.Tasks, func(r requeststate.TaskRef) adminapi.TaskRef { return adminapi.TaskRef(r) }),
+		Held:      toAPIHeld(x.Held),
+		Decisions: x.Decisions, AwaitingDecision: x.Awaiting, Errors: []adminapi.Warning{}}
 	if d.Tasks == nil {
-		d.Tasks = []requeststate.TaskRef{}
+		d.Tasks = []adminapi.TaskRef{}
 	}
 	if sc := bus.ParseTraceparent(x.Traceparent); sc.IsValid() {
 		d.TraceID = sc.TraceID().String()
 	}
 	if t.Error != "" {
-		d.Errors = append(d.Errors, requeststate.Warning{Source: "request", Error: t.Error})
+		d.Errors = append(d.Errors, adminapi.Warning{Source: "request", Error: t.Error})
 	}
-	d.Errors = append(d.Errors, x.Warnings...)
+	for _, w := range x.Warnings {
+		d.Errors = append(d.Errors, adminapi.Warning(w))
+	}
 	d.Coverage = make([]Coverage, 0, len(x.Coverage))
 	for _, c := range x.Coverage {
-		v := Coverage{GroupCoverage: c, EmittedTokens: t.NumSavedTokens}
+		v := Coverage{GroupCoverage: adminapi.GroupCoverage(c), EmittedTokens: t.NumSavedTokens}
 		if c.Group < len(a.model.Groups) {
 			v.Kind = a.model.Groups[c.Group].Kind
 		}

@@ -45,6 +45,14 @@ func toAPITracker(t *requeststate.Tracker) *adminapi.Tracker {
 	}
 }
 
+// toAPIHeld is a held allocation's API form (nil for nil).
+func toAPIHeld(h *requeststate.Held) *adminapi.Held {
+	if h == nil {
+		return nil
+	}
+	return &adminapi.Held{Alloc: h.Alloc, Events: h.Events}
+}
+
 // apiSlice converts each element of in with f (nil for nil).
 func apiSlice[A, B any](in []A, f func(A) B) []B {
 	if in == nil {
