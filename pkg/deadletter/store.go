@@ -62,12 +62,12 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
 ON CONFLICT (service, topic, partition, "offset", record_time, slot) DO NOTHING
 RETURNING id, created_at`
 
-// Insert writes d through q (the pool or the caller's transaction) and
+// InsertIn writes d through q (the pool or the caller's transaction) and
 // returns it with its id, creation time and sanitised text, and whether it
 // was written: a dead letter of the same record slot (service, topic,
 // partition, offset, record time, slot) already stored is kept and d is
 // not written again, so a redelivered record never adds a second copy.
-func (s *Store) Insert(ctx context.Context, q Querier, d DeadLetter) (DeadLetter, bool, error) {
+func (s *Store) InsertIn(ctx context.Context, q Querier, d DeadLetter) (DeadLetter, bool, error) {
 	d.Service = s.service
 	d.Reason = kvcore.Reason(text.ForPostgres(string(d.Reason)))
 	d.Detail, d.Key = text.ForPostgres(d.Detail), text.ForPostgres(d.Key)
@@ -100,7 +100,7 @@ func (s *Store) Insert(ctx context.Context, q Querier, d DeadLetter) (DeadLetter
 
 // Add writes d in its own transaction; see Insert.
 func (s *Store) Add(ctx context.Context, d DeadLetter) (DeadLetter, bool, error) {
-	return s.Insert(ctx, s.pool, d)
+	return s.InsertIn(ctx, s.pool, d)
 }
 
 const columns = `id, service, reason, detail, group_index, task_id, engine_id, request_id, payload,

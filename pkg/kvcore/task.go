@@ -2,6 +2,10 @@ package kvcore
 
 import (
 	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
 	"strconv"
 )
 
@@ -221,4 +225,30 @@ type RemoteSource struct {
 	EngineID string `json:"engine_id"`
 	// BlockTable is the prefill engine's per-group block table.
 	BlockTable BlockTable `json:"block_table"`
+}
+
+// DecodeSaveTask decodes a save task strictly: one JSON object, no unknown
+// fields, the save-task schema, and every identifying field present.
+// Content is checked by ValidateSave.
+func DecodeSaveTask(b []byte) (*SaveTask, error) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	var t SaveTask
+	if err := dec.Decode(&t); err != nil {
+		return nil, fmt.Errorf("save task: %w: %w", ErrInvalidSaveTask, err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("save task: %w: trailing data after the object", ErrInvalidSaveTask)
+	}
+	if t.Schema != SchemaSaveTask {
+		return nil, fmt.Errorf("save task: %w: schema %q, want %q", ErrInvalidSaveTask, t.Schema, SchemaSaveTask)
+	}
+	for _, f := range []struct{ name, v string }{
+		{"task_id", t.TaskID}, {"engine_id", t.EngineID}, {"request_id", t.RequestID}, {"model", t.Model},
+	} {
+		if f.v == "" {
+			return nil, fmt.Errorf("save task: %w: %s is missing", ErrInvalidSaveTask, f.name)
+		}
+	}
+	return &t, nil
 }

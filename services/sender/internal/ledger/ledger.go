@@ -172,7 +172,7 @@ func (l *Ledger) insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, d
 	var msgs []bus.Message
 	for _, d := range dls {
 		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = src.Payload, src.Topic, src.Partition, src.Offset, src.Time
-		d, added, err := l.dl.Insert(ctx, tx, d)
+		d, added, err := l.dl.InsertIn(ctx, tx, d)
 		if err != nil {
 			return nil, err
 		}

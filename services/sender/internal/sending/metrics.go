@@ -5,9 +5,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvmesh/kvmesh/pkg/telemetry"
-
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 )
 
 // Results of a dead-letter replay, the result label of
@@ -112,4 +112,13 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 // countReplay counts one replay request with result.
 func (m *Metrics) countReplay(result string) {
 	m.replays.WithLabelValues(result).Inc()
+}
+
+// countOutcome counts a committed outcome: the task by its status and its
+// groups by their outcomes.
+func (m *Metrics) countOutcome(o *ledger.Outcome) {
+	m.tasks.WithLabelValues(o.Result.Status).Inc()
+	for name, n := range o.Groups {
+		m.groups.WithLabelValues(name).Add(float64(n))
+	}
 }

@@ -123,15 +123,6 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) erro
 	return nil
 }
 
-// countOutcome counts a committed outcome: the task by its status and its
-// groups by their outcomes.
-func (m *Metrics) countOutcome(o *ledger.Outcome) {
-	m.tasks.WithLabelValues(o.Result.Status).Inc()
-	for name, n := range o.Groups {
-		m.groups.WithLabelValues(name).Add(float64(n))
-	}
-}
-
 // resultMessages encodes the TransferResult and the KV-event records
 // (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
 // kvmesh's fields in headers, keyed by store namespace; the batch's events
