@@ -28,7 +28,7 @@ import (
 //     are durable: each listed record with a permanent error is
 //     dead-lettered, and each with another error is handled again alone;
 //   - any other error for a failure of the whole batch, with nothing of it
-//     applied: the batch is retried with the RetryPolicy's backoff, and
+//     applied: the batch is retried with the consumer's retry.Policy, and
 //     once the policy gives up or the error is permanent, each record is
 //     handled alone, as a batch of one, with its own retries and
 //     dead-lettering, so that one poison record cannot hold up the others.
@@ -242,7 +242,7 @@ func (c *Consumer) settleFailed(ctx context.Context, rec Received, err error) bo
 // ended) and nothing of it is durable.
 func (c *Consumer) handleBatchWithRetry(ctx context.Context, span trace.Span, recs []Received) (map[int]error, error) {
 	attempt := 0
-	failed, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (map[int]error, error) {
+	failed, err := retry.Do(ctx, c.cfg.Retry.Backoff, func() (map[int]error, error) {
 		attempt++
 		start := time.Now()
 		err := c.invokeBatch(ctx, recs)
@@ -259,7 +259,7 @@ func (c *Consumer) handleBatchWithRetry(ctx context.Context, span trace.Span, re
 			return failed, nil
 		}
 		c.observeBatch(recs, nil, OutcomeRetry, start)
-		if _, permanent := classify(err); permanent || attempt >= c.cfg.Retry.MaxAttempts {
+		if _, permanent := classify(err); permanent || c.cfg.Retry.Exhausted(attempt) {
 			return nil, retry.Permanent(err)
 		}
 		return nil, err

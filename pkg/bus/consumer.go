@@ -162,7 +162,7 @@ func (c *Consumer) consume(ctx context.Context, r *kafka.Reader) error {
 // reports false when ctx ended while waiting.
 func (c *Consumer) fetchFailed(ctx context.Context, err error, failures *int) bool {
 	*failures++
-	d := c.cfg.Retry.backoff().Delay(*failures)
+	d := c.cfg.Retry.Backoff.Delay(*failures)
 	c.cfg.Logger.Warn("kafka fetch failed; fetching again", "group", c.cfg.GroupID, "failures", *failures,
 		"retry_in", d.String(), "error", err)
 	return retry.Sleep(ctx, d) == nil
@@ -259,7 +259,7 @@ func (c *Consumer) startSpan(ctx context.Context, rec Received) (context.Context
 func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Received) (kvcore.Reason, error) {
 	attempt := 0
 	var reason kvcore.Reason
-	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
+	_, err := retry.Do(ctx, c.cfg.Retry.Backoff, func() (struct{}, error) {
 		attempt++
 		start := time.Now()
 		err := c.invoke(ctx, rec)
@@ -272,7 +272,7 @@ func (c *Consumer) handleWithRetry(ctx context.Context, span trace.Span, rec Rec
 			return struct{}{}, retry.Permanent(err)
 		}
 		r, permanent := classify(err)
-		if permanent || attempt >= c.cfg.Retry.MaxAttempts {
+		if permanent || c.cfg.Retry.Exhausted(attempt) {
 			c.observe(rec.Topic, OutcomeFailed, start)
 			reason = r
 			return struct{}{}, retry.Permanent(err)

@@ -13,7 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
-// Defaults of ConsumerConfig and RetryPolicy.
+// Defaults of ConsumerConfig and its retry.Policy (DefaultRetry).
 const (
 	// DefaultMaxWait bounds how long one fetch waits for new records.
 	DefaultMaxWait = 250 * time.Millisecond
@@ -71,49 +71,34 @@ type Handler func(ctx context.Context, m Received) error
 // idempotent.
 type DeadLetterFunc func(ctx context.Context, m Received, reason kvcore.Reason, cause error) error
 
-// RetryPolicy bounds the retries of transient failures with exponential
-// backoff. Zero fields take the defaults.
-type RetryPolicy struct {
-	// MaxAttempts is the number of handler calls before a record that keeps
-	// failing is dead-lettered; 1 means no retry. Default DefaultMaxAttempts.
-	MaxAttempts int
-	// InitialBackoff is the wait after the first failure; it doubles after
-	// each further one. Default DefaultInitialBackoff.
-	InitialBackoff time.Duration
-	// MaxBackoff caps the wait. Default DefaultMaxBackoff.
-	MaxBackoff time.Duration
-}
+// DefaultRetry is the consumers' retry.Policy, which zero fields of
+// ConsumerConfig.Retry take: DefaultMaxAttempts handler calls before a
+// record that keeps failing is dead-lettered, the wait after the first
+// failure DefaultInitialBackoff, doubling up to DefaultMaxBackoff.
+func DefaultRetry() retry.Policy { return retryDefaults(retry.Policy{}) }
 
-func (p RetryPolicy) withDefaults() RetryPolicy {
+// retryDefaults fills p's zero fields with the defaults (a cap below an
+// explicit initial wait left zero becomes that wait).
+func retryDefaults(p retry.Policy) retry.Policy {
 	if p.MaxAttempts == 0 {
 		p.MaxAttempts = DefaultMaxAttempts
 	}
-	if p.InitialBackoff == 0 {
-		p.InitialBackoff = DefaultInitialBackoff
+	if p.Backoff.Initial == 0 {
+		p.Backoff.Initial = DefaultInitialBackoff
 	}
-	if p.MaxBackoff == 0 {
-		p.MaxBackoff = max(DefaultMaxBackoff, p.InitialBackoff)
+	if p.Backoff.Max == 0 {
+		p.Backoff.Max = max(DefaultMaxBackoff, p.Backoff.Initial)
 	}
 	return p
 }
 
-func (p RetryPolicy) validate() error {
-	if p.MaxAttempts < 1 || p.InitialBackoff <= 0 || p.MaxBackoff < p.InitialBackoff {
+// validateRetry refuses a policy without attempts or with a cap below its
+// first wait.
+func validateRetry(p retry.Policy) error {
+	if p.MaxAttempts < 1 || p.Backoff.Initial <= 0 || p.Backoff.Max < p.Backoff.Initial {
 		return fmt.Errorf("%w: retry policy %+v", ErrInvalidConfig, p)
 	}
 	return nil
-}
-
-// Backoff returns the wait after failed attempt n (counting from 1):
-// InitialBackoff doubled n-1 times, capped at MaxBackoff.
-func (p RetryPolicy) Backoff(attempt int) time.Duration {
-	return p.backoff().Delay(attempt)
-}
-
-// backoff is p (defaulted) as a retry.Backoff, without jitter.
-func (p RetryPolicy) backoff() retry.Backoff {
-	p = p.withDefaults()
-	return retry.Backoff{Initial: p.InitialBackoff, Max: p.MaxBackoff}
 }
 
 // Outcome is the result of one handler attempt, as reported to Hooks.
@@ -171,7 +156,7 @@ type ConsumerConfig struct {
 	// OnDeadLetter, if set, records each dead letter before it is published.
 	OnDeadLetter DeadLetterFunc
 	// Retry bounds retries of transient failures.
-	Retry RetryPolicy
+	Retry retry.Policy
 	// Logger receives dead-letter, retry and commit-failure events. Default
 	// slog.Default().
 	Logger *slog.Logger
@@ -223,7 +208,7 @@ type ConsumerConfig struct {
 
 // withDefaults returns c with every unset optional field given its default.
 func (c ConsumerConfig) withDefaults() ConsumerConfig {
-	c.Retry = c.Retry.withDefaults()
+	c.Retry = retryDefaults(c.Retry)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -278,5 +263,5 @@ func (c ConsumerConfig) validate() error {
 	if err := c.Security.Validate(); err != nil {
 		return err
 	}
-	return c.Retry.validate()
+	return validateRetry(c.Retry)
 }

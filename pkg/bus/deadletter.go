@@ -24,7 +24,7 @@ const maxReasonText = 1024
 // first, and rec must not be committed.
 func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received, reason kvcore.Reason, cause error) bool {
 	attempt := 0
-	_, err := retry.Do(ctx, c.cfg.Retry.backoff(), func() (struct{}, error) {
+	_, err := retry.Do(ctx, c.cfg.Retry.Backoff, func() (struct{}, error) {
 		attempt++
 		err := c.sendDeadLetter(ctx, rec, reason, cause)
 		if err != nil && ctx.Err() != nil {

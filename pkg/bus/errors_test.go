@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 func TestErrorClassification(t *testing.T) {
@@ -51,7 +52,7 @@ func TestErrorClassification(t *testing.T) {
 }
 
 func TestRetryPolicyBackoff(t *testing.T) {
-	p := bus.RetryPolicy{MaxAttempts: 10, InitialBackoff: 10 * time.Millisecond, MaxBackoff: 50 * time.Millisecond}
+	p := retry.Policy{MaxAttempts: 10, Backoff: retry.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}}
 	tests := []struct {
 		attempt int
 		want    time.Duration
@@ -63,12 +64,12 @@ func TestRetryPolicyBackoff(t *testing.T) {
 		{1000, 50 * time.Millisecond},
 	}
 	for _, tt := range tests {
-		if got := p.Backoff(tt.attempt); got != tt.want {
-			t.Errorf("Backoff(%d) = %v, want %v", tt.attempt, got, tt.want)
+		if got := p.Delay(tt.attempt); got != tt.want {
+			t.Errorf("Delay(%d) = %v, want %v", tt.attempt, got, tt.want)
 		}
 	}
-	if got := (bus.RetryPolicy{}).Backoff(1); got != bus.DefaultInitialBackoff {
-		t.Errorf("zero policy Backoff(1) = %v, want the default %v", got, bus.DefaultInitialBackoff)
+	if got := bus.DefaultRetry().Delay(1); got != bus.DefaultInitialBackoff {
+		t.Errorf("default policy Delay(1) = %v, want the default %v", got, bus.DefaultInitialBackoff)
 	}
 }
 
@@ -102,7 +103,7 @@ func TestNewConsumerValidatesConfig(t *testing.T) {
 		{"heartbeat above session", func(c *bus.ConsumerConfig) { c.HeartbeatInterval = time.Minute }, false},
 		{"negative attempts", func(c *bus.ConsumerConfig) { c.Retry.MaxAttempts = -1 }, false},
 		{"max below initial backoff", func(c *bus.ConsumerConfig) {
-			c.Retry.InitialBackoff, c.Retry.MaxBackoff = time.Second, time.Millisecond
+			c.Retry.Backoff = retry.Backoff{Initial: time.Second, Max: time.Millisecond}
 		}, false},
 		{"concurrent", func(c *bus.ConsumerConfig) { c.Concurrency = 16 }, true},
 		{"negative concurrency", func(c *bus.ConsumerConfig) { c.Concurrency = -1 }, false},

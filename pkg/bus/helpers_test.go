@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // waitLimit bounds every wait of these tests.
@@ -90,7 +91,7 @@ func (e *env) consumerConfig(group string, topics ...string) bus.ConsumerConfig 
 		Topics:            topics,
 		DLQTopic:          dlqTopic,
 		Producer:          e.dlq,
-		Retry:             bus.RetryPolicy{MaxAttempts: 3, InitialBackoff: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond},
+		Retry:             retry.Policy{MaxAttempts: 3, Backoff: retry.Backoff{Initial: 5 * time.Millisecond, Max: 20 * time.Millisecond}},
 		Logger:            testLogger(),
 		MaxWait:           100 * time.Millisecond,
 		SessionTimeout:    2 * time.Second,

@@ -29,6 +29,22 @@ type Backoff struct {
 	Jitter float64
 }
 
+// Policy is a bounded retry: at most MaxAttempts calls, the first
+// included, with Backoff's delays between them. It is the one shape of a
+// retry's settings (the consumers' in pkg/bus, the sender's save calls).
+type Policy struct {
+	// MaxAttempts counts the first attempt too; 1 means no retry.
+	MaxAttempts int
+	// Backoff spaces the attempts.
+	Backoff Backoff
+}
+
+// Exhausted reports whether attempts failed calls use up the policy.
+func (p Policy) Exhausted(attempts int) bool { return attempts >= p.MaxAttempts }
+
+// Delay is the wait before retry n (n < 1 counts as 1).
+func (p Policy) Delay(n int) time.Duration { return p.Backoff.Delay(n) }
+
 // BackOff returns a fresh cenkalti/backoff iterator for b, for
 // backoff.Retry or anything else that takes a backoff.BackOff.
 func (b Backoff) BackOff() backoff.BackOff {

@@ -117,3 +117,24 @@ func TestAttemptsReturnsOpsErrorWhenTheContextEnds(t *testing.T) {
 		t.Errorf("Attempts with ctx cancelled = %v, want op's error", err)
 	}
 }
+
+func TestPolicy(t *testing.T) {
+	p := retry.Policy{MaxAttempts: 3, Backoff: retry.Backoff{Initial: 10 * time.Millisecond, Max: 25 * time.Millisecond}}
+	for _, tc := range []struct {
+		attempts  int
+		exhausted bool
+		delay     time.Duration
+	}{
+		{1, false, 10 * time.Millisecond},
+		{2, false, 20 * time.Millisecond},
+		{3, true, 25 * time.Millisecond},
+		{4, true, 25 * time.Millisecond},
+	} {
+		if got := p.Exhausted(tc.attempts); got != tc.exhausted {
+			t.Errorf("Exhausted(%d) = %v, want %v", tc.attempts, got, tc.exhausted)
+		}
+		if got := p.Delay(tc.attempts); got != tc.delay {
+			t.Errorf("Delay(%d) = %v, want %v", tc.attempts, got, tc.delay)
+		}
+	}
+}

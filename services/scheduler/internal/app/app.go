@@ -20,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/retry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/api"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/intake"
@@ -202,7 +203,7 @@ func (a *App) buildConsumers() error {
 	// Data PostgreSQL rejects fails a batch permanently instead: its
 	// records are then applied one at a time and the one at fault is
 	// dead-lettered (kvcore.ReasonDatabaseRejected).
-	cc.Retry = bus.RetryPolicy{MaxAttempts: math.MaxInt, MaxBackoff: bus.DefaultMaxBackoff}
+	cc.Retry = retry.Policy{MaxAttempts: math.MaxInt, Backoff: retry.Backoff{Max: bus.DefaultMaxBackoff}}
 	cc.BatchSize = a.cfg.BatchSize
 	if err := a.deps.WatchConsumerLag(cc); err != nil {
 		return err

@@ -207,7 +207,9 @@ type RetryDecision struct {
 	Reason kvcore.Reason `json:"reason,omitempty"`
 }
 
-// RetryPolicy is a bounded exponential backoff: the delay before retry n
+// RetryPolicy is the sender's retry settings and what it does when they
+// are used up (ExistsFailed, PutFailed); the retrying itself is pkg/retry's
+// (Policy). The delay before retry n
 // (n ≥ 1) is BaseDelay·2^(n−1), capped at MaxDelay (pkg/retry's Backoff,
 // see Delays); after MaxAttempts attempts the call is given up. No jitter
 // and no sleeping: values only.
@@ -234,10 +236,16 @@ func (p RetryPolicy) PutFailed(attempts int) RetryDecision {
 
 // decide retries until MaxAttempts, then gives up with giveUp and reason.
 func (p RetryPolicy) decide(attempts int, giveUp RetryAction, reason kvcore.Reason) RetryDecision {
-	if attempts >= p.Attempts() {
+	pol := p.Policy()
+	if pol.Exhausted(attempts) {
 		return RetryDecision{Action: giveUp, Reason: reason}
 	}
-	return RetryDecision{Action: RetryAgain, Delay: p.Backoff(attempts)}
+	return RetryDecision{Action: RetryAgain, Delay: pol.Delay(attempts)}
+}
+
+// Policy is the settings with their defaults as the one retry.Policy.
+func (p RetryPolicy) Policy() retry.Policy {
+	return retry.Policy{MaxAttempts: p.Attempts(), Backoff: p.Delays()}
 }
 
 // Attempts is the number of attempts the policy allows, the first
