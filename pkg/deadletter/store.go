@@ -218,18 +218,9 @@ func (s *Store) MarkReplayed(ctx context.Context, id int64, result ReplayResult,
 
 // CountByReason adds the service's dead letters per reason to into.
 func (s *Store) CountByReason(ctx context.Context, into map[string]int64) error {
-	rows, err := s.pool.Query(ctx, "SELECT reason, count(*) FROM dead_letters WHERE service = $1 GROUP BY reason", s.service)
+	err := database.CountInto(ctx, s.pool, into, "SELECT reason, count(*) FROM dead_letters WHERE service = $1 GROUP BY reason", s.service)
 	if err != nil {
-		return fmt.Errorf("deadletter: count: %w", err)
-	}
-	var name string
-	var n int64
-	_, err = pgx.ForEachRow(rows, []any{&name, &n}, func() error {
-		into[name] = n
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("deadletter: count: %w", err)
+		return fmt.Errorf("deadletter: %w", err)
 	}
 	return nil
 }

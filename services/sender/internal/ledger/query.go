@@ -4,10 +4,9 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 )
 
@@ -63,17 +62,7 @@ func (l *Ledger) Stats(ctx context.Context) (Stats, error) {
 
 // countBy adds the (name, count) rows of q to into.
 func (l *Ledger) countBy(ctx context.Context, q string, into map[string]int64) error {
-	rows, err := l.pool.Query(ctx, q)
-	if err != nil {
-		return fmt.Errorf("ledger: stats: %w", err)
-	}
-	var name string
-	var n int64
-	_, err = pgx.ForEachRow(rows, []any{&name, &n}, func() error {
-		into[name] = n
-		return nil
-	})
-	if err != nil {
+	if err := database.CountInto(ctx, l.pool, into, q); err != nil {
 		return fmt.Errorf("ledger: stats: %w", err)
 	}
 	return nil
