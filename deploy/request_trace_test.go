@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // requestIDVariable is the mesh overview's variable holding the request id
@@ -120,8 +121,8 @@ func TestDeployMeshOverviewRequestTrace(t *testing.T) {
 		}
 	}
 	for _, a := range attrs {
-		if a != deploy.RequestIDAttribute {
-			t.Errorf("%s: the trace search compares %q with $%s, want %s", d.File, a, requestIDVariable, deploy.RequestIDAttribute)
+		if a != telemetry.AttrRequestID {
+			t.Errorf("%s: the trace search compares %q with $%s, want %s", d.File, a, requestIDVariable, telemetry.AttrRequestID)
 		}
 	}
 	row := -1
@@ -178,7 +179,7 @@ func inRow(d deploy.Dashboard, row, id int) bool {
 
 // checkExploreLink checks an Explore link opens one pane on the Tempo data
 // source with the dashboard's trace search (a TraceQL search for the spans
-// whose deploy.RequestIDAttribute is the request id variable, in any of
+// whose telemetry.AttrRequestID is the request id variable, in any of
 // Grafana's variable formats), over the dashboard's time range.
 func checkExploreLink(t *testing.T, where, raw string) {
 	t.Helper()
@@ -205,8 +206,8 @@ func checkExploreLink(t *testing.T, where, raw string) {
 			if q.RefID == "" {
 				t.Errorf("%s: a query has no refId", where)
 			}
-			if attr := checkRequestSearch(t, where, q); attr != "" && attr != deploy.RequestIDAttribute {
-				t.Errorf("%s: the search compares %q with $%s, want %s", where, attr, requestIDVariable, deploy.RequestIDAttribute)
+			if attr := checkRequestSearch(t, where, q); attr != "" && attr != telemetry.AttrRequestID {
+				t.Errorf("%s: the search compares %q with $%s, want %s", where, attr, requestIDVariable, telemetry.AttrRequestID)
 			}
 		}
 		if from, _ := deploy.VariableRef(p.Range.From); from != "__from" {
@@ -221,11 +222,11 @@ func checkExploreLink(t *testing.T, where, raw string) {
 // TestDeployRequestTraceAttributeIsOnSpans checks the attribute that the
 // dashboards search Tempo for is the one the code puts on spans: every
 // service (under services/<program>/) and the simulator, whose sim.turn is
-// a request's root span, set deploy.RequestIDAttribute as a string with
+// a request's root span, set telemetry.AttrRequestID as a string with
 // OpenTelemetry's attribute package.
 func TestDeployRequestTraceAttributeIsOnSpans(t *testing.T) {
 	root := testenv.ModuleRoot(t)
-	attrs, err := deploy.OTelAttributes(root, "services", simDir)
+	attrs, err := deploy.OTelAttributes(root, "services", simDir, "pkg/telemetry") // pkg/telemetry: the attribute keys' constants
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -238,7 +239,7 @@ func TestDeployRequestTraceAttributeIsOnSpans(t *testing.T) {
 	for _, program := range slices.Sorted(maps.Keys(deploy.ServiceAddrs)) {
 		dirs = append(dirs, "services/"+program)
 	}
-	for _, name := range append(searched, deploy.RequestIDAttribute) {
+	for _, name := range append(searched, telemetry.AttrRequestID) {
 		for _, dir := range dirs {
 			var other []string
 			found := slices.ContainsFunc(attrs, func(a deploy.OTelAttribute) bool {

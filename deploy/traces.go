@@ -17,11 +17,6 @@ import (
 	"strings"
 )
 
-// RequestIDAttribute is the span attribute that names the request a span
-// is about: the simulator's sim.turn root and every service's spans of a
-// request carry it, and the mesh overview searches Tempo for it.
-const RequestIDAttribute = "kvmesh.request_id"
-
 // ExplorePane is one pane of a Grafana Explore URL: a data source, its
 // queries and a time range.
 type ExplorePane struct {

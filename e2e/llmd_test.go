@@ -25,6 +25,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/kvmesh/kvmesh/internal/sim"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -139,21 +140,9 @@ func (l *llmdIndex) score(ctx context.Context, t *testing.T, model string, token
 	return int(scores[llmdPod]) * l.tp.BlockSize()
 }
 
-// storeScore is the store part of POST /v1/score's answer.
-type storeScore struct {
-	HitTokens            int `json:"hit_tokens"`
-	AnyGroupPrefixTokens int `json:"any_group_prefix_tokens"`
-	Groups               []struct {
-		Group        int    `json:"group"`
-		Kind         string `json:"kind"`
-		PrefixTokens int    `json:"prefix_tokens"`
-		UsableTokens int    `json:"usable_tokens"`
-	} `json:"groups"`
-}
-
 // kvmeshScore asks the lookup's POST /v1/score for the store's score of
 // tokens hashed with salt, with the operator credential.
-func kvmeshScore(ctx context.Context, t *testing.T, s *stack, model, salt string, tokens []uint32) storeScore {
+func kvmeshScore(ctx context.Context, t *testing.T, s *stack, model, salt string, tokens []uint32) adminapi.TierScore {
 	t.Helper()
 	body, _ := json.Marshal(map[string]any{"model": model, "token_ids": tokens, "extra": salt})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url("lookup")+"/v1/score", bytes.NewReader(body))
@@ -167,9 +156,7 @@ func kvmeshScore(ctx context.Context, t *testing.T, s *stack, model, salt string
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var out struct {
-		Store storeScore `json:"store"`
-	}
+	var out adminapi.ScoreResponse
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("POST /v1/score: %s", resp.Status)
 	}
@@ -409,7 +396,7 @@ type llmdTransport struct {
 func checkLLMDScores(ctx context.Context, t *testing.T, s *stack, tc llmdCase, m *kvcore.Model, salt string,
 	prompts [][]uint32, transports []llmdTransport) {
 	t.Helper()
-	scores := make([]storeScore, len(prompts))
+	scores := make([]adminapi.TierScore, len(prompts))
 	var n struct{ hits, equal, fullHit, groups int }
 	var sample string
 	for i, p := range prompts {

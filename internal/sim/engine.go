@@ -20,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/retry"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
@@ -186,7 +187,7 @@ func (e *engine) submit(r *request) { e.box.put(r) }
 func (e *engine) run(ctx context.Context) error {
 	ctx = withEngine(ctx, e.id) // its calls carry its own token
 	_, e.span = otel.Tracer(tracerName).Start(ctx, "sim.engine", trace.WithAttributes(
-		attribute.String("kvmesh.engine_id", e.id), attribute.String("kvmesh.role", string(e.role))))
+		attribute.String(telemetry.AttrEngineID, e.id), attribute.String("kvmesh.role", string(e.role))))
 	defer e.span.End()
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()

@@ -61,6 +61,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // tracerName names the simulator's spans.
@@ -620,7 +621,7 @@ func (r *run) submitTurn(c *Conversation, t int) {
 		ts.parts = 2
 	}
 	ts.ctx, ts.span = otel.Tracer(tracerName).Start(r.ctx, "sim.turn", trace.WithAttributes(
-		attribute.String("kvmesh.request_id", ts.id), attribute.Int("kvmesh.conversation", c.Index), attribute.Int("kvmesh.turn", t),
+		attribute.String(telemetry.AttrRequestID, ts.id), attribute.Int("kvmesh.conversation", c.Index), attribute.Int("kvmesh.turn", t),
 	))
 	maxOut := len(c.Turns[t].Output)
 	if r.cfg.PD {
@@ -654,7 +655,7 @@ func (r *run) requestTenants() map[string]string {
 // newRequest starts one engine's request of a turn, in its own span.
 func (r *run) newRequest(ts *turnState, e *engine, maxOut int) *request {
 	ctx, span := otel.Tracer(tracerName).Start(ts.ctx, "sim.request", trace.WithAttributes(
-		attribute.String("kvmesh.engine_id", e.id), attribute.String("kvmesh.request_id", ts.id),
+		attribute.String(telemetry.AttrEngineID, e.id), attribute.String(telemetry.AttrRequestID, ts.id),
 		attribute.String("kvmesh.role", string(e.role)),
 	))
 	turn := ts.conv.Turns[ts.index]

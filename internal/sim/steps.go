@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // maxStepBytes bounds the encoded request events of one step record, so
@@ -136,7 +137,7 @@ func (e *engine) stepSpan(ctx context.Context, o *outbox, records int) (context.
 		}
 	}
 	return otel.Tracer(tracerName).Start(ctx, "sim.step", trace.WithLinks(links...), trace.WithAttributes(
-		attribute.String("kvmesh.engine_id", e.id), attribute.Int64("kvmesh.step", e.steps),
+		attribute.String(telemetry.AttrEngineID, e.id), attribute.Int64("kvmesh.step", e.steps),
 		attribute.Int("kvmesh.step_events", len(o.events)), attribute.Int("kvmesh.step_records", records),
 	))
 }

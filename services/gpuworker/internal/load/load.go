@@ -25,6 +25,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
@@ -237,8 +238,8 @@ func ResultID(taskID string, r kvcore.Rank) string {
 // task lists Ranks.
 func (l *Loader) Load(ctx context.Context, task *kvcore.LoadTask) contract.TransferResult {
 	ctx, span := l.tracer.Start(ctx, "gpuworker.load", trace.WithAttributes(
-		attribute.String("kvmesh.engine_id", task.EngineID),
-		attribute.String("kvmesh.request_id", task.RequestID),
+		attribute.String(telemetry.AttrEngineID, task.EngineID),
+		attribute.String(telemetry.AttrRequestID, task.RequestID),
 		attribute.String("kvmesh.task_id", task.TaskID),
 		attribute.String("kvmesh.connector", task.Connector),
 	))

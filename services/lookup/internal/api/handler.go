@@ -27,6 +27,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/lookup/internal/connector"
 )
 
@@ -160,8 +161,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	span.SetAttributes(
-		attribute.String("kvmesh.engine_id", req.EngineID),
-		attribute.String("kvmesh.request_id", req.RequestID),
+		attribute.String(telemetry.AttrEngineID, req.EngineID),
+		attribute.String(telemetry.AttrRequestID, req.RequestID),
 		attribute.String("kvmesh.model", req.Model),
 		attribute.String("kvmesh.tenant", req.Tenant),
 	)

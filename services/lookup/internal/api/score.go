@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -92,49 +93,6 @@ type ScoreHandler struct {
 	scores    *prometheus.CounterVec
 }
 
-// ScoreResponse is the answer of POST /v1/score.
-type ScoreResponse struct {
-	// Model is the served model.
-	Model string `json:"model"`
-	// Tenant is the tenant whose keys were scored; absent for no tenant.
-	Tenant string `json:"tenant,omitempty"`
-	// NumTokens is the prompt's token count.
-	NumTokens int `json:"num_tokens"`
-	// Store is the store pool's score.
-	Store TierScore `json:"store"`
-	// Engines are the engines' own prefix caches' scores, by engine id,
-	// from their KV events, under the same rules; absent when engine
-	// scores are off, for a tenant-scoped credential, or before any engine
-	// published.
-	Engines map[string]TierScore `json:"engines,omitempty"`
-}
-
-// TierScore is one source's score of a prompt (kvcore.Score).
-type TierScore struct {
-	// HitTokens is the hybrid longest hit, as /v1/lookup's store child
-	// finds it before subtracting num_computed_tokens.
-	HitTokens int `json:"hit_tokens"`
-	// AnyGroupPrefixTokens is what a router folding every group into one
-	// key counts.
-	AnyGroupPrefixTokens int `json:"any_group_prefix_tokens"`
-	// Groups are the per-group counts, in group-index order.
-	Groups []GroupScore `json:"groups"`
-}
-
-// GroupScore is one KV-cache group's counts (kvcore.GroupScore).
-type GroupScore struct {
-	// Group is the group index.
-	Group int `json:"group"`
-	// Kind is vLLM's kv_cache_spec_kind of the group.
-	Kind string `json:"kind"`
-	// BlockSize is the group's block size in tokens.
-	BlockSize int `json:"block_size"`
-	// PrefixTokens is the run of the group's blocks held from token 0.
-	PrefixTokens int `json:"prefix_tokens"`
-	// UsableTokens is the longest hit the group alone could serve.
-	UsableTokens int `json:"usable_tokens"`
-}
-
 // NewScore returns the score handler, registering its counter on
 // opts.Registry.
 func NewScore(opts ScoreOptions) (*ScoreHandler, error) {
@@ -204,7 +162,7 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	h.answered(span, s)
-	res := &ScoreResponse{Model: req.Model, Tenant: q.Tenant, NumTokens: q.NumTokens, Store: tierScore(s)}
+	res := &adminapi.ScoreResponse{Model: req.Model, Tenant: q.Tenant, NumTokens: q.NumTokens, Store: tierScore(s)}
 	if h.opts.Engines != nil && seesEveryTenant(ctx) {
 		res.Engines = engineScores(plan, h.opts.Engines)
 	}
@@ -213,11 +171,11 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // engineScores scores the plan's prompt against every engine's prefix
 // cache; nil when no engine published.
-func engineScores(plan *kvcore.ScorePlan, idx EngineIndex) map[string]TierScore {
-	var out map[string]TierScore
+func engineScores(plan *kvcore.ScorePlan, idx EngineIndex) map[string]adminapi.TierScore {
+	var out map[string]adminapi.TierScore
 	idx.Each(func(engine string, has engines.Presence) {
 		if out == nil {
-			out = map[string]TierScore{}
+			out = map[string]adminapi.TierScore{}
 		}
 		out[engine] = tierScore(plan.ScorePresence(func(g int, h kvcore.BlockHash) bool {
 			return has(g, contract.WireHash(h))
@@ -246,10 +204,10 @@ func (h *ScoreHandler) score(ctx context.Context, q *connector.Query) (*kvcore.S
 }
 
 // tierScore is s in the answer's form, kinds named as vLLM names them.
-func tierScore(s kvcore.Score) TierScore {
-	out := TierScore{HitTokens: s.HitTokens, AnyGroupPrefixTokens: s.AnyGroupPrefixTokens, Groups: make([]GroupScore, len(s.Groups))}
+func tierScore(s kvcore.Score) adminapi.TierScore {
+	out := adminapi.TierScore{HitTokens: s.HitTokens, AnyGroupPrefixTokens: s.AnyGroupPrefixTokens, Groups: make([]adminapi.GroupScore, len(s.Groups))}
 	for i, g := range s.Groups {
-		out.Groups[i] = GroupScore{Group: g.Group, Kind: contract.SpecKind(g.Kind), BlockSize: g.BlockSize, PrefixTokens: g.PrefixTokens, UsableTokens: g.UsableTokens}
+		out.Groups[i] = adminapi.GroupScore{Group: g.Group, Kind: contract.SpecKind(g.Kind), BlockSize: g.BlockSize, PrefixTokens: g.PrefixTokens, UsableTokens: g.UsableTokens}
 	}
 	return out
 }

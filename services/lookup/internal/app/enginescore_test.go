@@ -7,11 +7,11 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
-	"github.com/kvmesh/kvmesh/services/lookup/internal/api"
 )
 
 // engineEvents publishes one engine's own vLLM KV event batch to
@@ -71,15 +71,15 @@ func TestScoreEngines(t *testing.T) {
 	engineEvents(t, p, "engine-b", nil, blocks(contract.BlockStored, 0, hashes, 0, 1), blocks(contract.BlockStored, 1, hashes, 0))
 	operator := map[string]string{"Authorization": "Bearer test-token"}
 
-	want := map[string]api.TierScore{
-		"engine-a": {HitTokens: 48, AnyGroupPrefixTokens: 64, Groups: []api.GroupScore{
+	want := map[string]adminapi.TierScore{
+		"engine-a": {HitTokens: 48, AnyGroupPrefixTokens: 64, Groups: []adminapi.GroupScore{
 			{Group: 0, Kind: "full_attention", BlockSize: 16, PrefixTokens: 64, UsableTokens: 64},
 			{Group: 1, Kind: "sliding_window", BlockSize: 16, PrefixTokens: 0, UsableTokens: 48}}},
-		"engine-b": {HitTokens: 16, AnyGroupPrefixTokens: 32, Groups: []api.GroupScore{
+		"engine-b": {HitTokens: 16, AnyGroupPrefixTokens: 32, Groups: []adminapi.GroupScore{
 			{Group: 0, Kind: "full_attention", BlockSize: 16, PrefixTokens: 32, UsableTokens: 32},
 			{Group: 1, Kind: "sliding_window", BlockSize: 16, PrefixTokens: 16, UsableTokens: 16}}},
 	}
-	var got api.ScoreResponse
+	var got adminapi.ScoreResponse
 	eventually(t, "both engines' events applied", func() bool {
 		got = s.score(t, scoreBody(toks, ""), operator)
 		return len(got.Engines) == 2 && got.Engines["engine-a"].HitTokens == 48 && got.Engines["engine-b"].HitTokens == 16

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -33,14 +34,14 @@ var scoreRoute = httpserver.Route{Method: http.MethodPost, Pattern: "/v1/score"}
 
 // score posts body to /v1/score and decodes a 200 answer strictly,
 // checking it against the OpenAPI document.
-func (s *lookupService) score(t *testing.T, body any, headers map[string]string) api.ScoreResponse {
+func (s *lookupService) score(t *testing.T, body any, headers map[string]string) adminapi.ScoreResponse {
 	t.Helper()
 	res := s.postTo(t, "/v1/score", body, headers)
 	if res.status != http.StatusOK {
 		t.Fatalf("score: status %d: %s", res.status, res.body)
 	}
 	checkScoreResponse(t, res)
-	var out api.ScoreResponse
+	var out adminapi.ScoreResponse
 	dec := json.NewDecoder(bytes.NewReader(res.body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&out); err != nil {
@@ -86,7 +87,7 @@ func TestScoreHybridOverCount(t *testing.T) {
 	seed.put(t, groupKeys(kb, 1, hashes, 0)...)
 	hits := s.metric(t, `kvmesh_lookup_scores_total{outcome="hit"}`)
 
-	want := api.TierScore{HitTokens: 16, AnyGroupPrefixTokens: 64, Groups: []api.GroupScore{
+	want := adminapi.TierScore{HitTokens: 16, AnyGroupPrefixTokens: 64, Groups: []adminapi.GroupScore{
 		{Group: 0, Kind: "full_attention", BlockSize: 16, PrefixTokens: 64, UsableTokens: 64},
 		{Group: 1, Kind: "sliding_window", BlockSize: 16, PrefixTokens: 16, UsableTokens: 16},
 	}}

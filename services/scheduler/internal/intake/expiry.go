@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
@@ -42,8 +43,8 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 		r := &runs[i]
 		rec := o.Record()
 		r.start = spanStart{name: "scheduler.load_expiry", at: time.Now(), attrs: []attribute.KeyValue{
-			attribute.String("kvmesh.engine_id", o.EngineID),
-			attribute.String("kvmesh.request_id", o.RequestID),
+			attribute.String(telemetry.AttrEngineID, o.EngineID),
+			attribute.String(telemetry.AttrRequestID, o.RequestID),
 			attribute.String("kvmesh.record", "load expiry "+rec.ID),
 			attribute.String("kvmesh.model", h.model.Name),
 		}}

@@ -23,6 +23,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
@@ -194,8 +195,8 @@ func classifyApply(err error) error {
 func (h *Handler) applyStart(topic string, it item, c change, at time.Time) spanStart {
 	attrs := []attribute.KeyValue{
 		attribute.String("messaging.destination.name", topic),
-		attribute.String("kvmesh.engine_id", it.record.EngineID),
-		attribute.String("kvmesh.request_id", c.requestID),
+		attribute.String(telemetry.AttrEngineID, it.record.EngineID),
+		attribute.String(telemetry.AttrRequestID, c.requestID),
 		attribute.String("kvmesh.record", it.label),
 		attribute.String("kvmesh.model", h.model.Name),
 	}

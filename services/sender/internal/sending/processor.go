@@ -25,6 +25,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/pkg/text"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
@@ -252,7 +253,7 @@ func (p *Processor) countDeadLetters(ctx context.Context, dls []deadletter.DeadL
 		attrs := []attribute.KeyValue{
 			attribute.String("kvmesh.reason", string(d.Reason)), attribute.String("kvmesh.detail", d.Detail),
 			attribute.Int64("kvmesh.dead_letter_id", d.ID), attribute.String("kvmesh.task_id", d.TaskID),
-			attribute.String("kvmesh.engine_id", d.EngineID), attribute.String("kvmesh.request_id", d.RequestID),
+			attribute.String(telemetry.AttrEngineID, d.EngineID), attribute.String(telemetry.AttrRequestID, d.RequestID),
 		}
 		if d.Group != nil {
 			attrs = append(attrs, attribute.Int("kvmesh.group", *d.Group))

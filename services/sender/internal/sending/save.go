@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/retry"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
 
@@ -83,8 +84,8 @@ type item struct {
 // taskAttrs are the span attributes naming a task.
 func taskAttrs(t *kvcore.SaveTask) []attribute.KeyValue {
 	return []attribute.KeyValue{
-		attribute.String("kvmesh.engine_id", t.EngineID),
-		attribute.String("kvmesh.request_id", t.RequestID),
+		attribute.String(telemetry.AttrEngineID, t.EngineID),
+		attribute.String(telemetry.AttrRequestID, t.RequestID),
 		attribute.String("kvmesh.task_id", t.TaskID),
 	}
 }
