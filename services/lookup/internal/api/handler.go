@@ -88,17 +88,42 @@ type Options struct {
 	Enabled bool
 	// LoadAsync is the default load_async.
 	LoadAsync bool
-	// Timeout bounds the chain (the store check) of one lookup, and then,
-	// on its own, the publish of its decision, so that a store check that
-	// runs out of time still leaves the publish its whole bound; default
-	// DefaultTimeout.
+	// Common: Timeout bounds the chain (the store check) of one lookup,
+	// and then, on its own, the publish of its decision, so that a store
+	// check that runs out of time still leaves the publish its whole
+	// bound; Registry receives the lookup metrics; Log child (store) and
+	// publish failures.
+	Common
+}
+
+// Common are the options both handlers of the lookup's API take, with
+// their defaults in one place (withDefaults).
+type Common struct {
+	// Timeout bounds one request's store check; default DefaultTimeout.
 	Timeout time.Duration
 	// MaxBodyBytes limits the request body; default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
-	// Registry receives the lookup metrics.
+	// Registry receives the handler's metrics; default a registry of its own.
 	Registry prometheus.Registerer
-	// Log receives child (store) and publish failures; default discards.
+	// Log receives store and publish failures; default discards.
 	Log *slog.Logger
+}
+
+// withDefaults fills c's zero fields.
+func (c Common) withDefaults() Common {
+	if c.Timeout <= 0 {
+		c.Timeout = DefaultTimeout
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.Log == nil {
+		c.Log = slog.New(slog.DiscardHandler)
+	}
+	if c.Registry == nil {
+		c.Registry = prometheus.NewRegistry()
+	}
+	return c
 }
 
 // Handler serves POST /v1/lookup.
@@ -115,18 +140,7 @@ func New(opts Options) (*Handler, error) {
 	if opts.Model == nil || opts.Chain == nil || opts.Publisher == nil {
 		return nil, ErrOptions
 	}
-	if opts.Timeout <= 0 {
-		opts.Timeout = DefaultTimeout
-	}
-	if opts.MaxBodyBytes <= 0 {
-		opts.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if opts.Log == nil {
-		opts.Log = slog.New(slog.DiscardHandler)
-	}
-	if opts.Registry == nil {
-		opts.Registry = prometheus.NewRegistry()
-	}
+	opts.Common = opts.Common.withDefaults()
 	m, err := newMetrics(opts.Registry)
 	if err != nil {
 		return nil, err

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"strconv"
-	"time"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
@@ -65,14 +63,9 @@ type ScoreOptions struct {
 	Keys kvcore.KeyBuilder
 	// Store is the store pool.
 	Store Exister
-	// Timeout bounds one score's store check; default DefaultTimeout.
-	Timeout time.Duration
-	// MaxBodyBytes limits the request body; default DefaultMaxBodyBytes.
-	MaxBodyBytes int64
-	// Registry receives kvmesh_lookup_scores_total.
-	Registry prometheus.Registerer
-	// Log receives store failures; default discards.
-	Log *slog.Logger
+	// Common: Timeout bounds one score's store check; Registry receives
+	// kvmesh_lookup_scores_total; Log store failures.
+	Common
 	// Engines is the engines' own prefix caches, from their KV events
 	// (KVMESH_LOOKUP_ENGINE_SCORES); nil scores the store alone.
 	Engines EngineIndex
@@ -99,18 +92,7 @@ func NewScore(opts ScoreOptions) (*ScoreHandler, error) {
 	if opts.Model == nil || opts.Store == nil {
 		return nil, ErrScoreOptions
 	}
-	if opts.Timeout <= 0 {
-		opts.Timeout = DefaultTimeout
-	}
-	if opts.MaxBodyBytes <= 0 {
-		opts.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if opts.Log == nil {
-		opts.Log = slog.New(slog.DiscardHandler)
-	}
-	if opts.Registry == nil {
-		opts.Registry = prometheus.NewRegistry()
-	}
+	opts.Common = opts.Common.withDefaults()
 	scores := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvmesh_lookup_scores_total",
 		Help: "POST /v1/score requests, by outcome (hit, miss, invalid, store_failed, error); hit and miss say whether the store's hit_tokens was positive.",

@@ -224,21 +224,19 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 	if err != nil {
 		return nil, nil, err
 	}
+	common := api.Common{Timeout: cfg.Timeout, MaxBodyBytes: cfg.MaxBodyBytes, Registry: a.deps.Registry, Log: a.deps.Log}
 	h, err := api.New(api.Options{
-		Model:        a.model,
-		Chain:        chain,
-		Publisher:    a.deps.Producer,
-		Enabled:      cfg.Enabled,
-		LoadAsync:    cfg.LoadAsync,
-		Timeout:      cfg.Timeout,
-		MaxBodyBytes: cfg.MaxBodyBytes,
-		Registry:     a.deps.Registry,
-		Log:          a.deps.Log,
+		Model:     a.model,
+		Chain:     chain,
+		Publisher: a.deps.Producer,
+		Enabled:   cfg.Enabled,
+		LoadAsync: cfg.LoadAsync,
+		Common:    common,
 	})
 	if err != nil {
 		return nil, nil, err
 	}
-	sh, err := a.scoreHandler(cfg, kb, sm, idx)
+	sh, err := a.scoreHandler(common, kb, sm, idx)
 	return h, sh, err
 }
 

@@ -21,15 +21,12 @@ const ScoreStoreOp = "score_exists"
 
 // scoreHandler builds POST /v1/score over the store (instrumented under
 // ScoreStoreOp) and, when idx is not nil, the engines' prefix caches.
-func (a *App) scoreHandler(cfg Config, kb kvcore.KeyBuilder, sm *kvstore.Metrics, idx *engines.Index) (*api.ScoreHandler, error) {
+func (a *App) scoreHandler(common api.Common, kb kvcore.KeyBuilder, sm *kvstore.Metrics, idx *engines.Index) (*api.ScoreHandler, error) {
 	so := api.ScoreOptions{
-		Model:        a.model,
-		Keys:         kb,
-		Store:        kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
-		Timeout:      cfg.Timeout,
-		MaxBodyBytes: cfg.MaxBodyBytes,
-		Registry:     a.deps.Registry,
-		Log:          a.deps.Log,
+		Model:  a.model,
+		Keys:   kb,
+		Store:  kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
+		Common: common,
 	}
 	if idx != nil {
 		so.Engines = idx // never a nil *Index in the interface
