@@ -408,14 +408,28 @@ func DecodeKVEventBatch(value []byte) (KVEventBatch, error) {
 }
 
 // Positional field names of vLLM's array_like events after the tag, in
-// declaration order (vllm/distributed/kv_events.py). locality is not among
-// them: vLLM added it after it had dropped array_like from the events
-// (the 2026-08-22 tree), so it only ever travels in the map form, and a
-// trailing element past these stays an unknown field, skipped.
+// declaration order (vllm/distributed/kv_events.py): the encoder's fields
+// (writer.fields) that the array form carries, so the two forms share one
+// list. locality is not among them: vLLM added it after it had dropped
+// array_like from the events (the 2026-08-22 tree), so it only ever
+// travels in the map form, and a trailing element past these stays an
+// unknown field, skipped.
 var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
-	removedFields = []string{"block_hashes", "medium", "group_idx"}
+	storedFields  = positional(BlockStored)
+	removedFields = positional(BlockRemoved)
 )
+
+// positional names kind's fields of the array form, in order.
+func positional(kind KVEventKind) []string {
+	fields, _ := (&writer{}).fields(KVEvent{Kind: kind}) // only the names are read
+	var names []string
+	for _, f := range fields {
+		if f.array {
+			names = append(names, f.name)
+		}
+	}
+	return names
+}
 
 // decodeEvent decodes one event, map or positional array, into a KVEvent.
 func decodeEvent(raw any) (KVEvent, error) {

@@ -511,3 +511,21 @@ func TestKVEventWireFields(t *testing.T) {
 		})
 	}
 }
+
+// TestPositionalFieldsAreVLLMs pins the array form's field order, read
+// from the encoder's field list, to vLLM's declaration order
+// (vllm/distributed/kv_events.py, array_like events).
+func TestPositionalFieldsAreVLLMs(t *testing.T) {
+	for _, tc := range []struct {
+		kind KVEventKind
+		want []string
+	}{
+		{BlockStored, []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}},
+		{BlockRemoved, []string{"block_hashes", "medium", "group_idx"}},
+		{AllBlocksCleared, nil},
+	} {
+		if got := positional(tc.kind); !slices.Equal(got, tc.want) {
+			t.Errorf("%s: positional fields %q, want %q", tc.kind, got, tc.want)
+		}
+	}
+}
