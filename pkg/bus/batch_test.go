@@ -129,7 +129,7 @@ func TestBatchRecordErrorsDeadLetterOnlyTheListedRecords(t *testing.T) {
 	cfg := e.batchConfig(group, topic)
 	cfg.OnDeadLetter = deadLetterLog(&deadLetters)
 	cfg.Hooks.Handled = func(_ string, o bus.Outcome, _ time.Duration) { outcomes.add(string(o)) }
-	cfg.Hooks.DeadLettered = func(string, string) { dlHooks.Add(1) }
+	cfg.Hooks.DeadLettered = func(string, kvcore.Reason) { dlHooks.Add(1) }
 	stop := e.runBatch(cfg, func(_ context.Context, recs []bus.Received) error {
 		calls.add(strings.Join(values(recs), ","))
 		alone := len(recs) == 1

@@ -130,7 +130,7 @@ type Hooks struct {
 	// a transient error in RecordErrors).
 	Handled func(topic string, outcome Outcome, elapsed time.Duration)
 	// DeadLettered is called after a record was dead-lettered.
-	DeadLettered func(topic, reason string)
+	DeadLettered func(topic string, reason kvcore.Reason)
 }
 
 // ConsumerConfig configures NewConsumer. Brokers, GroupID, Topics and a

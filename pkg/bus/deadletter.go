@@ -41,7 +41,7 @@ func (c *Consumer) deadLetter(ctx context.Context, span trace.Span, rec Received
 	span.AddEvent("dead_lettered", trace.WithAttributes(attribute.String("reason", string(reason))))
 	c.cfg.Logger.Warn("record dead-lettered", c.recordAttrs(rec, "reason", reason, "error", cause)...)
 	if c.cfg.Hooks.DeadLettered != nil {
-		c.cfg.Hooks.DeadLettered(rec.Topic, string(reason))
+		c.cfg.Hooks.DeadLettered(rec.Topic, reason)
 	}
 	return true
 }

@@ -23,7 +23,7 @@ type FailedRow struct {
 	// Attempts counts the publish attempts, the failed one included.
 	Attempts int `json:"attempts"`
 	// Reason is the failure's reason code (ReasonMessageTooLarge, ...).
-	Reason string `json:"reason"`
+	Reason FailReason `json:"reason"`
 	// LastError is the error text of the failed attempt.
 	LastError string `json:"last_error"`
 	// CreatedAt is when the row was enqueued, FailedAt when it was failed.

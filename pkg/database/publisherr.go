@@ -8,30 +8,34 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 )
 
-// Reasons a row is marked failed (outbox.fail_reason), also the reason
-// label of the relay's failure hook. Every reason but ReasonTransient is
+// FailReason is why the relay could not publish an outbox row: the row's
+// outbox.fail_reason, and the reason label of the relay's failure hook.
+// (Records a consumer cannot handle have kvcore.Reason codes instead.)
+type FailReason string
+
+// Reasons a row is marked failed. Every reason but ReasonTransient is
 // permanent: the row leaves the relay path until an operator retries it.
 const (
 	// ReasonMessageTooLarge: the message is larger than the relay's
 	// maximum message size or the broker's (Kafka error 10).
-	ReasonMessageTooLarge = "message_too_large"
+	ReasonMessageTooLarge FailReason = "message_too_large"
 	// ReasonRecordListTooLarge: the broker refused the record batch as
 	// larger than its segment size (Kafka error 18).
-	ReasonRecordListTooLarge = "record_list_too_large"
+	ReasonRecordListTooLarge FailReason = "record_list_too_large"
 	// ReasonInvalidTopic: the topic name is illegal or internal (Kafka error 17).
-	ReasonInvalidTopic = "invalid_topic"
+	ReasonInvalidTopic FailReason = "invalid_topic"
 	// ReasonInvalidRecord: the broker rejected the record itself (Kafka
 	// errors 32 and 87: invalid timestamp, invalid record).
-	ReasonInvalidRecord = "invalid_record"
+	ReasonInvalidRecord FailReason = "invalid_record"
 	// ReasonTransient labels a failure the relay retries with per-row
 	// backoff (broker down, leader election, timeout, ...). It is never
 	// stored as a fail_reason.
-	ReasonTransient = "transient"
+	ReasonTransient FailReason = "transient"
 )
 
 // permanentCodes maps the Kafka error codes that no retry can cure, because
 // they are about the message rather than the broker's state, to reasons.
-var permanentCodes = map[kafka.Error]string{
+var permanentCodes = map[kafka.Error]FailReason{
 	kafka.MessageSizeTooLarge: ReasonMessageTooLarge,
 	kafka.RecordListTooLarge:  ReasonRecordListTooLarge,
 	kafka.InvalidTopic:        ReasonInvalidTopic,
@@ -41,7 +45,7 @@ var permanentCodes = map[kafka.Error]string{
 
 // classify returns the reason of a publish error and whether it is
 // permanent. Errors not known to be about the message are transient.
-func classify(err error) (reason string, permanent bool) {
+func classify(err error) (reason FailReason, permanent bool) {
 	var tooLarge kafka.MessageTooLargeError
 	if errors.As(err, &tooLarge) {
 		return ReasonMessageTooLarge, true

@@ -100,7 +100,7 @@ type Relay struct {
 	poll                   time.Duration
 	backoffMin, backoffMax time.Duration
 	maxMessageBytes        int64
-	onFailure              func(reason string)
+	onFailure              func(reason FailReason)
 	log                    *slog.Logger
 }
 
@@ -137,7 +137,7 @@ func WithMaxMessageBytes(n int64) RelayOption {
 // WithFailureHook calls fn once per row and failed publish attempt with the
 // failure's reason: ReasonTransient, or the permanent reason the row is
 // marked failed with. Services count them in a metric; fn must not block.
-func WithFailureHook(fn func(reason string)) RelayOption {
+func WithFailureHook(fn func(reason FailReason)) RelayOption {
 	return func(r *Relay) { r.onFailure = fn }
 }
 
@@ -229,8 +229,8 @@ type topicKey struct{ topic, key string }
 
 // outcome is what became of one claimed row.
 type outcome struct {
-	err    error  // nil: published
-	reason string // for a failed row: the reason; ReasonTransient: back off
+	err    error      // nil: published
+	reason FailReason // for a failed row: the reason; ReasonTransient: back off
 	// held: an earlier row of its key (heldBy) backs off, so this one stays
 	// pending, published or not, to be published after that row.
 	held   bool
@@ -343,7 +343,7 @@ func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcom
 			backoffErrs = append(backoffErrs, errorText(o.err))
 		default:
 			failedIDs = append(failedIDs, row.id)
-			failedReasons = append(failedReasons, o.reason)
+			failedReasons = append(failedReasons, string(o.reason))
 			failedErrs = append(failedErrs, errorText(o.err))
 			r.log.ErrorContext(ctx, "outbox relay: message can never be published; marked failed",
 				"id", row.id, "topic", row.msg.Topic, "key", row.msg.Key, "reason", o.reason, "err", o.err)
@@ -443,5 +443,5 @@ func WithFailureMetric(reg prometheus.Registerer) (RelayOption, error) {
 	if err != nil {
 		return nil, fmt.Errorf("outbox relay metric: %w", err)
 	}
-	return WithFailureHook(func(reason string) { c.WithLabelValues(reason).Inc() }), nil
+	return WithFailureHook(func(reason FailReason) { c.WithLabelValues(string(reason)).Inc() }), nil
 }

@@ -132,8 +132,8 @@ func TestRelayFailsUnpublishableRowWithoutBlocking(t *testing.T) {
 				opts = append(opts, database.WithMaxMessageBytes(tt.maxSize))
 			}
 			var mu sync.Mutex
-			reasons := map[string]int{}
-			opts = append(opts, database.WithFailureHook(func(reason string) {
+			reasons := map[database.FailReason]int{}
+			opts = append(opts, database.WithFailureHook(func(reason database.FailReason) {
 				mu.Lock()
 				defer mu.Unlock()
 				reasons[reason]++
@@ -154,7 +154,7 @@ func TestRelayFailsUnpublishableRowWithoutBlocking(t *testing.T) {
 			}
 			states := rowStates(t, pool)
 			bad := states["huge-xxxxxxxxxxx"]
-			if bad.Sent || !bad.Failed || bad.FailReason == nil || *bad.FailReason != database.ReasonMessageTooLarge ||
+			if bad.Sent || !bad.Failed || bad.FailReason == nil || *bad.FailReason != string(database.ReasonMessageTooLarge) ||
 				bad.LastError == nil || *bad.LastError == "" {
 				t.Errorf("oversized row = %+v, want failed with reason %s and an error", bad, database.ReasonMessageTooLarge)
 			}

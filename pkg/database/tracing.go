@@ -179,7 +179,7 @@ func endPublishSpans(spans []trace.Span, outcomes []outcome) {
 			span.SetAttributes(attribute.Bool("kvmesh.outbox.held", true))
 		case o.err != nil:
 			span.RecordError(o.err)
-			span.SetAttributes(attribute.String("kvmesh.outbox.fail_reason", o.reason))
+			span.SetAttributes(attribute.String("kvmesh.outbox.fail_reason", string(o.reason)))
 			span.SetStatus(codes.Error, "publish failed")
 		}
 		span.End()
