@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
@@ -30,6 +31,9 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
+
+// quietLLMD sets controller-runtime's root logger once per test binary.
+var quietLLMD sync.Once
 
 // llmdPod is the pod name kvmesh's ZMQ publisher announces the store as
 // (the lookup's default), and the one the Kafka-fed index uses.
@@ -52,6 +56,10 @@ type llmdIndex struct {
 // model's hash block size, llm-d's canonical block).
 func newLLMDIndex(ctx context.Context, t *testing.T, blockSize int) *llmdIndex {
 	t.Helper()
+	// llm-d logs through controller-runtime's root logger, which prints a
+	// stack trace ("log.SetLogger(...) was never called") when nothing is
+	// set; the subscriber's own lines go through subscribe's logger.
+	quietLLMD.Do(func() { log.SetLogger(logr.Discard()) })
 	tp, err := kvblock.NewChunkedTokenDatabase(&kvblock.TokenProcessorConfig{BlockSizeTokens: blockSize})
 	if err != nil {
 		t.Fatal(err)
@@ -306,6 +314,11 @@ func testLLMD(t *testing.T, tc llmdCase) {
 		transports = append(transports, llmdTransport{"Kafka (the sender's records, array form)", viaKafka})
 	}
 	checkLLMDScores(ctx, t, s, tc, m, cfg.Salt, prompts, transports)
+	held := func(outcome string) float64 {
+		return metricValue(t, s.url("lookup"), `kvmesh_lookup_kv_events_zmq_held_total{outcome="`+outcome+`"}`)
+	}
+	t.Logf("ZMQ publisher: BlockStored events held for their parent: %v released, %v expired, %v dropped",
+		held("released"), held("expired"), held("dropped"))
 	checkSeqs(t, seqs())
 	if !tc.hybrid {
 		recs = checkLLMDRemoval(ctx, t, s, m, cfg.Salt, prompts, viaKafka, viaZMQ, recs)

@@ -11,23 +11,28 @@ import (
 const clearChunk = 1024
 
 // live is the set of wire hashes the publisher announced stored and not
-// removed since (ClearAsRemoved): what a router that ignores
-// AllBlocksCleared still indexes for the store after a flush.
+// removed since: the parents a held BlockStored waits for, and (with
+// ClearAsRemoved) what a router that ignores AllBlocksCleared still indexes
+// for the store after a flush.
 type live map[uint64]struct{}
 
-// track updates the set after rec was published: a BlockStored adds its
+// has reports whether h was announced stored and not removed since.
+func (l live) has(h uint64) bool {
+	_, ok := l[h]
+	return ok
+}
+
+// trackEvent updates the set after e was published: a BlockStored adds its
 // hashes, a BlockRemoved takes them out.
-func (l live) track(rec contract.KVEventRecord) {
-	for _, e := range rec.Batch.Events {
-		switch e.Kind {
-		case contract.BlockStored:
-			for _, h := range e.BlockHashes {
-				l[h] = struct{}{}
-			}
-		case contract.BlockRemoved:
-			for _, h := range e.BlockHashes {
-				delete(l, h)
-			}
+func (l live) trackEvent(e contract.KVEvent) {
+	switch e.Kind {
+	case contract.BlockStored:
+		for _, h := range e.BlockHashes {
+			l[h] = struct{}{}
+		}
+	case contract.BlockRemoved:
+		for _, h := range e.BlockHashes {
+			delete(l, h)
 		}
 	}
 }

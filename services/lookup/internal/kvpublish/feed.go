@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 
@@ -38,14 +39,68 @@ func (p *Publisher) Handle(_ context.Context, m bus.Received) error {
 		p.opts.Metrics.decodeFailures.Inc()
 		return bus.Permanent(kvcore.ReasonUndecodable, fmt.Errorf("kv events zmq publisher: %w", err))
 	}
-	p.publish(payload)
-	if p.opts.ClearAsRemoved {
-		p.held.track(rec)
-		if rec.Kind() == contract.AllBlocksCleared {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	ready := p.order(rec.Batch, now)
+	switch {
+	case len(ready) == len(rec.Batch.Events):
+		p.publish(payload)
+	case len(ready) > 0:
+		b := rec.Batch
+		b.Events = ready
+		p.publishBatch(b)
+	}
+	if rec.Kind() == contract.AllBlocksCleared {
+		if p.opts.ClearAsRemoved {
 			p.clearHeld(rec.Batch.TS)
+		} else {
+			clear(p.live)
 		}
 	}
+	p.publishReleased(p.releasable(now, true))
 	return nil
+}
+
+// publishReleased publishes each released event in a batch of its own,
+// stamped with its record's time.
+func (p *Publisher) publishReleased(ws []waiting) {
+	for _, w := range ws {
+		p.publishBatch(contract.KVEventBatch{TS: w.ts, DataParallelRank: new(int), Events: []contract.KVEvent{w.ev}})
+	}
+}
+
+// publishBatch encodes b in the publisher's form and publishes it; its
+// events come from a record that encoded whole, so a failure is a bug,
+// logged.
+func (p *Publisher) publishBatch(b contract.KVEventBatch) {
+	payload, err := contract.EncodeKVEventBatch(b, p.opts.Form)
+	if err != nil {
+		p.opts.Logger.Error("kv events zmq publisher: encoding a batch failed", "err", err)
+		return
+	}
+	p.publish(payload)
+}
+
+// expireHeld publishes the held events past HoldFor (and what they bring
+// along), every tick of hold/4 until ctx ends: a parent that never comes
+// must not keep its children back for good.
+func (p *Publisher) expireHeld(ctx context.Context) {
+	if p.opts.HoldFor < 0 {
+		return
+	}
+	tick := time.NewTicker(max(p.opts.HoldFor/4, 10*time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-tick.C:
+			p.mu.Lock()
+			p.publishReleased(p.releasable(now, true))
+			p.mu.Unlock()
+		}
+	}
 }
 
 // publish sends payload with the next seq.
@@ -55,10 +110,10 @@ func (p *Publisher) publish(payload []byte) {
 	p.opts.Metrics.seq.Set(float64(p.seq))
 }
 
-// clearHeld publishes the BlockRemoved batches of every held hash
+// clearHeld publishes the BlockRemoved batches of every live hash
 // (live.clearBatches) and empties the set.
 func (p *Publisher) clearHeld(ts float64) {
-	for _, b := range p.held.clearBatches(ts) {
+	for _, b := range p.live.clearBatches(ts) {
 		payload, err := contract.EncodeKVEventBatch(b, p.opts.Form)
 		if err != nil { // kvmesh's own batch: a bug, not a record's fault
 			p.opts.Logger.Error("kv events zmq publisher: encoding the removals of a clear failed", "err", err)

@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 
@@ -114,6 +115,10 @@ type Options struct {
 	// started, for routers that ignore AllBlocksCleared (llm-d-kv-cache
 	// v0.8.1 only logs it). It costs a set of the live hashes in memory.
 	ClearAsRemoved bool
+	// HoldFor is how long a BlockStored event whose parent block was not
+	// announced yet waits for it (0: DefaultHoldFor; negative: no event
+	// waits, every record goes in Kafka's order).
+	HoldFor time.Duration
 	// Metrics receives the publisher's counters (required).
 	Metrics *Metrics
 	// Logger receives decode failures and reader errors (default discard).
@@ -159,6 +164,9 @@ func (o Options) withDefaults() Options {
 	if o.BufferSteps == 0 {
 		o.BufferSteps = DefaultBufferSteps
 	}
+	if o.HoldFor == 0 {
+		o.HoldFor = DefaultHoldFor
+	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -176,10 +184,12 @@ type Publisher struct {
 	cancel context.CancelFunc
 	buf    *ring
 	close  sync.Once
-	// seq and held belong to Handle (one record at a time): the next
-	// batch's sequence number and, with ClearAsRemoved, the live hashes.
-	seq  uint64
-	held live
+	// mu guards what Handle and the expiry of held events share: the next
+	// batch's sequence number, the live hashes and the held events.
+	mu      sync.Mutex
+	seq     uint64
+	live    live
+	waiting []waiting
 }
 
 // New checks opts and binds the PUB (and ROUTER) sockets.
@@ -191,7 +201,7 @@ func New(opts Options) (*Publisher, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Publisher{
 		opts: opts, topic: []byte("kv@" + opts.Pod + "@" + opts.Model), cancel: cancel,
-		buf: newRing(opts.BufferSteps), held: live{},
+		buf: newRing(opts.BufferSteps), live: live{},
 	}
 	p.pub = zmq4.NewPub(ctx)
 	if err := p.pub.SetOption(zmq4.OptionHWM, DefaultHWM); err != nil {
@@ -239,16 +249,20 @@ func (p *Publisher) Close() {
 	})
 }
 
-// Run answers replay requests (with a replay endpoint) until ctx ends,
-// then closes the sockets; it returns nil then. Handle may publish
+// Run answers replay requests (with a replay endpoint) and publishes the
+// held events whose hold expired until ctx ends, then closes the sockets;
+// it returns nil then. Handle may publish
 // meanwhile; after Run returned it publishes nothing more.
 func (p *Publisher) Run(ctx context.Context) error {
 	defer p.Close()
 	stop := context.AfterFunc(ctx, p.Close) // unblocks the ROUTER's Recv
 	defer stop()
+	var expiry sync.WaitGroup
+	expiry.Go(func() { p.expireHeld(ctx) })
 	if p.router != nil {
 		p.serveReplay(ctx)
 	}
 	<-ctx.Done()
+	expiry.Wait()
 	return nil
 }

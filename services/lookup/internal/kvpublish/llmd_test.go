@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -185,9 +186,9 @@ func TestClearBatchesChunks(t *testing.T) {
 	l := live{}
 	n := clearChunk + 5
 	for i := range n {
-		l.track(contract.KVEventRecord{Batch: contract.KVEventBatch{Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: []uint64{uint64(i)}}}}})
+		l.trackEvent(contract.KVEvent{Kind: contract.BlockStored, BlockHashes: []uint64{uint64(i)}})
 	}
-	l.track(contract.KVEventRecord{Batch: contract.KVEventBatch{Events: []contract.KVEvent{{Kind: contract.BlockRemoved, BlockHashes: []uint64{7}}}}})
+	l.trackEvent(contract.KVEvent{Kind: contract.BlockRemoved, BlockHashes: []uint64{7}})
 	batches := l.clearBatches(9)
 	if len(batches) != 2 || len(l) != 0 {
 		t.Fatalf("%d batches, %d hashes left; want 2 and 0", len(batches), len(l))
@@ -202,5 +203,90 @@ func TestClearBatchesChunks(t *testing.T) {
 	}
 	if len(got) != n-1 || slices.Contains(got, 7) || !slices.IsSorted(got) {
 		t.Fatalf("%d hashes (want %d, without the removed 7, sorted)", len(got), n-1)
+	}
+}
+
+// TestLLMDChildBeforeParent: a save that hangs its blocks from a prefix it
+// loaded can reach Kafka before the save that stored the prefix. llm-d
+// v0.8.1 drops a block whose parent it has not indexed, so the publisher
+// holds the child until the parent is announced: published child first,
+// parent second, llm-d still scores all 4 blocks (it scores 2 when the
+// records go through in Kafka's order, as the subtest without holding,
+// HoldFor < 0, shows).
+func TestLLMDChildBeforeParent(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		hold time.Duration
+		want float64
+	}{
+		{"held until the parent", time.Minute, 4},
+		{"not held", -1, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t, func(o *Options) { o.Form = contract.KVEventFormArray; o.HoldFor = tc.hold })
+			l := newLLMD(t)
+			if err := l.subs.EnsureSubscriber(context.Background(), DefaultPod, "tcp://"+r.p.Addr(), "kv@", true); err != nil {
+				t.Fatal(err)
+			}
+			until(t, "llm-d's subscription", r.topics())
+			// A probe block of other tokens, until llm-d indexes it: its
+			// subscription is live from then on.
+			probe := tokenRun(9000, 16)
+			until(t, "llm-d's score of a probe block", func() bool {
+				r.produce(stored(testKeys, nil, probe, 0xf0))
+				return l.score(t, probe, testKeys.Model, DefaultPod) == 1
+			})
+			tokens := tokenRun(2000, 64)
+			parent := uint64(0xb2)
+			r.produce(stored(testKeys, &parent, tokens[32:], 0xb3, 0xb4)) // the child, first
+			r.produce(stored(testKeys, nil, tokens[:32], 0xb1, 0xb2))     // then its parent run
+			until(t, "llm-d's score", func() bool { return l.score(t, tokens, testKeys.Model, DefaultPod) >= 2 })
+			until(t, fmt.Sprintf("llm-d's score of %v blocks", tc.want), func() bool {
+				return l.score(t, tokens, testKeys.Model, DefaultPod) == tc.want
+			})
+		})
+	}
+}
+
+// TestHeldEvents: a held child goes after its parent (released), or after
+// the hold without it (expired); one whose block is removed while it waits
+// is never published (dropped); the seqs stay gapless.
+func TestHeldEvents(t *testing.T) {
+	r := newRig(t, func(o *Options) { o.HoldFor = 300 * time.Millisecond })
+	sub := r.subscribe()
+	parent, orphanParent := uint64(0xc2), uint64(0xee)
+	r.produce(
+		stored(testKeys, &parent, tokenRun(1, 16), 0xc3),        // held: 0xc2 not announced
+		stored(testKeys, &orphanParent, tokenRun(50, 16), 0xd1), // held: 0xee never comes
+		stored(testKeys, &orphanParent, tokenRun(70, 16), 0xd2), // held, then removed
+		removed(testKeys, 0xd2),
+		stored(testKeys, nil, tokenRun(90, 16), 0xc2), // the parent
+	)
+	var got []string
+	var seqs []int64
+	for len(got) < 4 {
+		frames := recvFrames(t, sub)
+		seqs = append(seqs, seqOf(t, frames[1]))
+		b, err := contract.DecodeKVEventBatch(frames[2])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range b.Events {
+			got = append(got, fmt.Sprintf("%s %x", e.Kind, e.BlockHashes))
+		}
+	}
+	want := []string{"BlockRemoved [d2]", "BlockStored [c2]", "BlockStored [c3]", "BlockStored [d1]"}
+	if !slices.Equal(got, want) {
+		t.Errorf("published %q, want %q", got, want)
+	}
+	for i := 1; i < len(seqs); i++ {
+		if seqs[i] != seqs[i-1]+1 {
+			t.Errorf("seqs %v have a gap", seqs)
+		}
+	}
+	for outcome, n := range map[string]float64{HeldReleased: 1, HeldExpired: 1, HeldDropped: 1} {
+		if v := testutil.ToFloat64(r.metrics.held.WithLabelValues(outcome)); v != n {
+			t.Errorf("held %s = %v, want %v", outcome, v, n)
+		}
 	}
 }

@@ -33,6 +33,7 @@ type Metrics struct {
 	replays        prometheus.Counter
 	seq            prometheus.Gauge
 	clearedBlocks  prometheus.Counter
+	held           *prometheus.CounterVec
 }
 
 // NewMetrics registers the publisher's families on reg, every label value
@@ -63,12 +64,19 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvmesh_lookup_kv_events_zmq_cleared_blocks_total",
 			Help: "Block hashes announced removed after an AllBlocksCleared (KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED), for routers that ignore AllBlocksCleared.",
 		}),
+		held: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_lookup_kv_events_zmq_held_total",
+			Help: "BlockStored events held until their parent block was announced, by outcome (released: after their parent; expired: published anyway after the hold; dropped: a block of theirs was removed meanwhile).",
+		}, []string{"outcome"}),
 	}
-	if err := telemetry.RegisterAll(reg, m.published, m.skipped, m.decodeFailures, m.replays, m.seq, m.clearedBlocks); err != nil {
+	if err := telemetry.RegisterAll(reg, m.published, m.skipped, m.decodeFailures, m.replays, m.seq, m.clearedBlocks, m.held); err != nil {
 		return nil, fmt.Errorf("kv events zmq publisher metrics: %w", err)
 	}
 	for _, r := range skipReasons {
 		m.skipped.WithLabelValues(r)
+	}
+	for _, o := range heldOutcomes {
+		m.held.WithLabelValues(o)
 	}
 	return m, nil
 }
