@@ -171,11 +171,9 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 // absent: the save task carries neither the adapter's id nor the hash's
 // extra keys, only the hashes they went into.
 func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord {
-	groups := slices.Sorted(maps.Keys(s.stored))
-	for g := range s.present {
-		if _, put := s.stored[g]; !put {
-			groups = append(groups, g)
-		}
+	groups := make([]int, 0, len(s.stored))
+	for g := range s.stored {
+		groups = append(groups, g)
 	}
 	slices.Sort(groups)
 	chain := make(map[string]int, len(s.task.BlockHashes))
@@ -186,10 +184,7 @@ func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord
 	}
 	var out []contract.KVEventRecord
 	for _, g := range groups {
-		bs := m.Groups[g].BlockSize
-		byNS := s.announced(g, chain, func(i int) bool {
-			return len(eventTokens(s.task.TokenIDs, m.HashBlockSize, bs, []int{i})) > 0
-		})
+		byNS := s.announced(g, chain)
 		for _, ns := range slices.Sorted(maps.Keys(byNS)) {
 			out = append(out, s.storedRecord(m, g, ns, byNS[ns], chain, now))
 		}
@@ -198,14 +193,11 @@ func (s *save) kvEvents(m *kvcore.Model, now time.Time) []contract.KVEventRecord
 }
 
 // announced are the hashes group g's records announce, by namespace: every
-// key the save put, every key it found present that lies before one it put
-// in the chain (a block a stored one hangs from), and every other present
-// key whose tokens the task carries (withTokens, by chain index): a block
-// stored without its tokens (one a resumed request saved past its prompt,
-// whose generated tokens no record carries) is then announced with them by
-// the next save whose task covers it, so a token-keyed router indexes it.
-// Present keys neither hung from nor with tokens are left out.
-func (s *save) announced(g int, chain map[string]int, withTokens func(i int) bool) map[string][]string {
+// key the save put, and every key it found present that lies before one
+// it put in the chain (a block a stored one hangs from; trailing present
+// keys, which nothing of the record hangs from, are left out, so a record
+// announces no more than its blocks need).
+func (s *save) announced(g int, chain map[string]int) map[string][]string {
 	byNS := map[string][]string{}
 	seen := map[string]bool{} // keys added, each namespace@hash once
 	add := func(k, ns, h string) {
@@ -225,7 +217,7 @@ func (s *save) announced(g int, chain map[string]int, withTokens func(i int) boo
 	}
 	for _, k := range s.present[g] {
 		if ns, h, ok := kvcore.SplitKey(k); ok {
-			if i, in := chain[h]; in && (i+1 < end[ns] || withTokens(i)) {
+			if i, in := chain[h]; in && i+1 < end[ns] {
 				add(k, ns, h)
 			}
 		}

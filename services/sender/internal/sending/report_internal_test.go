@@ -54,22 +54,11 @@ func TestAnnouncedKeysHangFromPutOnes(t *testing.T) {
 	s := newSave(&kvcore.SaveTask{})
 	s.stored[0] = []string{"ns@h0", "ns@h2"}
 	s.present[0] = []string{"ns@h1", "ns@h3", "other@h1"}
-	none := func(int) bool { return false }
-	got := s.announced(0, chain, none)
+	got := s.announced(0, chain)
 	if want := map[string][]string{"ns": {"h0", "h2", "h1"}}; !reflect.DeepEqual(got, want) {
 		t.Fatalf("announced %v, want %v", got, want)
 	}
-	if got := s.announced(1, chain, none); len(got) != 0 {
+	if got := s.announced(1, chain); len(got) != 0 {
 		t.Fatalf("a group with nothing put announces %v", got)
-	}
-	// With the task's tokens of chain index 3, the trailing present key is
-	// announced too (with them), and so is a namespace where nothing was put.
-	got = s.announced(0, chain, func(i int) bool { return i == 3 })
-	if want := map[string][]string{"ns": {"h0", "h2", "h1", "h3"}, "other": nil}; len(got["ns"]) != 4 || !reflect.DeepEqual(got["ns"], want["ns"]) || len(got["other"]) != 0 {
-		t.Fatalf("announced with tokens %v, want %v", got, want)
-	}
-	s.present[1] = []string{"ns@h1"}
-	if got := s.announced(1, chain, func(int) bool { return true }); !reflect.DeepEqual(got, map[string][]string{"ns": {"h1"}}) {
-		t.Fatalf("a group with nothing put but a present block with tokens announces %v", got)
 	}
 }
