@@ -187,10 +187,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	q, err := h.validator.Query(&req)
 	if err != nil {
-		fe := &FieldError{Detail: err.Error()}
-		errors.As(err, &fe)
-		httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fe.Error(), map[string]any{"field": fe.Field})
-		h.refuse(span, fe.Field, err)
+		h.refuse(span, writeFieldError(w, r, err), err)
 		return
 	}
 	span.SetAttributes(attribute.Int("kvmesh.tokens", q.NumTokens))
@@ -373,4 +370,13 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, span trace.Span, 
 		w.Header().Set("Retry-After", strconv.Itoa(RetryAfter))
 	}
 	httpserver.WriteProblem(w, r, status, "", detail, map[string]any{"result": result})
+}
+
+// writeFieldError answers 400 with the problem err describes and the field
+// it is about (a FieldError's, or none), and returns that field.
+func writeFieldError(w http.ResponseWriter, r *http.Request, err error) string {
+	fe := &FieldError{Detail: err.Error()}
+	errors.As(err, &fe)
+	httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fe.Error(), map[string]any{"field": fe.Field})
+	return fe.Field
 }

@@ -132,9 +132,7 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	q, err := h.validator.ScoreQuery(&req)
 	if err != nil {
-		fe := &FieldError{Detail: err.Error()}
-		errors.As(err, &fe)
-		httpserver.WriteProblem(w, r, http.StatusBadRequest, "", fe.Error(), map[string]any{"field": fe.Field})
+		writeFieldError(w, r, err)
 		h.refuse(span, err)
 		return
 	}

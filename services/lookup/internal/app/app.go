@@ -60,7 +60,7 @@ type Config struct {
 	KVEventsZMQForm contract.KVEventForm `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM" doc:"wire form of the published events: map (vLLM's events since vllm-project/vllm#42892) or array (vLLM's older positional events, the only form llm-d-kv-cache up to v0.8.1 decodes)"`
 	// KVEventsZMQClearAsRemoved follows an AllBlocksCleared with the
 	// removal of every block the publisher announced.
-	KVEventsZMQClearAsRemoved bool `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED" doc:"follow each AllBlocksCleared with BlockRemoved events of every block hash announced stored and not removed since the publisher started, for routers that ignore AllBlocksCleared (llm-d-kv-cache v0.8.1 only logs it); costs a set of the live hashes in memory, about 40 bytes a block"`
+	KVEventsZMQClearAsRemoved bool `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_CLEAR_AS_REMOVED" doc:"follow each AllBlocksCleared with BlockRemoved events of every block hash announced stored and not removed since the publisher started, for routers that ignore AllBlocksCleared (llm-d-kv-cache v0.8.1 only logs it), from the set of live hashes the publisher keeps anyway (about 40 bytes a block) to order parents before children"`
 	// KVEventsZMQReplayFraming is the framing of replay replies.
 	KVEventsZMQReplayFraming kvpublish.ReplayFraming `env:"KVMESH_LOOKUP_KV_EVENTS_ZMQ_REPLAY_FRAMING" doc:"framing of replay replies: topic ([id, \"\", topic, seq, payload], end [id, \"\", \"\", -1, \"\"], current vLLM) or seq ([id, \"\", seq, payload], end [id, \"\", -1, \"\"], vLLM before it added the topic frame)"`
 }

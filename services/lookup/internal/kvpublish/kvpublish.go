@@ -113,7 +113,8 @@ type Options struct {
 	// ClearAsRemoved follows each AllBlocksCleared with BlockRemoved events
 	// of every hash announced stored and not removed since the publisher
 	// started, for routers that ignore AllBlocksCleared (llm-d-kv-cache
-	// v0.8.1 only logs it). It costs a set of the live hashes in memory.
+	// v0.8.1 only logs it), from the set of live hashes the publisher keeps
+	// anyway (to order parents before children).
 	ClearAsRemoved bool
 	// HoldFor is how long a BlockStored event whose parent block was not
 	// announced yet waits for it (0: DefaultHoldFor; negative: no event
