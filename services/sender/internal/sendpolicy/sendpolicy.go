@@ -257,12 +257,6 @@ func (p RetryPolicy) Attempts() int {
 	return DefaultRetryAttempts
 }
 
-// Backoff is the delay before retry n (n < 1 counts as 1): the n-th of
-// Delays.
-func (p RetryPolicy) Backoff(n int) time.Duration {
-	return p.Delays().Delay(n)
-}
-
 // Delays is the policy's backoff as a retry.Backoff, without jitter, for
 // retry.Attempts: BaseDelay doubling up to MaxDelay (defaults for zero
 // values; a BaseDelay above MaxDelay starts at MaxDelay).

@@ -104,7 +104,7 @@ func TestRetryBackoff(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			if got := c.p.Backoff(c.n); got != c.want {
+			if got := c.p.Policy().Delay(c.n); got != c.want {
 				t.Fatalf("backoff(%d) = %v, want %v", c.n, got, c.want)
 			}
 		})
@@ -220,8 +220,8 @@ func TestBackoffKeepsItsDelays(t *testing.T) {
 	}
 	for _, p := range policies {
 		for _, n := range []int{-1, 0, 1, 2, 3, 4, 5, 8, 20, 62, 63, 64, 65, 1000, math.MaxInt} {
-			if got, want := p.Backoff(n), formerBackoff(p, n); got != want {
-				t.Errorf("%+v.Backoff(%d) = %v, want %v", p, n, got, want)
+			if got, want := p.Policy().Delay(n), formerBackoff(p, n); got != want {
+				t.Errorf("%+v.Policy().Delay(%d) = %v, want %v", p, n, got, want)
 			}
 		}
 	}
