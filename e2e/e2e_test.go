@@ -66,7 +66,7 @@ func smallWorkload(requests int, rate float64) sim.Workload {
 }
 
 // simConfig points the simulator at the stack.
-func simConfig(t *testing.T, s *stack, pd bool, w sim.Workload) sim.Config {
+func simConfig(t testing.TB, s *stack, pd bool, w sim.Workload) sim.Config {
 	t.Helper()
 	m, err := kvcore.Preset(s.model)
 	if err != nil {

@@ -24,7 +24,7 @@ import (
 const tp8Model = "hybrid-mla-linear-tp8"
 
 // rankConfig points the simulator at every rank of the stack's engines.
-func rankConfig(t *testing.T, s *stack, w sim.Workload) sim.Config {
+func rankConfig(t testing.TB, s *stack, w sim.Workload) sim.Config {
 	t.Helper()
 	cfg := simConfig(t, s, true, w)
 	cfg.Model = parallelModel(t, s)
@@ -35,7 +35,7 @@ func rankConfig(t *testing.T, s *stack, w sim.Workload) sim.Config {
 
 // seedConfig is the seed preset's run of n requests on the stack (its
 // workload and engine; every worker rank of both engines).
-func seedConfig(t *testing.T, s *stack, n int) sim.Config {
+func seedConfig(t testing.TB, s *stack, n int) sim.Config {
 	t.Helper()
 	seed, ok := sim.LookupPreset("seed")
 	if !ok {
@@ -49,7 +49,7 @@ func seedConfig(t *testing.T, s *stack, n int) sim.Config {
 }
 
 // parallelModel is the stack's model with its parallel overrides.
-func parallelModel(t *testing.T, s *stack) *kvcore.Model {
+func parallelModel(t testing.TB, s *stack) *kvcore.Model {
 	t.Helper()
 	m, err := kvcore.Preset(s.model)
 	if err != nil {

@@ -45,13 +45,16 @@ type stackOptions struct {
 	// database and the consumer groups. Otherwise one of each runs, named
 	// after its service.
 	replicas int
+	// processEnv, when set, adds settings of each process's own (by
+	// process name) to its environment.
+	processEnv func(name string) []string
 }
 
 // stack is the mesh of one test: an in-process broker, a fresh database, the
 // shared Redis under a key prefix of its own, and the services as
 // subprocesses (lookup, scheduler, sender, and a gpuworker per engine).
 type stack struct {
-	t        *testing.T
+	t        testing.TB
 	model    string // KVMESH_MODEL
 	brokers  []string
 	redisURL string
@@ -59,6 +62,8 @@ type stack struct {
 	mesh     *meshtest.Mesh
 	replicas int           // processes per replicated service (1: named after it)
 	ranks    []kvcore.Rank // the worker ranks of every engine
+	// processEnv is stackOptions.processEnv.
+	processEnv func(name string) []string
 }
 
 // replicated are the services stackOptions.replicas multiplies.
@@ -66,7 +71,7 @@ var replicated = []string{"scheduler", "lookup", "sender"}
 
 // newStack starts everything and waits until every service is ready; the
 // test's cleanup stops the services and deletes the stack's keys.
-func newStack(t *testing.T, o stackOptions) *stack {
+func newStack(t testing.TB, o stackOptions) *stack {
 	t.Helper()
 	newMesh := meshtest.New
 	switch {
@@ -85,7 +90,7 @@ func newStack(t *testing.T, o stackOptions) *stack {
 		"KVMESH_KAFKA_SESSION_TIMEOUT=3s",
 	}, o.env...)...)
 	s := &stack{t: t, model: o.model, brokers: m.Brokers, redisURL: m.RedisURL, prefix: m.Prefix, mesh: m, replicas: max(o.replicas, 1),
-		ranks: workerRanks(t, o)}
+		ranks: workerRanks(t, o), processEnv: o.processEnv}
 	pool := fmt.Sprintf("KVMESH_POOL_BLOCKS=%d", o.poolBlocks)
 	schedulers := s.names("scheduler")
 	for i, name := range schedulers {
@@ -135,7 +140,7 @@ func secured(cfg sim.Config, sec *meshtest.Secure) sim.Config {
 
 // workerRanks resolves the worker ranks of o's model with the stack's
 // environment (KVMESH_TP and the like in o.env).
-func workerRanks(t *testing.T, o stackOptions) []kvcore.Rank {
+func workerRanks(t testing.TB, o stackOptions) []kvcore.Rank {
 	t.Helper()
 	m, err := service.LoadModel(o.model)
 	if err != nil {
@@ -211,6 +216,9 @@ func (s *stack) urls(service string) []string {
 // plus env.
 func (s *stack) add(name, service string, env ...string) {
 	s.t.Helper()
+	if s.processEnv != nil {
+		env = append(env, s.processEnv(name)...)
+	}
 	if _, err := s.mesh.Add(name, service, env...); err != nil {
 		s.t.Fatal(err)
 	}

@@ -52,6 +52,14 @@ figure() {
   # the gpuworkers moved (save_put + load_get) per second of the run,
   # against raw SET of the same bytes in the model's block sizes (MB/s).
   figure seed_saturated MB/s BenchmarkSeedSaturated store_MB/s BenchmarkSeedSaturated raw_set_MB/s
+  # CPU per request of the whole mesh (BenchmarkMeshCPU): the services,
+  # PostgreSQL and the broker, read from /proc around the seed preset's
+  # 300 requests at --rate 0 (TP1, and the seed's own TP8), against the
+  # machine's CPU per pgbench single-row UPDATE transaction on the same
+  # cluster (ms). The per-process split is on the benchmark's line in
+  # bench.txt (<process>_ms/request) and in its log.
+  figure mesh_cpu_per_request ms BenchmarkMeshCPU/tp1 ms/request BenchmarkMeshCPU/pgbench_update ms/tx
+  figure mesh_cpu_per_request_tp8 ms BenchmarkMeshCPU/tp8 ms/request BenchmarkMeshCPU/pgbench_update ms/tx
   # Lookup of a 32K-token, 2-group prompt through POST /v1/lookup (decision
   # published), against one raw pipelined EXISTS of the same keys (p50, µs).
   figure lookup_32k_p50 us BenchmarkLookup32K2Group/handler_block_hashes_published p50-us \

@@ -119,6 +119,16 @@ func (ps *Procs) Process(name string) *Process {
 	return ps.procs[name]
 }
 
+// Names are the names of the processes added, sorted.
+func (ps *Procs) Names() []string {
+	all := ps.all()
+	out := make([]string, len(all))
+	for i, p := range all {
+		out[i] = p.name
+	}
+	return out
+}
+
 // StopAll stops every running process at once (see Process.Stop) and
 // returns when all have exited. The test's cleanup calls it too.
 func (ps *Procs) StopAll() {
@@ -286,6 +296,15 @@ func poll(within time.Duration, stop <-chan struct{}, check func() error) error 
 		case <-tick.C:
 		}
 	}
+}
+
+// PID is the running process's id, 0 when it is not running.
+func (p *Process) PID() int {
+	cmd, done := p.current()
+	if cmd == nil || closed(done) {
+		return 0
+	}
+	return cmd.Process.Pid
 }
 
 // Kill sends SIGKILL and returns once the process has exited.

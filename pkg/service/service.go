@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -57,6 +58,8 @@ type Common struct {
 	SessionTimeout time.Duration `env:"KVMESH_KAFKA_SESSION_TIMEOUT" doc:"Kafka consumer-group session timeout: how soon a crashed member's partitions go to another"`
 	// Telemetry is where traces are exported.
 	Telemetry
+	// CPUProfile is where the process writes a CPU profile of its whole run.
+	CPUProfile string `env:"KVMESH_CPU_PROFILE" doc:"file the service writes a Go CPU profile of its whole run to (pprof format, written when it stops); empty for none. For measuring where a service spends its CPU (make bench's mesh_cpu_per_request uses it with KVMESH_BENCH_PROFILE_DIR)"`
 }
 
 // SetDefaults gives the shared settings' defaults (config.Defaulter); the
@@ -239,6 +242,12 @@ func runMain(name string, cfg Configurable, lookup func(string) (string, bool), 
 		log.Error("telemetry setup failed", "err", err)
 		return 1
 	}
+	stopProfile, err := startCPUProfile(common.CPUProfile)
+	if err != nil {
+		log.Error("cpu profile", "err", err)
+		return 2
+	}
+	defer stopProfile()
 	code := 0
 	if err := run(ctx, log); err != nil {
 		log.Error("stopped with error", "err", err)
@@ -280,4 +289,24 @@ func Run(ctx context.Context, log *slog.Logger, tasks ...Task) error {
 		})
 	}
 	return g.Wait()
+}
+
+// startCPUProfile starts a CPU profile into path (nothing when path is
+// empty) and returns what stops it and closes the file.
+func startCPUProfile(path string) (func(), error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("create %s: %w", path, err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("start: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}, nil
 }
