@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/internal/sim"
@@ -71,15 +74,20 @@ func meshCPU(b *testing.B, model string) {
 	s := newStack(b, o)
 	kvmesh := testenv.BuildBinary(b, "./cmd/kvmesh")
 	var total procCPU
+	calls, xacts := map[string]int64{}, int64(0)
 	requests := 0
 	b.ResetTimer()
 	for range b.N {
-		before := s.cpu(b)
+		before, callsBefore, xactsBefore := s.cpu(b), s.syscalls(b), s.transactions(b)
 		rep, simCPU := runSimProcess(b, s, kvmesh)
-		after := s.cpu(b)
+		after, callsAfter, xactsAfter := s.cpu(b), s.syscalls(b), s.transactions(b)
 		d := after.minus(before)
 		d["simulator"] = simCPU
 		total = total.plus(d)
+		for k, v := range callsAfter {
+			calls[k] += v - callsBefore[k]
+		}
+		xacts += xactsAfter - xactsBefore
 		requests += rep.Requests.Total
 	}
 	b.StopTimer()
@@ -100,6 +108,11 @@ func meshCPU(b *testing.B, model string) {
 	}
 	b.ReportMetric(perReq(mesh), "ms/request")
 	b.Logf("Kafka records per request: %s", recordsPerRequest(b, s, requests))
+	var sc strings.Builder
+	for _, name := range slices.Sorted(maps.Keys(calls)) {
+		fmt.Fprintf(&sc, "%s %.1f, ", name, float64(calls[name])/float64(requests))
+	}
+	b.Logf("read/write syscalls per request: %sPostgreSQL transactions per request: %.1f", sc.String(), float64(xacts)/float64(requests))
 	b.Logf("CPU per request over %d requests (mesh: all but redis and the simulator):%s\n  %-12s %7.2f ms/request",
 		requests, table.String(), "mesh", perReq(mesh))
 }
@@ -183,6 +196,57 @@ func (s *stack) cpu(b *testing.B) procCPU {
 	}
 	out["postgres"], out["redis"], out["broker"] = pg, rd, self
 	return out
+}
+
+// syscalls reads the read and write system calls so far of every service
+// process and of the broker (this process), grouped as cpu groups them
+// (/proc/<pid>/io: syscr + syscw).
+func (s *stack) syscalls(b *testing.B) map[string]int64 {
+	b.Helper()
+	out := map[string]int64{}
+	pids := map[string][]int{"broker": {os.Getpid()}}
+	for _, name := range s.mesh.Procs.Names() {
+		group, _, _ := strings.Cut(name, "-")
+		pids[group] = append(pids[group], s.mesh.Procs.Process(name).PID())
+	}
+	for group, list := range pids {
+		for _, pid := range list {
+			data, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
+			if err != nil {
+				b.Fatal(err)
+			}
+			for _, line := range strings.Split(string(data), "\n") {
+				k, v, _ := strings.Cut(line, ": ")
+				if k == "syscr" || k == "syscw" {
+					n, err := strconv.ParseInt(v, 10, 64)
+					if err != nil {
+						b.Fatalf("/proc/%d/io: %q: %v", pid, line, err)
+					}
+					out[group] += n
+				}
+			}
+		}
+	}
+	return out
+}
+
+// transactions is the count of transactions committed or rolled back so
+// far in the stack's database (pg_stat_database; the statistics of a
+// backend reach it within a second or so of its transactions).
+func (s *stack) transactions(b *testing.B) int64 {
+	b.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, s.mesh.DatabaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int64
+	if err := conn.QueryRow(ctx, `SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()`).Scan(&n); err != nil {
+		b.Fatal(err)
+	}
+	return n
 }
 
 // runSimProcess plays the seed preset at --rate 0 on s with the kvmesh
