@@ -8,11 +8,13 @@
 package dataplaneapi
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"strconv"
+	"sync"
 
 	"github.com/go-chi/chi/v5"
 	"go.opentelemetry.io/otel"
@@ -42,6 +44,9 @@ type Handler struct {
 	bufs chan *[]byte
 	// streams bounds a put's concurrent store calls (put.go).
 	streams Streams
+	// frameWriters are the buffered writers read responses send their
+	// frames through (frameWriterSize each).
+	frameWriters sync.Pool
 }
 
 // tracerName is the instrumentation scope of the data-plane spans.
@@ -173,6 +178,14 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	defer span.End()
 	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
 	w.WriteHeader(http.StatusOK)
+	// Frames go out through a large buffer: written one by one, each
+	// block's header and bytes would each be a chunk and a syscall.
+	bw, _ := h.frameWriters.Get().(*bufio.Writer)
+	if bw == nil {
+		bw = bufio.NewWriterSize(w, frameWriterSize)
+	}
+	bw.Reset(w)
+	defer h.frameWriters.Put(bw)
 	hdr := make([]byte, 0, dataplane.FrameHeaderSize+2*dataplane.MaxHashLen)
 	var buf []byte
 	var sent int64
@@ -194,20 +207,26 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
 				Group: ref.Group, Block: ref.Block, NotHeld: true, Generation: nh.Held.Generation, Identity: nh.Held.Identity,
 			})
-			_, err = w.Write(hdr)
+			_, err = bw.Write(hdr)
 		case err == nil:
-			err = writeFrame(w, hdr[:0], ref, tag, buf)
+			err = writeFrame(bw, hdr[:0], ref, tag, buf)
 			sent += int64(len(buf))
 		}
 		if err != nil {
 			return // the client went away (or a device copy failed); nothing more can be said
 		}
 	}
+	if bw.Flush() != nil {
+		return // the client went away
+	}
 	span.SetAttributes(attribute.Int64("kvmesh.bytes", sent), attribute.Int("kvmesh.not_held", refused))
 }
 
+// frameWriterSize is the buffer a read response's frames go through.
+const frameWriterSize = 256 << 10
+
 // writeFrame sends one verified block's frame: header, identity, bytes.
-func writeFrame(w http.ResponseWriter, hdr []byte, ref dataplane.ReadRef, tag pool.Tag, data []byte) error {
+func writeFrame(w io.Writer, hdr []byte, ref dataplane.ReadRef, tag pool.Tag, data []byte) error {
 	hdr = dataplane.AppendFrameHeader(hdr, dataplane.FrameHeader{
 		Group: ref.Group, Block: ref.Block, Len: len(data), Checksum: dataplane.Checksum(data),
 		Generation: tag.Generation, Identity: tag.Identity,
