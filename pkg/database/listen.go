@@ -55,12 +55,30 @@ func (l *listener) wait(ctx context.Context, d time.Duration) {
 	wctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	_, err := l.conn.WaitForNotification(wctx)
-	if err == nil || ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
+	if err == nil {
+		l.drain()
+		return
+	}
+	if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
 		return
 	}
 	l.log.WarnContext(ctx, "outbox relay: listen connection lost; reconnecting", "err", err)
 	l.close()
 	_ = retry.Sleep(ctx, min(l.retry, d))
+}
+
+// drain drops the notifications the connection has already received: they
+// are for commits made before now, which the batch the caller runs next
+// sees, so one batch answers them all instead of one empty batch each.
+// Notifications still unread on the socket wake the next wait.
+func (l *listener) drain() {
+	done, cancel := context.WithCancel(context.Background())
+	cancel()
+	for {
+		if _, err := l.conn.WaitForNotification(done); err != nil {
+			return // none left: a done context ends the wait before any read
+		}
+	}
 }
 
 // close drops the listening connection.

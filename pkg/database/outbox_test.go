@@ -287,6 +287,44 @@ func TestConcurrentRelaysPublishEachRowOnce(t *testing.T) {
 	}
 }
 
+// TestConcurrentRelaysNeedNoPolling runs two relays that never poll while
+// writers commit rows: a relay that finds the batch lock held claims
+// nothing, and every row must still go out, woken by notifications alone,
+// each once and in order per key.
+func TestConcurrentRelaysNeedNoPolling(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	pub := &fakePublisher{}
+	startRelay(t, pool, pub, database.WithPollInterval(time.Hour))
+	startRelay(t, pool, pub, database.WithPollInterval(time.Hour))
+	const writers, txs = 4, 25
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Go(func() {
+			for tx := range txs {
+				enqueue(t, context.Background(), pool, msg(fmt.Sprintf("w%d", w), fmt.Sprintf("w%d-%03d", w, tx)))
+			}
+		})
+	}
+	wg.Wait()
+	relay := database.NewRelay(pool, nil)
+	waitFor(t, "every row published without polling", func() bool {
+		n, err := relay.Backlog(t.Context())
+		return err == nil && n == 0
+	})
+	last := map[string]string{}
+	for _, m := range pub.published() {
+		if v := string(m.Value); v <= last[m.Key] {
+			t.Errorf("key %s: %s published after %s", m.Key, v, last[m.Key])
+		} else {
+			last[m.Key] = v
+		}
+	}
+	if got := len(pub.published()); got != writers*txs {
+		t.Errorf("published %d messages, want %d", got, writers*txs)
+	}
+}
+
 func TestRelayWakesOnNotification(t *testing.T) {
 	t.Parallel()
 	pool := dbtest.NewPool(t)

@@ -31,7 +31,9 @@ const (
 )
 
 // relayLockKey is the transaction-scoped advisory lock that lets one relay
-// batch run at a time across all processes; a relay waits for it ("kvmesh.out" in ASCII).
+// batch run at a time across all processes ("kvmesh.out" in ASCII). A
+// relay that finds it held claims nothing: every relay is woken by every
+// outbox notification, so the holder looks again once its batch is done.
 const relayLockKey int64 = 0x6b766d6573682e6f
 
 // maxErrorText bounds the last_error text stored per row.
@@ -46,9 +48,13 @@ const maxErrorText = 2000
 //   - failed: failed_at set, with fail_reason and last_error; skipped by
 //     the relay until RetryFailed puts it back.
 const (
-	claimBatch = `SELECT o.id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts
-		FROM outbox o
-		WHERE o.sent_at IS NULL AND o.failed_at IS NULL
+	// claimBatch takes the batch lock if no other relay holds it and, only
+	// then, locks the oldest claimable rows; the volatile CTE runs once,
+	// before the rows are read.
+	claimBatch = `WITH batch_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($2) AS held)
+		SELECT o.id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts
+		FROM outbox o, batch_lock
+		WHERE batch_lock.held AND o.sent_at IS NULL AND o.failed_at IS NULL
 		  AND NOT EXISTS (
 		      SELECT 1 FROM outbox b
 		      WHERE b.topic = o.topic AND b.key = o.key AND b.id <= o.id
@@ -238,27 +244,37 @@ type outcome struct {
 }
 
 // relayBatch publishes one batch of pending rows and records every row's
-// outcome in the batch's transaction. It claims nothing, and returns no
-// error, when another relay holds the batch lock.
+// outcome in the batch's transaction, in two round trips to PostgreSQL:
+// one that opens the transaction, takes the batch lock and claims the rows
+// (claim), and one that records the outcomes and commits (record). It
+// claims nothing, and returns no error, when another relay holds the batch
+// lock: that relay was woken by the same notifications and looks again
+// once its batch is done.
 func (r *Relay) relayBatch(ctx context.Context) (batchResult, error) {
-	tx, err := r.pool.Begin(ctx)
+	pc, err := r.pool.Acquire(ctx)
 	if err != nil {
-		return batchResult{}, fmt.Errorf("begin: %w", err)
+		return batchResult{}, fmt.Errorf("acquire: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	rows, err := r.claim(ctx, tx)
+	defer pc.Release() // a connection left inside a transaction is closed, not reused
+	conn := pc.Conn()
+	rows, err := r.claim(ctx, conn)
 	if err != nil || len(rows) == 0 {
+		end := "COMMIT"
+		if err != nil {
+			end = "ROLLBACK"
+		}
+		if _, cerr := conn.Exec(context.WithoutCancel(ctx), end); cerr != nil && err == nil {
+			err = fmt.Errorf("end empty batch: %w", cerr)
+		}
 		return batchResult{}, err
 	}
 	msgs, spans := startPublishSpans(ctx, rows)
 	outcomes := r.publish(ctx, rows, msgs)
 	endPublishSpans(spans, outcomes)
-	res, err := r.record(ctx, tx, rows, outcomes)
+	res, err := r.record(ctx, conn, rows, outcomes)
 	if err != nil {
+		_, _ = conn.Exec(context.WithoutCancel(ctx), "ROLLBACK") // the rows stay pending
 		return batchResult{}, err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return batchResult{}, fmt.Errorf("commit outcomes: %w", err)
 	}
 	return res, nil
 }
@@ -318,7 +334,7 @@ func (r *Relay) publish(ctx context.Context, rows []claimedRow, msgs []bus.Messa
 // Held rows count the attempt and say why they wait; they stay pending
 // without a backoff of their own, so they follow the row that holds them as
 // soon as it is published.
-func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcomes []outcome) (batchResult, error) {
+func (r *Relay) record(ctx context.Context, conn *pgx.Conn, rows []claimedRow, outcomes []outcome) (batchResult, error) {
 	res := batchResult{claimed: len(rows)}
 	var sent, backoffIDs, failedIDs, heldIDs []int64
 	var delays []int64
@@ -366,15 +382,25 @@ func (r *Relay) record(ctx context.Context, tx pgx.Tx, rows []claimedRow, outcom
 		{"mark held", markHeld, heldIDs, []any{heldErrs}},
 		{"mark failed", markPermanent, failedIDs, []any{failedReasons, failedErrs}},
 	}
+	batch := &pgx.Batch{}
+	var whats []string
 	for _, u := range updates {
 		if len(u.ids) == 0 {
 			continue
 		}
-		if _, err := tx.Exec(ctx, u.sql, append([]any{u.ids}, u.more...)...); err != nil {
-			return res, fmt.Errorf("%s: %w", u.what, err)
+		batch.Queue(u.sql, append([]any{u.ids}, u.more...)...)
+		whats = append(whats, u.what)
+	}
+	batch.Queue("COMMIT")
+	whats = append(whats, "commit outcomes")
+	br := conn.SendBatch(ctx, batch)
+	defer br.Close()
+	for _, what := range whats {
+		if _, err := br.Exec(); err != nil {
+			return res, fmt.Errorf("%s: %w", what, err)
 		}
 	}
-	return res, nil
+	return res, br.Close()
 }
 
 // errorText bounds err's text for last_error and makes it storable there.
@@ -382,20 +408,25 @@ func errorText(err error) string {
 	return text.ForPostgres(text.Truncate(err.Error(), maxErrorText))
 }
 
-// claim takes the batch lock — waiting for another relay's batch to end,
-// so that rows committed meanwhile go out right after it rather than at
-// the next poll — and locks the oldest claimable rows in tx. The
-// transaction commits asynchronously (synchronous_commit off): losing its
-// sent marks in a crash only publishes those rows again, which delivery at
-// least once allows, and it spares every relayed batch a WAL flush.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]claimedRow, error) {
-	if _, err := tx.Exec(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
-		return nil, fmt.Errorf("relay transaction: %w", err)
+// claim opens the batch's transaction, takes the batch lock unless
+// another relay holds it, and locks the oldest claimable rows, in one
+// round trip. The transaction commits asynchronously (synchronous_commit
+// off): losing its sent marks in a crash only publishes those rows again,
+// which delivery at least once allows, and it spares every relayed batch a
+// WAL flush. The caller ends the transaction.
+func (r *Relay) claim(ctx context.Context, conn *pgx.Conn) ([]claimedRow, error) {
+	batch := &pgx.Batch{}
+	batch.Queue("BEGIN")
+	batch.Queue("SET LOCAL synchronous_commit = off")
+	batch.Queue(claimBatch, r.batchSize, relayLockKey)
+	br := conn.SendBatch(ctx, batch)
+	defer br.Close()
+	for _, what := range []string{"begin", "relay transaction"} {
+		if _, err := br.Exec(); err != nil {
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
 	}
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", relayLockKey); err != nil {
-		return nil, fmt.Errorf("take relay lock: %w", err)
-	}
-	rows, _ := tx.Query(ctx, claimBatch, r.batchSize)
+	rows, _ := br.Query()
 	var out []claimedRow
 	var c claimedRow
 	_, err := pgx.ForEachRow(rows, []any{&c.id, &c.msg.Topic, &c.msg.Key, &c.msg.Value, &c.msg.Headers, &c.created, &c.attempts}, func() error {
@@ -406,7 +437,7 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx) ([]claimedRow, error) {
 	if err != nil {
 		return nil, fmt.Errorf("claim rows: %w", err)
 	}
-	return out, nil
+	return out, br.Close()
 }
 
 // Backlog returns the number of pending outbox rows: neither sent nor
