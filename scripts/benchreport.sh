@@ -78,6 +78,11 @@ figure() {
   # Engines (256 running requests, 30 steps/s) one scheduler keeps up with,
   # against the engines pgbench's tps carries at one UPDATE per request update.
   figure fleet_engines engines BenchmarkScheduler/fleet engines BenchmarkScheduler/fleet baseline_engines
+  # Engines three scheduler replicas (one consumer group, one database,
+  # three times the partitions) keep up with, against one replica's
+  # engines (fleet's). All replicas share the benchmark machine's cores.
+  figure fleet_engines_3_replicas engines BenchmarkScheduler/fleet_3_replicas engines \
+    BenchmarkScheduler/fleet_3_replicas baseline_engines
 } >"$out.tmp"
 mv "$out.tmp" "$out"
 cat "$out"

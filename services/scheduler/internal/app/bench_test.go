@@ -88,6 +88,8 @@ const (
 	// fleetMaxGrowth is the most its lag may grow per second over the
 	// second half of a stage (the share of the load it fails to apply).
 	fleetMaxGrowth = 0.05
+	// fleetReplicas is the scheduler replicas of fleet_3_replicas.
+	fleetReplicas = 3
 	// benchWait bounds the waits of the benchmarks (a slow scheduler
 	// needs longer than a test's waitLimit to apply a measurement).
 	benchWait = 3 * time.Minute
@@ -111,7 +113,18 @@ const (
 //     against pgbench's UPDATE latency at the same rate;
 //   - fleet: how many engines of 256 running requests at 30 steps/s the
 //     scheduler keeps up with, against the engines pgbench's tps would
-//     carry at one UPDATE per request update.
+//     carry at one UPDATE per request update;
+//   - fleet_3_replicas: the same with three scheduler replicas (one
+//     consumer group, one database, each replica an App with its default
+//     consumers and outbox relay) and three times the partitions, so that
+//     every consumer of every replica holds one; its baseline is fleet's
+//     engines (one replica). All three replicas run in this process, on
+//     this machine's cores, with PostgreSQL and the broker: on a machine
+//     of few cores (the 2-core dev machine) the figure says how well the
+//     replicas share one database and one machine's CPU — that adding
+//     replicas costs nothing and loses nothing — not how a fleet of
+//     replicas on their own machines scales, which would need as many
+//     machines.
 //
 // scripts/benchreport.sh turns the lines into the report's figures.
 func BenchmarkScheduler(b *testing.B) {
@@ -146,6 +159,10 @@ func BenchmarkScheduler(b *testing.B) {
 		s.fleet(b)
 		s.reportFsync(b)
 	})
+	b.Run("fleet_3_replicas", func(b *testing.B) {
+		s.fleetReplicas(b)
+		s.reportFsync(b)
+	})
 }
 
 // schedBench is the state the sub-benchmarks of BenchmarkScheduler share:
@@ -162,6 +179,8 @@ type schedBench struct {
 
 	tps  float64 // pgbench_update's tps, once measured
 	runs map[int]*updateRun
+	// fleetEngines is fleet's engines, once measured (-1: not yet).
+	fleetEngines int
 
 	mu      sync.Mutex
 	closers []func() error // run in reverse at the end
@@ -171,7 +190,7 @@ type schedBench struct {
 // tables, and turns fsync and full_page_writes on for the rest of b.
 func newSchedBench(b *testing.B) *schedBench {
 	b.Helper()
-	s := &schedBench{admin: testenv.DatabaseURL(b), envs: map[string]*servicetest.Env{}, runs: map[int]*updateRun{}}
+	s := &schedBench{admin: testenv.DatabaseURL(b), envs: map[string]*servicetest.Env{}, runs: map[int]*updateRun{}, fleetEngines: -1}
 	s.modelPath = filepath.Join(b.TempDir(), "model.yaml")
 	if err := os.WriteFile(s.modelPath, []byte(benchModel), 0o600); err != nil {
 		b.Fatal(err)
@@ -181,7 +200,7 @@ func newSchedBench(b *testing.B) *schedBench {
 		b.Fatal(err)
 	}
 	s.model = m
-	for _, name := range []string{"2k", "32k", "fleet"} {
+	for _, name := range []string{"2k", "32k", "fleet", "fleet3"} {
 		s.envs[name] = servicetest.NewEnv(b)
 	}
 	s.pgbenchDB = dbtest.NewDatabase(b)
@@ -503,9 +522,15 @@ type benchScheduler struct {
 // contract's default); it runs until stopped, at the latest when the whole
 // benchmark ends.
 func (s *schedBench) startScheduler(b *testing.B, env *servicetest.Env) *benchScheduler {
+	return s.startSchedulerWith(b, env, contract.DefaultPartitions)
+}
+
+// startSchedulerWith is startScheduler with topics of the given
+// partitions (created by the first scheduler on env).
+func (s *schedBench) startSchedulerWith(b *testing.B, env *servicetest.Env, partitions int) *benchScheduler {
 	b.Helper()
 	cfg := app.Config{Common: env.Common(), HTTP: service.HTTP{HTTPAddr: "127.0.0.1:0"}, Database: service.Database{DatabaseURL: env.DatabaseURL}, Migrate: true}
-	cfg.Partitions = contract.DefaultPartitions
+	cfg.Partitions = partitions
 	cfg.Model = s.modelPath
 	cfg.LogLevel = "warn"
 	ctx, cancel := context.WithCancel(context.Background())
@@ -691,7 +716,7 @@ func (s *schedBench) updates(b *testing.B, prompt int) *updateRun {
 	name := fmt.Sprintf("%dk", prompt/1024)
 	bs := s.startScheduler(b, s.envs[name])
 	r := &updateRun{sched: bs}
-	for i, id := range engineIDs("u"+name, 0, updateEngines) {
+	for i, id := range engineIDs("u"+name, contract.DefaultPartitions, 0, updateEngines) {
 		r.engines = append(r.engines, newSynthEngine(id, s.model.Name, prompt, uint64(prompt+i)))
 	}
 	var warm []kafka.Message
@@ -1023,12 +1048,71 @@ func (sr *saveReader) latencies(sent map[string]time.Time) []time.Duration {
 // pgbench's tps would carry at one single-row UPDATE per request update.
 func (s *schedBench) fleet(b *testing.B) {
 	bs := s.startScheduler(b, s.envs["fleet"])
+	best := s.fleetRamp(b, bs, "fleet", contract.DefaultPartitions)
+	s.fleetEngines = best
+	bs.checkClean(b)
+	if err := bs.stop(); err != nil { // its CPU is the replicas' next
+		b.Error(err)
+	}
+}
+
+// fleetReplicas ramps the fleet as fleet does against fleetReplicas
+// scheduler replicas of one consumer group on one database, the topics
+// with fleetReplicas times the partitions (one per consumer of every
+// replica), and reports engines against fleet's (one replica).
+func (s *schedBench) fleetReplicas(b *testing.B) {
+	if s.fleetEngines < 0 {
+		b.Skip("fleet_3_replicas needs fleet's figure (run it with fleet)")
+	}
+	env := s.envs["fleet3"]
+	partitions := fleetReplicas * contract.DefaultPartitions
+	reps := make([]*benchScheduler, fleetReplicas)
+	for i := range reps {
+		reps[i] = s.startSchedulerWith(b, env, partitions)
+	}
+	waitGroupStable(b, env.Brokers, fleetReplicas*app.DefaultConfig().Consumers)
+	best := s.fleetRamp(b, reps[0], "fleet3", partitions)
+	reps[0].checkClean(b)
+	b.ReportMetric(float64(best), "engines")
+	b.ReportMetric(float64(s.fleetEngines), "baseline_engines")
+	b.ReportMetric(float64(fleetReplicas), "replicas")
+}
+
+// waitGroupStable waits until the scheduler's consumer group is stable
+// with members members, so that no rebalance starts inside a stage.
+func waitGroupStable(b *testing.B, brokers []string, members int) {
+	b.Helper()
+	transport := &kafka.Transport{}
+	defer transport.CloseIdleConnections()
+	client := &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport}
+	ctx := context.Background()
+	var last string
+	err := poll(ctx, benchWait, 100*time.Millisecond, func() (bool, error) {
+		resp, err := client.DescribeGroups(ctx, &kafka.DescribeGroupsRequest{GroupIDs: []string{app.GroupID}})
+		if err != nil || len(resp.Groups) != 1 {
+			last = fmt.Sprint(err)
+			return false, nil
+		}
+		g := resp.Groups[0]
+		last = fmt.Sprintf("%s with %d members", g.GroupState, len(g.Members))
+		return g.Error == nil && g.GroupState == "Stable" && len(g.Members) == members, nil
+	})
+	if err != nil {
+		b.Fatalf("consumer group %s not stable with %d members (%s): %v", app.GroupID, members, last, err)
+	}
+}
+
+// fleetRamp runs fleet's ramp of engines (ids from prefix, spread over
+// partitions) producing through bs and measuring through bs's pool, and
+// reports its figures (engines against pgbench's) on b; it returns the
+// most engines kept up with.
+func (s *schedBench) fleetRamp(b *testing.B, bs *benchScheduler, prefix string, partitions int) int {
 	var engines []*synthEngine
 	updates, steps := 0, 0
 	stage := func(n int) bool {
 		if n > len(engines) {
 			var fill []kafka.Message
-			for i, id := range engineIDs("fleet", len(engines), n-len(engines)) {
+			for i, id := range engineIDs(prefix, partitions, len(engines), n-len(engines)) {
 				e := newSynthEngine(id, s.model.Name, 2048, uint64(1000+len(engines)+i))
 				fill = append(fill, e.encode(e.fill())...)
 				engines = append(engines, e)
@@ -1125,14 +1209,18 @@ func (s *schedBench) fleet(b *testing.B) {
 	if failed == 0 {
 		b.Logf("fleet: kept up with the most engines tried (%d)", fleetMax)
 	}
-	bs.checkClean(b)
 	perEngine := float64(updates) / float64(steps) * synthStepRate
 	tps := s.pgbenchTPS(b)
-	b.ReportMetric(float64(best), "engines")
-	b.ReportMetric(tps/perEngine, "baseline_engines")
+	if prefix == "fleet" {
+		b.ReportMetric(float64(best), "engines")
+		b.ReportMetric(tps/perEngine, "baseline_engines")
+	} else {
+		b.ReportMetric(tps/perEngine, "pgbench_engines")
+	}
 	b.ReportMetric(perEngine, "updates/s/engine")
 	b.ReportMetric(perEngine*float64(best), "updates/s")
 	b.ReportMetric(tps, "pgbench_tps")
+	return best
 }
 
 // slope is the least-squares slope of the points xy takes from samples (0
@@ -1155,11 +1243,11 @@ func slope[T any](samples []T, xy func(T) (float64, float64)) float64 {
 }
 
 // engineIDs returns n engine ids, the i-th (counting from first) on
-// partition i mod contract.DefaultPartitions of the engine-steps topic
-// under the producers' key balancer, so that engines spread evenly over
-// the scheduler's consumers.
-func engineIDs(prefix string, first, n int) []string {
-	parts := make([]int, contract.DefaultPartitions)
+// partition i mod partitions of the engine-steps topic under the
+// producers' key balancer, so that engines spread evenly over the
+// scheduler's consumers.
+func engineIDs(prefix string, partitions, first, n int) []string {
+	parts := make([]int, partitions)
 	for i := range parts {
 		parts[i] = i
 	}

@@ -61,8 +61,16 @@ const (
 	insertProcessedSet = `INSERT INTO processed_records (kind, engine_id, request_id, id)
 		SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[])
 		ON CONFLICT DO NOTHING RETURNING kind, engine_id, request_id, id`
-	lockTrackers = `SELECT t.engine_id, t.request_id, t.tracker, t.extras, t.last_seq, t.parts, t.created_at
-		FROM trackers t JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON t.engine_id = k.e AND t.request_id = k.r
+	// lockTrackers locks the rows and reads them, except the tracker,
+	// extras and parts of a row still at the version ($3, its xmin) the
+	// caller holds decoded (-1: none held): those come back NULL.
+	lockTrackers = `SELECT t.engine_id, t.request_id,
+		    CASE WHEN t.xmin::text::bigint = k.x THEN NULL ELSE t.tracker END,
+		    CASE WHEN t.xmin::text::bigint = k.x THEN NULL ELSE t.extras END,
+		    t.last_seq,
+		    CASE WHEN t.xmin::text::bigint = k.x THEN NULL ELSE t.parts END,
+		    t.created_at, t.xmin::text::bigint
+		FROM trackers t JOIN unnest($1::text[], $2::text[], $3::bigint[]) AS k(e, r, x) ON t.engine_id = k.e AND t.request_id = k.r
 		ORDER BY t.engine_id, t.request_id FOR UPDATE OF t`
 	insertTrackers = `INSERT INTO trackers (engine_id, request_id, model, state, tracker, extras, parts)
 		SELECT e, r, $3, $4, $5::jsonb, $6::jsonb, $7::jsonb FROM unnest($1::text[], $2::text[]) AS k(e, r)
@@ -81,7 +89,8 @@ const (
 		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[],
 		            $8::text[], $9::text[], $10::bool[], $11::timestamptz[])
 		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline)
-		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id`
+		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id
+		RETURNING t.engine_id, t.request_id, t.xmin::text::bigint`
 	selectTokens = `SELECT t.engine_id, t.request_id, t.tokens
 		FROM tracker_tokens t JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON t.engine_id = k.e AND t.request_id = k.r`
 	upsertTokens = `INSERT INTO tracker_tokens (engine_id, request_id, tokens)
@@ -106,6 +115,9 @@ type loaded struct {
 	old   *parts // what the segments hold (empty for a legacy row)
 	dirty bool
 	next  *parts // after a store
+	// xmin is the row version the transaction leaves (its xmin: the
+	// transaction's id once stored, else the version locked).
+	xmin int64
 }
 
 // batchTx is the state of one ApplyBatch transaction.
@@ -114,6 +126,9 @@ type batchTx struct {
 	tx     pgx.Tx
 	reqs   map[Key]*loaded
 	misses []*loaded
+	// held are the decoded requests taken from the cache for the rows
+	// being locked, with the version each was decoded at.
+	held map[Key]*cachedParts
 	// deadline is the deadline the batch gives the load waits it stores.
 	deadline time.Time
 }
@@ -137,7 +152,7 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 		return nil, fmt.Errorf("ledger: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}}
+	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}, held: map[Key]*cachedParts{}}
 	applied, err := b.lock(ctx, units, fresh)
 	if err != nil {
 		return nil, err
@@ -170,7 +185,7 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 		if r.next != nil {
 			p = r.next
 		}
-		l.cache.put(r.key, r.born, p)
+		l.cache.put(r.key, r.born, p, r.xmin, r.req)
 	}
 	return statuses, nil
 }
@@ -218,7 +233,7 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 	batch := &pgx.Batch{}
 	batch.Queue(insertProcessedSet, kinds, engines, requests, ids)
 	ke, kr := keyArrays(keys)
-	batch.Queue(lockTrackers, ke, kr)
+	batch.Queue(lockTrackers, ke, kr, b.take(ke, kr))
 	br := b.tx.SendBatch(ctx, batch)
 	newIDs, err := scanProcessed(br)
 	if err == nil {
@@ -244,6 +259,31 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 		applied[i] = newIDs[units[i].Record.id()]
 	}
 	return applied, nil
+}
+
+// take takes from the cache the decoded requests of the keys (engines[i],
+// requests[i]) and returns the versions they were decoded at, -1 where
+// none is cached. A taken request is this transaction's alone: applied
+// and put back after the commit, or dropped with a rollback.
+func (b *batchTx) take(engines, requests []string) []int64 {
+	xs := noVersions(len(engines))
+	for i := range engines {
+		k := Key{EngineID: engines[i], RequestID: requests[i]}
+		if e := b.l.cache.take(k); e != nil {
+			b.held[k] = e
+			xs[i] = e.xmin
+		}
+	}
+	return xs
+}
+
+// noVersions is n versions that match no row.
+func noVersions(n int) []int64 {
+	xs := make([]int64, n)
+	for i := range xs {
+		xs[i] = -1
+	}
+	return xs
 }
 
 // keyArrays returns the keys as two parallel arrays in key order.
@@ -292,10 +332,17 @@ func (b *batchTx) scanLocked(br pgx.BatchResults) error {
 	}
 	var k Key
 	var tb, xb, pb []byte
-	var seq int64
+	var seq, xmin int64
 	var created time.Time
-	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &tb, &xb, &seq, &pb, &created}, func() error {
-		return b.adopt(k, tb, xb, seq, pb, created)
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &tb, &xb, &seq, &pb, &created, &xmin}, func() error {
+		if tb == nil {
+			return b.adoptHeld(k, seq, created, xmin)
+		}
+		if err := b.adopt(k, tb, xb, seq, pb, created); err != nil {
+			return err
+		}
+		b.reqs[k].xmin = xmin
+		return nil
 	})
 	if err != nil {
 		return fmt.Errorf("ledger: lock: %w", err)
@@ -336,6 +383,20 @@ func (b *batchTx) adopt(k Key, tb, xb []byte, seq int64, pb []byte, created time
 	return nil
 }
 
+// adoptHeld takes the locked row of k as the cache held it: the row is at
+// the version it was decoded at (lockTrackers sent no tracker).
+func (b *batchTx) adoptHeld(k Key, seq int64, created time.Time, xmin int64) error {
+	e := b.held[k]
+	born := created.UnixMicro()
+	if e == nil || e.req == nil || e.born != born || e.xmin != xmin || e.req.LastSeq != seq {
+		return fmt.Errorf("ledger: %s/%s: row at version %d sent without its tracker, which is not held: %w", k.EngineID, k.RequestID, xmin, ErrPartsCorrupt)
+	}
+	r := &loaded{key: k, req: e.req, born: born, old: e.parts, xmin: xmin}
+	e.parts.install(r.req)
+	b.reqs[k] = r
+	return nil
+}
+
 // create inserts the missing rows (fresh trackers) and locks them.
 func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	if len(missing) == 0 {
@@ -353,7 +414,7 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	ke, kr := keyArrays(missing)
 	batch := &pgx.Batch{}
 	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, string(fresh.State()), string(tb), string(xb), string(pb))
-	batch.Queue(lockTrackers, ke, kr)
+	batch.Queue(lockTrackers, ke, kr, noVersions(len(ke)))
 	br := b.tx.SendBatch(ctx, batch)
 	_, err = br.Exec()
 	if err != nil {
@@ -589,7 +650,12 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 		}
 	}
 	if batch.Len() > 0 {
-		if err := b.tx.SendBatch(ctx, batch).Close(); err != nil {
+		br := b.tx.SendBatch(ctx, batch)
+		err := b.scanStored(br, w.rows())
+		if cerr := br.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+		if err != nil {
 			return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
 		}
 	}
@@ -599,6 +665,27 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 		}
 	}
 	return nil
+}
+
+// scanStored reads the versions updateTrackers (queued first when n > 0)
+// gave the n stored rows.
+func (b *batchTx) scanStored(br pgx.BatchResults, n int) error {
+	if n == 0 {
+		return nil
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return err
+	}
+	var k Key
+	var xmin int64
+	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &xmin}, func() error {
+		if r := b.reqs[k]; r != nil {
+			r.xmin = xmin
+		}
+		return nil
+	})
+	return err
 }
 
 // valueBytes sums the messages' value sizes.

@@ -270,6 +270,14 @@ func smallJSON(req *requeststate.Request, meta *PartsMeta) (tracker, extras []by
 // reads only the small row. An entry is used only while its meta equals
 // the row's (and the row is the same incarnation), so any writer — another
 // consumer, another replica — invalidates it by changing the row.
+//
+// An entry also keeps the request itself, decoded, with the row version
+// (xmin) it was stored at: while the row is still at that version, the
+// lock reads neither its tracker nor its extras, and nothing is decoded.
+// Any write of the row, by anyone, changes its xmin. A transaction takes
+// the request out of the cache (take) and puts its new state back after
+// its commit, so no two transactions hold one request object and a
+// rolled-back change is never seen.
 type partsCache struct {
 	mu      sync.Mutex
 	max     int
@@ -280,6 +288,9 @@ type partsCache struct {
 type cachedParts struct {
 	born  int64 // the row's created_at, in µs: one incarnation of the key
 	parts *parts
+	// xmin is the row version req was stored at; req is nil once taken.
+	xmin int64
+	req  *requeststate.Request
 }
 
 // DefaultPartsCacheEntries bounds the parts cache (requests).
@@ -300,14 +311,29 @@ func (c *partsCache) get(k Key, born int64, meta *PartsMeta) *parts {
 	return e.parts
 }
 
-// put records k's parts after a commit.
-func (c *partsCache) put(k Key, born int64, p *parts) {
+// take returns k's entry with its decoded request, which it leaves the
+// cache without (nil: none cached).
+func (c *partsCache) take(k Key) *cachedParts {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e := c.entries[k]
+	if e == nil || e.req == nil {
+		return nil
+	}
+	out := *e
+	e.req = nil
+	return &out
+}
+
+// put records k's parts, and its request as stored at row version xmin,
+// after a commit.
+func (c *partsCache) put(k Key, born int64, p *parts, xmin int64, req *requeststate.Request) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.entries[k]; !ok {
 		c.order = append(c.order, k)
 	}
-	c.entries[k] = &cachedParts{born: born, parts: p}
+	c.entries[k] = &cachedParts{born: born, parts: p, xmin: xmin, req: req}
 	for len(c.entries) > c.max && len(c.order) > 0 {
 		delete(c.entries, c.order[0])
 		c.order = c.order[1:]

@@ -1,0 +1,1 @@
+ALTER TABLE trackers RESET (fillfactor);
