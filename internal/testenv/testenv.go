@@ -10,9 +10,13 @@
 // KVMESH_REQUIRE_SERVICES=1 (set by `make test` and CI), in which case it
 // fails: CI never passes by skipping the tests that need real parts.
 //
+// Benchmarks read the CPU time of processes from the kernel with it
+// (ProcessCPU, PostgresCPU, RedisCPU, MachineCPU, CPUMeter).
+//
 // Only tests import this package. Besides the standard library it depends
-// on the Redis client and OpenTelemetry (with the OTLP protobuf types) only,
-// never on kvmesh packages, so that any package's tests may import it.
+// on the Redis and PostgreSQL (pgx) clients and OpenTelemetry (with the
+// OTLP protobuf types) only, never on kvmesh packages, so that any
+// package's tests may import it.
 package testenv
 
 import (

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -123,12 +124,24 @@ type loadSlot struct {
 // benchStreams sub-batches of at most benchChunkBytes at once; so do the
 // raw GETs) in the same run; load/raw is the load's throughput as a
 // fraction of raw.
+//
+// It also reports the CPU each side spends per GiB of block bytes loaded,
+// read from the kernel around every timed part: cpu_s/GiB is the load's —
+// this test process (the gpuworker, the embedded broker, and the test's own
+// task producer and result consumer), the whole PostgreSQL server and the
+// Redis server — and raw_cpu_s/GiB the baseline's — this process (the
+// go-redis client) and the Redis server; cpu/raw is their ratio. The load's
+// parts are reported too (self_, pg_, redis_cpu_s/GiB), and machine_busy is
+// the machine's busy fraction over the benchmark (other work on a shared
+// machine shows there, and in the servers' figures, which count every
+// client's work).
 func BenchmarkLoad(b *testing.B) {
 	env := servicetest.NewEnv(b)
 	rs := watchResults(b, env)
 	p := publisher(b, env)
 	rdb := redisClient(b, env.RedisURL)
 	ctx := context.Background()
+	meter := loadMeter(b, env)
 	for _, bs := range benchSizes {
 		// Set up once per size: b.Run calls its function once per b.N tried.
 		w := benchWorker(b, env, bs.size)
@@ -146,13 +159,18 @@ func BenchmarkLoad(b *testing.B) {
 		}
 		valueSize := bs.size + dataplane.ValueOverhead(len(w.model.Fingerprint()))
 		b.Run(bs.name, func(b *testing.B) {
+			cpu, rawCPU := testenv.CPUReading{}, testenv.CPUReading{}
+			machine := startMachineCPU(b)
 			b.SetBytes(benchBatchBytes / loadSlots)
 			b.ResetTimer()
 			var loaded, raw time.Duration
 			for lo := 0; lo < b.N; lo += loadRound {
 				ops := min(loadRound, b.N-lo)
+				before := readCPU(b, meter)
 				loaded += loadStream(b, w, p, rs, slots, per, ops)
+				cpu.Add(before, readCPU(b, meter))
 				b.StopTimer() // MB/s is the load's alone
+				before = readCPU(b, meter)
 				start := time.Now()
 				for i := range ops {
 					if err := rawGet(ctx, rdb, slots[i%loadSlots].keys, valueSize); err != nil {
@@ -160,9 +178,14 @@ func BenchmarkLoad(b *testing.B) {
 					}
 				}
 				raw += time.Since(start)
+				rawCPU.Add(before, readCPU(b, meter))
 				b.StartTimer()
 			}
+			b.StopTimer()
 			reportRatio(b, "load", benchBatchBytes/loadSlots, loaded, raw)
+			delete(rawCPU, "pg") // the baseline is the client and Redis
+			reportCPU(b, float64(b.N)*benchBatchBytes/loadSlots, cpu, rawCPU)
+			machine()
 		})
 	}
 }
@@ -265,4 +288,60 @@ func reportRatio(b *testing.B, what string, perOp int, kvmesh, raw time.Duration
 	b.ReportMetric(mb/kvmesh.Seconds(), what+"_MiB/s")
 	b.ReportMetric(mb/raw.Seconds(), "raw_MiB/s")
 	b.ReportMetric(raw.Seconds()/kvmesh.Seconds(), what+"/raw")
+}
+
+// loadMeter reads the CPU of every process a load uses: this process
+// (self: the gpuworker, the broker, the test's clients), the PostgreSQL
+// server (pg) and the Redis server.
+func loadMeter(b *testing.B, env *servicetest.Env) testenv.CPUMeter {
+	b.Helper()
+	ctx := context.Background()
+	pg, err := testenv.PostgresCPUFunc(ctx, env.DatabaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rd, err := testenv.RedisCPUFunc(ctx, env.RedisURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return testenv.CPUMeter{"self": testenv.SelfCPU, "pg": pg, "redis": rd}
+}
+
+// readCPU reads meter, failing b on an error.
+func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
+	b.Helper()
+	r, err := meter.Read()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
+// reportCPU reports the CPU seconds per GiB of bytes moved of the load
+// (cpu, each of its parts too) and of the baseline (raw), and their ratio.
+func reportCPU(b *testing.B, bytes float64, cpu, raw testenv.CPUReading) {
+	gib := bytes / (1 << 30)
+	for name, d := range cpu {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
+	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
+	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
+}
+
+// startMachineCPU starts watching the machine's busy fraction; the
+// function it returns reports it (machine_busy, 0–1).
+func startMachineCPU(b *testing.B) func() {
+	b.Helper()
+	busy0, total0, err := testenv.MachineCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		busy, total, err := testenv.MachineCPU()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
+	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
@@ -38,6 +39,18 @@ const (
 // the same run. Stored keys are deleted (UNLINK) as each task or pipeline
 // completes, on both sides, so the store never fills. Metrics: MB/s (the
 // stream's), raw_set_MB/s and ratio_vs_raw_set.
+//
+// It also reports the CPU each side spends per GiB of block bytes stored,
+// read from the kernel around every timed part (see saveMeter):
+// cpu_s/GiB is the stream's — this test process (the sender, the embedded
+// broker, and the test's own task producer and result consumer), the
+// gpuworker subprocess, the whole PostgreSQL server and the Redis server —
+// and raw_cpu_s/GiB the baseline's — this process (the go-redis client)
+// and the Redis server; cpu/raw is their ratio. The stream's parts are
+// reported too (self_, gpuworker_, pg_, redis_cpu_s/GiB), and machine_busy
+// is the machine's busy fraction over the benchmark (other work on a
+// shared machine shows there, and in the servers' figures, which count
+// every client's work).
 func BenchmarkSaveThroughput(b *testing.B) {
 	for _, size := range []int{256 << 10, 1 << 20, 2 << 20} {
 		b.Run(sizeName(size), func(b *testing.B) {
@@ -76,20 +89,88 @@ const saveRound = 8 * benchInFlight
 func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 	rdb := newRawClient(b, s.redis)
 	run := randHex(4) // request ids differ between the framework's runs
+	meter := s.saveMeter(b)
+	cpu, rawCPU := testenv.CPUReading{}, testenv.CPUReading{}
+	machine := startMachineCPU(b)
 	b.SetBytes(int64(benchChunks * size))
 	b.ResetTimer()
 	var busy, rawBusy time.Duration
 	for lo := 0; lo < b.N; lo += saveRound {
 		n := min(saveRound, b.N-lo)
-		busy += s.saveStream(b, rdb, slots, run+"-"+strconv.Itoa(lo), n)
+		busy += s.saveStream(b, rdb, slots, run+"-"+strconv.Itoa(lo), n, meter, cpu)
 		b.StopTimer() // MB/s is the stream's alone
-		rawBusy += rawSetStream(b, rdb, n, size)
+		rawBusy += rawSetStream(b, rdb, n, size, meter, rawCPU)
 		b.StartTimer()
 	}
 	b.StopTimer()
 	mb := float64(b.N*benchChunks*size) / 1e6
 	b.ReportMetric(mb/rawBusy.Seconds(), "raw_set_MB/s")
 	b.ReportMetric(rawBusy.Seconds()/busy.Seconds(), "ratio_vs_raw_set")
+	// The baseline is the client and Redis: the mesh's idle processes are
+	// not its cost.
+	delete(rawCPU, "gpuworker")
+	delete(rawCPU, "pg")
+	reportCPU(b, float64(b.N*benchChunks*size), cpu, rawCPU)
+	machine()
+}
+
+// saveMeter reads the CPU of every process a save uses: this process
+// (self: the sender, the broker, the test's clients), the gpuworker
+// subprocess, the PostgreSQL server (pg) and the Redis server.
+func (s *stack) saveMeter(b *testing.B) testenv.CPUMeter {
+	b.Helper()
+	ctx := context.Background()
+	pg, err := testenv.PostgresCPUFunc(ctx, s.env.DatabaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rd, err := testenv.RedisCPUFunc(ctx, s.redis)
+	if err != nil {
+		b.Fatal(err)
+	}
+	s.mu.Lock()
+	worker := s.procs["e1"].cmd.Process.Pid
+	s.mu.Unlock()
+	return testenv.CPUMeter{"self": testenv.SelfCPU, "gpuworker": testenv.ProcessCPUFunc(worker), "pg": pg, "redis": rd}
+}
+
+// readCPU reads meter, failing b on an error.
+func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
+	b.Helper()
+	r, err := meter.Read()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
+// reportCPU reports the CPU seconds per GiB of bytes moved of the stream
+// (cpu, each of its parts too) and of the baseline (raw), and their ratio.
+func reportCPU(b *testing.B, bytes float64, cpu, raw testenv.CPUReading) {
+	gib := bytes / (1 << 30)
+	for name, d := range cpu {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
+	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
+	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
+}
+
+// startMachineCPU starts watching the machine's busy fraction; the
+// function it returns reports it (machine_busy, 0–1).
+func startMachineCPU(b *testing.B) func() {
+	b.Helper()
+	busy0, total0, err := testenv.MachineCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		busy, total, err := testenv.MachineCPU()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
+	}
 }
 
 // saveStream streams n tasks, benchInFlight at once: each in-flight slot
@@ -98,7 +179,7 @@ func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 // pipeline of rawSetStream. Tasks, records and keys are built before the
 // clock starts. It returns the time from the first publish to the last
 // result.
-func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, run string, n int) time.Duration {
+func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, run string, n int, meter testenv.CPUMeter, cpu testenv.CPUReading) time.Duration {
 	b.Helper()
 	work := make([][]slotTask, benchInFlight) // each slot's tasks, in order
 	for i := range n {
@@ -108,6 +189,7 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 	}
 	ctx := context.Background()
 	var g errgroup.Group
+	before := readCPU(b, meter)
 	start := time.Now()
 	for _, tasks := range work {
 		g.Go(func() error {
@@ -122,7 +204,9 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 	if err := g.Wait(); err != nil {
 		b.Fatal(err)
 	}
-	return time.Since(start)
+	took := time.Since(start)
+	cpu.Add(before, readCPU(b, meter))
+	return took
 }
 
 // saveOne publishes one task, waits for its result (stored, within
@@ -153,7 +237,7 @@ type slotTask struct {
 // rawSetStream SETs (NX) the values of n tasks (benchChunks values of size
 // bytes each, one pipeline per task) benchInFlight pipelines at once, each
 // pipeline's keys unlinked as it completes, and returns the time taken.
-func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
+func rawSetStream(b *testing.B, rdb *redis.Client, n, size int, meter testenv.CPUMeter, cpu testenv.CPUReading) time.Duration {
 	b.Helper()
 	ctx := context.Background()
 	value := make([]byte, size)
@@ -161,6 +245,7 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
 	prefix := "bench-raw-" + randHex(4) + "-"
 	var g errgroup.Group
 	g.SetLimit(benchInFlight)
+	before := readCPU(b, meter)
 	start := time.Now()
 	for i := range n {
 		g.Go(func() error {
@@ -181,7 +266,9 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
 	if err := g.Wait(); err != nil {
 		b.Fatal(err)
 	}
-	return time.Since(start)
+	took := time.Since(start)
+	cpu.Add(before, readCPU(b, meter))
+	return took
 }
 
 // newRawClient is a go-redis client of url, closed when b ends.
