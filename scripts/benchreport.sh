@@ -42,6 +42,22 @@ figure() {
     b=BenchmarkLoad/${size%%:*}
     figure "load_${size#*:}" MiB/s "$b" load_MiB/s "$b" raw_MiB/s
   done
+  # CPU per GiB moved (s/GiB), read from the kernel around each timed part:
+  # a save — every process kvmesh uses to move the bytes (the test process
+  # with the sender, the broker and the test's producer and consumer; the
+  # gpuworker; the whole PostgreSQL server; Redis) — against raw SET of the
+  # same values (the client process and Redis) in the same run.
+  for size in 256KiB:256k 1MiB:1m; do
+    b=BenchmarkSaveThroughput/${size%%:*}/sender
+    figure "save_cpu_${size#*:}" s/GiB "$b" cpu_s/GiB "$b" raw_cpu_s/GiB
+  done
+  # A load — the test process with the gpuworker, the broker and the test's
+  # producer and consumer; the whole PostgreSQL server; Redis — against raw
+  # GET of the same values (the client process and Redis).
+  for size in 256KiB:256k 1MiB:1m; do
+    b=BenchmarkLoad/${size%%:*}
+    figure "load_cpu_${size#*:}" s/GiB "$b" cpu_s/GiB "$b" raw_cpu_s/GiB
+  done
   # The same on a Redis Cluster (3 masters + 3 replicas on loopback):
   # the store's Put and Get of 64 framed 1 MiB values spread over every
   # master, against a raw go-redis ClusterClient pipeline of SET NX / GET of

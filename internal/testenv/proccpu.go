@@ -95,22 +95,57 @@ func ProcessFamilyCPU(pid int) (time.Duration, error) {
 		return 0, err
 	}
 	total := s.utime + s.stime + s.cutime + s.cstime
-	dirs, err := filepath.Glob("/proc/[0-9]*")
+	children, err := childrenOf(pid)
 	if err != nil {
 		return 0, err
+	}
+	for _, child := range children {
+		cs, err := readProcStat(child)
+		if err != nil || cs.ppid != pid {
+			continue // gone meanwhile (its pid perhaps reused)
+		}
+		total += cs.utime + cs.stime
+	}
+	return total, nil
+}
+
+// childrenOf lists the live children of pid: from the children files of
+// its threads (/proc/<pid>/task/<tid>/children, cheap), else — a kernel
+// built without them — by scanning every process's parent.
+func childrenOf(pid int) ([]int, error) {
+	files, err := filepath.Glob("/proc/" + strconv.Itoa(pid) + "/task/[0-9]*/children")
+	if err != nil {
+		return nil, err
+	}
+	var out []int
+	if len(files) > 0 {
+		for _, f := range files {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				continue // the thread exited
+			}
+			for _, field := range strings.Fields(string(b)) {
+				if child, err := strconv.Atoi(field); err == nil {
+					out = append(out, child)
+				}
+			}
+		}
+		return out, nil
+	}
+	dirs, err := filepath.Glob("/proc/[0-9]*")
+	if err != nil {
+		return nil, err
 	}
 	for _, d := range dirs {
 		child, err := strconv.Atoi(filepath.Base(d))
 		if err != nil || child == pid {
 			continue
 		}
-		cs, err := readProcStat(child)
-		if err != nil || cs.ppid != pid {
-			continue // gone meanwhile, or not a child
+		if cs, err := readProcStat(child); err == nil && cs.ppid == pid {
+			out = append(out, child)
 		}
-		total += cs.utime + cs.stime
 	}
-	return total, nil
+	return out, nil
 }
 
 // PostgresPID is the pid of the postmaster of the PostgreSQL server at
@@ -144,6 +179,41 @@ func PostgresCPU(ctx context.Context, databaseURL string) (time.Duration, error)
 		return 0, err
 	}
 	return ProcessFamilyCPU(pid)
+}
+
+// PostgresDatabaseCPU returns a reader of the CPU time the backends of
+// databaseURL's database have used (every connection to that database, its
+// own included, live at the time of each read), and a function that closes
+// its connection. Unlike PostgresCPU it leaves out other databases' work —
+// other tests' on a shared server — and the server's shared background
+// processes (WAL writer, checkpointer), and it misses a backend that exited
+// between two reads; it suits benchmarks whose services keep their
+// connections.
+func PostgresDatabaseCPU(ctx context.Context, databaseURL string) (func() (time.Duration, error), func(), error) {
+	conn, err := pgx.Connect(ctx, databaseURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	read := func() (time.Duration, error) {
+		rows, err := conn.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+		if err != nil {
+			return 0, err
+		}
+		pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return 0, err
+		}
+		var total time.Duration
+		for _, pid := range pids {
+			d, err := ProcessCPU(int(pid))
+			if err != nil {
+				continue // exited meanwhile
+			}
+			total += d
+		}
+		return total, nil
+	}
+	return read, func() { _ = conn.Close(context.Background()) }, nil
 }
 
 // RedisPID is the pid of the Redis server c talks to (INFO server

@@ -93,4 +93,26 @@ func TestServerCPU(t *testing.T) {
 	if pg <= 0 || rd <= 0 {
 		t.Fatalf("PostgreSQL %v, Redis %v: running servers have used some CPU", pg, rd)
 	}
+	db, closeDB, err := testenv.PostgresDatabaseCPU(ctx, testenv.DatabaseURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeDB()
+	before, err := db()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Work of this database's backends: its own reads, repeated.
+	for range 200 {
+		if _, err := db(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	after, err := db()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after < before {
+		t.Fatalf("database CPU went back from %v to %v", before, after)
+	}
 }

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -123,12 +124,29 @@ type loadSlot struct {
 // benchStreams sub-batches of at most benchChunkBytes at once; so do the
 // raw GETs) in the same run; load/raw is the load's throughput as a
 // fraction of raw.
+//
+// It also reports the CPU each side spends per GiB of block bytes loaded,
+// read from the kernel around every timed part: cpu_s/GiB is the load's —
+// this test process (the gpuworker, the embedded broker, and the test's own
+// task producer and result consumer), the PostgreSQL backends of the
+// benchmark's own database and the benchmark's own Redis server — and
+// raw_cpu_s/GiB the baseline's — this process (the go-redis client) and
+// that Redis server; cpu/raw is their ratio. The parts are reported too
+// (self_, pg_, redis_cpu_s/GiB; raw_self_, raw_redis_cpu_s/GiB), and apart,
+// not in cpu_s/GiB, the whole PostgreSQL server's during the load
+// (pg_server_cpu_s/GiB, every other test's work on it included).
+// machine_busy is the machine's busy fraction over the benchmark: on a busy
+// shared machine every figure grows with contention.
 func BenchmarkLoad(b *testing.B) {
 	env := servicetest.NewEnv(b)
+	// A Redis server of its own: the shared one serves other tests, whose
+	// work would count in the CPU figures.
+	env.RedisURL = testenv.StartRedis(b).URL()
 	rs := watchResults(b, env)
 	p := publisher(b, env)
 	rdb := redisClient(b, env.RedisURL)
 	ctx := context.Background()
+	meter, server := loadMeter(b, env)
 	for _, bs := range benchSizes {
 		// Set up once per size: b.Run calls its function once per b.N tried.
 		w := benchWorker(b, env, bs.size)
@@ -146,13 +164,19 @@ func BenchmarkLoad(b *testing.B) {
 		}
 		valueSize := bs.size + dataplane.ValueOverhead(len(w.model.Fingerprint()))
 		b.Run(bs.name, func(b *testing.B) {
+			cpu, rawCPU, serverCPU := testenv.CPUReading{}, testenv.CPUReading{}, testenv.CPUReading{}
+			machine := startMachineCPU(b)
 			b.SetBytes(benchBatchBytes / loadSlots)
 			b.ResetTimer()
 			var loaded, raw time.Duration
 			for lo := 0; lo < b.N; lo += loadRound {
 				ops := min(loadRound, b.N-lo)
+				server0, before := readCPU(b, server), readCPU(b, meter)
 				loaded += loadStream(b, w, p, rs, slots, per, ops)
+				cpu.Add(before, readCPU(b, meter))
+				serverCPU.Add(server0, readCPU(b, server))
 				b.StopTimer() // MB/s is the load's alone
+				before = readCPU(b, meter)
 				start := time.Now()
 				for i := range ops {
 					if err := rawGet(ctx, rdb, slots[i%loadSlots].keys, valueSize); err != nil {
@@ -160,9 +184,14 @@ func BenchmarkLoad(b *testing.B) {
 					}
 				}
 				raw += time.Since(start)
+				rawCPU.Add(before, readCPU(b, meter))
 				b.StartTimer()
 			}
+			b.StopTimer()
 			reportRatio(b, "load", benchBatchBytes/loadSlots, loaded, raw)
+			delete(rawCPU, "pg") // the baseline is the client and Redis
+			reportCPU(b, float64(b.N)*benchBatchBytes/loadSlots, cpu, rawCPU, serverCPU)
+			machine()
 		})
 	}
 }
@@ -204,11 +233,16 @@ func waitLoad(b *testing.B, rs *results, id string) {
 
 // BenchmarkPut measures the data plane's put (pool → framed values in
 // Redis) next to raw pipelined Redis SET NXs of the same framed values at
-// the same parallelism, both into absent keys.
+// the same parallelism, both into absent keys. Its CPU figures are as
+// BenchmarkLoad's: this process (the worker, and the test's data-plane
+// client) and Redis (and PostgreSQL, idle here) for the put; this process
+// (the go-redis client) and Redis for the raw SETs.
 func BenchmarkPut(b *testing.B) {
 	env := servicetest.NewEnv(b)
+	env.RedisURL = testenv.StartRedis(b).URL() // as BenchmarkLoad's
 	rdb := redisClient(b, env.RedisURL)
 	ctx := context.Background()
+	meter, server := loadMeter(b, env)
 	for _, bs := range benchSizes {
 		// Set up once per size: b.Run calls its function once per b.N tried.
 		w := benchWorker(b, env, bs.size)
@@ -233,6 +267,7 @@ func BenchmarkPut(b *testing.B) {
 		}
 		b.Run(bs.name, func(b *testing.B) {
 			var raw, put time.Duration
+			cpu, rawCPU, serverCPU := testenv.CPUReading{}, testenv.CPUReading{}, testenv.CPUReading{}
 			b.SetBytes(benchBatchBytes)
 			b.ResetTimer()
 			for range b.N {
@@ -241,19 +276,28 @@ func BenchmarkPut(b *testing.B) {
 				if err := rdb.Del(ctx, append(slices.Clone(rawKeys), putKeys...)...).Err(); err != nil {
 					b.Fatal(err)
 				}
+				before := readCPU(b, meter)
 				start := time.Now()
 				if err := rawSet(ctx, rdb, rawKeys, values); err != nil {
 					b.Fatal(err)
 				}
 				raw += time.Since(start)
+				mid := readCPU(b, meter)
+				rawCPU.Add(before, mid)
+				server0 := readCPU(b, server)
 				start = time.Now()
 				res, _, err := w.client.Put(ctx, items)
 				if err != nil || res[n-1].Status != dataplane.PutStored {
 					b.Fatalf("put: %v %+v", err, res[n-1])
 				}
 				put += time.Since(start)
+				cpu.Add(mid, readCPU(b, meter))
+				serverCPU.Add(server0, readCPU(b, server))
 			}
+			b.StopTimer()
 			reportRatio(b, "put", benchBatchBytes, put, raw)
+			delete(rawCPU, "pg")
+			reportCPU(b, float64(b.N)*benchBatchBytes, cpu, rawCPU, serverCPU)
 		})
 	}
 }
@@ -265,4 +309,74 @@ func reportRatio(b *testing.B, what string, perOp int, kvmesh, raw time.Duration
 	b.ReportMetric(mb/kvmesh.Seconds(), what+"_MiB/s")
 	b.ReportMetric(mb/raw.Seconds(), "raw_MiB/s")
 	b.ReportMetric(raw.Seconds()/kvmesh.Seconds(), what+"/raw")
+}
+
+// loadMeter reads the CPU of every process a load uses: this process
+// (self: the gpuworker, the broker, the test's clients), the PostgreSQL
+// backends of the benchmark's database (pg) and the benchmark's own Redis
+// server; and, apart (pg_server), the whole PostgreSQL server's, which
+// other tests share.
+func loadMeter(b *testing.B, env *servicetest.Env) (meter, server testenv.CPUMeter) {
+	b.Helper()
+	ctx := context.Background()
+	pg, closePG, err := testenv.PostgresDatabaseCPU(ctx, env.DatabaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(closePG)
+	pgServer, err := testenv.PostgresCPUFunc(ctx, env.DatabaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rd, err := testenv.RedisCPUFunc(ctx, env.RedisURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return testenv.CPUMeter{"self": testenv.SelfCPU, "pg": pg, "redis": rd}, testenv.CPUMeter{"pg_server": pgServer}
+}
+
+// readCPU reads meter, failing b on an error.
+func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
+	b.Helper()
+	r, err := meter.Read()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
+// reportCPU reports the CPU seconds per GiB of bytes moved of the load
+// (cpu, each of its parts too) and of the baseline (raw), and their ratio;
+// and, apart, the server-wide readings of info.
+func reportCPU(b *testing.B, bytes float64, cpu, raw, info testenv.CPUReading) {
+	gib := bytes / (1 << 30)
+	for name, d := range cpu {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	for name, d := range raw {
+		b.ReportMetric(d.Seconds()/gib, "raw_"+name+"_cpu_s/GiB")
+	}
+	for name, d := range info {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
+	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
+	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
+}
+
+// startMachineCPU starts watching the machine's busy fraction; the
+// function it returns reports it (machine_busy, 0–1).
+func startMachineCPU(b *testing.B) func() {
+	b.Helper()
+	busy0, total0, err := testenv.MachineCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		busy, total, err := testenv.MachineCPU()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
+	}
 }

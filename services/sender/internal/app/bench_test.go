@@ -13,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
@@ -38,6 +39,21 @@ const (
 // the same run. Stored keys are deleted (UNLINK) as each task or pipeline
 // completes, on both sides, so the store never fills. Metrics: MB/s (the
 // stream's), raw_set_MB/s and ratio_vs_raw_set.
+//
+// It also reports the CPU each side spends per GiB of block bytes stored,
+// read from the kernel around every timed part (see saveMeter):
+// cpu_s/GiB is the stream's — this test process (the sender, the embedded
+// broker, and the test's own task producer and result consumer), the
+// gpuworker subprocess, the PostgreSQL backends of the benchmark's own
+// database and the benchmark's own Redis server — and raw_cpu_s/GiB the
+// baseline's — this process (the go-redis client) and that Redis server;
+// cpu/raw is their ratio. The parts are reported too (self_, gpuworker_,
+// pg_, redis_cpu_s/GiB; raw_self_, raw_redis_cpu_s/GiB), and apart, not in
+// cpu_s/GiB, the whole PostgreSQL server's during the stream
+// (pg_server_cpu_s/GiB: with its WAL writer and checkpointer, and every
+// other test's work on the shared server). machine_busy is the machine's
+// busy fraction over the benchmark: on a busy shared machine every figure
+// grows with contention (caches, scheduling).
 func BenchmarkSaveThroughput(b *testing.B) {
 	for _, size := range []int{256 << 10, 1 << 20, 2 << 20} {
 		b.Run(sizeName(size), func(b *testing.B) {
@@ -76,20 +92,114 @@ const saveRound = 8 * benchInFlight
 func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 	rdb := newRawClient(b, s.redis)
 	run := randHex(4) // request ids differ between the framework's runs
+	meter, server := s.saveMeter(b)
+	cpu, rawCPU, serverCPU := testenv.CPUReading{}, testenv.CPUReading{}, testenv.CPUReading{}
+	machine := startMachineCPU(b)
 	b.SetBytes(int64(benchChunks * size))
 	b.ResetTimer()
 	var busy, rawBusy time.Duration
 	for lo := 0; lo < b.N; lo += saveRound {
 		n := min(saveRound, b.N-lo)
-		busy += s.saveStream(b, rdb, slots, run+"-"+strconv.Itoa(lo), n)
+		server0 := readCPU(b, server)
+		busy += s.saveStream(b, rdb, slots, run+"-"+strconv.Itoa(lo), n, meter, cpu)
+		serverCPU.Add(server0, readCPU(b, server))
 		b.StopTimer() // MB/s is the stream's alone
-		rawBusy += rawSetStream(b, rdb, n, size)
+		rawBusy += rawSetStream(b, rdb, n, size, meter, rawCPU)
 		b.StartTimer()
 	}
 	b.StopTimer()
 	mb := float64(b.N*benchChunks*size) / 1e6
 	b.ReportMetric(mb/rawBusy.Seconds(), "raw_set_MB/s")
 	b.ReportMetric(rawBusy.Seconds()/busy.Seconds(), "ratio_vs_raw_set")
+	// The baseline is the client and Redis: the mesh's idle processes are
+	// not its cost.
+	delete(rawCPU, "gpuworker")
+	delete(rawCPU, "pg")
+	reportCPU(b, float64(b.N*benchChunks*size), cpu, rawCPU, serverCPU)
+	machine()
+}
+
+// saveMeter reads the CPU of every process a save uses: this process
+// (self: the sender, the broker, the test's clients), the gpuworker
+// subprocess, the PostgreSQL backends of the benchmark's database (pg)
+// and the benchmark's own Redis server; and, apart (pg_server), the whole
+// PostgreSQL server's, which other tests share.
+func (s *stack) saveMeter(b *testing.B) (meter, server testenv.CPUMeter) {
+	b.Helper()
+	s.mu.Lock()
+	worker := s.procs["e1"].cmd.Process.Pid
+	s.mu.Unlock()
+	meter, server = serverMeters(b, s.env.DatabaseURL, s.redis)
+	meter["gpuworker"] = testenv.ProcessCPUFunc(worker)
+	return meter, server
+}
+
+// serverMeters is a CPUMeter of this process (self), the PostgreSQL
+// backends of databaseURL's database (pg) and the Redis server at redisURL
+// (redis), and one of the whole PostgreSQL server (pg_server).
+func serverMeters(b *testing.B, databaseURL, redisURL string) (meter, server testenv.CPUMeter) {
+	b.Helper()
+	ctx := context.Background()
+	pg, closePG, err := testenv.PostgresDatabaseCPU(ctx, databaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(closePG)
+	pgServer, err := testenv.PostgresCPUFunc(ctx, databaseURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rd, err := testenv.RedisCPUFunc(ctx, redisURL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return testenv.CPUMeter{"self": testenv.SelfCPU, "pg": pg, "redis": rd}, testenv.CPUMeter{"pg_server": pgServer}
+}
+
+// readCPU reads meter, failing b on an error.
+func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
+	b.Helper()
+	r, err := meter.Read()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
+// reportCPU reports the CPU seconds per GiB of bytes moved of the stream
+// (cpu, each of its parts too) and of the baseline (raw), and their ratio;
+// and, apart, the server-wide readings of info.
+func reportCPU(b *testing.B, bytes float64, cpu, raw, info testenv.CPUReading) {
+	gib := bytes / (1 << 30)
+	for name, d := range cpu {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	for name, d := range raw {
+		b.ReportMetric(d.Seconds()/gib, "raw_"+name+"_cpu_s/GiB")
+	}
+	for name, d := range info {
+		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
+	}
+	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
+	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
+	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
+}
+
+// startMachineCPU starts watching the machine's busy fraction; the
+// function it returns reports it (machine_busy, 0–1).
+func startMachineCPU(b *testing.B) func() {
+	b.Helper()
+	busy0, total0, err := testenv.MachineCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		busy, total, err := testenv.MachineCPU()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
+	}
 }
 
 // saveStream streams n tasks, benchInFlight at once: each in-flight slot
@@ -98,7 +208,7 @@ func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 // pipeline of rawSetStream. Tasks, records and keys are built before the
 // clock starts. It returns the time from the first publish to the last
 // result.
-func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, run string, n int) time.Duration {
+func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, run string, n int, meter testenv.CPUMeter, cpu testenv.CPUReading) time.Duration {
 	b.Helper()
 	work := make([][]slotTask, benchInFlight) // each slot's tasks, in order
 	for i := range n {
@@ -108,6 +218,7 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 	}
 	ctx := context.Background()
 	var g errgroup.Group
+	before := readCPU(b, meter)
 	start := time.Now()
 	for _, tasks := range work {
 		g.Go(func() error {
@@ -122,7 +233,9 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 	if err := g.Wait(); err != nil {
 		b.Fatal(err)
 	}
-	return time.Since(start)
+	took := time.Since(start)
+	cpu.Add(before, readCPU(b, meter))
+	return took
 }
 
 // saveOne publishes one task, waits for its result (stored, within
@@ -153,7 +266,7 @@ type slotTask struct {
 // rawSetStream SETs (NX) the values of n tasks (benchChunks values of size
 // bytes each, one pipeline per task) benchInFlight pipelines at once, each
 // pipeline's keys unlinked as it completes, and returns the time taken.
-func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
+func rawSetStream(b *testing.B, rdb *redis.Client, n, size int, meter testenv.CPUMeter, cpu testenv.CPUReading) time.Duration {
 	b.Helper()
 	ctx := context.Background()
 	value := make([]byte, size)
@@ -161,6 +274,7 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
 	prefix := "bench-raw-" + randHex(4) + "-"
 	var g errgroup.Group
 	g.SetLimit(benchInFlight)
+	before := readCPU(b, meter)
 	start := time.Now()
 	for i := range n {
 		g.Go(func() error {
@@ -181,7 +295,9 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int) time.Duration {
 	if err := g.Wait(); err != nil {
 		b.Fatal(err)
 	}
-	return time.Since(start)
+	took := time.Since(start)
+	cpu.Add(before, readCPU(b, meter))
+	return took
 }
 
 // newRawClient is a go-redis client of url, closed when b ends.
@@ -214,9 +330,12 @@ func benchStack(b *testing.B, size int) *stack {
 	// The worker runs as in production (info logs, not the tests' debug)
 	// with as many store streams as the raw baseline has pipelines: the
 	// same parallelism on both sides.
+	// A Redis server of its own: the shared one serves other tests, whose
+	// work would count in the benchmark's CPU figures.
 	return newStack(b, stackOptions{engines: []string{"e1"}, modelFile: path, poolBlocks: benchInFlight * benchChunks,
-		config:    func(c *app.Config) { c.Consumers, c.Concurrency = 2, benchInFlight/2 },
-		workerEnv: map[string]string{"KVMESH_STORE_STREAMS": strconv.Itoa(benchInFlight), "KVMESH_LOG_LEVEL": "info"}})
+		workerRedis: testenv.StartRedis(b).URL(),
+		config:      func(c *app.Config) { c.Consumers, c.Concurrency = 2, benchInFlight/2 },
+		workerEnv:   map[string]string{"KVMESH_STORE_STREAMS": strconv.Itoa(benchInFlight), "KVMESH_LOG_LEVEL": "info"}})
 }
 
 // BenchmarkDeadLetterMalformedTask measures the end-to-end cost of one

@@ -243,7 +243,8 @@ type stack struct {
 	got       *collector
 	sender    string // HTTP address
 	workers   map[string]*dataplane.Client
-	redis     string // the store both use unless a test says otherwise
+	procs     map[string]*process // each engine's gpuworker subprocess
+	redis     string              // the store both use unless a test says otherwise
 	store     kvstore.Store
 	written   map[string][]byte // "engine/group/block" → bytes written into the pool
 	noWrites  bool              // task() leaves the pool as it is
@@ -278,7 +279,7 @@ func newStack(t testing.TB, o stackOptions) *stack {
 		t.Fatal(err)
 	}
 	s := &stack{env: env, model: m, modelSpec: modelSpec, prefix: "t" + randHex(6), redis: env.RedisURL, got: &collector{},
-		workers: map[string]*dataplane.Client{}, written: map[string][]byte{}, pool: 64}
+		workers: map[string]*dataplane.Client{}, procs: map[string]*process{}, written: map[string][]byte{}, pool: 64}
 	if o.poolBlocks > 0 {
 		s.pool = o.poolBlocks
 	}
@@ -400,7 +401,7 @@ func (s *stack) workerEnv(engine string) map[string]string {
 // is registered and ready.
 func (s *stack) startWorker(t testing.TB, engine string) *dataplane.Client {
 	t.Helper()
-	startProcess(t, testenv.BuildBinary(t, "./services/gpuworker"), s.workerEnv(engine))
+	p := startProcess(t, testenv.BuildBinary(t, "./services/gpuworker"), s.workerEnv(engine))
 	var addr string
 	poll(t, "gpuworker "+engine+" registered", func() bool {
 		ws, err := registry.Find(context.Background(), s.db, engine, time.Minute)
@@ -415,6 +416,7 @@ func (s *stack) startWorker(t testing.TB, engine string) *dataplane.Client {
 	c := dataplane.NewClient(addr, hc)
 	s.mu.Lock()
 	s.workers[engine] = c
+	s.procs[engine] = p
 	s.mu.Unlock()
 	return c
 }
