@@ -26,3 +26,20 @@ func TestErrorTextIsBoundedAndStorable(t *testing.T) {
 		}
 	}
 }
+
+func TestOwnCommit(t *testing.T) {
+	for _, tc := range []struct {
+		self, payload string
+		want          bool
+	}{
+		{"kvmesh-sender", "kvmesh-sender", true},
+		{"kvmesh-sender", "kvmesh-scheduler", false},
+		{"kvmesh-sender", "", true}, // an unnamed session, or the trigger before 0012
+		{"", "kvmesh-scheduler", true},
+		{"", "", true},
+	} {
+		if got := ownCommit(tc.self, tc.payload); got != tc.want {
+			t.Errorf("ownCommit(%q, %q) = %v, want %v", tc.self, tc.payload, got, tc.want)
+		}
+	}
+}

@@ -15,11 +15,30 @@ import (
 // listener holds a dedicated connection (outside the pool, so it takes no
 // pool slot) that LISTENs on OutboxChannel. When it has no connection the
 // relay still works, by polling.
+//
+// A notification's payload names the session that committed the rows (its
+// application_name, migration 0012): the listener wakes for its own
+// service's commits and for unnamed ones, and lets other services' relays
+// answer theirs, so that one commit wakes one service's relays rather than
+// every relay of the mesh.
 type listener struct {
 	pool  *pgxpool.Pool
 	log   *slog.Logger
 	retry time.Duration // pause after losing the connection
 	conn  *pgx.Conn
+	self  string // the pool's application_name
+}
+
+// newListener is the listener of a relay on pool.
+func newListener(pool *pgxpool.Pool, log *slog.Logger, retry time.Duration) *listener {
+	return &listener{pool: pool, log: log, retry: retry, self: pool.Config().ConnConfig.RuntimeParams["application_name"]}
+}
+
+// ownCommit reports whether a notification with payload is for the relay
+// of application self: it names self, or nobody (a commit of a session
+// without a name, or of a database migrated before 0012).
+func ownCommit(self, payload string) bool {
+	return payload == "" || self == "" || payload == self
 }
 
 // ensure (re)connects and LISTENs if the listener has no connection. Rows
@@ -44,27 +63,32 @@ func (l *listener) ensure(ctx context.Context) {
 	l.conn = conn
 }
 
-// wait returns when a notification arrives, after d, or when ctx is done;
-// after losing its connection it returns within retry, so that the next
-// ensure reconnects.
-func (l *listener) wait(ctx context.Context, d time.Duration) {
+// wait returns when a notification of the relay's own commits arrives
+// (reporting true), after d, or when ctx is done; after losing its
+// connection it returns within retry, so that the next ensure reconnects.
+func (l *listener) wait(ctx context.Context, d time.Duration) bool {
 	if l.conn == nil {
 		_ = retry.Sleep(ctx, d) // a cancelled ctx ends the relay loop
-		return
+		return false
 	}
 	wctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
-	_, err := l.conn.WaitForNotification(wctx)
-	if err == nil {
-		l.drain()
-		return
+	for {
+		n, err := l.conn.WaitForNotification(wctx)
+		switch {
+		case err == nil && !ownCommit(l.self, n.Payload):
+			continue // another service's relays answer it
+		case err == nil:
+			l.drain()
+			return true
+		case ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded):
+			return false
+		}
+		l.log.WarnContext(ctx, "outbox relay: listen connection lost; reconnecting", "err", err)
+		l.close()
+		_ = retry.Sleep(ctx, min(l.retry, d))
+		return false
 	}
-	if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
-		return
-	}
-	l.log.WarnContext(ctx, "outbox relay: listen connection lost; reconnecting", "err", err)
-	l.close()
-	_ = retry.Sleep(ctx, min(l.retry, d))
 }
 
 // drain drops the notifications the connection has already received: they

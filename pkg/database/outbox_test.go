@@ -325,6 +325,30 @@ func TestConcurrentRelaysNeedNoPolling(t *testing.T) {
 	}
 }
 
+// TestRelayWakesForItsOwnService: a relay that never polls publishes at
+// once what its own service (application_name) commits, woken by the
+// notification that names it; what another service commits reaches the
+// bus through a relay's poll when none of that service's relays runs.
+func TestRelayWakesForItsOwnService(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	other, err := database.Connect(t.Context(), pool.Config().ConnString(), database.WithApplicationName("kvmesh-other"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	own := &fakePublisher{}
+	startRelay(t, pool, own, database.WithPollInterval(time.Hour))
+	enqueue(t, t.Context(), pool, msg("k", "own"))
+	waitFor(t, "the own service's row, without polling", func() bool { return len(own.published()) == 1 })
+	polled := &fakePublisher{}
+	startRelay(t, pool, polled, database.WithPollInterval(20*time.Millisecond))
+	enqueue(t, t.Context(), other, msg("k", "other"))
+	waitFor(t, "the other service's row, by a poll", func() bool {
+		return len(own.published())+len(polled.published()) == 2
+	})
+}
+
 func TestRelayWakesOnNotification(t *testing.T) {
 	t.Parallel()
 	pool := dbtest.NewPool(t)

@@ -31,9 +31,7 @@ const (
 )
 
 // relayLockKey is the transaction-scoped advisory lock that lets one relay
-// batch run at a time across all processes ("kvmesh.out" in ASCII). A
-// relay that finds it held claims nothing: every relay is woken by every
-// outbox notification, so the holder looks again once its batch is done.
+// batch run at a time across all processes ("kvmesh.out" in ASCII).
 const relayLockKey int64 = 0x6b766d6573682e6f
 
 // maxErrorText bounds the last_error text stored per row.
@@ -48,10 +46,14 @@ const maxErrorText = 2000
 //   - failed: failed_at set, with fail_reason and last_error; skipped by
 //     the relay until RetryFailed puts it back.
 const (
-	// claimBatch takes the batch lock if no other relay holds it and, only
-	// then, locks the oldest claimable rows; the volatile CTE runs once,
-	// before the rows are read.
-	claimBatch = `WITH batch_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($2) AS held)
+	// claimWaiting and claimTrying take the batch lock — waiting for it,
+	// or only if no other relay holds it — and, once held, lock the oldest
+	// claimable rows (claimRows); the volatile CTE runs once, before the
+	// rows are read.
+	claimWaiting = `WITH batch_lock AS MATERIALIZED (
+		    SELECT true AS held FROM (SELECT pg_advisory_xact_lock($2)) AS l)` + claimRows
+	claimTrying = `WITH batch_lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($2) AS held)` + claimRows
+	claimRows   = `
 		SELECT o.id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts
 		FROM outbox o, batch_lock
 		WHERE batch_lock.held AND o.sent_at IS NULL AND o.failed_at IS NULL
@@ -183,13 +185,14 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, opts ...RelayOption) *Relay {
 // failures are logged and retried with bounded exponential backoff; publish
 // failures are recorded per row (see Relay). Neither ends Run.
 func (r *Relay) Run(ctx context.Context) error {
-	l := &listener{pool: r.pool, log: r.log, retry: r.backoffMin}
+	l := newListener(r.pool, r.log, r.backoffMin)
 	defer l.close()
+	woken := false // the next batch answers a commit of this service's: it waits for the batch lock
 	for ctx.Err() == nil {
 		failures := 0
 		res, err := retry.Do(ctx, r.backoff(), func() (batchResult, error) {
 			l.ensure(ctx)
-			return r.relayBatch(ctx)
+			return r.relayBatch(ctx, woken)
 		}, func(err error, delay time.Duration) {
 			failures++
 			r.log.WarnContext(ctx, "outbox relay: batch failed; retrying", "err", err, "failures", failures, "delay", delay)
@@ -197,12 +200,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		switch {
 		case err != nil: // only when ctx ended
 		case res.claimed == r.batchSize: // more rows are likely waiting
+			woken = true
 		default:
 			wait := r.poll
 			if res.retryIn > 0 {
 				wait = min(wait, res.retryIn)
 			}
-			l.wait(ctx, wait)
+			woken = l.wait(ctx, wait)
 		}
 	}
 	return nil
@@ -246,18 +250,19 @@ type outcome struct {
 // relayBatch publishes one batch of pending rows and records every row's
 // outcome in the batch's transaction, in two round trips to PostgreSQL:
 // one that opens the transaction, takes the batch lock and claims the rows
-// (claim), and one that records the outcomes and commits (record). It
-// claims nothing, and returns no error, when another relay holds the batch
-// lock: that relay was woken by the same notifications and looks again
-// once its batch is done.
-func (r *Relay) relayBatch(ctx context.Context) (batchResult, error) {
+// (claim), and one that records the outcomes and commits (record). A batch
+// that answers this service's commits (wait) waits for the batch lock, so
+// that rows committed while another relay's batch ran go out right after
+// it; a polling batch claims nothing, and returns no error, when another
+// relay holds the lock.
+func (r *Relay) relayBatch(ctx context.Context, wait bool) (batchResult, error) {
 	pc, err := r.pool.Acquire(ctx)
 	if err != nil {
 		return batchResult{}, fmt.Errorf("acquire: %w", err)
 	}
 	defer pc.Release() // a connection left inside a transaction is closed, not reused
 	conn := pc.Conn()
-	rows, err := r.claim(ctx, conn)
+	rows, err := r.claim(ctx, conn, wait)
 	if err != nil || len(rows) == 0 {
 		end := "COMMIT"
 		if err != nil {
@@ -408,17 +413,21 @@ func errorText(err error) string {
 	return text.ForPostgres(text.Truncate(err.Error(), maxErrorText))
 }
 
-// claim opens the batch's transaction, takes the batch lock unless
-// another relay holds it, and locks the oldest claimable rows, in one
-// round trip. The transaction commits asynchronously (synchronous_commit
+// claim opens the batch's transaction, takes the batch lock (waiting for
+// it when wait, else only if no other relay holds it), and locks the
+// oldest claimable rows, in one round trip. The transaction commits asynchronously (synchronous_commit
 // off): losing its sent marks in a crash only publishes those rows again,
 // which delivery at least once allows, and it spares every relayed batch a
 // WAL flush. The caller ends the transaction.
-func (r *Relay) claim(ctx context.Context, conn *pgx.Conn) ([]claimedRow, error) {
+func (r *Relay) claim(ctx context.Context, conn *pgx.Conn, wait bool) ([]claimedRow, error) {
 	batch := &pgx.Batch{}
 	batch.Queue("BEGIN")
 	batch.Queue("SET LOCAL synchronous_commit = off")
-	batch.Queue(claimBatch, r.batchSize, relayLockKey)
+	claim := claimTrying
+	if wait {
+		claim = claimWaiting
+	}
+	batch.Queue(claim, r.batchSize, relayLockKey)
 	br := conn.SendBatch(ctx, batch)
 	defer br.Close()
 	for _, what := range []string{"begin", "relay transaction"} {
