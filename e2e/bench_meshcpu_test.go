@@ -113,6 +113,12 @@ func meshCPU(b *testing.B, model string) {
 		fmt.Fprintf(&sc, "%s %.1f, ", name, float64(calls[name])/float64(requests))
 	}
 	b.Logf("read/write syscalls per request: %sPostgreSQL transactions per request: %.1f", sc.String(), float64(xacts)/float64(requests))
+	var allCalls int64
+	for _, n := range calls {
+		allCalls += n
+	}
+	b.ReportMetric(float64(allCalls)/float64(requests), "syscalls/request")
+	b.ReportMetric(float64(xacts)/float64(requests), "pg_tx/request")
 	b.Logf("CPU per request over %d requests (mesh: all but redis and the simulator):%s\n  %-12s %7.2f ms/request",
 		requests, table.String(), "mesh", perReq(mesh))
 }
