@@ -170,42 +170,97 @@ func (c *Client) Read(ctx context.Context, refs []ReadRef) ([]ReadBlock, error) 
 	return out, nil
 }
 
-// readFrames reads one frame per ref, in order, then expects the end. A
-// frame that claims to hold another hash than asked is a protocol error.
+// ReadEach is Read that hands each block to use as its frame arrives
+// instead of gathering them, so that a caller can move the bytes straight
+// to where they go (a pd load writes them into its pool block): use gets
+// the block's index in refs, the block without its bytes (NotHeld set for
+// a refused one, which comes with no data), and for a held block its
+// bytes as a FrameData, which use must read whole and then Verify before
+// it trusts them. ReadEach drains what use left unread of a frame; an
+// error from use, a protocol error or a checksum mismatch ends the stream
+// and is returned (blocks already handed over stay handed over).
+func (c *Client) ReadEach(ctx context.Context, refs []ReadRef, use func(i int, b ReadBlock, data *FrameData) error) error {
+	if len(refs) == 0 {
+		return nil
+	}
+	body, err := json.Marshal(ReadRequest{Blocks: refs})
+	if err != nil {
+		return fmt.Errorf("dataplane read: %w", err)
+	}
+	resp, err := c.post(ctx, PathRead, "application/json", bytes.NewReader(body), int64(len(body)))
+	if err != nil {
+		return fmt.Errorf("dataplane read: %w", err)
+	}
+	defer drain(resp.Body)
+	if err := eachFrame(resp.Body, refs, use); err != nil {
+		return fmt.Errorf("dataplane read: %w", err)
+	}
+	return nil
+}
+
+// readFrames reads one frame per ref, in order, then expects the end,
+// gathering the blocks with their bytes.
 func readFrames(r io.Reader, refs []ReadRef) ([]ReadBlock, error) {
 	out := make([]ReadBlock, len(refs))
+	err := eachFrame(r, refs, func(i int, b ReadBlock, data *FrameData) error {
+		if data != nil {
+			b.Data = make([]byte, data.Len())
+			if _, err := io.ReadFull(data, b.Data); err != nil {
+				return err
+			}
+			if err := data.Verify(); err != nil {
+				return err
+			}
+		}
+		out[i] = b
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// eachFrame reads one frame per ref, in order, hands each to use, then
+// expects the end. A frame that claims to hold another hash than asked is
+// a protocol error.
+func eachFrame(r io.Reader, refs []ReadRef, use func(i int, b ReadBlock, data *FrameData) error) error {
 	for i, ref := range refs {
 		h, err := ReadFrameHeader(r)
 		if errors.Is(err, io.EOF) {
-			return nil, fmt.Errorf("stream ended after %d of %d blocks: %w", i, len(refs), ErrFrame)
+			return fmt.Errorf("stream ended after %d of %d blocks: %w", i, len(refs), ErrFrame)
 		}
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if h.Ref() != ref.BlockRef {
-			return nil, fmt.Errorf("frame %d is %+v, asked %+v: %w", i, h.Ref(), ref.BlockRef, ErrFrame)
+			return fmt.Errorf("frame %d is %+v, asked %+v: %w", i, h.Ref(), ref.BlockRef, ErrFrame)
 		}
 		if h.NotHeld {
 			if h.Len != 0 {
-				return nil, fmt.Errorf("frame %d: a refused block with %d data bytes: %w", i, h.Len, ErrFrame)
+				return fmt.Errorf("frame %d: a refused block with %d data bytes: %w", i, h.Len, ErrFrame)
 			}
-			out[i] = ReadBlock{Block: Block{BlockRef: ref.BlockRef}, NotHeld: NotHeldReason(ref.Hash, h.Identity, h.Generation)}
+			if err := use(i, ReadBlock{Block: Block{BlockRef: ref.BlockRef}, NotHeld: NotHeldReason(ref.Hash, h.Identity, h.Generation)}, nil); err != nil {
+				return err
+			}
 			continue
 		}
 		if h.Identity.Hash != ref.Hash {
-			return nil, fmt.Errorf("frame %d holds hash %q, asked %q: %w", i, h.Identity.Hash, ref.Hash, ErrFrame)
+			return fmt.Errorf("frame %d holds hash %q, asked %q: %w", i, h.Identity.Hash, ref.Hash, ErrFrame)
 		}
-		data := make([]byte, h.Len)
-		if err := ReadFrameData(r, h, data); err != nil {
-			return nil, err
+		data := &FrameData{r: r, h: h, left: h.Len, crc: 0}
+		if err := use(i, ReadBlock{Block: Block{BlockRef: ref.BlockRef, Identity: h.Identity, Generation: h.Generation}}, data); err != nil {
+			return err
 		}
-		out[i] = ReadBlock{Block: Block{BlockRef: ref.BlockRef, Identity: h.Identity, Data: data, Generation: h.Generation}}
+		if err := data.finish(); err != nil {
+			return err
+		}
 	}
 	var one [1]byte
 	if n, _ := io.ReadFull(r, one[:]); n > 0 {
-		return nil, fmt.Errorf("data after the last frame: %w", ErrFrame)
+		return fmt.Errorf("data after the last frame: %w", ErrFrame)
 	}
-	return out, nil
+	return nil
 }
 
 // NotHeldReason describes a block that does not hold the hash want: held

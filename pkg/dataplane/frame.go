@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -150,4 +151,59 @@ func ReadFrameData(r io.Reader, h FrameHeader, dst []byte) error {
 		return fmt.Errorf("group %d block %d: crc32c %08x, header %08x: %w", h.Group, h.Block, got, h.Checksum, ErrChecksum)
 	}
 	return nil
+}
+
+// FrameData reads the data of one frame of a stream, checksumming what it
+// reads: Read returns io.EOF at the frame's end, Verify then says whether
+// the bytes match the frame header's checksum.
+type FrameData struct {
+	r    io.Reader
+	h    FrameHeader
+	left int
+	crc  uint32
+}
+
+// Len is the frame's data length.
+func (d *FrameData) Len() int { return d.h.Len }
+
+// Read reads the frame's next bytes; a stream that ends inside the frame
+// is an ErrFrame error.
+func (d *FrameData) Read(p []byte) (int, error) {
+	if d.left == 0 {
+		return 0, io.EOF
+	}
+	n, err := d.r.Read(p[:min(len(p), d.left)])
+	d.crc = crc32.Update(d.crc, castagnoli, p[:n])
+	d.left -= n
+	if errors.Is(err, io.EOF) && d.left > 0 {
+		return n, fmt.Errorf("group %d block %d: truncated data: %w", d.h.Group, d.h.Block, ErrFrame)
+	}
+	if err != nil && !errors.Is(err, io.EOF) {
+		return n, err
+	}
+	return n, nil
+}
+
+// Verify reports whether the frame was read whole and its bytes match the
+// header's checksum (an ErrChecksum error when they do not).
+func (d *FrameData) Verify() error {
+	if d.left > 0 {
+		return fmt.Errorf("group %d block %d: %d bytes not read: %w", d.h.Group, d.h.Block, d.left, ErrFrame)
+	}
+	if d.crc != d.h.Checksum {
+		return fmt.Errorf("group %d block %d: crc32c %08x, header %08x: %w", d.h.Group, d.h.Block, d.crc, d.h.Checksum, ErrChecksum)
+	}
+	return nil
+}
+
+// finish reads and checks what the consumer left of the frame, so that the
+// stream stands at the next frame.
+func (d *FrameData) finish() error {
+	if d.left == 0 {
+		return nil
+	}
+	if _, err := io.Copy(io.Discard, d); err != nil {
+		return err
+	}
+	return d.Verify()
 }

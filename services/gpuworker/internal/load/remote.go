@@ -3,11 +3,13 @@ package load
 import (
 	"context"
 	"fmt"
+	"io"
 	"sync/atomic"
 
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
 )
 
 // pdItem is one block of a pd load: where it is read on the prefill
@@ -96,35 +98,65 @@ func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome 
 	return res
 }
 
-// readBatch reads one batch from the remote worker (checksums verified by
-// the client, each block's hash checked by the remote worker) and writes
-// each block; errs[i] records why item i failed (blocks the remote worker
-// no longer holds included). It returns the bytes written.
+// readBatch reads one batch from the remote worker (each block's hash
+// checked by the remote worker) straight into the pool: each frame's bytes
+// are read into its pool block, and the block takes its identity only once
+// the frame's checksum matched (a mismatch, or a stream that breaks inside
+// it, leaves the block holding nothing). errs[i] records why item i failed
+// (blocks the remote worker no longer holds included). It returns the
+// bytes written.
 func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, errs []error) int64 {
 	refs := make([]dataplane.ReadRef, len(items))
 	for i, it := range items {
 		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: it.group, Block: it.remote}, Hash: it.hash}
 	}
-	blocks, err := c.Read(ctx, refs)
+	var written int64
+	done := make([]bool, len(items))
+	err := c.ReadEach(ctx, refs, func(i int, b dataplane.ReadBlock, data *dataplane.FrameData) error {
+		it := items[i]
+		done[i] = true
+		if b.NotHeld != "" {
+			l.cfg.Metrics.NotHeld(metrics.OpLoadSource)
+			errs[i] = fmt.Errorf("remote group %d block %d: %s: %w", it.group, it.remote, b.NotHeld, ErrSourceNotHeld)
+			return nil
+		}
+		errs[i] = l.writeFrame(it, requestID, data)
+		if errs[i] != nil && data.Verify() != nil {
+			return errs[i] // the stream broke or lied inside this frame: the rest cannot be trusted
+		}
+		if errs[i] == nil {
+			written += int64(data.Len())
+		}
+		return nil
+	})
 	if err != nil {
 		for i := range errs {
-			errs[i] = err
+			if !done[i] {
+				errs[i] = err // never reached: the request or the stream failed before it
+			}
 		}
-		return 0
-	}
-	var written int64
-	for i, it := range items {
-		if blocks[i].NotHeld != "" {
-			l.cfg.Metrics.NotHeld(metrics.OpLoadSource)
-			errs[i] = fmt.Errorf("remote group %d block %d: %s: %w", it.group, it.remote, blocks[i].NotHeld, ErrSourceNotHeld)
-			continue
-		}
-		if errs[i] = l.cfg.Pool.WriteBytes(it.group, it.local, dataplane.Identity{Hash: it.hash, RequestID: requestID}, blocks[i].Data); errs[i] != nil {
-			continue
-		}
-		written += int64(len(blocks[i].Data))
 	}
 	return written
+}
+
+// writeFrame reads a frame's bytes into its item's pool block and gives the block
+// the item's identity once the bytes are whole and match their checksum.
+func (l *Loader) writeFrame(it pdItem, requestID string, data *dataplane.FrameData) error {
+	bpb, err := l.cfg.Pool.BlockSize(it.group)
+	if err != nil {
+		return err
+	}
+	if data.Len() != bpb {
+		return fmt.Errorf("remote group %d block %d: %d bytes for a %d-byte block: %w", it.group, it.remote, data.Len(), bpb, pool.ErrSize)
+	}
+	return l.cfg.Pool.WriteSegments(it.group, it.local, dataplane.Identity{Hash: it.hash, RequestID: requestID}, func(segs [][]byte) error {
+		for _, s := range segs {
+			if _, err := io.ReadFull(data, s); err != nil {
+				return err
+			}
+		}
+		return data.Verify()
+	})
 }
 
 // blockSet is an ordered set of block ids.
