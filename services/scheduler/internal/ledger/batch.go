@@ -122,10 +122,15 @@ type loaded struct {
 
 // batchTx is the state of one ApplyBatch transaction.
 type batchTx struct {
-	l      *Ledger
-	tx     pgx.Tx
-	reqs   map[Key]*loaded
-	misses []*loaded
+	l *Ledger
+	// conn runs the transaction, which the batch's first round trip
+	// begins (its BEGIN pipelined with the batch's first statements) and
+	// its last one commits (COMMIT pipelined after its writes).
+	conn *pgx.Conn
+	// begun says BEGIN was sent; ended that the transaction is over.
+	begun, ended bool
+	reqs         map[Key]*loaded
+	misses       []*loaded
 	// held are the decoded requests taken from the cache for the rows
 	// being locked, with the version each was decoded at.
 	held map[Key]*cachedParts
@@ -147,12 +152,15 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 	if len(fresh) == 0 {
 		return statuses, nil
 	}
-	tx, err := l.pool.Begin(ctx)
+	pc, err := l.pool.Acquire(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("ledger: begin: %w", err)
+		return nil, fmt.Errorf("ledger: acquire: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}, held: map[Key]*cachedParts{}}
+	// A connection released inside a transaction (a failed ROLLBACK) is
+	// closed, never reused.
+	defer pc.Release()
+	b := &batchTx{l: l, conn: pc.Conn(), reqs: map[Key]*loaded{}, held: map[Key]*cachedParts{}}
+	defer b.rollback(ctx) // no-op once committed
 	applied, err := b.lock(ctx, units, fresh)
 	if err != nil {
 		return nil, err
@@ -175,9 +183,6 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 		msgs = append(msgs, out...)
 	}
 	if err := b.write(ctx, msgs); err != nil {
-		return nil, err
-	}
-	if err := commit(ctx, tx); err != nil {
 		return nil, err
 	}
 	for _, r := range b.reqs {
@@ -231,11 +236,16 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 		}
 	}
 	batch := &pgx.Batch{}
+	b.begin(batch)
 	batch.Queue(insertProcessedSet, kinds, engines, requests, ids)
 	ke, kr := keyArrays(keys)
 	batch.Queue(lockTrackers, ke, kr, b.take(ke, kr))
-	br := b.tx.SendBatch(ctx, batch)
-	newIDs, err := scanProcessed(br)
+	br := b.conn.SendBatch(ctx, batch)
+	err := b.scanBegin(br)
+	var newIDs map[Record]bool
+	if err == nil {
+		newIDs, err = scanProcessed(br)
+	}
 	if err == nil {
 		err = b.scanLocked(br)
 	}
@@ -259,6 +269,38 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 		applied[i] = newIDs[units[i].Record.id()]
 	}
 	return applied, nil
+}
+
+// begin queues the statements that open the batch's transaction, the
+// first of batch (which the caller sends next).
+func (b *batchTx) begin(batch *pgx.Batch) {
+	batch.Queue("BEGIN")
+	b.begun = true
+}
+
+// scanBegin reads the result of what begin queued.
+func (b *batchTx) scanBegin(br pgx.BatchResults) error {
+	if _, err := br.Exec(); err != nil {
+		return fmt.Errorf("ledger: begin: %w", err)
+	}
+	return nil
+}
+
+// rollback ends the transaction unless it was committed. Should the
+// ROLLBACK fail, the connection, released inside the transaction, is
+// closed by the pool.
+func (b *batchTx) rollback(ctx context.Context) {
+	if !b.begun || b.ended {
+		return
+	}
+	b.ended = true
+	_, _ = b.conn.Exec(context.WithoutCancel(ctx), "ROLLBACK")
+}
+
+// commit queues the COMMIT that ends the transaction, the last statement
+// of batch.
+func (b *batchTx) commit(batch *pgx.Batch) {
+	batch.Queue("COMMIT")
 }
 
 // take takes from the cache the decoded requests of the keys (engines[i],
@@ -415,7 +457,7 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	batch := &pgx.Batch{}
 	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, string(fresh.State()), string(tb), string(xb), string(pb))
 	batch.Queue(lockTrackers, ke, kr, noVersions(len(ke)))
-	br := b.tx.SendBatch(ctx, batch)
+	br := b.conn.SendBatch(ctx, batch)
 	_, err = br.Exec()
 	if err != nil {
 		err = fmt.Errorf("ledger: create %d trackers: %w", len(missing), err)
@@ -460,7 +502,7 @@ func (b *batchTx) loadParts(ctx context.Context) error {
 	if len(te) > 0 {
 		batch.Queue(selectTokens, te, tr)
 	}
-	br := b.tx.SendBatch(ctx, batch)
+	br := b.conn.SendBatch(ctx, batch)
 	err := scanHashes(br, byKey)
 	if err == nil {
 		err = scanBlocks(br, byKey)
@@ -630,7 +672,10 @@ func (b *batchTx) change(c Change, req *requeststate.Request) ([]bus.Message, er
 	return c.Emit(req, out)
 }
 
-// write stores every changed request and enqueues msgs, in one round trip.
+// write stores every changed request, enqueues msgs and commits, in one
+// round trip (two when msgs are large enough to be copied). A failed
+// statement skips the ones after it, the COMMIT among them, and leaves the
+// transaction for rollback to end.
 func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 	batch := &pgx.Batch{}
 	var w writeSet
@@ -649,21 +694,28 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 			return fmt.Errorf("ledger: %w", err)
 		}
 	}
+	if !large {
+		b.commit(batch)
+	}
 	if batch.Len() > 0 {
-		br := b.tx.SendBatch(ctx, batch)
+		br := b.conn.SendBatch(ctx, batch)
 		err := b.scanStored(br, w.rows())
 		if cerr := br.Close(); err == nil && cerr != nil {
 			err = cerr
 		}
 		if err != nil {
-			return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
+			return fmt.Errorf("ledger: store %d requests and commit: %w", w.rows(), err)
 		}
 	}
 	if large {
-		if err := database.EnqueueCopy(ctx, b.tx, msgs); err != nil {
+		if err := database.EnqueueCopy(ctx, b.conn, msgs); err != nil {
 			return fmt.Errorf("ledger: %w", err)
 		}
+		if _, err := b.conn.Exec(ctx, "COMMIT"); err != nil {
+			return fmt.Errorf("ledger: commit: %w", err)
+		}
 	}
+	b.ended = true
 	return nil
 }
 
