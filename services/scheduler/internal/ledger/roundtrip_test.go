@@ -147,10 +147,20 @@ func TestRoundTripsPerBatch(t *testing.T) {
 	t.Logf("cached, 1 request: %v", warm1)
 	t.Logf("cached, 2 requests: %v", warm2)
 	t.Logf("not cached, 1 request: %v", cold)
-	// BEGIN with the first statements, COMMIT with the writes.
+	// BEGIN with the first statements, COMMIT with the writes; requests
+	// held at their rows' versions are not locked (their UPDATE is
+	// guarded by the version instead).
 	for _, w := range []wire{warm1, warm2, cold} {
 		if w.roundTrips != 2 {
 			t.Errorf("%v, want 2 round trips", w)
 		}
+	}
+	for _, w := range []wire{warm1, warm2} {
+		if w.locks != 0 || w.trackerUpdates != 1 {
+			t.Errorf("cached: %v, want no locking statement", w)
+		}
+	}
+	if cold.locks != 1 {
+		t.Errorf("not cached: %v, want the rows locked", cold)
 	}
 }
