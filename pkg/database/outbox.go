@@ -91,10 +91,16 @@ func EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) err
 // the values instead of encoding them into one array parameter.
 const CopyThreshold = 1 << 20
 
-// EnqueueCopy writes msgs to the outbox inside tx with one binary COPY, in
-// order, with the headers as EnqueueBatch sets them. The outbox trigger
-// fires once for the COPY, as for one INSERT.
-func EnqueueCopy(ctx context.Context, tx pgx.Tx, msgs []bus.Message) error {
+// Copier is what EnqueueCopy copies through: a pgx.Tx, or a *pgx.Conn
+// inside a transaction its caller began.
+type Copier interface {
+	CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error)
+}
+
+// EnqueueCopy writes msgs to the outbox inside tx's transaction with one
+// binary COPY, in order, with the headers as EnqueueBatch sets them. The
+// outbox trigger fires once for the COPY, as for one INSERT.
+func EnqueueCopy(ctx context.Context, tx Copier, msgs []bus.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}

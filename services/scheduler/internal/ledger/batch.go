@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -82,15 +83,24 @@ const (
 		FROM tracker_blocks b JOIN unnest($1::text[], $2::text[], $3::int[], $4::int[]) AS k(e, r, g0, g1)
 		  ON b.engine_id = k.e AND b.request_id = k.r AND b.gen = CASE b.slot WHEN 0 THEN k.g0 ELSE k.g1 END
 		ORDER BY b.engine_id, b.request_id, b.slot, b.grp, b.start`
-	updateTrackers = `UPDATE trackers t SET model = u.model, state = u.state, tracker = u.tracker::jsonb,
+	updateTrackers = updateTrackersSet + `)
+		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline)
+		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id
+		RETURNING t.engine_id, t.request_id, t.xmin::text::bigint`
+	// updateTrackersAt is updateTrackers of the rows still at the
+	// versions ($12, their xmin) the changes were computed from; it skips
+	// a row another transaction wrote since (rechecked on the row's
+	// latest version when it waited for that transaction's lock).
+	updateTrackersAt = updateTrackersSet + `, $12::bigint[])
+		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline, xmin)
+		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id AND t.xmin::text::bigint = u.xmin
+		RETURNING t.engine_id, t.request_id, t.xmin::text::bigint`
+	updateTrackersSet = `UPDATE trackers t SET model = u.model, state = u.state, tracker = u.tracker::jsonb,
 		    extras = u.extras::jsonb, last_seq = u.last_seq, error = NULLIF(u.error, ''), parts = u.parts::jsonb,
 		    updated_at = now(), finished_at = CASE WHEN u.done THEN coalesce(t.finished_at, now()) ELSE NULL END,
 		    load_deadline = u.load_deadline
 		FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::bigint[],
-		            $8::text[], $9::text[], $10::bool[], $11::timestamptz[])
-		     AS u(engine_id, request_id, model, state, tracker, extras, last_seq, error, parts, done, load_deadline)
-		WHERE t.engine_id = u.engine_id AND t.request_id = u.request_id
-		RETURNING t.engine_id, t.request_id, t.xmin::text::bigint`
+		            $8::text[], $9::text[], $10::bool[], $11::timestamptz[]`
 	selectTokens = `SELECT t.engine_id, t.request_id, t.tokens
 		FROM tracker_tokens t JOIN unnest($1::text[], $2::text[]) AS k(e, r) ON t.engine_id = k.e AND t.request_id = k.r`
 	upsertTokens = `INSERT INTO tracker_tokens (engine_id, request_id, tokens)
@@ -122,10 +132,18 @@ type loaded struct {
 
 // batchTx is the state of one ApplyBatch transaction.
 type batchTx struct {
-	l      *Ledger
-	tx     pgx.Tx
-	reqs   map[Key]*loaded
-	misses []*loaded
+	l *Ledger
+	// conn runs the transaction, which the batch's first round trip
+	// begins (its BEGIN pipelined with the batch's first statements) and
+	// its last one commits (COMMIT pipelined after its writes).
+	conn *pgx.Conn
+	// begun says BEGIN was sent; ended that the transaction is over.
+	begun, ended bool
+	// rollbackFirst says an earlier try left its transaction open: the
+	// first round trip rolls it back before its BEGIN.
+	rollbackFirst bool
+	reqs          map[Key]*loaded
+	misses        []*loaded
 	// held are the decoded requests taken from the cache for the rows
 	// being locked, with the version each was decoded at.
 	held map[Key]*cachedParts
@@ -141,19 +159,49 @@ type batchTx struct {
 // request's small state in one set-based UPDATE, and the hash and block
 // segments it added — and enqueues the changes' messages in the outbox, in
 // order. Statuses answer units by index. An error rolls everything back.
+//
+// When the ledger holds every request the batch changes, decoded at its
+// row's version, it applies the batch optimistically instead: it locks
+// nothing before the writes, and each row's UPDATE applies only to the
+// version the request was read at. Should a row have moved on (another
+// replica or an operator wrote it) or a unit prove a duplicate, the
+// transaction is rolled back before it commits, and the batch applied
+// again as above, from the rows. Its changes may then run twice; only the
+// last run's are stored and enqueued.
 func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error) {
 	statuses := make([]Status, len(units))
 	fresh := l.dedupe(units, statuses)
 	if len(fresh) == 0 {
 		return statuses, nil
 	}
-	tx, err := l.pool.Begin(ctx)
+	pc, err := l.pool.Acquire(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("ledger: begin: %w", err)
+		return nil, fmt.Errorf("ledger: acquire: %w", err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // no-op after commit
-	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}, held: map[Key]*cachedParts{}}
-	applied, err := b.lock(ctx, units, fresh)
+	// A connection released inside a transaction (a failed ROLLBACK) is
+	// closed, never reused.
+	defer pc.Release()
+	b := l.newBatchTx(pc.Conn())
+	defer func() { b.rollback(ctx) }() // no-op once committed
+	keys, creatable := batchKeys(units, fresh)
+	if b.takeAll(keys) {
+		ok, err := b.optimistic(ctx, units, fresh, statuses)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			b.cacheAll()
+			return statuses, nil
+		}
+		// A row moved on, or a unit is a duplicate: the requests taken
+		// were changed for nothing (the cache keeps their parts, which
+		// are checked against the rows), and the transaction, left open,
+		// is rolled back.
+		if b, err = b.retry(ctx); err != nil {
+			return nil, err
+		}
+	}
+	applied, err := b.lock(ctx, units, fresh, keys, creatable)
 	if err != nil {
 		return nil, err
 	}
@@ -177,17 +225,141 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 	if err := b.write(ctx, msgs); err != nil {
 		return nil, err
 	}
-	if err := commit(ctx, tx); err != nil {
-		return nil, err
+	b.cacheAll()
+	return statuses, nil
+}
+
+func (l *Ledger) newBatchTx(conn *pgx.Conn) *batchTx {
+	return &batchTx{l: l, conn: conn, reqs: map[Key]*loaded{}, held: map[Key]*cachedParts{}}
+}
+
+// retry returns the state of a second try of the batch on the same
+// connection, which rolls b's transaction back first: with the next round
+// trip's first statement, or, when a statement failed in it, at once (an
+// aborted transaction refuses to prepare the next round trip's statements
+// when the connection has not prepared them yet).
+func (b *batchTx) retry(ctx context.Context) (*batchTx, error) {
+	nb := b.l.newBatchTx(b.conn)
+	if !b.begun || b.ended {
+		return nb, nil
 	}
+	b.ended = true
+	if b.conn.PgConn().TxStatus() != 'E' {
+		nb.rollbackFirst = true
+		return nb, nil
+	}
+	if _, err := b.conn.Exec(ctx, "ROLLBACK"); err != nil {
+		b.ended = false // released inside the transaction: closed
+		return b, fmt.Errorf("ledger: roll back: %w", err)
+	}
+	return nb, nil
+}
+
+// cacheAll puts the requests of the committed transaction in the cache.
+func (b *batchTx) cacheAll() {
 	for _, r := range b.reqs {
 		p := r.old
 		if r.next != nil {
 			p = r.next
 		}
-		l.cache.put(r.key, r.born, p, r.xmin, r.req)
+		b.l.cache.put(r.key, r.born, p, r.xmin, r.req)
 	}
-	return statuses, nil
+}
+
+// batchKeys returns the requests the fresh units change, and whether a
+// change may create each.
+func batchKeys(units []Unit, fresh []int) (keys, creatable map[Key]bool) {
+	keys, creatable = map[Key]bool{}, map[Key]bool{}
+	for _, i := range fresh {
+		for _, c := range units[i].Changes {
+			k := Key{EngineID: units[i].Record.EngineID, RequestID: c.RequestID}
+			keys[k] = true
+			creatable[k] = creatable[k] || c.Create
+		}
+	}
+	return keys, creatable
+}
+
+// queueProcessed queues the insert of the fresh units' ids; scanProcessed
+// reads which were new.
+func queueProcessed(batch *pgx.Batch, units []Unit, fresh []int) {
+	kinds, engines, requests, ids := make([]string, len(fresh)), make([]string, len(fresh)), make([]string, len(fresh)), make([]string, len(fresh))
+	for j, i := range fresh {
+		r := units[i].Record
+		kinds[j], engines[j], requests[j], ids[j] = r.Kind, r.EngineID, r.RequestID, r.ID
+	}
+	batch.Queue(insertProcessedSet, kinds, engines, requests, ids)
+}
+
+// optimistic applies the batch to the requests taken from the cache, which
+// hold every request it changes, without reading or locking their rows:
+// one round trip begins the transaction, records the units' ids and writes
+// every change, each tracker's UPDATE guarded by the row version its
+// request was read at, and a second one commits — only when every id was
+// new and every row was still at that version. It reports false, with the
+// transaction left open for the caller to roll back, when one was not (or
+// the writes met a concurrent writer in a deadlock or a serialization
+// failure).
+func (b *batchTx) optimistic(ctx context.Context, units []Unit, fresh []int, statuses []Status) (bool, error) {
+	for k, e := range b.held {
+		r := &loaded{key: k, req: e.req, born: e.born, old: e.parts, xmin: e.xmin}
+		e.parts.install(r.req)
+		b.reqs[k] = r
+	}
+	b.deadline = b.l.stampTime()
+	var msgs []bus.Message
+	for _, i := range fresh {
+		st, out, err := b.apply(units[i])
+		if err != nil {
+			return false, err
+		}
+		statuses[i] = st
+		msgs = append(msgs, out...)
+	}
+	batch := &pgx.Batch{}
+	b.begin(batch)
+	queueProcessed(batch, units, fresh)
+	rows, large, err := b.queueWrites(ctx, batch, msgs, true)
+	if err != nil {
+		return false, err
+	}
+	br := b.conn.SendBatch(ctx, batch)
+	err = b.scanBegin(br)
+	var newIDs map[Record]bool
+	if err == nil {
+		newIDs, err = scanProcessed(br)
+	}
+	stored := 0
+	if err == nil {
+		stored, err = b.scanStored(br, rows)
+	}
+	stale := err == nil && (len(newIDs) != len(fresh) || stored != rows)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = cerr
+	}
+	if stale || conflict(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("ledger: store %d requests: %w", rows, err)
+	}
+	if large {
+		if err := database.EnqueueCopy(ctx, b.conn, msgs); err != nil {
+			return false, fmt.Errorf("ledger: %w", err)
+		}
+	}
+	b.ended = true // whatever COMMIT answers, the transaction is over
+	if _, err := b.conn.Exec(ctx, "COMMIT"); err != nil {
+		return false, fmt.Errorf("ledger: commit: %w", err)
+	}
+	return true, nil
+}
+
+// conflict reports an error of a transaction that met a concurrent one: a
+// deadlock or a serialization failure.
+func conflict(err error) bool {
+	pe, ok := errors.AsType[*pgconn.PgError](err)
+	return ok && (pe.Code == "40P01" || pe.Code == "40001")
 }
 
 // id is the record's identity in processed_records (Create is not part
@@ -214,28 +386,21 @@ func (l *Ledger) dedupe(units []Unit, statuses []Status) []int {
 	return fresh
 }
 
-// lock records the fresh units' ids and locks their requests' rows,
-// creating the missing rows a change may create; it reports which units
-// were not applied before.
-func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]bool, error) {
-	var kinds, engines, requests, ids []string
-	keys := map[Key]bool{}
-	creatable := map[Key]bool{}
-	for _, i := range fresh {
-		r := units[i].Record
-		kinds, engines, requests, ids = append(kinds, r.Kind), append(engines, r.EngineID), append(requests, r.RequestID), append(ids, r.ID)
-		for _, c := range units[i].Changes {
-			k := Key{EngineID: r.EngineID, RequestID: c.RequestID}
-			keys[k] = true
-			creatable[k] = creatable[k] || c.Create
-		}
-	}
+// lock records the fresh units' ids and locks the rows of their requests
+// (keys), creating the missing rows a change may create (creatable); it
+// reports which units were not applied before.
+func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int, keys, creatable map[Key]bool) (map[int]bool, error) {
 	batch := &pgx.Batch{}
-	batch.Queue(insertProcessedSet, kinds, engines, requests, ids)
+	b.begin(batch)
+	queueProcessed(batch, units, fresh)
 	ke, kr := keyArrays(keys)
-	batch.Queue(lockTrackers, ke, kr, b.take(ke, kr))
-	br := b.tx.SendBatch(ctx, batch)
-	newIDs, err := scanProcessed(br)
+	batch.Queue(lockTrackers, ke, kr, b.versions(ke, kr))
+	br := b.conn.SendBatch(ctx, batch)
+	err := b.scanBegin(br)
+	var newIDs map[Record]bool
+	if err == nil {
+		newIDs, err = scanProcessed(br)
+	}
 	if err == nil {
 		err = b.scanLocked(br)
 	}
@@ -261,16 +426,65 @@ func (b *batchTx) lock(ctx context.Context, units []Unit, fresh []int) (map[int]
 	return applied, nil
 }
 
-// take takes from the cache the decoded requests of the keys (engines[i],
-// requests[i]) and returns the versions they were decoded at, -1 where
-// none is cached. A taken request is this transaction's alone: applied
-// and put back after the commit, or dropped with a rollback.
-func (b *batchTx) take(engines, requests []string) []int64 {
-	xs := noVersions(len(engines))
-	for i := range engines {
-		k := Key{EngineID: engines[i], RequestID: requests[i]}
+// begin queues the statements that open the batch's transaction, the
+// first of batch (which the caller sends next): BEGIN, after the ROLLBACK
+// of an earlier try's transaction.
+func (b *batchTx) begin(batch *pgx.Batch) {
+	if b.rollbackFirst {
+		batch.Queue("ROLLBACK")
+	}
+	batch.Queue("BEGIN")
+	b.begun = true
+}
+
+// scanBegin reads the results of what begin queued.
+func (b *batchTx) scanBegin(br pgx.BatchResults) error {
+	if b.rollbackFirst {
+		if _, err := br.Exec(); err != nil {
+			return fmt.Errorf("ledger: roll back: %w", err)
+		}
+	}
+	if _, err := br.Exec(); err != nil {
+		return fmt.Errorf("ledger: begin: %w", err)
+	}
+	return nil
+}
+
+// rollback ends the transaction unless it was committed. Should the
+// ROLLBACK fail, the connection, released inside the transaction, is
+// closed by the pool.
+func (b *batchTx) rollback(ctx context.Context) {
+	if !(b.begun || b.rollbackFirst) || b.ended {
+		return
+	}
+	b.ended = true
+	_, _ = b.conn.Exec(context.WithoutCancel(ctx), "ROLLBACK")
+}
+
+// commit queues the COMMIT that ends the transaction, the last statement
+// of batch.
+func (b *batchTx) commit(batch *pgx.Batch) {
+	batch.Queue("COMMIT")
+}
+
+// takeAll takes from the cache the decoded requests of keys and reports
+// whether it held every one. A taken request is this transaction's alone:
+// applied and put back after the commit, or dropped with a rollback.
+func (b *batchTx) takeAll(keys map[Key]bool) bool {
+	for k := range keys {
 		if e := b.l.cache.take(k); e != nil {
 			b.held[k] = e
+		}
+	}
+	return len(b.held) == len(keys)
+}
+
+// versions returns the versions the requests taken of the keys
+// (engines[i], requests[i]) were decoded at, -1 where none was taken.
+func (b *batchTx) versions(engines, requests []string) []int64 {
+	xs := noVersions(len(engines))
+	for i := range engines {
+		if e := b.held[Key{EngineID: engines[i], RequestID: requests[i]}]; e != nil {
 			xs[i] = e.xmin
 		}
 	}
@@ -286,18 +500,21 @@ func noVersions(n int) []int64 {
 	return xs
 }
 
+// compareKeys orders keys as the trackers' primary key does.
+func compareKeys(a, b Key) int {
+	if c := strings.Compare(a.EngineID, b.EngineID); c != 0 {
+		return c
+	}
+	return strings.Compare(a.RequestID, b.RequestID)
+}
+
 // keyArrays returns the keys as two parallel arrays in key order.
 func keyArrays(keys map[Key]bool) (engines, requests []string) {
 	list := make([]Key, 0, len(keys))
 	for k := range keys {
 		list = append(list, k)
 	}
-	slices.SortFunc(list, func(a, b Key) int {
-		if c := strings.Compare(a.EngineID, b.EngineID); c != 0 {
-			return c
-		}
-		return strings.Compare(a.RequestID, b.RequestID)
-	})
+	slices.SortFunc(list, compareKeys)
 	engines, requests = make([]string, len(list)), make([]string, len(list))
 	for i, k := range list {
 		engines[i], requests[i] = k.EngineID, k.RequestID
@@ -415,7 +632,7 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	batch := &pgx.Batch{}
 	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, string(fresh.State()), string(tb), string(xb), string(pb))
 	batch.Queue(lockTrackers, ke, kr, noVersions(len(ke)))
-	br := b.tx.SendBatch(ctx, batch)
+	br := b.conn.SendBatch(ctx, batch)
 	_, err = br.Exec()
 	if err != nil {
 		err = fmt.Errorf("ledger: create %d trackers: %w", len(missing), err)
@@ -460,7 +677,7 @@ func (b *batchTx) loadParts(ctx context.Context) error {
 	if len(te) > 0 {
 		batch.Queue(selectTokens, te, tr)
 	}
-	br := b.tx.SendBatch(ctx, batch)
+	br := b.conn.SendBatch(ctx, batch)
 	err := scanHashes(br, byKey)
 	if err == nil {
 		err = scanBlocks(br, byKey)
@@ -630,62 +847,97 @@ func (b *batchTx) change(c Change, req *requeststate.Request) ([]bus.Message, er
 	return c.Emit(req, out)
 }
 
-// write stores every changed request and enqueues msgs, in one round trip.
+// write stores every changed request, enqueues msgs and commits, in one
+// round trip (two when msgs are large enough to be copied). A failed
+// statement skips the ones after it, the COMMIT among them, and leaves the
+// transaction for rollback to end.
 func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 	batch := &pgx.Batch{}
-	var w writeSet
-	for _, r := range b.reqs {
-		if !r.dirty {
-			continue
-		}
-		if err := w.add(r, b.deadline); err != nil {
-			return err
-		}
+	rows, large, err := b.queueWrites(ctx, batch, msgs, false)
+	if err != nil {
+		return err
 	}
-	w.queue(batch)
-	large := valueBytes(msgs) > database.CopyThreshold
 	if !large {
-		if err := database.EnqueueBatch(ctx, batch, msgs); err != nil {
-			return fmt.Errorf("ledger: %w", err)
-		}
+		b.commit(batch)
 	}
 	if batch.Len() > 0 {
-		br := b.tx.SendBatch(ctx, batch)
-		err := b.scanStored(br, w.rows())
+		br := b.conn.SendBatch(ctx, batch)
+		_, err := b.scanStored(br, rows)
 		if cerr := br.Close(); err == nil && cerr != nil {
 			err = cerr
 		}
 		if err != nil {
-			return fmt.Errorf("ledger: store %d requests: %w", w.rows(), err)
+			return fmt.Errorf("ledger: store %d requests and commit: %w", rows, err)
 		}
 	}
 	if large {
-		if err := database.EnqueueCopy(ctx, b.tx, msgs); err != nil {
+		if err := database.EnqueueCopy(ctx, b.conn, msgs); err != nil {
 			return fmt.Errorf("ledger: %w", err)
 		}
+		if _, err := b.conn.Exec(ctx, "COMMIT"); err != nil {
+			return fmt.Errorf("ledger: commit: %w", err)
+		}
 	}
+	b.ended = true
 	return nil
 }
 
+// queueWrites queues the writes of every changed request, in key order,
+// and, unless they are to be copied (large), msgs' outbox rows. rows is
+// the number of trackers the first statement (queued when rows > 0)
+// updates. guard makes each tracker's UPDATE apply only to the row version
+// its request was read at.
+func (b *batchTx) queueWrites(ctx context.Context, batch *pgx.Batch, msgs []bus.Message, guard bool) (rows int, large bool, err error) {
+	var w writeSet
+	for _, r := range b.sorted() {
+		if !r.dirty {
+			continue
+		}
+		if err := w.add(r, b.deadline); err != nil {
+			return 0, false, err
+		}
+	}
+	w.queue(batch, guard)
+	large = valueBytes(msgs) > database.CopyThreshold
+	if !large {
+		if err := database.EnqueueBatch(ctx, batch, msgs); err != nil {
+			return 0, false, fmt.Errorf("ledger: %w", err)
+		}
+	}
+	return w.rows(), large, nil
+}
+
+// sorted returns the transaction's requests in key order.
+func (b *batchTx) sorted() []*loaded {
+	out := make([]*loaded, 0, len(b.reqs))
+	for _, r := range b.reqs {
+		out = append(out, r)
+	}
+	slices.SortFunc(out, func(x, y *loaded) int { return compareKeys(x.key, y.key) })
+	return out
+}
+
 // scanStored reads the versions updateTrackers (queued first when n > 0)
-// gave the n stored rows.
-func (b *batchTx) scanStored(br pgx.BatchResults, n int) error {
+// gave the stored rows, and returns how many it stored.
+func (b *batchTx) scanStored(br pgx.BatchResults, n int) (int, error) {
 	if n == 0 {
-		return nil
+		return 0, nil
 	}
 	rows, err := br.Query()
 	if err != nil {
-		return err
+		return 0, err
 	}
 	var k Key
 	var xmin int64
+	stored := 0
 	_, err = pgx.ForEachRow(rows, []any{&k.EngineID, &k.RequestID, &xmin}, func() error {
 		if r := b.reqs[k]; r != nil {
 			r.xmin = xmin
+			stored++
 		}
 		return nil
 	})
-	return err
+	return stored, err
 }
 
 // valueBytes sums the messages' value sizes.
@@ -702,8 +954,10 @@ type writeSet struct {
 	// trackers rows
 	te, tr, model, state, tracker, extras, errs, partsJSON []string
 	seq                                                    []int64
-	done                                                   []bool
-	loadDeadline                                           []pgtype.Timestamptz
+	// xmin are the row versions the changes were computed from
+	xmin         []int64
+	done         []bool
+	loadDeadline []pgtype.Timestamptz
 	// hash segments (and chains to delete first)
 	he, hr, hh []string
 	hs         []int32
@@ -737,7 +991,7 @@ func (w *writeSet) add(r *loaded, deadline time.Time) error {
 	k, t := r.key, r.req.Store
 	w.te, w.tr, w.model, w.state = append(w.te, k.EngineID), append(w.tr, k.RequestID), append(w.model, t.Model), append(w.state, string(t.State))
 	w.tracker, w.extras, w.errs, w.partsJSON = append(w.tracker, string(tb)), append(w.extras, string(xb)), append(w.errs, t.Error), append(w.partsJSON, string(pb))
-	w.seq, w.done = append(w.seq, r.req.LastSeq), append(w.done, r.req.Done())
+	w.seq, w.done, w.xmin = append(w.seq, r.req.LastSeq), append(w.done, r.req.Done()), append(w.xmin, r.xmin)
 	w.loadDeadline = append(w.loadDeadline, pgtype.Timestamptz{Time: earliest, Valid: waits})
 	if d.rewriteHashes {
 		w.de, w.dr = append(w.de, k.EngineID), append(w.dr, k.RequestID)
@@ -758,9 +1012,14 @@ func (w *writeSet) add(r *loaded, deadline time.Time) error {
 	return nil
 }
 
-// queue adds the set-based statements for what add collected.
-func (w *writeSet) queue(batch *pgx.Batch) {
-	if len(w.te) > 0 {
+// queue adds the set-based statements for what add collected; guard
+// updates only the rows still at the versions the changes were computed
+// from.
+func (w *writeSet) queue(batch *pgx.Batch, guard bool) {
+	switch {
+	case len(w.te) > 0 && guard:
+		batch.Queue(updateTrackersAt, w.te, w.tr, w.model, w.state, w.tracker, w.extras, w.seq, w.errs, w.partsJSON, w.done, w.loadDeadline, w.xmin)
+	case len(w.te) > 0:
 		batch.Queue(updateTrackers, w.te, w.tr, w.model, w.state, w.tracker, w.extras, w.seq, w.errs, w.partsJSON, w.done, w.loadDeadline)
 	}
 	if len(w.de) > 0 {

@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
@@ -108,13 +107,6 @@ func (l *Ledger) Apply(ctx context.Context, rec Record, fn ApplyFunc) (Status, e
 		return "", err
 	}
 	return st[0], nil
-}
-
-func commit(ctx context.Context, tx pgx.Tx) error {
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("ledger: commit: %w", err)
-	}
-	return nil
 }
 
 // decode rebuilds a request from its row.

@@ -94,7 +94,7 @@ func (l *Ledger) Get(ctx context.Context, k Key) (*Row, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ledger: get %s/%s: %w", k.EngineID, k.RequestID, err)
 	}
-	b := &batchTx{l: l, tx: tx, reqs: map[Key]*loaded{}}
+	b := &batchTx{l: l, conn: tx.Conn(), reqs: map[Key]*loaded{}} // reads in tx
 	if err := b.adopt(k, tb, xb, s.LastSeq, pb, created); err != nil {
 		return nil, err
 	}
