@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -223,5 +224,110 @@ func TestFailedCommitLeavesNothing(t *testing.T) {
 	}
 	if o, d, m := count("save_outcomes"), count("dead_letters"), count("outbox"); o != 2 || d != 1 || m != 3 {
 		t.Errorf("after the retries: %d outcomes, %d dead letters, %d messages; want 2, 1, 3 (two results, one DLQ notice)", o, d, m)
+	}
+}
+
+// batchSizes is a pgx tracer recording the size of each batch sent.
+type batchSizes struct {
+	counter
+	sizes []int
+}
+
+func (b *batchSizes) TraceBatchStart(ctx context.Context, c *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	b.mu.Lock()
+	b.sizes = append(b.sizes, d.Batch.Len())
+	b.mu.Unlock()
+	return b.counter.TraceBatchStart(ctx, c, d)
+}
+
+// TestGroupCommitIsolatesABadEntry: entries that arrive while a commit is
+// in flight are committed together in one transaction; when one of them
+// fails, the group falls back to one commit each, so only the bad entry
+// fails, and every other is recorded and enqueued once.
+func TestGroupCommitIsolatesABadEntry(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `
+		CREATE FUNCTION outbox_test_hook() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.key = 'slow' THEN PERFORM pg_sleep(0.3); END IF;
+			IF NEW.key = 'bad' THEN RAISE EXCEPTION 'bad entry'; END IF;
+			RETURN NEW;
+		END; $$;
+		CREATE TRIGGER outbox_test_hook BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION outbox_test_hook()`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tr batchSizes
+	cfg := pool.Config()
+	cfg.ConnConfig.Tracer = &tr
+	p, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	l := ledger.New(p)
+	entry := func(id, key string) ledger.Entry {
+		e := taskEntry(id, 1)
+		e.Outcome.Result.Status = "stored"
+		e.Messages[0].Key = key
+		return e
+	}
+	// The slow commit is in flight while the others arrive.
+	slow := make(chan error, 1)
+	go func() { _, err := l.Commit(ctx, entry("slow", "slow")); slow <- err }()
+	time.Sleep(100 * time.Millisecond)
+	ids := []string{"a", "b", "bad", "c", "a"} // "a" twice: recorded once
+	errs := make([]error, len(ids))
+	done := make([]bool, len(ids))
+	var wg sync.WaitGroup
+	for i, id := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := "r1"
+			if id == "bad" {
+				key = "bad"
+			}
+			c, err := l.Commit(ctx, entry(id, key))
+			errs[i], done[i] = err, c.Done
+		}()
+	}
+	wg.Wait()
+	if err := <-slow; err != nil {
+		t.Fatal(err)
+	}
+	doneA := 0
+	for i, id := range ids {
+		switch {
+		case id == "bad":
+			if errs[i] == nil || !strings.Contains(errs[i].Error(), "bad entry") {
+				t.Errorf("bad entry: %v, want its own error", errs[i])
+			}
+		case errs[i] != nil:
+			t.Errorf("entry %s: %v, want committed despite the bad one", id, errs[i])
+		case done[i]:
+			doneA++
+		}
+	}
+	if doneA != 1 {
+		t.Errorf("%d commits of a said done, want 1 (the second)", doneA)
+	}
+	var outcomes, results int
+	if err := pool.QueryRow(ctx, "SELECT count(*) FROM save_outcomes").Scan(&outcomes); err != nil {
+		t.Fatal(err)
+	}
+	results = outboxCount(t, pool, contract.TopicTransferResults)
+	if outcomes != 4 || results != 4 {
+		t.Errorf("%d outcomes, %d results; want 4 each (slow, a, b, c)", outcomes, results)
+	}
+	grouped := false
+	tr.mu.Lock()
+	for _, n := range tr.sizes {
+		grouped = grouped || n > 3 // BEGIN, two entries or more, COMMIT
+	}
+	tr.mu.Unlock()
+	if !grouped {
+		t.Errorf("batches %v: the entries that waited were not committed together", tr.sizes)
 	}
 }

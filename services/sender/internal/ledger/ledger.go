@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -73,8 +74,9 @@ type Committed struct {
 
 // Ledger reads and writes the sender's tables.
 type Ledger struct {
-	pool *pgxpool.Pool
-	dl   *deadletter.Store
+	pool  *pgxpool.Pool
+	dl    *deadletter.Store
+	group group
 }
 
 // New returns a ledger over pool (migrated to 0010 or later).
@@ -147,7 +149,8 @@ var commitOutcomeSQL = `WITH o AS (` + insertOutcomeSQL + `), q AS (` +
 SELECT EXISTS (SELECT 1 FROM o)`
 
 // commitOutcome writes an entry with an outcome and no dead letters in one
-// statement.
+// statement, grouped with those of other lanes committing at the same
+// time (see group).
 func (l *Ledger) commitOutcome(ctx context.Context, e Entry) (Committed, error) {
 	args, err := outcomeRow(e.Source, e.Outcome)
 	if err != nil {
@@ -157,11 +160,108 @@ func (l *Ledger) commitOutcome(ctx context.Context, e Entry) (Committed, error) 
 	if err != nil {
 		return Committed{}, err
 	}
-	var fresh bool
-	if err := l.pool.QueryRow(ctx, commitOutcomeSQL, append(args, msgs...)...).Scan(&fresh); err != nil {
-		return Committed{}, fmt.Errorf("insert outcome of %s: %w", e.Outcome.Result.TaskID, err)
+	p := &pending{ctx: ctx, taskID: e.Outcome.Result.TaskID, args: append(args, msgs...), wake: make(chan bool, 1)}
+	if err := l.group.commit(p, l.commitGroup); err != nil {
+		return Committed{}, err
 	}
-	return Committed{Done: !fresh}, nil
+	return Committed{Done: !p.fresh}, nil
+}
+
+// pending is one entry waiting in the group.
+type pending struct {
+	ctx    context.Context
+	taskID string
+	args   []any
+	// fresh and err are the entry's result, set before done is signalled.
+	fresh bool
+	err   error
+	// wake says done (false) or lead the next group (true).
+	wake chan bool
+}
+
+// group is an opportunistic group commit of one-statement entries: an
+// entry that finds no commit in flight commits at once (alone: a group of
+// one); entries arriving while one is in flight queue up and, when it
+// ends, the first of them commits them all in one transaction. No entry
+// waits for a timer, only for the commit in flight. Each caller gets its
+// own entry's result.
+type group struct {
+	mu      sync.Mutex
+	queue   []*pending
+	running bool
+}
+
+// commit commits p, alone or with the entries queued with it, through run,
+// and returns p's error.
+func (g *group) commit(p *pending, run func([]*pending)) error {
+	g.mu.Lock()
+	g.queue = append(g.queue, p)
+	lead := !g.running
+	g.running = true
+	g.mu.Unlock()
+	if !lead {
+		if lead = <-p.wake; !lead {
+			return p.err
+		}
+	}
+	g.mu.Lock()
+	batch := g.queue
+	g.queue = nil
+	g.mu.Unlock()
+	run(batch)
+	g.mu.Lock()
+	if len(g.queue) > 0 {
+		g.queue[0].wake <- true // the next group's leader
+	} else {
+		g.running = false
+	}
+	g.mu.Unlock()
+	for _, q := range batch {
+		if q != p {
+			q.wake <- false
+		}
+	}
+	return p.err
+}
+
+// commitGroup commits the entries of one group: one entry in its own
+// statement; several in one transaction of one round trip (BEGIN, each
+// entry's statement, COMMIT, pipelined). When that transaction fails, each
+// entry is committed on its own, so that one bad entry fails only itself.
+func (l *Ledger) commitGroup(batch []*pending) {
+	if len(batch) > 1 {
+		if err := l.commitTogether(batch); err == nil {
+			return
+		}
+	}
+	for _, p := range batch {
+		p.fresh, p.err = false, nil
+		if err := l.pool.QueryRow(p.ctx, commitOutcomeSQL, p.args...).Scan(&p.fresh); err != nil {
+			p.err = fmt.Errorf("insert outcome of %s: %w", p.taskID, err)
+		}
+	}
+}
+
+// commitTogether commits batch in one transaction, under the context of
+// its first entry (the leader's).
+func (l *Ledger) commitTogether(batch []*pending) (err error) {
+	ctx := batch[0].ctx
+	conn, err := l.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	for _, p := range batch {
+		b.Queue(commitOutcomeSQL, p.args...).QueryRow(func(row pgx.Row) error { return row.Scan(&p.fresh) })
+	}
+	b.Queue("COMMIT")
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		rollback(conn.Conn())
+		return err
+	}
+	return nil
 }
 
 // commitTx writes any entry in one transaction of two pipelined round
