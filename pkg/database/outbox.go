@@ -55,9 +55,8 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...bus.Message) error {
 	return nil
 }
 
-const insertOutboxSet = `INSERT INTO outbox (topic, key, value, headers)
-	SELECT t, k, v, h::jsonb FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[]) WITH ORDINALITY AS m(t, k, v, h, n)
-	ORDER BY n`
+// insertOutboxSet is the set-based INSERT of EnqueueBatch.
+var insertOutboxSet = OutboxInsertSQL(1, "")
 
 // EnqueueBatch queues on batch one set-based INSERT of msgs into the
 // outbox, for a caller that sends batch inside its transaction (so the rows
@@ -69,21 +68,47 @@ func EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) err
 	if len(msgs) == 0 {
 		return nil
 	}
+	args, err := OutboxArgs(ctx, msgs)
+	if err != nil {
+		return err
+	}
+	batch.Queue(insertOutboxSet, args...)
+	return nil
+}
+
+// OutboxInsertSQL is EnqueueBatch's set-based INSERT with its four array
+// parameters (OutboxArgs) numbered from $first, keeping the rows only where
+// cond (SQL; "" for always) holds, for a caller that embeds the insert in a
+// statement of its own, such as a data-modifying CTE that enqueues messages
+// only when its other insert wrote a row.
+func OutboxInsertSQL(first int, cond string) string {
+	where := ""
+	if cond != "" {
+		where = " WHERE " + cond
+	}
+	return fmt.Sprintf(`INSERT INTO outbox (topic, key, value, headers)
+	SELECT t, k, v, h::jsonb FROM unnest($%d::text[], $%d::text[], $%d::bytea[], $%d::text[]) WITH ORDINALITY AS m(t, k, v, h, n)%s
+	ORDER BY n`, first, first+1, first+2, first+3, where)
+}
+
+// OutboxArgs returns the four array parameters (topics, keys, values,
+// headers) of OutboxInsertSQL for msgs, with the headers EnqueueBatch sets.
+// No messages give four empty arrays.
+func OutboxArgs(ctx context.Context, msgs []bus.Message) ([]any, error) {
 	topics, keys, headers := make([]string, len(msgs)), make([]string, len(msgs)), make([]string, len(msgs))
 	values := make([][]byte, len(msgs))
 	for i, m := range msgs {
 		h, err := rowHeaders(ctx, i, m)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		hb, err := json.Marshal(h)
 		if err != nil {
-			return fmt.Errorf("database: enqueue message %d headers: %w", i, err)
+			return nil, fmt.Errorf("database: enqueue message %d headers: %w", i, err)
 		}
 		topics[i], keys[i], values[i], headers[i] = m.Topic, m.Key, m.Value, string(hb)
 	}
-	batch.Queue(insertOutboxSet, topics, keys, values, headers)
-	return nil
+	return []any{topics, keys, values, headers}, nil
 }
 
 // CopyThreshold is the size of message values above which a caller should

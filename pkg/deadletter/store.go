@@ -68,6 +68,35 @@ RETURNING id, created_at`
 // partition, offset, record time, slot) already stored is kept and d is
 // not written again, so a redelivered record never adds a second copy.
 func (s *Store) InsertIn(ctx context.Context, q Querier, d DeadLetter) (DeadLetter, bool, error) {
+	d, args, err := s.prepare(d)
+	if err != nil {
+		return DeadLetter{}, false, err
+	}
+	return scanInserted(d, q.QueryRow(ctx, insertSQL, args...))
+}
+
+// QueueInsert queues on batch the insert InsertIn makes, for a caller that
+// sends batch inside its transaction. Once the batch's results are read
+// (BatchResults.Close), done is called with d as InsertIn returns it and
+// whether it was written; an error done returns becomes the batch's.
+func (s *Store) QueueInsert(batch *pgx.Batch, d DeadLetter, done func(d DeadLetter, added bool) error) error {
+	d, args, err := s.prepare(d)
+	if err != nil {
+		return err
+	}
+	batch.Queue(insertSQL, args...).QueryRow(func(row pgx.Row) error {
+		d, added, err := scanInserted(d, row)
+		if err != nil {
+			return err
+		}
+		return done(d, added)
+	})
+	return nil
+}
+
+// prepare fills in and sanitises d for the insert and returns the insert's
+// arguments.
+func (s *Store) prepare(d DeadLetter) (DeadLetter, []any, error) {
 	d.Service = s.service
 	d.Reason = kvcore.Reason(text.ForPostgres(string(d.Reason)))
 	d.Detail, d.Key = text.ForPostgres(d.Detail), text.ForPostgres(d.Key)
@@ -84,11 +113,17 @@ func (s *Store) InsertIn(ctx context.Context, q Querier, d DeadLetter) (DeadLett
 		}
 		var err error
 		if headers, err = json.Marshal(clean); err != nil {
-			return DeadLetter{}, false, fmt.Errorf("deadletter: encode headers: %w", err)
+			return DeadLetter{}, nil, fmt.Errorf("deadletter: encode headers: %w", err)
 		}
 	}
-	err := q.QueryRow(ctx, insertSQL, d.Service, d.Reason, d.Detail, d.Group, d.TaskID, d.EngineID, d.RequestID,
-		d.Payload, d.Topic, d.Partition, d.Offset, d.Key, headers, d.RecordTime, d.Slot).Scan(&d.ID, &d.CreatedAt)
+	return d, []any{d.Service, d.Reason, d.Detail, d.Group, d.TaskID, d.EngineID, d.RequestID,
+		d.Payload, d.Topic, d.Partition, d.Offset, d.Key, headers, d.RecordTime, d.Slot}, nil
+}
+
+// scanInserted reads the insert's answer for d: its id and creation time,
+// or no row when the record's slot is already recorded.
+func scanInserted(d DeadLetter, row pgx.Row) (DeadLetter, bool, error) {
+	err := row.Scan(&d.ID, &d.CreatedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return d, false, nil // this record's slot is already recorded
 	}

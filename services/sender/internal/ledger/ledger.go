@@ -8,7 +8,9 @@ package ledger
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -72,8 +74,9 @@ type Committed struct {
 
 // Ledger reads and writes the sender's tables.
 type Ledger struct {
-	pool *pgxpool.Pool
-	dl   *deadletter.Store
+	pool  *pgxpool.Pool
+	dl    *deadletter.Store
+	group group
 }
 
 // New returns a ledger over pool (migrated to 0010 or later).
@@ -103,31 +106,23 @@ func (l *Ledger) Done(ctx context.Context, taskID string) (bool, error) {
 
 // Commit writes e in one transaction: the outcome row, the dead letters and
 // their DLQ messages, and e.Messages, all through the outbox.
+//
+// An entry with an outcome and no dead letters (every save that went
+// well) is one statement, one round trip: a data-modifying CTE inserts the
+// outcome and, only when that row is new, the messages (database's
+// set-based outbox insert), and answers whether it was new. Any other
+// entry is two pipelined round trips on one connection: BEGIN, the
+// outcome insert and the dead-letter inserts; then the outbox insert of
+// what is to be published and COMMIT (or ROLLBACK, for a task already done
+// and dropped, which undoes the dead-letter inserts).
 func (l *Ledger) Commit(ctx context.Context, e Entry) (Committed, error) {
 	var out Committed
-	err := pgx.BeginFunc(ctx, l.pool, func(tx pgx.Tx) error {
-		out = Committed{}
-		fresh := true
-		if e.Outcome != nil {
-			var err error
-			if fresh, err = insertOutcome(ctx, tx, e.Source, e.Outcome); err != nil {
-				return err
-			}
-			if !fresh && e.DropIfDone {
-				out.Done = true
-				return nil
-			}
-			out.Done = !fresh
-		}
-		msgs, err := l.insertDeadLetters(ctx, tx, e.Source, e.DeadLetters, &out)
-		if err != nil {
-			return err
-		}
-		if fresh {
-			msgs = append(msgs, e.Messages...)
-		}
-		return database.Enqueue(ctx, tx, msgs...)
-	})
+	var err error
+	if e.Outcome != nil && len(e.DeadLetters) == 0 {
+		out, err = l.commitOutcome(ctx, e)
+	} else {
+		out, err = l.commitTx(ctx, e)
+	}
 	if err != nil {
 		return Committed{}, fmt.Errorf("ledger: commit %s/%d@%d: %w", e.Source.Topic, e.Source.Partition, e.Source.Offset, err)
 	}
@@ -140,14 +135,235 @@ INSERT INTO save_outcomes (task_id, result_id, engine_id, request_id, status,
 	keys_stored, keys_existing, keys_skipped, keys_dead_lettered, keys_failed,
 	bytes, topic, partition, "offset", result)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)
-ON CONFLICT (task_id) DO NOTHING`
+ON CONFLICT (task_id) DO NOTHING
+RETURNING true`
 
-// insertOutcome inserts the outcome row and reports whether it is new.
-func insertOutcome(ctx context.Context, tx pgx.Tx, src Source, o *Outcome) (bool, error) {
+// outcomeArgs is the number of insertOutcomeSQL's parameters.
+const outcomeArgs = 20
+
+// commitOutcomeSQL inserts the outcome and, only when it is new, the
+// messages; it answers whether the outcome is new. The statement is its
+// own transaction.
+var commitOutcomeSQL = `WITH o AS (` + insertOutcomeSQL + `), q AS (` +
+	database.OutboxInsertSQL(outcomeArgs+1, `EXISTS (SELECT 1 FROM o)`) + `)
+SELECT EXISTS (SELECT 1 FROM o)`
+
+// commitOutcome writes an entry with an outcome and no dead letters in one
+// statement, grouped with those of other lanes committing at the same
+// time (see group).
+func (l *Ledger) commitOutcome(ctx context.Context, e Entry) (Committed, error) {
+	args, err := outcomeRow(e.Source, e.Outcome)
+	if err != nil {
+		return Committed{}, err
+	}
+	msgs, err := database.OutboxArgs(ctx, e.Messages)
+	if err != nil {
+		return Committed{}, err
+	}
+	p := &pending{ctx: ctx, taskID: e.Outcome.Result.TaskID, args: append(args, msgs...), wake: make(chan bool, 1)}
+	if err := l.group.commit(p, l.commitGroup); err != nil {
+		return Committed{}, err
+	}
+	return Committed{Done: !p.fresh}, nil
+}
+
+// pending is one entry waiting in the group.
+type pending struct {
+	ctx    context.Context
+	taskID string
+	args   []any
+	// fresh and err are the entry's result, set before done is signalled.
+	fresh bool
+	err   error
+	// wake says done (false) or lead the next group (true).
+	wake chan bool
+}
+
+// group is an opportunistic group commit of one-statement entries: an
+// entry that finds no commit in flight commits at once (alone: a group of
+// one); entries arriving while one is in flight queue up and, when it
+// ends, the first of them commits them all in one transaction. No entry
+// waits for a timer, only for the commit in flight. Each caller gets its
+// own entry's result.
+type group struct {
+	mu      sync.Mutex
+	queue   []*pending
+	running bool
+}
+
+// commit commits p, alone or with the entries queued with it, through run,
+// and returns p's error.
+func (g *group) commit(p *pending, run func([]*pending)) error {
+	g.mu.Lock()
+	g.queue = append(g.queue, p)
+	lead := !g.running
+	g.running = true
+	g.mu.Unlock()
+	if !lead {
+		if lead = <-p.wake; !lead {
+			return p.err
+		}
+	}
+	g.mu.Lock()
+	batch := g.queue
+	g.queue = nil
+	g.mu.Unlock()
+	run(batch)
+	g.mu.Lock()
+	if len(g.queue) > 0 {
+		g.queue[0].wake <- true // the next group's leader
+	} else {
+		g.running = false
+	}
+	g.mu.Unlock()
+	for _, q := range batch {
+		if q != p {
+			q.wake <- false
+		}
+	}
+	return p.err
+}
+
+// commitGroup commits the entries of one group: one entry in its own
+// statement; several in one transaction of one round trip (BEGIN, each
+// entry's statement, COMMIT, pipelined). When that transaction fails, each
+// entry is committed on its own, so that one bad entry fails only itself.
+func (l *Ledger) commitGroup(batch []*pending) {
+	if len(batch) > 1 {
+		if err := l.commitTogether(batch); err == nil {
+			return
+		}
+	}
+	for _, p := range batch {
+		p.fresh, p.err = false, nil
+		if err := l.pool.QueryRow(p.ctx, commitOutcomeSQL, p.args...).Scan(&p.fresh); err != nil {
+			p.err = fmt.Errorf("insert outcome of %s: %w", p.taskID, err)
+		}
+	}
+}
+
+// commitTogether commits batch in one transaction, under the context of
+// its first entry (the leader's).
+func (l *Ledger) commitTogether(batch []*pending) (err error) {
+	ctx := batch[0].ctx
+	conn, err := l.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	for _, p := range batch {
+		b.Queue(commitOutcomeSQL, p.args...).QueryRow(func(row pgx.Row) error { return row.Scan(&p.fresh) })
+	}
+	b.Queue("COMMIT")
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		rollback(conn.Conn())
+		return err
+	}
+	return nil
+}
+
+// commitTx writes any entry in one transaction of two pipelined round
+// trips on one connection.
+func (l *Ledger) commitTx(ctx context.Context, e Entry) (_ Committed, err error) {
+	conn, err := l.pool.Acquire(ctx)
+	if err != nil {
+		return Committed{}, err
+	}
+	defer conn.Release()
+	open := false // a transaction is (or may be) open on conn
+	defer func() {
+		if err != nil && open {
+			rollback(conn.Conn())
+		}
+	}()
+
+	var out Committed
+	fresh := true
+	var msgs []bus.Message
+	first := &pgx.Batch{}
+	first.Queue("BEGIN")
+	if e.Outcome != nil {
+		args, err := outcomeRow(e.Source, e.Outcome)
+		if err != nil {
+			return Committed{}, err
+		}
+		first.Queue(insertOutcomeSQL, args...).QueryRow(func(row pgx.Row) error {
+			err := row.Scan(&fresh)
+			if errors.Is(err, pgx.ErrNoRows) {
+				fresh, err = false, nil
+			}
+			if err != nil {
+				return fmt.Errorf("insert outcome of %s: %w", e.Outcome.Result.TaskID, err)
+			}
+			return nil
+		})
+	}
+	for _, d := range e.DeadLetters {
+		src := e.Source
+		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = src.Payload, src.Topic, src.Partition, src.Offset, src.Time
+		err := l.dl.QueueInsert(first, d, func(d deadletter.DeadLetter, added bool) error {
+			if !added {
+				return nil // this record's slot is already recorded
+			}
+			m, err := deadletter.Message(d)
+			if err != nil {
+				return err
+			}
+			msgs = append(msgs, m)
+			out.DeadLetters = append(out.DeadLetters, d)
+			return nil
+		})
+		if err != nil {
+			return Committed{}, err
+		}
+	}
+	open = true
+	if err := conn.SendBatch(ctx, first).Close(); err != nil {
+		return Committed{}, err
+	}
+
+	second := &pgx.Batch{}
+	end := "COMMIT"
+	if e.Outcome != nil {
+		out.Done = !fresh
+		if !fresh && e.DropIfDone {
+			out, end, msgs = Committed{Done: true}, "ROLLBACK", nil
+		}
+	}
+	if fresh {
+		msgs = append(msgs, e.Messages...)
+	}
+	if err := database.EnqueueBatch(ctx, second, msgs); err != nil {
+		return Committed{}, err
+	}
+	second.Queue(end)
+	if err := conn.SendBatch(ctx, second).Close(); err != nil {
+		return Committed{}, err
+	}
+	open = false
+	return out, nil
+}
+
+// rollbackTimeout bounds the ROLLBACK of a failed commit.
+const rollbackTimeout = 5 * time.Second
+
+// rollback ends the transaction left open on conn by a failed commit. When
+// that fails too, the pool destroys conn on release (it is not idle), so
+// nothing half-written can ever commit.
+func rollback(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), rollbackTimeout)
+	defer cancel()
+	_, _ = conn.Exec(ctx, "ROLLBACK")
+}
+
+// outcomeRow returns insertOutcomeSQL's arguments for o.
+func outcomeRow(src Source, o *Outcome) ([]any, error) {
 	r := o.Result
 	body, err := json.Marshal(r)
 	if err != nil {
-		return false, fmt.Errorf("encode result: %w", err)
+		return nil, fmt.Errorf("encode result: %w", err)
 	}
 	var k [5]int
 	for _, g := range r.Groups {
@@ -157,34 +373,7 @@ func insertOutcome(ctx context.Context, tx pgx.Tx, src Source, o *Outcome) (bool
 		k[3] += g.DeadLettered
 		k[4] += g.Failed
 	}
-	tag, err := tx.Exec(ctx, insertOutcomeSQL, r.TaskID, r.ResultID, r.EngineID, r.RequestID, r.Status,
+	return []any{r.TaskID, r.ResultID, r.EngineID, r.RequestID, r.Status,
 		o.Groups["stored"], o.Groups["existing"], o.Groups["skipped"], o.Groups["dead_lettered"], o.Groups["failed"],
-		k[0], k[1], k[2], k[3], k[4], r.Bytes, src.Topic, src.Partition, src.Offset, body)
-	if err != nil {
-		return false, fmt.Errorf("insert outcome of %s: %w", r.TaskID, err)
-	}
-	return tag.RowsAffected() == 1, nil
-}
-
-// insertDeadLetters inserts the rows not yet present and returns the DLQ
-// messages of those inserted.
-func (l *Ledger) insertDeadLetters(ctx context.Context, tx pgx.Tx, src Source, dls []deadletter.DeadLetter, out *Committed) ([]bus.Message, error) {
-	var msgs []bus.Message
-	for _, d := range dls {
-		d.Payload, d.Topic, d.Partition, d.Offset, d.RecordTime = src.Payload, src.Topic, src.Partition, src.Offset, src.Time
-		d, added, err := l.dl.InsertIn(ctx, tx, d)
-		if err != nil {
-			return nil, err
-		}
-		if !added {
-			continue // this record's slot is already recorded
-		}
-		m, err := deadletter.Message(d)
-		if err != nil {
-			return nil, err
-		}
-		msgs = append(msgs, m)
-		out.DeadLetters = append(out.DeadLetters, d)
-	}
-	return msgs, nil
+		k[0], k[1], k[2], k[3], k[4], r.Bytes, src.Topic, src.Partition, src.Offset, body}, nil
 }
