@@ -120,7 +120,12 @@ func TestMigrationMovesSchedulerRows(t *testing.T) {
 	t.Parallel()
 	pool := dbtest.NewPool(t)
 	ctx := context.Background()
-	if _, err := database.MigrateDown(ctx, pool, migrations.FS, 1); err != nil {
+	// Down to 0009: undo 0010 and every migration after it.
+	var version int
+	if err := pool.QueryRow(ctx, `SELECT version FROM schema_version`).Scan(&version); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := database.MigrateDown(ctx, pool, migrations.FS, version-9); err != nil {
 		t.Fatalf("down: %v", err)
 	}
 	_, err := pool.Exec(ctx, `INSERT INTO scheduler_dead_letters (topic, partition, "offset", key, reason, detail, payload)
