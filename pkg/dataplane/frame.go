@@ -91,6 +91,12 @@ func AppendFrameHeader(dst []byte, h FrameHeader) []byte {
 	return append(dst, req...)
 }
 
+// FrameHeaderLen is the length of the header AppendFrameHeader writes for
+// a frame of identity id.
+func FrameHeaderLen(id Identity) int {
+	return FrameHeaderSize + min(len(id.Hash), MaxHashLen) + min(len(id.RequestID), MaxRequestIDLen)
+}
+
 // ReadFrameHeader reads the next frame header from r. At a clean end of the
 // stream it returns io.EOF; a partial or malformed header is an ErrFrame
 // error.

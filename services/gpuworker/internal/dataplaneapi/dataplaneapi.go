@@ -8,7 +8,6 @@
 package dataplaneapi
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -44,9 +43,8 @@ type Handler struct {
 	bufs chan *[]byte
 	// streams bounds a put's concurrent store calls (put.go).
 	streams Streams
-	// frameWriters are the buffered writers read responses send their
-	// frames through (frameWriterSize each).
-	frameWriters sync.Pool
+	// frameBufs are the buffers read answers build their frames in.
+	frameBufs sync.Pool
 }
 
 // tracerName is the instrumentation scope of the data-plane spans.
@@ -178,25 +176,24 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	defer span.End()
 	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
 	w.WriteHeader(http.StatusOK)
-	// Frames go out through a large buffer: written one by one, each
-	// block's header and bytes would each be a chunk and a syscall.
-	bw, _ := h.frameWriters.Get().(*bufio.Writer)
-	if bw == nil {
-		bw = bufio.NewWriterSize(w, frameWriterSize)
+	// Frames are built in one buffer, each block copied out of the pool
+	// straight behind its header's place, and go out frameFlushSize at a
+	// time: one copy of the bytes, and a chunk and a syscall per buffer
+	// rather than per block.
+	bp, _ := h.frameBufs.Get().(*[]byte)
+	if bp == nil {
+		bp = new([]byte)
 	}
-	bw.Reset(w)
-	defer h.frameWriters.Put(bw)
-	hdr := make([]byte, 0, dataplane.FrameHeaderSize+2*dataplane.MaxHashLen)
-	var buf []byte
+	defer h.frameBufs.Put(bp)
+	out := (*bp)[:0]
+	defer func() { *bp = out[:0] }()
 	var sent int64
 	refused := 0
 	for _, ref := range req.Blocks {
-		var tag pool.Tag
+		mark := len(out)
+		var n int
 		err := h.pool.ReadSegments(ref.Group, ref.Block, ref.Hash, func(segs [][]byte, t pool.Tag) error {
-			buf, tag = buf[:0], t
-			for _, s := range segs {
-				buf = append(buf, s...)
-			}
+			out, n = appendFrame(out[:mark], ref, t, segs)
 			return nil
 		})
 		var nh *pool.NotHeldError
@@ -204,38 +201,50 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 		case errors.As(err, &nh):
 			refused++
 			h.metrics.NotHeld(metrics.OpRead)
-			hdr = dataplane.AppendFrameHeader(hdr[:0], dataplane.FrameHeader{
+			out = dataplane.AppendFrameHeader(out[:mark], dataplane.FrameHeader{
 				Group: ref.Group, Block: ref.Block, NotHeld: true, Generation: nh.Held.Generation, Identity: nh.Held.Identity,
 			})
-			_, err = bw.Write(hdr)
+			err = nil
 		case err == nil:
-			err = writeFrame(bw, hdr[:0], ref, tag, buf)
-			sent += int64(len(buf))
+			sent += int64(n)
+		}
+		if err == nil && len(out) >= frameFlushSize {
+			_, err = w.Write(out)
+			out = out[:0]
 		}
 		if err != nil {
 			return // the client went away (or a device copy failed); nothing more can be said
 		}
 	}
-	if bw.Flush() != nil {
-		return // the client went away
+	if len(out) > 0 {
+		if _, err := w.Write(out); err != nil {
+			return // the client went away
+		}
 	}
 	span.SetAttributes(attribute.Int64("kvmesh.bytes", sent), attribute.Int("kvmesh.not_held", refused))
 }
 
-// frameWriterSize is the buffer a read response's frames go through.
-const frameWriterSize = 256 << 10
+// frameFlushSize is how many bytes of frames a read answer gathers before
+// it writes them.
+const frameFlushSize = 256 << 10
 
-// writeFrame sends one verified block's frame: header, identity, bytes.
-func writeFrame(w io.Writer, hdr []byte, ref dataplane.ReadRef, tag pool.Tag, data []byte) error {
-	hdr = dataplane.AppendFrameHeader(hdr, dataplane.FrameHeader{
+// appendFrame appends one block's frame to out — header, identity, the
+// segments' bytes — and returns it with the block's length. The bytes are
+// copied first, behind room for the header, which is written once their
+// checksum is known.
+func appendFrame(out []byte, ref dataplane.ReadRef, tag pool.Tag, segs [][]byte) ([]byte, int) {
+	mark := len(out)
+	hl := dataplane.FrameHeaderLen(tag.Identity)
+	out = append(out, make([]byte, hl)...)
+	for _, s := range segs {
+		out = append(out, s...)
+	}
+	data := out[mark+hl:]
+	dataplane.AppendFrameHeader(out[mark:mark], dataplane.FrameHeader{
 		Group: ref.Group, Block: ref.Block, Len: len(data), Checksum: dataplane.Checksum(data),
 		Generation: tag.Generation, Identity: tag.Identity,
 	})
-	if _, err := w.Write(hdr); err != nil {
-		return err
-	}
-	_, err := w.Write(data)
-	return err
+	return out, len(data)
 }
 
 // evict clears the identity of the listed blocks.
