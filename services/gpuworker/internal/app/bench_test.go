@@ -165,18 +165,18 @@ func BenchmarkLoad(b *testing.B) {
 		valueSize := bs.size + dataplane.ValueOverhead(len(w.model.Fingerprint()))
 		b.Run(bs.name, func(b *testing.B) {
 			cpu, rawCPU, serverCPU := testenv.CPUReading{}, testenv.CPUReading{}, testenv.CPUReading{}
-			machine := startMachineCPU(b)
+			machine := testenv.WatchMachineBusy(b)
 			b.SetBytes(benchBatchBytes / loadSlots)
 			b.ResetTimer()
 			var loaded, raw time.Duration
 			for lo := 0; lo < b.N; lo += loadRound {
 				ops := min(loadRound, b.N-lo)
-				server0, before := readCPU(b, server), readCPU(b, meter)
+				server0, before := testenv.ReadCPU(b, server), testenv.ReadCPU(b, meter)
 				loaded += loadStream(b, w, p, rs, slots, per, ops)
-				cpu.Add(before, readCPU(b, meter))
-				serverCPU.Add(server0, readCPU(b, server))
+				cpu.Add(before, testenv.ReadCPU(b, meter))
+				serverCPU.Add(server0, testenv.ReadCPU(b, server))
 				b.StopTimer() // MB/s is the load's alone
-				before = readCPU(b, meter)
+				before = testenv.ReadCPU(b, meter)
 				start := time.Now()
 				for i := range ops {
 					if err := rawGet(ctx, rdb, slots[i%loadSlots].keys, valueSize); err != nil {
@@ -184,13 +184,13 @@ func BenchmarkLoad(b *testing.B) {
 					}
 				}
 				raw += time.Since(start)
-				rawCPU.Add(before, readCPU(b, meter))
+				rawCPU.Add(before, testenv.ReadCPU(b, meter))
 				b.StartTimer()
 			}
 			b.StopTimer()
 			reportRatio(b, "load", benchBatchBytes/loadSlots, loaded, raw)
 			delete(rawCPU, "pg") // the baseline is the client and Redis
-			reportCPU(b, float64(b.N)*benchBatchBytes/loadSlots, cpu, rawCPU, serverCPU)
+			testenv.ReportCPUPerGiB(b, float64(b.N)*benchBatchBytes/loadSlots, cpu, rawCPU, serverCPU)
 			machine()
 		})
 	}
@@ -276,28 +276,28 @@ func BenchmarkPut(b *testing.B) {
 				if err := rdb.Del(ctx, append(slices.Clone(rawKeys), putKeys...)...).Err(); err != nil {
 					b.Fatal(err)
 				}
-				before := readCPU(b, meter)
+				before := testenv.ReadCPU(b, meter)
 				start := time.Now()
 				if err := rawSet(ctx, rdb, rawKeys, values); err != nil {
 					b.Fatal(err)
 				}
 				raw += time.Since(start)
-				mid := readCPU(b, meter)
+				mid := testenv.ReadCPU(b, meter)
 				rawCPU.Add(before, mid)
-				server0 := readCPU(b, server)
+				server0 := testenv.ReadCPU(b, server)
 				start = time.Now()
 				res, _, err := w.client.Put(ctx, items)
 				if err != nil || res[n-1].Status != dataplane.PutStored {
 					b.Fatalf("put: %v %+v", err, res[n-1])
 				}
 				put += time.Since(start)
-				cpu.Add(mid, readCPU(b, meter))
-				serverCPU.Add(server0, readCPU(b, server))
+				cpu.Add(mid, testenv.ReadCPU(b, meter))
+				serverCPU.Add(server0, testenv.ReadCPU(b, server))
 			}
 			b.StopTimer()
 			reportRatio(b, "put", benchBatchBytes, put, raw)
 			delete(rawCPU, "pg")
-			reportCPU(b, float64(b.N)*benchBatchBytes, cpu, rawCPU, serverCPU)
+			testenv.ReportCPUPerGiB(b, float64(b.N)*benchBatchBytes, cpu, rawCPU, serverCPU)
 		})
 	}
 }
@@ -318,65 +318,5 @@ func reportRatio(b *testing.B, what string, perOp int, kvmesh, raw time.Duration
 // other tests share.
 func loadMeter(b *testing.B, env *servicetest.Env) (meter, server testenv.CPUMeter) {
 	b.Helper()
-	ctx := context.Background()
-	pg, closePG, err := testenv.PostgresDatabaseCPU(ctx, env.DatabaseURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(closePG)
-	pgServer, err := testenv.PostgresCPUFunc(ctx, env.DatabaseURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	rd, err := testenv.RedisCPUFunc(ctx, env.RedisURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	return testenv.CPUMeter{"self": testenv.SelfCPU, "pg": pg, "redis": rd}, testenv.CPUMeter{"pg_server": pgServer}
-}
-
-// readCPU reads meter, failing b on an error.
-func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
-	b.Helper()
-	r, err := meter.Read()
-	if err != nil {
-		b.Fatal(err)
-	}
-	return r
-}
-
-// reportCPU reports the CPU seconds per GiB of bytes moved of the load
-// (cpu, each of its parts too) and of the baseline (raw), and their ratio;
-// and, apart, the server-wide readings of info.
-func reportCPU(b *testing.B, bytes float64, cpu, raw, info testenv.CPUReading) {
-	gib := bytes / (1 << 30)
-	for name, d := range cpu {
-		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
-	}
-	for name, d := range raw {
-		b.ReportMetric(d.Seconds()/gib, "raw_"+name+"_cpu_s/GiB")
-	}
-	for name, d := range info {
-		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
-	}
-	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
-	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
-	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
-}
-
-// startMachineCPU starts watching the machine's busy fraction; the
-// function it returns reports it (machine_busy, 0–1).
-func startMachineCPU(b *testing.B) func() {
-	b.Helper()
-	busy0, total0, err := testenv.MachineCPU()
-	if err != nil {
-		b.Fatal(err)
-	}
-	return func() {
-		busy, total, err := testenv.MachineCPU()
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
-	}
+	return testenv.ServerMeters(b, env.DatabaseURL, env.RedisURL)
 }

@@ -9,7 +9,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"regexp"
@@ -209,7 +208,7 @@ func newSchedBench(b *testing.B) *schedBench {
 	if err := os.WriteFile(s.script, []byte(script), 0o600); err != nil {
 		b.Fatal(err)
 	}
-	if out, err := pgbench(b, "-i", "-s", "10", "-q", "-I", "dtGvp", s.pgbenchDB); err != nil {
+	if out, err := testenv.Pgbench(b, "-i", "-s", "10", "-q", "-I", "dtGvp", s.pgbenchDB); err != nil {
 		b.Fatalf("pgbench -i: %v\n%s", err, out)
 	}
 	durable(b, s.admin)
@@ -418,23 +417,6 @@ func (s *schedBench) checkpoint(b *testing.B) {
 	}
 }
 
-// pgbench runs pgbench with args and returns its output.
-func pgbench(b *testing.B, args ...string) (string, error) {
-	b.Helper()
-	path, err := exec.LookPath("pgbench")
-	if err != nil {
-		matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/pgbench")
-		if len(matches) == 0 {
-			b.Fatal("pgbench is not installed (Debian: postgresql-client)")
-		}
-		slices.Sort(matches)
-		path = matches[len(matches)-1]
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), benchWait)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, path, args...).CombinedOutput()
-	return string(out), err
-}
 
 // tpsLine is pgbench's throughput line.
 var tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
@@ -447,7 +429,7 @@ func (s *schedBench) pgbenchTPS(b *testing.B) float64 {
 		return s.tps
 	}
 	s.checkpoint(b)
-	out, err := pgbench(b, "-n", "-c", "8", "-j", "2", "-T", strconv.Itoa(pgbenchSeconds), "-M", "prepared", "-f", s.script, s.pgbenchDB)
+	out, err := testenv.Pgbench(b, "-n", "-c", "8", "-j", "2", "-T", strconv.Itoa(pgbenchSeconds), "-M", "prepared", "-f", s.script, s.pgbenchDB)
 	if err != nil {
 		b.Fatalf("pgbench: %v\n%s", err, out)
 	}
@@ -471,7 +453,7 @@ func (s *schedBench) pgbenchLatency(b *testing.B, rate float64, seconds int) (p5
 	b.Helper()
 	dir := b.TempDir()
 	s.checkpoint(b)
-	out, err := pgbench(b, "-n", "-c", "8", "-j", "2", "-T", strconv.Itoa(seconds), "-M", "prepared",
+	out, err := testenv.Pgbench(b, "-n", "-c", "8", "-j", "2", "-T", strconv.Itoa(seconds), "-M", "prepared",
 		"-R", strconv.Itoa(int(math.Round(rate))), "-l", "--log-prefix", filepath.Join(dir, "tx"), "-f", s.script, s.pgbenchDB)
 	if err != nil {
 		b.Fatalf("pgbench -R: %v\n%s", err, out)

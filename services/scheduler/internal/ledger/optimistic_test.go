@@ -17,6 +17,19 @@ import (
 	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
 
+// replicaLedgers are two schedulers' ledgers of the dense model on one
+// database (replicas), pa the first one's pool, and the serial
+// application their changes must add up to.
+func replicaLedgers(t *testing.T) (pa *pgxpool.Pool, ca, cb *wireCounter, a, b *ledger.Ledger, s *serial) {
+	t.Helper()
+	pa, pb, ca, cb := replicas(t)
+	m, err := kvcore.Preset("dense")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pa, ca, cb, ledger.New(pa, m), ledger.New(pb, m), newSerial(t, m)
+}
+
 // replicas are two pools on one database, each counting what it sends, as
 // two scheduler replicas would hold.
 func replicas(t *testing.T) (a, b *pgxpool.Pool, ca, cb *wireCounter) {
@@ -139,13 +152,7 @@ func (s *serial) check(pool *pgxpool.Pool) {
 // that every change runs on the request's latest state and the stored
 // request is the serial application's.
 func TestReplicasInterleavingOneRequest(t *testing.T) {
-	pa, pb, ca, cb := replicas(t)
-	m, err := kvcore.Preset("dense")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, b := ledger.New(pa, m), ledger.New(pb, m)
-	s := newSerial(t, m)
+	pa, ca, cb, a, b, s := replicaLedgers(t)
 	optimistic := func(who string, w wire, seen []int64) {
 		t.Helper()
 		if w.locks != 0 || w.trackerUpdates != 1 || w.roundTrips != 2 || !reflect.DeepEqual(seen, []int64{s.seq - 1}) {
@@ -190,14 +197,8 @@ func TestReplicasInterleavingOneRequest(t *testing.T) {
 // the row rechecks the row's version once that one commits, finds it moved
 // on, and applies again from the row.
 func TestOptimisticApplyWaitingForAnotherReplica(t *testing.T) {
-	pa, pb, ca, _ := replicas(t)
-	m, err := kvcore.Preset("dense")
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa, ca, _, a, b, s := replicaLedgers(t)
 	ctx := context.Background()
-	a, b := ledger.New(pa, m), ledger.New(pb, m)
-	s := newSerial(t, m)
 	s.apply(a, ca)
 	s.apply(a, ca) // a holds the row's version
 	var seenA, seenB []int64
@@ -251,14 +252,8 @@ func TestOptimisticApplyWaitingForAnotherReplica(t *testing.T) {
 // holding its request at the row's version or not, alone or in a batch
 // with a new record, which is applied once.
 func TestOptimisticApplyKeepsRedeliveriesOut(t *testing.T) {
-	pa, pb, ca, cb := replicas(t)
-	m, err := kvcore.Preset("dense")
-	if err != nil {
-		t.Fatal(err)
-	}
+	pa, ca, cb, a, b, s := replicaLedgers(t)
 	ctx := context.Background()
-	a, b := ledger.New(pa, m), ledger.New(pb, m)
-	s := newSerial(t, m)
 	s.apply(a, ca)
 	s.apply(b, cb)
 	var seen []int64
@@ -273,6 +268,7 @@ func TestOptimisticApplyKeepsRedeliveriesOut(t *testing.T) {
 		c    *wireCounter
 	}{{"a", a, ca}, {"b", b, cb}, {"a again", a, ca}} {
 		var st []ledger.Status
+		var err error
 		w := r.c.measure(func() { st, err = r.l.ApplyBatch(ctx, []ledger.Unit{last}) })
 		if err != nil || st[0] != ledger.Duplicate {
 			t.Fatalf("redelivery to %s: %v %v, want duplicate", r.name, st, err)

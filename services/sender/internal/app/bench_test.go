@@ -94,15 +94,15 @@ func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 	run := randHex(4) // request ids differ between the framework's runs
 	meter, server := s.saveMeter(b)
 	cpu, rawCPU, serverCPU := testenv.CPUReading{}, testenv.CPUReading{}, testenv.CPUReading{}
-	machine := startMachineCPU(b)
+	machine := testenv.WatchMachineBusy(b)
 	b.SetBytes(int64(benchChunks * size))
 	b.ResetTimer()
 	var busy, rawBusy time.Duration
 	for lo := 0; lo < b.N; lo += saveRound {
 		n := min(saveRound, b.N-lo)
-		server0 := readCPU(b, server)
+		server0 := testenv.ReadCPU(b, server)
 		busy += s.saveStream(b, rdb, slots, run+"-"+strconv.Itoa(lo), n, meter, cpu)
-		serverCPU.Add(server0, readCPU(b, server))
+		serverCPU.Add(server0, testenv.ReadCPU(b, server))
 		b.StopTimer() // MB/s is the stream's alone
 		rawBusy += rawSetStream(b, rdb, n, size, meter, rawCPU)
 		b.StartTimer()
@@ -115,7 +115,7 @@ func benchSave(b *testing.B, s *stack, slots [][]uint32, size int) {
 	// not its cost.
 	delete(rawCPU, "gpuworker")
 	delete(rawCPU, "pg")
-	reportCPU(b, float64(b.N*benchChunks*size), cpu, rawCPU, serverCPU)
+	testenv.ReportCPUPerGiB(b, float64(b.N*benchChunks*size), cpu, rawCPU, serverCPU)
 	machine()
 }
 
@@ -129,77 +129,9 @@ func (s *stack) saveMeter(b *testing.B) (meter, server testenv.CPUMeter) {
 	s.mu.Lock()
 	worker := s.procs["e1"].cmd.Process.Pid
 	s.mu.Unlock()
-	meter, server = serverMeters(b, s.env.DatabaseURL, s.redis)
+	meter, server = testenv.ServerMeters(b, s.env.DatabaseURL, s.redis)
 	meter["gpuworker"] = testenv.ProcessCPUFunc(worker)
 	return meter, server
-}
-
-// serverMeters is a CPUMeter of this process (self), the PostgreSQL
-// backends of databaseURL's database (pg) and the Redis server at redisURL
-// (redis), and one of the whole PostgreSQL server (pg_server).
-func serverMeters(b *testing.B, databaseURL, redisURL string) (meter, server testenv.CPUMeter) {
-	b.Helper()
-	ctx := context.Background()
-	pg, closePG, err := testenv.PostgresDatabaseCPU(ctx, databaseURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(closePG)
-	pgServer, err := testenv.PostgresCPUFunc(ctx, databaseURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	rd, err := testenv.RedisCPUFunc(ctx, redisURL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	return testenv.CPUMeter{"self": testenv.SelfCPU, "pg": pg, "redis": rd}, testenv.CPUMeter{"pg_server": pgServer}
-}
-
-// readCPU reads meter, failing b on an error.
-func readCPU(b *testing.B, meter testenv.CPUMeter) testenv.CPUReading {
-	b.Helper()
-	r, err := meter.Read()
-	if err != nil {
-		b.Fatal(err)
-	}
-	return r
-}
-
-// reportCPU reports the CPU seconds per GiB of bytes moved of the stream
-// (cpu, each of its parts too) and of the baseline (raw), and their ratio;
-// and, apart, the server-wide readings of info.
-func reportCPU(b *testing.B, bytes float64, cpu, raw, info testenv.CPUReading) {
-	gib := bytes / (1 << 30)
-	for name, d := range cpu {
-		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
-	}
-	for name, d := range raw {
-		b.ReportMetric(d.Seconds()/gib, "raw_"+name+"_cpu_s/GiB")
-	}
-	for name, d := range info {
-		b.ReportMetric(d.Seconds()/gib, name+"_cpu_s/GiB")
-	}
-	b.ReportMetric(cpu.Total().Seconds()/gib, "cpu_s/GiB")
-	b.ReportMetric(raw.Total().Seconds()/gib, "raw_cpu_s/GiB")
-	b.ReportMetric(cpu.Total().Seconds()/raw.Total().Seconds(), "cpu/raw")
-}
-
-// startMachineCPU starts watching the machine's busy fraction; the
-// function it returns reports it (machine_busy, 0–1).
-func startMachineCPU(b *testing.B) func() {
-	b.Helper()
-	busy0, total0, err := testenv.MachineCPU()
-	if err != nil {
-		b.Fatal(err)
-	}
-	return func() {
-		busy, total, err := testenv.MachineCPU()
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.ReportMetric(float64(busy-busy0)/float64(total-total0), "machine_busy")
-	}
 }
 
 // saveStream streams n tasks, benchInFlight at once: each in-flight slot
@@ -218,7 +150,7 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 	}
 	ctx := context.Background()
 	var g errgroup.Group
-	before := readCPU(b, meter)
+	before := testenv.ReadCPU(b, meter)
 	start := time.Now()
 	for _, tasks := range work {
 		g.Go(func() error {
@@ -234,7 +166,7 @@ func (s *stack) saveStream(b *testing.B, rdb *redis.Client, slots [][]uint32, ru
 		b.Fatal(err)
 	}
 	took := time.Since(start)
-	cpu.Add(before, readCPU(b, meter))
+	cpu.Add(before, testenv.ReadCPU(b, meter))
 	return took
 }
 
@@ -274,7 +206,7 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int, meter testenv.CP
 	prefix := "bench-raw-" + randHex(4) + "-"
 	var g errgroup.Group
 	g.SetLimit(benchInFlight)
-	before := readCPU(b, meter)
+	before := testenv.ReadCPU(b, meter)
 	start := time.Now()
 	for i := range n {
 		g.Go(func() error {
@@ -296,7 +228,7 @@ func rawSetStream(b *testing.B, rdb *redis.Client, n, size int, meter testenv.CP
 		b.Fatal(err)
 	}
 	took := time.Since(start)
-	cpu.Add(before, readCPU(b, meter))
+	cpu.Add(before, testenv.ReadCPU(b, meter))
 	return took
 }
 
