@@ -68,7 +68,7 @@ const (
 	// markSent deletes the published rows: a sent row is never read again,
 	// and deleting it writes one heap record where marking it rewrote the
 	// row and every index on it.
-	markSent = `DELETE FROM outbox WHERE id = ANY($1)`
+	markSent    = `DELETE FROM outbox WHERE id = ANY($1)`
 	markBackoff = `UPDATE outbox o SET attempts = o.attempts + 1, last_error = d.err,
 		    next_attempt_at = now() + d.delay_us * interval '1 microsecond'
 		FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS d(id, delay_us, err)

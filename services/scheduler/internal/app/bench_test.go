@@ -417,7 +417,6 @@ func (s *schedBench) checkpoint(b *testing.B) {
 	}
 }
 
-
 // tpsLine is pgbench's throughput line.
 var tpsLine = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
 
