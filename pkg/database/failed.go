@@ -72,9 +72,8 @@ func (r *Relay) FailedCount(ctx context.Context) (int64, error) {
 // removed the cause (raised the broker's message size, created the topic).
 // The relay publishes it next, after any row of its key already published:
 // a retried row is out of order with respect to those. It returns
-// ErrOutboxRowNotFound when no row has that id (a sent row is deleted) and
-// ErrOutboxRowNotFailed when the row is pending (or an older relay's sent
-// row not yet purged).
+// ErrOutboxRowNotFound when no row has that id and ErrOutboxRowNotFailed
+// when the row is pending or sent.
 func (r *Relay) RetryFailed(ctx context.Context, id int64) error {
 	tag, err := r.pool.Exec(ctx, retryFailed, id)
 	if err != nil {

@@ -177,8 +177,10 @@ func TestRelayPublishesCommittedMessagesInOrder(t *testing.T) {
 		}
 	}
 	pub.mu.Unlock()
-	if rows := outboxRows(t, pool); len(rows) != 0 {
-		t.Errorf("%d rows left after publishing, want every published row deleted: %+v", len(rows), rows)
+	for i, r := range outboxRows(t, pool) {
+		if !r.Sent || r.Attempts != 1 {
+			t.Errorf("row %d = %+v, want sent after 1 attempt", i, r)
+		}
 	}
 }
 
@@ -223,9 +225,20 @@ func TestRelayRetriesUntilPublisherRecovers(t *testing.T) {
 		t.Fatalf("%d messages published while the publisher failed", n)
 	}
 	pub.setFailing(false)
-	waitFor(t, "rows deleted once sent", func() bool { return len(outboxRows(t, pool)) == 0 })
+	waitFor(t, "rows marked sent", func() bool {
+		rows := outboxRows(t, pool)
+		return rows[0].Sent && rows[1].Sent
+	})
 	if got := values(pub.published()); !slices.Equal(got, []string{"one", "two"}) {
 		t.Errorf("published %v, want [one two] exactly once", got)
+	}
+	pub.mu.Lock()
+	calls := pub.calls
+	pub.mu.Unlock()
+	for i, r := range outboxRows(t, pool) {
+		if r.Attempts != calls {
+			t.Errorf("row %d attempts = %d, want %d (every Publish call)", i, r.Attempts, calls)
+		}
 	}
 }
 

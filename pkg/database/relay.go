@@ -42,8 +42,7 @@ const maxErrorText = 2000
 //   - pending: sent_at IS NULL AND failed_at IS NULL; claimed in id order
 //     unless the row, or an earlier pending row of the same (topic, key),
 //     backs off (next_attempt_at in the future);
-//   - sent: deleted once published (rows an older relay marked sent_at are
-//     purged by PurgeSent);
+//   - sent: sent_at set (and purged by PurgeSent later);
 //   - failed: failed_at set, with fail_reason and last_error; skipped by
 //     the relay until RetryFailed puts it back.
 const (
@@ -65,10 +64,8 @@ const (
 		        AND b.next_attempt_at > now())
 		ORDER BY o.id LIMIT $1
 		FOR UPDATE OF o SKIP LOCKED`
-	// markSent deletes the published rows: a sent row is never read again,
-	// and deleting it writes one heap record where marking it rewrote the
-	// row and every index on it.
-	markSent    = `DELETE FROM outbox WHERE id = ANY($1)`
+	markSent = `UPDATE outbox SET sent_at = now(), attempts = attempts + 1, next_attempt_at = NULL
+		WHERE id = ANY($1)`
 	markBackoff = `UPDATE outbox o SET attempts = o.attempts + 1, last_error = d.err,
 		    next_attempt_at = now() + d.delay_us * interval '1 microsecond'
 		FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS d(id, delay_us, err)
@@ -337,7 +334,7 @@ func (r *Relay) publish(ctx context.Context, rows []claimedRow, msgs []bus.Messa
 	return out
 }
 
-// record stores the outcomes in tx: published rows are deleted, rows
+// record stores the outcomes in tx: published rows are marked sent, rows
 // with a permanent error failed, rows with a transient error backed off.
 // Held rows count the attempt and say why they wait; they stay pending
 // without a backoff of their own, so they follow the row that holds them as

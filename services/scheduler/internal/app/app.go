@@ -55,7 +55,7 @@ type Config struct {
 	// Migrate applies migrations at start.
 	Migrate bool `env:"KVMESH_MIGRATE" doc:"scheduler only: apply database migrations at start"`
 	// TrackerRetention is how long finished trackers are kept.
-	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" doc:"how long trackers of finished requests and processed-record ids (and outbox rows an older release kept once sent; a relay now deletes a row once published) are kept before the purge deletes them"`
+	TrackerRetention time.Duration `env:"KVMESH_TRACKER_RETENTION" doc:"how long trackers of finished requests, processed-record ids and sent outbox rows are kept before the purge deletes them"`
 	// TrackerIdleTimeout is how long an unfinished tracker may go without
 	// an update before it is purged.
 	TrackerIdleTimeout time.Duration `env:"KVMESH_TRACKER_IDLE_TIMEOUT" doc:"unfinished trackers not updated for this long (their engine is gone) are purged"`
