@@ -28,6 +28,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
@@ -160,12 +161,30 @@ var tenantPattern = regexp.MustCompile(`^[A-Za-z0-9._-]{1,64}$`)
 
 // Verifier checks bearer tokens: the operator token, and engine and
 // service tokens signed with the key.
+//
+// A signed token it has verified is remembered, by its SHA-256, until the
+// token's expiry, so a client that presents one token on every request (a
+// service's minted token, an engine's) has its signature checked and its
+// claims decoded once, not on every request: a data-plane read or put
+// costs a map look-up. The answer is the same: what a verified token
+// names cannot change before it expires (its claims are signed), the keys
+// a Verifier accepts are fixed for its life, and a token is never taken
+// from the memory at or past its expiry — it is verified again, which
+// refuses it once the leeway is over. A token that failed is not
+// remembered.
 type Verifier struct {
 	keys     jwt.VerificationKeySet // the key, then the ones being rotated out
 	operator [sha256.Size]byte
 	hasOp    bool
 	now      func() time.Time
+
+	mu       sync.Mutex
+	verified map[[sha256.Size]byte]Principal
 }
+
+// maxVerified bounds how many verified tokens a Verifier remembers; past
+// it the expired ones are dropped, and if none were, all of them.
+const maxVerified = 4096
 
 // NewVerifier returns a Verifier for key and the operator token (empty:
 // no operator token is accepted). Tokens signed with one of previous (keys
@@ -191,6 +210,9 @@ func (v *Verifier) Verify(token string) (*Principal, error) {
 	if v.hasOp && subtle.ConstantTimeCompare(got[:], v.operator[:]) == 1 {
 		return &Principal{Kind: KindOperator, Subject: string(KindOperator)}, nil
 	}
+	if p, ok := v.remembered(got); ok {
+		return p, nil
+	}
 	if strings.Count(token, ".") != 2 {
 		return nil, fmt.Errorf("%w: the token is neither the operator token nor a signed token", ErrUnauthenticated)
 	}
@@ -204,7 +226,49 @@ func (v *Verifier) Verify(token string) (*Principal, error) {
 	if (c.Kind != KindEngine && c.Kind != KindService) || !subjectPattern.MatchString(c.Subject) {
 		return nil, fmt.Errorf("%w: the token's kind or subject is not valid", ErrUnauthenticated)
 	}
-	return &Principal{Kind: c.Kind, Subject: c.Subject, Tenants: c.Tenants, ExpiresAt: c.ExpiresAt.Time}, nil
+	p := Principal{Kind: c.Kind, Subject: c.Subject, Tenants: c.Tenants, ExpiresAt: c.ExpiresAt.Time}
+	v.remember(got, p)
+	return &p, nil
+}
+
+// remembered returns the principal of a signed token verified before,
+// when it has not expired yet (a copy: the caller may change it).
+func (v *Verifier) remembered(sum [sha256.Size]byte) (*Principal, bool) {
+	v.mu.Lock()
+	p, ok := v.verified[sum]
+	if ok && !v.now().Before(p.ExpiresAt) {
+		delete(v.verified, sum)
+		ok = false
+	}
+	v.mu.Unlock()
+	if !ok {
+		return nil, false
+	}
+	p.Tenants = slices.Clone(p.Tenants)
+	return &p, true
+}
+
+// remember keeps the principal of a signed token just verified, until the
+// token's expiry.
+func (v *Verifier) remember(sum [sha256.Size]byte, p Principal) {
+	p.Tenants = slices.Clone(p.Tenants)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.verified == nil {
+		v.verified = map[[sha256.Size]byte]Principal{}
+	}
+	if len(v.verified) >= maxVerified {
+		now := v.now()
+		for k, q := range v.verified {
+			if !now.Before(q.ExpiresAt) {
+				delete(v.verified, k)
+			}
+		}
+		if len(v.verified) >= maxVerified {
+			clear(v.verified)
+		}
+	}
+	v.verified[sum] = p
 }
 
 // reason names why a signed token was refused, in a few words.

@@ -3,11 +3,14 @@ package auth
 import (
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/golang-jwt/jwt/v5"
 )
 
 const testSecret = "0123456789abcdef0123456789abcdef"
@@ -182,4 +185,72 @@ func TestKeyRotation(t *testing.T) {
 	if err := (Config{Mode: ModeRequired, Key: testSecret, PreviousKey: "short"}).Validate(); err == nil || !strings.Contains(err.Error(), "KVMESH_AUTH_PREVIOUS_KEY") {
 		t.Fatalf("short previous key: %v, want an error naming KVMESH_AUTH_PREVIOUS_KEY", err)
 	}
+}
+
+// TestVerifyRemembersUntilExpiry: a signed token verified once is answered
+// from memory (with the keys gone, it still verifies; a new token does
+// not), each answer a copy; at its expiry it is verified again, so the
+// leeway and the refusal after it are what they were; a refused token is
+// not remembered; the memory stays bounded.
+func TestVerifyRemembersUntilExpiry(t *testing.T) {
+	k := testKey(t, testSecret)
+	v := NewVerifier(k, "op-token")
+	now := time.Now()
+	v.now = func() time.Time { return now }
+	tok, err := k.mintAt(KindEngine, "decode-0", []string{"acme"}, time.Minute, now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := v.Verify(tok)
+	if err != nil || p.Subject != "decode-0" {
+		t.Fatalf("Verify = %+v, %v", p, err)
+	}
+	p.Tenants[0], p.Subject = "evil", "evil"
+	keys := v.keys
+	v.keys = jwtKeysNone()
+	q, err := v.Verify(tok)
+	if err != nil || q.Subject != "decode-0" || q.Tenants[0] != "acme" || q.Kind != KindEngine {
+		t.Fatalf("remembered token: %+v, %v; want decode-0 serving acme, unchanged by the caller", q, err)
+	}
+	other, _ := k.mintAt(KindEngine, "decode-1", nil, time.Minute, now)
+	if _, err := v.Verify(other); !errors.Is(err, ErrUnauthenticated) {
+		t.Fatalf("a token never verified was not checked against the keys: %v", err)
+	}
+	v.keys = keys
+
+	bad, _ := testKey(t, strings.Repeat("x", 32)).mintAt(KindEngine, "decode-0", nil, time.Minute, now)
+	if _, err := v.Verify(bad); err == nil {
+		t.Fatal("a token of another key verified")
+	}
+	if len(v.verified) != 1 {
+		t.Fatalf("%d tokens remembered, want 1 (a refused one is not)", len(v.verified))
+	}
+
+	now = now.Add(time.Minute + 2*time.Second) // past the expiry, inside the leeway
+	if _, err := v.Verify(tok); err != nil {
+		t.Fatalf("inside the leeway: %v", err)
+	}
+	now = now.Add(5 * time.Second)
+	if _, err := v.Verify(tok); !errors.Is(err, ErrUnauthenticated) || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("past the leeway: %v, want expired", err)
+	}
+
+	now = time.Now()
+	for i := range maxVerified + 10 {
+		s, err := k.mintAt(KindService, fmt.Sprintf("svc-%d", i), nil, time.Hour, now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := v.Verify(s); err != nil {
+			t.Fatal(err)
+		}
+		if len(v.verified) > maxVerified {
+			t.Fatalf("%d tokens remembered, more than %d", len(v.verified), maxVerified)
+		}
+	}
+}
+
+// jwtKeysNone is a key set that verifies nothing.
+func jwtKeysNone() jwt.VerificationKeySet {
+	return jwt.VerificationKeySet{Keys: []jwt.VerificationKey{[]byte(strings.Repeat("z", 32))}}
 }

@@ -15,7 +15,6 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
-	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -259,16 +258,13 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	if err != nil {
 		return nil, err
 	}
+	sources := newPeers(func(ctx context.Context, engineID string) ([]registry.Worker, error) {
+		return registry.Find(ctx, a.deps.Pool, engineID, a.cfg.WorkerStaleAfter)
+	}, hc, peerCacheTTL)
 	loader := load.New(load.Config{
 		Model: a.model, Keys: keys, EngineID: a.cfg.EngineID, Rank: a.cfg.Rank(),
 		Pool: a.pool, Store: st, Publisher: a.deps.Producer,
-		Remote: func(ctx context.Context, engineID string, r kvcore.Rank) (*dataplane.Client, error) {
-			w, err := registry.FindRank(ctx, a.deps.Pool, engineID, r, a.cfg.WorkerStaleAfter)
-			if err != nil {
-				return nil, err
-			}
-			return dataplane.NewClient(w.Addr, hc), nil
-		},
+		Remote: sources.rank, RemoteFailed: sources.forget,
 		MaxBatchBytes: a.cfg.MaxBatchBytes, Streams: a.cfg.StoreStreams, ChunkBytes: a.cfg.StreamChunkBytes, Metrics: m, Log: a.deps.Log, MaxAge: a.cfg.LoadMaxAge,
 	})
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())

@@ -85,6 +85,10 @@ type Config struct {
 	Publisher Publisher
 	// Remote finds another engine's worker, for pd loads.
 	Remote RemoteFinder
+	// RemoteFailed, when set, is told the engine id of a pd source whose
+	// read failed as a whole (the request or its stream), so that a finder
+	// that caches where the engine's ranks listen looks them up again.
+	RemoteFailed func(engineID string)
 	// MaxBatchBytes bounds the value bytes one store Get (or remote read)
 	// brings into memory.
 	MaxBatchBytes int

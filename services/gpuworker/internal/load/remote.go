@@ -86,9 +86,17 @@ func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome 
 	}
 	errs := make([]error, len(items))
 	var written atomic.Int64
+	var failed atomic.Bool
 	l.eachBatch(len(items), func(i int) int64 { return l.cfg.Model.Groups[items[i].group].BytesPerBlock }, func(lo, hi int) {
-		written.Add(l.readBatch(ctx, client, task.RequestID, items[lo:hi], errs[lo:hi]))
+		n, err := l.readBatch(ctx, client, task.RequestID, items[lo:hi], errs[lo:hi])
+		written.Add(n)
+		if err != nil {
+			failed.Store(true)
+		}
 	})
+	if failed.Load() && ctx.Err() == nil && l.cfg.RemoteFailed != nil {
+		l.cfg.RemoteFailed(task.Remote.EngineID)
+	}
 	res.bytes = written.Load()
 	for i, it := range items {
 		if errs[i] != nil {
@@ -104,8 +112,8 @@ func (l *Loader) loadRemote(ctx context.Context, task *kvcore.LoadTask) outcome 
 // the frame's checksum matched (a mismatch, or a stream that breaks inside
 // it, leaves the block holding nothing). errs[i] records why item i failed
 // (blocks the remote worker no longer holds included). It returns the
-// bytes written.
-func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, errs []error) int64 {
+// bytes written, and the error that failed the read as a whole, if any.
+func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID string, items []pdItem, errs []error) (int64, error) {
 	refs := make([]dataplane.ReadRef, len(items))
 	for i, it := range items {
 		refs[i] = dataplane.ReadRef{BlockRef: dataplane.BlockRef{Group: it.group, Block: it.remote}, Hash: it.hash}
@@ -136,7 +144,7 @@ func (l *Loader) readBatch(ctx context.Context, c *dataplane.Client, requestID s
 			}
 		}
 	}
-	return written
+	return written, err
 }
 
 // writeFrame reads a frame's bytes into its item's pool block and gives the block
