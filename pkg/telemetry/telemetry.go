@@ -2,11 +2,13 @@
 // registers Prometheus collectors (RegisterOnce, RegisterAll) and reads them
 // back from a /metrics body (ParseExposition, SumSeries).
 //
-// Setup always installs an SDK tracer provider, so every request and message
-// gets real trace and span ids that propagate across hops (W3C traceparent in
-// HTTP and Kafka headers) and appear in logs. Spans are exported over
-// OTLP/HTTP only when an endpoint is configured; without one they are created
-// and dropped (the cost is a few allocations per span). Main reads the
+// Setup always installs a tracer provider that gives every request and
+// message real trace and span ids that propagate across hops (W3C
+// traceparent in HTTP and Kafka headers) and appear in logs. Spans are
+// exported over OTLP/HTTP only when an endpoint is configured. Without one
+// (and without a span processor or sampler of the caller's) nothing would
+// read a span, so the provider gives spans their ids only and records
+// nothing: no attributes, events or links are kept (idOnlyProvider). Main reads the
 // endpoint from its configuration and passes it in Options, so main stays the
 // only reader of the environment.
 package telemetry
@@ -25,6 +27,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Errors returned by Setup.
@@ -65,8 +68,10 @@ type Options struct {
 }
 
 // Setup installs the global propagator (W3C TraceContext and Baggage) and a
-// global SDK tracer provider for the service, exporting over OTLP/HTTP with a
-// batch span processor when an endpoint is set. The returned shutdown flushes
+// global tracer provider for the service: an SDK one, exporting over
+// OTLP/HTTP with a batch span processor when an endpoint is set, or when
+// opts name a span processor or a sampler; otherwise one that only gives
+// spans their ids (idOnlyProvider). The returned shutdown flushes
 // pending spans and stops the exporter; call it once, before exit.
 func Setup(ctx context.Context, opts Options) (shutdown func(context.Context) error, err error) {
 	if opts.ServiceName == "" {
@@ -87,6 +92,11 @@ func Setup(ctx context.Context, opts Options) (shutdown func(context.Context) er
 	if err != nil {
 		return nil, err
 	}
+	if target == "" && opts.SpanProcessor == nil && opts.Sampler == nil {
+		// Nothing would read a span: give spans their ids only.
+		installGlobals(idOnlyProvider{}, opts.Logger)
+		return func(context.Context) error { return nil }, nil
+	}
 	if target != "" {
 		exp, err := otlptracehttp.New(ctx, exporterOptions(target, opts.OTLPHeaders)...)
 		if err != nil {
@@ -106,7 +116,7 @@ func Setup(ctx context.Context, opts Options) (shutdown func(context.Context) er
 
 // installGlobals makes tp, the W3C propagators and an error handler that logs
 // through logger the process-wide defaults.
-func installGlobals(tp *sdktrace.TracerProvider, logger *slog.Logger) {
+func installGlobals(tp trace.TracerProvider, logger *slog.Logger) {
 	if logger == nil {
 		logger = slog.Default()
 	}

@@ -1,6 +1,7 @@
 package intake
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -185,6 +186,30 @@ func TestMessagesKeys(t *testing.T) {
 	for i, w := range want {
 		if msgs[i].Topic != w[0] || msgs[i].Key != w[1] {
 			t.Fatalf("message %d to %s key %s, want %v", i, msgs[i].Topic, msgs[i].Key, w)
+		}
+	}
+}
+
+// TestMessagesValuesAreEncodingJSON: the tasks' own encoders write what
+// encoding/json wrote before them.
+func TestMessagesValuesAreEncodingJSON(t *testing.T) {
+	out := trackingOutcome()
+	out.Saves[0].BlockTable = kvcore.BlockTable{{1, kvcore.NullBlock, 3}, {4}}
+	out.Saves[0].BlockHashes, out.Saves[0].TokenIDs, out.Saves[0].Tenant = []string{"ab", "cd"}, []uint32{1, 2, 3}, "t<&>"
+	out.Saves[0].Groups = []kvcore.GroupChunks{{Group: 1, Chunks: []kvcore.Chunk{{Start: 0, End: 16}}}}
+	out.Loads[0].Remote = &kvcore.RemoteSource{EngineID: "p", BlockTable: kvcore.BlockTable{{9}}}
+	out.Loads[0].Ranks = []kvcore.Rank{{TP: 1}}
+	msgs, err := Messages(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range []any{out.Saves[0], out.Loads[0], out.Feedback[0]} {
+		want, err := json.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(msgs[i].Value, want) {
+			t.Errorf("message %d:\n got %s\nwant %s", i, msgs[i].Value, want)
 		}
 	}
 }

@@ -341,19 +341,15 @@ func (h *Handler) logOutcome(ctx context.Context, it item, c change, out request
 // request id, load tasks and feedback keyed by engine id.
 func Messages(out requeststate.Outcome) ([]bus.Message, error) {
 	msgs := make([]bus.Message, 0, len(out.Saves)+len(out.Loads)+len(out.Feedback))
-	for _, s := range out.Saves {
-		m, err := message(contract.TopicSaveTasks, s.RequestID, s)
-		if err != nil {
-			return nil, err
-		}
-		msgs = append(msgs, m)
+	// Tasks are written by their own encoders (kvcore's AppendJSON: the
+	// bytes encoding/json would write, in one pass).
+	for i := range out.Saves {
+		s := &out.Saves[i]
+		msgs = append(msgs, bus.Message{Topic: contract.TopicSaveTasks, Key: s.RequestID, Value: s.MarshalJSONFast()})
 	}
-	for _, l := range out.Loads {
-		m, err := message(contract.TopicLoadTasks, l.EngineID, l)
-		if err != nil {
-			return nil, err
-		}
-		msgs = append(msgs, m)
+	for i := range out.Loads {
+		l := &out.Loads[i]
+		msgs = append(msgs, bus.Message{Topic: contract.TopicLoadTasks, Key: l.EngineID, Value: l.AppendJSON(make([]byte, 0, 1024))})
 	}
 	for _, f := range out.Feedback {
 		m, err := message(contract.TopicEngineFeedback, f.EngineID, f)

@@ -619,18 +619,13 @@ func (b *batchTx) create(ctx context.Context, missing map[Key]bool) error {
 	if len(missing) == 0 {
 		return nil
 	}
-	fresh := requeststate.New(b.l.model, "", "")
-	tb, xb, err := smallJSON(fresh, &PartsMeta{})
-	if err != nil {
-		return err
-	}
-	pb, err := jsonMarshal(PartsMeta{})
+	state, tb, xb, pb, err := b.l.freshRow()
 	if err != nil {
 		return err
 	}
 	ke, kr := keyArrays(missing)
 	batch := &pgx.Batch{}
-	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, string(fresh.State()), string(tb), string(xb), string(pb))
+	batch.Queue(insertTrackers, ke, kr, b.l.model.Name, state, tb, xb, pb)
 	batch.Queue(lockTrackers, ke, kr, noVersions(len(ke)))
 	br := b.conn.SendBatch(ctx, batch)
 	_, err = br.Exec()

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -74,6 +75,34 @@ type Ledger struct {
 	model       *kvcore.Model
 	cache       *partsCache
 	loadTimeout time.Duration
+	// fresh is the stored form of a new request's row (freshRow), the
+	// same for every row created: encoded once.
+	fresh struct {
+		once                          sync.Once
+		state, tracker, extras, parts string
+		err                           error
+	}
+}
+
+// freshRow returns the columns of a new request's row: its state, tracker,
+// extras and parts.
+func (l *Ledger) freshRow() (state, tracker, extras, parts string, err error) {
+	f := &l.fresh
+	f.once.Do(func() {
+		req := requeststate.New(l.model, "", "")
+		tb, xb, err := smallJSON(req, &PartsMeta{})
+		if err != nil {
+			f.err = err
+			return
+		}
+		pb, err := jsonMarshal(PartsMeta{})
+		if err != nil {
+			f.err = err
+			return
+		}
+		f.state, f.tracker, f.extras, f.parts = string(req.State()), string(tb), string(xb), string(pb)
+	})
+	return f.state, f.tracker, f.extras, f.parts, f.err
 }
 
 // Option configures a Ledger.
