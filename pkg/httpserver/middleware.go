@@ -37,6 +37,7 @@ const (
 	requestIDKey ctxKey = iota
 	bodyKey
 	unmatchedKey
+	quietKey
 )
 
 // markUnmatched records that no route matched the request (404 or 405 from
@@ -45,6 +46,19 @@ func markUnmatched(r *http.Request) {
 	if flag, ok := r.Context().Value(unmatchedKey).(*bool); ok {
 		*flag = true
 	}
+}
+
+// QuietAccessLog is route middleware for high-volume routes (a gpuworker's
+// data plane: several calls per block batch): their successful requests
+// are logged at debug instead of info. A failed one (status 400 and above)
+// is logged at info as any other; the metrics count every request.
+func QuietAccessLog(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if flag, ok := r.Context().Value(quietKey).(*bool); ok {
+			*flag = true
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // RequestID returns the request id stored by the server's middleware, or "".
@@ -115,8 +129,9 @@ func observe(logger *slog.Logger, m *httpMetrics) func(http.Handler) http.Handle
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			start := time.Now()
 			sw := &statusWriter{ResponseWriter: w}
-			unmatched := new(bool)
-			r = r.WithContext(context.WithValue(r.Context(), unmatchedKey, unmatched))
+			unmatched, quiet := new(bool), new(bool)
+			ctx := context.WithValue(r.Context(), unmatchedKey, unmatched)
+			r = r.WithContext(context.WithValue(ctx, quietKey, quiet))
 			next.ServeHTTP(sw, r)
 			elapsed := time.Since(start)
 
@@ -130,7 +145,7 @@ func observe(logger *slog.Logger, m *httpMetrics) func(http.Handler) http.Handle
 			}
 			m.observe(methodLabel(r.Method), route, sw.Status(), elapsed)
 			level := slog.LevelInfo
-			if isProbe(r.URL.Path) {
+			if isProbe(r.URL.Path) || *quiet && sw.Status() < http.StatusBadRequest {
 				level = slog.LevelDebug
 			}
 			logger.LogAttrs(r.Context(), level, "http request",

@@ -216,6 +216,35 @@ func TestPanicBecomesProblemAndServerKeepsServing(t *testing.T) {
 	}
 }
 
+// A route behind QuietAccessLog logs its successes at debug and its
+// failures at info; another route logs its successes at info.
+func TestQuietAccessLog(t *testing.T) {
+	ts := start(t, httpserver.Options{}, func(s *httpserver.Server) {
+		q := s.Router().With(httpserver.QuietAccessLog)
+		q.Get("/quiet/ok", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+		q.Get("/quiet/bad", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusBadRequest) })
+		s.Router().Get("/loud/ok", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	})
+	for _, path := range []string{"/quiet/ok", "/quiet/bad", "/loud/ok"} {
+		ts.do(t, http.MethodGet, path, "", nil)
+	}
+	want := map[string]string{"/quiet/ok": "DEBUG", "/quiet/bad": "INFO", "/loud/ok": "INFO"}
+	got := map[string]string{}
+	eventually(t, "an access line per request", func() bool {
+		for _, rec := range ts.logs.Records(t) {
+			if p, ok := rec["path"].(string); ok && rec["msg"] == "http request" {
+				got[p], _ = rec["level"].(string)
+			}
+		}
+		return len(got) == len(want)
+	})
+	for path, level := range want {
+		if got[path] != level {
+			t.Errorf("access line of %s at %s, want %s", path, got[path], level)
+		}
+	}
+}
+
 func TestTracingNamesSpansByRoute(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))

@@ -63,6 +63,7 @@ func New(p *pool.Pool, st kvstore.Store, fingerprint string, maxBatch int, m *me
 
 // Mount adds the routes to r.
 func (h *Handler) Mount(r chi.Router) {
+	r = r.With(httpserver.QuietAccessLog) // several calls per block batch: successes are logged at debug
 	r.With(h.limitWrite).Post(dataplane.PathWrite, h.write)
 	r.Post(dataplane.PathRead, h.read)
 	r.With(httpserver.BodyLimit(putBodyLimit)).Post(dataplane.PathPut, h.put)
