@@ -15,6 +15,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
+	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -258,13 +259,15 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	if err != nil {
 		return nil, err
 	}
-	sources := newPeers(func(ctx context.Context, engineID string) ([]registry.Worker, error) {
+	// The pd sources, other engines' ranks, found as the sender finds its
+	// put targets: one registry read per engine per TTL (registry.Planes).
+	sources := registry.NewPlanes(func(ctx context.Context, engineID string) ([]registry.Worker, error) {
 		return registry.Find(ctx, a.deps.Pool, engineID, a.cfg.WorkerStaleAfter)
-	}, hc, peerCacheTTL)
+	}, func(addr string) *dataplane.Client { return dataplane.NewClient(addr, hc) }, registry.DefaultPlanesTTL)
 	loader := load.New(load.Config{
 		Model: a.model, Keys: keys, EngineID: a.cfg.EngineID, Rank: a.cfg.Rank(),
 		Pool: a.pool, Store: st, Publisher: a.deps.Producer,
-		Remote: sources.rank, RemoteFailed: sources.forget,
+		Remote: sources.Rank, RemoteFailed: sources.Forget,
 		MaxBatchBytes: a.cfg.MaxBatchBytes, Streams: a.cfg.StoreStreams, ChunkBytes: a.cfg.StreamChunkBytes, Metrics: m, Log: a.deps.Log, MaxAge: a.cfg.LoadMaxAge,
 	})
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
