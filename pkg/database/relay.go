@@ -263,22 +263,22 @@ func (r *Relay) relayBatch(ctx context.Context, wait bool) (batchResult, error) 
 	defer pc.Release() // a connection left inside a transaction is closed, not reused
 	conn := pc.Conn()
 	rows, err := r.claim(ctx, conn, wait)
-	if err != nil || len(rows) == 0 {
-		end := "COMMIT"
-		if err != nil {
-			end = "ROLLBACK"
-		}
-		if _, cerr := conn.Exec(context.WithoutCancel(ctx), end); cerr != nil && err == nil {
-			err = fmt.Errorf("end empty batch: %w", cerr)
-		}
+	if err != nil {
+		Rollback(conn)
 		return batchResult{}, err
+	}
+	if len(rows) == 0 {
+		if _, err := conn.Exec(context.WithoutCancel(ctx), "COMMIT"); err != nil {
+			return batchResult{}, fmt.Errorf("end empty batch: %w", err)
+		}
+		return batchResult{}, nil
 	}
 	msgs, spans := startPublishSpans(ctx, rows)
 	outcomes := r.publish(ctx, rows, msgs)
 	endPublishSpans(spans, outcomes)
 	res, err := r.record(ctx, conn, rows, outcomes)
 	if err != nil {
-		_, _ = conn.Exec(context.WithoutCancel(ctx), "ROLLBACK") // the rows stay pending
+		Rollback(conn) // the rows stay pending
 		return batchResult{}, err
 	}
 	return res, nil

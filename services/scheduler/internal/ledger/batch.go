@@ -182,7 +182,7 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 	// closed, never reused.
 	defer pc.Release()
 	b := l.newBatchTx(pc.Conn())
-	defer func() { b.rollback(ctx) }() // no-op once committed
+	defer func() { b.rollback() }() // no-op once committed
 	keys, creatable := batchKeys(units, fresh)
 	if b.takeAll(keys) {
 		ok, err := b.optimistic(ctx, units, fresh, statuses)
@@ -453,12 +453,12 @@ func (b *batchTx) scanBegin(br pgx.BatchResults) error {
 // rollback ends the transaction unless it was committed. Should the
 // ROLLBACK fail, the connection, released inside the transaction, is
 // closed by the pool.
-func (b *batchTx) rollback(ctx context.Context) {
+func (b *batchTx) rollback() {
 	if !(b.begun || b.rollbackFirst) || b.ended {
 		return
 	}
 	b.ended = true
-	_, _ = b.conn.Exec(context.WithoutCancel(ctx), "ROLLBACK")
+	database.Rollback(b.conn)
 }
 
 // commit queues the COMMIT that ends the transaction, the last statement

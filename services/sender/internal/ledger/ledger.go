@@ -258,7 +258,7 @@ func (l *Ledger) commitTogether(batch []*pending) (err error) {
 	}
 	b.Queue("COMMIT")
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
-		rollback(conn.Conn())
+		database.Rollback(conn.Conn())
 		return err
 	}
 	return nil
@@ -275,7 +275,7 @@ func (l *Ledger) commitTx(ctx context.Context, e Entry) (_ Committed, err error)
 	open := false // a transaction is (or may be) open on conn
 	defer func() {
 		if err != nil && open {
-			rollback(conn.Conn())
+			database.Rollback(conn.Conn())
 		}
 	}()
 
@@ -344,18 +344,6 @@ func (l *Ledger) commitTx(ctx context.Context, e Entry) (_ Committed, err error)
 	}
 	open = false
 	return out, nil
-}
-
-// rollbackTimeout bounds the ROLLBACK of a failed commit.
-const rollbackTimeout = 5 * time.Second
-
-// rollback ends the transaction left open on conn by a failed commit. When
-// that fails too, the pool destroys conn on release (it is not idle), so
-// nothing half-written can ever commit.
-func rollback(conn *pgx.Conn) {
-	ctx, cancel := context.WithTimeout(context.Background(), rollbackTimeout)
-	defer cancel()
-	_, _ = conn.Exec(ctx, "ROLLBACK")
 }
 
 // outcomeRow returns insertOutcomeSQL's arguments for o.
