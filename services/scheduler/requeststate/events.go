@@ -36,59 +36,47 @@ func (r *Request) Engine(m *kvcore.Model, model string, ev contract.RequestEvent
 	case contract.EventFinished:
 		return r.Finish(m, model, ev)
 	}
-	var out Outcome
-	if r.inOrder(m, model, &out, ev) {
-		r.dispatch(m, &out, ev)
-	}
-	return out
+	return r.inOrderApply(m, model, ev, (*Request).dispatch)
 }
 
 // Admit applies an admitted event (Engine's rules): the request's hash
 // chain, prompt length, token ids, LoRA adapter, role and tenant.
 func (r *Request) Admit(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
-	var out Outcome
-	if r.inOrder(m, model, &out, ev) {
-		r.applyAdmit(m, &out, ev)
-	}
-	return out
+	return r.inOrderApply(m, model, ev, (*Request).applyAdmit)
 }
 
 // Allocate applies an allocated event (Engine's rules): the allocation is
 // bound to its lookup decision, or held until the decision comes.
 func (r *Request) Allocate(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
-	var out Outcome
-	if r.inOrder(m, model, &out, ev) {
-		r.applyAllocate(m, &out, ev)
-	}
-	return out
+	return r.inOrderApply(m, model, ev, (*Request).applyAllocate)
 }
 
 // Step applies a scheduled event, one engine step of the request
 // (Engine's rules), to its trackers (Tracker.Step).
 func (r *Request) Step(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
-	var out Outcome
-	if r.inOrder(m, model, &out, ev) {
-		r.applyStep(m, &out, ev)
-	}
-	return out
+	return r.inOrderApply(m, model, ev, (*Request).applyStep)
 }
 
 // Preempt applies a preempted event (Engine's rules): the allocation
 // epoch advances and the tasks in flight become stale.
 func (r *Request) Preempt(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
-	var out Outcome
-	if r.inOrder(m, model, &out, ev) {
-		r.applyStep(m, &out, ev)
-	}
-	return out
+	return r.inOrderApply(m, model, ev, (*Request).applyStep)
 }
 
 // Finish applies a finished event (Engine's rules): it frees the request
 // now or once its saves are reported, even an errored one.
 func (r *Request) Finish(m *kvcore.Model, model string, ev contract.RequestEvent) Outcome {
+	return r.inOrderApply(m, model, ev, (*Request).applyFinish)
+}
+
+// inOrderApply applies ev to r with apply (a method expression, which
+// binds nothing per call) when inOrder lets it through, and returns the
+// outcome: the gate every engine event passes.
+func (r *Request) inOrderApply(m *kvcore.Model, model string, ev contract.RequestEvent,
+	apply func(*Request, *kvcore.Model, *Outcome, contract.RequestEvent)) Outcome {
 	var out Outcome
 	if r.inOrder(m, model, &out, ev) {
-		r.applyFinish(m, &out, ev)
+		apply(r, m, &out, ev)
 	}
 	return out
 }
