@@ -248,7 +248,7 @@ func eachFrame(r io.Reader, refs []ReadRef, use func(i int, b ReadBlock, data *F
 		if h.Identity.Hash != ref.Hash {
 			return fmt.Errorf("frame %d holds hash %q, asked %q: %w", i, h.Identity.Hash, ref.Hash, ErrFrame)
 		}
-		data := &FrameData{r: r, h: h, left: h.Len, crc: 0}
+		data := newFrameData(r, h)
 		if err := use(i, ReadBlock{Block: Block{BlockRef: ref.BlockRef, Identity: h.Identity, Generation: h.Generation}}, data); err != nil {
 			return err
 		}

@@ -147,16 +147,11 @@ func ReadFrameData(r io.Reader, h FrameHeader, dst []byte) error {
 	if len(dst) != h.Len {
 		return fmt.Errorf("frame of %d bytes into a %d-byte buffer: %w", h.Len, len(dst), ErrFrame)
 	}
-	if _, err := io.ReadFull(r, dst); err != nil {
-		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-			return fmt.Errorf("group %d block %d: truncated data: %w", h.Group, h.Block, ErrFrame)
-		}
+	d := newFrameData(r, h)
+	if _, err := io.ReadFull(d, dst); err != nil {
 		return err
 	}
-	if got := Checksum(dst); got != h.Checksum {
-		return fmt.Errorf("group %d block %d: crc32c %08x, header %08x: %w", h.Group, h.Block, got, h.Checksum, ErrChecksum)
-	}
-	return nil
+	return d.Verify()
 }
 
 // FrameData reads the data of one frame of a stream, checksumming what it
@@ -167,6 +162,11 @@ type FrameData struct {
 	h    FrameHeader
 	left int
 	crc  uint32
+}
+
+// newFrameData reads the data of the frame h from r.
+func newFrameData(r io.Reader, h FrameHeader) *FrameData {
+	return &FrameData{r: r, h: h, left: h.Len}
 }
 
 // Len is the frame's data length.
@@ -181,10 +181,11 @@ func (d *FrameData) Read(p []byte) (int, error) {
 	n, err := d.r.Read(p[:min(len(p), d.left)])
 	d.crc = crc32.Update(d.crc, castagnoli, p[:n])
 	d.left -= n
-	if errors.Is(err, io.EOF) && d.left > 0 {
+	ended := errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
+	switch {
+	case ended && d.left > 0:
 		return n, fmt.Errorf("group %d block %d: truncated data: %w", d.h.Group, d.h.Block, ErrFrame)
-	}
-	if err != nil && !errors.Is(err, io.EOF) {
+	case err != nil && !ended:
 		return n, err
 	}
 	return n, nil
