@@ -2,10 +2,8 @@ package dlqhttp_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
@@ -21,33 +20,6 @@ import (
 )
 
 const token = "dlqhttp-test-token"
-
-// call sends one request and decodes the answer into out.
-func call(t *testing.T, method, url, auth string, out any) int {
-	t.Helper()
-	req, err := http.NewRequestWithContext(context.Background(), method, url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if auth != "" {
-		req.Header.Set("Authorization", "Bearer "+auth)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if out != nil {
-		if err := json.Unmarshal(body, out); err != nil {
-			t.Fatalf("%s %s: %d %s: %v", method, url, resp.StatusCode, body, err)
-		}
-	}
-	return resp.StatusCode
-}
 
 // The shared routes over a scheduler-like store: admin-only reads, a page,
 // one entry, a replay through the handler, and no dry run.
@@ -72,31 +44,31 @@ func TestRoutes(t *testing.T) {
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 
-	if code := call(t, http.MethodGet, ts.URL+"/v1/dlq", "", nil); code != http.StatusUnauthorized {
+	if code := testenv.CallJSON(t, http.MethodGet, ts.URL+"/v1/dlq", "", nil); code != http.StatusUnauthorized {
 		t.Errorf("GET /v1/dlq without a token: %d", code)
 	}
 	var page dlqhttp.Page
-	if code := call(t, http.MethodGet, ts.URL+"/v1/dlq?limit=2&reason=invalid_record", token, &page); code != http.StatusOK ||
+	if code := testenv.CallJSON(t, http.MethodGet, ts.URL+"/v1/dlq?limit=2&reason=invalid_record", token, &page); code != http.StatusOK ||
 		len(page.Items) != 2 || page.NextCursor == "" || page.Items[0].Key != "k2" || page.Items[0].Payload != nil || page.Items[0].PayloadBytes != 7 {
 		t.Fatalf("first page: %d %+v", code, page)
 	}
 	var e deadletter.Entry
 	id := page.Items[0].ID
-	if code := call(t, http.MethodGet, fmt.Sprintf("%s/v1/dlq/%d", ts.URL, id), token, &e); code != http.StatusOK ||
+	if code := testenv.CallJSON(t, http.MethodGet, fmt.Sprintf("%s/v1/dlq/%d", ts.URL, id), token, &e); code != http.StatusOK ||
 		string(e.PayloadJSON) != `{"i":1}` || e.Detail != "no request id" {
 		t.Fatalf("GET one: %d %+v", code, e)
 	}
 	var prob httpserver.Problem
-	if code := call(t, http.MethodPost, fmt.Sprintf("%s/v1/dlq/%d/replay?dry_run=true", ts.URL, id), token, &prob); code != http.StatusBadRequest ||
+	if code := testenv.CallJSON(t, http.MethodPost, fmt.Sprintf("%s/v1/dlq/%d/replay?dry_run=true", ts.URL, id), token, &prob); code != http.StatusBadRequest ||
 		prob.Extras["parameter"] != "dry_run" {
 		t.Errorf("dry run without one: %d %+v", code, prob)
 	}
 	var a deadletter.ReplayAnswer
-	if code := call(t, http.MethodPost, fmt.Sprintf("%s/v1/dlq/%d/replay", ts.URL, id), token, &a); code != http.StatusOK ||
+	if code := testenv.CallJSON(t, http.MethodPost, fmt.Sprintf("%s/v1/dlq/%d/replay", ts.URL, id), token, &a); code != http.StatusOK ||
 		a.ReplayStatus != deadletter.ReplayDone || a.AlreadyReplayed || a.ReplayCount != 1 {
 		t.Errorf("replay: %d %+v", code, a)
 	}
-	if code := call(t, http.MethodGet, ts.URL+"/v1/dlq/999999", token, &prob); code != http.StatusNotFound {
+	if code := testenv.CallJSON(t, http.MethodGet, ts.URL+"/v1/dlq/999999", token, &prob); code != http.StatusNotFound {
 		t.Errorf("unknown id: %d", code)
 	}
 }

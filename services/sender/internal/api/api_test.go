@@ -2,8 +2,6 @@ package api_test
 
 import (
 	"context"
-	"encoding/json"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -12,6 +10,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
@@ -34,33 +33,6 @@ func serve(t *testing.T, a *api.API) string {
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(ts.Close)
 	return ts.URL
-}
-
-// call sends one request and decodes a JSON or problem answer into out.
-func call(t *testing.T, method, url, auth string, out any) int {
-	t.Helper()
-	req, err := http.NewRequestWithContext(context.Background(), method, url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if auth != "" {
-		req.Header.Set("Authorization", "Bearer "+auth)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if out != nil {
-		if err := json.Unmarshal(body, out); err != nil {
-			t.Fatalf("%s %s: %d %s: %v", method, url, resp.StatusCode, body, err)
-		}
-	}
-	return resp.StatusCode
 }
 
 // recordingSender is the sending side for tests of request handling: it
@@ -139,7 +111,7 @@ func TestReplayDryRunParameter(t *testing.T) {
 		t.Run(tt.query, func(t *testing.T) {
 			before := len(s.calls)
 			var body map[string]any
-			code := call(t, http.MethodPost, base+"/v1/dlq/"+tt.id+"/replay"+tt.query, token, &body)
+			code := testenv.CallJSON(t, http.MethodPost, base+"/v1/dlq/"+tt.id+"/replay"+tt.query, token, &body)
 			if code != tt.wantCode {
 				t.Fatalf("%d %v, want %d", code, body, tt.wantCode)
 			}

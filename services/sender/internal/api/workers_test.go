@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -44,7 +45,7 @@ func TestListWorkers(t *testing.T) {
 	}
 
 	var all api.WorkerPage
-	if code := call(t, http.MethodGet, base+"/v1/workers", "", &all); code != http.StatusOK || !slices.Equal(names(all), want) ||
+	if code := testenv.CallJSON(t, http.MethodGet, base+"/v1/workers", "", &all); code != http.StatusOK || !slices.Equal(names(all), want) ||
 		all.NextCursor != "" || all.StaleAfterSeconds != 30 {
 		t.Fatalf("list: %d %v %q %v, want %v and no cursor", code, names(all), all.NextCursor, all.StaleAfterSeconds, want)
 	}
@@ -64,7 +65,7 @@ func TestListWorkers(t *testing.T) {
 				t.Fatal("pagination does not end")
 			}
 			var p api.WorkerPage
-			if code := call(t, http.MethodGet, base+"/v1/workers?limit=4&cursor="+cursor, "", &p); code != http.StatusOK || len(p.Items) > 4 {
+			if code := testenv.CallJSON(t, http.MethodGet, base+"/v1/workers?limit=4&cursor="+cursor, "", &p); code != http.StatusOK || len(p.Items) > 4 {
 				t.Fatalf("page %d: %d, %d items", pages, code, len(p.Items))
 			}
 			seen = append(seen, names(p)...)
@@ -91,7 +92,7 @@ func TestListWorkers(t *testing.T) {
 		}
 		for _, tt := range tests {
 			var p api.WorkerPage
-			if code := call(t, http.MethodGet, base+"/v1/workers?"+tt.query, "", &p); code != http.StatusOK || !slices.Equal(names(p), tt.want) {
+			if code := testenv.CallJSON(t, http.MethodGet, base+"/v1/workers?"+tt.query, "", &p); code != http.StatusOK || !slices.Equal(names(p), tt.want) {
 				t.Errorf("?%s: %d %v, want %v", tt.query, code, names(p), tt.want)
 			}
 		}
@@ -104,7 +105,7 @@ func TestListWorkers(t *testing.T) {
 			"state=dead": "state",
 		} {
 			var prob httpserver.Problem
-			if code := call(t, http.MethodGet, base+"/v1/workers?"+query, "", &prob); code != http.StatusBadRequest || prob.Extras["parameter"] != param {
+			if code := testenv.CallJSON(t, http.MethodGet, base+"/v1/workers?"+query, "", &prob); code != http.StatusBadRequest || prob.Extras["parameter"] != param {
 				t.Errorf("?%s: %d %+v, want 400 naming %s", query, code, prob, param)
 			}
 		}
