@@ -276,7 +276,21 @@ func TestGroupCommitIsolatesABadEntry(t *testing.T) {
 	// The slow commit is in flight while the others arrive.
 	slow := make(chan error, 1)
 	go func() { _, err := l.Commit(ctx, entry("slow", "slow")); slow <- err }()
-	time.Sleep(100 * time.Millisecond)
+	// Wait, polling with a deadline, until its statement sleeps in the
+	// trigger: the commit is then in flight.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		var sleeping int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event = 'PgSleep'`).Scan(&sleeping); err != nil {
+			t.Fatal(err)
+		}
+		if sleeping > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the slow commit never reached its trigger")
+		}
+	}
 	ids := []string{"a", "b", "bad", "c", "a"} // "a" twice: recorded once
 	errs := make([]error, len(ids))
 	done := make([]bool, len(ids))
