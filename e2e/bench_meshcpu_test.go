@@ -60,6 +60,35 @@ func BenchmarkMeshCPU(b *testing.B) {
 	})
 	b.Run("tp1", func(b *testing.B) { meshCPU(b, seedBenchModel) })
 	b.Run("tp8", func(b *testing.B) { meshCPU(b, tp8Model) })
+	b.Run("idle_tp8", func(b *testing.B) { meshIdleCPU(b, tp8Model) })
+}
+
+// meshIdleWindow is how long meshIdleCPU measures an idle stack.
+const meshIdleWindow = 10 * time.Second
+
+// meshIdleCPU reports the CPU each process of an idle stack of model
+// spends per second (<process>_ms/s, and ms/s for the mesh): what
+// heartbeats, long-polling fetches, relay polls and metrics cost with no
+// request to serve, measured over meshIdleWindow after one simulator run
+// has warmed every path.
+func meshIdleCPU(b *testing.B, model string) {
+	s := newStack(b, stackOptions{model: model, connectors: "pd,store", poolBlocks: 192})
+	kvmesh := testenv.BuildBinary(b, "./cmd/kvmesh")
+	runSimProcess(b, s, kvmesh)
+	b.ResetTimer()
+	for range b.N {
+		before, start := s.cpu(b), time.Now()
+		time.Sleep(meshIdleWindow) // the measurement window, not synchronisation
+		d, secs := s.cpu(b).minus(before), time.Since(start).Seconds()
+		var mesh time.Duration
+		for name, v := range d {
+			if name != "redis" {
+				mesh += v
+			}
+			b.ReportMetric(float64(v)/float64(time.Millisecond)/secs, name+"_ms/s")
+		}
+		b.ReportMetric(float64(mesh)/float64(time.Millisecond)/secs, "ms/s")
+	}
 }
 
 // meshCPU runs the seed workload b.N times on a fresh stack of model and

@@ -26,8 +26,10 @@ type Record struct {
 	Headers map[string]string
 }
 
-// readerMaxWait bounds one fetch, and so how late the simulator sees a record.
-const readerMaxWait = 50 * time.Millisecond
+// readerMaxWait bounds one fetch of the simulator's topic readers. A fetch
+// returns as soon as a record arrives, so the wait only sets how often an
+// idle partition is polled (the broker's CPU, which the mesh pays).
+const readerMaxWait = bus.DefaultMaxWait
 
 // topicOffsets returns, per partition of topic, its first offset (first) or
 // the offset the next record will get.

@@ -15,8 +15,15 @@ import (
 
 // Defaults of ConsumerConfig and its retry.Policy (DefaultRetry).
 const (
-	// DefaultMaxWait bounds how long one fetch waits for new records.
-	DefaultMaxWait = 250 * time.Millisecond
+	// DefaultMaxWait bounds how long one fetch waits for new records. A
+	// fetch returns as soon as a record arrives (Kafka and kfake answer a
+	// waiting fetch when a record is produced), so a longer wait costs no
+	// latency: it makes an idle consumer's fetch of each partition one long
+	// poll a second. It does bound how long stopping (or a rebalance) waits
+	// for the fetch in flight, so it stays well under the rebalance and
+	// shutdown timeouts. (It was 250 ms: an idle TP8 mesh's broker spent
+	// 49 ms of CPU a second answering empty fetches, 29 ms with 1 s.)
+	DefaultMaxWait = time.Second
 	// DefaultCommitInterval is how often handled records' offsets are
 	// committed, in one request per interval, unless SyncCommit is set.
 	DefaultCommitInterval = 100 * time.Millisecond

@@ -238,20 +238,12 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	return a, nil
 }
 
-// The load-task consumer's fetch and commit settings. A fetch returns as
-// soon as a record arrives, so a longer wait costs no latency: it makes an
-// idle worker's fetch of each partition one long poll a second instead of
-// four. It does bound how long stopping (or a rebalance) waits for the
-// fetch in flight, so it stays well under the rebalance and shutdown
-// timeouts. Handled offsets are committed once a second (and on a clean
-// stop) instead of ten times: a crash redelivers at most that second's
-// tasks, which load again and publish the same result ids. With one worker
-// per rank (16 for two TP8 engines) the defaults kept a small machine busy
-// polling.
-const (
-	idleFetchWait      = time.Second
-	idleCommitInterval = time.Second
-)
+// idleCommitInterval is how often the load-task consumer commits handled
+// offsets: once a second (and on a clean stop) instead of ten times. A
+// crash redelivers at most that second's tasks, which load again and
+// publish the same result ids. With one worker per rank (16 for two TP8
+// engines) the default kept a small machine busy committing.
+const idleCommitInterval = time.Second
 
 // newConsumer builds the load-task consumer of this engine rank.
 func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.Metrics) (*bus.Consumer, error) {
@@ -273,7 +265,7 @@ func (a *App) newConsumer(keys kvcore.KeyBuilder, st kvstore.Store, m *metrics.M
 	group := fmt.Sprintf("kvmesh-gpuworker-%s-%s", a.cfg.EngineID, a.cfg.Rank())
 	cc := a.cfg.ConsumerConfig(group, []string{contract.TopicLoadTasks}, a.deps.Log)
 	cc.DLQTopic, cc.Producer = contract.TopicLoadDLQ, a.deps.Producer
-	cc.MaxWait, cc.CommitInterval = idleFetchWait, idleCommitInterval
+	cc.CommitInterval = idleCommitInterval
 	// A load task given up on is kept in the shared dead_letters table
 	// (pkg/deadletter), then published to the DLQ topic.
 	a.deadLetters = deadletter.NewStore(a.deps.Pool, deadletter.ServiceGPUWorker)
