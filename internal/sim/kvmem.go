@@ -147,7 +147,19 @@ func loopback(raw string) bool {
 // pool is its own heap memory again). Records a dead worker left mid-load
 // are cleared first. An unreachable worker is an error, retried by
 // onRanks like any gpuworker call.
+//
+// The check is first the segment's liveness lock (kvmem.Segment.Mapped):
+// the worker holds a shared flock on the segment for as long as it is its
+// pool's memory, and the kernel drops it when the worker dies, so while
+// the lock is held the registration stands and the worker is not asked.
+// Only when nobody holds it (the worker died or restarted, or another
+// registration replaced ours), or the filesystem has no flock, is the
+// worker asked (GET /v1/kv-memory), as before. The segment is only ever
+// made for a worker on this host (loopback), which can hold the lock.
 func (m *rankMemory) ensure(ctx context.Context, hc *http.Client, base string) error {
+	if mapped, err := m.seg.Mapped(); err == nil && mapped {
+		return nil
+	}
 	cur, err := kvmem.Current(ctx, hc, base)
 	if err != nil {
 		return err

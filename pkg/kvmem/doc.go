@@ -54,6 +54,15 @@
 // Writer.RecoverWorkerWrites before registering a segment with a new
 // gpuworker, which clears the records a dead gpuworker left odd.
 //
+// # Liveness
+//
+// A segment opened with Open (the gpuworker's registration) holds a shared
+// flock on the file until Close; the kernel drops it when the process
+// dies. The creator's Segment.Mapped probes it with a non-blocking
+// exclusive lock, so an engine learns that its worker no longer maps the
+// segment (it died, restarted, or another registration replaced it)
+// without asking the worker over HTTP before every access.
+//
 // The race detector does not see memory outside the Go heap, so accesses
 // to a shared segment are never reported; the protocol's tests race a
 // writer process against readers over a real segment and check that every

@@ -124,7 +124,14 @@ func (k *KVMemory) validate(reg kvmem.Registration) error {
 	return reg.Layout.Check(k.model)
 }
 
-// open maps the registered memory.
+// open maps the registered memory. kvmem.Open holds a shared flock on
+// the segment until the memory is closed (replaced by the next
+// registration, or the process dies): the engine's liveness check
+// (kvmem.Segment.Mapped), which spares it asking GET /v1/kv-memory. A CUDA
+// registration's records segment holds it too. Registering the segment
+// already registered is safe: shared locks never conflict, and the pool
+// closes the old memory (releasing its lock) only after the new one,
+// already locked, is installed, so the segment never looks unmapped.
 func open(reg kvmem.Registration) (kvmem.Memory, error) {
 	seg, err := kvmem.Open(reg.Path, reg.Layout)
 	if err != nil {

@@ -181,6 +181,40 @@ func TestRegisterValidation(t *testing.T) {
 	}
 }
 
+// TestRegistrationHoldsTheLock: the worker holds the segment's liveness
+// lock while it is the pool's memory, so the engine's Mapped is true: a
+// refused registration takes nothing, a registration of the same segment
+// again keeps it held (the new lock is taken before the old memory is
+// closed), and a registration of another segment releases it.
+func TestRegistrationHoldsTheLock(t *testing.T) {
+	f := newMemFixture(t)
+	l := kvmem.ModelLayout(f.model, 6)
+	seg, other := f.segment(t, l), f.segment(t, l)
+	mapped := func(what string, s *kvmem.Segment, want bool) {
+		t.Helper()
+		if got, err := s.Mapped(); err != nil || got != want {
+			t.Fatalf("%s: Mapped = %v, %v; want %v", what, got, err, want)
+		}
+	}
+	mapped("before any registration", seg, false)
+	reg := func(s *kvmem.Segment, layout kvmem.Layout, want int) {
+		t.Helper()
+		if status, body := f.register(t, kvmem.Registration{Kind: kvmem.KindShm, Path: s.Path(), Layout: layout}); status != want {
+			t.Fatalf("registration of %s: %d %s, want %d", s.Path(), status, body, want)
+		}
+	}
+	reg(seg, l, http.StatusOK)
+	mapped("registered", seg, true)
+	reg(other, kvmem.ModelLayout(f.model, 7), http.StatusConflict)
+	mapped("after a refused registration", seg, true)
+	mapped("the refused segment", other, false)
+	reg(seg, l, http.StatusOK)
+	mapped("registered again", seg, true)
+	reg(other, l, http.StatusOK)
+	mapped("replaced by another segment", seg, false)
+	mapped("the replacing segment", other, true)
+}
+
 // TestEngineWritesArePut: the engine writes blocks straight into its
 // registered segment (one group in three per-layer regions) and the put
 // route stores them, byte-exact in Redis; the read route serves them; a
