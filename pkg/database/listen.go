@@ -63,19 +63,31 @@ func (l *listener) ensure(ctx context.Context) {
 	l.conn = conn
 }
 
-// wait returns when a notification of the relay's own commits arrives
-// (reporting true), after d, or when ctx is done; after losing its
-// connection it returns within retry, so that the next ensure reconnects.
-func (l *listener) wait(ctx context.Context, d time.Duration) bool {
-	if l.conn == nil {
-		_ = retry.Sleep(ctx, d) // a cancelled ctx ends the relay loop
-		return false
-	}
+// wait returns when a notification of the relay's own commits arrives or
+// kick receives (reporting true), after d, or when ctx is done; after
+// losing its connection it returns within retry, so that the next ensure
+// reconnects.
+func (l *listener) wait(ctx context.Context, d time.Duration, kick <-chan struct{}) bool {
 	wctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
+	kicked := make(chan struct{})
+	go func() { // ends with the wait (the deferred cancel)
+		select {
+		case <-kick:
+			close(kicked)
+			cancel()
+		case <-wctx.Done():
+		}
+	}()
+	if l.conn == nil {
+		<-wctx.Done() // a cancelled ctx ends the relay loop
+		return isClosed(kicked)
+	}
 	for {
 		n, err := l.conn.WaitForNotification(wctx)
 		switch {
+		case isClosed(kicked):
+			return true
 		case err == nil && !ownCommit(l.self, n.Payload):
 			continue // another service's relays answer it
 		case err == nil:
@@ -102,6 +114,16 @@ func (l *listener) drain() {
 		if _, err := l.conn.WaitForNotification(done); err != nil {
 			return // none left: a done context ends the wait before any read
 		}
+	}
+}
+
+// isClosed reports whether c is closed.
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
 	}
 }
 

@@ -95,20 +95,30 @@ func OutboxInsertSQL(first int, cond string) string {
 // headers) of OutboxInsertSQL for msgs, with the headers EnqueueBatch sets.
 // No messages give four empty arrays.
 func OutboxArgs(ctx context.Context, msgs []bus.Message) ([]any, error) {
+	args, _, err := outboxRows(ctx, msgs)
+	return args, err
+}
+
+// outboxRows returns OutboxArgs' parameters and msgs as they are stored:
+// with the headers EnqueueBatch sets.
+func outboxRows(ctx context.Context, msgs []bus.Message) ([]any, []bus.Message, error) {
 	topics, keys, headers := make([]string, len(msgs)), make([]string, len(msgs)), make([]string, len(msgs))
 	values := make([][]byte, len(msgs))
+	stored := make([]bus.Message, len(msgs))
 	for i, m := range msgs {
 		h, err := rowHeaders(ctx, i, m)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		hb, err := json.Marshal(h)
 		if err != nil {
-			return nil, fmt.Errorf("database: enqueue message %d headers: %w", i, err)
+			return nil, nil, fmt.Errorf("database: enqueue message %d headers: %w", i, err)
 		}
 		topics[i], keys[i], values[i], headers[i] = m.Topic, m.Key, m.Value, string(hb)
+		stored[i] = m
+		stored[i].Headers = h
 	}
-	return []any{topics, keys, values, headers}, nil
+	return []any{topics, keys, values, headers}, stored, nil
 }
 
 // CopyThreshold is the size of message values above which a caller should

@@ -41,7 +41,8 @@ const maxErrorText = 2000
 //
 //   - pending: sent_at IS NULL AND failed_at IS NULL; claimed in id order
 //     unless the row, or an earlier pending row of the same (topic, key),
-//     backs off (next_attempt_at in the future);
+//     backs off (next_attempt_at in the future) or is leased to the
+//     process that committed it (publish_after in the future: Direct);
 //   - sent: sent_at set (and purged by PurgeSent later);
 //   - failed: failed_at set, with fail_reason and last_error; skipped by
 //     the relay until RetryFailed puts it back.
@@ -57,11 +58,12 @@ const (
 		SELECT o.id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts
 		FROM outbox o, batch_lock
 		WHERE batch_lock.held AND o.sent_at IS NULL AND o.failed_at IS NULL
+		  AND (o.publish_after IS NULL OR o.publish_after <= now())
 		  AND NOT EXISTS (
 		      SELECT 1 FROM outbox b
 		      WHERE b.topic = o.topic AND b.key = o.key AND b.id <= o.id
 		        AND b.sent_at IS NULL AND b.failed_at IS NULL
-		        AND b.next_attempt_at > now())
+		        AND (b.next_attempt_at > now() OR b.publish_after > now()))
 		ORDER BY o.id LIMIT $1
 		FOR UPDATE OF o SKIP LOCKED`
 	markSent = `UPDATE outbox SET sent_at = now(), attempts = attempts + 1, next_attempt_at = NULL
@@ -110,6 +112,9 @@ type Relay struct {
 	maxMessageBytes        int64
 	onFailure              func(reason FailReason)
 	log                    *slog.Logger
+	// kick wakes Run at once (Kick): a commit of this process's whose
+	// rows are the relay's to publish, and which woke no listener.
+	kick chan struct{}
 }
 
 // RelayOption configures a Relay.
@@ -165,6 +170,7 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, opts ...RelayOption) *Relay {
 		backoffMax:      DefaultBackoffMax,
 		maxMessageBytes: DefaultMaxMessageBytes,
 		log:             slog.Default(),
+		kick:            make(chan struct{}, 1),
 	}
 	for _, opt := range opts {
 		opt(r)
@@ -206,10 +212,23 @@ func (r *Relay) Run(ctx context.Context) error {
 			if res.retryIn > 0 {
 				wait = min(wait, res.retryIn)
 			}
-			woken = l.wait(ctx, wait)
+			woken = l.wait(ctx, wait, r.kick)
 		}
 	}
 	return nil
+}
+
+// Kick wakes the relay for rows this process committed without waking
+// it through PostgreSQL (Direct's released rows); it never blocks. A
+// relay that is not running ignores it, and so does a nil one.
+func (r *Relay) Kick() {
+	if r == nil {
+		return
+	}
+	select {
+	case r.kick <- struct{}{}:
+	default: // a wake is already pending
+	}
 }
 
 // backoff is the relay's retry.Backoff: doubling from backoffMin up to

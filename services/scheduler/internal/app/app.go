@@ -62,6 +62,9 @@ type Config struct {
 	// NoOutboxRelay stops this process from running the outbox relay (the
 	// zero value runs it).
 	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
+	// NoPublishOnCommit leaves every message to the outbox relay (the zero
+	// value publishes the process's own on commit).
+	NoPublishOnCommit bool `env:"KVMESH_OUTBOX_PUBLISH_ON_COMMIT_DISABLED" doc:"operator switch: true leaves every committed task and feedback message to the outbox relay (woken through PostgreSQL, one claim per batch) instead of publishing it from this process right after its transaction commits; also off while KVMESH_OUTBOX_RELAY_DISABLED is true"`
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" doc:"consumer-group members in this process (1-8); more apply records of different partitions in parallel, in smaller transactions: one member batches the most records per transaction and costs the least CPU per record"`
 	// BatchSize bounds the records one transaction applies.
@@ -142,6 +145,7 @@ type App struct {
 	model   *kvcore.Model
 	srv     *httpserver.Server
 	relay   *database.Relay
+	direct  *database.Direct // nil: the relay publishes everything
 	ledger  *ledger.Ledger
 	handler *intake.Handler
 	// deadLetters keeps the records the consumers give up on.
@@ -174,18 +178,25 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
 	}
-	a.ledger = ledger.New(a.deps.Pool, a.model, ledger.WithLoadRankTimeout(cfg.LoadRankTimeout))
+	failures, err := database.WithFailureMetric(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
+	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout)}
+	if !cfg.NoOutboxRelay && !cfg.NoPublishOnCommit {
+		if a.direct, err = a.newDirect(); err != nil {
+			return nil, err
+		}
+		opts = append(opts, ledger.WithDirect(a.direct))
+	}
+	a.ledger = ledger.New(a.deps.Pool, a.model, opts...)
 	if err = a.buildConsumers(); err != nil {
 		return nil, err
 	}
 	if a.gauges, err = newGauges(a.deps.Registry); err != nil {
 		return nil, err
 	}
-	failures, err := database.WithFailureMetric(a.deps.Registry)
-	if err != nil {
-		return nil, err
-	}
-	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "scheduler", &cfg.Common); err != nil {
 		return nil, err
 	}
@@ -194,6 +205,15 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	dlqhttp.New(a.deadLetters, replay, log).Mount(a.srv.Router(), a.srv.RequireAdmin(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
+}
+
+// newDirect builds the publish-on-commit lane of the ledger's messages.
+func (a *App) newDirect() (*database.Direct, error) {
+	metric, err := database.WithDirectMetric(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	return database.NewDirect(a.deps.Pool, a.deps.Producer, a.relay, database.WithDirectLogger(a.deps.Log), metric)
 }
 
 // buildConsumers creates the consumer-group members over the three topics,
@@ -246,6 +266,9 @@ func (a *App) Run(ctx context.Context) error {
 		a.deps.Log.Warn("outbox relay disabled (KVMESH_OUTBOX_RELAY_DISABLED): committed tasks stay in the outbox")
 	} else {
 		tasks = append(tasks, service.Task{Name: "outbox-relay", Run: a.relay.Run})
+	}
+	if a.direct != nil {
+		tasks = append(tasks, service.Task{Name: "outbox-direct", Run: a.direct.Run})
 	}
 	for i, c := range a.consumers {
 		tasks = append(tasks, service.Task{Name: "consumer-" + strconv.Itoa(i), Run: c.Run})

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/services/scheduler/requeststate"
 )
@@ -75,6 +76,9 @@ type Ledger struct {
 	model       *kvcore.Model
 	cache       *partsCache
 	loadTimeout time.Duration
+	// direct publishes the outbox rows of committed batches (nil: the
+	// relays do).
+	direct *database.Direct
 	// fresh is the stored form of a new request's row (freshRow), the
 	// same for every row created: encoded once.
 	fresh struct {
@@ -117,6 +121,14 @@ func WithLoadRankTimeout(d time.Duration) Option {
 			l.loadTimeout = d
 		}
 	}
+}
+
+// WithDirect has the ledger enqueue its messages for publish on commit
+// through d (whose Run must run), instead of leaving them to the relays.
+// Messages copied into the outbox (database.CopyThreshold) stay the
+// relays'.
+func WithDirect(d *database.Direct) Option {
+	return func(l *Ledger) { l.direct = d }
 }
 
 // New returns a ledger on pool for requests of model m.

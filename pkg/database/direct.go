@@ -1,0 +1,434 @@
+package database
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/telemetry"
+)
+
+// Direct defaults.
+const (
+	// DefaultDirectLease is how long after its insert only the process that
+	// committed a row may publish it. A process that dies first leaves its
+	// rows to the relays this long (and one relay poll) later.
+	DefaultDirectLease = 10 * time.Second
+	// directQueue bounds the committed transactions waiting for the lane;
+	// a commit that finds it full leaves its rows to the relays.
+	directQueue = 1024
+	// maxSentMarks bounds the rows one deferred sent-mark UPDATE carries.
+	maxSentMarks = 512
+	// markDelay is the longest a published row waits for its sent mark.
+	// Until then relays hold later rows of its key that are theirs (rare:
+	// the process publishes its own), and nothing else waits for it.
+	markDelay = 50 * time.Millisecond
+)
+
+// Direct outcomes, the label of kvmesh_outbox_direct_total.
+const (
+	// DirectPublished counts rows published on commit.
+	DirectPublished = "published"
+	// DirectReleased counts rows given back to the relays: the publish
+	// failed, the transaction was too old, or an earlier release or
+	// failure may have left an older row of its key to the relays.
+	DirectReleased = "released"
+	// DirectRelayed counts rows the insert already left to the relays: an
+	// earlier row of their (topic, key) was still pending elsewhere.
+	DirectRelayed = "relayed"
+)
+
+const (
+	// quietCommit keeps the transaction's commit from waking relays
+	// (migration 0013's outbox_notify): Direct publishes its rows, and
+	// wakes its own relay for those it leaves to the relays.
+	quietCommit = `SELECT set_config('kvmesh.outbox_quiet', 'on', true)`
+	// insertDirect inserts the rows (OutboxArgs' four arrays, then the
+	// owner and the lease in microseconds) leased to the owner — unless a
+	// pending row of the same (topic, key) is not the owner's own leased
+	// one, whose relay-published turn must come first — and answers each
+	// row's id and whether it is leased.
+	insertDirect = `INSERT INTO outbox (topic, key, value, headers, publish_owner, publish_after)
+	SELECT m.t, m.k, m.v, m.h::jsonb, $5,
+	       CASE WHEN NOT EXISTS (
+	           SELECT 1 FROM outbox b
+	           WHERE b.topic = m.t AND b.key = m.k AND b.sent_at IS NULL AND b.failed_at IS NULL
+	             AND (b.publish_owner IS DISTINCT FROM $5 OR b.publish_after IS NULL
+	                  OR b.publish_after <= clock_timestamp()))
+	       THEN clock_timestamp() + $6 * interval '1 microsecond' END
+	FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[]) WITH ORDINALITY AS m(t, k, v, h, n)
+	ORDER BY m.n
+	RETURNING id, publish_after IS NOT NULL`
+	// releaseRows gives leased rows back to the relays.
+	releaseRows = `UPDATE outbox SET publish_after = NULL WHERE id = ANY($1) AND sent_at IS NULL AND publish_after IS NOT NULL`
+)
+
+// Direct publishes the outbox rows of its process's transactions right
+// after they commit ("publish on commit"), so that the common case skips
+// the relay's hop: no notification, no claim, no second read of the rows.
+// The relays stay the recovery path, and the guarantees are the relay's:
+// a row is published if and only if its transaction committed, at least
+// once, in order per (topic, key).
+//
+// How: EnqueueBatch inserts the rows leased to this Direct (publish_owner,
+// publish_after: DefaultDirectLease from the insert), which no relay
+// claims, and behind which relays hold later rows of the same key; the
+// transaction's commit wakes no relay. After COMMIT the caller hands the
+// rows to Committed, and Run publishes them, in commit order, then marks
+// them sent (deferred, several transactions' rows in one UPDATE).
+//
+// Order per key holds because a row is leased only when no pending row of
+// its key is anybody else's, or a released one: those are the relays' to
+// publish first, so the new row is left to the relays too (DirectRelayed).
+// A row Run cannot publish (the publish failed, or the transaction is too
+// old to publish within its lease) is released: its lease is cleared and
+// the relay, woken, publishes it with its classification, backoff and
+// holds. Once a release is committed, every transaction whose insert came
+// before it is released too (it may have leased a row behind a row just
+// released), and so is every one while a release has not reached the
+// database. A process that dies leaves its leased rows to the relays when
+// their lease ends; Run releases what it still holds when it stops.
+type Direct struct {
+	pool  *pgxpool.Pool
+	pub   Publisher
+	relay *Relay
+	owner string
+	lease time.Duration
+	log   *slog.Logger
+	count func(outcome string, n int)
+	queue chan *DirectRows
+
+	mu sync.Mutex
+	// releasedAt is when the last release committed: rows inserted before
+	// it are released, never published here.
+	releasedAt time.Time
+	// unreleased holds rows to release that have not been (the release
+	// failed, or the queue was full): while any, every handoff is released.
+	unreleased []int64
+	// sent holds published rows whose sent mark is deferred.
+	sent []int64
+}
+
+// DirectOption configures a Direct.
+type DirectOption func(*Direct)
+
+// WithDirectLease sets how long a row is only its committing process's to
+// publish (default DefaultDirectLease). Run publishes a transaction's rows
+// only within half of it, and gives one publish a quarter.
+func WithDirectLease(d time.Duration) DirectOption {
+	return func(x *Direct) {
+		if d > 0 {
+			x.lease = d
+		}
+	}
+}
+
+// WithDirectLogger sets the logger of failed publishes and database errors.
+func WithDirectLogger(l *slog.Logger) DirectOption {
+	return func(x *Direct) { x.log = l }
+}
+
+// WithDirectMetric registers kvmesh_outbox_direct_total{outcome} on reg
+// (once per registry) and counts every row's outcome in it.
+func WithDirectMetric(reg prometheus.Registerer) (DirectOption, error) {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvmesh_outbox_direct_total",
+		Help: "Outbox rows of this process's transactions by what publish on commit did with them: published, released to the relays (publish failed, or too late), or relayed (an earlier row of the key was the relays').",
+	}, []string{"outcome"})
+	c, err := telemetry.RegisterOnce(reg, c)
+	if err != nil {
+		return nil, fmt.Errorf("outbox direct metric: %w", err)
+	}
+	for _, o := range []string{DirectPublished, DirectReleased, DirectRelayed} {
+		c.WithLabelValues(o)
+	}
+	return func(x *Direct) { x.count = func(o string, n int) { c.WithLabelValues(o).Add(float64(n)) } }, nil
+}
+
+// NewDirect returns the publish-on-commit lane of pool's outbox, which
+// publishes through pub and wakes relay (the process's own; nil for none)
+// for the rows it leaves to the relays. Run must run for it to publish.
+func NewDirect(pool *pgxpool.Pool, pub Publisher, relay *Relay, opts ...DirectOption) (*Direct, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, fmt.Errorf("database: direct owner id: %w", err)
+	}
+	d := &Direct{
+		pool: pool, pub: pub, relay: relay,
+		owner: pool.Config().ConnConfig.RuntimeParams["application_name"] + "/" + hex.EncodeToString(b[:]),
+		lease: DefaultDirectLease, log: slog.Default(), count: func(string, int) {},
+		queue: make(chan *DirectRows, directQueue),
+	}
+	for _, o := range opts {
+		o(d)
+	}
+	return d, nil
+}
+
+// DirectRows are the outbox rows of one transaction, queued by
+// EnqueueBatch: hand them to Committed once the transaction committed, or
+// to Abandon when its COMMIT failed without saying whether it took effect.
+type DirectRows struct {
+	msgs     []bus.Message // as stored, headers included
+	ids      []int64       // by position in msgs, from the insert's answer
+	leased   []bool
+	enqueued time.Time
+}
+
+// EnqueueBatch queues on batch, inside the caller's transaction, the
+// insert of msgs into the outbox as EnqueueBatch (the function) does, with
+// the rows leased to d where they may be published on commit, and
+// returns them. The insert's answer is read when the caller closes the
+// batch's results (pgx runs the queued callback then), so the statements
+// the caller reads itself must be queued first. No messages queue nothing
+// and return nil.
+func (d *Direct) EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) (*DirectRows, error) {
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	args, stored, err := outboxRows(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	rows := &DirectRows{msgs: stored, enqueued: time.Now()}
+	batch.Queue(quietCommit)
+	batch.Queue(insertDirect, append(args, d.owner, d.lease.Microseconds())...).Query(rows.scan)
+	return rows, nil
+}
+
+// scan reads the insert's answer: ids ascend in the order of the messages.
+func (r *DirectRows) scan(rows pgx.Rows) error {
+	type answer struct {
+		id     int64
+		leased bool
+	}
+	var all []answer
+	var a answer
+	if _, err := pgx.ForEachRow(rows, []any{&a.id, &a.leased}, func() error {
+		all = append(all, a)
+		return nil
+	}); err != nil {
+		return fmt.Errorf("database: enqueue %d messages: %w", len(r.msgs), err)
+	}
+	if len(all) != len(r.msgs) {
+		return fmt.Errorf("database: enqueue %d messages: %d rows inserted", len(r.msgs), len(all))
+	}
+	slices.SortFunc(all, func(x, y answer) int { return cmp.Compare(x.id, y.id) })
+	r.ids, r.leased = make([]int64, len(all)), make([]bool, len(all))
+	for i, x := range all {
+		r.ids[i], r.leased[i] = x.id, x.leased
+	}
+	return nil
+}
+
+// Committed hands the rows of a committed transaction to Run. It never
+// blocks: when Run is behind by directQueue transactions, the rows are
+// released instead.
+func (d *Direct) Committed(rows *DirectRows) {
+	if rows == nil {
+		return
+	}
+	if rows.ids == nil { // the insert's answer was never read: nothing to publish here
+		d.relay.Kick()
+		return
+	}
+	select {
+	case d.queue <- rows:
+	default:
+		d.Abandon(rows)
+	}
+}
+
+// Abandon gives rows back to the relays: for a transaction whose COMMIT
+// failed without saying whether it took effect (its rows, if they exist,
+// are released; a release of rows that do not exist does nothing).
+func (d *Direct) Abandon(rows *DirectRows) {
+	if rows == nil || rows.ids == nil {
+		return
+	}
+	d.mu.Lock()
+	d.unreleased = append(d.unreleased, rows.ids...)
+	d.mu.Unlock()
+	d.relay.Kick()
+}
+
+// Run publishes committed rows until ctx is done, then marks what it
+// published sent, releases what it did not, and returns nil. Sent marks
+// wait up to markDelay, so that one UPDATE carries several transactions'
+// rows.
+func (d *Direct) Run(ctx context.Context) error {
+	var flush <-chan time.Time
+	for ctx.Err() == nil {
+		select {
+		case rows := <-d.queue:
+			d.handle(ctx, rows)
+			switch {
+			case len(d.sent) >= maxSentMarks:
+				d.markSent(ctx)
+			case len(d.sent) > 0 && flush == nil:
+				flush = time.After(markDelay)
+			}
+		case <-flush:
+			flush = nil
+			d.markSent(ctx)
+		case <-ctx.Done():
+		}
+	}
+	d.stop()
+	return nil
+}
+
+// handle publishes one transaction's leased rows, or releases them.
+func (d *Direct) handle(ctx context.Context, rows *DirectRows) {
+	var leased []int
+	for i, ok := range rows.leased {
+		if ok {
+			leased = append(leased, i)
+		}
+	}
+	if n := len(rows.ids) - len(leased); n > 0 {
+		d.count(DirectRelayed, n)
+		d.relay.Kick()
+	}
+	if len(leased) == 0 {
+		return
+	}
+	if !d.mayPublish(ctx, rows) {
+		d.release(ctx, pick(rows.ids, leased))
+		return
+	}
+	claimed := make([]claimedRow, len(leased))
+	for j, i := range leased {
+		claimed[j] = claimedRow{id: rows.ids[i], msg: rows.msgs[i], created: rows.enqueued}
+	}
+	msgs, spans := startPublishSpans(ctx, claimed)
+	pctx, cancel := context.WithTimeout(ctx, d.lease/4)
+	errs := perMessage(d.pub.Publish(pctx, msgs...), len(msgs))
+	cancel()
+	outcomes := make([]outcome, len(claimed))
+	var failed []int64
+	for j, err := range errs {
+		if err != nil {
+			outcomes[j] = outcome{err: err, held: true} // the relay decides its fate
+			failed = append(failed, claimed[j].id)
+			continue
+		}
+		d.sent = append(d.sent, claimed[j].id)
+	}
+	endPublishSpans(spans, outcomes)
+	d.count(DirectPublished, len(claimed)-len(failed))
+	if len(failed) > 0 {
+		d.log.WarnContext(ctx, "outbox: publish on commit failed; rows left to the relays", "rows", len(failed), "first_id", failed[0], "err", errs[slices.IndexFunc(errs, func(e error) bool { return e != nil })])
+		d.release(ctx, failed)
+	}
+}
+
+// mayPublish reports whether rows may be published here: every earlier
+// release reached the database, none committed after rows' insert, and
+// rows are young enough to be published within their lease.
+func (d *Direct) mayPublish(ctx context.Context, rows *DirectRows) bool {
+	d.mu.Lock()
+	pending := slices.Clone(d.unreleased)
+	d.mu.Unlock()
+	if len(pending) > 0 && !d.releaseNow(ctx, pending) {
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.unreleased) == 0 && !rows.enqueued.Before(d.releasedAt) && time.Since(rows.enqueued) < d.lease/2
+}
+
+// release gives ids back to the relays now, or, when the database cannot
+// be reached, keeps them to release before anything else is published.
+func (d *Direct) release(ctx context.Context, ids []int64) {
+	d.count(DirectReleased, len(ids))
+	d.mu.Lock()
+	d.unreleased = append(d.unreleased, ids...)
+	pending := slices.Clone(d.unreleased)
+	d.mu.Unlock()
+	d.releaseNow(ctx, pending)
+}
+
+// releaseNow clears the lease of ids (the unreleased rows) and reports
+// whether that committed; then every row inserted before now is released
+// rather than published, and the relay is woken.
+func (d *Direct) releaseNow(ctx context.Context, ids []int64) bool {
+	if _, err := d.pool.Exec(ctx, releaseRows, ids); err != nil {
+		d.log.WarnContext(ctx, "outbox: releasing rows to the relays failed; retried before the next publish", "rows", len(ids), "err", err)
+		return false
+	}
+	d.mu.Lock()
+	d.releasedAt = time.Now()
+	d.unreleased = slices.DeleteFunc(d.unreleased, func(id int64) bool { return slices.Contains(ids, id) })
+	d.mu.Unlock()
+	d.relay.Kick()
+	return true
+}
+
+// markSent marks the published rows sent, in one statement that does not
+// wait for its WAL flush (losing the marks in a crash only publishes the
+// rows again, which delivery at least once allows). A failed mark is
+// retried with the next; rows whose mark never lands are published again
+// by a relay once their lease ends.
+func (d *Direct) markSent(ctx context.Context) {
+	if len(d.sent) == 0 {
+		return
+	}
+	batch := &pgx.Batch{}
+	batch.Queue("BEGIN")
+	batch.Queue("SET LOCAL synchronous_commit = off")
+	batch.Queue(markSent, d.sent)
+	batch.Queue("COMMIT")
+	if err := d.pool.SendBatch(ctx, batch).Close(); err != nil {
+		d.log.WarnContext(ctx, "outbox: marking published rows sent failed; retried with the next", "rows", len(d.sent), "err", err)
+		if len(d.sent) > 4*maxSentMarks {
+			d.sent = d.sent[:0] // their leases end: the relays publish them again
+		}
+		return
+	}
+	d.sent = d.sent[:0]
+}
+
+// stop ends Run: it marks what was published and releases what is still
+// queued or unreleased, with a short deadline of its own.
+func (d *Direct) stop() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	d.markSent(ctx)
+	var ids []int64
+	for len(d.queue) > 0 { // a commit handed over after this is released when its lease ends
+		rows := <-d.queue
+		for i, ok := range rows.leased {
+			if ok {
+				ids = append(ids, rows.ids[i])
+			}
+		}
+	}
+	d.count(DirectReleased, len(ids))
+	d.mu.Lock()
+	ids = append(ids, d.unreleased...)
+	d.mu.Unlock()
+	if len(ids) > 0 {
+		d.releaseNow(ctx, ids)
+	}
+}
+
+// pick returns xs at positions is.
+func pick(xs []int64, is []int) []int64 {
+	out := make([]int64, len(is))
+	for j, i := range is {
+		out[j] = xs[i]
+	}
+	return out
+}

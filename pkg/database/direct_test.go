@@ -1,0 +1,179 @@
+package database_test
+
+import (
+	"context"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/pkg/bus"
+	"github.com/kvmesh/kvmesh/pkg/database"
+)
+
+// startDirect runs a Direct until the test ends, then checks Run returned nil.
+func startDirect(t *testing.T, pool *pgxpool.Pool, pub database.Publisher, relay *database.Relay, opts ...database.DirectOption) *database.Direct {
+	t.Helper()
+	d := newDirect(t, pool, pub, relay, opts...)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run returned %v after cancel, want nil", err)
+		}
+	})
+	return d
+}
+
+func newDirect(t *testing.T, pool *pgxpool.Pool, pub database.Publisher, relay *database.Relay, opts ...database.DirectOption) *database.Direct {
+	t.Helper()
+	opts = append([]database.DirectOption{database.WithDirectLogger(slog.New(slog.NewTextHandler(t.Output(), nil)))}, opts...)
+	d, err := database.NewDirect(pool, pub, relay, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// commitDirect commits msgs in one transaction through d's enqueue, as
+// the scheduler's ledger does (BEGIN, the insert and COMMIT in one
+// pipeline), and returns the rows to hand to d.
+func commitDirect(t *testing.T, pool *pgxpool.Pool, d *database.Direct, msgs ...bus.Message) *database.DirectRows {
+	t.Helper()
+	ctx := t.Context()
+	batch := &pgx.Batch{}
+	batch.Queue("BEGIN")
+	rows, err := d.EnqueueBatch(ctx, batch, msgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch.Queue("COMMIT")
+	if err := pool.SendBatch(ctx, batch).Close(); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+	return rows
+}
+
+// pendingLeases returns, per pending row in id order, whether it is leased.
+func pendingLeases(t *testing.T, pool *pgxpool.Pool) []bool {
+	t.Helper()
+	rows, _ := pool.Query(t.Context(), "SELECT publish_after IS NOT NULL FROM outbox WHERE sent_at IS NULL ORDER BY id")
+	out, err := pgx.CollectRows(rows, pgx.RowTo[bool])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestDirectPublishesOnCommit(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	relayPub, directPub := &fakePublisher{}, &fakePublisher{}
+	relay := startRelay(t, pool, relayPub, database.WithPollInterval(time.Hour))
+	d := startDirect(t, pool, directPub, relay)
+	d.Committed(commitDirect(t, pool, d, msg("a", "a1"), msg("b", "b1")))
+	d.Committed(commitDirect(t, pool, d, msg("a", "a2")))
+	waitFor(t, "three rows marked sent", func() bool {
+		rows := outboxRows(t, pool)
+		return len(rows) == 3 && !slices.ContainsFunc(rows, func(r row) bool { return !r.Sent })
+	})
+	if got, want := values(directPub.published()), []string{"a1", "b1", "a2"}; !slices.Equal(got, want) {
+		t.Errorf("published on commit %v, want %v", got, want)
+	}
+	if got := directPub.published()[0].Headers["h"]; got != "a1" {
+		t.Errorf("published headers lost the stored header: h=%q", got)
+	}
+	if n := len(relayPub.published()); n != 0 {
+		t.Errorf("the relay published %d rows, want none: its commits are the Direct's", n)
+	}
+}
+
+func TestDirectReleasesWhatItCannotPublish(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	relayPub, directPub := &fakePublisher{}, &fakePublisher{}
+	directPub.setFailing(true)
+	relay := startRelay(t, pool, relayPub, database.WithPollInterval(time.Hour))
+	d := startDirect(t, pool, directPub, relay)
+	d.Committed(commitDirect(t, pool, d, msg("k", "1")))
+	d.Committed(commitDirect(t, pool, d, msg("k", "2"), msg("j", "3")))
+	waitFor(t, "the relay to publish the released rows", func() bool { return len(relayPub.published()) == 3 })
+	if got, want := values(relayPub.published()), []string{"1", "2", "3"}; !slices.Equal(got, want) {
+		t.Errorf("the relay published %v, want %v (in order)", got, want)
+	}
+	// Healthy again: a new key publishes on commit; the key whose rows
+	// were released does too once the relay marked them sent.
+	directPub.setFailing(false)
+	waitFor(t, "every row sent", func() bool { return len(pendingLeases(t, pool)) == 0 })
+	d.Committed(commitDirect(t, pool, d, msg("k", "4")))
+	waitFor(t, "the next row, on commit", func() bool { return len(directPub.published()) == 1 })
+}
+
+func TestDirectLeavesAKeyBehindAnotherPendingRowToTheRelay(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	enqueue(t, t.Context(), pool, msg("k", "relayed first")) // no relay runs yet: it stays pending
+	relayPub, directPub := &fakePublisher{}, &fakePublisher{}
+	d := newDirect(t, pool, directPub, nil)
+	rows := commitDirect(t, pool, d, msg("k", "behind it"), msg("j", "free"))
+	if got, want := pendingLeases(t, pool), []bool{false, false, true}; !slices.Equal(got, want) {
+		t.Fatalf("pending rows leased %v, want %v: only the key with nothing pending is leased", got, want)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	d.Committed(rows)
+	waitFor(t, "the free key, on commit", func() bool { return len(directPub.published()) == 1 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	startRelay(t, pool, relayPub)
+	waitFor(t, "the relay to publish the key's rows", func() bool { return len(relayPub.published()) == 2 })
+	if got, want := values(relayPub.published()), []string{"relayed first", "behind it"}; !slices.Equal(got, want) {
+		t.Errorf("the relay published %v, want %v", got, want)
+	}
+	if got := values(directPub.published()); !slices.Equal(got, []string{"free"}) {
+		t.Errorf("published on commit %v, want [free]", got)
+	}
+}
+
+func TestRelayLeavesALeasedRowUntilItsLeaseEnds(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	const lease = 400 * time.Millisecond
+	d := newDirect(t, pool, &fakePublisher{}, nil, database.WithDirectLease(lease))
+	start := time.Now()
+	commitDirect(t, pool, d, msg("k", "orphan")) // the process died before publishing: never handed over
+	enqueue(t, t.Context(), pool, msg("k", "later"))
+	relayPub := &fakePublisher{}
+	startRelay(t, pool, relayPub, database.WithPollInterval(20*time.Millisecond))
+	waitFor(t, "both rows, once the lease ended", func() bool { return len(relayPub.published()) == 2 })
+	if waited := time.Since(start); waited < lease {
+		t.Errorf("the relay published a leased row after %v, before its lease of %v ended", waited, lease)
+	}
+	if got, want := values(relayPub.published()), []string{"orphan", "later"}; !slices.Equal(got, want) {
+		t.Errorf("the relay published %v, want %v: the later row of the key waits behind the leased one", got, want)
+	}
+}
+
+func TestDirectReleasesWhatIsQueuedWhenItStops(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	d := newDirect(t, pool, &fakePublisher{}, nil, database.WithDirectLease(time.Hour))
+	d.Committed(commitDirect(t, pool, d, msg("k", "queued")))
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // Run stops at once, with the row still queued
+	if err := d.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := pendingLeases(t, pool); !slices.Equal(got, []bool{false}) {
+		t.Fatalf("pending rows leased %v after Run stopped, want [false]: released to the relays", got)
+	}
+}
