@@ -22,8 +22,9 @@ CREATE INDEX outbox_pending_key_idx ON outbox (topic, key, id)
     WHERE sent_at IS NULL AND failed_at IS NULL;
 
 -- A transaction whose rows its own process publishes on commit sets
--- kvmesh.outbox_quiet (SET LOCAL) so that its commit wakes no relay: the
--- process wakes its own relay for any row it leaves to the relays.
+-- kvmesh.outbox_quiet, local to the transaction (Direct's insert does), so
+-- that its commit wakes no relay: the process wakes its own relay for any
+-- row it leaves to the relays.
 CREATE OR REPLACE FUNCTION outbox_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN

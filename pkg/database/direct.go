@@ -49,30 +49,41 @@ const (
 	DirectRelayed = "relayed"
 )
 
-const (
-	// quietCommit keeps the transaction's commit from waking relays
-	// (migration 0013's outbox_notify): Direct publishes its rows, and
-	// wakes its own relay for those it leaves to the relays.
-	quietCommit = `SELECT set_config('kvmesh.outbox_quiet', 'on', true)`
-	// insertDirect inserts the rows (OutboxArgs' four arrays, then the
-	// owner and the lease in microseconds) leased to the owner — unless a
-	// pending row of the same (topic, key) is not the owner's own leased
-	// one, whose relay-published turn must come first — and answers each
-	// row's id and whether it is leased.
-	insertDirect = `INSERT INTO outbox (topic, key, value, headers, publish_owner, publish_after)
-	SELECT m.t, m.k, m.v, m.h::jsonb, $5,
+// releaseRows gives leased rows back to the relays.
+const releaseRows = `UPDATE outbox SET publish_after = NULL WHERE id = ANY($1) AND sent_at IS NULL AND publish_after IS NOT NULL`
+
+// DirectInsertSQL is the outbox insert of publish on commit, for a caller
+// that embeds it in a statement of its own (a data-modifying CTE, say) as
+// OutboxInsertSQL is embedded: the six parameters Direct.Prepare returns,
+// numbered from $first, and rows kept only where cond (SQL; "" for
+// always) holds. It inserts each row leased to the Direct where no
+// pending row of its (topic, key) is another's or the relays' (see
+// Direct), keeps its transaction's commit from waking relays
+// (kvmesh.outbox_quiet), and returns each row's id and whether it is
+// leased (id, leased), which the caller hands to DirectRows.Answer before
+// Committed.
+func DirectInsertSQL(first int, cond string) string {
+	where := ""
+	if cond != "" {
+		where = " WHERE " + cond
+	}
+	owner, lease := first+4, first+5
+	return fmt.Sprintf(`INSERT INTO outbox (topic, key, value, headers, publish_owner, publish_after)
+	SELECT m.t, m.k, m.v, m.h::jsonb, $%[5]d,
 	       CASE WHEN NOT EXISTS (
 	           SELECT 1 FROM outbox b
 	           WHERE b.topic = m.t AND b.key = m.k AND b.sent_at IS NULL AND b.failed_at IS NULL
-	             AND (b.publish_owner IS DISTINCT FROM $5 OR b.publish_after IS NULL
+	             AND (b.publish_owner IS DISTINCT FROM $%[5]d OR b.publish_after IS NULL
 	                  OR b.publish_after <= clock_timestamp()))
-	       THEN clock_timestamp() + $6 * interval '1 microsecond' END
-	FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[]) WITH ORDINALITY AS m(t, k, v, h, n)
+	       THEN clock_timestamp() + $%[6]d * interval '1 microsecond' END
+	FROM unnest($%[1]d::text[], $%[2]d::text[], $%[3]d::bytea[], $%[4]d::text[]) WITH ORDINALITY AS m(t, k, v, h, n),
+	     (SELECT set_config('kvmesh.outbox_quiet', 'on', true)) AS quiet%[7]s
 	ORDER BY m.n
-	RETURNING id, publish_after IS NOT NULL`
-	// releaseRows gives leased rows back to the relays.
-	releaseRows = `UPDATE outbox SET publish_after = NULL WHERE id = ANY($1) AND sent_at IS NULL AND publish_after IS NOT NULL`
-)
+	RETURNING id, publish_after IS NOT NULL AS leased`, first, first+1, first+2, first+3, owner, lease, where)
+}
+
+// insertDirect is EnqueueBatch's insert.
+var insertDirect = DirectInsertSQL(1, "")
 
 // Direct publishes the outbox rows of its process's transactions right
 // after they commit ("publish on commit"), so that the common case skips
@@ -176,6 +187,16 @@ func NewDirect(pool *pgxpool.Pool, pub Publisher, relay *Relay, opts ...DirectOp
 	return d, nil
 }
 
+// NewServiceDirect is a service's Direct: it logs to log and counts its
+// rows in kvmesh_outbox_direct_total on reg.
+func NewServiceDirect(pool *pgxpool.Pool, pub Publisher, relay *Relay, reg prometheus.Registerer, log *slog.Logger) (*Direct, error) {
+	metric, err := WithDirectMetric(reg)
+	if err != nil {
+		return nil, err
+	}
+	return NewDirect(pool, pub, relay, WithDirectLogger(log), metric)
+}
+
 // DirectRows are the outbox rows of one transaction, queued by
 // EnqueueBatch: hand them to Committed once the transaction committed, or
 // to Abandon when its COMMIT failed without saying whether it took effect.
@@ -186,57 +207,78 @@ type DirectRows struct {
 	enqueued time.Time
 }
 
+// Prepare returns DirectInsertSQL's six parameters for msgs (OutboxArgs' four
+// arrays, d's name and its lease) and the rows they insert, which take
+// the insert's answer. No messages are no rows: four empty arrays.
+func (d *Direct) Prepare(ctx context.Context, msgs []bus.Message) ([]any, *DirectRows, error) {
+	args, stored, err := outboxRows(ctx, msgs)
+	if err != nil {
+		return nil, nil, err
+	}
+	return append(args, d.owner, d.lease.Microseconds()), &DirectRows{msgs: stored, enqueued: time.Now()}, nil
+}
+
 // EnqueueBatch queues on batch, inside the caller's transaction, the
-// insert of msgs into the outbox as EnqueueBatch (the function) does, with
-// the rows leased to d where they may be published on commit, and
-// returns them. The insert's answer is read when the caller closes the
-// batch's results (pgx runs the queued callback then), so the statements
-// the caller reads itself must be queued first. No messages queue nothing
-// and return nil.
+// insert of msgs into the outbox (DirectInsertSQL) and returns the rows. The
+// insert's answer is read when the caller closes the batch's results (pgx
+// runs the queued callback then), so the statements the caller reads
+// itself must be queued first. No messages queue nothing and return nil.
 func (d *Direct) EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) (*DirectRows, error) {
 	if len(msgs) == 0 {
 		return nil, nil
 	}
-	args, stored, err := outboxRows(ctx, msgs)
+	args, rows, err := d.Prepare(ctx, msgs)
 	if err != nil {
 		return nil, err
 	}
-	rows := &DirectRows{msgs: stored, enqueued: time.Now()}
-	batch.Queue(quietCommit)
-	batch.Queue(insertDirect, append(args, d.owner, d.lease.Microseconds())...).Query(rows.scan)
+	batch.Queue(insertDirect, args...).Query(rows.scan)
 	return rows, nil
 }
 
-// scan reads the insert's answer: ids ascend in the order of the messages.
+// scan reads DirectInsertSQL's answer.
 func (r *DirectRows) scan(rows pgx.Rows) error {
-	type answer struct {
-		id     int64
-		leased bool
-	}
-	var all []answer
-	var a answer
-	if _, err := pgx.ForEachRow(rows, []any{&a.id, &a.leased}, func() error {
-		all = append(all, a)
+	var ids []int64
+	var leased []bool
+	var id int64
+	var ok bool
+	if _, err := pgx.ForEachRow(rows, []any{&id, &ok}, func() error {
+		ids, leased = append(ids, id), append(leased, ok)
 		return nil
 	}); err != nil {
 		return fmt.Errorf("database: enqueue %d messages: %w", len(r.msgs), err)
 	}
-	if len(all) != len(r.msgs) {
-		return fmt.Errorf("database: enqueue %d messages: %d rows inserted", len(r.msgs), len(all))
+	return r.Answer(ids, leased)
+}
+
+// Answer takes DirectInsertSQL's answer, in any order: each inserted row's id
+// and whether it is leased. No rows (a cond that kept none) leave nothing
+// to publish.
+func (r *DirectRows) Answer(ids []int64, leased []bool) error {
+	if len(ids) == 0 {
+		r.msgs = nil
+		r.ids, r.leased = []int64{}, []bool{}
+		return nil
 	}
-	slices.SortFunc(all, func(x, y answer) int { return cmp.Compare(x.id, y.id) })
-	r.ids, r.leased = make([]int64, len(all)), make([]bool, len(all))
-	for i, x := range all {
-		r.ids[i], r.leased[i] = x.id, x.leased
+	if len(ids) != len(r.msgs) || len(leased) != len(ids) {
+		return fmt.Errorf("database: enqueue %d messages: %d rows inserted", len(r.msgs), len(ids))
+	}
+	order := make([]int, len(ids))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(ids[a], ids[b]) })
+	r.ids, r.leased = make([]int64, len(ids)), make([]bool, len(ids))
+	for j, i := range order { // ids ascend in the order of the messages
+		r.ids[j], r.leased[j] = ids[i], leased[i]
 	}
 	return nil
 }
 
 // Committed hands the rows of a committed transaction to Run. It never
 // blocks: when Run is behind by directQueue transactions, the rows are
-// released instead.
+// released instead. A nil Direct or rows do nothing.
 func (d *Direct) Committed(rows *DirectRows) {
-	if rows == nil {
+	if d == nil || rows == nil {
 		return
 	}
 	if rows.ids == nil { // the insert's answer was never read: nothing to publish here
@@ -252,9 +294,10 @@ func (d *Direct) Committed(rows *DirectRows) {
 
 // Abandon gives rows back to the relays: for a transaction whose COMMIT
 // failed without saying whether it took effect (its rows, if they exist,
-// are released; a release of rows that do not exist does nothing).
+// are released; a release of rows that do not exist does nothing). A nil
+// Direct or rows, or rows whose insert never answered, do nothing.
 func (d *Direct) Abandon(rows *DirectRows) {
-	if rows == nil || rows.ids == nil {
+	if d == nil || rows == nil || len(rows.ids) == 0 {
 		return
 	}
 	d.mu.Lock()

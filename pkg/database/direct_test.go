@@ -177,3 +177,33 @@ func TestDirectReleasesWhatIsQueuedWhenItStops(t *testing.T) {
 		t.Fatalf("pending rows leased %v after Run stopped, want [false]: released to the relays", got)
 	}
 }
+
+func TestDirectCommitWakesNoRelay(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	other, err := database.Connect(t.Context(), pool.Config().ConnString(), database.WithApplicationName("kvmesh-other"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(other.Close)
+	listen, err := pgx.ConnectConfig(t.Context(), pool.Config().ConnConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = listen.Close(context.Background()) })
+	if _, err := listen.Exec(t.Context(), "LISTEN "+database.OutboxChannel); err != nil {
+		t.Fatal(err)
+	}
+	d := newDirect(t, pool, &fakePublisher{}, nil)
+	commitDirect(t, pool, d, msg("k", "on commit")) // quiet
+	enqueue(t, t.Context(), other, msg("j", "relayed"))
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	n, err := listen.WaitForNotification(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Payload != "kvmesh-other" {
+		t.Errorf("first notification from %q, want kvmesh-other's: the commit of rows published on commit woke the relays", n.Payload)
+	}
+}

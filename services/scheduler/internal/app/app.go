@@ -185,7 +185,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
 	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout)}
 	if !cfg.NoOutboxRelay && !cfg.NoPublishOnCommit {
-		if a.direct, err = a.newDirect(); err != nil {
+		if a.direct, err = database.NewServiceDirect(a.deps.Pool, a.deps.Producer, a.relay, a.deps.Registry, log); err != nil {
 			return nil, err
 		}
 		opts = append(opts, ledger.WithDirect(a.direct))
@@ -205,15 +205,6 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	dlqhttp.New(a.deadLetters, replay, log).Mount(a.srv.Router(), a.srv.RequireAdmin(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
-}
-
-// newDirect builds the publish-on-commit lane of the ledger's messages.
-func (a *App) newDirect() (*database.Direct, error) {
-	metric, err := database.WithDirectMetric(a.deps.Registry)
-	if err != nil {
-		return nil, err
-	}
-	return database.NewDirect(a.deps.Pool, a.deps.Producer, a.relay, database.WithDirectLogger(a.deps.Log), metric)
 }
 
 // buildConsumers creates the consumer-group members over the three topics,

@@ -64,6 +64,9 @@ type Config struct {
 	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
 	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
 	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
+	// NoPublishOnCommit leaves every message to the outbox relay (the zero
+	// value publishes the process's own on commit).
+	NoPublishOnCommit bool `env:"KVMESH_OUTBOX_PUBLISH_ON_COMMIT_DISABLED" doc:"operator switch: true leaves every committed save result, KV event and dead letter to the outbox relay (woken through PostgreSQL, one claim per batch) instead of publishing it from this process right after its transaction commits"`
 }
 
 // SetDefaults gives the sender's defaults (config.Defaulter), the shared
@@ -132,6 +135,7 @@ type App struct {
 	processor *sending.Processor
 	consumers []*bus.Consumer
 	relay     *database.Relay
+	direct    *database.Direct // nil: the relay publishes everything
 	workers   *sending.Registry
 	evictions *evictions.Watcher
 }
@@ -183,7 +187,19 @@ func (a *App) wire(cfg Config) error {
 	if err != nil {
 		return err
 	}
-	l := ledger.New(a.deps.Pool)
+	failures, err := database.WithFailureMetric(a.deps.Registry)
+	if err != nil {
+		return err
+	}
+	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log), failures)
+	var opts []ledger.Option
+	if !cfg.NoPublishOnCommit {
+		if a.direct, err = database.NewServiceDirect(a.deps.Pool, a.deps.Producer, a.relay, a.deps.Registry, a.deps.Log); err != nil {
+			return err
+		}
+		opts = append(opts, ledger.WithDirect(a.direct))
+	}
+	l := ledger.New(a.deps.Pool, opts...)
 	rt, err := cfg.ServiceTransport("sender", dataplane.DefaultTransport())
 	if err != nil {
 		return err
@@ -215,11 +231,6 @@ func (a *App) wire(cfg Config) error {
 		}
 		a.consumers = append(a.consumers, c)
 	}
-	failures, err := database.WithFailureMetric(a.deps.Registry)
-	if err != nil {
-		return err
-	}
-	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(a.deps.Log), failures)
 	if a.evictions, err = a.newEvictions(cfg, kb); err != nil {
 		return err
 	}
@@ -239,6 +250,9 @@ func (a *App) Run(ctx context.Context) error {
 	tasks := []service.Task{
 		{Name: "http", Run: a.srv.Run},
 		{Name: "outbox-relay", Run: a.relay.Run},
+	}
+	if a.direct != nil {
+		tasks = append(tasks, service.Task{Name: "outbox-direct", Run: a.direct.Run})
 	}
 	for i, c := range a.consumers {
 		tasks = append(tasks, service.Task{Name: fmt.Sprintf("consumer-%d", i), Run: c.Run})

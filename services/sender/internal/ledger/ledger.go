@@ -77,11 +77,27 @@ type Ledger struct {
 	pool  *pgxpool.Pool
 	dl    *deadletter.Store
 	group group
+	// direct publishes the messages of committed entries (nil: the
+	// relays do).
+	direct *database.Direct
 }
 
-// New returns a ledger over pool (migrated to 0010 or later).
-func New(pool *pgxpool.Pool) *Ledger {
-	return &Ledger{pool: pool, dl: deadletter.NewStore(pool, deadletter.ServiceSender)}
+// Option configures a Ledger.
+type Option func(*Ledger)
+
+// WithDirect has the ledger enqueue its messages for publish on commit
+// through d (whose Run must run), instead of leaving them to the relays.
+func WithDirect(d *database.Direct) Option {
+	return func(l *Ledger) { l.direct = d }
+}
+
+// New returns a ledger over pool (migrated to 0013 or later).
+func New(pool *pgxpool.Pool, opts ...Option) *Ledger {
+	l := &Ledger{pool: pool, dl: deadletter.NewStore(pool, deadletter.ServiceSender)}
+	for _, o := range opts {
+		o(l)
+	}
+	return l
 }
 
 // DeadLetters is the store of the sender's dead letters, which the admin
@@ -148,6 +164,12 @@ var commitOutcomeSQL = `WITH o AS (` + insertOutcomeSQL + `), q AS (` +
 	database.OutboxInsertSQL(outcomeArgs+1, `EXISTS (SELECT 1 FROM o)`) + `)
 SELECT EXISTS (SELECT 1 FROM o)`
 
+// commitOutcomeDirectSQL is commitOutcomeSQL with the messages inserted for
+// publish on commit; it also answers their rows' ids and leases.
+var commitOutcomeDirectSQL = `WITH o AS (` + insertOutcomeSQL + `), q AS (` +
+	database.DirectInsertSQL(outcomeArgs+1, `EXISTS (SELECT 1 FROM o)`) + `)
+SELECT EXISTS (SELECT 1 FROM o), coalesce(array_agg(q.id), '{}'), coalesce(array_agg(q.leased), '{}') FROM q`
+
 // commitOutcome writes an entry with an outcome and no dead letters in one
 // statement, grouped with those of other lanes committing at the same
 // time (see group).
@@ -156,14 +178,21 @@ func (l *Ledger) commitOutcome(ctx context.Context, e Entry) (Committed, error) 
 	if err != nil {
 		return Committed{}, err
 	}
-	msgs, err := database.OutboxArgs(ctx, e.Messages)
+	p := &pending{ctx: ctx, taskID: e.Outcome.Result.TaskID, wake: make(chan bool, 1)}
+	var msgs []any
+	if l.direct != nil {
+		msgs, p.rows, err = l.direct.Prepare(ctx, e.Messages)
+	} else {
+		msgs, err = database.OutboxArgs(ctx, e.Messages)
+	}
 	if err != nil {
 		return Committed{}, err
 	}
-	p := &pending{ctx: ctx, taskID: e.Outcome.Result.TaskID, args: append(args, msgs...), wake: make(chan bool, 1)}
+	p.args = append(args, msgs...)
 	if err := l.group.commit(p, l.commitGroup); err != nil {
 		return Committed{}, err
 	}
+	l.direct.Committed(p.rows)
 	return Committed{Done: !p.fresh}, nil
 }
 
@@ -172,6 +201,11 @@ type pending struct {
 	ctx    context.Context
 	taskID string
 	args   []any
+	// rows are the messages' outbox rows for publish on commit (nil
+	// without a Direct), and ids and leased their statement's answer.
+	rows   *database.DirectRows
+	ids    []int64
+	leased []bool
 	// fresh and err are the entry's result, set before done is signalled.
 	fresh bool
 	err   error
@@ -230,16 +264,49 @@ func (g *group) commit(p *pending, run func([]*pending)) error {
 // entry is committed on its own, so that one bad entry fails only itself.
 func (l *Ledger) commitGroup(batch []*pending) {
 	if len(batch) > 1 {
-		if err := l.commitTogether(batch); err == nil {
+		err := l.commitTogether(batch)
+		if err == nil {
 			return
+		}
+		for _, p := range batch {
+			l.direct.Abandon(p.rows) // should its COMMIT have taken effect after all
 		}
 	}
 	for _, p := range batch {
 		p.fresh, p.err = false, nil
-		if err := l.pool.QueryRow(p.ctx, commitOutcomeSQL, p.args...).Scan(&p.fresh); err != nil {
+		if err := l.pool.QueryRow(p.ctx, l.commitOutcomeSQL(), p.args...).Scan(p.dest()...); err != nil {
 			p.err = fmt.Errorf("insert outcome of %s: %w", p.taskID, err)
+			l.direct.Abandon(p.rows)
+			continue
 		}
+		p.err = p.answer()
 	}
+}
+
+// commitOutcomeSQL is the statement of a one-statement entry.
+func (l *Ledger) commitOutcomeSQL() string {
+	if l.direct != nil {
+		return commitOutcomeDirectSQL
+	}
+	return commitOutcomeSQL
+}
+
+// dest is where the entry's statement answers: whether the outcome is
+// new, and with publish on commit the outbox rows' ids and leases.
+func (p *pending) dest() []any {
+	if p.rows == nil {
+		return []any{&p.fresh}
+	}
+	p.ids, p.leased = nil, nil
+	return []any{&p.fresh, &p.ids, &p.leased}
+}
+
+// answer hands the statement's answer to the entry's outbox rows.
+func (p *pending) answer() error {
+	if p.rows == nil {
+		return nil
+	}
+	return p.rows.Answer(p.ids, p.leased)
 }
 
 // commitTogether commits batch in one transaction, under the context of
@@ -254,7 +321,12 @@ func (l *Ledger) commitTogether(batch []*pending) (err error) {
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
 	for _, p := range batch {
-		b.Queue(commitOutcomeSQL, p.args...).QueryRow(func(row pgx.Row) error { return row.Scan(&p.fresh) })
+		b.Queue(l.commitOutcomeSQL(), p.args...).QueryRow(func(row pgx.Row) error {
+			if err := row.Scan(p.dest()...); err != nil {
+				return err
+			}
+			return p.answer()
+		})
 	}
 	b.Queue("COMMIT")
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
@@ -335,15 +407,28 @@ func (l *Ledger) commitTx(ctx context.Context, e Entry) (_ Committed, err error)
 	if fresh {
 		msgs = append(msgs, e.Messages...)
 	}
-	if err := database.EnqueueBatch(ctx, second, msgs); err != nil {
+	rows, err := l.enqueue(ctx, second, msgs)
+	if err != nil {
 		return Committed{}, err
 	}
 	second.Queue(end)
 	if err := conn.SendBatch(ctx, second).Close(); err != nil {
+		l.direct.Abandon(rows)
 		return Committed{}, err
 	}
 	open = false
+	l.direct.Committed(rows)
 	return out, nil
+}
+
+// enqueue queues the insert of msgs into the outbox: for publish on
+// commit when the ledger has a Direct (the rows returned), else for the
+// relays.
+func (l *Ledger) enqueue(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) (*database.DirectRows, error) {
+	if l.direct == nil {
+		return nil, database.EnqueueBatch(ctx, batch, msgs)
+	}
+	return l.direct.EnqueueBatch(ctx, batch, msgs)
 }
 
 // outcomeRow returns insertOutcomeSQL's arguments for o.
