@@ -110,16 +110,6 @@ func (l *Ledger) DeadLetters() *deadletter.Store {
 	return l.dl
 }
 
-// Done reports whether the task's outcome is recorded.
-func (l *Ledger) Done(ctx context.Context, taskID string) (bool, error) {
-	var done bool
-	err := l.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM save_outcomes WHERE task_id = $1)`, taskID).Scan(&done)
-	if err != nil {
-		return false, fmt.Errorf("ledger: outcome of %s: %w", taskID, err)
-	}
-	return done, nil
-}
-
 // Commit writes e in one transaction: the outcome row, the dead letters and
 // their DLQ messages, and e.Messages, all through the outbox.
 //

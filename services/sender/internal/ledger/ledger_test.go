@@ -84,9 +84,17 @@ func TestCommitIsIdempotentPerTask(t *testing.T) {
 	if got := outboxCount(t, pool, contract.TopicSaveDLQ); got != 1 {
 		t.Errorf("dlq messages enqueued = %d, want 1", got)
 	}
-	done, err := l.Done(ctx, "t1")
-	if err != nil || !done {
-		t.Fatalf("Done(t1) = %v, %v", done, err)
+	// The first delivery's outcome and dead letter are the only ones kept.
+	var rows int
+	var offset int64
+	if err := pool.QueryRow(ctx, `SELECT count(*), min("offset") FROM save_outcomes WHERE task_id = 't1'`).Scan(&rows, &offset); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 1 || offset != 5 {
+		t.Fatalf("save_outcomes of t1: %d rows, offset %d; want 1 row, from offset 5", rows, offset)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM dead_letters WHERE task_id = 't1'`).Scan(&rows); err != nil || rows != 1 {
+		t.Fatalf("dead letters of t1: %d (%v), want 1", rows, err)
 	}
 
 	var msg []byte

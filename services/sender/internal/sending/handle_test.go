@@ -6,10 +6,12 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/deadletter"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending/sendingtest"
 )
 
@@ -220,6 +222,96 @@ func TestHandleLedgerFailureIsTransientAndRedeliveryCommitsOnce(t *testing.T) {
 	r = w.WorkRecord(context.Background(), t, rec)
 	if r.Err != nil || len(r.Messages) != 0 || w.Ledger.Commits() != 2 {
 		t.Fatalf("third delivery: %+v after %d commits, want nothing new and no commit", r, w.Ledger.Commits())
+	}
+}
+
+// duplicates is the name of the sender's duplicate-task counter.
+const duplicates = "kvmesh_sender_duplicate_tasks_total"
+
+// TestTaskDeliveredTwiceToOneProcessIsSavedOnce: a task handled again by
+// the process that committed it (the same record redelivered, or a second
+// record of it the outbox relay published twice) is found in the
+// processor's recent set: no existence check, no put, no commit, nothing
+// published, counted once per delivery as a duplicate.
+func TestTaskDeliveredTwiceToOneProcessIsSavedOnce(t *testing.T) {
+	ctx := context.Background()
+	w := sendingtest.NewWorker(t, mustModel(t))
+	task := sendingtest.SaveTask(w.Model, "twice", 0, 32, 0)
+	rec := w.Record(task.RequestID, encode(t, task))
+	first := w.WorkRecord(ctx, t, rec)
+	if first.Err != nil || first.Status() != "stored" || len(first.On(contract.TopicTransferResults)) != 1 {
+		t.Fatalf("first delivery: %+v, want stored and reported", first)
+	}
+	checks, puts, commits := w.Store.Checks(), w.GPU.Requests(), w.Ledger.Commits()
+	if puts != 1 || commits != 1 {
+		t.Fatalf("first delivery: %d put requests, %d commits; want 1, 1", puts, commits)
+	}
+	for i, again := range []bus.Received{rec, w.Record(task.RequestID, rec.Value)} {
+		r := w.WorkRecord(ctx, t, again)
+		if r.Err != nil || len(r.Messages) != 0 || len(r.DeadLetters) != 0 || r.Status() != "stored" {
+			t.Fatalf("delivery %d: %v, %d messages, %d dead letters, status %q; want nothing new and the first outcome kept",
+				i+2, r.Err, len(r.Messages), len(r.DeadLetters), r.Status())
+		}
+	}
+	if w.Store.Checks() != checks || w.GPU.Requests() != puts || w.Ledger.Commits() != commits {
+		t.Errorf("after the duplicates: %d existence checks, %d put requests, %d commits; want %d, %d, %d",
+			w.Store.Checks(), w.GPU.Requests(), w.Ledger.Commits(), checks, puts, commits)
+	}
+	if n := len(w.Ledger.Outbox()); n != len(first.Messages) {
+		t.Errorf("%d messages in the outbox, want the first delivery's %d", n, len(first.Messages))
+	}
+	if n := sendingtest.Counter(t, w.Registry, duplicates); n != 2 {
+		t.Errorf("%s = %v, want 2", duplicates, n)
+	}
+	if n := sendingtest.Counter(t, w.Registry, "kvmesh_sender_tasks_total", "status", "stored"); n != 1 {
+		t.Errorf("tasks stored = %v, want 1", n)
+	}
+}
+
+// TestTaskForgottenByTheRecentSetIsDroppedAtCommit: with room for one task
+// id, a task redelivered after another task pushed it out is handled
+// again and dropped by the commit's own dedupe: its second save, with the
+// store failing every existence check, dead-letters both groups
+// exists_failed, yet nothing is published and no dead letter kept, the
+// first outcome stays, and it is counted a duplicate; from then on it is
+// in the set again.
+func TestTaskForgottenByTheRecentSetIsDroppedAtCommit(t *testing.T) {
+	ctx := context.Background()
+	w := sendingtest.NewWorker(t, mustModel(t), func(o *sending.Options) { o.RecentTasks = 1 })
+	task := sendingtest.SaveTask(w.Model, "a", 0, 32, 0)
+	rec := w.Record(task.RequestID, encode(t, task))
+	if r := w.WorkRecord(ctx, t, rec); r.Err != nil || r.Status() != "stored" {
+		t.Fatalf("first delivery: %+v", r)
+	}
+	if r := w.Work(ctx, t, sendingtest.SaveTask(w.Model, "b", 0, 32, 8)); r.Err != nil || r.Status() != "stored" {
+		t.Fatalf("other task: %+v", r)
+	}
+	puts, commits, outbox, checks := w.GPU.Requests(), w.Ledger.Commits(), len(w.Ledger.Outbox()), w.Store.Checks()
+	w.Store.FailExists(100)
+	r := w.WorkRecord(ctx, t, rec)
+	if r.Err != nil || len(r.Messages) != 0 || len(r.DeadLetters) != 0 || r.Status() != "stored" {
+		t.Fatalf("redelivery: %v, %d messages, %d dead letters, status %q; want nothing new and the first outcome kept",
+			r.Err, len(r.Messages), len(r.DeadLetters), r.Status())
+	}
+	if w.GPU.Requests() != puts || w.Ledger.Commits() != commits+1 || len(w.Ledger.Outbox()) != outbox {
+		t.Errorf("redelivery: %d put requests, %d commits, %d messages; want %d, %d, %d",
+			w.GPU.Requests(), w.Ledger.Commits(), len(w.Ledger.Outbox()), puts, commits+1, outbox)
+	}
+	if w.Store.Checks() == checks || len(w.Ledger.DeadLetters()) != 0 {
+		t.Errorf("redelivery: %d existence checks, %d dead letters kept; want it handled, none kept", w.Store.Checks(), len(w.Ledger.DeadLetters()))
+	}
+	if n := sendingtest.Counter(t, w.Registry, duplicates); n != 1 {
+		t.Errorf("%s = %v, want 1", duplicates, n)
+	}
+	if n := sendingtest.Counter(t, w.Registry, "kvmesh_dead_letters_total"); n != 0 {
+		t.Errorf("dead letters counted = %v, want 0", n)
+	}
+	// Found done at commit, it is remembered: a third delivery costs nothing.
+	if r := w.WorkRecord(ctx, t, rec); r.Err != nil || len(r.Messages) != 0 || w.Ledger.Commits() != commits+1 {
+		t.Errorf("third delivery: %v, %d messages after %d commits; want nothing new and no commit", r.Err, len(r.Messages), w.Ledger.Commits())
+	}
+	if n := sendingtest.Counter(t, w.Registry, duplicates); n != 2 {
+		t.Errorf("%s = %v, want 2", duplicates, n)
 	}
 }
 

@@ -183,6 +183,7 @@ type fixture struct {
 	pool   *pgxpool.Pool
 	ledger *ledger.Ledger
 	p      *sending.Processor
+	reg    *prometheus.Registry // the processor's metrics
 	now    time.Time
 	offset int64
 }
@@ -194,7 +195,8 @@ func newFixture(t testing.TB, pool *pgxpool.Pool, store kvstore.Store, opts ...f
 	m := mustModel(t)
 	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
 		worker: &poolWorker{model: m, store: store, blocks: 64}, now: time.Unix(1_800_000_000, 0)}
-	metrics, err := sending.NewMetrics(prometheus.NewRegistry())
+	f.reg = prometheus.NewRegistry()
+	metrics, err := sending.NewMetrics(f.reg)
 	if err != nil {
 		t.Fatal(err)
 	}

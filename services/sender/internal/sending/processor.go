@@ -52,12 +52,11 @@ type Store interface {
 	Exists(ctx context.Context, keys []string) ([]bool, error)
 }
 
-// Outcomes is what a save task's handling needs of the ledger: whether the
-// task is done, and one transaction that records its outcome, its dead
-// letters and the messages it publishes (through the outbox).
+// Outcomes is what a save task's handling needs of the ledger: one
+// transaction that records its outcome, its dead letters and the messages
+// it publishes (through the outbox), or, for a task whose outcome is
+// already recorded, nothing (ledger.Entry.DropIfDone).
 type Outcomes interface {
-	// Done reports whether the task's outcome is recorded.
-	Done(ctx context.Context, taskID string) (bool, error)
 	// Commit writes e in one transaction (ledger.Ledger.Commit).
 	Commit(ctx context.Context, e ledger.Entry) (ledger.Committed, error)
 }
@@ -123,6 +122,9 @@ type Options struct {
 	// KVEventsForm is the wire form of the BlockStored events' batches
 	// (contract.KVEventForm; "" is the map form).
 	KVEventsForm contract.KVEventForm
+	// RecentTasks is how many committed task ids the processor remembers,
+	// to skip a task delivered to it again (default DefaultRecentTasks).
+	RecentTasks int
 }
 
 // Processor handles save tasks. It is safe for concurrent use by several
@@ -131,8 +133,11 @@ type Options struct {
 // and what calls share (the pressure gate, the metrics, the worker
 // registry's cache, the ledger's pool) is locked or safe for concurrent use.
 // The consumer hands the tasks of one request (one record key) to one lane,
-// so they are handled in order; a redelivered task is recognised by its
-// save_outcomes row, keyed by task id.
+// so they are handled in order. A task this process committed recently is
+// skipped before any work (recentTasks); any other redelivered task is
+// saved again (its keys are mostly found present, and every put re-checks
+// the block's identity) and recognised at commit by its save_outcomes row,
+// keyed by task id, which drops everything it would have added.
 type Processor struct {
 	model        *kvcore.Model
 	keys         kvcore.KeyBuilder
@@ -148,6 +153,7 @@ type Processor struct {
 	tracer       trace.Tracer
 	form         contract.KVEventForm
 	gate         *gate
+	recent       *recentTasks
 	skippedKeys  atomic.Int64
 	// replayMu serialises replays, so two concurrent replays of one entry
 	// do not both save it.
@@ -180,6 +186,10 @@ func New(o Options) (*Processor, error) {
 	if p.putTimeout <= 0 {
 		p.putTimeout = DefaultPutTimeout
 	}
+	if o.RecentTasks <= 0 {
+		o.RecentTasks = DefaultRecentTasks
+	}
+	p.recent = newRecentTasks(o.RecentTasks)
 	if p.log == nil {
 		p.log = slog.New(slog.DiscardHandler)
 	}
@@ -206,17 +216,20 @@ func (p *Processor) Pressure() PressureState {
 // already, for a redelivered task); a database failure is transient. A
 // record that is not a save task fails permanently (undecodable): the
 // consumer loop hands it to DeadLetter, retrying that until it is recorded.
+//
+// A task this process committed recently is a duplicate, skipped with no
+// store call, put or commit. Any other task is saved and committed; if
+// its outcome turns out to be recorded already (a redelivery from another
+// process's time on the partition, or one older than the recent set), the
+// commit leaves nothing and counts it a duplicate (commit). Asking
+// PostgreSQL first would cost every task a round trip for the rare one.
 func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 	src := sourceOf(m)
 	task, err := decodeTask(m.Value)
 	if err != nil {
 		return bus.Permanent(kvcore.ReasonUndecodable, err)
 	}
-	done, err := p.ledger.Done(ctx, task.TaskID)
-	if err != nil {
-		return bus.Transient(err)
-	}
-	if done {
+	if p.recent.has(task.TaskID) {
 		p.metrics.duplicates.Inc()
 		return nil
 	}

@@ -103,7 +103,9 @@ func (s *save) entry(src ledger.Source, m *kvcore.Model, now time.Time, form con
 
 // commit writes the save's ledger entry (outcome, dead letters and
 // messages) in one transaction, unless another delivery of the task got
-// there first, and counts it once committed.
+// there first (then nothing is written: no second result or KV event, no
+// dead letter, the first outcome kept; it is counted a duplicate), counts
+// it once committed, and remembers the task as done either way.
 func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
 	e, err := s.entry(src, p.model, p.now(), p.form)
 	if err != nil {
@@ -114,6 +116,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) erro
 	if err != nil {
 		return err
 	}
+	p.recent.add(s.task.TaskID)
 	p.countDeadLetters(ctx, c.DeadLetters)
 	if c.Done {
 		p.metrics.duplicates.Inc()

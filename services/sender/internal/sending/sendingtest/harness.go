@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -33,6 +35,8 @@ type Worker struct {
 	Workers *Workers
 	// Processor is the real processor under test.
 	Processor *sending.Processor
+	// Registry holds the processor's metrics (Counter reads them).
+	Registry *prometheus.Registry
 	// Now is the processor's clock.
 	Now time.Time
 
@@ -95,7 +99,8 @@ func NewWorker(t testing.TB, m *kvcore.Model, opts ...func(*sending.Options)) *W
 	w.Ledger = NewLedger(func() time.Time { return w.Now })
 	w.GPU = &GPUWorker{Store: w.Store}
 	w.Workers = &Workers{Model: m, GPU: w.GPU}
-	metrics, err := sending.NewMetrics(prometheus.NewRegistry())
+	w.Registry = prometheus.NewRegistry()
+	metrics, err := sending.NewMetrics(w.Registry)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,6 +164,36 @@ func (w *Worker) WorkRecord(ctx context.Context, t testing.TB, rec bus.Received)
 		}
 	}
 	return r
+}
+
+// Counter is the value of counter name on g, summed over its series whose
+// labels include labels (name=value pairs; none: every series).
+func Counter(t testing.TB, g prometheus.Gatherer, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				if !slices.ContainsFunc(m.GetLabel(), func(l *dto.LabelPair) bool {
+					return l.GetName() == labels[i] && l.GetValue() == labels[i+1]
+				}) {
+					continue series
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+		return sum
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
 }
 
 // KeysOf lists the store keys of group g of task for rank, in chunk order.

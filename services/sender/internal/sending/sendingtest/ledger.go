@@ -69,14 +69,6 @@ func (l *Ledger) FailCommits(n int) {
 	l.failCommits = n
 }
 
-// Done reports whether the task's outcome is recorded.
-func (l *Ledger) Done(_ context.Context, taskID string) (bool, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	_, ok := l.outcomes[taskID]
-	return ok, nil
-}
-
 // Commit writes e as ledger.Ledger.Commit does, in one step.
 func (l *Ledger) Commit(_ context.Context, e ledger.Entry) (ledger.Committed, error) {
 	l.mu.Lock()
