@@ -132,12 +132,14 @@ func TestSeedPreset(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	// Eight system prompts do not fit the prefill engine's 48-block pool
-	// together, so later turns find their prefix evicted locally and
-	// load it from the store whatever the timing; with two, the pool kept
-	// both and store loads happened only when saves were slow to land.
+	// Thirty-two system prompts (4 to 12 blocks each) are far more than
+	// the prefill engine's 48-block pool holds, so a prompt's second
+	// conversation finds it evicted locally and loads it from the store.
+	// With eight, the pool kept the prompts of the conversations running
+	// together often enough that a fast mesh loaded nothing from the store
+	// in two runs of three (the run's order depends on its timing).
 	w := smallWorkload(36, 6)
-	w.SystemPrompts = 8
+	w.SystemPrompts = 32
 	rep, err := sim.Run(ctx, simConfig(t, s, true, w))
 	if err != nil {
 		t.Fatal(err)
