@@ -69,11 +69,24 @@ func countingPool(t *testing.T, pool *pgxpool.Pool, c *counter) *pgxpool.Pool {
 
 // TestCommitRoundTrips counts what a save task costs PostgreSQL on the
 // sender's save path, the Commit of its entry (there is no check before
-// it), with a warm statement cache.
+// it), with a warm statement cache: the same with publish on commit (whose
+// deferred sent marks go through a pool of their own here).
 func TestCommitRoundTrips(t *testing.T) {
-	base := dbtest.NewPool(t)
+	for _, direct := range []bool{false, true} {
+		t.Run(map[bool]string{false: "relay", true: "publish_on_commit"}[direct], func(t *testing.T) {
+			base := dbtest.NewPool(t)
+			var opts []ledger.Option
+			if direct {
+				opts = append(opts, ledger.WithDirect(runDirect(t, base, &recorder{})))
+			}
+			commitRoundTrips(t, base, opts...)
+		})
+	}
+}
+
+func commitRoundTrips(t *testing.T, base *pgxpool.Pool, opts ...ledger.Option) {
 	var c counter
-	l := ledger.New(countingPool(t, base, &c))
+	l := ledger.New(countingPool(t, base, &c), opts...)
 	ctx := context.Background()
 	dl := func() deadletter.DeadLetter {
 		return deadletter.DeadLetter{Reason: "table_group_count", Group: group(1), Slot: 0}
