@@ -28,6 +28,8 @@ const (
 	// directQueue bounds the committed transactions waiting for the lane;
 	// a commit that finds it full leaves its rows to the relays.
 	directQueue = 1024
+	// maxHandoffs bounds the transactions one publish carries.
+	maxHandoffs = 64
 	// maxSentMarks bounds the rows one deferred sent-mark UPDATE carries.
 	maxSentMarks = 512
 	// markDelay is the longest a published row waits for its sent mark.
@@ -315,7 +317,7 @@ func (d *Direct) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		select {
 		case rows := <-d.queue:
-			d.handle(ctx, rows)
+			d.handle(ctx, d.drain(rows))
 			switch {
 			case len(d.sent) >= maxSentMarks:
 				d.markSent(ctx)
@@ -332,39 +334,70 @@ func (d *Direct) Run(ctx context.Context) error {
 	return nil
 }
 
-// handle publishes one transaction's leased rows, or releases them.
-func (d *Direct) handle(ctx context.Context, rows *DirectRows) {
-	var leased []int
-	for i, ok := range rows.leased {
-		if ok {
-			leased = append(leased, i)
+// drain returns first and the transactions queued behind it, up to
+// maxHandoffs, in commit order: one publish carries them all.
+func (d *Direct) drain(first *DirectRows) []*DirectRows {
+	batch := []*DirectRows{first}
+	for len(batch) < maxHandoffs {
+		select {
+		case rows := <-d.queue:
+			batch = append(batch, rows)
+		default:
+			return batch
 		}
 	}
-	if n := len(rows.ids) - len(leased); n > 0 {
-		d.count(DirectRelayed, n)
-		d.relay.Kick()
+	return batch
+}
+
+// handle publishes the leased rows of batch (transactions in commit
+// order) in one publish, or releases them: a transaction that may not be
+// published is released with every later one of the batch, which may hold
+// later rows of its keys.
+func (d *Direct) handle(ctx context.Context, batch []*DirectRows) {
+	var claimed []claimedRow
+	var release []int64
+	for _, rows := range batch {
+		var leased []int
+		for i, ok := range rows.leased {
+			if ok {
+				leased = append(leased, i)
+			}
+		}
+		if n := len(rows.ids) - len(leased); n > 0 {
+			d.count(DirectRelayed, n)
+			d.relay.Kick()
+		}
+		switch {
+		case len(leased) == 0:
+		case len(release) > 0 || !d.mayPublish(ctx, rows):
+			release = append(release, pick(rows.ids, leased)...)
+		default:
+			for _, i := range leased {
+				claimed = append(claimed, claimedRow{id: rows.ids[i], msg: rows.msgs[i], created: rows.enqueued})
+			}
+		}
 	}
-	if len(leased) == 0 {
-		return
-	}
-	if !d.mayPublish(ctx, rows) {
-		d.release(ctx, pick(rows.ids, leased))
-		return
-	}
-	claimed := make([]claimedRow, len(leased))
-	for j, i := range leased {
-		claimed[j] = claimedRow{id: rows.ids[i], msg: rows.msgs[i], created: rows.enqueued}
+	failed := d.publish(ctx, claimed)
+	d.release(ctx, append(failed, release...))
+}
+
+// publish publishes claimed in one call, adds the published rows to the
+// sent marks, and returns the ids of those it could not publish.
+func (d *Direct) publish(ctx context.Context, claimed []claimedRow) (failed []int64) {
+	if len(claimed) == 0 {
+		return nil
 	}
 	msgs, spans := startPublishSpans(ctx, claimed)
 	pctx, cancel := context.WithTimeout(ctx, d.lease/4)
 	errs := perMessage(d.pub.Publish(pctx, msgs...), len(msgs))
 	cancel()
 	outcomes := make([]outcome, len(claimed))
-	var failed []int64
+	var first error
 	for j, err := range errs {
 		if err != nil {
 			outcomes[j] = outcome{err: err, held: true} // the relay decides its fate
 			failed = append(failed, claimed[j].id)
+			first = cmp.Or(first, err)
 			continue
 		}
 		d.sent = append(d.sent, claimed[j].id)
@@ -372,9 +405,9 @@ func (d *Direct) handle(ctx context.Context, rows *DirectRows) {
 	endPublishSpans(spans, outcomes)
 	d.count(DirectPublished, len(claimed)-len(failed))
 	if len(failed) > 0 {
-		d.log.WarnContext(ctx, "outbox: publish on commit failed; rows left to the relays", "rows", len(failed), "first_id", failed[0], "err", errs[slices.IndexFunc(errs, func(e error) bool { return e != nil })])
-		d.release(ctx, failed)
+		d.log.WarnContext(ctx, "outbox: publish on commit failed; rows left to the relays", "rows", len(failed), "first_id", failed[0], "err", first)
 	}
+	return failed
 }
 
 // mayPublish reports whether rows may be published here: every earlier
@@ -395,6 +428,9 @@ func (d *Direct) mayPublish(ctx context.Context, rows *DirectRows) bool {
 // release gives ids back to the relays now, or, when the database cannot
 // be reached, keeps them to release before anything else is published.
 func (d *Direct) release(ctx context.Context, ids []int64) {
+	if len(ids) == 0 {
+		return
+	}
 	d.count(DirectReleased, len(ids))
 	d.mu.Lock()
 	d.unreleased = append(d.unreleased, ids...)

@@ -207,3 +207,34 @@ func TestDirectCommitWakesNoRelay(t *testing.T) {
 		t.Errorf("first notification from %q, want kvmesh-other's: the commit of rows published on commit woke the relays", n.Payload)
 	}
 }
+
+func TestDirectReleasesTheRestOfABatchAfterAStaleTransaction(t *testing.T) {
+	t.Parallel()
+	pool := dbtest.NewPool(t)
+	const lease = 400 * time.Millisecond
+	directPub, relayPub := &fakePublisher{}, &fakePublisher{}
+	relay := startRelay(t, pool, relayPub, database.WithPollInterval(time.Hour))
+	d := newDirect(t, pool, directPub, relay, database.WithDirectLease(lease))
+	start := time.Now()
+	stale := commitDirect(t, pool, d, msg("k", "stale"))
+	for time.Since(start) < lease/2 { // the transaction ages past what may still be published
+		time.Sleep(10 * time.Millisecond)
+	}
+	fresh := commitDirect(t, pool, d, msg("k", "fresh"))
+	d.Committed(stale)
+	d.Committed(fresh) // queued behind it: one batch when Run starts
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	waitFor(t, "the relay to publish both", func() bool { return len(relayPub.published()) == 2 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if got, want := values(relayPub.published()), []string{"stale", "fresh"}; !slices.Equal(got, want) {
+		t.Errorf("the relay published %v, want %v", got, want)
+	}
+	if n := len(directPub.published()); n != 0 {
+		t.Errorf("published %d on commit, want none: the later row of the key must follow the released one", n)
+	}
+}
