@@ -32,6 +32,9 @@ const (
 	maxHandoffs = 64
 	// maxSentMarks bounds the rows one deferred sent-mark UPDATE carries.
 	maxSentMarks = 512
+	// stopTimeout bounds what Run does when it stops, and a release of a
+	// commit handed over after that.
+	stopTimeout = 5 * time.Second
 	// markDelay is the longest a published row waits for its sent mark.
 	// Until then relays hold later rows of its key that are theirs (rare:
 	// the process publishes its own), and nothing else waits for it.
@@ -131,6 +134,8 @@ type Direct struct {
 	unreleased []int64
 	// sent holds published rows whose sent mark is deferred.
 	sent []int64
+	// stopped says Run is over: Committed releases rows itself.
+	stopped bool
 }
 
 // DirectOption configures a Direct.
@@ -276,9 +281,11 @@ func (r *DirectRows) Answer(ids []int64, leased []bool) error {
 	return nil
 }
 
-// Committed hands the rows of a committed transaction to Run. It never
-// blocks: when Run is behind by directQueue transactions, the rows are
-// released instead. A nil Direct or rows do nothing.
+// Committed hands the rows of a committed transaction to Run. It does not
+// wait for Run: when Run is behind by directQueue transactions, the rows
+// are left to be released, and once Run has stopped they are released at
+// once (one UPDATE, on the caller's goroutine). A nil Direct or rows do
+// nothing.
 func (d *Direct) Committed(rows *DirectRows) {
 	if d == nil || rows == nil {
 		return
@@ -287,11 +294,24 @@ func (d *Direct) Committed(rows *DirectRows) {
 		d.relay.Kick()
 		return
 	}
-	select {
-	case d.queue <- rows:
-	default:
-		d.Abandon(rows)
+	d.mu.Lock()
+	stopped := d.stopped
+	if !stopped {
+		select {
+		case d.queue <- rows:
+			d.mu.Unlock()
+			return
+		default:
+		}
 	}
+	d.mu.Unlock()
+	if stopped { // Run is over: give the rows to the relays at once
+		ctx, cancel := context.WithTimeout(context.Background(), stopTimeout)
+		defer cancel()
+		d.release(ctx, leasedIDs(rows))
+		return
+	}
+	d.Abandon(rows)
 }
 
 // Abandon gives rows back to the relays: for a transaction whose COMMIT
@@ -482,17 +502,15 @@ func (d *Direct) markSent(ctx context.Context) {
 // stop ends Run: it marks what was published and releases what is still
 // queued or unreleased, with a short deadline of its own.
 func (d *Direct) stop() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), stopTimeout)
 	defer cancel()
 	d.markSent(ctx)
+	d.mu.Lock()
+	d.stopped = true // later commits release their rows themselves (Committed)
+	d.mu.Unlock()
 	var ids []int64
-	for len(d.queue) > 0 { // a commit handed over after this is released when its lease ends
-		rows := <-d.queue
-		for i, ok := range rows.leased {
-			if ok {
-				ids = append(ids, rows.ids[i])
-			}
-		}
+	for len(d.queue) > 0 {
+		ids = append(ids, leasedIDs(<-d.queue)...)
 	}
 	d.count(DirectReleased, len(ids))
 	d.mu.Lock()
@@ -501,6 +519,17 @@ func (d *Direct) stop() {
 	if len(ids) > 0 {
 		d.releaseNow(ctx, ids)
 	}
+}
+
+// leasedIDs returns the ids of rows' leased rows.
+func leasedIDs(rows *DirectRows) []int64 {
+	var ids []int64
+	for i, ok := range rows.leased {
+		if ok {
+			ids = append(ids, rows.ids[i])
+		}
+	}
+	return ids
 }
 
 // pick returns xs at positions is.

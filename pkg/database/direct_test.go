@@ -176,6 +176,10 @@ func TestDirectReleasesWhatIsQueuedWhenItStops(t *testing.T) {
 	if got := pendingLeases(t, pool); !slices.Equal(got, []bool{false}) {
 		t.Fatalf("pending rows leased %v after Run stopped, want [false]: released to the relays", got)
 	}
+	d.Committed(commitDirect(t, pool, d, msg("j", "after the stop")))
+	if got := pendingLeases(t, pool); !slices.Equal(got, []bool{false, false}) {
+		t.Fatalf("pending rows leased %v after a commit handed over once Run stopped, want [false false]", got)
+	}
 }
 
 func TestDirectCommitWakesNoRelay(t *testing.T) {
