@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
+	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/database"
 )
@@ -19,15 +20,7 @@ import (
 func startDirect(t *testing.T, pool *pgxpool.Pool, pub database.Publisher, relay *database.Relay, opts ...database.DirectOption) *database.Direct {
 	t.Helper()
 	d := newDirect(t, pool, pub, relay, opts...)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run returned %v after cancel, want nil", err)
-		}
-	})
+	servicetest.Start(t, d.Run)
 	return d
 }
 
