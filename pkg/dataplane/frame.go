@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"slices"
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
@@ -213,4 +214,28 @@ func (d *FrameData) finish() error {
 		return err
 	}
 	return d.Verify()
+}
+
+// AppendFrameSegments appends the frame of one block to dst — h's header
+// with Len and Checksum set from the data, then the bytes of segs in order
+// — and returns the extended slice and the data length. The bytes are
+// copied and checksummed in one pass (each piece checksummed while it is
+// still in cache).
+func AppendFrameSegments(dst []byte, h FrameHeader, segs [][]byte) ([]byte, int) {
+	size := 0
+	for _, s := range segs {
+		size += len(s)
+	}
+	mark := len(dst)
+	hl := FrameHeaderLen(h.Identity)
+	dst = slices.Grow(dst, hl+size)[:mark+hl+size]
+	data := dst[mark+hl:]
+	var crc uint32
+	for _, s := range segs {
+		crc = copyCRC(data, s, crc)
+		data = data[len(s):]
+	}
+	h.Len, h.Checksum = size, crc
+	AppendFrameHeader(dst[mark:mark], h)
+	return dst, size
 }

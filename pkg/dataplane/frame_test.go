@@ -163,3 +163,28 @@ func TestNotHeldReasonNamesBothHashes(t *testing.T) {
 		}
 	}
 }
+
+func TestAppendFrameSegmentsMatchesHeaderAndData(t *testing.T) {
+	segs := [][]byte{bytes.Repeat([]byte("x"), 40<<10), []byte("yz"), bytes.Repeat([]byte{7}, 70<<10)}
+	data := bytes.Join(segs, nil)
+	h := dataplane.FrameHeader{Group: 1, Block: 9, Generation: 3, Identity: dataplane.Identity{Hash: hash64("d"), RequestID: "r"}}
+	got, n := dataplane.AppendFrameSegments([]byte("prefix"), h, segs)
+	if n != len(data) {
+		t.Fatalf("data length %d, want %d", n, len(data))
+	}
+	want := h
+	want.Len, want.Checksum = len(data), dataplane.Checksum(data)
+	wire := append(dataplane.AppendFrameHeader([]byte("prefix"), want), data...)
+	if !bytes.Equal(got, wire) {
+		t.Fatal("AppendFrameSegments differs from AppendFrameHeader + data")
+	}
+	r := bytes.NewReader(got[len("prefix"):])
+	fh, err := dataplane.ReadFrameHeader(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, fh.Len)
+	if err := dataplane.ReadFrameData(r, fh, buf); err != nil || !bytes.Equal(buf, data) {
+		t.Fatalf("read back: %v", err)
+	}
+}

@@ -13,7 +13,6 @@ import (
 	"io"
 	"net/http"
 	"strconv"
-	"sync"
 
 	"github.com/go-chi/chi/v5"
 	"go.opentelemetry.io/otel"
@@ -43,8 +42,8 @@ type Handler struct {
 	bufs chan *[]byte
 	// streams bounds a put's concurrent store calls (put.go).
 	streams Streams
-	// frameBufs are the buffers read answers build their frames in.
-	frameBufs sync.Pool
+	// frameBufs are kept buffers read answers build their frames in.
+	frameBufs chan []byte
 }
 
 // tracerName is the instrumentation scope of the data-plane spans.
@@ -58,7 +57,8 @@ const keptBuffers = 2
 // maxBatch bounds the value bytes of one store Put; fingerprint is the model's, framed into
 // every stored value.
 func New(p *pool.Pool, st kvstore.Store, fingerprint string, maxBatch int, m *metrics.Metrics) *Handler {
-	return &Handler{pool: p, store: st, fp: fingerprint, maxBatch: maxBatch, metrics: m, bufs: make(chan *[]byte, keptBuffers)}
+	return &Handler{pool: p, store: st, fp: fingerprint, maxBatch: maxBatch, metrics: m, bufs: make(chan *[]byte, keptBuffers),
+		frameBufs: make(chan []byte, keptFrameBufs)}
 }
 
 // Mount adds the routes to r.
@@ -154,8 +154,10 @@ func writeBodyProblem(w http.ResponseWriter, r *http.Request, err error) {
 // the asked hash throughout are sent. A block that does not hold it, or
 // was rewritten during the copy (the engine writes its registered memory
 // itself), is answered with a not-held frame (no data, what it holds
-// instead). Content-Length is not known in advance (a refused block sends
-// no data), so the answer is chunked.
+// instead). The answer's length is not known before every block has been
+// copied (a refused block sends no data): an answer of up to
+// readAnswerBytes is built whole and sent with a Content-Length in one
+// write; a larger one is chunked, frameFlushSize at a time.
 func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	var req dataplane.ReadRequest
 	if err := httpserver.DecodeJSON(w, r, &req); err != nil {
@@ -176,25 +178,23 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 		attribute.Int("kvmesh.blocks", len(req.Blocks))))
 	defer span.End()
 	w.Header().Set("Content-Type", dataplane.ContentTypeFrames)
-	w.WriteHeader(http.StatusOK)
 	// Frames are built in one buffer, each block copied out of the pool
-	// straight behind its header's place, and go out frameFlushSize at a
-	// time: one copy of the bytes, and a chunk and a syscall per buffer
-	// rather than per block.
-	bp, _ := h.frameBufs.Get().(*[]byte)
-	if bp == nil {
-		bp = new([]byte)
-	}
-	defer h.frameBufs.Put(bp)
-	out := (*bp)[:0]
-	defer func() { *bp = out[:0] }()
+	// and checksummed in one pass straight behind its header's place: one
+	// copy of the bytes, and one write (a Content-Length answer) or a
+	// chunk and a write per frameFlushSize (a chunked one) rather than
+	// per block.
+	out := h.frameBuf(h.answerSize(req.Blocks))
+	defer func() { h.keepFrameBuf(out) }()
 	var sent int64
 	refused := 0
+	streaming := false // the header went out: the answer is chunked
 	for _, ref := range req.Blocks {
 		mark := len(out)
 		var n int
 		err := h.pool.ReadSegments(ref.Group, ref.Block, ref.Hash, func(segs [][]byte, t pool.Tag) error {
-			out, n = appendFrame(out[:mark], ref, t, segs)
+			out, n = dataplane.AppendFrameSegments(out[:mark], dataplane.FrameHeader{
+				Group: ref.Group, Block: ref.Block, Generation: t.Generation, Identity: t.Identity,
+			}, segs)
 			return nil
 		})
 		var nh *pool.NotHeldError
@@ -209,13 +209,26 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 		case err == nil:
 			sent += int64(n)
 		}
-		if err == nil && len(out) >= frameFlushSize {
-			_, err = w.Write(out)
+		if err != nil {
+			if !streaming {
+				httpserver.WriteProblem(w, r, http.StatusInternalServerError, "", err.Error(), nil)
+			}
+			return // a device copy failed (or the client went away); nothing more can be said
+		}
+		if !streaming && len(out) > readAnswerBytes {
+			streaming = true
+			w.WriteHeader(http.StatusOK)
+		}
+		if streaming && len(out) >= frameFlushSize {
+			if _, err := w.Write(out); err != nil {
+				return // the client went away
+			}
 			out = out[:0]
 		}
-		if err != nil {
-			return // the client went away (or a device copy failed); nothing more can be said
-		}
+	}
+	if !streaming {
+		w.Header().Set("Content-Length", strconv.Itoa(len(out)))
+		w.WriteHeader(http.StatusOK)
 	}
 	if len(out) > 0 {
 		if _, err := w.Write(out); err != nil {
@@ -225,28 +238,66 @@ func (h *Handler) read(w http.ResponseWriter, r *http.Request) {
 	span.SetAttributes(attribute.Int64("kvmesh.bytes", sent), attribute.Int("kvmesh.not_held", refused))
 }
 
-// frameFlushSize is how many bytes of frames a read answer gathers before
-// it writes them.
-const frameFlushSize = 256 << 10
+// requestIDRoom is the room answerSize leaves for a frame's request id (a
+// longer one grows the buffer).
+const requestIDRoom = 64
 
-// appendFrame appends one block's frame to out — header, identity, the
-// segments' bytes — and returns it with the block's length. The bytes are
-// copied first, behind room for the header, which is written once their
-// checksum is known.
-func appendFrame(out []byte, ref dataplane.ReadRef, tag pool.Tag, segs [][]byte) ([]byte, int) {
-	mark := len(out)
-	hl := dataplane.FrameHeaderLen(tag.Identity)
-	out = append(out, make([]byte, hl)...)
-	for _, s := range segs {
-		out = append(out, s...)
+// answerSize is the size of a read answer of refs when every block is
+// served (the whole-answer bound when larger), for sizing its buffer.
+func (h *Handler) answerSize(refs []dataplane.ReadRef) int {
+	n := 0
+	for _, ref := range refs {
+		bpb, _ := h.pool.BlockSize(ref.Group) // checked by the caller
+		n += dataplane.FrameHeaderSize + len(ref.Hash) + requestIDRoom + bpb
+		if n > readAnswerBytes {
+			return readAnswerBytes + frameFlushSize
+		}
 	}
-	data := out[mark+hl:]
-	dataplane.AppendFrameHeader(out[mark:mark], dataplane.FrameHeader{
-		Group: ref.Group, Block: ref.Block, Len: len(data), Checksum: dataplane.Checksum(data),
-		Generation: tag.Generation, Identity: tag.Identity,
-	})
-	return out, len(data)
+	return n
 }
+
+// frameBuf returns an empty buffer of at least size bytes of capacity,
+// one kept from an earlier answer when there is one: filling memory
+// already faulted in is cheaper than fresh pages, and a buffer that
+// starts large enough is never copied to grow.
+func (h *Handler) frameBuf(size int) []byte {
+	select {
+	case b := <-h.frameBufs:
+		if cap(b) >= size {
+			return b[:0]
+		}
+	default:
+	}
+	return make([]byte, 0, size)
+}
+
+// keepFrameBuf keeps b for a later answer, unless keptFrameBufs are kept
+// already or b grew past the whole-answer bound.
+func (h *Handler) keepFrameBuf(b []byte) {
+	if cap(b) > 2*readAnswerBytes {
+		return
+	}
+	select {
+	case h.frameBufs <- b[:0]:
+	default:
+	}
+}
+
+// keptFrameBufs is how many read-answer buffers stay allocated between
+// requests (one per pd sub-batch in flight, KVMESH_STORE_STREAMS by
+// default).
+const keptFrameBufs = 4
+
+// readAnswerBytes bounds the read answers built whole and sent with a
+// Content-Length (one write; the client reads a plain body, large reads
+// going straight into their destination); a larger answer is chunked. It
+// is above a pd sub-batch (KVMESH_STREAM_CHUNK_BYTES, 4 MiB, frame
+// headers included).
+const readAnswerBytes = 8 << 20
+
+// frameFlushSize is how many bytes of frames a chunked read answer
+// gathers before it writes them.
+const frameFlushSize = 256 << 10
 
 // evict clears the identity of the listed blocks.
 func (h *Handler) evict(w http.ResponseWriter, r *http.Request) {
