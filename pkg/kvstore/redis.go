@@ -85,7 +85,21 @@ func (o RedisOptions) apply(ro *redis.Options) {
 	o.setConn(&ro.PoolSize, &ro.DialTimeout, &ro.ReadTimeout, &ro.WriteTimeout, &ro.MaxRetries, &ro.DialerRetries)
 	// Let the caller's deadline bound socket I/O, not only pool waits.
 	ro.ContextTimeoutEnabled = true
+	if ro.PipelineWriteBufferSize == 0 { // the URL's pipeline_write_buffer_size wins
+		ro.PipelineWriteBufferSize = pipelineWriteBuffer
+	}
 }
+
+// pipelineWriteBuffer is the write buffer of the single-server client's
+// pipeline connections (go-redis's default: 128 KiB). A large value
+// argument is copied into the buffer only as far as the buffer has room,
+// then flushed, and the rest goes to the socket straight from the value:
+// with 128 KiB, half of every 256 KiB block was copied once more on its
+// way to the socket (a put's dominant cost after the kernel's own copy and
+// the framing copy). A small buffer copies a few KiB of each value, still
+// gathers the commands' headers and small arguments into one write, and a
+// pipeline of large values makes the same two writes a value either way.
+const pipelineWriteBuffer = 16 << 10
 
 // applyCluster copies the connection settings that are set onto co, for
 // every node's client.

@@ -114,3 +114,22 @@ func TestRedisClientOptionsRejectsClusterURL(t *testing.T) {
 		t.Errorf("RedisClientOptions(single server) = %+v, %v", ro, err)
 	}
 }
+
+// A single server's pipeline write buffer is small by default (a large
+// value is then copied into it only a few KiB deep), unless the URL sets it.
+func TestRedisClientOptionsPipelineWriteBuffer(t *testing.T) {
+	ro, err := kvstore.RedisClientOptions("redis://127.0.0.1:6379/0", kvstore.RedisOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := ro.PipelineWriteBufferSize; got != 16<<10 {
+		t.Errorf("default pipeline write buffer %d, want %d", got, 16<<10)
+	}
+	ro, err = kvstore.RedisClientOptions("redis://127.0.0.1:6379/0?pipeline_write_buffer_size=65536", kvstore.RedisOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := ro.PipelineWriteBufferSize; got != 65536 {
+		t.Errorf("the URL's pipeline write buffer: got %d, want 65536", got)
+	}
+}
