@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
@@ -421,4 +422,25 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// TestMainSetsGCPercentUnlessGOGC: WithGCPercent sets the collector's
+// target, and a GOGC in the environment wins over it.
+func TestMainSetsGCPercentUnlessGOGC(t *testing.T) {
+	defer debug.SetGCPercent(debug.SetGCPercent(100))
+	ok := func(context.Context, *slog.Logger) error { return nil }
+	vars := map[string]string{"KVMESH_AUTH": "off"}
+	if code := runMain("t", &testConfig{}, env(vars), io.Discard, ok, WithGCPercent(300)); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+	if got := debug.SetGCPercent(100); got != 300 {
+		t.Fatalf("GC percent %d after Main with WithGCPercent(300), want 300", got)
+	}
+	vars["GOGC"] = "150" // the runtime read it at start; Main must leave it alone
+	if code := runMain("t", &testConfig{}, env(vars), io.Discard, ok, WithGCPercent(300)); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+	if got := debug.SetGCPercent(100); got != 100 {
+		t.Fatalf("GC percent %d with GOGC set, want it untouched (100)", got)
+	}
 }

@@ -19,5 +19,5 @@ func main() {
 			return err
 		}
 		return a.Run(ctx)
-	}))
+	}, service.WithGCPercent(service.ControlPlaneGCPercent)))
 }
