@@ -124,6 +124,8 @@ type Direct struct {
 	log   *slog.Logger
 	count func(outcome string, n int)
 	queue chan *DirectRows
+	// sent holds published rows whose sent mark is deferred (Run's alone).
+	sent []int64
 
 	mu sync.Mutex
 	// releasedAt is when the last release committed: rows inserted before
@@ -132,8 +134,6 @@ type Direct struct {
 	// unreleased holds rows to release that have not been (the release
 	// failed, or the queue was full): while any, every handoff is released.
 	unreleased []int64
-	// sent holds published rows whose sent mark is deferred.
-	sent []int64
 	// stopped says Run is over: Committed releases rows itself.
 	stopped bool
 }
