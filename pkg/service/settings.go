@@ -47,6 +47,14 @@ type Workers struct {
 // SetDefaults gives the registry's staleness (config.Defaulter).
 func (w *Workers) SetDefaults() { w.WorkerStaleAfter = registry.DefaultStaleAfter }
 
+// PublishOnCommit is the switch of the outbox's publish on commit
+// (database.Direct) in the services that write the outbox.
+type PublishOnCommit struct {
+	// NoPublishOnCommit leaves every message to the outbox relay (the zero
+	// value publishes the process's own on commit).
+	NoPublishOnCommit bool `env:"KVMESH_OUTBOX_PUBLISH_ON_COMMIT_DISABLED" doc:"operator switch: true leaves every message this service commits to the outbox (tasks and feedback, save results, KV events, dead letters) to the outbox relay, woken through PostgreSQL and claimed per batch, instead of publishing it from this process right after its transaction commits; the scheduler's is off too while KVMESH_OUTBOX_RELAY_DISABLED is true"`
+}
+
 // KafkaBrokers are the Kafka bootstrap brokers.
 type KafkaBrokers struct {
 	// Brokers are the Kafka bootstrap brokers.

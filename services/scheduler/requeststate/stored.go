@@ -82,7 +82,28 @@ type storedWait struct {
 	Waiting  []kvcore.Rank    `json:"waiting"`
 	Errors   []kvcore.BlockID `json:"errors,omitempty"`
 	Blocks   []kvcore.BlockID `json:"blocks"`
-	Deadline time.Time        `json:"deadline,omitzero"`
+	// Deadline is a pointer, omitted when nil, rather than a time with
+	// omitzero, which segmentio's encoder does not know: a zero deadline
+	// is absent either way.
+	Deadline *time.Time `json:"deadline,omitempty"`
+}
+
+// toStoredWait is w's stored form.
+func toStoredWait(w LoadWait) storedWait {
+	s := storedWait{TaskID: w.TaskID, Waiting: w.Waiting, Errors: w.Errors, Blocks: w.Blocks}
+	if !w.Deadline.IsZero() {
+		s.Deadline = &w.Deadline
+	}
+	return s
+}
+
+// fromStoredWait is the wait s stores.
+func fromStoredWait(s storedWait) LoadWait {
+	w := LoadWait{TaskID: s.TaskID, Waiting: s.Waiting, Errors: s.Errors, Blocks: s.Blocks}
+	if s.Deadline != nil {
+		w.Deadline = *s.Deadline
+	}
+	return w
 }
 
 // toStored is t's stored form (the slices it holds are shared, not copied:
@@ -117,7 +138,7 @@ func toStored(t *Tracker) *storedTracker {
 		PendingLoads:   t.PendingLoads,
 		StaleSaves:     t.StaleSaves,
 		StaleLoads:     t.StaleLoads,
-		LoadWaits:      convertSlice(t.LoadWaits, func(w LoadWait) storedWait { return storedWait(w) }),
+		LoadWaits:      convertSlice(t.LoadWaits, toStoredWait),
 		Reports:        t.Reports,
 	}
 }
@@ -153,7 +174,7 @@ func fromStored(s *storedTracker) *Tracker {
 		PendingLoads:   s.PendingLoads,
 		StaleSaves:     s.StaleSaves,
 		StaleLoads:     s.StaleLoads,
-		LoadWaits:      convertSlice(s.LoadWaits, func(w storedWait) LoadWait { return LoadWait(w) }),
+		LoadWaits:      convertSlice(s.LoadWaits, fromStoredWait),
 		Reports:        s.Reports,
 	}
 }
@@ -243,7 +264,7 @@ func UnmarshalExtras(b []byte) (Extras, error) {
 // MarshalLoadWaits encodes load waits in their stored form (the tracker's
 // load_waits).
 func MarshalLoadWaits(ws []LoadWait) ([]byte, error) {
-	b, err := json.Marshal(convertSlice(ws, func(w LoadWait) storedWait { return storedWait(w) }))
+	b, err := json.Marshal(convertSlice(ws, toStoredWait))
 	if err != nil {
 		return nil, fmt.Errorf("load waits: encode: %w", err)
 	}
@@ -256,5 +277,5 @@ func UnmarshalLoadWaits(b []byte) ([]LoadWait, error) {
 	if err := json.Unmarshal(b, &ws); err != nil {
 		return nil, fmt.Errorf("load waits: decode: %w", err)
 	}
-	return convertSlice(ws, func(w storedWait) LoadWait { return LoadWait(w) }), nil
+	return convertSlice(ws, fromStoredWait), nil
 }

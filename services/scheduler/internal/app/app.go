@@ -62,9 +62,8 @@ type Config struct {
 	// NoOutboxRelay stops this process from running the outbox relay (the
 	// zero value runs it).
 	NoOutboxRelay bool `env:"KVMESH_OUTBOX_RELAY_DISABLED" doc:"operator switch: true runs no outbox relay here, so committed tasks stay in the outbox until a scheduler with the relay on publishes them"`
-	// NoPublishOnCommit leaves every message to the outbox relay (the zero
-	// value publishes the process's own on commit).
-	NoPublishOnCommit bool `env:"KVMESH_OUTBOX_PUBLISH_ON_COMMIT_DISABLED" doc:"operator switch: true leaves every committed task and feedback message to the outbox relay (woken through PostgreSQL, one claim per batch) instead of publishing it from this process right after its transaction commits; also off while KVMESH_OUTBOX_RELAY_DISABLED is true"`
+	// PublishOnCommit is the outbox's publish-on-commit switch.
+	service.PublishOnCommit
 	// Consumers is the number of consumer-group members in this process.
 	Consumers int `env:"KVMESH_SCHEDULER_CONSUMERS" doc:"consumer-group members in this process (1-8); more apply records of different partitions in parallel, in smaller transactions: one member batches the most records per transaction and costs the least CPU per record"`
 	// BatchSize bounds the records one transaction applies.

@@ -64,9 +64,8 @@ type Config struct {
 	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
 	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
 	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
-	// NoPublishOnCommit leaves every message to the outbox relay (the zero
-	// value publishes the process's own on commit).
-	NoPublishOnCommit bool `env:"KVMESH_OUTBOX_PUBLISH_ON_COMMIT_DISABLED" doc:"operator switch: true leaves every committed save result, KV event and dead letter to the outbox relay (woken through PostgreSQL, one claim per batch) instead of publishing it from this process right after its transaction commits"`
+	// PublishOnCommit is the outbox's publish-on-commit switch.
+	service.PublishOnCommit
 }
 
 // SetDefaults gives the sender's defaults (config.Defaulter), the shared
