@@ -132,27 +132,32 @@ func TestSeedPreset(t *testing.T) {
 	s := newStack(t, stackOptions{model: model, connectors: "pd,store", poolBlocks: 64})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	// Thirty-two system prompts (4 to 12 blocks each) are far more than
-	// the prefill engine's 48-block pool holds, so a prompt's second
-	// conversation finds it evicted locally and loads it from the store.
-	// With eight, the pool kept the prompts of the conversations running
-	// together often enough that a fast mesh loaded nothing from the store
-	// in two runs of three (the run's order depends on its timing).
+	// Eight system prompts do not fit the prefill engine's 48-block pool
+	// together, so later turns often find their prefix evicted locally
+	// and load it from the store — but how often depends on the run's
+	// timing: a fast mesh, or a slow machine, can leave none. The store
+	// loads are then required of a replay of the run on fresh engines
+	// (requireStoreLoads), which hits the keys this run saved.
 	w := smallWorkload(36, 6)
-	w.SystemPrompts = 32
-	rep, err := sim.Run(ctx, simConfig(t, s, true, w))
+	w.SystemPrompts = 8
+	cfg := simConfig(t, s, true, w)
+	rep, err := sim.Run(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	requireOK(t, rep)
-	if rep.Tokens.Loaded["pd"] == 0 || rep.Tokens.Loaded["store"] == 0 {
-		t.Fatalf("loaded tokens %v: want both pd and store loads", rep.Tokens.Loaded)
+	if rep.Tokens.Loaded["pd"] == 0 {
+		t.Fatalf("loaded tokens %v: want pd loads", rep.Tokens.Loaded)
 	}
 	checkAllSaveTables(ctx, t, s, rep)
 	if n := seedDecisions(ctx, t, s); n == 0 {
 		t.Fatal("no lookup chose pd while the store child also kept a LoadSpec: the seed's condition was not exercised")
 	}
 	checkTraceHeaders(ctx, t, s)
+	if rep.Tokens.Loaded["store"] == 0 { // last: the checks above read what this run alone published
+		t.Logf("loaded tokens %v: no store load this run; replaying it on fresh engines", rep.Tokens.Loaded)
+		requireStoreLoads(ctx, t, s, cfg)
+	}
 }
 
 // checkTraceHeaders: every engine event and lookup decision of one
