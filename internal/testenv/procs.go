@@ -211,6 +211,10 @@ func (p *Process) launch() (<-chan struct{}, int64, error) {
 	}
 	cmd := exec.Command(p.bin)
 	cmd.Env, cmd.Stdout, cmd.Stderr = p.env, f, f
+	// The service dies with the test process: a test binary that panics
+	// (a timeout) runs no cleanup, and its orphaned services, their broker
+	// gone, would go on retrying and take the CPU of every later run.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, 0, fmt.Errorf("start %s: %w", p.name, err)

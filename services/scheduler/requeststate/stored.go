@@ -78,10 +78,10 @@ type storedSpan struct {
 
 // storedWait is one multi-rank load that some of its ranks have not reported (stored form).
 type storedWait struct {
-	TaskID   string           `json:"task_id"`
-	Waiting  []kvcore.Rank    `json:"waiting"`
-	Errors   []kvcore.BlockID `json:"errors,omitempty"`
-	Blocks   []kvcore.BlockID `json:"blocks"`
+	TaskID  string           `json:"task_id"`
+	Waiting []kvcore.Rank    `json:"waiting"`
+	Errors  []kvcore.BlockID `json:"errors,omitempty"`
+	Blocks  []kvcore.BlockID `json:"blocks"`
 	// Deadline is a pointer, omitted when nil, rather than a time with
 	// omitzero, which segmentio's encoder does not know: a zero deadline
 	// is absent either way.
