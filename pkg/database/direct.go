@@ -229,8 +229,13 @@ func (d *Direct) Prepare(ctx context.Context, msgs []bus.Message) ([]any, *Direc
 // insert of msgs into the outbox (DirectInsertSQL) and returns the rows. The
 // insert's answer is read when the caller closes the batch's results (pgx
 // runs the queued callback then), so the statements the caller reads
-// itself must be queued first. No messages queue nothing and return nil.
+// itself must be queued first. No messages queue nothing and return nil;
+// a nil Direct queues the relays' insert (the package's EnqueueBatch) and
+// returns nil.
 func (d *Direct) EnqueueBatch(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) (*DirectRows, error) {
+	if d == nil {
+		return nil, EnqueueBatch(ctx, batch, msgs)
+	}
 	if len(msgs) == 0 {
 		return nil, nil
 	}
@@ -314,6 +319,16 @@ func (d *Direct) Committed(rows *DirectRows) {
 	d.Abandon(rows)
 }
 
+// Settle hands rows to Committed when their transaction's COMMIT answered
+// err == nil, else to Abandon (the COMMIT may still have taken effect).
+func (d *Direct) Settle(rows *DirectRows, err error) {
+	if err == nil {
+		d.Committed(rows)
+		return
+	}
+	d.Abandon(rows)
+}
+
 // Abandon gives rows back to the relays: for a transaction whose COMMIT
 // failed without saying whether it took effect (its rows, if they exist,
 // are released; a release of rows that do not exist does nothing). A nil
@@ -377,12 +392,7 @@ func (d *Direct) handle(ctx context.Context, batch []*DirectRows) {
 	var claimed []claimedRow
 	var release []int64
 	for _, rows := range batch {
-		var leased []int
-		for i, ok := range rows.leased {
-			if ok {
-				leased = append(leased, i)
-			}
-		}
+		leased := leasedIDs(rows)
 		if n := len(rows.ids) - len(leased); n > 0 {
 			d.count(DirectRelayed, n)
 			d.relay.Kick()
@@ -390,10 +400,12 @@ func (d *Direct) handle(ctx context.Context, batch []*DirectRows) {
 		switch {
 		case len(leased) == 0:
 		case len(release) > 0 || !d.mayPublish(ctx, rows):
-			release = append(release, pick(rows.ids, leased)...)
+			release = append(release, leased...)
 		default:
-			for _, i := range leased {
-				claimed = append(claimed, claimedRow{id: rows.ids[i], msg: rows.msgs[i], created: rows.enqueued})
+			for i, ok := range rows.leased {
+				if ok {
+					claimed = append(claimed, claimedRow{id: rows.ids[i], msg: rows.msgs[i], created: rows.enqueued})
+				}
 			}
 		}
 	}
@@ -530,13 +542,4 @@ func leasedIDs(rows *DirectRows) []int64 {
 		}
 	}
 	return ids
-}
-
-// pick returns xs at positions is.
-func pick(xs []int64, is []int) []int64 {
-	out := make([]int64, len(is))
-	for j, i := range is {
-		out[j] = xs[i]
-	}
-	return out
 }

@@ -353,7 +353,7 @@ func (b *batchTx) optimistic(ctx context.Context, units []Unit, fresh []int, sta
 	}
 	b.ended = true // whatever COMMIT answers, the transaction is over
 	_, err = b.conn.Exec(ctx, "COMMIT")
-	b.committed(err)
+	b.l.direct.Settle(b.out, err)
 	if err != nil {
 		return false, fmt.Errorf("ledger: commit: %w", err)
 	}
@@ -866,7 +866,7 @@ func (b *batchTx) write(ctx context.Context, msgs []bus.Message) error {
 		if cerr := br.Close(); err == nil && cerr != nil {
 			err = cerr
 		}
-		b.committed(err)
+		b.l.direct.Settle(b.out, err)
 		if err != nil {
 			return fmt.Errorf("ledger: store %d requests and commit: %w", rows, err)
 		}
@@ -901,35 +901,12 @@ func (b *batchTx) queueWrites(ctx context.Context, batch *pgx.Batch, msgs []bus.
 	w.queue(batch, guard)
 	large = valueBytes(msgs) > database.CopyThreshold
 	if !large {
-		if err := b.enqueue(ctx, batch, msgs); err != nil {
+		var err error
+		if b.out, err = b.l.direct.EnqueueBatch(ctx, batch, msgs); err != nil {
 			return 0, false, fmt.Errorf("ledger: %w", err)
 		}
 	}
 	return w.rows(), large, nil
-}
-
-// enqueue queues the insert of msgs into the outbox: for publish on
-// commit when the ledger has a Direct, else for the relays.
-func (b *batchTx) enqueue(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) error {
-	if b.l.direct == nil {
-		return database.EnqueueBatch(ctx, batch, msgs)
-	}
-	out, err := b.l.direct.EnqueueBatch(ctx, batch, msgs)
-	b.out = out
-	return err
-}
-
-// committed hands the transaction's outbox rows to the ledger's Direct
-// once its COMMIT answered err: published on commit when nil, else
-// given back to the relays (the COMMIT may still have taken effect).
-func (b *batchTx) committed(err error) {
-	switch {
-	case b.out == nil:
-	case err == nil:
-		b.l.direct.Committed(b.out)
-	default:
-		b.l.direct.Abandon(b.out)
-	}
 }
 
 // sorted returns the transaction's requests in key order.

@@ -397,28 +397,18 @@ func (l *Ledger) commitTx(ctx context.Context, e Entry) (_ Committed, err error)
 	if fresh {
 		msgs = append(msgs, e.Messages...)
 	}
-	rows, err := l.enqueue(ctx, second, msgs)
+	rows, err := l.direct.EnqueueBatch(ctx, second, msgs)
 	if err != nil {
 		return Committed{}, err
 	}
 	second.Queue(end)
-	if err := conn.SendBatch(ctx, second).Close(); err != nil {
-		l.direct.Abandon(rows)
+	err = conn.SendBatch(ctx, second).Close()
+	l.direct.Settle(rows, err)
+	if err != nil {
 		return Committed{}, err
 	}
 	open = false
-	l.direct.Committed(rows)
 	return out, nil
-}
-
-// enqueue queues the insert of msgs into the outbox: for publish on
-// commit when the ledger has a Direct (the rows returned), else for the
-// relays.
-func (l *Ledger) enqueue(ctx context.Context, batch *pgx.Batch, msgs []bus.Message) (*database.DirectRows, error) {
-	if l.direct == nil {
-		return nil, database.EnqueueBatch(ctx, batch, msgs)
-	}
-	return l.direct.EnqueueBatch(ctx, batch, msgs)
 }
 
 // outcomeRow returns insertOutcomeSQL's arguments for o.
