@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
+	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/database"
@@ -22,33 +22,10 @@ import (
 	"github.com/kvmesh/kvmesh/services/scheduler/internal/app"
 )
 
-// call sends method url with token (none when empty) and returns the
-// status and body.
-func call(t *testing.T, method, url, token string) (int, []byte) {
-	t.Helper()
-	req, err := http.NewRequestWithContext(t.Context(), method, url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("%s %s: %v", method, url, err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("%s %s: read body: %v", method, url, err)
-	}
-	return resp.StatusCode, body
-}
-
 // failedPage fetches GET /v1/outbox/failed.
 func failedPage(t *testing.T, base, query string) api.FailedPage {
 	t.Helper()
-	status, body := call(t, http.MethodGet, base+"/v1/outbox/failed"+query, "")
+	status, body := testenv.Call(t, http.MethodGet, base+"/v1/outbox/failed"+query, "")
 	if status != http.StatusOK {
 		t.Fatalf("GET /v1/outbox/failed%s = %d %s", query, status, body)
 	}
@@ -108,13 +85,13 @@ func TestFailedOutboxRowsInAdminAPI(t *testing.T) {
 	if err != nil || sent != 2 {
 		t.Errorf("%d of the publishable rows sent (%v), want 2", sent, err)
 	}
-	_, metrics := call(t, http.MethodGet, base+"/metrics", "")
+	_, metrics := testenv.Call(t, http.MethodGet, base+"/metrics", "")
 	if want := `kvmesh_outbox_publish_failures_total{reason="message_too_large"} 1`; !strings.Contains(string(metrics), want) {
 		t.Errorf("/metrics lacks %s", want)
 	}
 
 	retry := fmt.Sprintf("%s/v1/outbox/%d/retry", base, f.ID)
-	if status, _ := call(t, http.MethodPost, retry, ""); status != http.StatusUnauthorized {
+	if status, _ := testenv.Call(t, http.MethodPost, retry, ""); status != http.StatusUnauthorized {
 		t.Errorf("retry without a token = %d, want 401", status)
 	}
 	tests := []struct {
@@ -127,7 +104,7 @@ func TestFailedOutboxRowsInAdminAPI(t *testing.T) {
 		{"unknown row", f.ID + 1000, http.StatusNotFound},
 	}
 	for _, tt := range tests {
-		status, body := call(t, http.MethodPost, fmt.Sprintf("%s/v1/outbox/%d/retry", base, tt.id), "test-token")
+		status, body := testenv.Call(t, http.MethodPost, fmt.Sprintf("%s/v1/outbox/%d/retry", base, tt.id), "test-token")
 		if tt.name == "pending row" && status == http.StatusOK {
 			continue // the relay had already failed it again
 		}
@@ -135,7 +112,7 @@ func TestFailedOutboxRowsInAdminAPI(t *testing.T) {
 			t.Errorf("%s: retry = %d %s, want %d", tt.name, status, body, tt.want)
 		}
 	}
-	if status, body := call(t, http.MethodGet, base+"/v1/outbox/failed?limit=0", ""); status != http.StatusBadRequest {
+	if status, body := testenv.Call(t, http.MethodGet, base+"/v1/outbox/failed?limit=0", ""); status != http.StatusBadRequest {
 		t.Errorf("GET /v1/outbox/failed?limit=0 = %d %s, want 400", status, body)
 	}
 }

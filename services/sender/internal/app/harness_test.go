@@ -607,29 +607,11 @@ func (s *stack) missing(t testing.TB, keys []string) int {
 	return n
 }
 
-// get does an HTTP request to the sender and decodes the JSON answer.
+// do does an HTTP request to the sender and decodes the JSON answer
+// (testenv.CallJSON).
 func (s *stack) do(t testing.TB, method, path, token string, out any) int {
 	t.Helper()
-	req, err := http.NewRequest(method, "http://"+s.sender+path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Close = true
-	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	if out != nil {
-		if err := json.Unmarshal(body, out); err != nil {
-			t.Fatalf("%s %s: %d %s: %v", method, path, resp.StatusCode, body, err)
-		}
-	}
-	return resp.StatusCode
+	return testenv.CallJSON(t, method, "http://"+s.sender+path, token, out)
 }
 
 func randHex(n int) string {
