@@ -1,6 +1,7 @@
 package kvmem
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -8,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmesh/kvmesh/pkg/retry"
 )
 
 // Segment is a KV memory in a shared-memory file both the engine and the
@@ -127,29 +130,29 @@ func openFile(f *os.File, path string, want Layout) (*Segment, error) {
 	return &Segment{host: newHost(l, mem), path: path, mem: mem, f: f}, nil
 }
 
+// lockBackoff spaces lockShared's tries: an exclusive lock held by a
+// creator's Mapped goes within microseconds.
+var lockBackoff = retry.Backoff{Initial: 50 * time.Microsecond, Max: 10 * time.Millisecond}
+
 // lockShared takes a shared flock on f, waiting up to wait for an
 // exclusive one to go (a creator's Mapped, which holds it for an instant;
 // polled rather than blocking, so a process that never lets go cannot
 // hang the caller). A filesystem without flock is no error: the segment
 // then carries no liveness signal, and Mapped on it fails.
 func lockShared(f *os.File, wait time.Duration) error {
-	deadline := time.Now().Add(wait)
-	pause := 50 * time.Microsecond
-	for {
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	_, err := retry.Attempts(ctx, lockBackoff, func(int) (struct{}, error) {
 		err := unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB)
-		switch {
-		case err == nil:
-			return nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		case !errors.Is(err, unix.EWOULDBLOCK):
-			return nil // no flock here (ENOLCK, EOPNOTSUPP, ...): no signal
-		case time.Now().After(deadline):
-			return fmt.Errorf("locked exclusively by another process for over %v: %w", wait, ErrSegment)
+		if err != nil && !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
+			return struct{}{}, nil // no flock here (ENOLCK, EOPNOTSUPP, ...): no signal
 		}
-		time.Sleep(pause)
-		pause = min(2*pause, 10*time.Millisecond)
+		return struct{}{}, err
+	})
+	if err != nil {
+		return fmt.Errorf("locked exclusively by another process for over %v: %w", wait, ErrSegment)
 	}
+	return nil
 }
 
 // Mapped reports whether another open of the segment's file holds it:
