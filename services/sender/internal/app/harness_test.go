@@ -35,6 +35,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/pkg/service"
 	"github.com/kvmesh/kvmesh/services/sender/internal/app"
+	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
 // waitFor bounds every poll of the service tests.
@@ -335,7 +336,10 @@ func (s *stack) senderConfig(redisURL string) app.Config {
 		Consumers: 1, Concurrency: 4,
 		RetryAttempts: 3, RetryBase: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 		ProbeEvery: 2, PressureCoolDown: time.Hour, Workers: service.Workers{WorkerStaleAfter: 30 * time.Second},
-		StoreTimeout: time.Second, PutTimeout: 10 * time.Second,
+		// The store timeout is the service's default (5 s): a test machine
+		// busy with other packages has made a Redis round trip take over a
+		// second; a store that is down refuses at once either way.
+		StoreTimeout: sending.DefaultStoreTimeout, PutTimeout: 10 * time.Second,
 	}
 }
 
