@@ -218,8 +218,10 @@ func promptTokens(id string, n int) []uint32 {
 // TestBlockStoredTokenIDs checks each BlockStored event's token_ids: the
 // tokens of exactly its blocks (len(block_hashes) × the group's block
 // size, in order), from the task's tokens, and [] for an event with a
-// block the task's tokens do not cover whole; every event names the
-// task's LoRA adapter.
+// block the task's tokens do not cover whole; a run the tokens end inside
+// is split there, the covered blocks keeping their tokens and the rest
+// hanging from the last of them; every event names the task's LoRA
+// adapter.
 func TestBlockStoredTokenIDs(t *testing.T) {
 	cases := []struct {
 		name       string
@@ -234,7 +236,7 @@ func TestBlockStoredTokenIDs(t *testing.T) {
 		{"hash-block blocks", smallModel, 0, 64, 64, false,
 			[][][2]int{{{0, 64}}, {{48, 64}}}},
 		{"tokens end inside the run", smallModel, 0, 64, 48, false,
-			[][][2]int{{{0, 0}}, {{0, 0}}}},
+			[][][2]int{{{0, 48}, {0, 0}}, {{0, 0}}}},
 		{"no tokens", smallModel, 0, 64, 0, false,
 			[][][2]int{{{0, 0}}, {{0, 0}}}},
 		{"blocks of two hash blocks", bigBlockModel, 0, 96, 96, false,
@@ -274,6 +276,12 @@ func TestBlockStoredTokenIDs(t *testing.T) {
 					}
 					if n := len(e.TokenIDs); n != 0 && n != len(e.BlockHashes)*e.BlockSize {
 						t.Errorf("group %d event %d: %d token ids for %d blocks of %d", g, i, n, len(e.BlockHashes), e.BlockSize)
+					}
+					if i > 0 { // a split run: the rest hangs from the covered blocks' last
+						prev := rec.Batch.Events[i-1].BlockHashes
+						if e.ParentBlockHash == nil || *e.ParentBlockHash != prev[len(prev)-1] {
+							t.Errorf("group %d event %d: parent %v, want the last block of event %d", g, i, e.ParentBlockHash, i-1)
+						}
 					}
 					if e.LoraName == nil || *e.LoraName != "sql-lora" || e.LoraID != nil {
 						t.Errorf("group %d event %d: lora_name %v, lora_id %v; want sql-lora, nil", g, i, e.LoraName, e.LoraID)

@@ -242,7 +242,12 @@ func parentIndex(pos, step int) int {
 
 // storedRecord is the BlockStored record of one namespace's hashes of
 // group g: the hashes in chain order, one event per run of consecutive
-// chunks, each with the wire hash of the chunk before it as its parent.
+// chunks, each with the wire hash of the chunk before it as its parent. A
+// run whose later blocks the task's tokens do not cover whole is two
+// events: the covered blocks with their token ids, then the rest with
+// none, so that a token-keyed router (llm-d) still keys every block it
+// can — one block the tokens end before must not take its run's tokens
+// with it.
 func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, chain map[string]int, now time.Time) contract.KVEventRecord {
 	grp := m.Groups[g]
 	step := max(1, grp.BlockSize/max(1, m.HashBlockSize))
@@ -256,42 +261,57 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 	rec := contract.KVEventRecord{
 		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
 		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
+		Hashes: hashes,
 	}
-	medium, locality, group := contract.MediumStore, contract.LocalityStore, g
-	var window *int
-	if grp.Kind == kvcore.KindSlidingWindow {
-		window = &grp.Window
-	}
-	lora := s.loraName()
-	var runs [][]int // the chain positions of each event's blocks
+	var runs [][]int // the chain positions of each run of consecutive chunks
 	for i, h := range hashes {
-		rec.Hashes = append(rec.Hashes, h)
-		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
-		wire := contract.WireHash(b)
 		if i > 0 && pos(h) >= 0 && pos(h) == pos(hashes[i-1])+step {
-			last := &rec.Batch.Events[len(rec.Batch.Events)-1]
-			last.BlockHashes = append(last.BlockHashes, wire)
 			runs[len(runs)-1] = append(runs[len(runs)-1], pos(h))
 			continue
 		}
 		runs = append(runs, []int{pos(h)})
-		ev := contract.KVEvent{
-			Kind: contract.BlockStored, BlockHashes: []uint64{wire},
-			BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group, LoraName: lora,
-			SpecKind: contract.SpecKind(grp.Kind), SlidingWindow: window, Locality: &locality,
+	}
+	at := 0 // the index in hashes of the run's first block
+	for _, run := range runs {
+		n := 0
+		for n < len(run) && blockCovered(len(s.task.TokenIDs), m.HashBlockSize, grp.BlockSize, run[n]) {
+			n++
 		}
-		if p := parentIndex(pos(h), step); p >= 0 {
-			if pb, err := kvcore.ParseBlockHash(s.task.BlockHashes[p]); err == nil {
-				parent := contract.WireHash(pb)
-				ev.ParentBlockHash = &parent
+		for _, part := range [][]int{run[:n], run[n:]} {
+			if len(part) > 0 {
+				rec.Batch.Events = append(rec.Batch.Events, s.storedEvent(m, g, hashes[at:at+len(part)], part, step))
+				at += len(part)
 			}
 		}
-		rec.Batch.Events = append(rec.Batch.Events, ev)
-	}
-	for i := range rec.Batch.Events {
-		rec.Batch.Events[i].TokenIDs = eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, runs[i])
 	}
 	return rec
+}
+
+// storedEvent is the BlockStored event of the blocks whose keys are hashes,
+// at chain positions run, of group g: parent the chunk before the first,
+// token ids the blocks' own (eventTokens).
+func (s *save) storedEvent(m *kvcore.Model, g int, hashes []string, run []int, step int) contract.KVEvent {
+	grp := m.Groups[g]
+	medium, locality, group := contract.MediumStore, contract.LocalityStore, g
+	ev := contract.KVEvent{
+		Kind: contract.BlockStored, BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group, LoraName: s.loraName(),
+		SpecKind: contract.SpecKind(grp.Kind), Locality: &locality,
+		TokenIDs: eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, run),
+	}
+	if grp.Kind == kvcore.KindSlidingWindow {
+		ev.SlidingWindow = &grp.Window
+	}
+	for _, h := range hashes {
+		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
+		ev.BlockHashes = append(ev.BlockHashes, contract.WireHash(b))
+	}
+	if p := parentIndex(run[0], step); p >= 0 {
+		if pb, err := kvcore.ParseBlockHash(s.task.BlockHashes[p]); err == nil {
+			parent := contract.WireHash(pb)
+			ev.ParentBlockHash = &parent
+		}
+	}
+	return ev
 }
 
 // loraName is the task's LoRA adapter for BlockStored's lora_name (nil:
@@ -307,20 +327,17 @@ func (s *save) loraName() *string {
 // keys are the hashes at chain positions run (consecutive blocks of a
 // group of block size bs): the tokens of each block, [end − bs, end) where
 // end = (pos + 1) × hashBlockSize, in order. If one of the blocks is not a
-// whole block of the group the task's tokens cover — its key is not on a
-// block boundary (a sub-block prompt tail or hit under partial hash hits),
-// it is not in the chain, or the task's tokens end before it — the event
-// gets none ([]): a router that chunks an event's tokens by the block size
-// would key a partial block wrongly. The result is a slice of tokens,
-// read only (the event is encoded at once).
+// whole block of the group the task's tokens cover (blockCovered) the
+// event gets none ([]): a router that chunks an event's tokens by the
+// block size would key a partial block wrongly. The result is a slice of
+// tokens, read only (the event is encoded at once).
 func eventTokens(tokens []uint32, hashBlockSize, bs int, run []int) []uint32 {
 	none := []uint32{}
-	if hashBlockSize <= 0 || bs <= 0 || bs%hashBlockSize != 0 || len(run) == 0 {
+	if len(run) == 0 {
 		return none
 	}
 	for _, p := range run {
-		end := (p + 1) * hashBlockSize
-		if p < 0 || end%bs != 0 || end > len(tokens) {
+		if !blockCovered(len(tokens), hashBlockSize, bs, p) {
 			return none
 		}
 	}
@@ -329,4 +346,17 @@ func eventTokens(tokens []uint32, hashBlockSize, bs int, run []int) []uint32 {
 		return none
 	}
 	return tokens[first:last:last]
+}
+
+// blockCovered reports whether the chunk at chain position p is a whole
+// block of a group of block size bs within the first n tokens: its key is
+// on a block boundary (not a sub-block prompt tail or hit under partial
+// hash hits), it is in the chain (p ≥ 0), and the tokens do not end
+// before it.
+func blockCovered(n, hashBlockSize, bs, p int) bool {
+	if hashBlockSize <= 0 || bs <= 0 || bs%hashBlockSize != 0 || p < 0 {
+		return false
+	}
+	end := (p + 1) * hashBlockSize
+	return end%bs == 0 && end <= n
 }
