@@ -263,48 +263,46 @@ func (s *save) storedRecord(m *kvcore.Model, g int, ns string, hashes []string, 
 		Model: m.Name, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
 		Hashes: hashes,
 	}
-	var runs [][]int // the chain positions of each run of consecutive chunks
-	for i, h := range hashes {
-		if i > 0 && pos(h) >= 0 && pos(h) == pos(hashes[i-1])+step {
-			runs[len(runs)-1] = append(runs[len(runs)-1], pos(h))
-			continue
+	start := 0 // the first hash of the run being gathered
+	for i := 1; i <= len(hashes); i++ {
+		if i < len(hashes) && pos(hashes[i]) >= 0 && pos(hashes[i]) == pos(hashes[i-1])+step {
+			continue // the next chunk of the run
 		}
-		runs = append(runs, []int{pos(h)})
-	}
-	at := 0 // the index in hashes of the run's first block
-	for _, run := range runs {
-		n := 0
-		for n < len(run) && blockCovered(len(s.task.TokenIDs), m.HashBlockSize, grp.BlockSize, run[n]) {
+		run := hashes[start:i]
+		start = i
+		n := 0 // the covered blocks, a prefix of the run
+		for n < len(run) && blockCovered(len(s.task.TokenIDs), m.HashBlockSize, grp.BlockSize, pos(run[n])) {
 			n++
 		}
-		for _, part := range [][]int{run[:n], run[n:]} {
+		for _, part := range [][]string{run[:n], run[n:]} {
 			if len(part) > 0 {
-				rec.Batch.Events = append(rec.Batch.Events, s.storedEvent(m, g, hashes[at:at+len(part)], part, step))
-				at += len(part)
+				rec.Batch.Events = append(rec.Batch.Events, s.storedEvent(m, g, part, pos, step))
 			}
 		}
 	}
 	return rec
 }
 
-// storedEvent is the BlockStored event of the blocks whose keys are hashes,
-// at chain positions run, of group g: parent the chunk before the first,
-// token ids the blocks' own (eventTokens).
-func (s *save) storedEvent(m *kvcore.Model, g int, hashes []string, run []int, step int) contract.KVEvent {
+// storedEvent is the BlockStored event of group g's consecutive chunks
+// whose keys are hashes (pos gives each one's chain position): parent the
+// chunk before the first, token ids the blocks' own (eventTokens).
+func (s *save) storedEvent(m *kvcore.Model, g int, hashes []string, pos func(string) int, step int) contract.KVEvent {
 	grp := m.Groups[g]
 	medium, locality, group := contract.MediumStore, contract.LocalityStore, g
 	ev := contract.KVEvent{
 		Kind: contract.BlockStored, BlockSize: grp.BlockSize, Medium: &medium, GroupIdx: &group, LoraName: s.loraName(),
 		SpecKind: contract.SpecKind(grp.Kind), Locality: &locality,
-		TokenIDs: eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, run),
 	}
 	if grp.Kind == kvcore.KindSlidingWindow {
 		ev.SlidingWindow = &grp.Window
 	}
-	for _, h := range hashes {
+	run := make([]int, len(hashes))
+	for i, h := range hashes {
 		b, _ := kvcore.ParseBlockHash(h) // the keys were built from the task's hex hashes
 		ev.BlockHashes = append(ev.BlockHashes, contract.WireHash(b))
+		run[i] = pos(h)
 	}
+	ev.TokenIDs = eventTokens(s.task.TokenIDs, m.HashBlockSize, grp.BlockSize, run)
 	if p := parentIndex(run[0], step); p >= 0 {
 		if pb, err := kvcore.ParseBlockHash(s.task.BlockHashes[p]); err == nil {
 			parent := contract.WireHash(pb)
