@@ -265,11 +265,15 @@ func checkRankFailuresNamed(ctx context.Context, t *testing.T, s *stack, d sim.D
 		t.Fatal(err)
 	}
 	missing := 0
+	var all []contract.EngineFeedback
 	for _, rec := range feedback {
-		var fb contract.EngineFeedback
-		if err := json.Unmarshal(rec.Value, &fb); err != nil {
+		fs, err := contract.DecodeEngineFeedback(rec.Value)
+		if err != nil {
 			t.Fatal(err)
 		}
+		all = append(all, fs...)
+	}
+	for _, fb := range all {
 		if len(fb.MissingRanks) == 0 {
 			continue
 		}

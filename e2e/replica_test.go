@@ -304,12 +304,14 @@ func checkNoDuplicateEffects(ctx context.Context, t *testing.T, s *stack) duplic
 				results[r.TaskID]++
 			}
 		case contract.TopicEngineFeedback:
-			var f contract.EngineFeedback
-			if err := json.Unmarshal(value, &f); err != nil {
+			fs, err := contract.DecodeEngineFeedback(value)
+			if err != nil {
 				return err
 			}
-			if f.Kind == kvcore.FeedbackFinishedSending {
-				freed[f.EngineID+"/"+f.RequestID]++
+			for _, f := range fs {
+				if f.Kind == kvcore.FeedbackFinishedSending {
+					freed[f.EngineID+"/"+f.RequestID]++
+				}
 			}
 		}
 		return nil

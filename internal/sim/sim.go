@@ -43,7 +43,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -584,14 +583,17 @@ func waitUntil(ctx context.Context, deadline time.Time, done func() bool) bool {
 	return true
 }
 
-// routeFeedback hands engine feedback to its engine.
+// routeFeedback hands each message of an engine feedback record to its
+// engine, in order.
 func (r *run) routeFeedback(rec Record) {
-	var f contract.EngineFeedback
-	if err := json.Unmarshal(rec.Value, &f); err != nil {
+	fs, err := contract.DecodeEngineFeedback(rec.Value)
+	if err != nil {
 		return
 	}
-	if e := r.engines[f.EngineID]; e != nil {
-		e.box.put(f)
+	for _, f := range fs {
+		if e := r.engines[f.EngineID]; e != nil {
+			e.box.put(f)
+		}
 	}
 }
 

@@ -1,6 +1,9 @@
 package contract
 
 import (
+	"encoding/json"
+	"fmt"
+
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
@@ -11,8 +14,11 @@ const (
 	SchemaLookupDecision = "kvmesh.lookup_decision.v1"
 	SchemaTransferResult = "kvmesh.transfer_result.v1"
 	SchemaEngineFeedback = "kvmesh.engine_feedback.v1"
-	SchemaKVEvent        = "kvmesh.kv_event.v2"
-	SchemaDeadLetter     = "kvmesh.dead_letter.v1"
+	// SchemaEngineFeedbackBatch is the schema of EngineFeedbackBatch, the
+	// record the scheduler publishes on TopicEngineFeedback.
+	SchemaEngineFeedbackBatch = "kvmesh.engine_feedback_batch.v1"
+	SchemaKVEvent             = "kvmesh.kv_event.v2"
+	SchemaDeadLetter          = "kvmesh.dead_letter.v1"
 )
 
 // EventKind is the kind of an engine event.
@@ -244,13 +250,59 @@ func SaveReportOf(status kvcore.SaveStatus, groups []GroupOutcome) kvcore.SaveRe
 // follows the request's finish so its blocks are freed.
 const FeedbackRequestError kvcore.FeedbackKind = "request_error"
 
-// EngineFeedback tells an engine what finished, on TopicEngineFeedback,
-// keyed by engine id.
+// EngineFeedback tells an engine what finished: one message of an
+// EngineFeedbackBatch on TopicEngineFeedback.
 type EngineFeedback struct {
 	Schema string `json:"schema"`
 	kvcore.Feedback
 	// Error carries a request error (e.g. a group-count mismatch) when set.
 	Error string `json:"error,omitempty"`
+}
+
+// MaxFeedbackBatch bounds the messages one EngineFeedbackBatch carries; a
+// transaction with more for one engine publishes several records, in
+// order.
+const MaxFeedbackBatch = 512
+
+// EngineFeedbackBatch is the record on TopicEngineFeedback, keyed by
+// engine id: the feedback messages one scheduler transaction produced for
+// the engine, in the order it produced them (at most MaxFeedbackBatch;
+// never empty). Each message is a whole EngineFeedback, schema included.
+// One record per engine and transaction, rather than one per message,
+// saves the broker, the outbox and the engine's consumer a record per
+// message. Read it with DecodeEngineFeedback.
+type EngineFeedbackBatch struct {
+	Schema   string           `json:"schema"`
+	EngineID string           `json:"engine_id"`
+	Feedback []EngineFeedback `json:"feedback"`
+}
+
+// DecodeEngineFeedback decodes one TopicEngineFeedback record's value
+// into its messages, in order: an EngineFeedbackBatch, or a lone
+// EngineFeedback (what a scheduler before the batch published, which an
+// engine may still read during an upgrade). Any other schema is an error.
+func DecodeEngineFeedback(value []byte) ([]EngineFeedback, error) {
+	var head struct {
+		Schema string `json:"schema"`
+	}
+	if err := json.Unmarshal(value, &head); err != nil {
+		return nil, fmt.Errorf("engine feedback: %w", err)
+	}
+	switch head.Schema {
+	case SchemaEngineFeedbackBatch:
+		var b EngineFeedbackBatch
+		if err := json.Unmarshal(value, &b); err != nil {
+			return nil, fmt.Errorf("engine feedback batch: %w", err)
+		}
+		return b.Feedback, nil
+	case SchemaEngineFeedback:
+		var f EngineFeedback
+		if err := json.Unmarshal(value, &f); err != nil {
+			return nil, fmt.Errorf("engine feedback: %w", err)
+		}
+		return []EngineFeedback{f}, nil
+	}
+	return nil, fmt.Errorf("engine feedback: schema %q, want %s", head.Schema, SchemaEngineFeedbackBatch)
 }
 
 // KVEventKind is the tag of a vLLM KV-cache event: BlockStored,

@@ -3,6 +3,8 @@ package contract_test
 import (
 	"encoding/json"
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -80,5 +82,37 @@ func TestPDSourceNullBlockID(t *testing.T) {
 	}
 	if want := `{"remote_engine_id":"p","remote_block_table":[[1]],"remote_tokens":0}`; string(b) != want {
 		t.Fatalf("a source without a declaration encodes %s, want %s", b, want)
+	}
+}
+
+func TestDecodeEngineFeedback(t *testing.T) {
+	one := `{"schema":"kvmesh.engine_feedback.v1","kind":"finished_sending","engine_id":"e","request_id":"r1"}`
+	tests := []struct {
+		name    string
+		value   string
+		want    []string // request ids
+		wantErr bool
+	}{
+		{"a batch", `{"schema":"kvmesh.engine_feedback_batch.v1","engine_id":"e","feedback":[` + one + `,` +
+			strings.Replace(one, "r1", "r2", 1) + `]}`, []string{"r1", "r2"}, false},
+		{"a lone message (a scheduler before the batch)", one, []string{"r1"}, false},
+		{"another schema", `{"schema":"kvmesh.transfer_result.v1"}`, nil, true},
+		{"not JSON", `{`, nil, true},
+		{"a batch of the wrong shape", `{"schema":"kvmesh.engine_feedback_batch.v1","feedback":{}}`, nil, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			fs, err := contract.DecodeEngineFeedback([]byte(tc.value))
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("error %v, want error %v", err, tc.wantErr)
+			}
+			var ids []string
+			for _, f := range fs {
+				ids = append(ids, f.RequestID)
+			}
+			if !slices.Equal(ids, tc.want) {
+				t.Fatalf("messages %v, want %v", ids, tc.want)
+			}
+		})
 	}
 }

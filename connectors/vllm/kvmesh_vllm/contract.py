@@ -19,6 +19,9 @@ TOPIC_ENGINE_FEEDBACK = "kvmesh.engine.feedback"
 
 SCHEMA_ENGINE_STEP = "kvmesh.engine_step.v1"
 SCHEMA_ENGINE_FEEDBACK = "kvmesh.engine_feedback.v1"
+#: The record on the feedback topic: one engine's feedback messages of one
+#: scheduler transaction (contract.EngineFeedbackBatch).
+SCHEMA_ENGINE_FEEDBACK_BATCH = "kvmesh.engine_feedback_batch.v1"
 
 #: Request event kinds (contract.EventKind).
 EVENT_ADMITTED = "admitted"
@@ -156,6 +159,19 @@ class Feedback:
     epoch: int = 0
     missing_ranks: tuple[dict[str, int], ...] = ()
     error: str = ""
+
+    @classmethod
+    def all_from_json(cls, v: dict[str, Any]) -> "list[Feedback]":
+        """Reads a decoded feedback record (contract.DecodeEngineFeedback): a
+        batch of messages, in order, or one message (what a scheduler before
+        the batch sent); raises ValueError for another schema or a bad
+        message."""
+        if isinstance(v, dict) and v.get("schema") == SCHEMA_ENGINE_FEEDBACK_BATCH:
+            items = v.get("feedback")
+            if not isinstance(items, list):
+                raise ValueError("feedback batch without a feedback list")
+            return [cls.from_json(f) for f in items]
+        return [cls.from_json(v)]
 
     @classmethod
     def from_json(cls, v: dict[str, Any]) -> "Feedback":

@@ -394,14 +394,15 @@ class WorkerSide:
             return
         for v in self._feedback.drain():
             try:
-                fb = c.Feedback.from_json(v)
-            except (ValueError, TypeError) as e:
+                fbs = c.Feedback.all_from_json(v)
+            except (ValueError, TypeError, AttributeError) as e:
                 self._stats.add("bad_feedback")
                 log.warning("feedback record not understood: %s", e)
                 continue
-            if fb.engine_id and fb.engine_id != self._s.engine_id:
-                continue
-            self._apply(fb)
+            for fb in fbs:
+                if fb.engine_id and fb.engine_id != self._s.engine_id:
+                    continue
+                self._apply(fb)
         bad = int(getattr(self._feedback, "bad_records", 0))
         if bad > self._bad_seen:
             self._stats.add("bad_feedback", bad - self._bad_seen)

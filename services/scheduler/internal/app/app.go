@@ -182,7 +182,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
-	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout)}
+	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout), ledger.WithFold(intake.FoldFeedback)}
 	if !cfg.NoOutboxRelay && !cfg.NoPublishOnCommit {
 		if a.direct, err = database.NewServiceDirect(a.deps.Pool, a.deps.Producer, a.relay, a.deps.Registry, log); err != nil {
 			return nil, err

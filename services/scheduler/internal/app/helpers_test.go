@@ -201,12 +201,16 @@ func (h *mesh) get(path string, v any) int {
 	return resp.StatusCode
 }
 
-// outboxCount counts the outbox rows for topic whose value names the request.
+// outboxCount counts the outbox messages for topic whose value names the
+// request (a feedback row is a batch of messages).
 func (h *mesh) outboxCount(topic, requestID string) int {
 	h.t.Helper()
 	var n int
-	err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM outbox
-		WHERE topic = $1 AND convert_from(value, 'UTF8')::jsonb->>'request_id' = $2`, topic, requestID).Scan(&n)
+	// A feedback row is a batch: its messages are counted one by one.
+	err := h.pool.QueryRow(h.ctx, `SELECT count(*) FROM outbox o CROSS JOIN LATERAL jsonb_array_elements(
+		    CASE WHEN o.topic = $3 THEN convert_from(o.value, 'UTF8')::jsonb->'feedback'
+		         ELSE jsonb_build_array(convert_from(o.value, 'UTF8')::jsonb) END) AS m
+		WHERE o.topic = $1 AND m->>'request_id' = $2`, topic, requestID, contract.TopicEngineFeedback).Scan(&n)
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -395,6 +399,7 @@ func table(first, n int) kvcore.BlockTable {
 // collector reads every partition of the output topics from the start and
 // keeps the records.
 type collector struct {
+	t         testing.TB
 	mu        sync.Mutex
 	records   map[string][]received
 	next      map[string][]int64 // per topic, per partition: next offset to read
@@ -413,7 +418,7 @@ type received struct {
 func newCollector(t testing.TB, brokers []string, topics []string) *collector {
 	t.Helper()
 	transport := &kafka.Transport{}
-	c := &collector{records: map[string][]received{}, next: map[string][]int64{},
+	c := &collector{t: t, records: map[string][]received{}, next: map[string][]int64{},
 		client: &kafka.Client{Addr: kafka.TCP(brokers...), Transport: transport}, transport: transport}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -448,19 +453,51 @@ func (c *collector) read(ctx context.Context, r *kafka.Reader) {
 		if err != nil {
 			return
 		}
-		rec := received{Message: m, at: time.Now()}
+		recs := c.split(m)
+		c.mu.Lock()
+		c.records[m.Topic] = append(c.records[m.Topic], recs...)
+		c.next[m.Topic][m.Partition] = m.Offset + 1
+		c.mu.Unlock()
+	}
+}
+
+// split returns what the collector keeps of m: m itself, or, for an
+// engine feedback record, one record per message it carries (its Value
+// that message's encoding), so that tests read feedback message by
+// message.
+func (c *collector) split(m kafka.Message) []received {
+	at := time.Now()
+	vals := [][]byte{m.Value}
+	if m.Topic == contract.TopicEngineFeedback {
+		fs, err := contract.DecodeEngineFeedback(m.Value)
+		if err != nil {
+			c.t.Errorf("feedback record %s: %v", m.Value, err)
+			return nil
+		}
+		vals = vals[:0]
+		for _, f := range fs {
+			v, err := json.Marshal(f)
+			if err != nil {
+				c.t.Errorf("feedback %+v: %v", f, err)
+				return nil
+			}
+			vals = append(vals, v)
+		}
+	}
+	out := make([]received, 0, len(vals))
+	for _, v := range vals {
+		rec := received{Message: m, at: at}
+		rec.Value = v
 		var ids struct {
 			EngineID  string `json:"engine_id"`
 			RequestID string `json:"request_id"`
 		}
-		if json.Unmarshal(m.Value, &ids) == nil {
+		if json.Unmarshal(v, &ids) == nil {
 			rec.engineID, rec.requestID = ids.EngineID, ids.RequestID
 		}
-		c.mu.Lock()
-		c.records[m.Topic] = append(c.records[m.Topic], rec)
-		c.next[m.Topic][m.Partition] = m.Offset + 1
-		c.mu.Unlock()
+		out = append(out, rec)
 	}
+	return out
 }
 
 // sync waits until every partition was read up to its end as of the call.

@@ -225,7 +225,7 @@ func (l *Ledger) ApplyBatch(ctx context.Context, units []Unit) ([]Status, error)
 		statuses[i] = st
 		msgs = append(msgs, out...)
 	}
-	if err := b.write(ctx, msgs); err != nil {
+	if err := b.write(ctx, l.folded(msgs)); err != nil {
 		return nil, err
 	}
 	b.cacheAll()
@@ -319,6 +319,7 @@ func (b *batchTx) optimistic(ctx context.Context, units []Unit, fresh []int, sta
 		statuses[i] = st
 		msgs = append(msgs, out...)
 	}
+	msgs = b.l.folded(msgs)
 	batch := &pgx.Batch{}
 	b.begin(batch)
 	queueProcessed(batch, units, fresh)

@@ -79,6 +79,9 @@ type Ledger struct {
 	// direct publishes the outbox rows of committed batches (nil: the
 	// relays do).
 	direct *database.Direct
+	// fold reshapes a transaction's messages before they are enqueued
+	// (WithFold; nil: as they are).
+	fold func([]bus.Message) []bus.Message
 	// fresh is the stored form of a new request's row (freshRow), the
 	// same for every row created: encoded once.
 	fresh struct {
@@ -129,6 +132,23 @@ func WithLoadRankTimeout(d time.Duration) Option {
 // relays'.
 func WithDirect(d *database.Direct) Option {
 	return func(l *Ledger) { l.direct = d }
+}
+
+// WithFold has the ledger pass all the messages of each transaction, in
+// the order its changes emitted them, through fold before it enqueues
+// them (the scheduler joins each engine's feedback into one record,
+// intake.FoldFeedback). fold must keep the order of the messages of each
+// (topic, key).
+func WithFold(fold func([]bus.Message) []bus.Message) Option {
+	return func(l *Ledger) { l.fold = fold }
+}
+
+// folded is msgs through the ledger's fold, if it has one.
+func (l *Ledger) folded(msgs []bus.Message) []bus.Message {
+	if l.fold == nil || len(msgs) == 0 {
+		return msgs
+	}
+	return l.fold(msgs)
 }
 
 // New returns a ledger on pool for requests of model m.

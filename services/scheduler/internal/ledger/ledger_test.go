@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -216,5 +217,58 @@ func TestApplyBatchUnits(t *testing.T) {
 	row, err := l.Get(context.Background(), ledger.Key{EngineID: "e1", RequestID: "r1"})
 	if err != nil || row.LastSeq != 2 {
 		t.Fatalf("r1 stored with last seq %v, %v; want 2", row, err)
+	}
+}
+
+// TestApplyBatchFold: WithFold sees each transaction's messages whole, in
+// the order its changes emitted them — on the locking path (requests
+// created) and on the optimistic one (requests held from the first
+// batch) — and the outbox holds what it returned.
+func TestApplyBatchFold(t *testing.T) {
+	pool := dbtest.NewPool(t)
+	m := model(t)
+	var calls [][]string
+	fold := func(msgs []bus.Message) []bus.Message {
+		var vals []string
+		for _, msg := range msgs {
+			vals = append(vals, string(msg.Value))
+		}
+		calls = append(calls, vals)
+		return []bus.Message{{Topic: contract.TopicEngineFeedback, Key: "e1", Value: []byte(strings.Join(vals, "+"))}}
+	}
+	l := ledger.New(pool, m, ledger.WithFold(fold))
+	change := func(id, v string) ledger.Change {
+		return ledger.Change{RequestID: id, Create: true, Apply: func(req *requeststate.Request) ([]bus.Message, error) {
+			req.LastSeq++
+			return []bus.Message{{Topic: contract.TopicEngineFeedback, Key: "e1", Value: []byte(v)}}, nil
+		}}
+	}
+	step := func(id string, changes ...ledger.Change) ledger.Unit {
+		return ledger.Unit{Record: ledger.Record{Kind: ledger.KindStep, ID: id, EngineID: "e1"}, Changes: changes}
+	}
+	ctx := context.Background()
+	if _, err := l.ApplyBatch(ctx, []ledger.Unit{step("s1", change("r1", "a"), change("r2", "b")), step("s2", change("r1", "c"))}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.ApplyBatch(ctx, []ledger.Unit{step("s3", change("r2", "d"), change("r1", "e"))}); err != nil {
+		t.Fatal(err)
+	}
+	if want := [][]string{{"a", "b", "c"}, {"d", "e"}}; !reflect.DeepEqual(calls, want) {
+		t.Fatalf("fold saw %v, want %v", calls, want)
+	}
+	var got []string
+	rows, err := pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM outbox ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var v string
+		if err := rows.Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, v)
+	}
+	if want := []string{"a+b+c", "d+e"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("outbox %v, want %v", got, want)
 	}
 }
