@@ -160,22 +160,24 @@ class Feedback:
     missing_ranks: tuple[dict[str, int], ...] = ()
     error: str = ""
 
-    @classmethod
-    def all_from_json(cls, v: dict[str, Any]) -> "list[Feedback]":
-        """Reads a decoded feedback record (contract.DecodeEngineFeedback): a
-        batch of messages, in order, or one message (what a scheduler before
-        the batch sent); raises ValueError for another schema or a bad
-        message."""
+    @staticmethod
+    def messages(v: dict[str, Any]) -> "list[Any]":
+        """The messages of a decoded feedback record, in order, each to be
+        read with from_json (contract.DecodeEngineFeedback): a batch's list,
+        or the record itself when it is one message (what a scheduler before
+        the batch sent); raises ValueError for a batch without its list."""
         if isinstance(v, dict) and v.get("schema") == SCHEMA_ENGINE_FEEDBACK_BATCH:
             items = v.get("feedback")
             if not isinstance(items, list):
                 raise ValueError("feedback batch without a feedback list")
-            return [cls.from_json(f) for f in items]
-        return [cls.from_json(v)]
+            return items
+        return [v]
 
     @classmethod
     def from_json(cls, v: dict[str, Any]) -> "Feedback":
-        """Reads a decoded feedback value; raises ValueError for another schema."""
+        """Reads one decoded feedback message; raises ValueError for another schema."""
+        if not isinstance(v, dict):
+            raise ValueError(f"feedback message {v!r} is not an object")
         if v.get("schema") != SCHEMA_ENGINE_FEEDBACK:
             raise ValueError(f"schema {v.get('schema')!r}, want {SCHEMA_ENGINE_FEEDBACK}")
         kind = v.get("kind")

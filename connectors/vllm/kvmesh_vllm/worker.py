@@ -394,12 +394,18 @@ class WorkerSide:
             return
         for v in self._feedback.drain():
             try:
-                fbs = c.Feedback.all_from_json(v)
-            except (ValueError, TypeError, AttributeError) as e:
+                msgs = c.Feedback.messages(v)
+            except ValueError as e:
                 self._stats.add("bad_feedback")
                 log.warning("feedback record not understood: %s", e)
                 continue
-            for fb in fbs:
+            for m in msgs:  # a bad message costs only itself
+                try:
+                    fb = c.Feedback.from_json(m)
+                except (ValueError, TypeError) as e:
+                    self._stats.add("bad_feedback")
+                    log.warning("feedback message not understood: %s", e)
+                    continue
                 if fb.engine_id and fb.engine_id != self._s.engine_id:
                     continue
                 self._apply(fb)

@@ -160,8 +160,8 @@ def test_finished_sending_only_for_delayed_frees():
 def test_feedback_batches_are_applied_in_order():
     """The scheduler's record is a batch of one engine's messages
     (kvmesh.engine_feedback_batch.v1): each is applied, in order; another
-    engine's are skipped; a batch without its list counts as bad feedback
-    and the records after it are still applied."""
+    engine's are skipped; a bad message costs only itself, a batch without
+    its list only itself, and the records after them are still applied."""
     w = side()
     fb = w._feedback = FakeFeedback()
     w.begin_step(KVMeshConnectorMetadata(step=1, delayed_frees=["a", "b", "c"]))
@@ -171,11 +171,11 @@ def test_feedback_batches_are_applied_in_order():
         return {"schema": "kvmesh.engine_feedback.v1", "kind": "finished_sending", "engine_id": engine, "request_id": rid}
 
     fb.values.append({"schema": "kvmesh.engine_feedback_batch.v1", "engine_id": "e1",
-                      "feedback": [msg("a"), msg("b", engine="other")]})
+                      "feedback": [{"schema": "x"}, msg("a"), "junk", msg("b", engine="other")]})
     fb.values.append({"schema": "kvmesh.engine_feedback_batch.v1", "engine_id": "e1"})
     fb.values.append(msg("c"))
     assert w.get_finished({"a", "b", "c"}) == ({"a", "c"}, None)
-    assert w._stats.get("bad_feedback") == 1
+    assert w._stats.get("bad_feedback") == 3
 
 
 def _load_error_run(spec_groups):
