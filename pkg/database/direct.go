@@ -30,8 +30,15 @@ const (
 	directQueue = 1024
 	// maxHandoffs bounds the transactions one publish carries.
 	maxHandoffs = 64
-	// maxSentMarks bounds the rows one deferred sent-mark UPDATE carries.
-	maxSentMarks = 512
+	// maxSentMarks is how many published rows are marked sent at once
+	// without waiting for markDelay: it bounds how many of this process's
+	// rows a key can hold unmarked, which the insert of each later row of
+	// the key reads (DirectInsertSQL's check of the key's pending rows).
+	maxSentMarks = 64
+	// maxUnmarked bounds the published rows kept for a sent mark while
+	// marking fails (the database is out of reach); beyond it they are let
+	// go, and the relays publish them again once their leases end.
+	maxUnmarked = 2048
 	// stopTimeout bounds what Run does when it stops, and a release of a
 	// commit handed over after that.
 	stopTimeout = 5 * time.Second
@@ -40,7 +47,8 @@ const (
 	// the process publishes its own), and nothing else waits for it; it is
 	// far inside the lease, so no relay publishes the row again meanwhile.
 	// Waiting longer marks more rows per UPDATE: at 50 ms the seed run made
-	// 353 mark transactions per 300 requests, at 500 ms 51.
+	// 353 mark transactions per 300 requests, at 500 ms 51; under a higher
+	// rate maxSentMarks marks sooner.
 	markDelay = 500 * time.Millisecond
 )
 
@@ -506,7 +514,7 @@ func (d *Direct) markSent(ctx context.Context) {
 	batch.Queue("COMMIT")
 	if err := d.pool.SendBatch(ctx, batch).Close(); err != nil {
 		d.log.WarnContext(ctx, "outbox: marking published rows sent failed; retried with the next", "rows", len(d.sent), "err", err)
-		if len(d.sent) > 4*maxSentMarks {
+		if len(d.sent) > maxUnmarked {
 			d.sent = d.sent[:0] // their leases end: the relays publish them again
 		}
 		return
