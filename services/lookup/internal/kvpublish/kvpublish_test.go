@@ -55,7 +55,19 @@ func TestPublishesLikeAVLLMPod(t *testing.T) {
 	if e := got[1].Events[0]; e.Kind != contract.BlockRemoved || !reflect.DeepEqual(e.BlockHashes, []uint64{12}) {
 		t.Errorf("second batch %+v, want the BlockRemoved of 12", got[1])
 	}
-	for reason, want := range map[string]float64{SkipModel: 1, SkipDeployment: 1, SkipTenant: 1, SkipForeign: 1} {
+	// The skipped and undecodable records are keyed apart from the
+	// published ones, so they may sit on other partitions and be read
+	// after both batches came out: wait for their counts.
+	skips := map[string]float64{SkipModel: 1, SkipDeployment: 1, SkipTenant: 1, SkipForeign: 1}
+	until(t, "every skipped and undecodable record counted", func() bool {
+		for reason, want := range skips {
+			if testutil.ToFloat64(r.metrics.skipped.WithLabelValues(reason)) < want {
+				return false
+			}
+		}
+		return testutil.ToFloat64(r.metrics.decodeFailures) >= 1
+	})
+	for reason, want := range skips {
 		if n := testutil.ToFloat64(r.metrics.skipped.WithLabelValues(reason)); n != want {
 			t.Errorf("skipped{reason=%s} = %v, want %v", reason, n, want)
 		}
