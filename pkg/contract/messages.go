@@ -282,27 +282,22 @@ type EngineFeedbackBatch struct {
 // EngineFeedback (what a scheduler before the batch published, which an
 // engine may still read during an upgrade). Any other schema is an error.
 func DecodeEngineFeedback(value []byte) ([]EngineFeedback, error) {
-	var head struct {
-		Schema string `json:"schema"`
+	// One pass reads either form: a batch's fields do not overlap a
+	// message's but for schema and engine_id, which both forms share.
+	var v struct {
+		EngineFeedback
+		Feedback []EngineFeedback `json:"feedback"`
 	}
-	if err := json.Unmarshal(value, &head); err != nil {
+	if err := json.Unmarshal(value, &v); err != nil {
 		return nil, fmt.Errorf("engine feedback: %w", err)
 	}
-	switch head.Schema {
+	switch v.Schema {
 	case SchemaEngineFeedbackBatch:
-		var b EngineFeedbackBatch
-		if err := json.Unmarshal(value, &b); err != nil {
-			return nil, fmt.Errorf("engine feedback batch: %w", err)
-		}
-		return b.Feedback, nil
+		return v.Feedback, nil
 	case SchemaEngineFeedback:
-		var f EngineFeedback
-		if err := json.Unmarshal(value, &f); err != nil {
-			return nil, fmt.Errorf("engine feedback: %w", err)
-		}
-		return []EngineFeedback{f}, nil
+		return []EngineFeedback{v.EngineFeedback}, nil
 	}
-	return nil, fmt.Errorf("engine feedback: schema %q, want %s", head.Schema, SchemaEngineFeedbackBatch)
+	return nil, fmt.Errorf("engine feedback: schema %q, want %s", v.Schema, SchemaEngineFeedbackBatch)
 }
 
 // KVEventKind is the tag of a vLLM KV-cache event: BlockStored,
