@@ -108,7 +108,11 @@ func TestClusterFailoverMidRun(t *testing.T) {
 // a BlockRemoved on kvmesh.kv.events: master is subscribed.
 func checkRemovalAnnounced(ctx context.Context, t *testing.T, s *stack, c *testenv.Cluster, master string) {
 	t.Helper()
-	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model}
+	m, err := kvcore.Preset(s.model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb := kvcore.KeysOf(m).WithPrefix(s.prefix)
 	var key string
 	for h := uint64(1); key == ""; h++ {
 		if k := kb.Key(kvcore.Rank{}, 0, binary.BigEndian.AppendUint64(nil, h)); c.MasterOf(t, k) == master {

@@ -338,7 +338,7 @@ func awaitLLMDSubscribed(ctx context.Context, t *testing.T, s *stack, m *kvcore.
 		probe[i] = uint32(4_000_000 + i) // past every simulated vocabulary
 	}
 	medium := contract.MediumStore
-	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix(s.prefix)
 	key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
 		Batch: contract.KVEventBatch{TS: 1, DataParallelRank: new(int), Events: []contract.KVEvent{{
 			Kind: contract.BlockStored, BlockHashes: []uint64{0x9e0b}, TokenIDs: probe, BlockSize: m.HashBlockSize, Medium: &medium,
@@ -478,7 +478,7 @@ func checkLLMDRemoval(ctx context.Context, t *testing.T, s *stack, m *kvcore.Mod
 		t.Fatal("no prompt hits three blocks of the store")
 	}
 	chain := kvcore.HashChain(prompts[best], m.HashBlockSize, []byte(salt))
-	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix(s.prefix)
 	var keys []string
 	for _, ns := range m.Namespaces(0) {
 		keys = append(keys, kb.KeyHex(ns, 0, chain[1].Hex()))

@@ -28,7 +28,8 @@ func runModel(_ context.Context, args []string) error {
 type modelLayout struct {
 	// Model is the spec after the parallel overrides.
 	Model *kvcore.Model `json:"model"`
-	// Fingerprint is the model's fingerprint (stored beside every value).
+	// Fingerprint is the model's compatibility fingerprint: the "fp:"
+	// segment of every store key, and stored beside every value.
 	Fingerprint string `json:"fingerprint"`
 	// WorldSize is the number of worker ranks (gpuworkers) per engine.
 	WorldSize int `json:"world_size"`
@@ -103,7 +104,7 @@ func showModel(args []string, out io.Writer) error {
 
 func layoutOf(m *kvcore.Model) modelLayout {
 	l := modelLayout{Model: m, Fingerprint: m.Fingerprint(), WorldSize: m.WorldSize(), WorkerRanks: m.WorkerRanks()}
-	kb := kvcore.KeyBuilder{Model: m.Name}
+	kb := kvcore.KeysOf(m)
 	for g, grp := range m.Groups {
 		gl := groupLayout{Kind: grp.Kind, Replication: m.Replication(g)}
 		for _, r := range m.Namespaces(g) {
@@ -118,6 +119,11 @@ func writeLayout(out io.Writer, l modelLayout) error {
 	p := l.Model.Parallel
 	var b strings.Builder
 	fmt.Fprintf(&b, "model        %s (fingerprint %s)\n", l.Model.Name, l.Fingerprint)
+	engine := l.Model.EngineVersion
+	if engine == "" {
+		engine = "(not stated)"
+	}
+	fmt.Fprintf(&b, "layout       kv_dtype %s  layout_version %d  engine_version %s\n", l.Model.EffectiveKVDtype(), l.Model.EffectiveLayoutVersion(), engine)
 	fmt.Fprintf(&b, "parallel     tp %d  pcp %d  dcp %d  pp %d  kv_heads %d\n", max(p.TP, 1), max(p.PCP, 1), max(p.DCP, 1), max(p.PP, 1), l.Model.KVHeads)
 	fmt.Fprintf(&b, "worker ranks %d per engine (one gpuworker each)\n", l.WorldSize)
 	for g, gl := range l.Groups {

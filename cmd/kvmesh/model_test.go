@@ -6,6 +6,8 @@ import (
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 func TestModelCommand(t *testing.T) {
@@ -19,6 +21,8 @@ func TestModelCommand(t *testing.T) {
 		{"pp and pcp multiply", []string{"-model", "dense", "-tp", "2", "-pcp", "2", "-pp", "2", "-world-size"}, "8\n"},
 		{"ranks for scripts", []string{"-model", "dense", "-tp", "4", "-dcp", "2", "-ranks"}, "0 0 0 0\n1 0 1 0\n2 0 0 0\n3 0 1 0\n"},
 		{"table names the shared MLA namespace", []string{"-model", "hybrid-mla-linear-tp8"}, "mla, block 16: 1 namespace(s)"},
+		{"table shows the compatibility fields", []string{"-model", "dense"}, "layout       kv_dtype auto  layout_version 1  engine_version (not stated)\n"},
+		{"namespaces carry the fingerprint", []string{"-model", "dense"}, "dense-8b@fp:" + mustPreset(t, "dense").Fingerprint() + "@tp_rank:0@"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -70,4 +74,14 @@ func TestModelCommandEnv(t *testing.T) {
 	if err := showModel([]string{"-model", "dense", "-world-size"}, &out); err == nil || !strings.Contains(err.Error(), "KVMESH_TP") {
 		t.Fatalf("KVMESH_TP=abc: %v, want an error naming it", err)
 	}
+}
+
+// mustPreset is preset name, or the test fails.
+func mustPreset(t *testing.T, name string) *kvcore.Model {
+	t.Helper()
+	m, err := kvcore.Preset(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
 }

@@ -260,7 +260,7 @@ func TestLedgerPerRank(t *testing.T) {
 	task := f.task("t1", "run-1", 0, 64)
 	states := len(task.Groups[1].Chunks)
 	f.result("t1", "run-1", contract.GroupOutcome{Group: 0, Stored: 4}, contract.GroupOutcome{Group: 1, Stored: 1, Existing: 8*states - 1})
-	kb := kvcore.KeyBuilder{Prefix: "dep", Model: f.m.Name}
+	kb := kvcore.KeysOf(f.m).WithPrefix("dep")
 	hash := func(i int) kvcore.BlockHash { h, _ := hex.DecodeString(f.hashes[i]); return h }
 	var keys []string
 	for c := range 4 {
@@ -354,7 +354,7 @@ func storedRecords(t *testing.T, engine, request string, keys []string) []Record
 func TestLedgerRemovedKeys(t *testing.T) {
 	m := preset(t, "hybrid-mla-linear")
 	l := newLedger(m, "run-", false)
-	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("dep")
 	hashes := kvcore.HashChain(make([]uint32, 32), 16, []byte("salt"))
 	removed, kept := kb.Key(kvcore.Rank{}, 0, hashes[0]), kb.Key(kvcore.Rank{}, 0, hashes[1])
 	ns, h, ok := kvcore.SplitKey(removed)

@@ -21,7 +21,7 @@ func (f *ledgerFixture) tokenRecord(idx []int, tokens []uint32) Record {
 		}
 		wire, hexes = append(wire, contract.WireHash(b)), append(hexes, f.hashes[i])
 	}
-	kb := kvcore.KeyBuilder{Model: f.m.Name}
+	kb := kvcore.KeysOf(f.m)
 	key, value, headers, err := contract.EncodeKVEventRecord(contract.KVEventRecord{
 		Batch: contract.KVEventBatch{TS: 1, Events: []contract.KVEvent{{Kind: contract.BlockStored, BlockHashes: wire,
 			TokenIDs: tokens, BlockSize: 16}}},

@@ -16,7 +16,7 @@ import (
 // longer has is gone, not wrong.
 func TestCheckValues(t *testing.T) {
 	m := preset(t, "hybrid-mla-linear")
-	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("dep")
 	hashes := kvcore.HashChain(make([]uint32, 64), 16, []byte("salt"))
 	fp := m.Fingerprint()
 	key := func(g, i int) string { return kb.Key(kvcore.Rank{}, g, hashes[i]) }
@@ -62,7 +62,7 @@ func TestCheckValues(t *testing.T) {
 // the linear-attention state of the rank the namespace names.
 func TestCheckValueNamespaces(t *testing.T) {
 	m := tpModel(t, 8)
-	kb := kvcore.KeyBuilder{Model: m.Name}
+	kb := kvcore.KeysOf(m)
 	h := kvcore.HashChain(make([]uint32, 16), 16, nil)[0]
 	c, fp := newContents(m), m.Fingerprint()
 	value := func(g int, r kvcore.Rank) []byte { return dataplane.EncodeValue(fp, BlockContent(m, g, r, h)) }

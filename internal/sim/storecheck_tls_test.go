@@ -20,7 +20,7 @@ func TestCheckStoredOverTLS(t *testing.T) {
 	certs := testenv.NewCerts(t)
 	srv := testenv.StartTLSRedis(t, certs, testenv.TLSRedisOptions{})
 	m := preset(t, "hybrid-mla-linear")
-	kb := kvcore.KeyBuilder{Prefix: "tlsdep", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("tlsdep")
 	hashes := kvcore.HashChain(make([]uint32, 32), 16, []byte("tls"))
 	keys := []string{kb.Key(kvcore.Rank{}, 0, hashes[0]), kb.Key(kvcore.Rank{}, 0, hashes[1])}
 	files := kvstore.RedisTLS{CAFile: certs.CAFile}

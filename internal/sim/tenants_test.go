@@ -99,7 +99,7 @@ func TestLedgerTenantChecks(t *testing.T) {
 	task := f.task("t1", "run-1", 0, 16)
 	task.TaskID, task.RequestID, task.Tenant = "t2", "run-2", "b"
 	f.l.saveTask(Record{Key: "run-2", Value: mustJSON(task)})
-	kbA := kvcore.KeyBuilder{Model: f.m.Name, Tenant: "a"}
+	kbA := kvcore.KeysOf(f.m).ForTenant("a")
 	h, _ := kvcore.ParseBlockHash(f.hashes[0])
 	for _, rec := range storedRecords(t, "e", "run-1", []string{kbA.Key(kvcore.Rank{}, 0, h)}) {
 		f.l.kvEvent(rec)

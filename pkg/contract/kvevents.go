@@ -45,6 +45,9 @@ const (
 	HeaderKVSchema = "kvmesh-schema"
 	// HeaderKVModel is the model name of the keys.
 	HeaderKVModel = "kvmesh-model"
+	// HeaderKVFingerprint is the model's compatibility fingerprint
+	// (kvcore.Model.Fingerprint), the "fp:" segment of the keys.
+	HeaderKVFingerprint = "kvmesh-fingerprint"
 	// HeaderKVNamespace is the store namespace of every block of the record.
 	HeaderKVNamespace = "kvmesh-namespace"
 	// HeaderKVBlockHashes lists the full block hashes in hex, comma
@@ -663,7 +666,7 @@ func EncodeKVEventRecord(r KVEventRecord, form KVEventForm) (key string, value [
 	headers = map[string]string{HeaderKVSchema: SchemaKVEvent, HeaderKVModel: r.Model, HeaderKVNamespace: r.Namespace}
 	for name, v := range map[string]string{
 		HeaderKVBlockHashes: strings.Join(r.Hashes, ","), HeaderKVEngineID: r.EngineID,
-		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause, HeaderKVTenant: r.Tenant,
+		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause, HeaderKVTenant: r.Tenant, HeaderKVFingerprint: r.Fingerprint,
 	} {
 		if v != "" {
 			headers[name] = v
@@ -687,7 +690,7 @@ func DecodeKVEventRecord(value []byte, headers map[string]string) (KVEventRecord
 	}
 	r.Model, r.Namespace = headers[HeaderKVModel], headers[HeaderKVNamespace]
 	r.EngineID, r.RequestID, r.Cause = headers[HeaderKVEngineID], headers[HeaderKVRequestID], headers[HeaderKVCause]
-	r.Tenant = headers[HeaderKVTenant]
+	r.Tenant, r.Fingerprint = headers[HeaderKVTenant], headers[HeaderKVFingerprint]
 	if h := headers[HeaderKVBlockHashes]; h != "" {
 		r.Hashes = strings.Split(h, ",")
 	}

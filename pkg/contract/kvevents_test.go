@@ -331,7 +331,7 @@ func TestWireHash(t *testing.T) {
 }
 
 func TestKVEventRecordRoundTrip(t *testing.T) {
-	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m"}
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m", Fingerprint: "0123456789abcdef"}
 	ns := kb.Namespace(kvcore.Rank{TP: 1}, 0)
 	h0, h1 := kvcore.HashTokens(nil, []uint32{1}, nil), kvcore.HashTokens(nil, []uint32{2}, nil)
 	rec := KVEventRecord{
@@ -339,13 +339,13 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 			{Kind: BlockRemoved, BlockHashes: []uint64{WireHash(h0)}, Medium: ptr(MediumStore), GroupIdx: ptr(0)},
 			{Kind: BlockRemoved, BlockHashes: []uint64{WireHash(h1)}, Medium: ptr(MediumStore), GroupIdx: ptr(0)},
 		}},
-		Model: "m", Namespace: ns, Hashes: []string{h0.Hex(), h1.Hex()}, Cause: "evicted",
+		Model: "m", Fingerprint: kb.Fingerprint, Namespace: ns, Hashes: []string{h0.Hex(), h1.Hex()}, Cause: "evicted",
 	}
 	key, value, headers, err := EncodeKVEventRecord(rec, KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if key != ns || headers[HeaderKVSchema] != SchemaKVEvent || headers[HeaderKVCause] != "evicted" {
+	if key != ns || headers[HeaderKVSchema] != SchemaKVEvent || headers[HeaderKVCause] != "evicted" || headers[HeaderKVFingerprint] != kb.Fingerprint {
 		t.Fatalf("key %q, headers %v", key, headers)
 	}
 	if _, ok := headers[HeaderKVRequestID]; ok {

@@ -380,6 +380,10 @@ type KVEventRecord struct {
 	Batch KVEventBatch
 	// Model is the model name of the keys (HeaderKVModel).
 	Model string
+	// Fingerprint is the model's compatibility fingerprint, the keys' "fp:"
+	// segment (HeaderKVFingerprint); empty for a flush of the whole
+	// deployment, which removes the keys of every fingerprint.
+	Fingerprint string
 	// Namespace is the store namespace of every block of the record
 	// (KeyBuilder.Namespace, HeaderKVNamespace); for AllBlocksCleared the
 	// deployment scope "[prefix@]model".

@@ -14,18 +14,18 @@ func SplitKey(key string) (namespace, hashHex string, ok bool) {
 }
 
 // ParseOwn is the inverse of kb.Key for the keys of kb's own key space: it
-// takes key apart with ParseKey and reports whether it carries kb's prefix
-// and model name. A deployment's key space holds every tenant's keys, so
-// the key's tenant (KeyParts.Tenant) is not compared with kb's. A
-// malformed key returns ParseKey's error (wrapping ErrBadKey); a
-// well-formed key of another deployment or model returns ok false and no
-// error, since a store pool may be shared.
+// takes key apart with ParseKey and reports whether it carries kb's prefix,
+// model name and fingerprint. A deployment's key space holds every
+// tenant's keys, so the key's tenant (KeyParts.Tenant) is not compared
+// with kb's. A malformed key returns ParseKey's error (wrapping ErrBadKey);
+// a well-formed key of another deployment, model or layout (fingerprint)
+// returns ok false and no error, since a store pool may be shared.
 func (kb KeyBuilder) ParseOwn(key string) (p KeyParts, ok bool, err error) {
 	p, err = ParseKey(key)
 	if err != nil {
 		return KeyParts{}, false, err
 	}
-	if p.Prefix != kb.Prefix || p.Model != kb.Model {
+	if p.Prefix != kb.Prefix || p.Model != kb.Model || p.Fingerprint != kb.Fingerprint {
 		return p, false, nil
 	}
 	return p, true, nil

@@ -2,6 +2,7 @@ package kvcore
 
 import (
 	"errors"
+	"strings"
 	"testing"
 )
 
@@ -40,6 +41,7 @@ func TestKeyBuilderParseOwn(t *testing.T) {
 	}{
 		{"own key", kb.Key(r, 2, h), true, false},
 		{"other model", KeyBuilder{Prefix: "dep", Model: "other"}.Key(r, 2, h), false, false},
+		{"other fingerprint", KeyBuilder{Prefix: "dep", Model: "m", Fingerprint: "00112233445566ff"}.Key(r, 2, h), false, false},
 		{"other prefix", KeyBuilder{Prefix: "x", Model: "m"}.Key(r, 2, h), false, false},
 		{"no prefix", KeyBuilder{Model: "m"}.Key(r, 2, h), false, false},
 		{"not a store key", "kvmesh-marker", false, true},
@@ -58,5 +60,55 @@ func TestKeyBuilderParseOwn(t *testing.T) {
 				t.Fatalf("parts %+v do not give back %q", p, tc.key)
 			}
 		})
+	}
+}
+
+// TestFingerprintSegment: a model's keys carry its fingerprint after the
+// model name, in every combination of prefix and tenant, and take apart
+// into the same parts; a malformed fingerprint is refused.
+func TestFingerprintSegment(t *testing.T) {
+	m := &Model{Name: "m", HashBlockSize: 16, Groups: []Group{{Kind: KindFullAttention, BlockSize: 16, BytesPerBlock: 64}}}
+	fp := m.Fingerprint()
+	r := Rank{TP: 1, PP: 2}
+	h := BlockHash{0xca, 0xfe}
+	builders := []struct {
+		kb   KeyBuilder
+		want string
+	}{
+		{KeysOf(m), "m@fp:" + fp + "@tp_rank:1@pcp0@dcp0@pp_rank:2@group:3@cafe"},
+		{KeysOf(m).WithPrefix("dep"), "dep@m@fp:" + fp + "@tp_rank:1@pcp0@dcp0@pp_rank:2@group:3@cafe"},
+		{KeysOf(m).ForTenant("acme"), "m@fp:" + fp + "@tenant:acme@tp_rank:1@pcp0@dcp0@pp_rank:2@group:3@cafe"},
+		{KeysOf(m).WithPrefix("dep").ForTenant("acme"), "dep@m@fp:" + fp + "@tenant:acme@tp_rank:1@pcp0@dcp0@pp_rank:2@group:3@cafe"},
+		{KeyBuilder{Prefix: "dep", Model: "m", Tenant: "acme"}, "dep@m@tenant:acme@tp_rank:1@pcp0@dcp0@pp_rank:2@group:3@cafe"},
+	}
+	for _, b := range builders {
+		key := b.kb.Key(r, 3, h)
+		if key != b.want {
+			t.Errorf("Key = %q, want %q", key, b.want)
+		}
+		p, err := ParseKey(key)
+		if err != nil {
+			t.Fatalf("ParseKey(%q): %v", key, err)
+		}
+		if p.Prefix != b.kb.Prefix || p.Model != "m" || p.Fingerprint != b.kb.Fingerprint || p.Tenant != b.kb.Tenant || p.Key() != key {
+			t.Errorf("ParseKey(%q) = %+v", key, p)
+		}
+	}
+	for _, bad := range []string{
+		"m@fp:" + fp[:15] + "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab",              // short
+		"m@fp:" + strings.ToUpper(fp) + "x@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab", // not lower hex
+		"dep@x@m@fp:" + fp + "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab",             // two fields before the model
+		"m@tenant:acme@fp:" + fp + "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab",       // segments out of order
+		"fp:" + fp + "@fp:" + fp + "@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@ab",       // model named as the tag
+	} {
+		if _, err := ParseKey(bad); !errors.Is(err, ErrBadKey) {
+			t.Errorf("ParseKey(%q) = %v, want ErrBadKey", bad, err)
+		}
+	}
+	if err := (KeyBuilder{Model: "m", Fingerprint: "xyz"}).Validate(); !errors.Is(err, ErrBadKeyPrefix) {
+		t.Errorf("Validate of a malformed fingerprint = %v, want ErrBadKeyPrefix", err)
+	}
+	if err := (KeyBuilder{Model: "fp:m"}).Validate(); !errors.Is(err, ErrBadKeyPrefix) {
+		t.Errorf("Validate of a model named with the fingerprint tag = %v, want ErrBadKeyPrefix", err)
 	}
 }

@@ -8,14 +8,17 @@ import (
 	"strings"
 )
 
-// Store keys follow Mooncake's layout, so a store pool can be shared with vLLM:
+// Store keys follow Mooncake's layout, with the model's compatibility
+// fingerprint after the model name:
 //
-//	[{prefix}@]{model}[@tenant:{t}]@tp_rank:{r}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{block_hash_hex}
+//	[{prefix}@]{model}@fp:{fingerprint}[@tenant:{t}]@tp_rank:{r}@pcp{p}@dcp{d}@pp_rank:{pp}@group:{g}@{block_hash_hex}
 //
-// The tenant segment is written only for a non-empty tenant: keys of the
-// empty tenant are Mooncake's, byte for byte, and stay shareable with vLLM.
-// Everything before the last '@' is the key's namespace: one per (tenant,
-// rank, group).
+// The fingerprint (Model.Fingerprint) digests everything that decides a
+// block's bytes (KV dtype, layout version, engine version, block sizes,
+// parallel layout), so a block written under another layout is another
+// key: a miss, never a wrong load. The tenant segment is written only for
+// a non-empty tenant. Everything before the last '@' is the key's
+// namespace: one per (fingerprint, tenant, rank, group).
 const (
 	keySep     = '@'
 	tagTP      = "@tp_rank:"
@@ -23,7 +26,9 @@ const (
 	tagDCP     = "@dcp"
 	tagPP      = "@pp_rank:"
 	tagGroup   = "@group:"
-	keyFields  = 7 // model, tp, pcp, dcp, pp, group, hash (prefix and tenant optional)
+	tagFP      = "@fp:"
+	keyFields  = 7 // model, tp, pcp, dcp, pp, group, hash (prefix, fingerprint and tenant optional)
+	rankFields = 6 // tp, pcp, dcp, pp, group, hash: the fixed tail of every key
 	maxIntText = 20
 )
 
@@ -35,6 +40,11 @@ type KeyBuilder struct {
 	Prefix string
 	// Model is the model name (Model.Name).
 	Model string
+	// Fingerprint is the model's compatibility fingerprint
+	// (Model.Fingerprint), written after the model name. A service's
+	// builder always has one (NewKeyBuilder); empty writes no segment,
+	// which only unit tests of the key layout use.
+	Fingerprint string
 	// Tenant separates the key spaces of tenants of one deployment
 	// (ValidateTenant): two tenants never share a key, even for equal
 	// block hashes. A service's builder has none; each task's keys are
@@ -42,13 +52,20 @@ type KeyBuilder struct {
 	Tenant string
 }
 
-// NewKeyBuilder returns a validated KeyBuilder.
-func NewKeyBuilder(prefix, model string) (KeyBuilder, error) {
-	kb := KeyBuilder{Prefix: prefix, Model: model}
+// NewKeyBuilder returns the validated KeyBuilder of model m's keys under
+// prefix: m's name and fingerprint.
+func NewKeyBuilder(prefix string, m *Model) (KeyBuilder, error) {
+	kb := KeysOf(m)
+	kb.Prefix = prefix
 	if err := kb.Validate(); err != nil {
 		return KeyBuilder{}, err
 	}
 	return kb, nil
+}
+
+// KeysOf is the KeyBuilder of model m's keys without a prefix or tenant.
+func KeysOf(m *Model) KeyBuilder {
+	return KeyBuilder{Model: m.Name, Fingerprint: m.Fingerprint()}
 }
 
 // Validate reports a prefix or model name that would make keys ambiguous:
@@ -59,8 +76,11 @@ func (kb KeyBuilder) Validate() error {
 	if strings.ContainsAny(kb.Prefix, "@ \t\r\n") {
 		return fmt.Errorf("key prefix %q: %w", kb.Prefix, ErrBadKeyPrefix)
 	}
-	if kb.Model == "" || strings.ContainsAny(kb.Model, "@ \t\r\n") || strings.HasPrefix(kb.Model, tagTenant[1:]) {
+	if kb.Model == "" || strings.ContainsAny(kb.Model, "@ \t\r\n") || strings.HasPrefix(kb.Model, tagTenant[1:]) || strings.HasPrefix(kb.Model, tagFP[1:]) {
 		return fmt.Errorf("key model name %q: %w", kb.Model, ErrBadKeyPrefix)
+	}
+	if kb.Fingerprint != "" && !validFingerprint(kb.Fingerprint) {
+		return fmt.Errorf("key fingerprint %q (want %d lower-case hex characters): %w", kb.Fingerprint, FingerprintLen, ErrBadKeyPrefix)
 	}
 	return ValidateTenant(kb.Tenant)
 }
@@ -100,6 +120,9 @@ func (kb KeyBuilder) namespaceLen(r Rank, group int) int {
 	if kb.Prefix != "" {
 		n += len(kb.Prefix) + 1
 	}
+	if kb.Fingerprint != "" {
+		n += len(tagFP) + len(kb.Fingerprint)
+	}
 	if kb.Tenant != "" {
 		n += len(tagTenant) + len(kb.Tenant)
 	}
@@ -112,6 +135,10 @@ func (kb KeyBuilder) writeNamespace(sb *strings.Builder, r Rank, group int) {
 		sb.WriteByte(keySep)
 	}
 	sb.WriteString(kb.Model)
+	if kb.Fingerprint != "" {
+		sb.WriteString(tagFP)
+		sb.WriteString(kb.Fingerprint)
+	}
 	if kb.Tenant != "" {
 		sb.WriteString(tagTenant)
 		sb.WriteString(kb.Tenant)
@@ -183,6 +210,9 @@ type KeyParts struct {
 	Prefix string
 	// Model is the model name.
 	Model string
+	// Fingerprint is the compatibility fingerprint, empty when the key
+	// has no fingerprint segment.
+	Fingerprint string
 	// Tenant is the tenant, empty when the key has no tenant segment.
 	Tenant string
 	// Rank is the rank namespace.
@@ -195,70 +225,84 @@ type KeyParts struct {
 
 // Key puts the parts back together.
 func (p KeyParts) Key() string {
-	return KeyBuilder{Prefix: p.Prefix, Model: p.Model, Tenant: p.Tenant}.Key(p.Rank, p.Group, p.Hash)
+	return KeyBuilder{Prefix: p.Prefix, Model: p.Model, Fingerprint: p.Fingerprint, Tenant: p.Tenant}.Key(p.Rank, p.Group, p.Hash)
 }
 
 // ParseKey takes a store key apart. It accepts exactly the keys KeyBuilder
-// writes: seven to nine '@'-separated fields (the prefix and the tenant
-// segment "tenant:{t}" after the model are optional), canonical decimal
-// numbers, a valid tenant and a non-empty lower-case hex hash. A model name
-// starting with "tenant:" is refused, as KeyBuilder.Validate refuses it.
+// writes: seven to ten '@'-separated fields (the prefix, the fingerprint
+// segment "fp:{fingerprint}" and the tenant segment "tenant:{t}" after the
+// model are optional), canonical decimal numbers, a well-formed
+// fingerprint, a valid tenant and a non-empty lower-case hex hash. A model
+// name starting with "tenant:" or "fp:" is refused, as KeyBuilder.Validate
+// refuses it.
 func ParseKey(s string) (KeyParts, error) {
 	fields := strings.Split(s, string(keySep))
+	if len(fields) < keyFields || len(fields) > keyFields+3 {
+		return KeyParts{}, keyError(s, fmt.Sprintf("%d '@'-separated fields, want %d to %d", len(fields), keyFields, keyFields+3))
+	}
 	var p KeyParts
-	hasTenant := false
-	switch len(fields) {
-	case keyFields:
-	case keyFields + 1:
-		hasTenant = strings.HasPrefix(fields[1], tagTenant[1:])
-		if !hasTenant {
-			p.Prefix, fields = fields[0], fields[1:]
-			if p.Prefix == "" {
-				return KeyParts{}, keyError(s, "empty prefix")
-			}
+	head, tail := fields[:len(fields)-rankFields], fields[len(fields)-rankFields:]
+	if t, ok := strings.CutPrefix(head[len(head)-1], tagTenant[1:]); ok && len(head) > 1 {
+		if t == "" || ValidateTenant(t) != nil {
+			return KeyParts{}, keyError(s, fmt.Sprintf("tenant field %q, want %s<tenant> of [A-Za-z0-9._-]", head[len(head)-1], tagTenant[1:]))
 		}
-	case keyFields + 2:
-		hasTenant = true
-		p.Prefix, fields = fields[0], fields[1:]
+		p.Tenant, head = t, head[:len(head)-1]
+	}
+	if fp, ok := strings.CutPrefix(head[len(head)-1], tagFP[1:]); ok && len(head) > 1 {
+		if !validFingerprint(fp) {
+			return KeyParts{}, keyError(s, fmt.Sprintf("fingerprint field %q, want %s<%d lower-case hex>", head[len(head)-1], tagFP[1:], FingerprintLen))
+		}
+		p.Fingerprint, head = fp, head[:len(head)-1]
+	}
+	switch len(head) {
+	case 1:
+	case 2:
+		p.Prefix, head = head[0], head[1:]
 		if p.Prefix == "" {
 			return KeyParts{}, keyError(s, "empty prefix")
 		}
 	default:
-		return KeyParts{}, keyError(s, fmt.Sprintf("%d '@'-separated fields, want %d to %d", len(fields), keyFields, keyFields+2))
+		return KeyParts{}, keyError(s, fmt.Sprintf("%d fields before the rank, want [prefix@]model[@fp:...][@tenant:...]", len(head)))
 	}
-	p.Model = fields[0]
+	p.Model = head[0]
 	switch {
 	case p.Model == "":
 		return KeyParts{}, keyError(s, "empty model name")
-	case strings.HasPrefix(p.Model, tagTenant[1:]):
-		return KeyParts{}, keyError(s, fmt.Sprintf("model name %q starts with the tenant tag", p.Model))
-	}
-	if hasTenant {
-		t, ok := strings.CutPrefix(fields[1], tagTenant[1:])
-		if !ok || t == "" || ValidateTenant(t) != nil {
-			return KeyParts{}, keyError(s, fmt.Sprintf("tenant field %q, want %s<tenant> of [A-Za-z0-9._-]", fields[1], tagTenant[1:]))
-		}
-		p.Tenant = t
-		fields = append(fields[:1:1], fields[2:]...)
+	case strings.HasPrefix(p.Model, tagTenant[1:]), strings.HasPrefix(p.Model, tagFP[1:]):
+		return KeyParts{}, keyError(s, fmt.Sprintf("model name %q starts with a segment tag", p.Model))
 	}
 	nums := []struct {
 		tag string
 		dst *int
 	}{{tagTP, &p.Rank.TP}, {tagPCP, &p.Rank.PCP}, {tagDCP, &p.Rank.DCP}, {tagPP, &p.Rank.PP}, {tagGroup, &p.Group}}
 	for i, n := range nums {
-		v, ok := parseTagged(fields[i+1], n.tag[1:])
+		v, ok := parseTagged(tail[i], n.tag[1:])
 		if !ok {
-			return KeyParts{}, keyError(s, fmt.Sprintf("field %q, want %s<n>", fields[i+1], n.tag[1:]))
+			return KeyParts{}, keyError(s, fmt.Sprintf("field %q, want %s<n>", tail[i], n.tag[1:]))
 		}
 		*n.dst = v
 	}
-	hx := fields[keyFields-1]
+	hx := tail[rankFields-1]
 	h, err := hex.DecodeString(hx)
 	if err != nil || len(h) == 0 || hex.EncodeToString(h) != hx {
 		return KeyParts{}, keyError(s, fmt.Sprintf("hash %q is not non-empty lower-case hex", hx))
 	}
 	p.Hash = h
 	return p, nil
+}
+
+// validFingerprint reports whether fp is FingerprintLen lower-case hex
+// characters, as Model.Fingerprint makes them.
+func validFingerprint(fp string) bool {
+	if len(fp) != FingerprintLen {
+		return false
+	}
+	for i := 0; i < len(fp); i++ {
+		if c := fp[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // parseTagged reads "<tag><n>" with n a canonical non-negative decimal.

@@ -104,14 +104,14 @@ func TestNewKeyBuilder(t *testing.T) {
 		{"", "m\n", false},
 	}
 	for _, tc := range cases {
-		kb, err := NewKeyBuilder(tc.prefix, tc.model)
+		kb, err := NewKeyBuilder(tc.prefix, &Model{Name: tc.model})
 		if tc.ok != (err == nil) {
 			t.Errorf("NewKeyBuilder(%q, %q) = %v, want ok %v", tc.prefix, tc.model, err, tc.ok)
 		}
 		if !tc.ok && !errors.Is(err, ErrBadKeyPrefix) {
 			t.Errorf("NewKeyBuilder(%q, %q) = %v, want ErrBadKeyPrefix", tc.prefix, tc.model, err)
 		}
-		if tc.ok && (kb.Prefix != tc.prefix || kb.Model != tc.model) {
+		if tc.ok && (kb.Prefix != tc.prefix || kb.Model != tc.model || kb.Fingerprint != (&Model{Name: tc.model}).Fingerprint()) {
 			t.Errorf("NewKeyBuilder(%q, %q) = %+v", tc.prefix, tc.model, kb)
 		}
 	}

@@ -75,7 +75,32 @@ type Model struct {
 	// Parallel gives the engine's parallel layout: its worker ranks and,
 	// with the groups' kinds and KVHeads, their store namespaces.
 	Parallel Parallel `json:"parallel" yaml:"parallel"`
+	// KVDtype is the KV cache's element type as the engine stores it
+	// (vLLM's --kv-cache-dtype, resolved: "bfloat16", "fp8_e4m3", ...);
+	// empty means DefaultKVDtype, the model's own dtype.
+	KVDtype string `json:"kv_dtype,omitempty" yaml:"kv_dtype,omitempty"`
+	// LayoutVersion numbers the engine's KV memory layout of the blocks
+	// (the packing of layers, heads and tokens in a block, vLLM's
+	// kv_cache_layout); an operator raises it when an engine upgrade
+	// changes the layout without changing anything else the spec says.
+	// Zero means DefaultLayoutVersion.
+	LayoutVersion int `json:"layout_version,omitempty" yaml:"layout_version,omitempty"`
+	// EngineVersion is the engine's version where it is stated (vLLM's
+	// __version__): blocks of one engine version are never served to
+	// another. Empty leaves the version out of the fingerprint.
+	EngineVersion string `json:"engine_version,omitempty" yaml:"engine_version,omitempty"`
 }
+
+// Defaults of the compatibility fields of a Model.
+const (
+	// DefaultKVDtype is the KV dtype of a spec that names none: the
+	// model's own dtype, as vLLM's --kv-cache-dtype auto.
+	DefaultKVDtype = "auto"
+	// DefaultLayoutVersion is the layout version of a spec that names none.
+	DefaultLayoutVersion = 1
+	// maxCompatText bounds kv_dtype and engine_version.
+	maxCompatText = 64
+)
 
 // Rank identifies one rank namespace of a model: the tp/pcp/dcp/pp indices
 // that appear in a store key.
@@ -135,6 +160,9 @@ func (m *Model) Validate() error {
 	}
 	if m.KVHeads < 0 {
 		return &SpecError{"kv_heads", "must not be negative"}
+	}
+	if err := m.validateCompat(); err != nil {
+		return err
 	}
 	if err := m.validateParallel(); err != nil {
 		return err
@@ -266,12 +294,60 @@ func (m *Model) SchedulerBlockSize() int {
 	return l
 }
 
-// Fingerprint is a short stable digest of the layout, stored beside every
-// value so a block written under another layout is never loaded.
+// Fingerprint is the model's compatibility fingerprint: 16 hex characters
+// of a digest of everything that decides a block's bytes — the model name,
+// KV dtype, layout version and engine version (with their defaults
+// applied), the hash block size, every group (kind, block sizes, window,
+// bytes per block), the KV heads and the parallel layout. It is a segment
+// of every store key (KeyBuilder.Fingerprint), so a block written under
+// another layout is a miss, and it is stored beside every value
+// (dataplane.EncodeValue), so such a value is never loaded either.
 func (m *Model) Fingerprint() string {
-	b, _ := json.Marshal(m) // a Model always marshals
+	c := *m
+	c.KVDtype, c.LayoutVersion = m.EffectiveKVDtype(), m.EffectiveLayoutVersion()
+	b, _ := json.Marshal(&c) // a Model always marshals
 	h := HashTokens(nil, nil, b)
-	return h.Hex()[:16]
+	return h.Hex()[:FingerprintLen]
+}
+
+// FingerprintLen is the length of Model.Fingerprint.
+const FingerprintLen = 16
+
+// EffectiveKVDtype is KVDtype, or DefaultKVDtype when the spec names none.
+func (m *Model) EffectiveKVDtype() string {
+	if m.KVDtype == "" {
+		return DefaultKVDtype
+	}
+	return m.KVDtype
+}
+
+// EffectiveLayoutVersion is LayoutVersion, or DefaultLayoutVersion when the
+// spec names none.
+func (m *Model) EffectiveLayoutVersion() int {
+	if m.LayoutVersion == 0 {
+		return DefaultLayoutVersion
+	}
+	return m.LayoutVersion
+}
+
+// validateCompat checks the compatibility fields: kv_dtype and
+// engine_version are short texts of [A-Za-z0-9._+-], the layout version is
+// not negative.
+func (m *Model) validateCompat() error {
+	for _, f := range []struct{ name, v string }{{"kv_dtype", m.KVDtype}, {"engine_version", m.EngineVersion}} {
+		if len(f.v) > maxCompatText {
+			return &SpecError{f.name, fmt.Sprintf("%d bytes, at most %d", len(f.v), maxCompatText)}
+		}
+		for i := 0; i < len(f.v); i++ {
+			if c := f.v[i]; !tenantByte(c) && c != '+' {
+				return &SpecError{f.name, fmt.Sprintf("%q: byte %d (%q) is not one of [A-Za-z0-9._+-]", f.v, i, c)}
+			}
+		}
+	}
+	if m.LayoutVersion < 0 {
+		return &SpecError{"layout_version", "must not be negative"}
+	}
+	return nil
 }
 
 func size(n int) int {

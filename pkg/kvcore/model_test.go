@@ -51,6 +51,12 @@ func TestModelValidate(t *testing.T) {
 		{"negative pcp", func(m *Model) { m.Parallel.PCP = -1 }, "parallel.pcp"},
 		{"negative dcp", func(m *Model) { m.Parallel.DCP = -2 }, "parallel.dcp"},
 		{"negative pp", func(m *Model) { m.Parallel.PP = -1 }, "parallel.pp"},
+		{"kv dtype", func(m *Model) { m.KVDtype = "fp8_e4m3" }, ""},
+		{"space in kv dtype", func(m *Model) { m.KVDtype = "fp8 e4m3" }, "kv_dtype"},
+		{"long kv dtype", func(m *Model) { m.KVDtype = strings.Repeat("a", 65) }, "kv_dtype"},
+		{"engine version", func(m *Model) { m.EngineVersion = "0.11.2+cu128" }, ""},
+		{"at in engine version", func(m *Model) { m.EngineVersion = "0.11@2" }, "engine_version"},
+		{"negative layout version", func(m *Model) { m.LayoutVersion = -1 }, "layout_version"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -191,6 +197,54 @@ func TestFingerprint(t *testing.T) {
 	b.Groups[0].BytesPerBlock++
 	if a.Fingerprint() == b.Fingerprint() {
 		t.Fatal("models differing in bytes_per_block share a fingerprint")
+	}
+}
+
+// TestFingerprintCovers: every field that decides a block's bytes changes
+// the fingerprint (so a layout change is another key: a miss), and the
+// defaults read as the values they stand for.
+func TestFingerprintCovers(t *testing.T) {
+	base := func() *Model { return lookupModel(16, grpFull(16), grpSWA(32, 64)) }
+	fp := base().Fingerprint()
+	changes := []struct {
+		name string
+		edit func(m *Model)
+	}{
+		{"name", func(m *Model) { m.Name = "other" }},
+		{"kv dtype", func(m *Model) { m.KVDtype = "fp8_e4m3" }},
+		{"layout version", func(m *Model) { m.LayoutVersion = 2 }},
+		{"engine version", func(m *Model) { m.EngineVersion = "0.11.2" }},
+		{"hash block size", func(m *Model) { m.HashBlockSize = 8 }},
+		{"block size", func(m *Model) { m.Groups[0].BlockSize = 32 }},
+		{"window", func(m *Model) { m.Groups[1].Window = 128 }},
+		{"kind", func(m *Model) { m.Groups[0].Kind = KindMLA }},
+		{"bytes per block", func(m *Model) { m.Groups[1].BytesPerBlock = 2048 }},
+		{"kv heads", func(m *Model) { m.KVHeads = 2 }},
+		{"tp", func(m *Model) { m.Parallel.TP = 2 }},
+	}
+	seen := map[string]string{fp: "base"}
+	for _, c := range changes {
+		m := base()
+		c.edit(m)
+		got := m.Fingerprint()
+		if prev, dup := seen[got]; dup {
+			t.Errorf("changing the %s gives fingerprint %s, the same as %s", c.name, got, prev)
+		}
+		seen[got] = c.name
+	}
+	same := []struct {
+		name string
+		edit func(m *Model)
+	}{
+		{"kv dtype auto", func(m *Model) { m.KVDtype = DefaultKVDtype }},
+		{"layout version 1", func(m *Model) { m.LayoutVersion = DefaultLayoutVersion }},
+	}
+	for _, c := range same {
+		m := base()
+		c.edit(m)
+		if got := m.Fingerprint(); got != fp {
+			t.Errorf("%s: fingerprint %s, want the default's %s", c.name, got, fp)
+		}
 	}
 }
 

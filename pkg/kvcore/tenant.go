@@ -37,6 +37,13 @@ func tenantByte(c byte) bool {
 	return c == '.' || c == '_' || c == '-'
 }
 
+// WithPrefix returns kb with its deployment prefix set to p. The prefix is
+// not checked here; Validate does.
+func (kb KeyBuilder) WithPrefix(p string) KeyBuilder {
+	kb.Prefix = p
+	return kb
+}
+
 // ForTenant returns kb with its tenant set to t: the builder of t's own
 // key space. The tenant is not checked here; Validate (or ValidateTenant)
 // does, and the planners refuse a bad one.

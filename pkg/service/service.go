@@ -89,7 +89,7 @@ func (c *Common) Validate() error {
 	if _, err := logging.ParseLevel(c.LogLevel); err != nil {
 		errs = append(errs, fmt.Errorf("KVMESH_LOG_LEVEL: %w", err))
 	}
-	if _, err := kvcore.NewKeyBuilder(c.KeyPrefix, "model"); err != nil {
+	if err := (kvcore.KeyBuilder{Prefix: c.KeyPrefix, Model: "model"}).Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("KVMESH_KEY_PREFIX: %w", err))
 	}
 	if err := c.Kafka.Validate(); err != nil {

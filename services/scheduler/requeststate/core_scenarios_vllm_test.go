@@ -91,7 +91,7 @@ func scenarioPartialLoadTask(t *testing.T) {
 		if task.Start != 0 || task.End != 80 || !reflect.DeepEqual(task.Groups, tc.want) {
 			t.Fatalf("%s: load [%d,%d) %v, want [0,80) %v", tc.name, task.Start, task.End, task.Groups, tc.want)
 		}
-		items, err := kvcore.PlanLoad(m, kvcore.KeyBuilder{Model: m.Name}, &task, kvcore.Rank{})
+		items, err := kvcore.PlanLoad(m, kvcore.KeysOf(m), &task, kvcore.Rank{})
 		if err != nil || len(items) != 3 {
 			t.Fatalf("%s: PlanLoad = %+v, %v; want 3 items", tc.name, items, err)
 		}
@@ -142,7 +142,7 @@ func scenarioPartialTailTask(t *testing.T) {
 			t.Fatalf("tail save refused: %+v", v)
 		}
 	}
-	kb := kvcore.KeyBuilder{Model: m.Name}
+	kb := kvcore.KeysOf(m)
 	for g, block := range []kvcore.BlockID{2, 4} {
 		items, err := kvcore.PlanSend(m, kb, &tail, g, kvcore.Rank{})
 		if err != nil || len(items) != 1 || items[0].Block != block || items[0].Hash != hashes[5] {

@@ -256,7 +256,10 @@ def store_key(mesh: dict, group: int, hash_hex: str, rank: Optional[dict] = None
     """The store key of a chunk (docs/contract.md, "Key format"), no tenant."""
     r = rank or {"tp": 0, "pcp": 0, "dcp": 0, "pp": 0}
     prefix = mesh.get("key_prefix")
-    ns = f"{mesh['model']['name']}@tp_rank:{r['tp']}@pcp{r['pcp']}@dcp{r['dcp']}@pp_rank:{r['pp']}@group:{group}"
+    ns = (
+        f"{mesh['model']['name']}@fp:{mesh['fingerprint']}"
+        f"@tp_rank:{r['tp']}@pcp{r['pcp']}@dcp{r['dcp']}@pp_rank:{r['pp']}@group:{group}"
+    )
     return f"{prefix + '@' if prefix else ''}{ns}@{hash_hex}"
 
 

@@ -193,7 +193,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if a.model, err = cfg.LoadModel(); err != nil {
 		return nil, err
 	}
-	keys, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	keys, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
 	if err != nil {
 		return nil, err
 	}

@@ -80,7 +80,7 @@ func startWorkerLogging(t testing.TB, cfg app.Config, gpus *devices.Source, log 
 	if err != nil {
 		t.Fatal(err)
 	}
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, m.Name)
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, m)
 	if err != nil {
 		t.Fatal(err)
 	}

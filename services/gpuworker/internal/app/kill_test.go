@@ -161,7 +161,7 @@ func (p *process) view(t *testing.T, cfg app.Config) *worker {
 	if w.model, err = kvcore.Preset("hybrid-mla-linear"); err != nil {
 		t.Fatal(err)
 	}
-	if w.keys, err = kvcore.NewKeyBuilder(cfg.KeyPrefix, w.model.Name); err != nil {
+	if w.keys, err = kvcore.NewKeyBuilder(cfg.KeyPrefix, w.model); err != nil {
 		t.Fatal(err)
 	}
 	cleanPrefix(t, cfg.RedisURL, cfg.KeyPrefix)

@@ -79,7 +79,7 @@ func rankLoaderAged(t *testing.T, tp int, r kvcore.Rank, maxAge time.Duration) (
 	if err != nil {
 		t.Fatal(err)
 	}
-	kb := kvcore.KeyBuilder{Model: m.Name}
+	kb := kvcore.KeysOf(m)
 	var hashes []string
 	toks := make([]uint32, 32)
 	for i := range toks {

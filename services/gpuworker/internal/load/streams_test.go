@@ -113,7 +113,7 @@ func newStreamFixture(t *testing.T, streams, chunkBlocks int) *streamFixture {
 			Model: m.Name, Connector: "store", Start: 0, End: len(toks), BlockHashes: hashes,
 			BlockTable: table, Groups: m.LoadGroups(0, len(toks)),
 		}}
-	kb := kvcore.KeyBuilder{Model: m.Name}
+	kb := kvcore.KeysOf(m)
 	items, err := kvcore.PlanLoad(m, kb, f.task, kvcore.Rank{})
 	if err != nil || len(items) != 12 {
 		t.Fatalf("PlanLoad: %d items, %v", len(items), err)

@@ -57,7 +57,7 @@ func BenchmarkLookup32K2Group(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer st.Close()
-	kb := kvcore.KeyBuilder{Prefix: "lookupbench", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("lookupbench")
 	toks := make([]uint32, numTokens)
 	for i := range toks {
 		toks[i] = uint32(i*7919) % 151936

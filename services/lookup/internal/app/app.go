@@ -203,7 +203,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 // handler builds the connector chain over the instrumented store, the
 // lookup API and the score API (over the same store, under its own op).
 func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreHandler, error) {
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -248,7 +248,7 @@ func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
 	if err != nil || cfg.KVEventsZMQEndpoint == "" {
 		return nil, err
 	}
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
 	if err != nil {
 		return nil, err
 	}

@@ -132,7 +132,7 @@ func loadModel(spec string) (*kvcore.Model, error) {
 
 // keys returns the builder of the service's store keys.
 func (s *lookupService) keys() kvcore.KeyBuilder {
-	return kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}
+	return kvcore.KeysOf(s.model).WithPrefix(s.prefix)
 }
 
 // response is one HTTP answer.

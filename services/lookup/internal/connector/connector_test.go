@@ -216,7 +216,7 @@ func TestPDChild(t *testing.T) {
 func TestStoreChild(t *testing.T) {
 	ctx := context.Background()
 	m := denseModel()
-	kb := kvcore.KeyBuilder{Prefix: "unit", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("unit")
 	tokens := make([]uint32, 48)
 	for i := range tokens {
 		tokens[i] = uint32(i * 7)
@@ -266,7 +266,7 @@ func TestStoreChildPartialTailKeys(t *testing.T) {
 	if err := m.Validate(); err != nil || !m.PartialHashHits() {
 		t.Fatalf("model: %v, partial %v", err, m.PartialHashHits())
 	}
-	kb := kvcore.KeyBuilder{Prefix: "unit", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("unit")
 	tokens := make([]uint32, 112)
 	for i := range tokens {
 		tokens[i] = uint32(i*11 + 3)
@@ -290,7 +290,7 @@ func TestStoreChildPartialTailKeys(t *testing.T) {
 	}
 	// Without partial hash hits the spec carries no tail keys.
 	dense := denseModel()
-	dkb := kvcore.KeyBuilder{Prefix: "unit", Model: dense.Name}
+	dkb := kvcore.KeysOf(dense).WithPrefix("unit")
 	if _, err := mem.Put(ctx, []kvstore.Item{{Key: dkb.Key(kvcore.Rank{}, 0, hashes[0])}}); err != nil {
 		t.Fatal(err)
 	}

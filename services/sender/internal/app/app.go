@@ -174,7 +174,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 
 // wire builds the processor, the consumers, the relay and the API.
 func (a *App) wire(cfg Config) error {
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model.Name)
+	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
 	if err != nil {
 		return err
 	}

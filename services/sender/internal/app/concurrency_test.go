@@ -171,7 +171,7 @@ func TestConcurrentSavesOverlapAndCompleteOnce(t *testing.T) {
 // puts run at once), each rank's groups in order.
 func (s *stack) plannedKeys(t testing.TB, task *kvcore.SaveTask) []string {
 	t.Helper()
-	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}
+	kb := kvcore.KeysOf(s.model).WithPrefix(s.prefix)
 	var ranks []kvcore.Rank
 	byRank := map[kvcore.Rank][]string{}
 	for _, gc := range task.Groups {

@@ -552,7 +552,7 @@ func (s *stack) publishRaw(t testing.TB, msgs ...bus.Message) {
 // keys lists the store keys of one group of a task (rank 0), in chunk order.
 func (s *stack) keys(t testing.TB, task *kvcore.SaveTask, g int) []string {
 	t.Helper()
-	items, err := kvcore.PlanSend(s.model, kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}, task, g, kvcore.Rank{})
+	items, err := kvcore.PlanSend(s.model, kvcore.KeysOf(s.model).WithPrefix(s.prefix), task, g, kvcore.Rank{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -573,7 +573,7 @@ func (s *stack) checkStored(t testing.TB, task *kvcore.SaveTask, g int) {
 // checkStoredFrom is checkStored for the group's chunks from index from.
 func (s *stack) checkStoredFrom(t testing.TB, task *kvcore.SaveTask, g, from int) {
 	t.Helper()
-	items, err := kvcore.PlanSend(s.model, kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}, task, g, kvcore.Rank{})
+	items, err := kvcore.PlanSend(s.model, kvcore.KeysOf(s.model).WithPrefix(s.prefix), task, g, kvcore.Rank{})
 	if err != nil {
 		t.Fatal(err)
 	}

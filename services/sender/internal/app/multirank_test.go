@@ -86,7 +86,7 @@ func (s *stack) writeRankBlocks(t testing.TB, task *kvcore.SaveTask, workers map
 // rankItems lists what worker rank r writes of every group of task.
 func (s *stack) rankItems(t testing.TB, task *kvcore.SaveTask, r kvcore.Rank) []kvcore.TransferItem {
 	t.Helper()
-	kb := kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}
+	kb := kvcore.KeysOf(s.model).WithPrefix(s.prefix)
 	var out []kvcore.TransferItem
 	for _, gc := range task.Groups {
 		items, err := kvcore.PlanSend(s.model, kb, task, gc.Group, r)

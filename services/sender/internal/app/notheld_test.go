@@ -110,7 +110,7 @@ func (s *stack) checkEveryStoredValue(t *testing.T, tasks []*kvcore.SaveTask, wr
 	want := map[string][]byte{}
 	for _, task := range tasks {
 		for g := range s.model.Groups {
-			items, err := kvcore.PlanSend(s.model, kvcore.KeyBuilder{Prefix: s.prefix, Model: s.model.Name}, task, g, kvcore.Rank{})
+			items, err := kvcore.PlanSend(s.model, kvcore.KeysOf(s.model).WithPrefix(s.prefix), task, g, kvcore.Rank{})
 			if err != nil {
 				t.Fatal(err)
 			}

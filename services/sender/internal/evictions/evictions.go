@@ -701,7 +701,7 @@ func (b *batcher) flush(ctx context.Context) error {
 					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
 					Locality: &locality,
 				}}},
-				Model: b.w.opts.Keys.Model, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
+				Model: b.w.opts.Keys.Model, Fingerprint: b.w.opts.Keys.Fingerprint, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
 				Tenant: pb.tenant,
 			})
 		}

@@ -193,7 +193,7 @@ func TestEvictedKeysAreAnnounced(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kb := kvcore.KeyBuilder{Prefix: "dep", Model: m.Name}
+	kb := kvcore.KeysOf(m).WithPrefix("dep")
 	r := newRig(t, []string{"--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"}, func(o *Options) { o.Keys = kb })
 	r.waitReady()
 	const requests, blocks, valueBytes = 40, 8, 16 << 10

@@ -11,8 +11,8 @@ import (
 // Reasons a removal notification was not mapped, the reason label of
 // kvmesh_sender_evictions_unmapped_total.
 const (
-	// unmappedForeign: a well-formed store key of another deployment or
-	// model sharing the store pool.
+	// unmappedForeign: a well-formed store key of another deployment,
+	// model or model layout (fingerprint) sharing the store pool.
 	unmappedForeign = "foreign"
 	// unmappedMalformed: a key that is not a kvmesh store key at all.
 	unmappedMalformed = "malformed"

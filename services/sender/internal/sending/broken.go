@@ -55,7 +55,7 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 			s.record(g, keysDeadLettered, 1, reason)
 		}
 		var err error
-		if entry, err = s.entry(src, p.model, p.now(), p.form); err != nil {
+		if entry, err = s.entry(src, p.model, p.keys.Fingerprint, p.now(), p.form); err != nil {
 			return err
 		}
 	}

@@ -193,7 +193,7 @@ type fixtureOption func(*sending.Options)
 func newFixture(t testing.TB, pool *pgxpool.Pool, store kvstore.Store, opts ...fixtureOption) *fixture {
 	t.Helper()
 	m := mustModel(t)
-	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
+	f := &fixture{model: m, keys: kvcore.KeysOf(m), store: store, pool: pool, ledger: ledger.New(pool),
 		worker: &poolWorker{model: m, store: store, blocks: 64}, now: time.Unix(1_800_000_000, 0)}
 	f.reg = prometheus.NewRegistry()
 	metrics, err := sending.NewMetrics(f.reg)

@@ -133,7 +133,7 @@ func newModelFixture(t testing.TB, spec string) *fixture {
 		t.Fatal(err)
 	}
 	store, pool := kvstore.NewMemory(kvstore.MemoryOptions{}), dbtest.NewPool(t)
-	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
+	f := &fixture{model: m, keys: kvcore.KeysOf(m), store: store, pool: pool, ledger: ledger.New(pool),
 		worker: &poolWorker{model: m, store: store, blocks: 64}, now: time.Unix(1_800_000_000, 0)}
 	metrics, err := sending.NewMetrics(prometheus.NewRegistry())
 	if err != nil {

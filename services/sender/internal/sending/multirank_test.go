@@ -129,7 +129,7 @@ func newRankFixture(t testing.TB, pool *pgxpool.Pool, inFlight int, opts ...fixt
 		t.Fatal(err)
 	}
 	store := kvstore.NewMemory(kvstore.MemoryOptions{})
-	f := &fixture{model: m, keys: kvcore.KeyBuilder{Model: m.Name}, store: store, pool: pool, ledger: ledger.New(pool),
+	f := &fixture{model: m, keys: kvcore.KeysOf(m), store: store, pool: pool, ledger: ledger.New(pool),
 		now: time.Unix(1_800_000_000, 0)}
 	b := newBarrier(inFlight)
 	ws := &rankWorkers{putters: map[kvcore.Rank]sending.Putter{}}

@@ -112,7 +112,7 @@ func (p *Processor) recordReplay(ctx context.Context, d deadletter.DeadLetter, s
 		}
 	} else {
 		var err error
-		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.now()), p.form); err != nil {
+		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.keys.Fingerprint, p.now()), p.form); err != nil {
 			return deadletter.Replayed{}, err
 		}
 		msgs = msgs[1:] // the task's result was reported when it was dead-lettered

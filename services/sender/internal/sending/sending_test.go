@@ -199,7 +199,7 @@ func TestPressureModeSkipsUntilAPutSucceeds(t *testing.T) {
 	var taskBytes int
 	for g, grp := range m.Groups {
 		n := len(m.SaveChunks(g, 0, 32))
-		key := kvcore.KeyBuilder{Model: m.Name}.KeyHex(kvcore.Rank{}, g, saveTask(m, "a", 0, 32, 0).BlockHashes[0])
+		key := kvcore.KeysOf(m).KeyHex(kvcore.Rank{}, g, saveTask(m, "a", 0, 32, 0).BlockHashes[0])
 		taskBytes += n * (len(key) + int(grp.BytesPerBlock) + dataplane.ValueOverhead(len(m.Fingerprint())))
 	}
 	store := kvstore.NewMemory(kvstore.MemoryOptions{CapacityBytes: int64(taskBytes * 3 / 2), NoEviction: true})

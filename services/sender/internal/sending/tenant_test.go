@@ -37,7 +37,7 @@ func TestTenantSaveKeys(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i, k := range keys {
-				if !strings.HasPrefix(k, f.model.Name+"@tenant:"+task.Tenant+"@") || !exists[i] {
+				if !strings.HasPrefix(k, f.model.Name+"@fp:"+f.model.Fingerprint()+"@tenant:"+task.Tenant+"@") || !exists[i] {
 					t.Fatalf("tenant %s key %q: exists %v, want a stored key of the tenant", task.Tenant, k, exists[i])
 				}
 			}
@@ -56,6 +56,9 @@ func TestTenantSaveKeys(t *testing.T) {
 	for _, ev := range events {
 		if ev.Tenant != "acme" && ev.Tenant != "globex" || !strings.Contains(ev.Namespace, "@tenant:"+ev.Tenant+"@") {
 			t.Fatalf("kv event of tenant %q namespace %q", ev.Tenant, ev.Namespace)
+		}
+		if fp := f.model.Fingerprint(); ev.Fingerprint != fp || !strings.Contains(ev.Namespace, "@fp:"+fp+"@") {
+			t.Fatalf("kv event fingerprint %q namespace %q, want the model's %s", ev.Fingerprint, ev.Namespace, fp)
 		}
 	}
 }

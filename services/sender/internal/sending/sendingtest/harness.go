@@ -95,7 +95,7 @@ func (r Result) On(topic string) []bus.Message {
 // retries a millisecond apart (three attempts) and then opts applied.
 func NewWorker(t testing.TB, m *kvcore.Model, opts ...func(*sending.Options)) *Worker {
 	t.Helper()
-	w := &Worker{Model: m, Keys: kvcore.KeyBuilder{Model: m.Name}, Store: NewStore(), Now: time.Unix(1_800_000_000, 0)}
+	w := &Worker{Model: m, Keys: kvcore.KeysOf(m), Store: NewStore(), Now: time.Unix(1_800_000_000, 0)}
 	w.Ledger = NewLedger(func() time.Time { return w.Now })
 	w.GPU = &GPUWorker{Store: w.Store}
 	w.Workers = &Workers{Model: m, GPU: w.GPU}
