@@ -57,15 +57,16 @@ func TestPublishesLikeAVLLMPod(t *testing.T) {
 	}
 	// The skipped and undecodable records are keyed apart from the
 	// published ones, so they may sit on other partitions and be read
-	// after both batches came out: wait for their counts.
+	// after both batches came out; and a batch is counted published just
+	// after its send: wait for the counts.
 	skips := map[string]float64{SkipModel: 1, SkipDeployment: 1, SkipTenant: 1, SkipForeign: 1}
-	until(t, "every skipped and undecodable record counted", func() bool {
+	until(t, "every published, skipped and undecodable record counted", func() bool {
 		for reason, want := range skips {
 			if testutil.ToFloat64(r.metrics.skipped.WithLabelValues(reason)) < want {
 				return false
 			}
 		}
-		return testutil.ToFloat64(r.metrics.decodeFailures) >= 1
+		return testutil.ToFloat64(r.metrics.decodeFailures) >= 1 && testutil.ToFloat64(r.metrics.published) >= 2
 	})
 	for reason, want := range skips {
 		if n := testutil.ToFloat64(r.metrics.skipped.WithLabelValues(reason)); n != want {
