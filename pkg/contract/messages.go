@@ -103,6 +103,13 @@ type RequestEvent struct {
 	// scheduler keeps it with the request and puts it on every task, so
 	// the request only saves and loads its tenant's keys.
 	Tenant string `json:"tenant,omitempty"`
+	// EngineVersion comes with admitted (optional): the engine's version
+	// (vLLM's __version__; kvcore.ValidateEngineVersion). When the model's
+	// spec pins an engine version (its fingerprint covers it) and the
+	// engine states another, the scheduler stops the request
+	// (request_error): none of its blocks may be saved or loaded under the
+	// pinned version's keys. Absent: not stated, taken at the spec's word.
+	EngineVersion string `json:"engine_version,omitempty"`
 	// TokenIDs come with admitted (optional): the prompt's tokens of
 	// complete hash blocks only — the first n prompt tokens, n a multiple
 	// of hash_block_size, at most len(BlockHashes)*hash_block_size and at

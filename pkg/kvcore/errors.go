@@ -16,6 +16,12 @@ var (
 	// ErrBadTenant is returned for a tenant that cannot be a store-key
 	// segment (ValidateTenant).
 	ErrBadTenant = errors.New("invalid tenant")
+	// ErrBadEngineVersion is returned for an engine version that cannot be
+	// stated (ValidateEngineVersion).
+	ErrBadEngineVersion = errors.New("invalid engine version")
+	// ErrEngineVersion is returned when an engine states a version other
+	// than the one its model's spec pins (Model.CheckEngineVersion).
+	ErrEngineVersion = errors.New("engine version does not match the model's")
 	// ErrNegativeCount is returned for a negative token count.
 	ErrNegativeCount = errors.New("negative token count")
 	// ErrShortHashChain is returned when a request carries fewer block hashes

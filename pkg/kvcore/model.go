@@ -335,17 +335,52 @@ func (m *Model) EffectiveLayoutVersion() int {
 // not negative.
 func (m *Model) validateCompat() error {
 	for _, f := range []struct{ name, v string }{{"kv_dtype", m.KVDtype}, {"engine_version", m.EngineVersion}} {
-		if len(f.v) > maxCompatText {
-			return &SpecError{f.name, fmt.Sprintf("%d bytes, at most %d", len(f.v), maxCompatText)}
-		}
-		for i := 0; i < len(f.v); i++ {
-			if c := f.v[i]; !tenantByte(c) && c != '+' {
-				return &SpecError{f.name, fmt.Sprintf("%q: byte %d (%q) is not one of [A-Za-z0-9._+-]", f.v, i, c)}
-			}
+		if problem := compatTextProblem(f.v); problem != "" {
+			return &SpecError{f.name, problem}
 		}
 	}
 	if m.LayoutVersion < 0 {
 		return &SpecError{"layout_version", "must not be negative"}
+	}
+	return nil
+}
+
+// compatTextProblem says what keeps v from being a compatibility text (at
+// most maxCompatText bytes of [A-Za-z0-9._+-]), or "" when nothing does.
+func compatTextProblem(v string) string {
+	if len(v) > maxCompatText {
+		return fmt.Sprintf("%d bytes, at most %d", len(v), maxCompatText)
+	}
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; !tenantByte(c) && c != '+' {
+			return fmt.Sprintf("%q: byte %d (%q) is not one of [A-Za-z0-9._+-]", v, i, c)
+		}
+	}
+	return ""
+}
+
+// ValidateEngineVersion reports an engine version an engine cannot state:
+// more than 64 bytes, or a byte outside [A-Za-z0-9._+-] (vLLM's versions,
+// such as 0.11.2+cu128, fit). Empty states none. The error wraps
+// ErrBadEngineVersion.
+func ValidateEngineVersion(v string) error {
+	if problem := compatTextProblem(v); problem != "" {
+		return fmt.Errorf("engine version %s: %w", problem, ErrBadEngineVersion)
+	}
+	return nil
+}
+
+// CheckEngineVersion reports whether an engine stating version stated may
+// use the model's keys: it may unless the spec pins an engine version
+// (EngineVersion, part of the fingerprint) and the engine states another.
+// An engine that states none is taken at the spec's word. The error wraps
+// ErrBadEngineVersion or ErrEngineVersion.
+func (m *Model) CheckEngineVersion(stated string) error {
+	if err := ValidateEngineVersion(stated); err != nil {
+		return err
+	}
+	if m.EngineVersion != "" && stated != "" && stated != m.EngineVersion {
+		return fmt.Errorf("engine version %q, the model %s's blocks are of engine version %q: %w", stated, m.Name, m.EngineVersion, ErrEngineVersion)
 	}
 	return nil
 }

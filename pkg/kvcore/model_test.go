@@ -258,3 +258,31 @@ func TestRankStringAndJSON(t *testing.T) {
 		t.Errorf("json = %s, %v", b, err)
 	}
 }
+
+func TestCheckEngineVersion(t *testing.T) {
+	pinned := lookupModel(16, grpFull(16))
+	pinned.EngineVersion = "0.11.2"
+	open := lookupModel(16, grpFull(16))
+	cases := []struct {
+		name   string
+		m      *Model
+		stated string
+		want   error
+	}{
+		{"pinned, same", pinned, "0.11.2", nil},
+		{"pinned, not stated", pinned, "", nil},
+		{"pinned, another", pinned, "0.12.0", ErrEngineVersion},
+		{"not pinned, any", open, "0.12.0+cu128", nil},
+		{"not pinned, not stated", open, "", nil},
+		{"malformed", open, "0.12 rc1", ErrBadEngineVersion},
+		{"too long", pinned, strings.Repeat("9", 65), ErrBadEngineVersion},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.m.CheckEngineVersion(tc.stated)
+			if tc.want == nil && err != nil || tc.want != nil && !errors.Is(err, tc.want) {
+				t.Fatalf("CheckEngineVersion(%q) = %v, want %v", tc.stated, err, tc.want)
+			}
+		})
+	}
+}

@@ -21,6 +21,24 @@ from .errors import KVMeshConfigError
 PREFIX = "kvmesh."
 
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_ENGINE_VERSION = re.compile(r"^[A-Za-z0-9._+-]{0,64}$")
+
+
+def valid_engine_version(v: str) -> bool:
+    """Whether ``v`` is an engine version kvmesh accepts
+    (kvcore.ValidateEngineVersion); empty states none."""
+    return bool(_ENGINE_VERSION.match(v))
+
+
+def vllm_version() -> str:
+    """vLLM's ``__version__``, the version the connector states, or "" when
+    vLLM is not importable or its version is not one kvmesh accepts."""
+    try:
+        from vllm import __version__ as v  # noqa: PLC0415 (vLLM is optional here)
+    except Exception:  # pragma: no cover - depends on the install
+        return ""
+    v = str(v)
+    return v if valid_engine_version(v) else ""
 
 
 def valid_tenant(t: str) -> bool:
@@ -42,6 +60,10 @@ class Settings:
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
     tenant: str = ""
+    #: The engine's version, stated on every lookup and ``admitted`` event:
+    #: a mesh whose model spec pins another refuses them (the store's
+    #: blocks are that version's). Default vLLM's ``__version__``.
+    engine_version: str = ""
     role: str = "kv_both"
     lookup_timeout_s: float = 5.0
     lookup_deadline_s: float = 30.0
@@ -146,6 +168,9 @@ def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
     tenant = str(extra.get(PREFIX + "tenant") or "")
     if tenant and not valid_tenant(tenant):
         raise KVMeshConfigError(f"{PREFIX}tenant {tenant!r}: 1 to 64 bytes of [A-Za-z0-9._-]")
+    engine_version = str(extra[PREFIX + "engine_version"]) if PREFIX + "engine_version" in extra else vllm_version()
+    if not valid_engine_version(engine_version):
+        raise KVMeshConfigError(f"{PREFIX}engine_version {engine_version!r}: at most 64 bytes of [A-Za-z0-9._+-]")
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise KVMeshConfigError(f"kv_role {role!r}: want kv_producer, kv_consumer or kv_both")
     kafka_env = dict(env)
@@ -167,6 +192,7 @@ def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
         cert_file=extra.get(PREFIX + "cert_file") or env.get("KVMESH_HTTP_CLIENT_CERT_FILE") or None,
         key_file=extra.get(PREFIX + "key_file") or env.get("KVMESH_HTTP_CLIENT_KEY_FILE") or None,
         tenant=tenant,
+        engine_version=engine_version,
         role=role,
         lookup_timeout_s=_seconds(extra, "lookup_timeout_s", 5.0),
         lookup_deadline_s=_seconds(extra, "lookup_deadline_s", 30.0),
@@ -180,7 +206,7 @@ def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
 
 
 _KNOWN = {
-    "engine_id", "model", "lookup_url", "gpuworker_urls", "token", "token_file", "tenant",
+    "engine_id", "model", "lookup_url", "gpuworker_urls", "token", "token_file", "tenant", "engine_version",
     "ca_file", "cert_file", "key_file",
     "lookup_timeout_s", "lookup_deadline_s", "publish_timeout_s", "finish_timeout_s", "load_timeout_s", "start_deadline_s",
     "send_token_ids",

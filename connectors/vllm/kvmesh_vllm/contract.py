@@ -72,6 +72,7 @@ class RequestEvent:
     token_ids: Optional[list[int]] = None
     lora_name: str = ""
     tenant: str = ""
+    engine_version: str = ""
     consumer: bool = False
     external_tokens: int = 0
     block_table: Optional[BlockTable] = None
@@ -92,6 +93,8 @@ class RequestEvent:
             out["lora_name"] = self.lora_name
         if self.tenant:
             out["tenant"] = self.tenant
+        if self.engine_version:
+            out["engine_version"] = self.engine_version
         if self.consumer:
             out["consumer"] = True
         if self.external_tokens:
@@ -227,7 +230,8 @@ class Decision:
 
 def lookup_request(engine_id: str, request_id: str, model: str, block_hashes: list[str],
                    num_tokens: int, num_computed_tokens: int, tenant: str = "",
-                   kv_transfer_params: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                   kv_transfer_params: Optional[dict[str, Any]] = None,
+                   engine_version: str = "") -> dict[str, Any]:
     """The body of ``POST /v1/lookup``."""
     out: dict[str, Any] = {
         "engine_id": engine_id,
@@ -239,6 +243,8 @@ def lookup_request(engine_id: str, request_id: str, model: str, block_hashes: li
     }
     if tenant:
         out["tenant"] = tenant
+    if engine_version:
+        out["engine_version"] = engine_version
     if kv_transfer_params:
         out["kv_transfer_params"] = kv_transfer_params
     return out

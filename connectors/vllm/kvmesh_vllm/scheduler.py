@@ -199,7 +199,7 @@ class SchedulerSide:
             )
         body = c.lookup_request(
             self._s.engine_id, st.request_id, self._s.model, hashes, num_tokens, num_computed,
-            tenant=st.tenant, kv_transfer_params=_pd_params(req),
+            tenant=st.tenant, kv_transfer_params=_pd_params(req), engine_version=self._s.engine_version,
         )
         _, _, data = self._lookup.request("POST", "/v1/lookup", json_body=body, headers=st.trace.headers())
         return c.Decision.from_json(data)
@@ -250,7 +250,7 @@ class SchedulerSide:
                 block_hashes=hashes,
                 token_ids=self._token_ids(request, hashes),
                 lora_name=self._lora_name(st),
-                tenant=st.tenant, consumer=self._s.consumer,
+                tenant=st.tenant, engine_version=self._s.engine_version, consumer=self._s.consumer,
             ))
         st.allocated, st.table, st.external = True, table, num_external_tokens
         if st.decision and st.decision.external_tokens > 0 and num_external_tokens == 0:

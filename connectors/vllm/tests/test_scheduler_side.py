@@ -543,3 +543,35 @@ def test_send_token_ids_setting_refuses_other_values():
     extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.send_token_ids": "maybe"}
     with pytest.raises(cfg.KVMeshConfigError, match="send_token_ids"):
         cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"})
+
+
+def test_engine_version_on_lookups_and_admitted():
+    """The engine states its version on every lookup and on the admitted
+    event (a mesh whose model pins another refuses them); none stated: no
+    field."""
+    side = Side(FakeLookup(hit=0))
+    side.s._s = cfg.Settings(engine_id="e1", model="hybrid", lookup_url="http://x", kafka={}, engine_version="0.11.2+cu128")
+    ev = _admitted(side, request(tokens=40))
+    assert ev["engine_version"] == "0.11.2+cu128"
+    assert side.lookup.calls and all(c["engine_version"] == "0.11.2+cu128" for c in side.lookup.calls)
+    plain = Side(FakeLookup(hit=0))
+    ev = _admitted(plain, request(tokens=40))
+    assert "engine_version" not in ev and all("engine_version" not in c for c in plain.lookup.calls)
+
+
+@pytest.mark.parametrize("value, want", [
+    (None, cfg.vllm_version()),  # vLLM's own version by default
+    ("0.12.0", "0.12.0"),
+    ("", ""),  # stated as none
+])
+def test_engine_version_setting(value, want):
+    extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l"}
+    if value is not None:
+        extra["kvmesh.engine_version"] = value
+    assert cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"}).engine_version == want
+
+
+def test_engine_version_setting_refuses_what_the_mesh_would():
+    extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.engine_version": "0.12 rc1"}
+    with pytest.raises(cfg.KVMeshConfigError, match="engine_version"):
+        cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"})

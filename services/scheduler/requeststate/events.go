@@ -221,9 +221,16 @@ func (r *Request) applyFinish(m *kvcore.Model, out *Outcome, ev contract.Request
 // prompt length, never the tokens). A tenant
 // that cannot be a key segment, or one that differs from the tenant the
 // request was admitted with before, stops the request (request_error):
-// none of its tasks may be keyed in a tenant it was not admitted with.
+// none of its tasks may be keyed in a tenant it was not admitted with. So
+// does an engine version other than the one the model pins
+// (kvcore.Model.CheckEngineVersion): its blocks are not the pinned
+// version's, whose keys every task would use.
 func (r *Request) admit(m *kvcore.Model, out *Outcome, ev contract.RequestEvent) {
 	if err := kvcore.ValidateTenant(ev.Tenant); err != nil {
+		r.fail(out, fmt.Errorf("%s (admitted): %w", source(ev), err))
+		return
+	}
+	if err := m.CheckEngineVersion(ev.EngineVersion); err != nil {
 		r.fail(out, fmt.Errorf("%s (admitted): %w", source(ev), err))
 		return
 	}

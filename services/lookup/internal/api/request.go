@@ -34,6 +34,11 @@ type Request struct {
 	// non-empty tenant is 1 to kvcore.MaxTenantBytes bytes of
 	// [A-Za-z0-9._-] (kvcore.ValidateTenant).
 	Tenant string `json:"tenant"`
+	// EngineVersion is the engine's version (vLLM's __version__), optional:
+	// when the served model's spec pins an engine version and the engine
+	// states another, the lookup is refused (kvcore.Model.CheckEngineVersion):
+	// the store's blocks are the pinned version's.
+	EngineVersion string `json:"engine_version"`
 	// TokenIDs are the request's tokens; the service hashes them with
 	// kvcore.HashChain at the model's hash block size.
 	TokenIDs []uint32 `json:"token_ids"`
@@ -130,13 +135,16 @@ func (v Validator) checkIdentity(req *Request) error {
 	return v.checkScope(req)
 }
 
-// checkScope checks the tenant and the model name.
+// checkScope checks the tenant, the model name and the engine version.
 func (v Validator) checkScope(req *Request) error {
 	if err := kvcore.ValidateTenant(req.Tenant); err != nil {
 		return fieldErr("tenant", "is not a valid tenant: at most %d bytes of [A-Za-z0-9._-]", kvcore.MaxTenantBytes)
 	}
 	if req.Model != v.Model.Name {
 		return fieldErr("model", "model %q is not served here; this lookup serves %q", req.Model, v.Model.Name)
+	}
+	if err := v.Model.CheckEngineVersion(req.EngineVersion); err != nil {
+		return fieldErr("engine_version", "%v", err)
 	}
 	return nil
 }

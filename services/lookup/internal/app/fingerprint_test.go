@@ -1,6 +1,7 @@
 package app_test
 
 import (
+	"net/http"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
@@ -47,4 +48,38 @@ func TestLayoutChangeIsAMiss(t *testing.T) {
 		})
 	}
 	hit.check(t, old.lookup(t, body("layout-old-again", toks, 0)))
+}
+
+// TestLookupRefusesAnotherEngineVersion: a lookup serving a spec that pins
+// engine_version answers an engine stating that version, or none, and
+// refuses one stating another (400, field engine_version), in the JSON and
+// the binary body; a malformed version is refused too.
+func TestLookupRefusesAnotherEngineVersion(t *testing.T) {
+	env := servicetest.NewEnv(t)
+	seed := newSeeder(t, env.RedisURL)
+	s := startLookup(t, env, map[string]string{"KVMESH_MODEL": writeSpec(t, specDense+"engine_version: 0.11.2\n")})
+	toks := tokens(48, 978)
+	hashes := kvcore.HashChain(toks, 16, nil)
+	seed.put(t, groupKeys(s.keys(), 0, hashes, 0, 1, 2)...)
+	hit := expect{external: 32, loadAsync: true, chosen: "store",
+		children: []contract.ChildDecision{store(32, &kvcore.LoadSpec{KVPoolCachedTokens: 32})}}
+	for _, stated := range []string{"0.11.2", ""} {
+		b := body("version-ok-"+stated, toks, 0)
+		if stated != "" {
+			b["engine_version"] = stated
+		}
+		hit.check(t, s.lookup(t, b))
+	}
+	for _, stated := range []string{"0.12.0", "0.11.2 rc1"} {
+		b := body("version-refused", toks, 0)
+		b["engine_version"] = stated
+		if p := s.post(t, b, nil).problem(t, http.StatusBadRequest); p.Extras["field"] != "engine_version" {
+			t.Errorf("engine version %q: problem %+v, want field engine_version", stated, p)
+		}
+		head := map[string]any{"engine_id": "engine-0", "request_id": "version-bin", "model": "test-model",
+			"block_hash_bytes": len(hashes[0]), "num_tokens": 48, "engine_version": stated}
+		if p := s.post(t, binaryBody(t, head, hashes), binaryType).problem(t, http.StatusBadRequest); p.Extras["field"] != "engine_version" {
+			t.Errorf("binary, engine version %q: problem %+v, want field engine_version", stated, p)
+		}
+	}
 }
