@@ -18,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 )
 
 // tp8Model is the seed's deployment: MLA + linear attention at TP8.
@@ -169,9 +170,17 @@ func checkKeysWrittenOnce(t *testing.T, s *stack, m *kvcore.Model, rep *sim.Repo
 		namespaces[g] = m.Namespaces(g)
 	}
 	perGroup := make([]int, len(m.Groups))
-	total := 0
-	err := testenv.EachKeyBatch(s.redisURL, s.prefix, func(_ context.Context, _ *redis.Client, keys []string) error {
+	total, timed := 0, int64(0)
+	err := testenv.EachKeyBatch(s.redisURL, s.prefix, func(ctx context.Context, c *redis.Client, keys []string) error {
 		for _, k := range keys {
+			if strings.HasSuffix(k, kvstore.StoredIndexSuffix) { // a namespace's store times
+				n, err := c.ZCard(ctx, k).Result()
+				if err != nil {
+					return err
+				}
+				timed += n
+				continue
+			}
 			p, err := kvcore.ParseKey(k)
 			if err != nil {
 				t.Errorf("key %q: %v", k, err)
@@ -191,6 +200,9 @@ func checkKeysWrittenOnce(t *testing.T, s *stack, m *kvcore.Model, rep *sim.Repo
 	}
 	if total == 0 || total != rep.Ledger.Stored {
 		t.Fatalf("%d keys in the store (%v per group), the sender stored %d: a key written twice or lost", total, perGroup, rep.Ledger.Stored)
+	}
+	if timed != int64(total) {
+		t.Errorf("%d store times in the namespaces' indexes for %d keys: every stored key has one", timed, total)
 	}
 	// Each MLA chunk is one key, each linear-attention state eight.
 	if perGroup[1]%8 != 0 {

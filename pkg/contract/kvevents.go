@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -59,6 +60,11 @@ const (
 	HeaderKVRequestID = "kvmesh-request-id"
 	// HeaderKVCause says why blocks went: evicted, expired, del or flushed.
 	HeaderKVCause = "kvmesh-cause"
+	// HeaderKVBlockAges lists, for a removal, each block's age when it was
+	// removed: seconds since it was stored (three decimals), comma
+	// separated, one per hash of HeaderKVBlockHashes, -1 where the store
+	// kept no store time for it (kvstore.StoreTimes).
+	HeaderKVBlockAges = "kvmesh-block-ages"
 	// HeaderKVTenant is the tenant whose keys the record is about
 	// (kvcore.KeyBuilder.Tenant); absent for the empty tenant.
 	HeaderKVTenant = "kvmesh-tenant"
@@ -664,8 +670,11 @@ func EncodeKVEventRecord(r KVEventRecord, form KVEventForm) (key string, value [
 		return "", nil, nil, err
 	}
 	headers = map[string]string{HeaderKVSchema: SchemaKVEvent, HeaderKVModel: r.Model, HeaderKVNamespace: r.Namespace}
+	if len(r.Ages) > 0 && len(r.Ages) != len(r.Hashes) {
+		return "", nil, nil, fmt.Errorf("kv event record of %d hashes has %d ages: %w", len(r.Hashes), len(r.Ages), ErrKVEventEncoding)
+	}
 	for name, v := range map[string]string{
-		HeaderKVBlockHashes: strings.Join(r.Hashes, ","), HeaderKVEngineID: r.EngineID,
+		HeaderKVBlockHashes: strings.Join(r.Hashes, ","), HeaderKVBlockAges: formatAges(r.Ages), HeaderKVEngineID: r.EngineID,
 		HeaderKVRequestID: r.RequestID, HeaderKVCause: r.Cause, HeaderKVTenant: r.Tenant, HeaderKVFingerprint: r.Fingerprint,
 	} {
 		if v != "" {
@@ -694,6 +703,11 @@ func DecodeKVEventRecord(value []byte, headers map[string]string) (KVEventRecord
 	if h := headers[HeaderKVBlockHashes]; h != "" {
 		r.Hashes = strings.Split(h, ",")
 	}
+	if a := headers[HeaderKVBlockAges]; a != "" {
+		if r.Ages, err = parseAges(a, len(r.Hashes)); err != nil {
+			return KVEventRecord{}, err
+		}
+	}
 	n := 0
 	for _, e := range b.Events {
 		n += len(e.BlockHashes)
@@ -720,4 +734,42 @@ func (r KVEventRecord) Kind() KVEventKind {
 		return ""
 	}
 	return r.Batch.Events[0].Kind
+}
+
+// formatAges writes ages as HeaderKVBlockAges does: seconds with three
+// decimals, -1 for an unknown age; "" for none.
+func formatAges(ages []float64) string {
+	if len(ages) == 0 {
+		return ""
+	}
+	b := make([]byte, 0, 8*len(ages))
+	for i, a := range ages {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		if a < 0 {
+			b = append(b, "-1"...)
+			continue
+		}
+		b = strconv.AppendFloat(b, a, 'f', 3, 64)
+	}
+	return string(b)
+}
+
+// parseAges reads HeaderKVBlockAges: n ages, each -1 or a non-negative
+// number of seconds.
+func parseAges(h string, n int) ([]float64, error) {
+	parts := strings.Split(h, ",")
+	if len(parts) != n {
+		return nil, fmt.Errorf("kv event record of %d hashes names %d ages: %w", n, len(parts), ErrKVEventEncoding)
+	}
+	ages := make([]float64, n)
+	for i, p := range parts {
+		a, err := strconv.ParseFloat(p, 64)
+		if err != nil || math.IsNaN(a) || math.IsInf(a, 0) || (a < 0 && a != -1) {
+			return nil, fmt.Errorf("kv event record age %q: want seconds or -1: %w", p, ErrKVEventEncoding)
+		}
+		ages[i] = a
+	}
+	return ages, nil
 }

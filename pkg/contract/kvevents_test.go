@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"maps"
 	"reflect"
 	"slices"
 	"testing"
@@ -340,12 +341,14 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 			{Kind: BlockRemoved, BlockHashes: []uint64{WireHash(h1)}, Medium: ptr(MediumStore), GroupIdx: ptr(0)},
 		}},
 		Model: "m", Fingerprint: kb.Fingerprint, Namespace: ns, Hashes: []string{h0.Hex(), h1.Hex()}, Cause: "evicted",
+		Ages: []float64{3600.25, -1},
 	}
 	key, value, headers, err := EncodeKVEventRecord(rec, KVEventFormMap)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if key != ns || headers[HeaderKVSchema] != SchemaKVEvent || headers[HeaderKVCause] != "evicted" || headers[HeaderKVFingerprint] != kb.Fingerprint {
+	if key != ns || headers[HeaderKVSchema] != SchemaKVEvent || headers[HeaderKVCause] != "evicted" || headers[HeaderKVFingerprint] != kb.Fingerprint ||
+		headers[HeaderKVBlockAges] != "3600.250,-1" {
 		t.Fatalf("key %q, headers %v", key, headers)
 	}
 	if _, ok := headers[HeaderKVRequestID]; ok {
@@ -370,9 +373,17 @@ func TestKVEventRecordRoundTrip(t *testing.T) {
 	for name, bad := range map[string]KVEventRecord{
 		"no namespace":   {Batch: rec.Batch, Hashes: rec.Hashes},
 		"hashes missing": {Batch: rec.Batch, Namespace: ns, Hashes: rec.Hashes[:1]},
+		"ages missing":   {Batch: rec.Batch, Namespace: ns, Hashes: rec.Hashes, Ages: rec.Ages[:1]},
 	} {
 		if _, _, _, err := EncodeKVEventRecord(bad, KVEventFormMap); !errors.Is(err, ErrKVEventEncoding) {
 			t.Errorf("%s: error %v, want ErrKVEventEncoding", name, err)
+		}
+	}
+	for _, ages := range []string{"1", "1,x", "1,-2", "1,NaN", "1,+Inf"} {
+		bad := maps.Clone(headers)
+		bad[HeaderKVBlockAges] = ages
+		if _, err := DecodeKVEventRecord(value, bad); !errors.Is(err, ErrKVEventEncoding) {
+			t.Errorf("ages header %q: error %v, want ErrKVEventEncoding", ages, err)
 		}
 	}
 	headers[HeaderKVBlockHashes] = h0.Hex()

@@ -403,6 +403,10 @@ type KVEventRecord struct {
 	// (BlockStored; empty for events observed in the store).
 	EngineID  string
 	RequestID string
+	// Ages are, for a removal, each block's age when it was removed, in
+	// seconds, one per hash of Hashes, -1 where it is not known
+	// (HeaderKVBlockAges); nil when no age is known.
+	Ages []float64
 	// Cause is why blocks were removed: the Redis event (evicted, expired,
 	// del) or "flushed" (HeaderKVCause); empty for BlockStored.
 	Cause string

@@ -230,8 +230,12 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 		return nil, err
 	}
 	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut}).WithLabels(vllmLabels)
-	dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).
-		WithStreams(dataplaneapi.Streams{N: cfg.StoreStreams, ChunkBytes: cfg.StreamChunkBytes}).Mount(a.srv.Router())
+	dp := dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).
+		WithStreams(dataplaneapi.Streams{N: cfg.StoreStreams, ChunkBytes: cfg.StreamChunkBytes})
+	if st, ok := a.deps.Store.(kvstore.StoreTimes); ok {
+		dp.WithStoreTimes(st, time.Now)
+	}
+	dp.Mount(a.srv.Router())
 	dataplaneapi.NewKVMemory(a.pool, a.model).Mount(a.srv.Router())
 	a.mountAPI()
 	a.worker = registry.Worker{EngineID: cfg.EngineID, Rank: cfg.Rank(), Addr: dataplaneURL(cfg.DataplaneURL, a.srv.Addr(), cfg.HTTPTLS.CertFile != "")}

@@ -7,11 +7,13 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmesh/kvmesh/internal/servicetest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 )
 
 func TestClientWriteReadByteExact(t *testing.T) {
@@ -146,6 +148,21 @@ func TestClientPutStoresFramedValues(t *testing.T) {
 	}
 	if n, _ := rdb.Exists(ctx, items[2].Key).Result(); n != 0 {
 		t.Fatal("an item with an invalid block was stored")
+	}
+	// Each stored key's time is in its namespace's index (the removal
+	// watcher reads it to say the block's age); the refused one's is not.
+	for i, stored := range []bool{true, true, false} {
+		ns, hash, _ := kvcore.SplitKey(items[i].Key)
+		at, err := rdb.ZScore(ctx, ns+kvstore.StoredIndexSuffix, hash).Result()
+		if !stored {
+			if err == nil {
+				t.Errorf("item %d was refused but has a store time", i)
+			}
+			continue
+		}
+		if err != nil || time.Since(time.UnixMilli(int64(at*1e3))).Abs() > time.Minute {
+			t.Errorf("item %d: store time %v (%v), want about now", i, at, err)
+		}
 	}
 	m := metricsText(t, w)
 	for _, want := range []string{

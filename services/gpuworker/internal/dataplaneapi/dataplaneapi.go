@@ -13,6 +13,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 	"go.opentelemetry.io/otel"
@@ -42,6 +43,10 @@ type Handler struct {
 	bufs chan *[]byte
 	// streams bounds a put's concurrent store calls (put.go).
 	streams Streams
+	// times records when each key was stored (nil: not recorded), and now
+	// is its clock.
+	times kvstore.StoreTimes
+	now   func() time.Time
 	// frameBufs are kept buffers read answers build their frames in.
 	frameBufs chan []byte
 }
@@ -59,6 +64,15 @@ const keptBuffers = 2
 func New(p *pool.Pool, st kvstore.Store, fingerprint string, maxBatch int, m *metrics.Metrics) *Handler {
 	return &Handler{pool: p, store: st, fp: fingerprint, maxBatch: maxBatch, metrics: m, bufs: make(chan *[]byte, keptBuffers),
 		frameBufs: make(chan []byte, keptFrameBufs)}
+}
+
+// WithStoreTimes has h record the time of every key it stores in st
+// (kvstore.StoreTimes), so the removal of the key can say the block's age.
+// A failed record does not fail the put: the block is stored; it is
+// counted (kvmesh_gpuworker_store_times_unrecorded_total).
+func (h *Handler) WithStoreTimes(st kvstore.StoreTimes, now func() time.Time) *Handler {
+	h.times, h.now = st, now
+	return h
 }
 
 // Mount adds the routes to r.

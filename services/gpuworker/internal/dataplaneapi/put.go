@@ -210,14 +210,28 @@ func (h *Handler) putBatch(ctx context.Context, items []dataplane.PutItem, idx [
 		return 0, fmt.Errorf("store put of %d keys: %w", len(batch), err)
 	}
 	var stored int64
+	keys := make([]string, 0, len(framed))
 	for j, i := range framed {
 		results[i] = putResult(errs[j])
 		if errs[j] == nil {
 			stored += int64(len(batch[j].Value))
+			keys = append(keys, batch[j].Key)
 		}
 	}
 	h.metrics.StoreBytes(metrics.OpSavePut, stored)
+	h.recordStored(ctx, keys)
 	return stored, nil
+}
+
+// recordStored records now as the store time of keys, when h keeps store
+// times; a failure is counted, never the put's.
+func (h *Handler) recordStored(ctx context.Context, keys []string) {
+	if h.times == nil || len(keys) == 0 {
+		return
+	}
+	if err := h.times.MarkStored(ctx, keys, h.now()); err != nil {
+		h.metrics.StoreTimesUnrecorded(len(keys))
+	}
 }
 
 // buffer returns one of the handler's framing buffers with at least size

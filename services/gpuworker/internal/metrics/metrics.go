@@ -51,6 +51,8 @@ type Metrics struct {
 	loadBytes  prometheus.Counter
 	loadTime   *prometheus.HistogramVec
 	notHeld    *prometheus.CounterVec
+	// unindexed counts stored keys whose store time was not recorded.
+	unindexed prometheus.Counter
 }
 
 // New registers the metrics on reg, with collectors that read the pool and
@@ -82,8 +84,12 @@ func New(reg prometheus.Registerer, stats func() []pool.GroupStats, gpus *device
 			Name: "kvmesh_gpuworker_not_held_total",
 			Help: "Block reads refused because the block does not hold the asked hash (never written since start, evicted, rewritten or torn), by operation (put, read, pd_source).",
 		}, []string{"op"}),
+		unindexed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_gpuworker_store_times_unrecorded_total",
+			Help: "Keys this worker stored whose store time it could not record (the index write failed): their removals will not say the block's age.",
+		}),
 	}
-	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes, m.loadTime, m.notHeld,
+	if err := telemetry.RegisterAll(reg, m.storeBytes, m.rejected, m.loads, m.loadErrors, m.loadBytes, m.loadTime, m.notHeld, m.unindexed,
 		&poolCollector{stats: stats}, &gpuCollector{src: gpus}); err != nil {
 		return nil, fmt.Errorf("gpuworker metrics: %w", err)
 	}
@@ -122,6 +128,12 @@ func (m *Metrics) StoreBytes(op string, n int64) {
 // the asked hash.
 func (m *Metrics) NotHeld(op string) {
 	m.notHeld.WithLabelValues(op).Inc()
+}
+
+// StoreTimesUnrecorded counts n stored keys whose store time was not
+// recorded.
+func (m *Metrics) StoreTimesUnrecorded(n int) {
+	m.unindexed.Add(float64(n))
 }
 
 // Rejected counts a stored value a load refused, by the reason in err.

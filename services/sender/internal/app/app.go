@@ -272,9 +272,10 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher
 	if err != nil {
 		return nil, err
 	}
+	times, _ := a.deps.Store.(kvstore.StoreTimes) // the gpuworkers record into the same store
 	return evictions.New(evictions.Options{
 		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
-		Form: cfg.KVEventsForm,
+		Form: cfg.KVEventsForm, Times: times,
 	})
 }

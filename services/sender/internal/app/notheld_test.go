@@ -13,6 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/deadletter/dlqhttp"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
+	"github.com/kvmesh/kvmesh/pkg/kvstore"
 )
 
 // TestSaveOfReusedBlockStoresNoWrongBytes simulates the engine preempting
@@ -132,6 +133,10 @@ func (s *stack) checkEveryStoredValue(t *testing.T, tasks []*kvcore.SaveTask, wr
 	iter := rdb.Scan(ctx, 0, s.prefix+"@*", 1000).Iterator()
 	for iter.Next(ctx) {
 		key := iter.Val()
+		if ns, ok := strings.CutSuffix(key, kvstore.StoredIndexSuffix); ok {
+			checkIndex(ctx, t, rdb, ns, want) // a namespace's store times, not a value
+			continue
+		}
 		raw, err := rdb.Get(ctx, key).Bytes()
 		if err != nil {
 			t.Fatalf("key %s: %v", key, err)
@@ -167,4 +172,19 @@ func containsKey(keys []string, k string) bool {
 		}
 	}
 	return false
+}
+
+// checkIndex checks the store-time index of namespace ns: every block it
+// times is a chunk the tasks stored.
+func checkIndex(ctx context.Context, t *testing.T, rdb *redis.Client, ns string, want map[string][]byte) {
+	t.Helper()
+	hashes, err := rdb.ZRange(ctx, ns+kvstore.StoredIndexSuffix, 0, -1).Result()
+	if err != nil {
+		t.Fatalf("index of %s: %v", ns, err)
+	}
+	for _, h := range hashes {
+		if _, ok := want[ns+"@"+h]; !ok {
+			t.Fatalf("index of %s times %s, no chunk of the tasks", ns, h)
+		}
+	}
 }

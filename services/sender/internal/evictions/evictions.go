@@ -141,6 +141,11 @@ type Options struct {
 	// Form is the wire form of the records' batches (contract.KVEventForm;
 	// "" is the map form).
 	Form contract.KVEventForm
+	// Times holds the store time of every key the gpuworkers stored
+	// (kvstore.StoreTimes: the store pool's own index): each removal
+	// takes its key's time from it and says the block's age. Nil: ages
+	// are not known.
+	Times kvstore.StoreTimes
 }
 
 // Watcher publishes the store's removals as BlockRemoved events. Run it once.
@@ -622,6 +627,9 @@ type pendingBatch struct {
 	tenant string // the keys' tenant (part of the namespace, so one per batch)
 	hashes []string
 	wire   []uint64
+	// ages are the blocks' ages in seconds, one per hash (-1: unknown),
+	// once taken (takeAges); nil before.
+	ages []float64
 }
 
 func newBatcher(w *Watcher, marker string) *batcher {
@@ -641,6 +649,9 @@ func (b *batcher) add(msg *redis.Message) {
 	}
 	if strings.HasPrefix(key, markerPrefix) {
 		return // another deployment's or cluster node's marker
+	}
+	if strings.HasSuffix(key, kvstore.StoredIndexSuffix) {
+		return // a namespace's store-time index, not a block
 	}
 	p, ok, err := b.w.opts.Keys.ParseOwn(key)
 	switch {
@@ -687,32 +698,76 @@ func (b *batcher) flush(ctx context.Context) error {
 	if len(b.order) == 0 {
 		return nil
 	}
+	now := b.w.opts.Now()
+	b.takeAges(ctx, now)
 	medium, locality := contract.MediumStore, contract.LocalityStore
-	ts := contract.UnixSeconds(b.w.opts.Now())
+	ts := contract.UnixSeconds(now)
 	var recs []contract.KVEventRecord
-	counts := map[string]int{}
 	for _, k := range b.order {
 		pb := b.pending[k]
 		group := pb.group
 		for start := 0; start < len(pb.hashes); start += b.w.opts.MaxBatch {
 			end := min(start+b.w.opts.MaxBatch, len(pb.hashes))
-			recs = append(recs, contract.KVEventRecord{
+			rec := contract.KVEventRecord{
 				Batch: contract.KVEventBatch{TS: ts, DataParallelRank: new(int), Events: []contract.KVEvent{{
 					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
 					Locality: &locality,
 				}}},
 				Model: b.w.opts.Keys.Model, Fingerprint: b.w.opts.Keys.Fingerprint, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
 				Tenant: pb.tenant,
-			})
+			}
+			if pb.ages != nil {
+				rec.Ages = pb.ages[start:end]
+			}
+			recs = append(recs, rec)
 		}
-		counts[k.cause] += len(pb.hashes)
 	}
 	if err := b.w.publish(ctx, recs); err != nil {
 		return err
 	}
-	for cause, n := range counts {
-		b.w.opts.Metrics.removed.WithLabelValues(cause).Add(float64(n))
+	for _, k := range b.order {
+		b.w.opts.Metrics.countRemoved(k.cause, b.pending[k])
 	}
 	b.pending, b.order = map[batchKey]*pendingBatch{}, nil
 	return nil
+}
+
+// takeAges takes the store time of every pending key not taken yet from
+// the store's index and gives each batch its blocks' ages at now, one per
+// hash (-1 where the index has no time). Once taken a time is gone, so a
+// batch keeps its ages across a failed publish and takes only those of
+// keys added since. Without Times the batches go without ages; when the
+// index cannot be read their new keys' ages are -1: a removal is
+// announced either way.
+func (b *batcher) takeAges(ctx context.Context, now time.Time) {
+	if b.w.opts.Times == nil {
+		return
+	}
+	var keys []string
+	for _, k := range b.order {
+		pb := b.pending[k]
+		for _, h := range pb.hashes[len(pb.ages):] {
+			keys = append(keys, k.namespace+"@"+h)
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	at, err := b.w.opts.Times.TakeStored(ctx, keys)
+	if err != nil {
+		b.w.opts.Logger.Warn("store times of removed blocks not read; their removals go without ages", "keys", len(keys), "err", err)
+		at = make([]time.Time, len(keys))
+	}
+	i := 0
+	for _, k := range b.order {
+		pb := b.pending[k]
+		for range pb.hashes[len(pb.ages):] {
+			age := -1.0
+			if !at[i].IsZero() {
+				age = max(0, now.Sub(at[i]).Seconds())
+			}
+			pb.ages = append(pb.ages, age)
+			i++
+		}
+	}
 }

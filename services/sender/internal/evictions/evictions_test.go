@@ -560,3 +560,75 @@ func TestStoreRestartsNeverStopTheWatcher(t *testing.T) {
 	announced("once notifications can be turned on again", 3)
 	running("at the end")
 }
+
+// TestRemovalsSayTheBlocksAge: with the store's index of store times
+// (kvstore.StoreTimes, which the gpuworkers write), every BlockRemoved
+// names each block's age when it went — the watcher's clock minus the
+// time the block was stored — and -1 for a block stored without a time;
+// the ages feed kvmesh_sender_removed_block_age_seconds by cause and
+// tenant; the times are taken out of the index, and the index's own
+// removal is neither announced nor counted as unmapped.
+func TestRemovalsSayTheBlocksAge(t *testing.T) {
+	now := time.Now().Truncate(time.Millisecond)
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m", Fingerprint: "00112233445566ff"}.ForTenant("acme")
+	r := newRig(t, nil, func(o *Options) {
+		o.Keys = kb.ForTenant("")
+		st, err := kvstore.NewRedis(context.Background(), o.RedisURL, kvstore.RedisOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = st.Close() })
+		o.Times, o.Now = st, func() time.Time { return now }
+	})
+	r.waitReady()
+	ctx := context.Background()
+	old := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{1})
+	young := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{2})
+	unknown := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{3})
+	for _, k := range []string{old, young, unknown} {
+		if err := r.client.Set(ctx, k, "v", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.store.MarkStored(ctx, []string{old}, now.Add(-time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.store.MarkStored(ctx, []string{young}, now.Add(-90*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.client.Del(ctx, old, young, unknown).Err(); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{old: 3600, young: 90, unknown: -1}
+	ages := map[string]float64{}
+	r.until("BlockRemoved with ages for the three keys", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		for _, rec := range r.records {
+			for i, k := range rec.Keys() {
+				if rec.Kind() == contract.BlockRemoved && len(rec.Ages) == len(rec.Hashes) {
+					ages[k] = rec.Ages[i]
+				}
+			}
+		}
+		return len(ages) == 3
+	})
+	for k, w := range want {
+		if ages[k] != w {
+			t.Errorf("age of %s = %v, want %v", k, ages[k], w)
+		}
+	}
+	if n := testutil.CollectAndCount(r.metrics.age); n != 1 {
+		t.Errorf("%d age series, want one (del, acme)", n)
+	}
+	if n := testutil.ToFloat64(r.metrics.ageless.WithLabelValues(CauseDeleted)); n != 1 {
+		t.Errorf("removed without age{del} = %v, want 1", n)
+	}
+	if n := testutil.ToFloat64(r.metrics.unmapped.WithLabelValues(unmappedMalformed)); n != 0 {
+		t.Errorf("unmapped{malformed} = %v, want 0: the index's removal is not a block's", n)
+	}
+	left, err := r.client.Exists(ctx, kb.Namespace(kvcore.Rank{}, 0)+kvstore.StoredIndexSuffix).Result()
+	if err != nil || left != 0 {
+		t.Errorf("the namespace's index is left (%d, %v): its times were taken", left, err)
+	}
+}

@@ -21,6 +21,8 @@ const (
 // Metrics are the watcher's Prometheus families.
 type Metrics struct {
 	removed  *prometheus.CounterVec
+	age      *prometheus.HistogramVec
+	ageless  *prometheus.CounterVec
 	unmapped *prometheus.CounterVec
 	gaps     prometheus.Counter
 	cleared  prometheus.Counter
@@ -34,6 +36,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		removed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_sender_block_removed_total",
 			Help: "Store keys published as BlockRemoved on kvmesh.kv.events, by the Redis event that removed them (evicted, expired, del).",
+		}, []string{"cause"}),
+		age: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvmesh_sender_removed_block_age_seconds",
+			Help:    "Age of each block published as BlockRemoved (seconds since a gpuworker stored it), by cause and tenant (\"\" for none).",
+			Buckets: []float64{1, 10, 60, 300, 900, 3600, 4 * 3600, 24 * 3600, 7 * 24 * 3600},
+		}, []string{"cause", "tenant"}),
+		ageless: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmesh_sender_removed_blocks_without_age_total",
+			Help: "Blocks published as BlockRemoved whose age is not known (no store time in the store's index: stored before it began, its write failed, or the index was removed), by cause.",
 		}, []string{"cause"}),
 		unmapped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_sender_evictions_unmapped_total",
@@ -52,14 +63,33 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "1 while this sender replica is the one that watches the store's removals, else 0.",
 		}),
 	}
-	if err := telemetry.RegisterAll(reg, m.removed, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
+	if err := telemetry.RegisterAll(reg, m.removed, m.age, m.ageless, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
 		return nil, fmt.Errorf("eviction watcher metrics: %w", err)
 	}
 	for _, c := range causes {
 		m.removed.WithLabelValues(c)
+		m.ageless.WithLabelValues(c)
 	}
 	for _, r := range []string{unmappedForeign, unmappedMalformed} {
 		m.unmapped.WithLabelValues(r)
 	}
 	return m, nil
+}
+
+// countRemoved counts the blocks of one published batch: removed by cause,
+// and each known age by cause and tenant.
+func (m *Metrics) countRemoved(cause string, pb *pendingBatch) {
+	m.removed.WithLabelValues(cause).Add(float64(len(pb.hashes)))
+	if pb.ages == nil {
+		m.ageless.WithLabelValues(cause).Add(float64(len(pb.hashes)))
+		return
+	}
+	age := m.age.WithLabelValues(cause, pb.tenant)
+	for _, a := range pb.ages {
+		if a < 0 {
+			m.ageless.WithLabelValues(cause).Inc()
+			continue
+		}
+		age.Observe(a)
+	}
 }
