@@ -147,3 +147,50 @@ type WorkerPage struct {
 	// StaleAfterSeconds is the heartbeat age past which a worker is stale.
 	StaleAfterSeconds float64 `json:"stale_after_seconds"`
 }
+
+// RemovalCause sums the removals of one cause in GET /v1/removals.
+type RemovalCause struct {
+	// Cause is why the blocks left: evicted, expired or del.
+	Cause string `json:"cause"`
+	// Blocks is how many blocks left for it.
+	Blocks int64 `json:"blocks"`
+	// AgesKnown is how many of them had a store time; the ages below are
+	// theirs (absent when none had).
+	AgesKnown int64    `json:"ages_known"`
+	AgeMinS   *float64 `json:"age_min_s,omitempty"`
+	AgeAvgS   *float64 `json:"age_avg_s,omitempty"`
+	AgeMaxS   *float64 `json:"age_max_s,omitempty"`
+}
+
+// Removal is one published BlockRemoved record of GET /v1/removals: the
+// blocks of one store namespace that left for one cause.
+type Removal struct {
+	ID          int64     `json:"id"`
+	RemovedAt   time.Time `json:"removed_at"`
+	Model       string    `json:"model"`
+	Fingerprint string    `json:"fingerprint"`
+	Tenant      string    `json:"tenant"`
+	Namespace   string    `json:"namespace"`
+	Cause       string    `json:"cause"`
+	Blocks      int       `json:"blocks"`
+	AgesKnown   int       `json:"ages_known"`
+	AgeMinS     *float64  `json:"age_min_s,omitempty"`
+	AgeMaxS     *float64  `json:"age_max_s,omitempty"`
+}
+
+// Removals is the answer of the sender's GET /v1/removals: what left the
+// store in a window, for one tenant or all, by cause and newest first.
+type Removals struct {
+	// Tenant is the tenant asked about; absent for every tenant ("" is
+	// the tenant-less key space).
+	Tenant *string `json:"tenant,omitempty"`
+	// Cause is the cause asked about; absent for every cause.
+	Cause string `json:"cause,omitempty"`
+	// Since and Until bound the window (removed_at in [Since, Until)).
+	Since time.Time `json:"since"`
+	Until time.Time `json:"until"`
+	// ByCause sums the window's removals per cause.
+	ByCause []RemovalCause `json:"by_cause"`
+	// Recent are the window's newest records, at most the limit asked.
+	Recent []Removal `json:"recent"`
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/removals"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
 
@@ -37,6 +38,7 @@ type API struct {
 	sender  Sender
 	ledger  *ledger.Ledger
 	workers *registry.View
+	removed *removals.Log
 	log     *slog.Logger
 }
 
@@ -46,13 +48,23 @@ func New(s Sender, l *ledger.Ledger, w *registry.View, log *slog.Logger) *API {
 	return &API{sender: s, ledger: l, workers: w, log: log}
 }
 
-// Mount adds the routes to r; admin guards the mutating ones. The
+// WithRemovals serves the store's removals from log (GET /v1/removals).
+func (a *API) WithRemovals(log *removals.Log) *API {
+	a.removed = log
+	return a
+}
+
+// Mount adds the routes to r; admin guards the mutating ones and the
+// removals (which name every tenant's). The
 // dead-letter routes are the shared ones (pkg/deadletter/dlqhttp) over the
 // sender's rows, with the sender's replay and its dry run.
 func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 	dlqhttp.New(a.ledger.DeadLetters(), a.sender, a.log).WithDryRun(a.dryRun).Mount(r, nil, admin)
 	r.Get("/v1/stats", a.stats)
 	r.Get("/v1/workers", a.listWorkers)
+	if a.removed != nil {
+		r.With(admin).Get("/v1/removals", a.listRemovals)
+	}
 }
 
 // Stats is the answer of GET /v1/stats.

@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/evictions"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/removals"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
 )
@@ -230,10 +231,11 @@ func (a *App) wire(cfg Config) error {
 		}
 		a.consumers = append(a.consumers, c)
 	}
-	if a.evictions, err = a.newEvictions(cfg, kb); err != nil {
+	removed := removals.New(a.deps.Pool, removals.DefaultRetention)
+	if a.evictions, err = a.newEvictions(cfg, kb, removed); err != nil {
 		return err
 	}
-	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).
+	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).WithRemovals(removed).
 		Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return nil
@@ -264,7 +266,7 @@ func (a *App) Run(ctx context.Context) error {
 
 // newEvictions builds the store-removal watcher, or nil when
 // KVMESH_SENDER_EVICTIONS is off.
-func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher, error) {
+func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder, log *removals.Log) (*evictions.Watcher, error) {
 	if !cfg.Evictions {
 		return nil, nil
 	}
@@ -276,6 +278,6 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder) (*evictions.Watcher
 	return evictions.New(evictions.Options{
 		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
-		Form: cfg.KVEventsForm, Times: times,
+		Form: cfg.KVEventsForm, Times: times, Log: log,
 	})
 }

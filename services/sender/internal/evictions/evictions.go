@@ -89,6 +89,12 @@ var (
 	ErrNotifyDisabled = errors.New("evictions: redis keyspace notifications are off")
 )
 
+// Recorder keeps the published removals (removals.Log does).
+type Recorder interface {
+	// Record writes the published records.
+	Record(ctx context.Context, recs []contract.KVEventRecord) error
+}
+
 // Publisher publishes records; *bus.Producer is one.
 type Publisher interface {
 	Publish(ctx context.Context, msgs ...bus.Message) error
@@ -141,6 +147,11 @@ type Options struct {
 	// Form is the wire form of the records' batches (contract.KVEventForm;
 	// "" is the map form).
 	Form contract.KVEventForm
+	// Log records every BlockRemoved record published (the sender's
+	// removals log, removals.Log), so an operator can ask what left and
+	// why. Nil: not recorded. A failed record is logged and counted; the
+	// removal is announced either way.
+	Log Recorder
 	// Times holds the store time of every key the gpuworkers stored
 	// (kvstore.StoreTimes: the store pool's own index): each removal
 	// takes its key's time from it and says the block's age. Nil: ages
@@ -728,6 +739,7 @@ func (b *batcher) flush(ctx context.Context) error {
 	for _, k := range b.order {
 		b.w.opts.Metrics.countRemoved(k.cause, b.pending[k])
 	}
+	b.w.record(ctx, recs)
 	b.pending, b.order = map[batchKey]*pendingBatch{}, nil
 	return nil
 }
@@ -769,5 +781,17 @@ func (b *batcher) takeAges(ctx context.Context, now time.Time) {
 			pb.ages = append(pb.ages, age)
 			i++
 		}
+	}
+}
+
+// record writes the published records to the removals log, if any; a
+// failure is logged and counted, the removals are announced either way.
+func (w *Watcher) record(ctx context.Context, recs []contract.KVEventRecord) {
+	if w.opts.Log == nil {
+		return
+	}
+	if err := w.opts.Log.Record(ctx, recs); err != nil {
+		w.opts.Metrics.unlogged.Add(float64(len(recs)))
+		w.opts.Logger.Warn("removals not logged; they were announced", "records", len(recs), "err", err)
 	}
 }

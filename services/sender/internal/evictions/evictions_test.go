@@ -18,12 +18,15 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/internal/devbroker"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/services/sender/internal/removals"
 )
 
 // rig is a watcher on a private redis-server publishing to the kfake
@@ -571,8 +574,9 @@ func TestStoreRestartsNeverStopTheWatcher(t *testing.T) {
 func TestRemovalsSayTheBlocksAge(t *testing.T) {
 	now := time.Now().Truncate(time.Millisecond)
 	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m", Fingerprint: "00112233445566ff"}.ForTenant("acme")
+	log := removals.New(dbtest.NewPool(t), 0)
 	r := newRig(t, nil, func(o *Options) {
-		o.Keys = kb.ForTenant("")
+		o.Keys, o.Log = kb.ForTenant(""), log
 		st, err := kvstore.NewRedis(context.Background(), o.RedisURL, kvstore.RedisOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -630,5 +634,16 @@ func TestRemovalsSayTheBlocksAge(t *testing.T) {
 	left, err := r.client.Exists(ctx, kb.Namespace(kvcore.Rank{}, 0)+kvstore.StoredIndexSuffix).Result()
 	if err != nil || left != 0 {
 		t.Errorf("the namespace's index is left (%d, %v): its times were taken", left, err)
+	}
+	// The removals log answers what of acme left in the last hour, and why.
+	acme := "acme"
+	var logged adminapi.Removals
+	eventually(t, "the removals logged", func() bool {
+		logged, err = log.Query(ctx, removals.Filter{Tenant: &acme, Since: now.Add(-time.Hour), Until: now.Add(time.Minute), Limit: 10})
+		return err == nil && len(logged.ByCause) == 1 && logged.ByCause[0].Blocks == 3
+	})
+	c := logged.ByCause[0]
+	if c.Cause != CauseDeleted || c.AgesKnown != 2 || *c.AgeMinS != 90 || *c.AgeMaxS != 3600 || logged.Recent[0].Fingerprint != kb.Fingerprint {
+		t.Errorf("logged %+v, recent %+v; want del: 3 blocks, 2 ages 90..3600, the model's fingerprint", c, logged.Recent)
 	}
 }

@@ -23,6 +23,7 @@ type Metrics struct {
 	removed  *prometheus.CounterVec
 	age      *prometheus.HistogramVec
 	ageless  *prometheus.CounterVec
+	unlogged prometheus.Counter
 	unmapped *prometheus.CounterVec
 	gaps     prometheus.Counter
 	cleared  prometheus.Counter
@@ -46,6 +47,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvmesh_sender_removed_blocks_without_age_total",
 			Help: "Blocks published as BlockRemoved whose age is not known (no store time in the store's index: stored before it began, its write failed, or the index was removed), by cause.",
 		}, []string{"cause"}),
+		unlogged: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvmesh_sender_removals_unlogged_total",
+			Help: "BlockRemoved records published but not written to the removals log (GET /v1/removals), e.g. with PostgreSQL out of reach.",
+		}),
 		unmapped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_sender_evictions_unmapped_total",
 			Help: "Redis removal notifications not published, by reason (foreign: another deployment's or model's key; malformed: not a kvmesh store key).",
@@ -63,7 +68,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "1 while this sender replica is the one that watches the store's removals, else 0.",
 		}),
 	}
-	if err := telemetry.RegisterAll(reg, m.removed, m.age, m.ageless, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
+	if err := telemetry.RegisterAll(reg, m.removed, m.age, m.ageless, m.unlogged, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
 		return nil, fmt.Errorf("eviction watcher metrics: %w", err)
 	}
 	for _, c := range causes {
