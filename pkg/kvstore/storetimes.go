@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -16,6 +17,13 @@ import (
 // time (seconds) it was stored. The suffix is not a hex hash, so the
 // index is never taken for a block key.
 const StoredIndexSuffix = "@stored"
+
+// StoreTimesHorizon is how long a store time is kept: MarkStored drops
+// the times older than this from every index it writes to, so an index
+// stays bounded even when removals go unobserved (keyspace notifications
+// are at-most-once); the removal of a block stored earlier goes without
+// its age.
+const StoreTimesHorizon = 30 * 24 * time.Hour
 
 // StoreTimes keeps the time each key was stored, so that whoever observes
 // its removal can say how old the block was. Stores are written once
@@ -47,7 +55,8 @@ func indexOf(key string) (index, member string, err error) {
 }
 
 // MarkStored implements StoreTimes with one pipeline of ZADD NX, one per
-// key, the index of its namespace (on a cluster go-redis sends each to
+// key, the index of its namespace, and one ZREMRANGEBYSCORE per index of
+// the times past StoreTimesHorizon (on a cluster go-redis sends each to
 // its index's node).
 func (r *Redis) MarkStored(ctx context.Context, keys []string, at time.Time) error {
 	if len(keys) == 0 {
@@ -57,6 +66,8 @@ func (r *Redis) MarkStored(ctx context.Context, keys []string, at time.Time) err
 		return err
 	}
 	score := float64(at.UnixMilli()) / 1e3
+	horizon := strconv.FormatFloat(float64(at.Add(-StoreTimesHorizon).UnixMilli())/1e3, 'f', 3, 64)
+	trimmed := map[string]struct{}{}
 	cmds := make([]*redis.IntCmd, 0, len(keys))
 	var bad error
 	err := r.pipelined(ctx, "mark stored", func(p redis.Pipeliner) {
@@ -67,6 +78,10 @@ func (r *Redis) MarkStored(ctx context.Context, keys []string, at time.Time) err
 				continue
 			}
 			cmds = append(cmds, p.ZAddNX(ctx, index, redis.Z{Score: score, Member: member}))
+			if _, done := trimmed[index]; !done {
+				trimmed[index] = struct{}{}
+				p.ZRemRangeByScore(ctx, index, "-inf", "("+horizon)
+			}
 		}
 	})
 	if err != nil {

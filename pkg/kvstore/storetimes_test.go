@@ -49,6 +49,19 @@ func TestStoreTimes(t *testing.T) {
 					t.Errorf("key %d stored at %v, want %v", i, at, want)
 				}
 			}
+			// A mark drops the times past the horizon from the indexes it writes.
+			if err := r.MarkStored(ctx, keys[:1], first); err != nil {
+				t.Fatal(err)
+			}
+			if err := r.MarkStored(ctx, keys[4:5], first.Add(kvstore.StoreTimesHorizon+time.Second)); err != nil { // keys 0, 4 and 8 share a namespace
+				t.Fatal(err)
+			}
+			if got, err := r.TakeStored(ctx, keys[:1]); err != nil || !got[0].IsZero() {
+				t.Fatalf("a time past the horizon: %v, %v; want it dropped", got, err)
+			}
+			if got, err := r.TakeStored(ctx, keys[4:5]); err != nil || got[0].IsZero() {
+				t.Fatalf("the new time: %v, %v", got, err)
+			}
 			again, err := r.TakeStored(ctx, keys[:3])
 			if err != nil || !again[0].IsZero() || !again[2].IsZero() {
 				t.Fatalf("taken twice: %v, %v; want zero times", again, err)
