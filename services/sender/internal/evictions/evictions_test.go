@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 	"github.com/segmentio/kafka-go"
 
@@ -622,8 +623,13 @@ func TestRemovalsSayTheBlocksAge(t *testing.T) {
 			t.Errorf("age of %s = %v, want %v", k, ages[k], w)
 		}
 	}
-	if n := testutil.CollectAndCount(r.metrics.age); n != 1 {
-		t.Errorf("%d age series, want one (del, acme)", n)
+	if n := testutil.CollectAndCount(r.metrics.age); n != len(causes)+1 {
+		t.Errorf("%d age series, want one per cause of no tenant and (del, acme)", n)
+	}
+	var h dto.Metric
+	if err := r.metrics.age.WithLabelValues(CauseDeleted, "acme").(prometheus.Metric).Write(&h); err != nil ||
+		h.GetHistogram().GetSampleCount() != 2 || h.GetHistogram().GetSampleSum() != 3690 {
+		t.Errorf("age histogram of (del, acme): %v, %v; want the 2 known ages, 3690 s", h.GetHistogram(), err)
 	}
 	if n := testutil.ToFloat64(r.metrics.ageless.WithLabelValues(CauseDeleted)); n != 1 {
 		t.Errorf("removed without age{del} = %v, want 1", n)

@@ -74,6 +74,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, c := range causes {
 		m.removed.WithLabelValues(c)
 		m.ageless.WithLabelValues(c)
+		m.age.WithLabelValues(c, "") // the tenant-less key space's; tenants' appear with their first removal
 	}
 	for _, r := range []string{unmappedForeign, unmappedMalformed} {
 		m.unmapped.WithLabelValues(r)
