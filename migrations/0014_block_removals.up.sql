@@ -4,8 +4,11 @@
 -- a tenant was removed, when, why and how old it was (GET /v1/removals).
 -- Written once, never updated; rows older than the retention are deleted.
 --
--- cause: evicted, expired or del (Redis's event). ages_known of the blocks
--- had a store time; age_*_s sum up their ages in seconds (NULL when none).
+-- cause: evicted, expired or del (Redis's event), or flushed: the whole
+-- store was found flushed (an AllBlocksCleared; namespace is the
+-- deployment's scope, blocks 0: how many left is not known). ages_known of
+-- the blocks had a store time; age_*_s sum up their ages in seconds (NULL
+-- when none).
 CREATE TABLE block_removals (
     id          bigserial PRIMARY KEY,
     removed_at  timestamptz NOT NULL,
@@ -14,7 +17,7 @@ CREATE TABLE block_removals (
     tenant      text NOT NULL DEFAULT '',
     namespace   text NOT NULL,
     cause       text NOT NULL,
-    blocks      integer NOT NULL CHECK (blocks > 0),
+    blocks      integer NOT NULL CHECK (blocks >= 0),
     ages_known  integer NOT NULL CHECK (ages_known >= 0 AND ages_known <= blocks),
     age_min_s   double precision,
     age_max_s   double precision,

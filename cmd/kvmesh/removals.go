@@ -20,7 +20,7 @@ func runRemovals(ctx context.Context, args []string) error {
 	fs.SetOutput(stderr)
 	o := addClientFlags(fs)
 	tenant := fs.String("tenant", "", "only this tenant's removals (-tenant= for the tenant-less key space); not given: every tenant's")
-	cause := fs.String("cause", "", "only this cause: evicted, expired or del")
+	cause := fs.String("cause", "", "only this cause: evicted, expired, del or flushed")
 	since := fs.String("since", "1h", "the window: removals of the last since (a duration such as 1h or 15m)")
 	limit := fs.Int("limit", 20, "how many of the newest records to list (1 to 1000)")
 	if rest, err := parseFlags(fs, args); err != nil || len(rest) > 0 {

@@ -150,7 +150,8 @@ type WorkerPage struct {
 
 // RemovalCause sums the removals of one cause in GET /v1/removals.
 type RemovalCause struct {
-	// Cause is why the blocks left: evicted, expired or del.
+	// Cause is why the blocks left: evicted, expired, del, or flushed (the
+	// whole store was found flushed; Blocks is then 0: not known).
 	Cause string `json:"cause"`
 	// Blocks is how many blocks left for it.
 	Blocks int64 `json:"blocks"`

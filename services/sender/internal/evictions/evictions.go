@@ -595,6 +595,7 @@ func (w *Watcher) publishCleared(ctx context.Context, afterGap bool) error {
 		return err
 	}
 	w.opts.Metrics.cleared.Inc()
+	w.record(ctx, []contract.KVEventRecord{rec})
 	w.opts.Logger.Warn("store found flushed (marker key gone unannounced): published AllBlocksCleared", "after_gap", afterGap)
 	return nil
 }
@@ -784,7 +785,8 @@ func (b *batcher) takeAges(ctx context.Context, now time.Time) {
 	}
 }
 
-// record writes the published records to the removals log, if any; a
+// record writes the published records (removals and clears) to the
+// removals log, if any; a
 // failure is logged and counted, the removals are announced either way.
 func (w *Watcher) record(ctx context.Context, recs []contract.KVEventRecord) {
 	if w.opts.Log == nil {

@@ -365,7 +365,8 @@ func TestExpiredAndDeletedKeysAreAnnounced(t *testing.T) {
 // the marker key going missing unannounced makes the watcher publish
 // AllBlocksCleared for the deployment.
 func TestFlushIsAnnouncedAsAllBlocksCleared(t *testing.T) {
-	r := newRig(t, nil, func(o *Options) { o.MarkerEvery = 50 * time.Millisecond })
+	log := removals.New(dbtest.NewPool(t), 0)
+	r := newRig(t, nil, func(o *Options) { o.MarkerEvery, o.Log = 50*time.Millisecond, log })
 	r.waitReady()
 	ctx := context.Background()
 	key := kvcore.KeyBuilder{Prefix: "dep", Model: "m"}.Key(kvcore.Rank{}, 0, kvcore.BlockHash{9})
@@ -395,6 +396,11 @@ func TestFlushIsAnnouncedAsAllBlocksCleared(t *testing.T) {
 	if _, ok := r.removed()[key]; ok {
 		t.Error("the flushed key got a BlockRemoved; FLUSHALL sends no keyspace event")
 	}
+	// The removals log has the flush: cause flushed, the deployment's scope.
+	eventually(t, "the flush logged", func() bool {
+		got, err := log.Query(ctx, removals.Filter{Cause: CauseFlushed, Since: time.Now().Add(-time.Hour), Until: time.Now().Add(time.Minute), Limit: 5})
+		return err == nil && len(got.Recent) == 1 && got.Recent[0].Namespace == "dep@m" && got.Recent[0].Blocks == 0
+	})
 	// A marker removed with a notification is no flush.
 	if err := r.client.Del(ctx, r.w.single.marker).Err(); err != nil {
 		t.Fatal(err)

@@ -63,13 +63,14 @@ SELECT * FROM unnest($1::timestamptz[], $2::text[], $3::text[], $4::text[], $5::
 
 const pruneSQL = `DELETE FROM block_removals WHERE removed_at < $1`
 
-// Record writes one row per BlockRemoved record of recs (others are
-// skipped) in one statement, and, once an hour, deletes the rows past the
-// retention.
+// Record writes one row per BlockRemoved record of recs, and per
+// AllBlocksCleared (cause flushed, 0 blocks: how many left is not known),
+// in one statement (others are skipped), and, once an hour, deletes the
+// rows past the retention.
 func (l *Log) Record(ctx context.Context, recs []contract.KVEventRecord) error {
 	var c columns
 	for _, r := range recs {
-		if r.Kind() == contract.BlockRemoved && len(r.Hashes) > 0 {
+		if r.Kind() == contract.BlockRemoved && len(r.Hashes) > 0 || r.Kind() == contract.AllBlocksCleared {
 			c.add(r)
 		}
 	}

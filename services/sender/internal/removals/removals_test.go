@@ -25,10 +25,19 @@ func removed(at time.Time, tenant, cause string, ages ...float64) contract.KVEve
 	}
 }
 
+// cleared is an AllBlocksCleared record of the deployment at time at.
+func cleared(at time.Time) contract.KVEventRecord {
+	return contract.KVEventRecord{
+		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(at), Events: []contract.KVEvent{{Kind: contract.AllBlocksCleared}}},
+		Model: "m", Namespace: "dep@m", Cause: "flushed",
+	}
+}
+
 // TestRecordAndQuery: removals recorded on a real PostgreSQL schema are
 // answered per tenant (the empty tenant apart from every tenant), cause
 // and window, summed per cause with the known ages only, newest first
-// within the limit; a BlockStored record is not a removal.
+// within the limit; a flush is a row of its own (cause flushed, 0 blocks);
+// a BlockStored record is not a removal.
 func TestRecordAndQuery(t *testing.T) {
 	l := New(dbtest.NewPool(t), 0)
 	ctx := context.Background()
@@ -42,6 +51,7 @@ func TestRecordAndQuery(t *testing.T) {
 		removed(now.Add(-10*time.Minute), "globex", "evicted", 7),
 		removed(now.Add(-5*time.Minute), "", "expired", 60),
 		stored,
+		cleared(now.Add(-time.Minute)),
 	}
 	if err := l.Record(ctx, recs); err != nil {
 		t.Fatal(err)
@@ -68,11 +78,12 @@ func TestRecordAndQuery(t *testing.T) {
 		blocks int64
 		recent int
 	}{
-		{"every tenant", win(Filter{Limit: 10}), 6, 4},
-		{"the tenant-less key space", win(Filter{Tenant: &none, Limit: 10}), 1, 1},
+		{"every tenant", win(Filter{Limit: 10}), 6, 5},
+		{"the tenant-less key space", win(Filter{Tenant: &none, Limit: 10}), 1, 2},
 		{"one cause", win(Filter{Cause: "evicted", Limit: 1}), 4, 1},
+		{"the flush", win(Filter{Cause: "flushed", Limit: 10}), 0, 1},
 		{"no list", win(Filter{Limit: 0}), 6, 0},
-		{"a wider window", Filter{Since: now.Add(-4 * time.Hour), Until: now.Add(time.Second), Limit: 10}, 7, 5},
+		{"a wider window", Filter{Since: now.Add(-4 * time.Hour), Until: now.Add(time.Second), Limit: 10}, 7, 6},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := l.Query(ctx, tc.f)
