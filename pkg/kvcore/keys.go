@@ -294,15 +294,7 @@ func ParseKey(s string) (KeyParts, error) {
 // validFingerprint reports whether fp is FingerprintLen lower-case hex
 // characters, as Model.Fingerprint makes them.
 func validFingerprint(fp string) bool {
-	if len(fp) != FingerprintLen {
-		return false
-	}
-	for i := 0; i < len(fp); i++ {
-		if c := fp[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-			return false
-		}
-	}
-	return true
+	return len(fp) == FingerprintLen && IsHashHex(fp)
 }
 
 // parseTagged reads "<tag><n>" with n a canonical non-negative decimal.

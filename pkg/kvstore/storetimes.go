@@ -5,10 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
 
 // StoredIndexSuffix ends the name of a namespace's store-time index: the
@@ -47,11 +48,11 @@ var _ StoreTimes = (*Redis)(nil)
 
 // indexOf splits key into its namespace's index and its member (the hash).
 func indexOf(key string) (index, member string, err error) {
-	i := strings.LastIndexByte(key, '@')
-	if i <= 0 || i == len(key)-1 {
+	ns, hash, ok := kvcore.SplitKey(key)
+	if !ok {
 		return "", "", fmt.Errorf("%w: %q", errNotAKey, key)
 	}
-	return key[:i] + StoredIndexSuffix, key[i+1:], nil
+	return ns + StoredIndexSuffix, hash, nil
 }
 
 // MarkStored implements StoreTimes with one pipeline of ZADD NX, one per
