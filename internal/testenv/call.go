@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -14,9 +15,22 @@ import (
 // status and the body; a failed request fails t.
 func Call(t testing.TB, method, url, token string) (int, []byte) {
 	t.Helper()
-	req, err := http.NewRequestWithContext(context.Background(), method, url, nil)
+	return CallBody(t, method, url, token, "")
+}
+
+// CallBody is Call with a JSON body (none when empty).
+func CallBody(t testing.TB, method, url, token, body string) (int, []byte) {
+	t.Helper()
+	var rd io.Reader
+	if body != "" {
+		rd = strings.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(context.Background(), method, url, rd)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
 	}
 	req.Close = true
 	if token != "" {
@@ -27,11 +41,11 @@ func Call(t testing.TB, method, url, token string) (int, []byte) {
 		t.Fatalf("%s %s: %v", method, url, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
+	answer, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatalf("%s %s: read body: %v", method, url, err)
 	}
-	return resp.StatusCode, body
+	return resp.StatusCode, answer
 }
 
 // CallJSON is Call that decodes the JSON (or problem) answer into out
@@ -39,10 +53,16 @@ func Call(t testing.TB, method, url, token string) (int, []byte) {
 // t.
 func CallJSON(t testing.TB, method, url, token string, out any) int {
 	t.Helper()
-	status, body := Call(t, method, url, token)
+	return CallJSONBody(t, method, url, token, "", out)
+}
+
+// CallJSONBody is CallJSON with a JSON body (none when empty).
+func CallJSONBody(t testing.TB, method, url, token, body string, out any) int {
+	t.Helper()
+	status, resp := CallBody(t, method, url, token, body)
 	if out != nil {
-		if err := json.Unmarshal(body, out); err != nil {
-			t.Fatalf("%s %s: %d %s: %v", method, url, status, body, err)
+		if err := json.Unmarshal(resp, out); err != nil {
+			t.Fatalf("%s %s: %d %s: %v", method, url, status, resp, err)
 		}
 	}
 	return status

@@ -195,3 +195,49 @@ type Removals struct {
 	// Recent are the window's newest records, at most the limit asked.
 	Recent []Removal `json:"recent"`
 }
+
+// What a save that would take a tenant over its quota does (TenantQuota.OnFull).
+const (
+	// QuotaEvict removes the tenant's own least recently used blocks to
+	// make room (the default).
+	QuotaEvict = "evict"
+	// QuotaSkip skips the save's blocks that do not fit, with reason quota.
+	QuotaSkip = "skip"
+)
+
+// TenantQuota is a tenant's quota in the store: the body of the sender's
+// PUT /v1/quotas/{tenant} and part of every answer about it.
+type TenantQuota struct {
+	// Tenant is the tenant (a request's tenant, never empty).
+	Tenant string `json:"tenant"`
+	// MaxBytes bounds the bytes of the tenant's values in the store (0:
+	// unlimited).
+	MaxBytes int64 `json:"max_bytes,omitempty"`
+	// MaxKeys bounds the tenant's keys in the store (0: unlimited).
+	MaxKeys int64 `json:"max_keys,omitempty"`
+	// OnFull is QuotaEvict or QuotaSkip (empty: QuotaEvict).
+	OnFull string `json:"on_full,omitempty"`
+	// UpdatedAt is when the quota was last set (answers only).
+	UpdatedAt time.Time `json:"updated_at,omitzero"`
+}
+
+// QuotaStatus is a tenant's quota and what it holds: GET
+// /v1/quotas/{tenant}, and each item of GET /v1/quotas.
+type QuotaStatus struct {
+	TenantQuota
+	// UsageBytes and UsageKeys are what the tenant holds in the store now,
+	// from its namespaces' store-time indexes.
+	UsageBytes int64 `json:"usage_bytes"`
+	UsageKeys  int64 `json:"usage_keys"`
+	// EvictedBlocks and SkippedBlocks count the tenant's blocks this
+	// sender replica removed, and the blocks of its saves it skipped, to
+	// keep the tenant within its quota since it started.
+	EvictedBlocks int64 `json:"evicted_blocks"`
+	SkippedBlocks int64 `json:"skipped_blocks"`
+}
+
+// Quotas is the answer of the sender's GET /v1/quotas: every tenant with
+// a quota, by name.
+type Quotas struct {
+	Items []QuotaStatus `json:"items"`
+}

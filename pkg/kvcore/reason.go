@@ -59,6 +59,10 @@ const (
 	ReasonPutFailed Reason = "put_failed"
 	// ReasonStorePressure: the save was skipped in pressure mode (store full).
 	ReasonStorePressure Reason = "store_pressure"
+	// ReasonQuota: the save's blocks did not fit its tenant's quota in the
+	// store (with on_full skip, or when the tenant's own blocks could not
+	// make room) and were skipped.
+	ReasonQuota Reason = "quota"
 	// ReasonBlockNotHeld: the engine block no longer holds the chunk the
 	// task names (its gpuworker restarted, the engine evicted or reused the
 	// block, or its write never completed), so its bytes cannot be proven

@@ -46,13 +46,14 @@ var errNotAKey = errors.New("kvstore: not a store key (no namespace)")
 
 var _ StoreTimes = (*Redis)(nil)
 
-// indexOf splits key into its namespace's index and its member (the hash).
-func indexOf(key string) (index, member string, err error) {
+// indexOf splits key into the index of its namespace named by suffix
+// (StoredIndexSuffix, QuotaIndexSuffix) and its member there (the hash).
+func indexOf(key, suffix string) (index, member string, err error) {
 	ns, hash, ok := kvcore.SplitKey(key)
 	if !ok {
 		return "", "", fmt.Errorf("%w: %q", errNotAKey, key)
 	}
-	return ns + StoredIndexSuffix, hash, nil
+	return ns + suffix, hash, nil
 }
 
 // MarkStored implements StoreTimes with one pipeline of ZADD NX, one per
@@ -73,7 +74,7 @@ func (r *Redis) MarkStored(ctx context.Context, keys []string, at time.Time) err
 	var bad error
 	err := r.pipelined(ctx, "mark stored", func(p redis.Pipeliner) {
 		for _, k := range keys {
-			index, member, err := indexOf(k)
+			index, member, err := indexOf(k, StoredIndexSuffix)
 			if err != nil {
 				bad = err
 				continue
@@ -109,7 +110,7 @@ func (r *Redis) TakeStored(ctx context.Context, keys []string) ([]time.Time, err
 	scores := make([]*redis.FloatCmd, len(keys))
 	err := r.pipelined(ctx, "take stored", func(p redis.Pipeliner) {
 		for i, k := range keys {
-			index, member, err := indexOf(k)
+			index, member, err := indexOf(k, StoredIndexSuffix)
 			if err != nil {
 				continue // no namespace: no record, the zero time
 			}

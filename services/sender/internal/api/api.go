@@ -1,7 +1,8 @@
 // Package api is the sender's HTTP API: the dead-letter queue (list, show,
 // replay and its dry run; the shared routes of pkg/deadletter/dlqhttp),
-// the accounting (stats) and the gpuworker
-// registry it routes puts through (workers). services/sender/API.md and
+// the accounting (stats), the gpuworker
+// registry it routes puts through (workers), the store's removals and the
+// tenants' quotas. services/sender/API.md and
 // the service's OpenAPI document describe it for operators.
 package api
 
@@ -19,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/quotas"
 	"github.com/kvmesh/kvmesh/services/sender/internal/removals"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 )
@@ -39,6 +41,7 @@ type API struct {
 	ledger  *ledger.Ledger
 	workers *registry.View
 	removed *removals.Log
+	quotas  *quotas.Enforcer
 	log     *slog.Logger
 }
 
@@ -65,6 +68,7 @@ func (a *API) Mount(r chi.Router, admin func(http.Handler) http.Handler) {
 	if a.removed != nil {
 		r.With(admin).Get("/v1/removals", a.listRemovals)
 	}
+	a.mountQuotas(r, admin)
 }
 
 // Stats is the answer of GET /v1/stats.

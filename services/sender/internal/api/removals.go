@@ -20,7 +20,7 @@ type Removals = adminapi.Removals
 const DefaultRemovalsWindow = time.Hour
 
 // removalCauses are the causes GET /v1/removals filters on.
-var removalCauses = []string{evictions.CauseEvicted, evictions.CauseExpired, evictions.CauseDeleted, evictions.CauseFlushed}
+var removalCauses = []string{evictions.CauseEvicted, evictions.CauseExpired, evictions.CauseDeleted, evictions.CauseQuota, evictions.CauseFlushed}
 
 // listRemovals answers what left the store: for one tenant (tenant=, ""
 // for the tenant-less key space) or all, of one cause or all, in the last

@@ -51,7 +51,7 @@ func TestRemovalsRoute(t *testing.T) {
 		t.Fatalf("without a token: %d, want 401", code)
 	}
 	for q, param := range map[string]string{
-		"?tenant=a%20b": "tenant", "?cause=quota": "cause", "?since=yesterday": "since", "?since=-1h": "since",
+		"?tenant=a%20b": "tenant", "?cause=gone": "cause", "?since=yesterday": "since", "?since=-1h": "since",
 		"?since=9999h": "since", "?limit=0": "limit",
 	} {
 		var p map[string]any

@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/sender/internal/api"
 	"github.com/kvmesh/kvmesh/services/sender/internal/evictions"
 	"github.com/kvmesh/kvmesh/services/sender/internal/ledger"
+	"github.com/kvmesh/kvmesh/services/sender/internal/quotas"
 	"github.com/kvmesh/kvmesh/services/sender/internal/removals"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sending"
 	"github.com/kvmesh/kvmesh/services/sender/internal/sendpolicy"
@@ -138,6 +139,7 @@ type App struct {
 	direct    *database.Direct // nil: the relay publishes everything
 	workers   *sending.Registry
 	evictions *evictions.Watcher
+	quotas    *quotas.Enforcer // nil: the store keeps no quotas
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -205,12 +207,15 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, dataplane.HTTPClient(rt))
+	if a.quotas, err = a.newQuotas(kb); err != nil {
+		return err
+	}
 	a.processor, err = sending.New(sending.Options{
 		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
 		Store: kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}).
 			WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}), // the engine comes with each task
 
-		Workers:    a.workers,
+		Workers: a.workers, Quotas: a.admitter(),
 		Retry:      sendpolicy.RetryPolicy{MaxAttempts: cfg.RetryAttempts, BaseDelay: cfg.RetryBase, MaxDelay: cfg.RetryMax},
 		ProbeEvery: cfg.ProbeEvery, CoolDown: cfg.PressureCoolDown,
 		StoreTimeout: cfg.StoreTimeout, PutTimeout: cfg.PutTimeout, KVEventsForm: cfg.KVEventsForm,
@@ -236,7 +241,7 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).WithRemovals(removed).
-		Mount(a.srv.Router(), a.srv.RequireAdmin())
+		WithQuotas(a.quotas).Mount(a.srv.Router(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
 	return nil
 }
@@ -261,7 +266,35 @@ func (a *App) Run(ctx context.Context) error {
 	if a.evictions != nil {
 		tasks = append(tasks, service.Task{Name: "evictions", Run: a.evictions.Run})
 	}
+	if a.quotas != nil {
+		tasks = append(tasks, service.Task{Name: "quotas", Run: a.quotas.Run})
+	}
 	return service.Run(ctx, a.deps.Log, tasks...)
+}
+
+// newQuotas builds the tenant quotas' enforcer over the store pool, or nil
+// when the store is not one that keeps store times (a Redis store is).
+func (a *App) newQuotas(kb kvcore.KeyBuilder) (*quotas.Enforcer, error) {
+	store, ok := a.deps.Store.(kvstore.Quotas)
+	times, _ := a.deps.Store.(kvstore.StoreTimes)
+	if !ok {
+		return nil, nil
+	}
+	m, err := quotas.NewMetrics(a.deps.Registry)
+	if err != nil {
+		return nil, err
+	}
+	return quotas.New(quotas.Options{Table: quotas.NewTable(a.deps.Pool), Store: store, StoreTimes: times,
+		Spaces: quotas.SpacesOf(a.model, kb, dataplane.ValueOverhead), Metrics: m, Logger: a.deps.Log})
+}
+
+// admitter is the processor's quota side: none without an enforcer (a
+// nil *quotas.Enforcer is not a nil interface).
+func (a *App) admitter() sending.Quotas {
+	if a.quotas == nil {
+		return nil
+	}
+	return a.quotas
 }
 
 // newEvictions builds the store-removal watcher, or nil when
@@ -275,9 +308,10 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder, log *removals.Log) 
 		return nil, err
 	}
 	times, _ := a.deps.Store.(kvstore.StoreTimes) // the gpuworkers record into the same store
+	marks, _ := a.deps.Store.(kvstore.Quotas)     // and the quotas mark their removals in it
 	return evictions.New(evictions.Options{
 		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
-		Form: cfg.KVEventsForm, Times: times, Log: log,
+		Form: cfg.KVEventsForm, Times: times, Log: log, Quotas: marks,
 	})
 }

@@ -18,7 +18,7 @@ func TestAdminRoutesRequireToken(t *testing.T) {
 	a := startAppWith(t, map[string]string{"KVMESH_AUTH": "required", "KVMESH_AUTH_KEY": servicetest.AuthKey})
 	base := "http://" + a.Addr()
 	d := servicetest.ParseOpenAPI(t, app.OpenAPI)
-	servicetest.CheckAdminAuth(t, base, adminToken, a.Routes(), d, map[string]string{"id": "999999"})
+	servicetest.CheckAdminAuth(t, base, adminToken, a.Routes(), d, map[string]string{"id": "999999", "tenant": "acme"})
 
 	for auth, want := range map[string]int{
 		"": http.StatusUnauthorized, "Bearer nope": http.StatusUnauthorized, "Bearer " + adminToken: http.StatusNotFound,

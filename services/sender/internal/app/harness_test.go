@@ -673,3 +673,67 @@ func (s *stack) checkMetrics(t testing.TB, want ...string) {
 		}
 	}
 }
+
+// doBody does an HTTP request with a JSON body (none when empty) to the
+// sender as the operator and decodes the JSON answer unless out is nil.
+func (s *stack) doBody(t testing.TB, method, path, body string, out any) int {
+	t.Helper()
+	return testenv.CallJSONBody(t, method, "http://"+s.sender+path, adminToken, body, out)
+}
+
+// removals returns the BlockRemoved records collected so far.
+func (c *collector) removals() []contract.KVEventRecord {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []contract.KVEventRecord
+	for _, e := range c.events {
+		if e.Kind() == contract.BlockRemoved {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// removedBlocks counts the blocks of tenant announced removed for cause.
+func (c *collector) removedBlocks(tenant, cause string) int {
+	n := 0
+	for _, r := range c.removals() {
+		if r.Tenant == tenant && r.Cause == cause {
+			n += len(r.Hashes)
+		}
+	}
+	return n
+}
+
+// awaitWatcher waits until the sender's removal watcher announces the
+// removal of probe keys spread over the store (on a cluster, over its
+// masters): from then on it is subscribed everywhere.
+func (s *stack) awaitWatcher(t testing.TB) {
+	t.Helper()
+	ns := kvcore.KeysOf(s.model).WithPrefix(s.prefix).ForTenant("probe").Namespace(kvcore.Rank{}, 0)
+	var keys []string
+	for i := range 16 {
+		keys = append(keys, fmt.Sprintf("%s@%064x", ns, i+1))
+	}
+	poll(t, "the removal watcher subscribed", func() bool {
+		items := make([]kvstore.Item, len(keys))
+		for i, k := range keys {
+			items[i] = kvstore.Item{Key: k, Value: []byte("probe")}
+		}
+		if _, err := s.store.Put(context.Background(), items); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.store.Remove(context.Background(), keys); err != nil {
+			t.Fatal(err)
+		}
+		seen := map[string]bool{}
+		for _, r := range s.got.removals() {
+			if r.Tenant == "probe" {
+				for _, h := range r.Hashes {
+					seen[h] = true
+				}
+			}
+		}
+		return len(seen) == len(keys)
+	})
+}

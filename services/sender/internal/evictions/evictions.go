@@ -45,13 +45,17 @@ import (
 )
 
 // Causes of a removal: the Redis keyevent names the watcher subscribes to,
-// and CauseFlushed for a store found flushed. They label
+// CauseQuota for a del a tenant quota made, and CauseFlushed for a store
+// found flushed. They label
 // kvmesh_sender_block_removed_total and fill contract.HeaderKVCause.
 const (
 	CauseEvicted = "evicted"
 	CauseExpired = "expired"
 	CauseDeleted = "del"
 	CauseFlushed = "flushed"
+	// CauseQuota is a del a tenant quota made (the key's quota mark,
+	// kvstore.QuotaIndexSuffix, tells it from an operator's).
+	CauseQuota = "quota"
 )
 
 // causes are the keyevents the watcher subscribes to.
@@ -157,6 +161,17 @@ type Options struct {
 	// takes its key's time from it and says the block's age. Nil: ages
 	// are not known.
 	Times kvstore.StoreTimes
+	// Quotas holds the marks of the keys a tenant quota removed
+	// (kvstore.Quotas): such a del is announced with CauseQuota and the
+	// age its mark says. Nil: every del is CauseDeleted.
+	Quotas QuotaMarks
+}
+
+// QuotaMarks tells the keys a tenant quota removed; kvstore.Quotas does.
+type QuotaMarks interface {
+	// TakeQuotaMarks returns each key's store time from its quota mark,
+	// or the zero time for a key no quota removed, and takes the marks.
+	TakeQuotaMarks(ctx context.Context, keys []string) ([]time.Time, error)
 }
 
 // Watcher publishes the store's removals as BlockRemoved events. Run it once.
@@ -642,6 +657,9 @@ type pendingBatch struct {
 	// ages are the blocks' ages in seconds, one per hash (-1: unknown),
 	// once taken (takeAges); nil before.
 	ages []float64
+	// checked counts the hashes of a del batch whose quota marks were
+	// looked at (takeQuotaMarks).
+	checked int
 }
 
 func newBatcher(w *Watcher, marker string) *batcher {
@@ -662,8 +680,8 @@ func (b *batcher) add(msg *redis.Message) {
 	if strings.HasPrefix(key, markerPrefix) {
 		return // another deployment's or cluster node's marker
 	}
-	if strings.HasSuffix(key, kvstore.StoredIndexSuffix) {
-		return // a namespace's store-time index, not a block
+	if strings.HasSuffix(key, kvstore.StoredIndexSuffix) || strings.HasSuffix(key, kvstore.QuotaIndexSuffix) {
+		return // a namespace's store-time index or quota marks, not a block
 	}
 	p, ok, err := b.w.opts.Keys.ParseOwn(key)
 	switch {
@@ -711,6 +729,7 @@ func (b *batcher) flush(ctx context.Context) error {
 		return nil
 	}
 	now := b.w.opts.Now()
+	b.takeQuotaMarks(ctx, now)
 	b.takeAges(ctx, now)
 	medium, locality := contract.MediumStore, contract.LocalityStore
 	ts := contract.UnixSeconds(now)
@@ -782,6 +801,72 @@ func (b *batcher) takeAges(ctx context.Context, now time.Time) {
 			pb.ages = append(pb.ages, age)
 			i++
 		}
+	}
+}
+
+// takeQuotaMarks moves the dels a tenant quota made, among the del
+// batches' keys not looked at yet, into a quota batch of their namespace,
+// each with the age its mark says. Those keys have no age yet (marks are
+// looked at before ages), and a key once looked at stays where it is, so
+// a batch kept across a failed publish keeps its split. When the marks
+// cannot be read the keys stay dels.
+func (b *batcher) takeQuotaMarks(ctx context.Context, now time.Time) {
+	if b.w.opts.Quotas == nil {
+		return
+	}
+	var keys []string
+	for _, k := range b.order {
+		if pb := b.pending[k]; k.cause == CauseDeleted {
+			for _, h := range pb.hashes[pb.checked:] {
+				keys = append(keys, k.namespace+"@"+h)
+			}
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	marks, err := b.w.opts.Quotas.TakeQuotaMarks(ctx, keys)
+	if err != nil {
+		b.w.opts.Logger.Warn("quota marks of deleted blocks not read; they are announced as deleted", "keys", len(keys), "err", err)
+		marks = make([]time.Time, len(keys))
+	}
+	for _, k := range slices.Clone(b.order) {
+		if k.cause != CauseDeleted {
+			continue
+		}
+		pb := b.pending[k]
+		n := len(pb.hashes) - pb.checked
+		b.splitQuota(k, pb, marks[:n], now)
+		marks = marks[n:]
+	}
+}
+
+// splitQuota moves the keys of del batch pb (key k) past pb.checked whose
+// marks are set into the quota batch of k's namespace.
+func (b *batcher) splitQuota(k batchKey, pb *pendingBatch, marks []time.Time, now time.Time) {
+	keep := pb.checked
+	for i, at := range marks {
+		j := pb.checked + i
+		if at.IsZero() {
+			pb.hashes[keep], pb.wire[keep] = pb.hashes[j], pb.wire[j]
+			keep++
+			continue
+		}
+		qk := batchKey{k.namespace, CauseQuota}
+		q := b.pending[qk]
+		if q == nil {
+			q = &pendingBatch{group: pb.group, tenant: pb.tenant}
+			b.pending[qk] = q
+			b.order = append(b.order, qk)
+		}
+		q.hashes, q.wire = append(q.hashes, pb.hashes[j]), append(q.wire, pb.wire[j])
+		q.ages = append(q.ages, max(0, now.Sub(at).Seconds()))
+		q.checked = len(q.hashes)
+	}
+	pb.hashes, pb.wire, pb.checked = pb.hashes[:keep], pb.wire[:keep], keep
+	if len(pb.hashes) == 0 {
+		delete(b.pending, k)
+		b.order = slices.DeleteFunc(b.order, func(o batchKey) bool { return o == k })
 	}
 }
 

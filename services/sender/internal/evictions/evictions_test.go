@@ -629,8 +629,8 @@ func TestRemovalsSayTheBlocksAge(t *testing.T) {
 			t.Errorf("age of %s = %v, want %v", k, ages[k], w)
 		}
 	}
-	if n := testutil.CollectAndCount(r.metrics.age); n != len(causes)+1 {
-		t.Errorf("%d age series, want one per cause of no tenant and (del, acme)", n)
+	if n := testutil.CollectAndCount(r.metrics.age); n != len(causes)+2 { // and quota
+		t.Errorf("%d age series, want one per cause of no tenant (quota too) and (del, acme)", n)
 	}
 	var h dto.Metric
 	if err := r.metrics.age.WithLabelValues(CauseDeleted, "acme").(prometheus.Metric).Write(&h); err != nil ||

@@ -2,6 +2,7 @@ package evictions
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -36,7 +37,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
 		removed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_sender_block_removed_total",
-			Help: "Store keys published as BlockRemoved on kvmesh.kv.events, by the Redis event that removed them (evicted, expired, del).",
+			Help: "Store keys published as BlockRemoved on kvmesh.kv.events, by cause: the Redis event that removed them (evicted, expired, del), or quota (a del a tenant quota made).",
 		}, []string{"cause"}),
 		age: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvmesh_sender_removed_block_age_seconds",
@@ -71,7 +72,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	if err := telemetry.RegisterAll(reg, m.removed, m.age, m.ageless, m.unlogged, m.unmapped, m.gaps, m.cleared, m.leader); err != nil {
 		return nil, fmt.Errorf("eviction watcher metrics: %w", err)
 	}
-	for _, c := range causes {
+	for _, c := range append(slices.Clone(causes), CauseQuota) {
 		m.removed.WithLabelValues(c)
 		m.ageless.WithLabelValues(c)
 		m.age.WithLabelValues(c, "") // the tenant-less key space's; tenants' appear with their first removal

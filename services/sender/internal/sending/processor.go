@@ -52,6 +52,15 @@ type Store interface {
 	Exists(ctx context.Context, keys []string) ([]bool, error)
 }
 
+// Quotas keeps the tenants within their quotas in the store.
+type Quotas interface {
+	// Admit says how many of keys, new keys of one save of tenant in
+	// order, may be put (the rest are skipped with reason quota), after
+	// making room when the tenant's quota evicts; release ends their
+	// reservation once their puts are answered.
+	Admit(ctx context.Context, tenant string, keys []string) (admitted int, release func())
+}
+
 // Outcomes is what a save task's handling needs of the ledger: one
 // transaction that records its outcome, its dead letters and the messages
 // it publishes (through the outbox), or, for a task whose outcome is
@@ -96,6 +105,9 @@ type Options struct {
 	Store Store
 	// Workers finds the gpuworkers that put blocks.
 	Workers Workers
+	// Quotas keeps every tenant within its quota (*quotas.Enforcer does);
+	// nil admits every save.
+	Quotas Quotas
 	// Ledger records outcomes, dead letters and outgoing messages, and
 	// reads and marks the dead letters a replay handles (*ledger.Ledger
 	// does; sendingtest.Ledger is one in memory).
@@ -153,6 +165,7 @@ type Processor struct {
 	tracer       trace.Tracer
 	form         contract.KVEventForm
 	gate         *gate
+	quotas       Quotas
 	recent       *recentTasks
 	skippedKeys  atomic.Int64
 	// replayMu serialises replays, so two concurrent replays of one entry
@@ -177,7 +190,7 @@ func New(o Options) (*Processor, error) {
 	p := &Processor{
 		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
-		log: o.Logger, now: o.Now, form: o.KVEventsForm,
+		log: o.Logger, now: o.Now, form: o.KVEventsForm, quotas: o.Quotas,
 		gate: &gate{g: sendpolicy.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
 	}
 	if p.storeTimeout <= 0 {

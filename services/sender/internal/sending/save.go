@@ -130,10 +130,29 @@ func (p *Processor) saveGroups(ctx context.Context, s *save, groups []int, gated
 		return
 	}
 	if gated && p.gate.admit(s.task, p.now()) == sendpolicy.AdmitSkip {
-		s.skip(missing)
+		s.skip(missing, kvcore.ReasonStorePressure)
+		return
+	}
+	missing, release := p.admitQuota(ctx, s, missing)
+	defer release()
+	if len(missing) == 0 {
 		return
 	}
 	p.put(ctx, s, missing)
+}
+
+// admitQuota keeps the items that fit the task's tenant's quota (the
+// earliest chunks first: a prefix is what a lookup can use) and skips the
+// others with reason quota; release ends the admitted items' reservation
+// once their puts are answered.
+func (p *Processor) admitQuota(ctx context.Context, s *save, items []item) (admitted []item, release func()) {
+	if p.quotas == nil {
+		return items, func() {}
+	}
+	slices.SortStableFunc(items, func(a, b item) int { return a.Chunk.Start - b.Chunk.Start })
+	n, release := p.quotas.Admit(ctx, s.task.Tenant, itemKeys(items))
+	s.skip(items[n:], kvcore.ReasonQuota)
+	return items[:n], release
 }
 
 // plan lists the blocks of each group that every worker rank of the engine
@@ -310,10 +329,11 @@ func (s *save) existing(items []item, exists []bool) []item {
 	return missing
 }
 
-// skip records items skipped under store pressure (or answered "no space").
-func (s *save) skip(items []item) {
+// skip records items skipped for reason: under store pressure (or
+// answered "no space"), or over their tenant's quota.
+func (s *save) skip(items []item, reason kvcore.Reason) {
 	for _, it := range items {
-		s.record(it.Group, keysSkipped, 1, kvcore.ReasonStorePressure)
+		s.record(it.Group, keysSkipped, 1, reason)
 	}
 	s.skipped += len(items)
 }
@@ -349,7 +369,7 @@ func (s *save) answered(batches [][]item, answers []rankAnswer, interrupted bool
 				s.present[it.Group] = append(s.present[it.Group], it.Key)
 			case dataplane.PutNoSpace:
 				t.noSpace = true
-				s.skip(batch[j : j+1])
+				s.skip(batch[j:j+1], kvcore.ReasonStorePressure)
 			case dataplane.PutNotHeld:
 				notHeld = append(notHeld, notHeldItem{it, res.Error})
 			default:

@@ -1,7 +1,9 @@
 // Package sendpolicy holds the sender's pure policies: the store-pressure
 // gate (PressureGate: which saves to skip while a request's puts are
-// answered "no space") and the retry policy of its store and worker calls
-// (RetryPolicy). Both are values: no I/O, and time is passed in, never
+// answered "no space"), the retry policy of its store and worker calls
+// (RetryPolicy) and a tenant quota's arithmetic (QuotaLimit: what fits,
+// and Victims: which of the tenant's keys leave to make room). All are
+// values: no I/O, and time is passed in, never
 // read. Only the sender uses them; the shared domain core (kvcore) keeps
 // what the other services read too (reason codes, SaveStatus).
 package sendpolicy
