@@ -18,6 +18,8 @@ var (
 	// errProtocol reports a gpuworker answer that does not fit the
 	// request (a bug, not an outage: not retried).
 	errProtocol = errors.New("gpuworker answer does not fit the request")
+	// errNotFound reports an admin API's 404: no such resource.
+	errNotFound = errors.New("not found")
 	// errNoTopic reports a topic the brokers do not have.
 	errNoTopic = errors.New("topic not found")
 )

@@ -99,6 +99,8 @@ func getJSON(ctx context.Context, hc *http.Client, url string, out any) error {
 	switch {
 	case resp.StatusCode >= 500:
 		return fmt.Errorf("GET %s: %d %s: %w: %w", url, resp.StatusCode, problemText(resp.Body), ErrHTTP, errReplicaDown)
+	case resp.StatusCode == http.StatusNotFound:
+		return fmt.Errorf("GET %s: %d %s: %w: %w", url, resp.StatusCode, problemText(resp.Body), ErrHTTP, errNotFound)
 	case resp.StatusCode != http.StatusOK:
 		return fmt.Errorf("GET %s: %d %s: %w", url, resp.StatusCode, problemText(resp.Body), ErrHTTP)
 	}

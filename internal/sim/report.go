@@ -344,8 +344,8 @@ func (rep *Report) WriteText(w io.Writer) error {
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
 	rep.writeRankRows(row)
 	for _, tc := range rep.Tenants {
-		row("tenant "+tc.Tenant, "%d admissions (%d first turns): %d prompt tokens, local hit %d, store loaded %d (first turns %d), %d keys stored",
-			tc.Admissions, tc.FirstTurnAdmissions, tc.PromptTokens, tc.LocalHitTokens, tc.StoreLoadedTokens, tc.FirstTurnStoreLoadedTokens, tc.StoredKeys)
+		row("tenant "+tc.Tenant, "%d admissions (%d first turns): %d prompt tokens, hit rate %.1f%% (local hit %d, store loaded %d, first turns %d), %d keys stored%s",
+			tc.Admissions, tc.FirstTurnAdmissions, tc.PromptTokens, 100*tc.HitRate(), tc.LocalHitTokens, tc.StoreLoadedTokens, tc.FirstTurnStoreLoadedTokens, tc.StoredKeys, tc.Store.text())
 	}
 	if c := rep.Trackers; c != nil {
 		row("scheduler", "%s: %d trackers of the run, %d not done, %d missing%s", okText(c.OK), c.Checked, len(c.NotDone), c.Missing, suffix(c.Error))

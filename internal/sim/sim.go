@@ -513,6 +513,7 @@ func (r *run) check(ctx context.Context, rep *Report) {
 		c := checkDLQ(ctx, r.cfg.HTTPClient, newReplicas(r.cfg.senders), engines, prefix, r.ledger.deadLettered())
 		rep.DLQ = &c
 		rep.OK = rep.OK && c.OK
+		checkTenantStores(ctx, r.cfg.HTTPClient, newReplicas(r.cfg.senders), rep.Tenants, time.Duration(rep.ElapsedSeconds*float64(time.Second)))
 	}
 	if c := r.stored; c != nil {
 		c.LedgerStored = rep.Ledger.Stored

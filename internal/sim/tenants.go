@@ -1,8 +1,17 @@
 package sim
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"maps"
+	"net/http"
+	"net/url"
 	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 )
 
 // TenantCounts are one tenant's figures of a run with tenants
@@ -29,6 +38,9 @@ type TenantCounts struct {
 	// StoredKeys counts the distinct store keys the tenant's saves stored
 	// (the run's BlockStored events), each in the tenant's key space.
 	StoredKeys int `json:"stored_keys"`
+	// Store is what the sender says of the tenant after the run (when the
+	// run asks the sender).
+	Store *TenantStore `json:"store,omitempty"`
 }
 
 // tenantLocked counts one admission of tenant: num prompt tokens, local of
@@ -71,4 +83,99 @@ func (s *stats) tenantsLocked(storedKeys map[string]int) []TenantCounts {
 		out = append(out, c)
 	}
 	return out
+}
+
+// TenantStore is what the sender says of one tenant after a run: its
+// quota (absent when it has none), what it holds in the store and what of
+// it was removed during the run, by cause.
+type TenantStore struct {
+	// Quota is the tenant's quota and usage (GET /v1/quotas/{tenant});
+	// nil when the tenant has none.
+	Quota *adminapi.QuotaStatus `json:"quota,omitempty"`
+	// Removed counts the tenant's blocks removed from the store since the
+	// run began, by cause (GET /v1/removals).
+	Removed map[string]int64 `json:"removed"`
+	// Error says why the sender could not be asked.
+	Error string `json:"error,omitempty"`
+}
+
+// HitRate is the share of the tenant's prompt tokens found cached: in the
+// engine's prefix cache or loaded from the store.
+func (c TenantCounts) HitRate() float64 {
+	if c.PromptTokens == 0 {
+		return 0
+	}
+	return float64(c.LocalHitTokens+c.StoreLoadedTokens) / float64(c.PromptTokens)
+}
+
+// checkTenantStores asks the sender (any of its replicas) about each
+// tenant of the run: its quota and usage, and its removals in the last
+// since, and puts them in the tenants' counts.
+func checkTenantStores(ctx context.Context, hc *http.Client, reps *replicas, tenants []TenantCounts, since time.Duration) {
+	window := since.Round(time.Second) + time.Minute
+	for i := range tenants {
+		tenants[i].Store = tenantStore(ctx, hc, reps, tenants[i].Tenant, window)
+	}
+}
+
+// tenantStore is the sender's answer about one tenant.
+func tenantStore(ctx context.Context, hc *http.Client, reps *replicas, tenant string, window time.Duration) *TenantStore {
+	st := &TenantStore{Removed: map[string]int64{}}
+	var q adminapi.QuotaStatus
+	err := reps.do(ctx, replicaDown, func(base string) error {
+		return getJSON(ctx, hc, base+"/v1/quotas/"+url.PathEscape(tenant), &q)
+	})
+	switch {
+	case err == nil:
+		st.Quota = &q
+	case !errors.Is(err, errNotFound):
+		st.Error = err.Error()
+		return st
+	}
+	var rm adminapi.Removals
+	q2 := url.Values{"tenant": {tenant}, "since": {window.String()}, "limit": {"1"}}
+	if err := reps.do(ctx, replicaDown, func(base string) error {
+		return getJSON(ctx, hc, base+"/v1/removals?"+q2.Encode(), &rm)
+	}); err != nil {
+		st.Error = err.Error()
+		return st
+	}
+	for _, c := range rm.ByCause {
+		st.Removed[c.Cause] = c.Blocks
+	}
+	return st
+}
+
+// text is the store part of a tenant's report row: its quota and usage,
+// and its removals by cause.
+func (s *TenantStore) text() string {
+	if s == nil {
+		return ""
+	}
+	if s.Error != "" {
+		return "; sender: " + s.Error
+	}
+	out := "; quota none"
+	if q := s.Quota; q != nil {
+		out = fmt.Sprintf("; quota %s/%s keys (%s): usage %s, %d keys; %d evicted, %d skipped",
+			limitText(size(q.MaxBytes), q.MaxBytes), limitText(fmt.Sprint(q.MaxKeys), q.MaxKeys), q.OnFull,
+			size(q.UsageBytes), q.UsageKeys, q.EvictedBlocks, q.SkippedBlocks)
+	}
+	causes := slices.Sorted(maps.Keys(s.Removed))
+	parts := make([]string, 0, len(causes))
+	for _, c := range causes {
+		parts = append(parts, fmt.Sprintf("%s %d", c, s.Removed[c]))
+	}
+	if len(parts) == 0 {
+		parts = []string{"none"}
+	}
+	return out + "; removed " + strings.Join(parts, ", ")
+}
+
+// limitText is text, or "unlimited" for a zero limit.
+func limitText(text string, limit int64) string {
+	if limit == 0 {
+		return "unlimited"
+	}
+	return text
 }

@@ -659,3 +659,70 @@ func TestRemovalsSayTheBlocksAge(t *testing.T) {
 		t.Errorf("logged %+v, recent %+v; want del: 3 blocks, 2 ages 90..3600, the model's fingerprint", c, logged.Recent)
 	}
 }
+
+// TestQuotaRemovalsSayQuota: a key a tenant quota removed
+// (kvstore.Redis.RemoveForQuota: its mark, then UNLINK) is announced with
+// cause quota and the age its mark holds, a key an operator deleted in
+// the same moment and namespace stays a del, the quota cause is counted
+// and the mark is taken.
+func TestQuotaRemovalsSayQuota(t *testing.T) {
+	now := time.Now().Truncate(time.Millisecond)
+	kb := kvcore.KeyBuilder{Prefix: "dep", Model: "m", Fingerprint: "00112233445566ff"}.ForTenant("over")
+	r := newRig(t, nil, func(o *Options) {
+		o.Keys = kb.ForTenant("")
+		st, err := kvstore.NewRedis(context.Background(), o.RedisURL, kvstore.RedisOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = st.Close() })
+		o.Times, o.Quotas, o.Now = st, st, func() time.Time { return now }
+		o.FlushEvery = 200 * time.Millisecond // both removals in one del batch
+	})
+	r.waitReady()
+	ctx := context.Background()
+	evicted := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{1})
+	deleted := kb.Key(kvcore.Rank{}, 0, kvcore.BlockHash{2})
+	for _, k := range []string{evicted, deleted} {
+		if err := r.client.Set(ctx, k, "v", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.store.MarkStored(ctx, []string{evicted, deleted}, now.Add(-time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.client.Del(ctx, deleted).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.store.RemoveForQuota(ctx, []kvstore.StoredKey{{Key: evicted, StoredAt: now.Add(-2 * time.Hour)}}, now); err != nil || n != 1 {
+		t.Fatalf("RemoveForQuota = %d, %v", n, err)
+	}
+	type removal struct {
+		cause, tenant string
+		age           float64
+	}
+	got := map[string]removal{}
+	r.until("BlockRemoved of both keys", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		for _, rec := range r.records {
+			for i, k := range rec.Keys() {
+				if rec.Kind() == contract.BlockRemoved && len(rec.Ages) == len(rec.Hashes) {
+					got[k] = removal{rec.Cause, rec.Tenant, rec.Ages[i]}
+				}
+			}
+		}
+		return len(got) == 2
+	})
+	if want := (removal{CauseQuota, "over", 7200}); got[evicted] != want {
+		t.Errorf("the quota's removal: %+v, want %+v (the mark's store time)", got[evicted], want)
+	}
+	if want := (removal{CauseDeleted, "over", 3600}); got[deleted] != want {
+		t.Errorf("the operator's delete: %+v, want %+v", got[deleted], want)
+	}
+	if n := testutil.ToFloat64(r.metrics.removed.WithLabelValues(CauseQuota)); n != 1 {
+		t.Errorf("removed{quota} = %v, want 1", n)
+	}
+	if marks, err := r.store.TakeQuotaMarks(ctx, []string{evicted}); err != nil || !marks[0].IsZero() {
+		t.Errorf("the mark after the announcement: %v, %v; want it taken", marks, err)
+	}
+}
