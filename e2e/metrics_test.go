@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"bufio"
+	"context"
 	"fmt"
+	"io"
 	"maps"
 	"net/http"
 	"os"
@@ -10,9 +12,12 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmesh/kvmesh/deploy"
+	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 )
 
 // gpuFamilyPrefix starts the per-GPU families: served only where NVML sees
@@ -118,4 +123,81 @@ func writeCatalogue(t *testing.T, served map[string][]string, help map[string]st
 	if err := os.WriteFile(out, []byte(b.String()), 0o644); err != nil {
 		t.Errorf("write %s: %v", out, err)
 	}
+}
+
+// dashboardQuotaPrefix names the two tenants of playTenantQuotas' run.
+const dashboardQuotaPrefix = "dash-quota-"
+
+// dashboardQuotaKeys is the key quota of both tenants of playTenantQuotas:
+// fewer keys than one first turn of tenantWorkload saves (its 160-token
+// system prompt alone is ten 16-token blocks), so each tenant goes over
+// it with its first save.
+const dashboardQuotaKeys = 8
+
+// playTenantQuotas makes the stack serve what the store dashboard's
+// Tenants row plots, by using quotas as an operator does: it sets a quota
+// on each of two tenants through the sender's PUT /v1/quotas/{tenant} —
+// dashboardQuotaKeys keys and 1 GiB, evicting for tenant {prefix}0,
+// skipping for tenant {prefix}1 — and plays a clean run of both tenants,
+// which goes over both: the first tenant's later saves evict its own
+// oldest blocks, the second's are skipped with reason quota. The sender
+// serves a tenant's usage and quota series only for a tenant with a quota
+// or a recent save, and its evicted and skipped counters only once a
+// quota did that, so it returns only when the sender's /metrics has all
+// of them.
+func playTenantQuotas(t *testing.T, s *stack) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	evict, skip := sim.TenantName(dashboardQuotaPrefix, 0), sim.TenantName(dashboardQuotaPrefix, 1)
+	for _, q := range []adminapi.TenantQuota{
+		{Tenant: evict, MaxBytes: 1 << 30, MaxKeys: dashboardQuotaKeys, OnFull: adminapi.QuotaEvict},
+		{Tenant: skip, MaxBytes: 1 << 30, MaxKeys: dashboardQuotaKeys, OnFull: adminapi.QuotaSkip},
+	} {
+		body := fmt.Sprintf(`{"max_bytes": %d, "max_keys": %d, "on_full": %q}`, q.MaxBytes, q.MaxKeys, q.OnFull)
+		var got adminapi.TenantQuota
+		if code := testenv.CallJSONBody(t, http.MethodPut, s.url("sender")+"/v1/quotas/"+q.Tenant, adminToken, body, &got); code != http.StatusOK ||
+			got.Tenant != q.Tenant || got.MaxKeys != q.MaxKeys || got.OnFull != q.OnFull {
+			t.Fatalf("PUT /v1/quotas/%s %s: %d %+v", q.Tenant, body, code, got)
+		}
+	}
+	w := tenantWorkload(dashboardQuotaPrefix)
+	w.Requests = 8 // four conversations a tenant: several saves of each go over its quota
+	rep, err := sim.Run(ctx, simConfig(t, s, false, w))
+	if err != nil {
+		t.Fatal(err)
+	}
+	requireOK(t, rep)
+	want := []string{
+		fmt.Sprintf("kvmesh_sender_tenant_usage_bytes{tenant=%q}", evict),
+		fmt.Sprintf("kvmesh_sender_tenant_usage_keys{tenant=%q}", skip),
+		fmt.Sprintf("kvmesh_sender_tenant_quota_bytes{tenant=%q}", evict),
+		fmt.Sprintf("kvmesh_sender_tenant_quota_keys{tenant=%q}", skip),
+		fmt.Sprintf("kvmesh_sender_quota_evicted_blocks_total{tenant=%q}", evict),
+		fmt.Sprintf("kvmesh_sender_quota_skipped_blocks_total{tenant=%q}", skip),
+	}
+	var missing []string
+	ok := poll(ctx, 15*time.Second, func() bool { // usage is refreshed every 5 s
+		page := metricsPage(t, s.url("sender")+"/metrics")
+		missing = slices.DeleteFunc(slices.Clone(want), func(series string) bool { return strings.Contains(page, "\n"+series+" ") })
+		return len(missing) == 0
+	})
+	if !ok {
+		t.Fatalf("after a run over both tenants' quotas the sender serves no %v", missing)
+	}
+}
+
+// metricsPage returns a /metrics page, a newline before its first line.
+func metricsPage(t *testing.T, url string) string {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape %s: %s %v", url, resp.Status, err)
+	}
+	return "\n" + string(b)
 }

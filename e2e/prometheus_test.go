@@ -58,7 +58,8 @@ var stackProcesses = []string{"lookup", "scheduler", "sender", "gpuworker", "gpu
 
 // TestPrometheusDashboards scrapes a running stack with a real Prometheus
 // (deploy/prometheus.yml, its targets pointed at the stack, every second),
-// plays a short 1P1D run, and evaluates every query of every provisioned
+// plays a short 1P1D run and a run of two tenants over their quotas
+// (playTenantQuotas), and evaluates every query of every provisioned
 // Grafana dashboard through Prometheus' HTTP API: each must parse and
 // evaluate, and each must return at least one series, except those of the
 // panels in gpuPanels on a host without GPUs. The dashboards' query
@@ -85,6 +86,7 @@ func TestPrometheusDashboards(t *testing.T) {
 		t.Fatal(err)
 	}
 	requireOK(t, rep)
+	playTenantQuotas(t, s) // the Tenants row's series: tenants with quotas that evict and skip
 	waitScrapesAfter(ctx, t, prom, time.Now(), 2)
 
 	gpus := promScalar(ctx, t, prom, "sum(kvmesh_gpu_devices)")

@@ -33,8 +33,9 @@ const (
 
 // TestObservability runs the four services exporting OTLP to an in-test
 // receiver, plays two single-request runs and a malformed save, then checks
-// the traces (one per request, across every hop) and the metrics (every
-// family a Grafana dashboard queries is served).
+// the traces (one per request, across every hop) and, after a run of two
+// tenants over their quotas (playTenantQuotas), the metrics (every family a
+// Grafana dashboard queries is served).
 func TestObservability(t *testing.T) {
 	rec := testenv.RecordSpans(t) // the simulator's own spans, in process
 	recv := testenv.StartOTLPReceiver(t)
@@ -44,7 +45,10 @@ func TestObservability(t *testing.T) {
 		"OTEL_EXPORTER_OTLP_ENDPOINT=" + recv.URL(), "OTEL_BSP_SCHEDULE_DELAY=100",
 	}})
 	t.Run("one trace per request", func(t *testing.T) { checkOneTracePerRequest(t, s, rec, recv) })
-	t.Run("every dashboard metric is served", func(t *testing.T) { checkDashboardMetrics(t, s) })
+	t.Run("every dashboard metric is served", func(t *testing.T) {
+		playTenantQuotas(t, s) // the tenant quota families exist once quotas evict and skip
+		checkDashboardMetrics(t, s)
+	})
 }
 
 // checkOneTracePerRequest follows single requests through the services. A first run

@@ -211,13 +211,25 @@ func (e *problemError) Unwrap() error { return errProblem }
 // is 2xx. Any other status is a *problemError; a transport failure names
 // the URL and the setting to fix it.
 func (c *client) do(ctx context.Context, ep endpoint, method, path string, q url.Values, admin bool) ([]byte, error) {
+	return c.send(ctx, ep, method, path, q, admin, nil)
+}
+
+// send is do with a JSON request body (none when nil).
+func (c *client) send(ctx context.Context, ep endpoint, method, path string, q url.Values, admin bool, body []byte) ([]byte, error) {
 	target := ep.url + path
 	if len(q) > 0 {
 		target += "?" + q.Encode()
 	}
-	req, err := http.NewRequestWithContext(ctx, method, target, nil)
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, target, rd)
 	if err != nil {
 		return nil, fmt.Errorf("%s URL %q: %w (set %s or %s)", ep.name, ep.url, err, ep.flag, ep.env)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
 	}
 	if admin && c.token != "" {
 		req.Header.Set("Authorization", "Bearer "+c.token)
@@ -227,17 +239,17 @@ func (c *client) do(ctx context.Context, ep endpoint, method, path string, q url
 		return nil, fmt.Errorf("%s at %s is %w: %w (set %s or %s)", ep.name, ep.url, errUnreachable, err, ep.flag, ep.env)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswerBytes))
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswerBytes))
 	if err != nil {
 		return nil, fmt.Errorf("%s at %s: reading the answer: %w", ep.name, ep.url, err)
 	}
 	if resp.StatusCode/100 == 2 {
-		return body, nil
+		return answer, nil
 	}
 	pe := &problemError{ep: ep, status: resp.StatusCode}
 	if mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); mt != httpserver.ContentTypeProblem ||
-		json.Unmarshal(body, &pe.problem) != nil {
-		pe.problem = httpserver.Problem{Status: resp.StatusCode, Detail: strings.TrimSpace(string(body))}
+		json.Unmarshal(answer, &pe.problem) != nil {
+		pe.problem = httpserver.Problem{Status: resp.StatusCode, Detail: strings.TrimSpace(string(answer))}
 	}
 	return nil, pe
 }

@@ -6,6 +6,7 @@
 //	kvmesh outbox failed|retry the outbox rows that could not be published
 //	kvmesh requests list|show  the scheduler's request trackers
 //	kvmesh workers             the gpuworker registry and each worker's pool
+//	kvmesh quota list|get|set|delete   the tenants' quotas in the store (the sender's)
 //	kvmesh model               a model's parallel layout: worker ranks, namespaces
 //	kvmesh status              every service's readiness and key counters
 //	kvmesh help                list the subcommands

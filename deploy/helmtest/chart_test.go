@@ -1,15 +1,21 @@
 package helmtest_test
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -19,6 +25,7 @@ import (
 	"github.com/kvmesh/kvmesh/deploy"
 	"github.com/kvmesh/kvmesh/deploy/helmtest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
+	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/auth"
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -36,6 +43,7 @@ type renderCase struct {
 	migrate bool // init containers migrate (else the scheduler does)
 	admin   bool // KVMESH_ADMIN_TOKEN is set
 	authOff bool // auth.mode=off: KVMESH_AUTH=off and no KVMESH_AUTH_KEY
+	quotas  bool // the chart renders the quota hook Job
 }
 
 // testAuthKey is the auth.key of the renders that need one (the chart
@@ -49,7 +57,7 @@ var cases = []renderCase{
 		workers: 2, secret: true, migrate: true},
 	{name: "multi-engine values", rel: helmtest.Release{Name: "prod", Namespace: "inference",
 		ValuesFiles: []string{"ci/multi-engine-values.yaml"}},
-		workers: 6, secret: true, monitor: true, migrate: true, admin: true},
+		workers: 6, secret: true, monitor: true, migrate: true, admin: true, quotas: true},
 	{name: "existing secret, scheduler migrates", rel: helmtest.Release{Name: "kv", Namespace: "default",
 		Set: []string{"existingSecret=kvmesh-credentials", "migrate.enabled=false", "serviceMonitor.enabled=true"}},
 		workers: 2, monitor: true, admin: true},
@@ -220,8 +228,8 @@ func reportAll(t *testing.T, errs []error) {
 
 // TestChartRenders renders every case and counts its objects: the three
 // singleton services and one Deployment and Service per gpuworker rank,
-// the Secret and the ServiceMonitor when the values ask for them, every
-// object named as a DNS label, unique within its kind.
+// the Secret, the ServiceMonitor and the quota Job when the values ask for
+// them, every object named as a DNS label, unique within its kind.
 func TestChartRenders(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -237,6 +245,9 @@ func TestChartRenders(t *testing.T) {
 			}
 			if got, want := len(m.ServiceMonitors), map[bool]int{true: 1}[c.monitor]; got != want {
 				t.Errorf("%d ServiceMonitors, want %d", got, want)
+			}
+			if got, want := len(m.Jobs), map[bool]int{true: 1}[c.quotas]; got != want {
+				t.Errorf("%d Jobs, want %d", got, want)
 			}
 			if !strings.Contains(m.Notes, c.rel.Namespace) {
 				t.Errorf("NOTES.txt does not name the namespace:\n%s", m.Notes)
@@ -634,18 +645,8 @@ func TestChartSecurity(t *testing.T) {
 					t.Errorf("%s: mounts a service-account token", d.Name)
 				}
 				for _, ctr := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
-					sc := ctr.SecurityContext
-					switch {
-					case sc == nil:
-						t.Errorf("%s/%s: no security context", d.Name, ctr.Name)
-					case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
-						t.Errorf("%s/%s: allows privilege escalation", d.Name, ctr.Name)
-					case sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem:
-						t.Errorf("%s/%s: writable root file system", d.Name, ctr.Name)
-					case sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL"):
-						t.Errorf("%s/%s: capabilities %+v, want ALL dropped", d.Name, ctr.Name, sc.Capabilities)
-					case sc.RunAsUser != nil && *sc.RunAsUser == 0:
-						t.Errorf("%s/%s: runs as root", d.Name, ctr.Name)
+					if err := checkContainerSecurity(ctr); err != nil {
+						t.Errorf("%s/%s: %v", d.Name, ctr.Name, err)
 					}
 				}
 				if r := spec.Containers[0].Resources; len(r.Requests) == 0 || len(r.Limits) == 0 {
@@ -654,6 +655,25 @@ func TestChartSecurity(t *testing.T) {
 			}
 		})
 	}
+}
+
+// checkContainerSecurity reports a container that may escalate its
+// privileges, write its root file system, keep a capability or run as root.
+func checkContainerSecurity(ctr corev1.Container) error {
+	sc := ctr.SecurityContext
+	switch {
+	case sc == nil:
+		return errors.New("no security context")
+	case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
+		return errors.New("allows privilege escalation")
+	case sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem:
+		return errors.New("writable root file system")
+	case sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Drop, "ALL"):
+		return fmt.Errorf("capabilities %+v, want ALL dropped", sc.Capabilities)
+	case sc.RunAsUser != nil && *sc.RunAsUser == 0:
+		return errors.New("runs as root")
+	}
+	return nil
 }
 
 // TestChartImage checks every container runs, from the values' image, a
@@ -811,6 +831,19 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"auth required by default without a key", []string{"auth.mode=", "auth.key="}, "auth.key is required"},
 		{"a short auth key", []string{"auth.key=0123456789abcdef"}, "auth.key is 16 bytes: it must be at least 32"},
 		{"an unknown auth mode", []string{"auth.mode=optional"}, `auth.mode: "optional" is neither required nor off`},
+		{"quotas without the operator token", []string{"quotas[0].tenant=a", "quotas[0].maxKeys=1"},
+			"quotas: setting them needs the operator token: set adminToken, or existingSecret"},
+		{"a quota without a tenant", []string{"adminToken=t", "quotas[0].maxKeys=1"}, "quotas[0].tenant is required"},
+		{"a quota's tenant that is none", []string{"adminToken=t", "quotas[0].tenant=a b", "quotas[0].maxKeys=1"},
+			`quotas[0]: tenant "a b" is not 1 to 64 of [A-Za-z0-9._-]`},
+		{"a tenant listed twice", []string{"adminToken=t", "quotas[0].tenant=a", "quotas[0].maxKeys=1", "quotas[1].tenant=a", "quotas[1].maxKeys=2"},
+			`quotas: tenant "a" is listed twice`},
+		{"a quota without a bound", []string{"adminToken=t", "quotas[0].tenant=a", "quotas[0].onFull=skip", "quotas[0].maxBytes=0"},
+			`quotas[0] (tenant "a"): set maxBytes or maxKeys (or both)`},
+		{"a quota's unknown onFull", []string{"adminToken=t", "quotas[0].tenant=a", "quotas[0].maxKeys=1", "quotas[0].onFull=drop"},
+			`onFull "drop" is neither evict nor skip`},
+		{"a quota's unknown key", []string{"adminToken=t", "quotas[0].tenant=a", "quotas[0].maxbytes=1GiB"},
+			`quotas[0]: unknown key "maxbytes"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -888,4 +921,265 @@ func authCheck(c renderCase) func(*testing.T, *helmtest.Manifests, container) []
 
 func secretCheck(t *testing.T, m *helmtest.Manifests, c container) []error {
 	return checkSecrets(t, m, c)
+}
+
+// TestMain removes the binaries the tests built (the kvmesh CLI).
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if err := testenv.RemoveBinaries(); err != nil {
+		fmt.Fprintln(os.Stderr, "remove test binaries:", err)
+	}
+	os.Exit(code)
+}
+
+// kvmeshCLI is the CLI in the image, as the chart's containers run it.
+const kvmeshCLI = "/usr/local/bin/kvmesh"
+
+// TestChartQuotas checks the quota hook Job: none without quotas; with
+// them one post-install and post-upgrade Job whose pod runs `kvmesh quota
+// set` once per tenant, in the order listed (a container each: the image
+// has no shell), from the mesh's image and as locked down as every kvmesh
+// container, against the sender's Service (over HTTPS with tls.secretName,
+// verified against the CA alone with verifyCA), with the operator token
+// from the Secret the services read it from.
+func TestChartQuotas(t *testing.T) {
+	tests := []struct {
+		name      string
+		rel       helmtest.Release
+		commands  [][]string // each container's; nil: no Job
+		sender    string     // KVMESH_SENDER_URL
+		ca        string     // KVMESH_HTTP_CA_FILE; empty: unset, and no volume
+		tlsSecret string     // the Secret the CA is mounted from
+	}{
+		{name: "no quotas", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh",
+			Set: []string{"auth.key=" + testAuthKey, "adminToken=tok"}}},
+		{name: "multi-engine values", rel: helmtest.Release{Name: "prod", Namespace: "inference",
+			ValuesFiles: []string{"ci/multi-engine-values.yaml"}},
+			commands: [][]string{
+				{kvmeshCLI, "quota", "set", "--max-bytes", "512GiB", "--max-keys", "2000000", "--", "acme"},
+				{kvmeshCLI, "quota", "set", "--max-bytes", "1073741824", "--on-full", "skip", "--", "trial"},
+			},
+			sender: "http://prod-kvmesh-sender.inference.svc:8083"},
+		{name: "existing secret", rel: helmtest.Release{Name: "kv", Namespace: "default",
+			Set: []string{"existingSecret=kvmesh-credentials",
+				"quotas[0].tenant=-b.c_d", "quotas[0].maxKeys=10", "quotas[0].onFull=evict",
+				"quotas[1].tenant=e", "quotas[1].maxBytes=1.5GB"}},
+			commands: [][]string{
+				{kvmeshCLI, "quota", "set", "--max-keys", "10", "--on-full", "evict", "--", "-b.c_d"},
+				{kvmeshCLI, "quota", "set", "--max-bytes", "1.5GB", "--", "e"},
+			},
+			sender: "http://kv-kvmesh-sender.default.svc:8083"},
+		{name: "https with a CA", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh",
+			Set: []string{"auth.key=" + testAuthKey, "adminToken=tok", "tls.secretName=kvmesh-tls",
+				"quotas[0].tenant=a", "quotas[0].maxKeys=1"}},
+			commands: [][]string{{kvmeshCLI, "quota", "set", "--max-keys", "1", "--", "a"}},
+			sender:   "https://kvmesh-sender.kvmesh.svc:8083", ca: "/etc/kvmesh/tls/ca.crt", tlsSecret: "kvmesh-tls"},
+		{name: "https, system roots", rel: helmtest.Release{Name: "kvmesh", Namespace: "kvmesh",
+			Set: []string{"auth.key=" + testAuthKey, "adminToken=tok", "tls.secretName=kvmesh-tls", "tls.verifyCA=false",
+				"quotas[0].tenant=a", "quotas[0].maxBytes=64MiB"}},
+			commands: [][]string{{kvmeshCLI, "quota", "set", "--max-bytes", "64MiB", "--", "a"}},
+			sender:   "https://kvmesh-sender.kvmesh.svc:8083"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, err := helmtest.Render(testenv.ModuleRoot(t), tt.rel)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.commands == nil {
+				if len(m.Jobs) != 0 {
+					t.Errorf("%d Jobs, want none", len(m.Jobs))
+				}
+				return
+			}
+			if len(m.Jobs) != 1 {
+				t.Fatalf("%d Jobs, want the quota Job", len(m.Jobs))
+			}
+			job := m.Jobs[0]
+			if errs := validation.IsDNS1123Subdomain(job.Name); len(errs) > 0 {
+				t.Errorf("Job %s: %v", job.Name, errs)
+			}
+			if got := job.Annotations["helm.sh/hook"]; got != "post-install,post-upgrade" {
+				t.Errorf("Job %s: hook %q, want post-install,post-upgrade", job.Name, got)
+			}
+			if got := job.Annotations["helm.sh/hook-delete-policy"]; !strings.Contains(got, "before-hook-creation") {
+				t.Errorf("Job %s: hook delete policy %q, want before-hook-creation (an upgrade replaces the Job)", job.Name, got)
+			}
+			spec := job.Spec.Template.Spec
+			if spec.RestartPolicy != corev1.RestartPolicyOnFailure {
+				t.Errorf("restart policy %q, want OnFailure (the sender may not be ready yet)", spec.RestartPolicy)
+			}
+			if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+				t.Error("the Job mounts a service-account token")
+			}
+			if psc := spec.SecurityContext; psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot {
+				t.Errorf("pod security context %+v, want a non-root user", psc)
+			}
+			sender := senderContainer(t, m)
+			checkSenderURL(t, m, sender, tt.sender)
+			if len(spec.Containers) != len(tt.commands) {
+				t.Fatalf("%d containers, want one per tenant, %d", len(spec.Containers), len(tt.commands))
+			}
+			for i, ctr := range spec.Containers {
+				if !slices.Equal(ctr.Command, tt.commands[i]) {
+					t.Errorf("%s: command %q, want %q", ctr.Name, ctr.Command, tt.commands[i])
+				}
+				if ctr.Image != sender.c.Image || ctr.ImagePullPolicy != sender.c.ImagePullPolicy {
+					t.Errorf("%s: image %s (%s), want the mesh's %s (%s)", ctr.Name, ctr.Image, ctr.ImagePullPolicy, sender.c.Image, sender.c.ImagePullPolicy)
+				}
+				if err := checkContainerSecurity(ctr); err != nil {
+					t.Errorf("%s: %v", ctr.Name, err)
+				}
+				checkQuotaEnv(t, m, sender, &ctr, tt.sender, tt.ca)
+				mounts := make([]string, 0, 1)
+				for _, vm := range ctr.VolumeMounts {
+					mounts = append(mounts, fmt.Sprintf("%s:%s:%v", vm.Name, vm.MountPath, vm.ReadOnly))
+				}
+				if want := map[bool][]string{true: {"tls:" + path.Dir(tt.ca) + ":true"}, false: {}}[tt.ca != ""]; !slices.Equal(mounts, want) {
+					t.Errorf("%s: mounts %q, want %q", ctr.Name, mounts, want)
+				}
+			}
+			checkQuotaVolumes(t, spec.Volumes, tt.tlsSecret)
+		})
+	}
+}
+
+// senderContainer is the sender's container of a render.
+func senderContainer(t *testing.T, m *helmtest.Manifests) container {
+	t.Helper()
+	for _, ct := range containers(t, m) {
+		if ct.program == "sender" {
+			return ct
+		}
+	}
+	t.Fatal("no sender Deployment")
+	return container{}
+}
+
+// checkSenderURL checks that want is the sender's Service: its name in
+// the release's namespace, on its port.
+func checkSenderURL(t *testing.T, m *helmtest.Manifests, sender container, want string) {
+	t.Helper()
+	for _, s := range m.Services {
+		if s.Name != sender.deployment.Name {
+			continue
+		}
+		host := fmt.Sprintf("%s.%s.svc:%d", s.Name, m.Namespace, s.Spec.Ports[0].Port)
+		if !strings.HasSuffix(want, "://"+host) {
+			t.Errorf("the quota Job's sender %s, want the sender's Service %s", want, host)
+		}
+		return
+	}
+	t.Errorf("no Service %s", sender.deployment.Name)
+}
+
+// checkQuotaEnv checks a quota container's environment: the sender's URL,
+// the operator token from the Secret and key the sender reads it from
+// (required: without it every quota set is refused), the CA when ca is
+// set, and nothing else.
+func checkQuotaEnv(t *testing.T, m *helmtest.Manifests, sender container, ctr *corev1.Container, url, ca string) {
+	t.Helper()
+	env, refs := resolve(m, ctr), secretRefs(ctr)
+	want := deploy.Environment{"KVMESH_SENDER_URL": url, "KVMESH_ADMIN_TOKEN": sender.env["KVMESH_ADMIN_TOKEN"]}
+	if ca != "" {
+		want["KVMESH_HTTP_CA_FILE"] = ca
+	}
+	if fmt.Sprint(env) != fmt.Sprint(want) || len(ctr.Env) != len(want) {
+		t.Errorf("%s: env %v, want %v", ctr.Name, env, want)
+	}
+	ref, wantRef := refs["KVMESH_ADMIN_TOKEN"], sender.refs["KVMESH_ADMIN_TOKEN"]
+	switch {
+	case ref == nil || wantRef == nil:
+		t.Errorf("%s: KVMESH_ADMIN_TOKEN from %v, want the sender's Secret (%v)", ctr.Name, ref, wantRef)
+	case ref.Name != wantRef.Name || ref.Key != wantRef.Key:
+		t.Errorf("%s: KVMESH_ADMIN_TOKEN from %s/%s, want the sender's %s/%s", ctr.Name, ref.Name, ref.Key, wantRef.Name, wantRef.Key)
+	case ref.Optional != nil && *ref.Optional:
+		t.Errorf("%s: KVMESH_ADMIN_TOKEN is optional: a quota cannot be set without it", ctr.Name)
+	}
+}
+
+// checkQuotaVolumes checks the quota pod's volumes: the CA alone of the
+// tls Secret (no server key), readable by the pod's group, or none.
+func checkQuotaVolumes(t *testing.T, vols []corev1.Volume, tlsSecret string) {
+	t.Helper()
+	if tlsSecret == "" {
+		if len(vols) != 0 {
+			t.Errorf("volumes %+v, want none", vols)
+		}
+		return
+	}
+	if len(vols) != 1 || vols[0].Name != "tls" || vols[0].Secret == nil {
+		t.Fatalf("volumes %+v, want the tls Secret's CA", vols)
+	}
+	s := vols[0].Secret
+	if s.SecretName != tlsSecret || len(s.Items) != 1 || s.Items[0].Key != "ca.crt" || s.Items[0].Path != "ca.crt" ||
+		s.DefaultMode == nil || *s.DefaultMode != 0o440 {
+		t.Errorf("tls volume %+v, want ca.crt alone of %s, mode 0440", s, tlsSecret)
+	}
+}
+
+// TestChartQuotaJobRuns runs the quota Job's containers as the kubelet
+// would — the real kvmesh CLI with each container's command and
+// environment, the token read from the rendered Secret — against a
+// stand-in for the sender's Service, and checks each PUTs its tenant's
+// quota with the operator token: the chart's command lines are ones the
+// CLI takes, and mean what the values say.
+func TestChartQuotaJobRuns(t *testing.T) {
+	i := slices.IndexFunc(cases, func(c renderCase) bool { return c.name == "multi-engine values" })
+	if i < 0 || !cases[i].quotas {
+		t.Fatal("no render case of the multi-engine values with their quotas")
+	}
+	m := render(t, cases[i])
+	if len(m.Jobs) != 1 {
+		t.Fatalf("%d Jobs, want the quota Job", len(m.Jobs))
+	}
+	token, ok := m.SecretValue(senderContainer(t, m).refs["KVMESH_ADMIN_TOKEN"].Name, "KVMESH_ADMIN_TOKEN")
+	if !ok || token == "" {
+		t.Fatal("the rendered Secret holds no KVMESH_ADMIN_TOKEN")
+	}
+	var mu sync.Mutex
+	got := map[string]adminapi.TenantQuota{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tenant, ok := strings.CutPrefix(r.URL.Path, "/v1/quotas/")
+		if r.Method != http.MethodPut || !ok || r.Header.Get("Authorization") != "Bearer "+token {
+			http.Error(w, "want PUT /v1/quotas/{tenant} with the operator token", http.StatusNotFound)
+			return
+		}
+		var q adminapi.TenantQuota
+		if err := json.NewDecoder(r.Body).Decode(&q); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		mu.Lock()
+		got[tenant] = q
+		mu.Unlock()
+		q.UpdatedAt = time.Now().UTC()
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(q)
+	}))
+	defer srv.Close()
+	cli := testenv.BuildBinary(t, "./cmd/kvmesh")
+	for _, ctr := range m.Jobs[0].Spec.Template.Spec.Containers {
+		if ctr.Command[0] != kvmeshCLI {
+			t.Fatalf("%s: runs %s, want %s", ctr.Name, ctr.Command[0], kvmeshCLI)
+		}
+		env := resolve(m, &ctr)
+		env["KVMESH_SENDER_URL"] = srv.URL
+		cmd := exec.CommandContext(t.Context(), cli, ctr.Command[1:]...)
+		for k, v := range env {
+			cmd.Env = append(cmd.Env, k+"="+v)
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("%s: %q: %v\n%s", ctr.Name, ctr.Command, err, out)
+		}
+	}
+	want := map[string]adminapi.TenantQuota{
+		"acme":  {Tenant: "acme", MaxBytes: 512 << 30, MaxKeys: 2_000_000, OnFull: adminapi.QuotaEvict},
+		"trial": {Tenant: "trial", MaxBytes: 1 << 30, OnFull: adminapi.QuotaSkip},
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("quotas PUT %+v, want %+v", got, want)
+	}
 }

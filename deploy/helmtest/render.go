@@ -19,6 +19,7 @@ import (
 	"helm.sh/helm/v3/pkg/releaseutil"
 	"helm.sh/helm/v3/pkg/strvals"
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
@@ -44,12 +45,13 @@ type Release struct {
 
 // Manifests are the decoded objects of one render.
 type Manifests struct {
-	// Deployments, Services, Secrets and ServiceMonitors by kind, in the
-	// order rendered (template file name, then document).
+	// Deployments, Services, Secrets, ServiceMonitors and Jobs (the hooks)
+	// by kind, in the order rendered (template file name, then document).
 	Deployments     []appsv1.Deployment
 	Services        []corev1.Service
 	Secrets         []corev1.Secret
 	ServiceMonitors []ServiceMonitor
+	Jobs            []batchv1.Job
 	// Notes is the rendered NOTES.txt.
 	Notes string
 	// Namespace is the release's namespace.
@@ -168,6 +170,8 @@ func (m *Manifests) add(doc string) error {
 		m.Secrets, err = decodeInto(doc, m.Secrets)
 	case "monitoring.coreos.com/v1/ServiceMonitor":
 		m.ServiceMonitors, err = decodeInto(doc, m.ServiceMonitors)
+	case "batch/v1/Job":
+		m.Jobs, err = decodeInto(doc, m.Jobs)
 	default:
 		return fmt.Errorf("%w: %s %s", ErrUnknownKind, head.APIVersion, head.Kind)
 	}

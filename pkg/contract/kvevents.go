@@ -58,7 +58,8 @@ const (
 	HeaderKVEngineID = "kvmesh-engine-id"
 	// HeaderKVRequestID is the request whose save stored the blocks.
 	HeaderKVRequestID = "kvmesh-request-id"
-	// HeaderKVCause says why blocks went: evicted, expired, del or flushed.
+	// HeaderKVCause says why blocks went: evicted, expired, del, quota (a
+	// del a tenant quota made) or flushed.
 	HeaderKVCause = "kvmesh-cause"
 	// HeaderKVBlockAges lists, for a removal, each block's age when it was
 	// removed: seconds since it was stored (three decimals), comma

@@ -76,7 +76,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		skipped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_sender_skipped_total",
-			Help: "Store keys not saved because of store pressure (skipped while their request was under pressure, or answered no space); their request saves them again later.",
+			Help: "Store keys not saved: skipped for store pressure (while their request was under pressure, or answered no space) or for their tenant's quota (kvmesh_sender_quota_skipped_blocks_total has those by tenant); their request saves them again later.",
 		}),
 		duplicates: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvmesh_sender_duplicate_tasks_total",
