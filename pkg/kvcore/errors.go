@@ -1,6 +1,9 @@
 package kvcore
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
 // Sentinel errors of the domain core.
 var (
@@ -8,6 +11,11 @@ var (
 	ErrEmptyHash = errors.New("empty block hash")
 	// ErrUnknownModel is returned for a model name or preset kvmesh does not know.
 	ErrUnknownModel = errors.New("unknown model")
+	// ErrModelNotServed is returned for a model name a mesh does not serve
+	// (Models.Get); it wraps ErrUnknownModel.
+	ErrModelNotServed = fmt.Errorf("model not served: %w", ErrUnknownModel)
+	// ErrDuplicateModel is returned for two served models of one name.
+	ErrDuplicateModel = errors.New("model served twice")
 	// ErrBadKey is returned for a string that is not a well-formed store key.
 	ErrBadKey = errors.New("malformed store key")
 	// ErrBadKeyPrefix is returned for a key prefix or model name that would

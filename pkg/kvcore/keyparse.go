@@ -25,8 +25,11 @@ func (kb KeyBuilder) ParseOwn(key string) (p KeyParts, ok bool, err error) {
 	if err != nil {
 		return KeyParts{}, false, err
 	}
-	if p.Prefix != kb.Prefix || p.Model != kb.Model || p.Fingerprint != kb.Fingerprint {
-		return p, false, nil
-	}
-	return p, true, nil
+	return p, kb.owns(p), nil
+}
+
+// owns reports whether the parsed key p is of kb's deployment, model and
+// layout.
+func (kb KeyBuilder) owns(p KeyParts) bool {
+	return p.Prefix == kb.Prefix && p.Model == kb.Model && p.Fingerprint == kb.Fingerprint
 }

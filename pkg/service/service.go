@@ -196,6 +196,29 @@ func (c *Common) LoadModel() (*kvcore.Model, error) {
 	return m, nil
 }
 
+// LoadModels resolves the served models: KVMESH_MODEL (the default, with
+// the parallel overrides) and KVMESH_MODELS, with their keys under the
+// deployment's prefix.
+func (c *Common) LoadModels() (*kvcore.Models, error) {
+	def, err := c.LoadModel()
+	if err != nil {
+		return nil, err
+	}
+	ms := []*kvcore.Model{def}
+	for _, spec := range c.Models {
+		m, err := LoadModel(strings.TrimSpace(spec))
+		if err != nil {
+			return nil, fmt.Errorf("KVMESH_MODELS: %w", err)
+		}
+		ms = append(ms, m)
+	}
+	r, err := kvcore.NewModels(c.KeyPrefix, ms...)
+	if err != nil {
+		return nil, fmt.Errorf("KVMESH_MODEL and KVMESH_MODELS: %w", err)
+	}
+	return r, nil
+}
+
 // LoadModel resolves a KVMESH_MODEL value: a preset name, else a file path.
 func LoadModel(spec string) (*kvcore.Model, error) {
 	if m, err := kvcore.Preset(spec); err == nil {

@@ -70,11 +70,15 @@ type Admin struct {
 	AdminToken string `env:"KVMESH_ADMIN_TOKEN" secret:"true" doc:"the operator token: bearer token of the admin routes (with KVMESH_AUTH=off only their mutations need it); when unset they are refused"`
 }
 
-// ModelSpec names the model every service and the kvmesh command lay the
-// KV cache out for.
+// ModelSpec names the models a mesh serves: the default one, which every
+// service and the kvmesh command lay the KV cache out for (a gpuworker:
+// its engine's), and the others the lookup, the scheduler and the sender
+// serve beside it.
 type ModelSpec struct {
 	// Model is a preset name or the path of a YAML/JSON model spec.
-	Model string `env:"KVMESH_MODEL" doc:"model spec: a preset name (dense, hybrid-mla-linear, hybrid-mla-linear-tp8, full-swa-mamba) or a YAML/JSON file"`
+	Model string `env:"KVMESH_MODEL" doc:"model spec: a preset name (dense, hybrid-mla-linear, hybrid-mla-linear-tp8, full-swa-mamba) or a YAML/JSON file; the mesh's default model, and a gpuworker's engine's model"`
+	// Models are more models the mesh serves.
+	Models []string `env:"KVMESH_MODELS" doc:"more models the mesh serves beside KVMESH_MODEL, comma-separated presets or spec files, each at its spec's parallel layout (KVMESH_TP/PCP/DCP/PP apply to KVMESH_MODEL only); every lookup, scheduler and sender of the mesh must list the same, and each engine names its model (vLLM's served model name) in every request. Empty: KVMESH_MODEL only"`
 }
 
 // DefaultModel is KVMESH_MODEL's default preset.

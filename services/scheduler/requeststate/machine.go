@@ -70,3 +70,37 @@ func (r *Request) Apply(m *kvcore.Model, ev Event) Outcome {
 	}
 	return Outcome{Ignored: "no_event"}
 }
+
+// ModelOf names the model ev is about, when it names one: an engine
+// event's step record's, a lookup decision's; "" for the others.
+func ModelOf(ev Event) string {
+	switch e := ev.(type) {
+	case EngineEvent:
+		return e.Model
+	case DecisionEvent:
+		return e.Decision.Model
+	}
+	return ""
+}
+
+// Fresh reports whether the request has taken no event that shaped it:
+// no engine event, no lookup decision, no task. Only a fresh request may
+// be laid out again for another model (Relayout).
+func (r *Request) Fresh() bool {
+	return r.LastSeq == 0 && len(r.Decisions) == 0 && len(r.Tasks) == 0 && r.PD == nil && r.Held == nil &&
+		r.Store.State == StateWaiting && len(r.Store.Hashes) == 0
+}
+
+// Relayout lays a fresh request out for model m (its tracker of m, its
+// coverage of m's groups), keeping its ids, trace context and warnings: a
+// mesh serving many models creates a request's row before its first
+// event says which model it is of. It reports whether r was fresh.
+func (r *Request) Relayout(m *kvcore.Model) bool {
+	if !r.Fresh() {
+		return false
+	}
+	n := New(m, r.Store.EngineID, r.Store.RequestID)
+	n.Traceparent, n.Warnings = r.Traceparent, r.Warnings
+	*r = *n
+	return true
+}

@@ -34,14 +34,15 @@ var States = []requeststate.TrackerState{
 // API serves the admin routes.
 type API struct {
 	ledger *ledger.Ledger
-	model  *kvcore.Model
+	models *kvcore.Models
 	outbox Outbox
 	log    *slog.Logger
 }
 
-// New returns the API over l for model m, with the outbox routes over o.
-func New(l *ledger.Ledger, m *kvcore.Model, o Outbox, log *slog.Logger) *API {
-	return &API{ledger: l, model: m, outbox: o, log: log}
+// New returns the API over l for the served models, with the outbox
+// routes over o.
+func New(l *ledger.Ledger, models *kvcore.Models, o Outbox, log *slog.Logger) *API {
+	return &API{ledger: l, models: models, outbox: o, log: log}
 }
 
 // Mount adds the routes to r; admin guards the mutating one.
@@ -173,10 +174,11 @@ func (a *API) detail(row *ledger.Row) (*Detail, error) {
 		d.Errors = append(d.Errors, adminapi.Warning(w))
 	}
 	d.Coverage = make([]Coverage, 0, len(x.Coverage))
+	m, _ := a.models.Get(t.Model) // nil for a model no longer served: no kinds
 	for _, c := range x.Coverage {
 		v := Coverage{GroupCoverage: adminapi.GroupCoverage(c), EmittedTokens: t.NumSavedTokens}
-		if c.Group < len(a.model.Groups) {
-			v.Kind = a.model.Groups[c.Group].Kind
+		if m != nil && c.Group < len(m.Groups) {
+			v.Kind = m.Groups[c.Group].Kind
 		}
 		d.Coverage = append(d.Coverage, v)
 	}

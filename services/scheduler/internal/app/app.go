@@ -141,7 +141,8 @@ var codeDefaulted = []string{
 type App struct {
 	cfg     Config
 	deps    *service.Deps
-	model   *kvcore.Model
+	model   *kvcore.Model // the default one
+	models  *kvcore.Models
 	srv     *httpserver.Server
 	relay   *database.Relay
 	direct  *database.Direct // nil: the relay publishes everything
@@ -168,9 +169,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 			a.deps.Close()
 		}
 	}()
-	if a.model, err = cfg.LoadModel(); err != nil {
+	if a.models, err = cfg.LoadModels(); err != nil {
 		return nil, err
 	}
+	a.model = a.models.Default()
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-scheduler", cfg.Migrate); err != nil {
 		return nil, err
 	}
@@ -182,7 +184,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 		return nil, err
 	}
 	a.relay = database.NewRelay(a.deps.Pool, a.deps.Producer, database.WithLogger(log), failures)
-	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout), ledger.WithFold(intake.FoldFeedback)}
+	opts := []ledger.Option{ledger.WithLoadRankTimeout(cfg.LoadRankTimeout), ledger.WithFold(intake.FoldFeedback), ledger.WithModels(a.models)}
 	if !cfg.NoOutboxRelay && !cfg.NoPublishOnCommit {
 		if a.direct, err = database.NewServiceDirect(a.deps.Pool, a.deps.Producer, a.relay, a.deps.Registry, log); err != nil {
 			return nil, err
@@ -199,7 +201,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if a.srv, err = a.deps.HTTPServer(cfg.HTTPAddr, "scheduler", &cfg.Common); err != nil {
 		return nil, err
 	}
-	api.New(a.ledger, a.model, a.relay, log).Mount(a.srv.Router(), a.srv.RequireAdmin())
+	api.New(a.ledger, a.models, a.relay, log).Mount(a.srv.Router(), a.srv.RequireAdmin())
 	replay := deadletter.NewHandlerReplayer(a.deadLetters, bus.BatchHandler(a.handler.HandleBatch).Single())
 	dlqhttp.New(a.deadLetters, replay, log).Mount(a.srv.Router(), a.srv.RequireAdmin(), a.srv.RequireAdmin())
 	a.srv.ServeOpenAPI(OpenAPI)
@@ -213,7 +215,7 @@ func (a *App) buildConsumers() error {
 	if err != nil {
 		return err
 	}
-	h := intake.NewHandler(a.ledger, a.model, metrics, a.deps.Log, intake.Options{DropTokenIDs: !a.cfg.KVEventsTokenIDs})
+	h := intake.NewHandler(a.ledger, a.models, metrics, a.deps.Log, intake.Options{DropTokenIDs: !a.cfg.KVEventsTokenIDs})
 	a.handler = h
 	cc := a.cfg.ConsumerConfig(GroupID, intake.Topics, a.deps.Log)
 	// A record given up on is kept in the shared dead_letters table

@@ -43,10 +43,11 @@ type change struct {
 }
 
 // rules are what intake checks and keeps of engine events beyond their
-// shape: the model's hash block size, against which an admitted event's
-// token ids are checked, and whether the token ids are kept at all.
+// shape: the served models, whose hash block size an admitted event's
+// token ids are checked against, and whether the token ids are kept at
+// all.
 type rules struct {
-	hashBlockSize int
+	models *kvcore.Models
 	// dropTokenIDs drops every admitted event's token ids, after they
 	// were checked (KVMESH_KV_EVENTS_TOKEN_IDS=false); the LoRA name is
 	// kept.
@@ -137,6 +138,10 @@ func decodeStep(b []byte, rl rules) (item, error) {
 		return item{}, invalid("step %s: null_block_id %d is negative (leave it out when null blocks are JSON null)", st.StepID, *st.NullBlockID)
 	}
 	null := kvcore.EngineNullBlock(st.NullBlockID)
+	m, err := rl.models.Get(st.Model)
+	if err != nil {
+		m = rl.models.Default() // the state machine fails the step's requests: not served
+	}
 	it := item{
 		record:  ledger.Record{Kind: ledger.KindStep, ID: st.StepID, EngineID: st.EngineID},
 		label:   "step " + st.StepID,
@@ -144,7 +149,7 @@ func decodeStep(b []byte, rl rules) (item, error) {
 	}
 	for i := range st.Requests {
 		ev := st.Requests[i]
-		if err := checkEvent(st.StepID, i, ev, rl.hashBlockSize); err != nil {
+		if err := checkEvent(st.StepID, i, ev, m.HashBlockSize); err != nil {
 			return item{}, err
 		}
 		normalizeNull(&ev, null)

@@ -25,9 +25,22 @@ func mustJSON(t *testing.T, v any) []byte {
 	return b
 }
 
-// testRules are the intake rules of a model with 16-token hash blocks,
-// keeping token ids.
-var testRules = rules{hashBlockSize: 16}
+// testRules are the intake rules of a model with 16-token hash blocks
+// (hybrid-mla-linear), keeping token ids.
+var testRules = rules{models: hashBlock16()}
+
+// hashBlock16 serves hybrid-mla-linear, whose hash blocks are 16 tokens.
+func hashBlock16() *kvcore.Models {
+	m, err := kvcore.Preset("hybrid-mla-linear")
+	if err != nil || m.HashBlockSize != 16 {
+		panic(fmt.Sprintf("hybrid-mla-linear: %v, hash block %d", err, m.HashBlockSize))
+	}
+	models, err := kvcore.NewModels("", m)
+	if err != nil {
+		panic(err)
+	}
+	return models
+}
 
 // admittedWith makes the step's event an admitted one of a 40-token
 // prompt with a 2-hash chain and the given token ids.
@@ -154,7 +167,7 @@ func TestDecodeDropsTokenIDs(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			it, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: mustJSON(t, st)}},
-				rules{hashBlockSize: 16, dropTokenIDs: c.drop})
+				rules{models: hashBlock16(), dropTokenIDs: c.drop})
 			if err != nil || len(it.changes) != 1 {
 				t.Fatalf("decode: %d changes, %v", len(it.changes), err)
 			}
@@ -169,7 +182,7 @@ func TestDecodeDropsTokenIDs(t *testing.T) {
 	bad.Requests = []contract.RequestEvent{ev}
 	bad.Requests[0].TokenIDs = make([]uint32, 8)
 	_, err := decode(bus.Received{Message: bus.Message{Topic: contract.TopicEngineSteps, Value: mustJSON(t, bad)}},
-		rules{hashBlockSize: 16, dropTokenIDs: true})
+		rules{models: hashBlock16(), dropTokenIDs: true})
 	var pe *bus.PermanentError
 	if !errors.As(err, &pe) || pe.Reason != kvcore.ReasonInvalidRecord {
 		t.Fatalf("malformed token ids with the switch off: %v, want permanent %s", err, kvcore.ReasonInvalidRecord)

@@ -46,7 +46,6 @@ func (h *Handler) ExpireLoads(ctx context.Context, now time.Time, limit int) (in
 			attribute.String(telemetry.AttrEngineID, o.EngineID),
 			attribute.String(telemetry.AttrRequestID, o.RequestID),
 			attribute.String("kvmesh.record", "load expiry "+rec.ID),
-			attribute.String("kvmesh.model", h.model.Name),
 		}}
 		units[i] = ledger.Unit{Record: rec, Changes: []ledger.Change{{RequestID: o.RequestID,
 			Event: requeststate.ExpiryEvent{Now: now, TaskIDs: o.TaskIDs},

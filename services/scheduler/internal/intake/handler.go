@@ -34,7 +34,6 @@ var Topics = []string{contract.TopicEngineSteps, contract.TopicLookupDecisions, 
 // Handler applies consumed records.
 type Handler struct {
 	ledger  *ledger.Ledger
-	model   *kvcore.Model
 	metrics *Metrics
 	log     *slog.Logger
 	tracer  trace.Tracer
@@ -51,10 +50,11 @@ type Options struct {
 	DropTokenIDs bool
 }
 
-// NewHandler returns a handler applying records to l for model m.
-func NewHandler(l *ledger.Ledger, m *kvcore.Model, metrics *Metrics, log *slog.Logger, opts Options) *Handler {
-	return &Handler{ledger: l, model: m, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler"),
-		rules: rules{hashBlockSize: m.HashBlockSize, dropTokenIDs: opts.DropTokenIDs}}
+// NewHandler returns a handler applying records to l for the served
+// models.
+func NewHandler(l *ledger.Ledger, models *kvcore.Models, metrics *Metrics, log *slog.Logger, opts Options) *Handler {
+	return &Handler{ledger: l, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler"),
+		rules: rules{models: models, dropTokenIDs: opts.DropTokenIDs}}
 }
 
 // HandleBatch is the bus.BatchHandler: it decodes every record and applies
@@ -198,7 +198,6 @@ func (h *Handler) applyStart(topic string, it item, c change, at time.Time) span
 		attribute.String(telemetry.AttrEngineID, it.record.EngineID),
 		attribute.String(telemetry.AttrRequestID, c.requestID),
 		attribute.String("kvmesh.record", it.label),
-		attribute.String("kvmesh.model", h.model.Name),
 	}
 	if c.label != it.label {
 		attrs = append(attrs, attribute.String("kvmesh.change", c.label))
@@ -239,6 +238,9 @@ func (h *Handler) begin(ctx context.Context, r *run, req *requeststate.Request) 
 		opts = append(opts, linkTo(shared)...)
 	}
 	r.ctx, r.span = h.tracer.Start(ctx, r.start.name, opts...)
+	if req != nil {
+		r.span.SetAttributes(attribute.String("kvmesh.model", req.Store.Model))
+	}
 	if req != nil && req.Traceparent == "" && given.IsValid() {
 		req.Traceparent = r.start.traceparent
 	}

@@ -45,8 +45,12 @@ func newTraceFixture(t *testing.T, requests ...string) *traceFixture {
 	if err != nil {
 		t.Fatal(err)
 	}
+	models, err := kvcore.NewModels("", m)
+	if err != nil {
+		t.Fatal(err)
+	}
 	l := ledger.New(dbtest.NewPool(t), m)
-	f := &traceFixture{t: t, h: intake.NewHandler(l, m, metrics, slog.New(slog.NewTextHandler(io.Discard, nil)), intake.Options{}),
+	f := &traceFixture{t: t, h: intake.NewHandler(l, models, metrics, slog.New(slog.NewTextHandler(io.Discard, nil)), intake.Options{}),
 		l: l, m: m, rec: rec, traces: map[string]trace.SpanContext{}}
 	for _, id := range requests {
 		_, span := otel.Tracer("test").Start(context.Background(), "request "+id)

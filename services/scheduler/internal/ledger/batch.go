@@ -841,7 +841,7 @@ func (b *batchTx) change(c Change, req *requeststate.Request) ([]bus.Message, er
 		}
 		return c.Apply(req)
 	}
-	out := req.Apply(b.l.model, c.Event)
+	out := req.Apply(b.l.modelFor(req, c.Event), c.Event)
 	if c.Emit == nil {
 		return nil, nil
 	}

@@ -74,6 +74,7 @@ type ApplyFunc func(req *requeststate.Request) ([]bus.Message, error)
 type Ledger struct {
 	pool        *pgxpool.Pool
 	model       *kvcore.Model
+	models      *kvcore.Models // nil: model only
 	cache       *partsCache
 	loadTimeout time.Duration
 	// direct publishes the outbox rows of committed batches (nil: the
@@ -151,13 +152,41 @@ func (l *Ledger) folded(msgs []bus.Message) []bus.Message {
 	return l.fold(msgs)
 }
 
-// New returns a ledger on pool for requests of model m.
+// New returns a ledger on pool for requests of model m (the default; see
+// WithModels for more).
 func New(pool *pgxpool.Pool, m *kvcore.Model, opts ...Option) *Ledger {
 	l := &Ledger{pool: pool, model: m, cache: newPartsCache(DefaultPartsCacheEntries), loadTimeout: DefaultLoadRankTimeout}
 	for _, o := range opts {
 		o(l)
 	}
 	return l
+}
+
+// WithModels serves every model of models (its default the ledger's
+// model): each request is driven with its own model's layout.
+func WithModels(models *kvcore.Models) Option {
+	return func(l *Ledger) { l.models = models }
+}
+
+// modelFor is the model to apply ev to req with. A fresh request (created
+// with the default model before any event said which) is laid out for
+// the served model its first engine event or decision names; otherwise
+// the request's own model. A model not served (or no longer) gives the
+// default, with which the state machine fails the request closed
+// (another model than the event's or the tracker's).
+func (l *Ledger) modelFor(req *requeststate.Request, ev requeststate.Event) *kvcore.Model {
+	if l.models == nil {
+		return l.model
+	}
+	if name := requeststate.ModelOf(ev); name != "" && name != req.Store.Model {
+		if m, err := l.models.Get(name); err == nil && req.Relayout(m) {
+			return m
+		}
+	}
+	if m, err := l.models.Get(req.Store.Model); err == nil {
+		return m
+	}
+	return l.model
 }
 
 // Apply applies one record changing one request (rec.RequestID, which

@@ -131,7 +131,8 @@ func (c *Config) Validate() error {
 // App is a wired sender, ready to Run.
 type App struct {
 	deps      *service.Deps
-	model     *kvcore.Model
+	model     *kvcore.Model // the default one
+	models    *kvcore.Models
 	srv       *httpserver.Server
 	processor *sending.Processor
 	consumers []*bus.Consumer
@@ -154,9 +155,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if a.model, err = cfg.LoadModel(); err != nil {
+	if a.models, err = cfg.LoadModels(); err != nil {
 		return nil, err
 	}
+	a.model = a.models.Default()
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-sender", false); err != nil {
 		return nil, err
 	}
@@ -177,7 +179,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 
 // wire builds the processor, the consumers, the relay and the API.
 func (a *App) wire(cfg Config) error {
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
+	kb, err := a.models.Keys(a.model.Name)
 	if err != nil {
 		return err
 	}
@@ -207,11 +209,11 @@ func (a *App) wire(cfg Config) error {
 		return err
 	}
 	a.workers = sending.NewRegistry(a.deps.Pool, cfg.WorkerStaleAfter, dataplane.HTTPClient(rt))
-	if a.quotas, err = a.newQuotas(kb); err != nil {
+	if a.quotas, err = a.newQuotas(); err != nil {
 		return err
 	}
 	a.processor, err = sending.New(sending.Options{
-		Model: a.model, Keys: kb, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
+		Model: a.model, Keys: kb, Models: a.models, Ledger: l, Metrics: metrics, Logger: a.deps.Log,
 		Store: kvstore.Instrument(a.deps.Store, storeMetrics, kvstore.OpNames{Exists: "save_exists"}).
 			WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}), // the engine comes with each task
 
@@ -274,7 +276,7 @@ func (a *App) Run(ctx context.Context) error {
 
 // newQuotas builds the tenant quotas' enforcer over the store pool, or nil
 // when the store is not one that keeps store times (a Redis store is).
-func (a *App) newQuotas(kb kvcore.KeyBuilder) (*quotas.Enforcer, error) {
+func (a *App) newQuotas() (*quotas.Enforcer, error) {
 	store, ok := a.deps.Store.(kvstore.Quotas)
 	times, _ := a.deps.Store.(kvstore.StoreTimes)
 	if !ok {
@@ -285,7 +287,7 @@ func (a *App) newQuotas(kb kvcore.KeyBuilder) (*quotas.Enforcer, error) {
 		return nil, err
 	}
 	return quotas.New(quotas.Options{Table: quotas.NewTable(a.deps.Pool), Store: store, StoreTimes: times,
-		Spaces: quotas.SpacesOf(a.model, kb, dataplane.ValueOverhead), Metrics: m, Logger: a.deps.Log})
+		Spaces: quotas.SpacesOf(a.models, dataplane.ValueOverhead), Metrics: m, Logger: a.deps.Log})
 }
 
 // admitter is the processor's quota side: none without an enforcer (a
@@ -310,7 +312,7 @@ func (a *App) newEvictions(cfg Config, kb kvcore.KeyBuilder, log *removals.Log) 
 	times, _ := a.deps.Store.(kvstore.StoreTimes) // the gpuworkers record into the same store
 	marks, _ := a.deps.Store.(kvstore.Quotas)     // and the quotas mark their removals in it
 	return evictions.New(evictions.Options{
-		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Publisher: a.deps.Producer, Metrics: m,
+		RedisURL: cfg.RedisURL, RedisTLS: cfg.RedisTLS, Keys: kb, Models: a.models, Publisher: a.deps.Producer, Metrics: m,
 		Configure: cfg.EvictionsConfigure, Leader: evictions.NewPGLeader(a.deps.Pool, kb), Logger: a.deps.Log,
 		Form: cfg.KVEventsForm, Times: times, Log: log, Quotas: marks,
 	})

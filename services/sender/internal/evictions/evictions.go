@@ -122,9 +122,14 @@ type Options struct {
 	// rediss:// or rediss+cluster:// RedisURL (the store pool's, as the
 	// services configure it).
 	RedisTLS kvstore.RedisTLS
-	// Keys is the deployment's key space: removals of other keys are
-	// counted as unmapped and not published.
+	// Keys is the deployment's key space, of its default model: removals
+	// of other keys are counted as unmapped and not published, unless
+	// Models serves them.
 	Keys kvcore.KeyBuilder
+	// Models are every model the deployment serves: a removal of a key of
+	// any of them is published, with its model and fingerprint. Nil: Keys
+	// alone.
+	Models *kvcore.Models
 	// Publisher publishes the records (the sender's producer).
 	Publisher Publisher
 	// Metrics receives the watcher's counters.
@@ -165,6 +170,15 @@ type Options struct {
 	// (kvstore.Quotas): such a del is announced with CauseQuota and the
 	// age its mark says. Nil: every del is CauseDeleted.
 	Quotas QuotaMarks
+}
+
+// parseOwn parses key as a key of the deployment: of a served model
+// (Options.Models) or of Options.Keys.
+func (w *Watcher) parseOwn(key string) (kvcore.KeyParts, bool, error) {
+	if w.opts.Models != nil {
+		return w.opts.Models.ParseOwn(key)
+	}
+	return w.opts.Keys.ParseOwn(key)
 }
 
 // QuotaMarks tells the keys a tenant quota removed; kvstore.Quotas does.
@@ -652,8 +666,10 @@ type batchKey struct{ namespace, cause string }
 type pendingBatch struct {
 	group  int
 	tenant string // the keys' tenant (part of the namespace, so one per batch)
-	hashes []string
-	wire   []uint64
+	// model and fingerprint are the keys' (part of the namespace too).
+	model, fingerprint string
+	hashes             []string
+	wire               []uint64
 	// ages are the blocks' ages in seconds, one per hash (-1: unknown),
 	// once taken (takeAges); nil before.
 	ages []float64
@@ -683,7 +699,7 @@ func (b *batcher) add(msg *redis.Message) {
 	if strings.HasSuffix(key, kvstore.StoredIndexSuffix) || strings.HasSuffix(key, kvstore.QuotaIndexSuffix) {
 		return // a namespace's store-time index or quota marks, not a block
 	}
-	p, ok, err := b.w.opts.Keys.ParseOwn(key)
+	p, ok, err := b.w.parseOwn(key)
 	switch {
 	case err != nil:
 		b.w.opts.Metrics.unmapped.WithLabelValues(unmappedMalformed).Inc()
@@ -696,7 +712,7 @@ func (b *batcher) add(msg *redis.Message) {
 	k := batchKey{ns, cause}
 	pb := b.pending[k]
 	if pb == nil {
-		pb = &pendingBatch{group: p.Group, tenant: p.Tenant}
+		pb = &pendingBatch{group: p.Group, tenant: p.Tenant, model: p.Model, fingerprint: p.Fingerprint}
 		b.pending[k] = pb
 		b.order = append(b.order, k)
 	}
@@ -744,7 +760,7 @@ func (b *batcher) flush(ctx context.Context) error {
 					Kind: contract.BlockRemoved, BlockHashes: pb.wire[start:end], Medium: &medium, GroupIdx: &group,
 					Locality: &locality,
 				}}},
-				Model: b.w.opts.Keys.Model, Fingerprint: b.w.opts.Keys.Fingerprint, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
+				Model: pb.model, Fingerprint: pb.fingerprint, Namespace: k.namespace, Hashes: pb.hashes[start:end], Cause: k.cause,
 				Tenant: pb.tenant,
 			}
 			if pb.ages != nil {
@@ -855,7 +871,7 @@ func (b *batcher) splitQuota(k batchKey, pb *pendingBatch, marks []time.Time, no
 		qk := batchKey{k.namespace, CauseQuota}
 		q := b.pending[qk]
 		if q == nil {
-			q = &pendingBatch{group: pb.group, tenant: pb.tenant}
+			q = &pendingBatch{group: pb.group, tenant: pb.tenant, model: pb.model, fingerprint: pb.fingerprint}
 			b.pending[qk] = q
 			b.order = append(b.order, qk)
 		}

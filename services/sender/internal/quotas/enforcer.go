@@ -39,18 +39,21 @@ type Space struct {
 	ValueBytes int64
 }
 
-// SpacesOf lists a tenant's store namespaces for model m with keys kb:
-// every group's namespaces (kvcore.Model.Namespaces), each value the
-// group's bytes per block framed with the fingerprint
+// SpacesOf lists a tenant's store namespaces in every served model:
+// each group's namespaces (kvcore.Model.Namespaces), each value the
+// group's bytes per block framed with the model's fingerprint
 // (valueOverhead(len(fingerprint)) bytes more).
-func SpacesOf(m *kvcore.Model, kb kvcore.KeyBuilder, valueOverhead func(int) int) func(tenant string) []Space {
+func SpacesOf(models *kvcore.Models, valueOverhead func(int) int) func(tenant string) []Space {
 	return func(tenant string) []Space {
-		tkb := kb.ForTenant(tenant)
 		var out []Space
-		for g, grp := range m.Groups {
-			size := grp.BytesPerBlock + int64(valueOverhead(len(kb.Fingerprint)))
-			for _, r := range m.Namespaces(g) {
-				out = append(out, Space{Namespace: tkb.Namespace(r, g), ValueBytes: size})
+		for _, m := range models.All() {
+			kb, _ := models.Keys(m.Name) // every served model has keys
+			tkb := kb.ForTenant(tenant)
+			for g, grp := range m.Groups {
+				size := grp.BytesPerBlock + int64(valueOverhead(len(kb.Fingerprint)))
+				for _, r := range m.Namespaces(g) {
+					out = append(out, Space{Namespace: tkb.Namespace(r, g), ValueBytes: size})
+				}
 			}
 		}
 		return out

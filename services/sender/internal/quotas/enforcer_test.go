@@ -196,31 +196,39 @@ func TestEnforcerFailsClosed(t *testing.T) {
 }
 
 // TestSpacesOf: a tenant's spaces are every group's store namespaces of
-// the model, each value its group's bytes per block plus the frame.
+// every served model, each value its group's bytes per block plus the
+// frame.
 func TestSpacesOf(t *testing.T) {
-	m, err := kvcore.Preset("hybrid-mla-linear-tp8")
+	var ms []*kvcore.Model
+	for _, name := range []string{"hybrid-mla-linear-tp8", "dense"} {
+		m, err := kvcore.Preset(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ms = append(ms, m)
+	}
+	models, err := kvcore.NewModels("dep", ms...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	kb, err := kvcore.NewKeyBuilder("dep", m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	spaces := SpacesOf(m, kb, func(n int) int { return 18 + n })("acme")
-	want := 0
-	for g := range m.Groups {
-		want += len(m.Namespaces(g))
+	spaces := SpacesOf(models, func(n int) int { return 18 + n })("acme")
+	want, perModel := 0, map[string]int{}
+	for _, m := range ms {
+		for g := range m.Groups {
+			want += len(m.Namespaces(g))
+		}
 	}
 	if len(spaces) != want {
 		t.Fatalf("%d spaces, want %d", len(spaces), want)
 	}
 	for _, s := range spaces {
-		ns, _, _ := kvcore.SplitKey(s.Namespace + "@" + fmt.Sprintf("%064x", 1))
-		if ns != s.Namespace || s.ValueBytes <= int64(18+len(kb.Fingerprint)) {
-			t.Errorf("space %+v", s)
+		p, err := kvcore.ParseKey(s.Namespace + "@" + fmt.Sprintf("%064x", 1))
+		if err != nil || p.Tenant != "acme" || s.ValueBytes <= int64(18+16) {
+			t.Errorf("space %+v: %+v, %v; want a key of tenant acme with a framed value", s, p, err)
 		}
-		if p, err := kvcore.ParseKey(s.Namespace + "@" + fmt.Sprintf("%064x", 1)); err != nil || p.Tenant != "acme" {
-			t.Errorf("space %s: %+v, %v; want a key of tenant acme", s.Namespace, p, err)
-		}
+		perModel[p.Model]++
+	}
+	if len(perModel) != 2 {
+		t.Errorf("spaces per model %v, want both models", perModel)
 	}
 }

@@ -28,6 +28,7 @@ type taskIDs struct {
 	TaskID    string `json:"task_id"`
 	EngineID  string `json:"engine_id"`
 	RequestID string `json:"request_id"`
+	Model     string `json:"model"`
 }
 
 // recordBroken writes one whole-record dead letter for src. When the
@@ -38,7 +39,7 @@ type taskIDs struct {
 func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason kvcore.Reason, cause error) error {
 	var ids taskIDs
 	_ = json.Unmarshal(src.Payload, &ids) // best effort: a record need not be JSON
-	s := newSave(&kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID})
+	s := p.newSave(&kvcore.SaveTask{TaskID: ids.TaskID, EngineID: ids.EngineID, RequestID: ids.RequestID, Model: ids.Model})
 	detail := ""
 	if cause != nil {
 		detail = text.Truncate(cause.Error(), maxDetail)
@@ -51,11 +52,11 @@ func (p *Processor) recordBroken(ctx context.Context, src ledger.Source, reason 
 	complete := usableID(ids.TaskID) && usableID(ids.EngineID) && usableID(ids.RequestID) &&
 		(ids.Schema == "" || ids.Schema == kvcore.SchemaSaveTask)
 	if complete {
-		for g := range p.model.Groups {
+		for g := range s.m.Groups {
 			s.record(g, keysDeadLettered, 1, reason)
 		}
 		var err error
-		if entry, err = s.entry(src, p.model, p.keys.Fingerprint, p.now(), p.form); err != nil {
+		if entry, err = s.entry(src, p.now(), p.form); err != nil {
 			return err
 		}
 	}

@@ -97,10 +97,15 @@ var (
 
 // Options configures a Processor.
 type Options struct {
-	// Model is the served model; tasks for another model are dead-lettered.
+	// Model is the default served model; tasks for a model not served are
+	// dead-lettered.
 	Model *kvcore.Model
-	// Keys builds the store keys (deployment prefix and model name).
+	// Keys builds the default model's store keys (deployment prefix, model
+	// name and fingerprint).
 	Keys kvcore.KeyBuilder
+	// Models are every served model (Model first); nil serves Model only.
+	// Each task is saved with its model's layout and keys.
+	Models *kvcore.Models
 	// Store answers the existence checks (a kvstore.Store does).
 	Store Store
 	// Workers finds the gpuworkers that put blocks.
@@ -151,8 +156,7 @@ type Options struct {
 // the block's identity) and recognised at commit by its save_outcomes row,
 // keyed by task id, which drops everything it would have added.
 type Processor struct {
-	model        *kvcore.Model
-	keys         kvcore.KeyBuilder
+	models       *kvcore.Models
 	store        Store
 	workers      Workers
 	ledger       Ledger
@@ -187,8 +191,14 @@ func New(o Options) (*Processor, error) {
 	if err := o.KVEventsForm.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 	}
+	if o.Models == nil {
+		var err error
+		if o.Models, err = kvcore.NewModels(o.Keys.Prefix, o.Model); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrOptions, err)
+		}
+	}
 	p := &Processor{
-		model: o.Model, keys: o.Keys, store: o.Store, workers: o.Workers, ledger: o.Ledger,
+		models: o.Models, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,
 		log: o.Logger, now: o.Now, form: o.KVEventsForm, quotas: o.Quotas,
 		gate: &gate{g: sendpolicy.PressureGate{ProbeEvery: o.ProbeEvery, CoolDown: o.CoolDown}, metrics: o.Metrics},
@@ -246,7 +256,7 @@ func (p *Processor) Handle(ctx context.Context, m bus.Received) error {
 		p.metrics.duplicates.Inc()
 		return nil
 	}
-	s := newSave(task)
+	s := p.newSave(task)
 	valid := p.validate(ctx, s)       // the invalid groups are dead-lettered
 	p.saveGroups(ctx, s, valid, true) // the pressure gate decides the puts
 	if err := ctx.Err(); err != nil {

@@ -58,7 +58,7 @@ func (p *Processor) replay(ctx context.Context, id int64) (deadletter.Replayed, 
 		}
 		return deadletter.Replayed{}, invalid
 	}
-	s := newSave(task)
+	s := p.newSave(task)
 	p.saveGroups(ctx, s, groups, false)
 	if err := ctx.Err(); err != nil {
 		return deadletter.Replayed{}, err
@@ -74,7 +74,8 @@ func (p *Processor) replayPlan(d deadletter.DeadLetter) (*kvcore.SaveTask, []int
 		return nil, nil, &deadletter.InvalidError{Group: d.Group, Reason: kvcore.ReasonUndecodable, Detail: err.Error()}
 	}
 	var groups []int
-	for _, v := range kvcore.ValidateSave(p.model, nil, task) {
+	m := p.newSave(task).m
+	for _, v := range kvcore.ValidateSave(m, nil, task) {
 		if d.Group != nil && v.Group != *d.Group {
 			continue
 		}
@@ -86,7 +87,7 @@ func (p *Processor) replayPlan(d deadletter.DeadLetter) (*kvcore.SaveTask, []int
 	}
 	if len(groups) == 0 {
 		return nil, nil, &deadletter.InvalidError{Group: d.Group, Reason: kvcore.ReasonGroupOutOfRange,
-			Detail: fmt.Sprintf("model %q has no group %v", p.model.Name, derefGroup(d.Group))}
+			Detail: fmt.Sprintf("model %q has no group %v", m.Name, derefGroup(d.Group))}
 	}
 	return task, groups, nil
 }
@@ -112,7 +113,7 @@ func (p *Processor) recordReplay(ctx context.Context, d deadletter.DeadLetter, s
 		}
 	} else {
 		var err error
-		if msgs, err = resultMessages(tr, s.kvEvents(p.model, p.keys.Fingerprint, p.now()), p.form); err != nil {
+		if msgs, err = resultMessages(tr, s.kvEvents(p.now()), p.form); err != nil {
 			return deadletter.Replayed{}, err
 		}
 		msgs = msgs[1:] // the task's result was reported when it was dead-lettered

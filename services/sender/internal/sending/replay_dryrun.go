@@ -65,7 +65,7 @@ func (p *Processor) DryRun(ctx context.Context, id int64) (DryRun, error) {
 		return out, nil
 	}
 	out.Replayable, out.Expect = true, ExpectSave
-	s := newSave(task)
+	s := p.newSave(task)
 	items := p.plan(s, groups)
 	for _, dl := range s.deadLetters {
 		out.fail(string(kvcore.ReasonPlanFailed), dl.Detail)

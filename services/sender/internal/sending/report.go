@@ -92,9 +92,9 @@ func (s *save) outcome() *ledger.Outcome {
 // entry is what the save leaves in the ledger: its outcome, its dead
 // letters and its messages (the result, then the BlockStored records of
 // the keys put, stamped now).
-func (s *save) entry(src ledger.Source, m *kvcore.Model, fp string, now time.Time, form contract.KVEventForm) (ledger.Entry, error) {
+func (s *save) entry(src ledger.Source, now time.Time, form contract.KVEventForm) (ledger.Entry, error) {
 	o := s.outcome()
-	msgs, err := resultMessages(o.Result, s.kvEvents(m, fp, now), form)
+	msgs, err := resultMessages(o.Result, s.kvEvents(now), form)
 	if err != nil {
 		return ledger.Entry{}, err
 	}
@@ -107,7 +107,7 @@ func (s *save) entry(src ledger.Source, m *kvcore.Model, fp string, now time.Tim
 // dead letter, the first outcome kept; it is counted a duplicate), counts
 // it once committed, and remembers the task as done either way.
 func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) error {
-	e, err := s.entry(src, p.model, p.keys.Fingerprint, p.now(), p.form)
+	e, err := s.entry(src, p.now(), p.form)
 	if err != nil {
 		return err
 	}
@@ -173,7 +173,7 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 // adapter as lora_name (nil without one); lora_id is nil and extra_keys
 // absent: the save task carries neither the adapter's id nor the hash's
 // extra keys, only the hashes they went into.
-func (s *save) kvEvents(m *kvcore.Model, fp string, now time.Time) []contract.KVEventRecord {
+func (s *save) kvEvents(now time.Time) []contract.KVEventRecord {
 	groups := make([]int, 0, len(s.stored))
 	for g := range s.stored {
 		groups = append(groups, g)
@@ -189,7 +189,7 @@ func (s *save) kvEvents(m *kvcore.Model, fp string, now time.Time) []contract.KV
 	for _, g := range groups {
 		byNS := s.announced(g, chain)
 		for _, ns := range slices.Sorted(maps.Keys(byNS)) {
-			out = append(out, s.storedRecord(m, fp, g, ns, byNS[ns], chain, now))
+			out = append(out, s.storedRecord(g, ns, byNS[ns], chain, now))
 		}
 	}
 	return out
@@ -248,7 +248,8 @@ func parentIndex(pos, step int) int {
 // none, so that a token-keyed router (llm-d) still keys every block it
 // can — one block the tokens end before must not take its run's tokens
 // with it.
-func (s *save) storedRecord(m *kvcore.Model, fp string, g int, ns string, hashes []string, chain map[string]int, now time.Time) contract.KVEventRecord {
+func (s *save) storedRecord(g int, ns string, hashes []string, chain map[string]int, now time.Time) contract.KVEventRecord {
+	m := s.m
 	grp := m.Groups[g]
 	step := max(1, grp.BlockSize/max(1, m.HashBlockSize))
 	pos := func(h string) int {
@@ -260,7 +261,7 @@ func (s *save) storedRecord(m *kvcore.Model, fp string, g int, ns string, hashes
 	slices.SortStableFunc(hashes, func(a, b string) int { return pos(a) - pos(b) })
 	rec := contract.KVEventRecord{
 		Batch: contract.KVEventBatch{TS: contract.UnixSeconds(now), DataParallelRank: new(int)},
-		Model: m.Name, Fingerprint: fp, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
+		Model: m.Name, Fingerprint: s.kb.Fingerprint, Namespace: ns, EngineID: s.task.EngineID, RequestID: s.task.RequestID, Tenant: s.task.Tenant,
 		Hashes: hashes,
 	}
 	start := 0 // the first hash of the run being gathered

@@ -51,7 +51,7 @@ func TestEventTokens(t *testing.T) {
 // nothing was put, is left out.
 func TestAnnouncedKeysHangFromPutOnes(t *testing.T) {
 	chain := map[string]int{"h0": 0, "h1": 1, "h2": 2, "h3": 3}
-	s := newSave(&kvcore.SaveTask{})
+	s := newSave(&kvcore.SaveTask{}, nil, kvcore.KeyBuilder{})
 	s.stored[0] = []string{"ns@h0", "ns@h2"}
 	s.present[0] = []string{"ns@h1", "ns@h3", "other@h1"}
 	got := s.announced(0, chain)

@@ -58,7 +58,11 @@ const (
 // save. It is not safe for concurrent use: the ranks' puts run at once,
 // but their answers are recorded on one goroutine.
 type save struct {
-	task        *kvcore.SaveTask
+	task *kvcore.SaveTask
+	// m and kb are the task's model (the default for a model not served:
+	// its validation dead-letters the task) and its keys.
+	m           *kvcore.Model
+	kb          kvcore.KeyBuilder
 	groups      []contract.GroupOutcome // in group order
 	deadLetters []deadletter.DeadLetter
 	// stored are, per group, the keys the save put; present the keys it
@@ -70,9 +74,22 @@ type save struct {
 	skipped int
 }
 
-// newSave starts the account of task t, with nothing recorded.
-func newSave(t *kvcore.SaveTask) *save {
-	return &save{task: t, groups: []contract.GroupOutcome{}, stored: map[int][]string{}, present: map[int][]string{}}
+// newSave starts the account of task t of model m with keys kb, with
+// nothing recorded.
+func newSave(t *kvcore.SaveTask, m *kvcore.Model, kb kvcore.KeyBuilder) *save {
+	return &save{task: t, m: m, kb: kb, groups: []contract.GroupOutcome{}, stored: map[int][]string{}, present: map[int][]string{}}
+}
+
+// newSave starts the account of task t with its model: the served model
+// the task names, else the default one, whose validation dead-letters the
+// task (model_unknown).
+func (p *Processor) newSave(t *kvcore.SaveTask) *save {
+	m, err := p.models.Get(t.Model)
+	if err != nil {
+		m = p.models.Default()
+	}
+	kb, _ := p.models.Keys(m.Name) // every served model has keys
+	return newSave(t, m, kb)
 }
 
 // item is one block of the task to move, on the rank whose worker puts it.
@@ -95,7 +112,7 @@ func (p *Processor) validate(ctx context.Context, s *save) []int {
 	_, span := p.tracer.Start(ctx, "sender.validate", trace.WithAttributes(taskAttrs(s.task)...))
 	defer span.End()
 	var valid []int
-	for _, v := range kvcore.ValidateSave(p.model, nil, s.task) {
+	for _, v := range kvcore.ValidateSave(s.m, nil, s.task) {
 		if v.OK() {
 			valid = append(valid, v.Group)
 			continue
@@ -162,8 +179,8 @@ func (p *Processor) plan(s *save, groups []int) []item {
 	for _, g := range groups {
 		s.record(g, keysStored, 0, kvcore.ReasonOK) // the group shows even with no keys
 		var gItems []item
-		for _, rank := range p.model.WorkerRanks() {
-			tis, err := kvcore.PlanSend(p.model, p.keys, s.task, g, rank)
+		for _, rank := range s.m.WorkerRanks() {
+			tis, err := kvcore.PlanSend(s.m, s.kb, s.task, g, rank)
 			if err != nil {
 				gItems = nil
 				s.deadLetter(g, kvcore.ReasonPlanFailed, err.Error(), 0)
@@ -469,7 +486,7 @@ func byRank(items []item) [][]item {
 func (p *Processor) exists(ctx context.Context, task *kvcore.SaveTask, items []item) ([]bool, error) {
 	ctx, span := p.startCall(ctx, "sender.exists", task, items)
 	defer span.End()
-	ctx = kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: task.EngineID}) // vLLM's engine label of save_exists
+	ctx = kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: task.EngineID, ModelName: task.Model}) // vLLM's engine and model labels of save_exists
 	keys := itemKeys(items)
 	found, err := retry.Attempts(ctx, p.retry.Delays(), func(attempt int) ([]bool, error) {
 		found, err := p.existsOnce(ctx, keys)

@@ -42,14 +42,14 @@ func TestSaveOutcome(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			s := newSave(task)
+			s := newSave(task, nil, kvcore.KeyBuilder{})
 			c.record(s)
 			if got := s.status(); got != c.want || s.result().Status != string(c.want) {
 				t.Fatalf("status %s, result %s, want %s (%+v)", got, s.result().Status, c.want, s.groups)
 			}
 		})
 	}
-	s := newSave(task)
+	s := newSave(task, nil, kvcore.KeyBuilder{})
 	s.record(5, keysStored, 1, kvcore.ReasonOK)
 	s.record(1, keysFailed, -3, kvcore.ReasonPutFailed)
 	s.record(3, keysExisting, 2, kvcore.ReasonOK)
@@ -77,13 +77,13 @@ func TestSaveOutcome(t *testing.T) {
 // failed, each group with its own reason).
 func TestSaveOutcomeScenarios(t *testing.T) {
 	task := &kvcore.SaveTask{TaskID: "e1/r1/save/1", EngineID: "e1", RequestID: "r1"}
-	s16 := newSave(task)
+	s16 := newSave(task, nil, kvcore.KeyBuilder{})
 	s16.record(0, keysStored, 2, kvcore.ReasonOK)
 	s16.deadLetter(1, kvcore.ReasonTableGroupCount, "1 group in the table", 0)
 	if g := s16.result().Groups; s16.status() != kvcore.SaveDeadLettered || g[0].Stored != 2 || g[1].DeadLettered != 1 || len(s16.deadLetters) != 1 {
 		t.Fatalf("S16 outcome %+v, dead letters %+v", g, s16.deadLetters)
 	}
-	s17 := newSave(task)
+	s17 := newSave(task, nil, kvcore.KeyBuilder{})
 	s17.record(0, keysDeadLettered, 2, kvcore.ReasonExistsFailed)
 	s17.record(1, keysFailed, 1, kvcore.ReasonPutFailed)
 	tot := s17.totals()
@@ -112,7 +112,7 @@ func TestSaveAnswered(t *testing.T) {
 		{err: errors.New("worker gone")},
 		{err: fmt.Errorf("bad frame: %w", dataplane.ErrRejected)},
 	}
-	s := newSave(task)
+	s := newSave(task, nil, kvcore.KeyBuilder{})
 	tally := s.answered(batches, answers, false, 3)
 	if tally != (putTally{stored: true, noSpace: true}) {
 		t.Fatalf("tally %+v", tally)
@@ -135,7 +135,7 @@ func TestSaveAnswered(t *testing.T) {
 	if s.bytes != 64 || s.skipped != 1 || !reflect.DeepEqual(s.stored, map[int][]string{0: {"a"}}) {
 		t.Fatalf("bytes %d skipped %d stored %v", s.bytes, s.skipped, s.stored)
 	}
-	quiet := newSave(task)
+	quiet := newSave(task, nil, kvcore.KeyBuilder{})
 	quiet.answered(batches[1:2], answers[1:2], true, 3)
 	if len(quiet.groups) != 0 || len(quiet.deadLetters) != 0 {
 		t.Fatalf("interrupted save recorded %+v, %+v", quiet.groups, quiet.deadLetters)
@@ -146,7 +146,7 @@ func TestSaveAnswered(t *testing.T) {
 // exists check and its put (PutExisting) counts existing, not stored, and
 // is recorded present, not put.
 func TestSaveAnsweredExisting(t *testing.T) {
-	s := newSave(&kvcore.SaveTask{TaskID: "t", EngineID: "e", RequestID: "r"})
+	s := newSave(&kvcore.SaveTask{TaskID: "t", EngineID: "e", RequestID: "r"}, nil, kvcore.KeyBuilder{})
 	batch := []item{{TransferItem: kvcore.TransferItem{Group: 0, Key: "a"}}, {TransferItem: kvcore.TransferItem{Group: 0, Key: "b"}}}
 	tally := s.answered([][]item{batch}, []rankAnswer{{results: []dataplane.PutResult{{Status: dataplane.PutStored}, {Status: dataplane.PutExisting}}, bytes: 32}}, false, 1)
 	if tally != (putTally{stored: true}) {
@@ -196,7 +196,7 @@ func TestSaveScenarioPressureScoped(t *testing.T) {
 	// scheduler's reading of the result (status, skipped and failed keys).
 	send := func(task *kvcore.SaveTask, noSpace bool) (sendpolicy.Admission, kvcore.SaveReport) {
 		adm := g.Admit(sendpolicy.PressureScopeOf(task), now)
-		s := newSave(task)
+		s := newSave(task, nil, kvcore.KeyBuilder{})
 		keys := len(task.Groups[0].Chunks)
 		switch {
 		case adm == sendpolicy.AdmitSkip:
