@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/go-chi/chi/v5"
@@ -75,12 +76,22 @@ type Publisher interface {
 	Publish(ctx context.Context, msgs ...bus.Message) error
 }
 
+// Served is one more model a handler serves beside its default: its
+// layout and its connector chain (of its keys).
+type Served struct {
+	Model *kvcore.Model
+	Chain *connector.Chain
+}
+
 // Options configures the handler.
 type Options struct {
-	// Model is the served model.
+	// Model is the default served model.
 	Model *kvcore.Model
-	// Chain is the connector chain.
+	// Chain is the default model's connector chain.
 	Chain *connector.Chain
+	// More are the other served models (KVMESH_MODELS), each looked up
+	// with its own layout and keys.
+	More []Served
 	// Publisher publishes decisions to kvmesh.lookup.decisions.
 	Publisher Publisher
 	// Enabled is false when lookups are disabled: every lookup is then
@@ -128,9 +139,11 @@ func (c Common) withDefaults() Common {
 
 // Handler serves POST /v1/lookup.
 type Handler struct {
-	opts      Options
-	validator Validator
-	metrics   *metrics
+	opts Options
+	// served are the validator and chain of each served model, by name.
+	served  map[string]served
+	names   []string // the served models' names, the default first
+	metrics *metrics
 	// childFailures is kvmesh_lookup_child_failures_total{child,reason}.
 	childFailures *prometheus.CounterVec
 }
@@ -149,7 +162,32 @@ func New(opts Options) (*Handler, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Handler{opts: opts, validator: Validator{Model: opts.Model, LoadAsync: opts.LoadAsync}, metrics: m, childFailures: failures}, nil
+	h := &Handler{opts: opts, served: map[string]served{}, metrics: m, childFailures: failures}
+	for _, s := range append([]Served{{Model: opts.Model, Chain: opts.Chain}}, opts.More...) {
+		if s.Model == nil || s.Chain == nil {
+			return nil, ErrOptions
+		}
+		h.served[s.Model.Name] = served{validator: Validator{Model: s.Model, LoadAsync: opts.LoadAsync}, chain: s.Chain}
+		h.names = append(h.names, s.Model.Name)
+	}
+	return h, nil
+}
+
+// served is what a handler serves one model with.
+type served struct {
+	validator Validator
+	chain     *connector.Chain
+}
+
+// modelOf is what serves model among byName, or a *FieldError naming the served
+// ones: a model the mesh does not serve is refused, never looked up in
+// another model's keys.
+func modelOf[T any](byName map[string]T, names []string, model string) (T, error) {
+	s, ok := byName[model]
+	if !ok {
+		return s, fieldErr("model", "model %q is not served here; this mesh serves %s", model, strings.Join(names, ", "))
+	}
+	return s, nil
 }
 
 // Mount adds POST /v1/lookup, with its body limit, to r.
@@ -185,13 +223,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.refuse(span, "credential", err)
 		return
 	}
-	q, err := h.validator.Query(&req)
+	s, err := modelOf(h.served, h.names, req.Model)
+	if err != nil {
+		h.refuse(span, writeFieldError(w, r, err), err)
+		return
+	}
+	q, err := s.validator.Query(&req)
 	if err != nil {
 		h.refuse(span, writeFieldError(w, r, err), err)
 		return
 	}
 	span.SetAttributes(attribute.Int("kvmesh.tokens", q.NumTokens))
-	d, result, err := h.lookup(ctx, q, req.Model)
+	d, result, err := h.lookup(ctx, s.chain, q, req.Model)
 	if err != nil {
 		h.fail(w, r, span, result, err)
 		return
@@ -225,11 +268,11 @@ func decodeRequest(w http.ResponseWriter, r *http.Request, req *Request, limit i
 // this record, so a decision that was not published is never answered
 // (503 publish_failed) — an engine acting on it would allocate for a load
 // that no tracker expects.
-func (h *Handler) lookup(ctx context.Context, q *connector.Query, model string) (*contract.LookupDecision, string, error) {
+func (h *Handler) lookup(ctx context.Context, chain *connector.Chain, q *connector.Query, model string) (*contract.LookupDecision, string, error) {
 	var res connector.Result
 	if h.opts.Enabled {
 		var err error
-		if res, err = h.runChain(ctx, q); err != nil {
+		if res, err = h.runChain(ctx, chain, q); err != nil {
 			return nil, ResultError, err
 		}
 	} else {
@@ -249,12 +292,12 @@ func (h *Handler) lookup(ctx context.Context, q *connector.Query, model string) 
 	return d, h.resultOf(d), nil
 }
 
-// runChain asks the chain under the lookup's timeout, then counts and logs
+// runChain asks chain under the lookup's timeout, then counts and logs
 // every child that failed open.
-func (h *Handler) runChain(ctx context.Context, q *connector.Query) (connector.Result, error) {
+func (h *Handler) runChain(ctx context.Context, chain *connector.Chain, q *connector.Query) (connector.Result, error) {
 	cctx, cancel := context.WithTimeout(ctx, h.opts.Timeout)
 	defer cancel()
-	res, err := h.opts.Chain.Lookup(cctx, q)
+	res, err := chain.Lookup(cctx, q)
 	if err != nil {
 		return connector.Result{}, err
 	}

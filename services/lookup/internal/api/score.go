@@ -54,13 +54,23 @@ type Exister interface {
 	Exists(ctx context.Context, keys []string) ([]bool, error)
 }
 
+// ScoreModel is one more model a score handler serves beside its
+// default: its layout and its keys.
+type ScoreModel struct {
+	Model *kvcore.Model
+	Keys  kvcore.KeyBuilder
+}
+
 // ScoreOptions configures the score handler.
 type ScoreOptions struct {
-	// Model is the served model.
+	// Model is the default served model.
 	Model *kvcore.Model
-	// Keys builds the store keys (prefix and model name); each score uses
-	// its tenant's (KeyBuilder.ForTenant).
+	// Keys builds the default model's store keys (prefix, model name and
+	// fingerprint); each score uses its tenant's (KeyBuilder.ForTenant).
 	Keys kvcore.KeyBuilder
+	// More are the other served models (KVMESH_MODELS); their scores are
+	// the store's alone (Engines index the default model's engines).
+	More []ScoreModel
 	// Store is the store pool.
 	Store Exister
 	// Common: Timeout bounds one score's store check; Registry receives
@@ -81,9 +91,16 @@ type EngineIndex interface {
 // ScoreHandler serves POST /v1/score. Scoring has no side effects: nothing
 // is published and no decision is made.
 type ScoreHandler struct {
-	opts      ScoreOptions
+	opts   ScoreOptions
+	served map[string]scored
+	names  []string // the served models' names, the default first
+	scores *prometheus.CounterVec
+}
+
+// scored is what a score handler serves one model with.
+type scored struct {
 	validator Validator
-	scores    *prometheus.CounterVec
+	keys      kvcore.KeyBuilder
 }
 
 // NewScore returns the score handler, registering its counter on
@@ -103,7 +120,15 @@ func NewScore(opts ScoreOptions) (*ScoreHandler, error) {
 	for _, o := range []string{ScoreHit, ScoreMiss, ScoreInvalid, ScoreStoreFailed, ScoreError} {
 		scores.WithLabelValues(o)
 	}
-	return &ScoreHandler{opts: opts, validator: Validator{Model: opts.Model}, scores: scores}, nil
+	h := &ScoreHandler{opts: opts, served: map[string]scored{}, scores: scores}
+	for _, m := range append([]ScoreModel{{Model: opts.Model, Keys: opts.Keys}}, opts.More...) {
+		if m.Model == nil {
+			return nil, ErrScoreOptions
+		}
+		h.served[m.Model.Name] = scored{validator: Validator{Model: m.Model}, keys: m.Keys}
+		h.names = append(h.names, m.Model.Name)
+	}
+	return h, nil
 }
 
 // Mount adds POST /v1/score, with its body limit, to r.
@@ -130,20 +155,26 @@ func (h *ScoreHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.refuse(span, err)
 		return
 	}
-	q, err := h.validator.ScoreQuery(&req)
+	sm, err := modelOf(h.served, h.names, req.Model)
 	if err != nil {
 		writeFieldError(w, r, err)
 		h.refuse(span, err)
 		return
 	}
-	plan, s, err := h.score(ctx, q)
+	q, err := sm.validator.ScoreQuery(&req)
+	if err != nil {
+		writeFieldError(w, r, err)
+		h.refuse(span, err)
+		return
+	}
+	plan, s, err := h.score(ctx, sm, q)
 	if err != nil {
 		h.fail(w, r, span, err)
 		return
 	}
 	h.answered(span, s)
 	res := &adminapi.ScoreResponse{Model: req.Model, Tenant: q.Tenant, NumTokens: q.NumTokens, Store: tierScore(s)}
-	if h.opts.Engines != nil && seesEveryTenant(ctx) {
+	if h.opts.Engines != nil && req.Model == h.opts.Model.Name && seesEveryTenant(ctx) {
 		res.Engines = engineScores(plan, h.opts.Engines)
 	}
 	_ = httpserver.WriteJSON(w, http.StatusOK, res)
@@ -166,8 +197,8 @@ func engineScores(plan *kvcore.ScorePlan, idx EngineIndex) map[string]adminapi.T
 
 // score checks every key of the prompt's score plan in one batch, under
 // the timeout. A failed check is an error wrapping connector.ErrStore.
-func (h *ScoreHandler) score(ctx context.Context, q *connector.Query) (*kvcore.ScorePlan, kvcore.Score, error) {
-	plan, err := kvcore.PlanScore(h.opts.Model, h.opts.Keys.ForTenant(q.Tenant), q.Hashes, q.NumTokens)
+func (h *ScoreHandler) score(ctx context.Context, sm scored, q *connector.Query) (*kvcore.ScorePlan, kvcore.Score, error) {
+	plan, err := kvcore.PlanScore(sm.validator.Model, sm.keys.ForTenant(q.Tenant), q.Hashes, q.NumTokens)
 	if err != nil {
 		return nil, kvcore.Score{}, fmt.Errorf("plan: %w", err)
 	}

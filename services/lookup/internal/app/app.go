@@ -133,9 +133,10 @@ func (c *Config) validateKVEventsZMQ() error {
 
 // App is a wired lookup, ready to Run.
 type App struct {
-	deps  *service.Deps
-	model *kvcore.Model
-	srv   *httpserver.Server
+	deps   *service.Deps
+	model  *kvcore.Model // the default one
+	models *kvcore.Models
+	srv    *httpserver.Server
 	// kvEvents reads kvmesh.kv.events into the engine index
 	// (KVMESH_LOOKUP_ENGINE_SCORES) and the ZMQ publisher; nil when both
 	// are off.
@@ -158,9 +159,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 			}
 		}
 	}()
-	if a.model, err = cfg.LoadModel(); err != nil {
+	if a.models, err = cfg.LoadModels(); err != nil {
 		return nil, err
 	}
+	a.model = a.models.Default()
 	// The store's readiness check is optional: the store child fails open
 	// (a store outage answers 0 external tokens, and a pd hit still wins),
 	// so the lookup stays ready while the store is down — taking it out of
@@ -200,13 +202,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	return a, nil
 }
 
-// handler builds the connector chain over the instrumented store, the
-// lookup API and the score API (over the same store, under its own op).
+// handler builds a connector chain per served model over the
+// instrumented store, the lookup API and the score API (over the same
+// store, under its own op).
 func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreHandler, error) {
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
-	if err != nil {
-		return nil, nil, err
-	}
 	sm, err := kvstore.NewMetrics(a.deps.Registry)
 	if err != nil {
 		return nil, nil, err
@@ -215,19 +214,29 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 	if len(names) == 0 {
 		names = connector.DefaultChain()
 	}
-	chain, err := connector.Build(names, connector.Deps{
-		Model: a.model,
-		Keys:  kb,
-		// The engine of each call comes with its query (connector.Store).
-		Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: a.model.Name}),
-	})
-	if err != nil {
-		return nil, nil, err
+	var served []api.Served
+	var scored []api.ScoreModel
+	for _, m := range a.models.All() {
+		kb, err := a.models.Keys(m.Name)
+		if err != nil {
+			return nil, nil, err
+		}
+		chain, err := connector.Build(names, connector.Deps{
+			Model: m,
+			Keys:  kb,
+			// The engine of each call comes with its query (connector.Store).
+			Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: m.Name}),
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		served, scored = append(served, api.Served{Model: m, Chain: chain}), append(scored, api.ScoreModel{Model: m, Keys: kb})
 	}
 	common := api.Common{Timeout: cfg.Timeout, MaxBodyBytes: cfg.MaxBodyBytes, Registry: a.deps.Registry, Log: a.deps.Log}
 	h, err := api.New(api.Options{
-		Model:     a.model,
-		Chain:     chain,
+		Model:     served[0].Model,
+		Chain:     served[0].Chain,
+		More:      served[1:],
 		Publisher: a.deps.Producer,
 		Enabled:   cfg.Enabled,
 		LoadAsync: cfg.LoadAsync,
@@ -236,7 +245,7 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 	if err != nil {
 		return nil, nil, err
 	}
-	sh, err := a.scoreHandler(common, kb, sm, idx)
+	sh, err := a.scoreHandler(common, scored, sm, idx)
 	return h, sh, err
 }
 
@@ -248,7 +257,7 @@ func (a *App) newKVPublisher(cfg Config) (*kvpublish.Publisher, error) {
 	if err != nil || cfg.KVEventsZMQEndpoint == "" {
 		return nil, err
 	}
-	kb, err := kvcore.NewKeyBuilder(cfg.KeyPrefix, a.model)
+	kb, err := a.models.Keys(a.model.Name)
 	if err != nil {
 		return nil, err
 	}

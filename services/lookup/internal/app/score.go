@@ -19,12 +19,14 @@ import (
 // ScoreStoreOp is the op label of POST /v1/score's existence checks.
 const ScoreStoreOp = "score_exists"
 
-// scoreHandler builds POST /v1/score over the store (instrumented under
-// ScoreStoreOp) and, when idx is not nil, the engines' prefix caches.
-func (a *App) scoreHandler(common api.Common, kb kvcore.KeyBuilder, sm *kvstore.Metrics, idx *engines.Index) (*api.ScoreHandler, error) {
+// scoreHandler builds POST /v1/score of every served model (scored, the
+// default first) over the store (instrumented under ScoreStoreOp) and,
+// when idx is not nil, the default model's engines' prefix caches.
+func (a *App) scoreHandler(common api.Common, scored []api.ScoreModel, sm *kvstore.Metrics, idx *engines.Index) (*api.ScoreHandler, error) {
 	so := api.ScoreOptions{
-		Model:  a.model,
-		Keys:   kb,
+		Model:  scored[0].Model,
+		Keys:   scored[0].Keys,
+		More:   scored[1:],
 		Store:  kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: ScoreStoreOp}),
 		Common: common,
 	}
