@@ -198,6 +198,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	}
 	h.Mount(a.srv.Router())
 	sh.Mount(a.srv.Router())
+	a.srv.Router().Get(service.ModelsRoute, service.ModelsHandler(a.models))
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }

@@ -204,6 +204,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	api.New(a.ledger, a.models, a.relay, log).Mount(a.srv.Router(), a.srv.RequireAdmin())
 	replay := deadletter.NewHandlerReplayer(a.deadLetters, bus.BatchHandler(a.handler.HandleBatch).Single())
 	dlqhttp.New(a.deadLetters, replay, log).Mount(a.srv.Router(), a.srv.RequireAdmin(), a.srv.RequireAdmin())
+	a.srv.Router().Get(service.ModelsRoute, service.ModelsHandler(a.models))
 	a.srv.ServeOpenAPI(OpenAPI)
 	return a, nil
 }

@@ -244,6 +244,7 @@ func (a *App) wire(cfg Config) error {
 	}
 	api.New(a.processor, l, registry.NewView(a.deps.Pool, cfg.WorkerStaleAfter), a.deps.Log).WithRemovals(removed).
 		WithQuotas(a.quotas).Mount(a.srv.Router(), a.srv.RequireAdmin())
+	a.srv.Router().Get(service.ModelsRoute, service.ModelsHandler(a.models))
 	a.srv.ServeOpenAPI(OpenAPI)
 	return nil
 }
