@@ -39,7 +39,7 @@ type ledger struct {
 
 	// tenants maps each run request to its tenant (nil: no request has
 	// one); wrongTenant lists the save tasks and stored keys that are not
-	// of their request's tenant.
+	// of their request's tenant, and the stored keys not of the run's model.
 	tenants     map[string]string
 	wrongTenant []LedgerDifference
 
@@ -236,10 +236,17 @@ func (l *ledger) kvEvent(rec Record) {
 	}
 	keys := ev.Keys()
 	want := l.tenants[ev.RequestID]
+	fp := l.model.Fingerprint()
 	for _, k := range keys {
-		if p, err := kvcore.ParseKey(k); err == nil && p.Tenant != want {
+		p, err := kvcore.ParseKey(k)
+		switch {
+		case err != nil:
+		case p.Tenant != want:
 			l.tenantDifference(LedgerDifference{ev.EngineID, ev.RequestID, "",
 				fmt.Sprintf("stored key %s is of tenant %q, the request's tenant is %q", k, p.Tenant, want)})
+		case p.Model != l.model.Name || p.Fingerprint != fp:
+			l.tenantDifference(LedgerDifference{ev.EngineID, ev.RequestID, "",
+				fmt.Sprintf("stored key %s is of model %s (fingerprint %s), the run's model is %s (%s)", k, p.Model, p.Fingerprint, l.model.Name, fp)})
 		}
 	}
 	l.mu.Lock()
@@ -254,7 +261,8 @@ func (l *ledger) kvEvent(rec Record) {
 }
 
 // tenantDifference records a save task or stored key of another tenant
-// than its request's (the first maxListed of them are listed).
+// than its request's, or a stored key of another model than the run's
+// (the first maxListed of them are listed).
 func (l *ledger) tenantDifference(d LedgerDifference) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
