@@ -65,6 +65,11 @@ func runSim(ctx context.Context, args []string) error {
 	}()
 	bar := newProgressBar(stderr, opts.progress)
 	opts.cfg.Progress, opts.cfg.ProgressEvery = bar.update, bar.every
+	if len(opts.more) > 0 {
+		rep, err := sim.RunFleet(ctx, append([]sim.Config{opts.cfg}, opts.more...))
+		bar.done()
+		return fleetOutcome(rep, err, opts.json)
+	}
 	rep, err := sim.Run(ctx, opts.cfg)
 	bar.done()
 	if err != nil {
@@ -85,6 +90,35 @@ func runSim(ctx context.Context, args []string) error {
 	return nil
 }
 
+// fleetOutcome prints a mixed fleet's report and fails unless every
+// model's run is OK.
+func fleetOutcome(rep *sim.FleetReport, err error, asJSON bool) error {
+	if rep != nil {
+		var werr error
+		if asJSON {
+			werr = writeValue(os.Stdout, rep)
+		} else {
+			werr = rep.WriteText(os.Stdout)
+		}
+		if err == nil {
+			err = werr
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if !rep.OK {
+		var bad []string
+		for _, r := range rep.Models {
+			if !r.OK {
+				bad = append(bad, r.Model)
+			}
+		}
+		return fmt.Errorf("%w: the runs of %s are not clean (see their reports)", errSimFailed, strings.Join(bad, ", "))
+	}
+	return nil
+}
+
 func writeSimReport(w io.Writer, rep *sim.Report, asJSON bool) error {
 	if !asJSON {
 		return rep.WriteText(w)
@@ -98,6 +132,9 @@ type simOptions struct {
 	json     bool
 	progress string
 	logLevel slog.Level
+	// more are the runs of the other models of a mixed fleet (-also),
+	// played at once with cfg.
+	more []sim.Config
 }
 
 // simValues holds the flags a preset supplies defaults for; they apply only
@@ -114,6 +151,8 @@ type simValues struct {
 	think, reqTimeout, settle, rankTimeout                     time.Duration
 	seed                                                       uint64
 	pd, fresh, reusePreempted                                  bool
+	// also are the -also engines of other models: MODEL=URL[,URL…].
+	also []string
 }
 
 // simFlags reads the command line: a preset gives every default, explicit
@@ -200,6 +239,10 @@ func defineMeshFlags(fs *flag.FlagSet, o *simOptions, v *simValues, brokers stri
 	fs.DurationVar(&v.settle, "settle-timeout", 30*time.Second, "longest wait for the last save results after the last request")
 	fs.DurationVar(&v.rankTimeout, "rank-timeout", 0, "how long a gpuworker may stay unreachable before its rank is dead for the rest of the run (its engine's requests then fail, naming it); default: -request-timeout")
 	fs.StringVar(&o.cfg.KVMemory, "kv-memory", "", "how computed KV reaches the gpuworkers: shm (a shared-memory segment per rank the engine owns, registered with its gpuworker, written in place), http (the data plane's write route); default shm for gpuworkers on this host that accept the registration, http for the others")
+	fs.Func("also", "play an engine of another model at once, of the same workload and salt: MODEL=URL[,URL…], the model's preset or spec file (one of the services' KVMESH_MODELS) and its gpuworkers' base URLs, one per worker rank in kvmesh model --ranks order; repeat for more models. The report is then the fleet's: a line per model, then each model's report", func(s string) error {
+		v.also = append(v.also, s)
+		return nil
+	})
 	fs.BoolVar(&o.json, "json", false, "print the report as JSON")
 	fs.StringVar(&o.progress, "progress", "auto", "progress on stderr: auto (a bar on a terminal, log lines otherwise), bar, log, off")
 	fs.StringVar(&v.level, "log-level", "warn", "log level on stderr: debug, info, warn, error")
@@ -279,6 +322,35 @@ func finishOptions(o *simOptions, v *simValues) error {
 	}
 	if v.fresh {
 		o.cfg.Salt = o.cfg.RunTag
+	}
+	return alsoModels(o, v)
+}
+
+// alsoModels builds the run of each -also engine: the main run's settings
+// and workload with the model and gpuworkers it names, its own run tag
+// and the main run's salt (the same prompts hash alike in every model).
+func alsoModels(o *simOptions, v *simValues) error {
+	if len(v.also) > 0 && o.cfg.PD {
+		return fmt.Errorf("%w: -also plays decode engines only; drop -pd", errUsage)
+	}
+	for i, spec := range v.also {
+		name, list, ok := strings.Cut(spec, "=")
+		if !ok || name == "" || list == "" {
+			return fmt.Errorf("%w: -also %q: want MODEL=URL[,URL…]", errUsage, spec)
+		}
+		m, err := service.LoadModel(name)
+		if err != nil {
+			return fmt.Errorf("%w: -also %q: %w", errUsage, spec, err)
+		}
+		urls := splitList(list)
+		if len(urls) != m.WorldSize() {
+			return fmt.Errorf("%w: -also %q: %d gpuworker URLs for the model's %d worker ranks (%s)", errUsage, spec, len(urls), m.WorldSize(), sim.LayoutText(m))
+		}
+		cfg := o.cfg
+		cfg.Model, cfg.Fleet = m, []sim.Pair{{Decode: sim.Endpoint{WorkerURLs: urls}}}
+		cfg.RunTag = fmt.Sprintf("%s-m%d", o.cfg.RunTag, i+1)
+		cfg.Progress = nil
+		o.more = append(o.more, cfg)
 	}
 	return nil
 }

@@ -344,3 +344,37 @@ func TestSimFlagsTenants(t *testing.T) {
 		t.Fatalf("seed workload tenants %d prefix %q, want none", w.Tenants, w.TenantPrefix)
 	}
 }
+
+// TestSimFlagsAlso: each -also adds a run of another model with its
+// gpuworkers, its own run tag and the main run's salt and workload; a
+// malformed value, a URL count that is not the model's worker ranks and
+// -pd are usage errors.
+func TestSimFlagsAlso(t *testing.T) {
+	quiet(t)
+	o, err := simFlags([]string{"-preset", "smoke", "-run-tag", "sim-abc",
+		"-also", "full-swa-mamba=http://w1:8084", "-also", "dense=http://w2:8084"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.more) != 2 {
+		t.Fatalf("%d more runs, want 2", len(o.more))
+	}
+	for i, want := range []string{"full-swa-mamba", "dense-8b"} {
+		c := o.more[i]
+		if c.Model.Name != want || c.RunTag == o.cfg.RunTag || c.Salt != o.cfg.Salt || c.Workload.Requests != o.cfg.Workload.Requests ||
+			len(c.Fleet) != 1 || len(c.Fleet[0].Decode.WorkerURLs) != 1 {
+			t.Fatalf("run %d: model %s tag %s salt %s fleet %+v; want %s, its own tag, the main salt", i, c.Model.Name, c.RunTag, c.Salt, c.Fleet, want)
+		}
+	}
+	for _, args := range [][]string{
+		{"-also", "dense"},
+		{"-also", "=http://w:1"},
+		{"-also", "llama=http://w:1"},
+		{"-also", "hybrid-mla-linear-tp8=http://w:1"},
+		{"-pd", "-also", "dense=http://w:1"},
+	} {
+		if _, err := simFlags(append([]string{"-preset", "smoke"}, args...)); !errors.Is(err, errUsage) {
+			t.Errorf("%v: %v, want a usage error", args, err)
+		}
+	}
+}
