@@ -154,21 +154,20 @@ func New(opts Options) (*Handler, error) {
 		return nil, ErrOptions
 	}
 	opts.Common = opts.Common.withDefaults()
-	m, err := newMetrics(opts.Registry)
-	if err != nil {
-		return nil, err
-	}
-	failures, err := newChildFailures(opts.Registry, opts.Chain.Names())
-	if err != nil {
-		return nil, err
-	}
-	h := &Handler{opts: opts, served: map[string]served{}, metrics: m, childFailures: failures}
+	h := &Handler{opts: opts, served: map[string]served{}}
 	for _, s := range append([]Served{{Model: opts.Model, Chain: opts.Chain}}, opts.More...) {
 		if s.Model == nil || s.Chain == nil {
 			return nil, ErrOptions
 		}
 		h.served[s.Model.Name] = served{validator: Validator{Model: s.Model, LoadAsync: opts.LoadAsync}, chain: s.Chain}
 		h.names = append(h.names, s.Model.Name)
+	}
+	var err error
+	if h.metrics, err = newMetrics(opts.Registry, h.names); err != nil {
+		return nil, err
+	}
+	if h.childFailures, err = newChildFailures(opts.Registry, opts.Chain.Names()); err != nil {
+		return nil, err
 	}
 	return h, nil
 }
@@ -367,8 +366,8 @@ func newDecisionID() string {
 // answered records a served lookup.
 func (h *Handler) answered(span trace.Span, d *contract.LookupDecision, result string, elapsed time.Duration) {
 	h.metrics.requests.WithLabelValues(result).Inc()
-	h.metrics.hitTokens.Add(float64(d.ExternalTokens))
-	h.metrics.asked.Add(float64(max(0, d.NumTokens-d.NumComputedTokens)))
+	h.metrics.hitTokens.WithLabelValues(d.Model).Add(float64(d.ExternalTokens))
+	h.metrics.asked.WithLabelValues(d.Model).Add(float64(max(0, d.NumTokens-d.NumComputedTokens)))
 	h.metrics.duration.Observe(elapsed.Seconds())
 	hit := 0
 	for _, c := range d.Children {

@@ -34,25 +34,27 @@ var allResults = []string{
 // metrics are the lookup service's own families.
 type metrics struct {
 	requests  *prometheus.CounterVec
-	hitTokens prometheus.Counter
-	asked     prometheus.Counter
+	hitTokens *prometheus.CounterVec
+	asked     *prometheus.CounterVec
 	duration  prometheus.Histogram
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+// newMetrics registers the lookup's families on reg, with the series of
+// every served model (models) from the start.
+func newMetrics(reg prometheus.Registerer, models []string) (*metrics, error) {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_lookup_requests_total",
 			Help: "Lookup requests, by result (hit, miss, pending, disabled, invalid, publish_failed, error); a failed store check fails open and is counted in kvmesh_lookup_child_failures_total.",
 		}, []string{"result"}),
-		hitTokens: prometheus.NewCounter(prometheus.CounterOpts{
+		hitTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_lookup_hit_tokens_total",
-			Help: "External tokens answered by lookups (the chosen connector's counts).",
-		}),
-		asked: prometheus.NewCounter(prometheus.CounterOpts{
+			Help: "External tokens answered by lookups (the chosen connector's counts), by model.",
+		}, []string{"model"}),
+		asked: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_lookup_prompt_tokens_total",
-			Help: "Prompt tokens answered lookups asked about beyond the engine's own computed tokens (the denominator of the external hit rate).",
-		}),
+			Help: "Prompt tokens answered lookups asked about beyond the engine's own computed tokens (the denominator of the external hit rate), by model.",
+		}, []string{"model"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvmesh_lookup_duration_seconds",
 			Help:    "Latency of answered lookups (200 responses) in seconds, from request to published decision.",
@@ -64,6 +66,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, r := range allResults {
 		m.requests.WithLabelValues(r)
+	}
+	for _, name := range models {
+		m.hitTokens.WithLabelValues(name)
+		m.asked.WithLabelValues(name)
 	}
 	return m, nil
 }

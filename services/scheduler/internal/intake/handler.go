@@ -53,6 +53,11 @@ type Options struct {
 // NewHandler returns a handler applying records to l for the served
 // models.
 func NewHandler(l *ledger.Ledger, models *kvcore.Models, metrics *Metrics, log *slog.Logger, opts Options) *Handler {
+	for _, name := range models.Names() { // every served model's task series exist from the start
+		for _, kind := range []string{"save", "load"} {
+			metrics.tasks.WithLabelValues(kind, name)
+		}
+	}
 	return &Handler{ledger: l, metrics: metrics, log: log, tracer: otel.Tracer("kvmesh/scheduler"),
 		rules: rules{models: models, dropTokenIDs: opts.DropTokenIDs}}
 }
@@ -285,8 +290,12 @@ func (h *Handler) observe(topic string, status ledger.Status, runs []run, elapse
 		if status == ledger.Applied {
 			h.countResult(topic, resultLabel(status, out))
 		}
-		h.metrics.tasks.WithLabelValues("save").Add(float64(len(out.Saves)))
-		h.metrics.tasks.WithLabelValues("load").Add(float64(len(out.Loads)))
+		for _, t := range out.Saves {
+			h.metrics.tasks.WithLabelValues("save", t.Model).Inc()
+		}
+		for _, t := range out.Loads {
+			h.metrics.tasks.WithLabelValues("load", t.Model).Inc()
+		}
 		for _, f := range out.Feedback {
 			h.metrics.feedback.WithLabelValues(string(f.Kind)).Inc()
 		}

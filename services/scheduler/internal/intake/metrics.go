@@ -36,8 +36,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"topic", "by"}),
 		tasks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_scheduler_tasks_emitted_total",
-			Help: "Tasks written to the outbox, by kind (save, load).",
-		}, []string{"kind"}),
+			Help: "Tasks written to the outbox, by kind (save, load) and model.",
+		}, []string{"kind", "model"}),
 		feedback: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_scheduler_feedback_total",
 			Help: "Engine feedback messages written to the outbox, by kind.",
@@ -77,9 +77,6 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		for _, by := range []string{"id", "seq"} {
 			m.duplicates.WithLabelValues(topic, by)
 		}
-	}
-	for _, kind := range []string{"save", "load"} {
-		m.tasks.WithLabelValues(kind)
 	}
 	for _, connector := range []string{requeststate.ConnectorStore, requeststate.ConnectorPD} {
 		m.ranksExpired.WithLabelValues(connector)

@@ -51,7 +51,7 @@ type Metrics struct {
 	pressure    prometheus.Gauge
 	skipped     prometheus.Counter
 	duplicates  prometheus.Counter
-	bytes       prometheus.Counter
+	bytes       *prometheus.CounterVec
 	replays     *prometheus.CounterVec
 }
 
@@ -82,10 +82,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvmesh_sender_duplicate_tasks_total",
 			Help: "Redelivered save tasks whose outcome was already recorded (nothing re-published).",
 		}),
-		bytes: prometheus.NewCounter(prometheus.CounterOpts{
+		bytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_sender_stored_bytes_total",
-			Help: "Framed value bytes the gpuworkers stored for the sender.",
-		}),
+			Help: "Framed value bytes the gpuworkers stored for the sender, by model.",
+		}, []string{"model"}),
 		replays: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_dlq_replays_total",
 			Help: "Dead-letter replay requests, by result (replayed, already, invalid, failed, dry_run, error).",

@@ -197,6 +197,9 @@ func New(o Options) (*Processor, error) {
 			return nil, fmt.Errorf("%w: %w", ErrOptions, err)
 		}
 	}
+	for _, name := range o.Models.Names() { // every served model's series exists from the start
+		o.Metrics.bytes.WithLabelValues(name)
+	}
 	p := &Processor{
 		models: o.Models, store: o.Store, workers: o.Workers, ledger: o.Ledger,
 		metrics: o.Metrics, retry: o.Retry, storeTimeout: o.StoreTimeout, putTimeout: o.PutTimeout,

@@ -213,7 +213,7 @@ func (p *Processor) put(ctx context.Context, s *save, items []item) {
 func (p *Processor) countWork(s *save) {
 	p.skippedKeys.Add(int64(s.skipped))
 	p.metrics.skipped.Add(float64(s.skipped))
-	p.metrics.bytes.Add(float64(s.bytes))
+	p.metrics.bytes.WithLabelValues(s.m.Name).Add(float64(s.bytes))
 }
 
 // gate is sendpolicy.PressureGate shared by the consumers and replays of one
