@@ -145,11 +145,13 @@ def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
-         env: Mapping[str, str] = os.environ) -> Settings:
+         env: Mapping[str, str] = os.environ, served_model: str = "") -> Settings:
     """Reads the settings from vLLM's ``kv_connector_extra_config``.
 
     ``engine_id`` is vLLM's ``kv_transfer_config.engine_id``, used when
-    ``kvmesh.engine_id`` is not set; ``role`` its ``kv_role``.
+    ``kvmesh.engine_id`` is not set; ``role`` its ``kv_role``;
+    ``served_model`` vLLM's served model name, the model the engine
+    declares to the mesh when ``kvmesh.model`` is not set.
     """
     from . import transport  # the Kafka settings are transport's
 
@@ -159,9 +161,9 @@ def load(extra: Mapping[str, Any], engine_id: str = "", role: str = "kv_both",
     eid = str(extra.get(PREFIX + "engine_id") or engine_id or "").strip()
     if not eid:
         raise KVMeshConfigError(f"{PREFIX}engine_id is not set (nor vLLM's kv_transfer_config.engine_id): the id of this engine's gpuworkers (KVMESH_ENGINE_ID)")
-    model = str(extra.get(PREFIX + "model") or "").strip()
+    model = str(extra.get(PREFIX + "model") or served_model or "").strip()
     if not model:
-        raise KVMeshConfigError(f"{PREFIX}model is not set: the name of the mesh's model (KVMESH_MODEL)")
+        raise KVMeshConfigError(f"{PREFIX}model is not set (nor vLLM's served model name): the name of this engine's model, one the mesh serves (KVMESH_MODEL or KVMESH_MODELS)")
     lookup = _urls(extra.get(PREFIX + "lookup_url"), PREFIX + "lookup_url")
     if len(lookup) != 1:
         raise KVMeshConfigError(f"{PREFIX}lookup_url must be one http(s) URL of the lookup service")
@@ -213,3 +215,12 @@ _KNOWN = {
     "kafka_brokers", "kafka_tls", "kafka_ca_file", "kafka_cert_file", "kafka_key_file",
     "kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password", "kafka_sasl_password_file",
 }
+
+
+def served_model_name(vllm_config: Any) -> str:
+    """vLLM's served model name of ``vllm_config`` (the first when it
+    serves several names), or "" when it has none."""
+    name = getattr(getattr(vllm_config, "model_config", None), "served_model_name", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name or "")

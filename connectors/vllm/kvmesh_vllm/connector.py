@@ -97,7 +97,8 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         self.settings = cfg.load(extra, engine_id=str(getattr(ktc, "engine_id", "") or ""),
-                                 role=str(getattr(ktc, "kv_role", "kv_both") or "kv_both"))
+                                 role=str(getattr(ktc, "kv_role", "kv_both") or "kv_both"),
+                                 served_model=cfg.served_model_name(vllm_config))
         if kv_cache_config is None:
             raise KVMeshConfigError("vLLM passed no KVCacheConfig: this connector needs vLLM ≥ 0.11 (the three-argument constructor)")
         self.model = model_from_kv_cache_config(self.settings.model, kv_cache_config,

@@ -571,6 +571,24 @@ def test_engine_version_setting(value, want):
     assert cfg.load(extra, env={"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"}).engine_version == want
 
 
+def test_model_defaults_to_vllms_served_model_name():
+    extra = {"kvmesh.engine_id": "e", "kvmesh.lookup_url": "http://l"}
+    env = {"KVMESH_KAFKA_BROKERS": "127.0.0.1:9092"}
+    assert cfg.load(extra, env=env, served_model="dense-8b").model == "dense-8b"
+    assert cfg.load({**extra, "kvmesh.model": "full-swa-mamba"}, env=env, served_model="dense-8b").model == "full-swa-mamba"
+    with pytest.raises(cfg.KVMeshConfigError, match="kvmesh.model"):
+        cfg.load(extra, env=env)
+
+    class ModelConfig:
+        served_model_name = ["dense-8b", "alias"]
+
+    class VllmConfig:
+        model_config = ModelConfig()
+
+    assert cfg.served_model_name(VllmConfig()) == "dense-8b"
+    assert cfg.served_model_name(object()) == ""
+
+
 def test_engine_version_setting_refuses_what_the_mesh_would():
     extra = {"kvmesh.engine_id": "e", "kvmesh.model": "m", "kvmesh.lookup_url": "http://l", "kvmesh.engine_version": "0.12 rc1"}
     with pytest.raises(cfg.KVMeshConfigError, match="engine_version"):
