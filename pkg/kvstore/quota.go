@@ -217,38 +217,5 @@ func (r *Redis) RemoveForQuota(ctx context.Context, keys []StoredKey, at time.Ti
 // TakeQuotaMarks implements Quotas with one pipeline of ZSCORE and ZREM
 // per key, in that order on its quota set's connection.
 func (r *Redis) TakeQuotaMarks(ctx context.Context, keys []string) ([]time.Time, error) {
-	out := make([]time.Time, len(keys))
-	if len(keys) == 0 {
-		return out, nil
-	}
-	if err := r.usable(ctx, "take quota marks"); err != nil {
-		return nil, err
-	}
-	scores := make([]*redis.FloatCmd, len(keys))
-	if err := r.pipelined(ctx, "take quota marks", func(p redis.Pipeliner) {
-		for i, k := range keys {
-			marks, member, err := indexOf(k, QuotaIndexSuffix)
-			if err != nil {
-				continue // no namespace: never marked
-			}
-			scores[i] = p.ZScore(ctx, marks, member)
-			p.ZRem(ctx, marks, member)
-		}
-	}); err != nil {
-		return nil, err
-	}
-	for i, c := range scores {
-		if c == nil {
-			continue
-		}
-		s, err := c.Result()
-		switch {
-		case errors.Is(err, redis.Nil):
-		case err != nil:
-			return nil, fmt.Errorf("kvstore: redis take quota marks: %w", replyErr(err))
-		default:
-			out[i] = time.UnixMilli(int64(s * 1e3))
-		}
-	}
-	return out, nil
+	return r.takeTimes(ctx, "take quota marks", QuotaIndexSuffix, keys)
 }

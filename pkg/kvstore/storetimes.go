@@ -100,22 +100,30 @@ func (r *Redis) MarkStored(ctx context.Context, keys []string, at time.Time) err
 // TakeStored implements StoreTimes with one pipeline of ZSCORE and ZREM
 // per key, in that order on its index's connection.
 func (r *Redis) TakeStored(ctx context.Context, keys []string) ([]time.Time, error) {
+	return r.takeTimes(ctx, "take stored", StoredIndexSuffix, keys)
+}
+
+// takeTimes takes each key's member out of its namespace's sorted set
+// named by suffix and returns the time its score held, or the zero time
+// where it had none (or no namespace): one pipeline of ZSCORE and ZREM per
+// key, in that order on the set's connection.
+func (r *Redis) takeTimes(ctx context.Context, op, suffix string, keys []string) ([]time.Time, error) {
 	out := make([]time.Time, len(keys))
 	if len(keys) == 0 {
 		return out, nil
 	}
-	if err := r.usable(ctx, "take stored"); err != nil {
+	if err := r.usable(ctx, op); err != nil {
 		return nil, err
 	}
 	scores := make([]*redis.FloatCmd, len(keys))
-	err := r.pipelined(ctx, "take stored", func(p redis.Pipeliner) {
+	err := r.pipelined(ctx, op, func(p redis.Pipeliner) {
 		for i, k := range keys {
-			index, member, err := indexOf(k, StoredIndexSuffix)
+			set, member, err := indexOf(k, suffix)
 			if err != nil {
 				continue // no namespace: no record, the zero time
 			}
-			scores[i] = p.ZScore(ctx, index, member)
-			p.ZRem(ctx, index, member)
+			scores[i] = p.ZScore(ctx, set, member)
+			p.ZRem(ctx, set, member)
 		}
 	})
 	if err != nil {
@@ -129,7 +137,7 @@ func (r *Redis) TakeStored(ctx context.Context, keys []string) ([]time.Time, err
 		switch {
 		case errors.Is(err, redis.Nil):
 		case err != nil:
-			return nil, fmt.Errorf("kvstore: redis take stored: %w", replyErr(err))
+			return nil, fmt.Errorf("kvstore: redis %s: %w", op, replyErr(err))
 		default:
 			out[i] = time.UnixMilli(int64(s * 1e3))
 		}
