@@ -8,6 +8,7 @@
 //	kvmesh workers             the gpuworker registry and each worker's pool
 //	kvmesh quota list|get|set|delete   the tenants' quotas in the store (the sender's)
 //	kvmesh model               a model's parallel layout: worker ranks, namespaces
+//	kvmesh models [--check]    the models a running mesh serves (GET /v1/models); --check: every service serves the same
 //	kvmesh status              every service's readiness and key counters
 //	kvmesh help                list the subcommands
 //

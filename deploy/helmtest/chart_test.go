@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -30,6 +31,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/config"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
+	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/service"
 )
 
@@ -44,6 +46,9 @@ type renderCase struct {
 	admin   bool // KVMESH_ADMIN_TOKEN is set
 	authOff bool // auth.mode=off: KVMESH_AUTH=off and no KVMESH_AUTH_KEY
 	quotas  bool // the chart renders the quota hook Job
+	// models is the KVMESH_MODELS of the lookup, the scheduler and the
+	// sender (the values' models); empty: none.
+	models string
 }
 
 // testAuthKey is the auth.key of the renders that need one (the chart
@@ -64,6 +69,9 @@ var cases = []renderCase{
 	{name: "auth off, no key", rel: helmtest.Release{Name: "dev", Namespace: "dev",
 		Set: []string{"auth.mode=off"}},
 		workers: 2, secret: true, migrate: true, authOff: true},
+	{name: "many models", rel: helmtest.Release{Name: "mm", Namespace: "models",
+		ValuesFiles: []string{"ci/many-models-values.yaml"}},
+		workers: 6, secret: true, migrate: true, models: "dense,full-swa-mamba"},
 }
 
 // render renders c, failing t on an error.
@@ -282,7 +290,8 @@ func TestChartEnvMatchesConfig(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			m := render(t, c)
 			seen := map[string]int{}
-			shared := map[string]map[string]bool{"KVMESH_MODEL": {}, "KVMESH_KEY_PREFIX": {}, "KVMESH_KAFKA_BROKERS": {}}
+			// KVMESH_MODEL is a gpuworker's engine's model: TestChartModels.
+			shared := map[string]map[string]bool{"KVMESH_KEY_PREFIX": {}, "KVMESH_KAFKA_BROKERS": {}}
 			for _, ct := range containers(t, m) {
 				seen[ct.program]++
 				reportAll(t, checkEnv(t, ct))
@@ -305,6 +314,150 @@ func TestChartEnvMatchesConfig(t *testing.T) {
 			}
 		})
 	}
+}
+
+// modelSettings are the settings that decide the models a container
+// serves.
+var modelSettings = []string{"KVMESH_MODEL", "KVMESH_MODELS", "KVMESH_TP", "KVMESH_PCP", "KVMESH_DCP", "KVMESH_PP"}
+
+// TestChartModels checks the models every container serves
+// (checkModels) and pins the many-models values engine by engine.
+func TestChartModels(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := render(t, c)
+			reportAll(t, checkModels(t, m, c.models))
+			if c.name != "many models" {
+				return
+			}
+			engines := map[string]string{}
+			for _, ct := range containers(t, m) {
+				if ct.program == "gpuworker" {
+					engines[ct.env["KVMESH_ENGINE_ID"]] = ct.env["KVMESH_MODEL"]
+				}
+			}
+			want := map[string]string{"hybrid-0": "hybrid-mla-linear", "hybrid-1": "hybrid-mla-linear",
+				"dense-0": "dense", "swa-0": "full-swa-mamba"}
+			if !maps.Equal(engines, want) {
+				t.Errorf("engines' models %v, want %v", engines, want)
+			}
+		})
+	}
+}
+
+// checkModels reports how the models the containers of m serve disagree:
+// the lookup, the scheduler and the sender must have the same
+// KVMESH_MODEL, parallel overrides and KVMESH_MODELS (want, the values'
+// models); a gpuworker serves its engine's model alone, never with
+// KVMESH_MODELS, and a model the services serve with the same fingerprint
+// (so the parallel overrides only for the default model: another runs at
+// its spec's layout, as the services serve it).
+func checkModels(t *testing.T, m *helmtest.Manifests, want string) []error {
+	t.Helper()
+	var errs []error
+	var served *kvcore.Models
+	var svc map[string]string // the first service's model settings
+	for _, ct := range containers(t, m) {
+		if ct.program == "gpuworker" {
+			continue
+		}
+		name := ct.deployment.Name
+		got := map[string]string{}
+		for _, k := range modelSettings {
+			if v, ok := ct.env[k]; ok {
+				got[k] = v
+			}
+		}
+		if got["KVMESH_MODELS"] != want {
+			errs = append(errs, fmt.Errorf("%s: KVMESH_MODELS %q, want %q", name, got["KVMESH_MODELS"], want))
+		}
+		if svc != nil {
+			if !maps.Equal(got, svc) {
+				errs = append(errs, fmt.Errorf("%s serves %v, another service %v", name, got, svc))
+			}
+			continue
+		}
+		svc = got
+		common, err := loadCommon(ct.env)
+		if err == nil {
+			served, err = common.LoadModels()
+		}
+		if err != nil {
+			return append(errs, fmt.Errorf("%s: its models do not load: %w", name, err))
+		}
+	}
+	if served == nil {
+		return append(errs, errors.New("no lookup, scheduler or sender"))
+	}
+	for _, ct := range containers(t, m) {
+		if ct.program != "gpuworker" {
+			continue
+		}
+		name := ct.deployment.Name
+		if v, ok := ct.env["KVMESH_MODELS"]; ok {
+			errs = append(errs, fmt.Errorf("%s: KVMESH_MODELS %q on a gpuworker, which serves its engine's model alone", name, v))
+		}
+		common, err := loadCommon(ct.env)
+		var own *kvcore.Model
+		if err == nil {
+			own, err = common.LoadModel()
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: model %q does not load: %w", name, ct.env["KVMESH_MODEL"], err))
+			continue
+		}
+		switch sm, err := served.Get(own.Name); {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("%s: runs %q, which the services do not serve: %w", name, ct.env["KVMESH_MODEL"], err))
+		case own.Fingerprint() != sm.Fingerprint():
+			errs = append(errs, fmt.Errorf("%s: runs %s with fingerprint %s (parallel %+v), the services serve it with %s (parallel %+v)",
+				name, own.Name, own.Fingerprint(), own.Parallel, sm.Fingerprint(), sm.Parallel))
+		}
+	}
+	return errs
+}
+
+// TestChartModelChecksCatchDrift renders values that break the models'
+// rules past the chart (through each service's env) and checks that
+// checkModels reports each one: it can fail.
+func TestChartModelChecksCatchDrift(t *testing.T) {
+	tests := []struct {
+		name   string
+		set    []string
+		models string // the values' models, as KVMESH_MODELS
+		want   string
+	}{
+		{"KVMESH_MODELS on a gpuworker", []string{"models={dense}", "gpuworker.env.KVMESH_MODELS=dense"}, "dense",
+			"KVMESH_MODELS \"dense\" on a gpuworker"},
+		{"the parallel overrides on another model's gpuworker", []string{"models={dense}", "parallel.tp=2",
+			"gpuworker.engines[0].id=a", "gpuworker.engines[0].model=dense", "gpuworker.engines[0].env.KVMESH_TP=2"}, "dense",
+			"runs dense-8b with fingerprint"},
+		{"a gpuworker of a model not served", []string{"gpuworker.env.KVMESH_MODEL=dense"}, "", "which the services do not serve"},
+		{"a service with other models", []string{"models={dense}", "sender.env.KVMESH_MODELS=full-swa-mamba"}, "dense", "serves map"},
+		{"a service with another default", []string{"scheduler.env.KVMESH_TP=2"}, "", "serves map"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			set := append([]string{"auth.key=" + testAuthKey}, tt.set...)
+			m, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: set})
+			if err != nil {
+				t.Fatal(err)
+			}
+			errs := checkModels(t, m, tt.models)
+			if !slices.ContainsFunc(errs, func(err error) bool { return strings.Contains(err.Error(), tt.want) }) {
+				t.Errorf("errors %v, want one saying %q", errors.Join(errs...), tt.want)
+			}
+		})
+	}
+}
+
+// loadCommon reads the shared settings from env.
+func loadCommon(env deploy.Environment) (*service.Common, error) {
+	var c service.Common
+	if err := config.Load(&c, func(k string) (string, bool) { v, ok := env[k]; return v, ok }); err != nil {
+		return nil, fmt.Errorf("shared settings: %w", err)
+	}
+	return &c, nil
 }
 
 // checkAuth reports how a container's authentication settings disagree
@@ -844,6 +997,15 @@ func TestChartRejectsBadValues(t *testing.T) {
 			`onFull "drop" is neither evict nor skip`},
 		{"a quota's unknown key", []string{"adminToken=t", "quotas[0].tenant=a", "quotas[0].maxbytes=1GiB"},
 			`quotas[0]: unknown key "maxbytes"`},
+		{"an engine of a model not served", []string{"gpuworker.engines[0].id=a", "gpuworker.engines[0].model=dense"},
+			`engine "a" runs model "dense", which is neither model nor one of models`},
+		{"an engine of a model not served beside others", []string{"models={full-swa-mamba}",
+			"gpuworker.engines[0].id=a", "gpuworker.engines[0].model=full-swa-mamba", "gpuworker.engines[1].id=b", "gpuworker.engines[1].model=dense"},
+			`engine "b" runs model "dense", which is neither model nor one of models`},
+		{"models listing model", []string{"models={dense,hybrid-mla-linear}"},
+			`models[1]: "hybrid-mla-linear" is model already`},
+		{"a model listed twice", []string{"models={dense,dense}"}, `models: "dense" is listed twice`},
+		{"a model with a blank", []string{"models[0]=my model.yaml"}, `models[0]: "my model.yaml" is not a preset name or a spec file path`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

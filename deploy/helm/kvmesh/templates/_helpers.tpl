@@ -115,14 +115,6 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
   value: {{ required "kafka.brokers: at least one broker is required" .Values.kafka.brokers | join "," | quote }}
 - name: KVMESH_KAFKA_PARTITIONS
   value: {{ include "kvmesh.envValue" .Values.kafka.partitions | quote }}
-- name: KVMESH_MODEL
-  value: {{ .Values.model | quote }}
-{{- range $name, $size := dict "KVMESH_TP" .Values.parallel.tp "KVMESH_PCP" .Values.parallel.pcp "KVMESH_DCP" .Values.parallel.dcp "KVMESH_PP" .Values.parallel.pp }}
-{{- if $size }}
-- name: {{ $name }}
-  value: {{ include "kvmesh.envValue" $size | quote }}
-{{- end }}
-{{- end }}
 {{- with .Values.keyPrefix }}
 - name: KVMESH_KEY_PREFIX
   value: {{ . | quote }}
@@ -152,6 +144,62 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+The models a container serves; dict: root, component, model (a
+gpuworker's engine's own model, optional). KVMESH_MODEL is model, or the
+engine's model for its gpuworkers; KVMESH_TP/PCP/DCP/PP (parallel) apply
+to model only, so a gpuworker of another model runs it at its spec's own
+layout, as the services serve it. KVMESH_MODELS (models) is set on the
+lookup, the scheduler and the sender, never on a gpuworker: a gpuworker
+serves its engine's model alone.
+*/}}
+{{- define "kvmesh.modelEnv" -}}
+{{- $v := .root.Values }}
+{{- $default := required "model is required: the mesh's default model (KVMESH_MODEL)" $v.model | toString }}
+{{- $model := $default }}
+{{- with .model }}{{ $model = toString . }}{{ end }}
+- name: KVMESH_MODEL
+  value: {{ $model | quote }}
+{{- if eq $model $default }}
+{{- range $name, $size := dict "KVMESH_TP" $v.parallel.tp "KVMESH_PCP" $v.parallel.pcp "KVMESH_DCP" $v.parallel.dcp "KVMESH_PP" $v.parallel.pp }}
+{{- if $size }}
+- name: {{ $name }}
+  value: {{ include "kvmesh.envValue" $size | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $models := include "kvmesh.models" .root }}
+{{- if and $models (ne .component "gpuworker") }}
+- name: KVMESH_MODELS
+  value: {{ $models | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+KVMESH_MODELS: models, comma-separated (empty when none). Each a preset
+name or a spec file path, listed once, other than model, without a comma
+or a blank.
+*/}}
+{{- define "kvmesh.models" -}}
+{{- $seen := dict }}
+{{- $out := list }}
+{{- range $i, $m := default list .Values.models }}
+{{- $m = toString $m }}
+{{- if or (not $m) (regexMatch "[,\\s]" $m) }}
+{{- fail (printf "models[%d]: %q is not a preset name or a spec file path (no comma, no blank)" $i $m) }}
+{{- end }}
+{{- if eq $m (toString $.Values.model) }}
+{{- fail (printf "models[%d]: %q is model already, the default model; list only the others" $i $m) }}
+{{- end }}
+{{- if hasKey $seen $m }}
+{{- fail (printf "models: %q is listed twice" $m) }}
+{{- end }}
+{{- $_ := set $seen $m true }}
+{{- $out = append $out $m }}
+{{- end }}
+{{- join "," $out }}
+{{- end }}
+
 {{/* Extra settings of one service (a map), sorted by name. */}}
 {{- define "kvmesh.extraEnv" -}}
 {{- range $k := keys . | sortAlpha }}
@@ -165,6 +213,7 @@ A Deployment of one kvmesh program; dict:
   root, name, component, program, selector (extra selector labels),
   replicas, recreate (bool), svc (the service's values), env (a YAML list
   of the program's own variables), usesDB (bool), runtimeClassName,
+  model (a gpuworker's engine's own model, optional: kvmesh.modelEnv),
   extraPorts (optional list of dicts name, port: more TCP ports the
   program listens on, besides http).
 */}}
@@ -245,6 +294,7 @@ spec:
             {{- end }}
           env:
             {{- include "kvmesh.commonEnv" $root | nindent 12 }}
+            {{- include "kvmesh.modelEnv" (dict "root" $root "component" .component "model" .model) | nindent 12 }}
             - name: KVMESH_HTTP_ADDR
               value: {{ printf ":%s" $port | quote }}
             {{- .env | nindent 12 }}
