@@ -62,7 +62,7 @@ func fleetConfigs(t *testing.T, s *stack, salt string) []sim.Config {
 		if err != nil {
 			t.Fatal(err)
 		}
-		cfg := meshSimConfig(s, m, smallWorkload(8, 4))
+		cfg := meshSimConfig(s, m, smallWorkload(6, 6))
 		cfg.Salt, cfg.Decode = salt, sim.Endpoint{EngineID: e.engine, WorkerURLs: s.fleetURLs(e)}
 		out = append(out, cfg)
 	}

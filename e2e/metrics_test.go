@@ -125,26 +125,30 @@ func writeCatalogue(t *testing.T, served map[string][]string, help map[string]st
 	}
 }
 
-// dashboardQuotaPrefix names the two tenants of playTenantQuotas' run.
+// dashboardQuotaPrefix names the three tenants of playTenantQuotas' run.
 const dashboardQuotaPrefix = "dash-quota-"
 
-// dashboardQuotaKeys is the key quota of both tenants of playTenantQuotas:
-// fewer keys than one first turn of tenantWorkload saves (its 160-token
-// system prompt alone is ten 16-token blocks), so each tenant goes over
-// it with its first save.
+// dashboardQuotaKeys is the key quota of the two quota tenants of
+// playTenantQuotas: fewer keys than one first turn of tenantWorkload saves
+// (its 160-token system prompt alone is ten 16-token blocks), so each goes
+// over it with its first save.
 const dashboardQuotaKeys = 8
 
 // playTenantQuotas makes the stack serve what the store dashboard's
-// Tenants row plots, by using quotas as an operator does: it sets a quota
-// on each of two tenants through the sender's PUT /v1/quotas/{tenant} —
+// Tenants row plots, by using quotas as an operator does, and checks what
+// a quota promises through the whole mesh. It sets a quota on two of
+// three tenants through the sender's PUT /v1/quotas/{tenant} —
 // dashboardQuotaKeys keys and 1 GiB, evicting for tenant {prefix}0,
-// skipping for tenant {prefix}1 — and plays a clean run of both tenants,
-// which goes over both: the first tenant's later saves evict its own
-// oldest blocks, the second's are skipped with reason quota. The sender
-// serves a tenant's usage and quota series only for a tenant with a quota
-// or a recent save, and its evicted and skipped counters only once a
-// quota did that, so it returns only when the sender's /metrics has all
-// of them.
+// skipping for tenant {prefix}1; {prefix}2 has none — and plays a run of
+// the three, which goes over both quotas. The run is clean (every loaded
+// byte right, the ledger balanced, every value still stored right: a
+// quota's removals are misses, never wrong loads), and the sender's view
+// of each tenant in the report says: {prefix}0 evicted its own blocks,
+// within its quota, removals of cause quota; {prefix}1 skipped, evicted
+// nothing; {prefix}2 has no quota and lost nothing. The sender serves a
+// tenant's usage and quota series only for a tenant with a quota or a
+// recent save, and its evicted and skipped counters only once a quota did
+// that, so it returns only when the sender's /metrics has all of them.
 func playTenantQuotas(t *testing.T, s *stack) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -162,12 +166,13 @@ func playTenantQuotas(t *testing.T, s *stack) {
 		}
 	}
 	w := tenantWorkload(dashboardQuotaPrefix)
-	w.Requests = 8 // four conversations a tenant: several saves of each go over its quota
+	w.Requests, w.Tenants = 12, 3 // two conversations a tenant: several saves of each go over its quota
 	rep, err := sim.Run(ctx, simConfig(t, s, false, w))
 	if err != nil {
 		t.Fatal(err)
 	}
 	requireOK(t, rep)
+	checkTenantStores(t, rep, evict, skip, sim.TenantName(dashboardQuotaPrefix, 2))
 	want := []string{
 		fmt.Sprintf("kvmesh_sender_tenant_usage_bytes{tenant=%q}", evict),
 		fmt.Sprintf("kvmesh_sender_tenant_usage_keys{tenant=%q}", skip),
@@ -184,6 +189,30 @@ func playTenantQuotas(t *testing.T, s *stack) {
 	})
 	if !ok {
 		t.Fatalf("after a run over both tenants' quotas the sender serves no %v", missing)
+	}
+}
+
+// checkTenantStores checks the sender's view of playTenantQuotas' three
+// tenants in the run's report.
+func checkTenantStores(t *testing.T, rep *sim.Report, evict, skip, free string) {
+	t.Helper()
+	byName := map[string]*sim.TenantStore{}
+	for _, tc := range rep.Tenants {
+		if tc.Store == nil || tc.Store.Error != "" {
+			t.Fatalf("tenant %s: no view from the sender: %+v", tc.Tenant, tc.Store)
+		}
+		byName[tc.Tenant] = tc.Store
+	}
+	e, k, f := byName[evict], byName[skip], byName[free]
+	switch {
+	case e == nil || k == nil || f == nil:
+		t.Fatalf("tenants %v; want %s, %s and %s", rep.Tenants, evict, skip, free)
+	case e.Quota == nil || e.Quota.EvictedBlocks == 0 || e.Quota.UsageKeys > dashboardQuotaKeys || e.Removed["quota"] == 0:
+		t.Fatalf("tenant %s: %+v %+v; want its own blocks evicted, within %d keys, removals of cause quota", evict, e.Quota, e.Removed, dashboardQuotaKeys)
+	case k.Quota == nil || k.Quota.SkippedBlocks == 0 || k.Quota.EvictedBlocks != 0 || k.Removed["quota"] != 0:
+		t.Fatalf("tenant %s: %+v %+v; want saves skipped, nothing evicted", skip, k.Quota, k.Removed)
+	case f.Quota != nil || len(f.Removed) != 0:
+		t.Fatalf("tenant %s: %+v %+v; want no quota and nothing removed", free, f.Quota, f.Removed)
 	}
 }
 

@@ -48,6 +48,8 @@ func TestTenantQuotas(t *testing.T) {
 		if lost := len(without.stored["calm"]) - without.present["calm"]; lost == 0 {
 			t.Fatalf("control without a quota: calm lost none of its %d blocks; the store did not fill as planned", len(without.stored["calm"]))
 		}
+		t.Logf("with over's quota calm kept %d of %d blocks; without it %d of %d", run.present["calm"], len(run.stored["calm"]),
+			without.present["calm"], len(without.stored["calm"]))
 	})
 	t.Run("cluster", func(t *testing.T) {
 		c := testenv.NewRedisCluster(t)
@@ -141,6 +143,9 @@ func quotaScenario(t *testing.T, redisURL string, quota bool) quotaRun {
 	if code := s.doBody(t, http.MethodGet, "/v1/quotas/over", "", &st); code != http.StatusOK {
 		t.Fatalf("GET quota: %d", code)
 	}
+	t.Logf("over: quota %d bytes (%s), usage %d bytes in %d keys, %d blocks evicted, %d skipped; kept %d of the %d blocks its saves stored; calm kept %d of %d",
+		st.MaxBytes, st.OnFull, st.UsageBytes, st.UsageKeys, st.EvictedBlocks, st.SkippedBlocks,
+		run.present["over"], len(run.stored["over"]), run.present["calm"], len(run.stored["calm"]))
 	if st.UsageBytes == 0 || st.UsageBytes > limit || st.EvictedBlocks == 0 || st.SkippedBlocks != 0 {
 		t.Fatalf("over's quota status %+v; want usage within %d bytes after evictions, nothing skipped", st, limit)
 	}

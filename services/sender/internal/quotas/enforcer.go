@@ -273,6 +273,7 @@ func (e *Enforcer) admit(ctx context.Context, q Quota, spaces []Space, sizes []i
 	if err != nil {
 		return 0, err
 	}
+	e.opts.Metrics.show(q.Tenant, u, q) // what the store holds now, before the refresh
 	e.mu.Lock()
 	u = u.Add(e.reserved[q.Tenant])
 	e.mu.Unlock()
