@@ -48,16 +48,7 @@ type stackOptions struct {
 	// processEnv, when set, adds settings of each process's own (by
 	// process name) to its environment.
 	processEnv func(name string) []string
-	// fleet, when set, replaces the decode and prefill engines: one engine
-	// per entry, of its own model, with a gpuworker per worker rank of
-	// that model (KVMESH_MODEL its model), named fleetEngine.name,
-	// name-rank1, ….
-	fleet []fleetEngine
 }
-
-// fleetEngine is one engine of a mixed fleet: its gpuworkers' process
-// name, its engine id and its model (a preset or spec file).
-type fleetEngine struct{ name, engine, model string }
 
 // stack is the mesh of one test: an in-process broker, a fresh database, the
 // shared Redis under a key prefix of its own, and the services as
@@ -112,7 +103,7 @@ func newStack(t testing.TB, o stackOptions) *stack {
 	for _, name := range s.names("sender") {
 		s.add(name, "sender")
 	}
-	workers := s.addWorkers(o, pool)
+	workers := s.addWorkers(pool)
 	rest := slices.Concat(schedulers[1:], s.names("lookup"), s.names("sender"), workers)
 	for _, name := range rest {
 		s.start(name)
@@ -120,52 +111,20 @@ func newStack(t testing.TB, o stackOptions) *stack {
 	return s
 }
 
-// addWorkers registers the gpuworkers, a process per worker rank of each
-// engine: the decode and prefill engines of the stack's model, or the
-// fleet's engines, each of its own model. It returns their names.
-func (s *stack) addWorkers(o stackOptions, pool string) []string {
+// addWorkers registers the gpuworkers of the decode and prefill engines,
+// a process per worker rank of the stack's model, and returns their names.
+func (s *stack) addWorkers(pool string) []string {
 	s.t.Helper()
-	rank := func(name, engine string, r kvcore.Rank, extra ...string) {
-		s.add(name, "gpuworker", append([]string{"KVMESH_ENGINE_ID=" + engine, pool,
-			fmt.Sprintf("KVMESH_RANK_TP=%d", r.TP), fmt.Sprintf("KVMESH_RANK_PCP=%d", r.PCP),
-			fmt.Sprintf("KVMESH_RANK_DCP=%d", r.DCP), fmt.Sprintf("KVMESH_RANK_PP=%d", r.PP)}, extra...)...)
-	}
 	var names []string
-	if len(o.fleet) == 0 {
-		for _, e := range []struct{ base, engine string }{{"gpuworker", decodeEngine}, {"gpuworker-prefill", prefillEngine}} {
-			for k, r := range s.ranks {
-				rank(rankName(e.base, k), e.engine, r)
-			}
-			names = append(names, s.workerNames(e.base)...)
+	for _, e := range []struct{ base, engine string }{{"gpuworker", decodeEngine}, {"gpuworker-prefill", prefillEngine}} {
+		for k, r := range s.ranks {
+			s.add(rankName(e.base, k), "gpuworker", "KVMESH_ENGINE_ID="+e.engine, pool,
+				fmt.Sprintf("KVMESH_RANK_TP=%d", r.TP), fmt.Sprintf("KVMESH_RANK_PCP=%d", r.PCP),
+				fmt.Sprintf("KVMESH_RANK_DCP=%d", r.DCP), fmt.Sprintf("KVMESH_RANK_PP=%d", r.PP))
 		}
-		return names
-	}
-	for _, e := range o.fleet {
-		m, err := service.LoadModel(e.model)
-		if err != nil {
-			s.t.Fatal(err)
-		}
-		for k, r := range m.WorkerRanks() {
-			rank(rankName(e.name, k), e.engine, r, "KVMESH_MODEL="+e.model)
-			names = append(names, rankName(e.name, k))
-		}
+		names = append(names, s.workerNames(e.base)...)
 	}
 	return names
-}
-
-// fleetURLs are the base URLs of the ranks of fleet engine e, in rank
-// order.
-func (s *stack) fleetURLs(e fleetEngine) []string {
-	s.t.Helper()
-	m, err := service.LoadModel(e.model)
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	out := make([]string, len(m.WorkerRanks()))
-	for k := range out {
-		out[k] = s.url(rankName(e.name, k))
-	}
-	return out
 }
 
 // credentials are what a simulator presents to the stack: engine tokens
