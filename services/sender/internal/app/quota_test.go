@@ -53,7 +53,7 @@ func TestTenantQuotas(t *testing.T) {
 	})
 	t.Run("cluster", func(t *testing.T) {
 		c := testenv.NewRedisCluster(t)
-		limitMasters(t, c.Masters(), 5<<20)
+		limitMasters(t, c.Masters(), 8<<20)
 		checkCalmUnaffected(t, quotaScenario(t, c.URL(), true))
 	})
 }
