@@ -65,28 +65,19 @@ func smallWorkload(requests int, rate float64) sim.Workload {
 	}
 }
 
-// simConfig points the simulator at the stack: its model, its decode
-// engine and, with pd, its prefill engine.
+// simConfig points the simulator at the stack.
 func simConfig(t testing.TB, s *stack, pd bool, w sim.Workload) sim.Config {
 	t.Helper()
 	m, err := kvcore.Preset(s.model)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := meshSimConfig(s, m, w)
-	cfg.PD = pd
-	cfg.Decode = sim.Endpoint{WorkerURL: s.url("gpuworker")}
-	cfg.Prefill = sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")}
-	return cfg
-}
-
-// meshSimConfig points the simulator at the stack's services for a run of
-// model m, without engines: the caller names them.
-func meshSimConfig(s *stack, m *kvcore.Model, w sim.Workload) sim.Config {
 	tag := sim.NewRunTag()
 	return secured(sim.Config{
-		Model: m, Workload: w,
+		Model: m, Workload: w, PD: pd,
 		Engine:     sim.EngineConfig{PoolBlocks: 48, MaxBatchTokens: 256, MaxRunning: 8, Watermark: 1},
+		Decode:     sim.Endpoint{WorkerURL: s.url("gpuworker")},
+		Prefill:    sim.Endpoint{WorkerURL: s.url("gpuworker-prefill")},
 		LookupURLs: s.urls("lookup"), SchedulerURLs: s.urls("scheduler"), SenderURLs: s.urls("sender"),
 		Brokers: s.brokers, RunTag: tag, Salt: tag, RedisURL: s.redisURL, ReusePreempted: true,
 		RequestTimeout: 45 * time.Second, SettleTimeout: 30 * time.Second,

@@ -231,6 +231,18 @@ func (e *Enforcer) usage(ctx context.Context, spaces []Space) (sendpolicy.Usage,
 	return u, nil
 }
 
+// Note records a save of tenant (a tenant without a quota keeps its
+// usage series while it saves) and reports whether tenant has a quota.
+func (e *Enforcer) Note(tenant string) (limited bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if tenant != "" {
+		e.see(tenant)
+	}
+	_, limited = e.quotas[tenant]
+	return limited
+}
+
 // Admit decides how many of keys, new keys of one save of tenant in
 // order, may be put: all when the tenant has no quota or they fit. When
 // they do not fit, a quota that evicts first removes the tenant's least
@@ -243,9 +255,6 @@ func (e *Enforcer) Admit(ctx context.Context, tenant string, keys []string) (adm
 	nothing := func() {}
 	e.mu.Lock()
 	q, ok := e.quotas[tenant]
-	if tenant != "" {
-		e.see(tenant)
-	}
 	e.mu.Unlock()
 	if !ok || len(keys) == 0 {
 		return len(keys), nothing

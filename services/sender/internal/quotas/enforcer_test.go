@@ -133,6 +133,9 @@ func TestEnforcerEvictsTheTenantsLeastRecentlyUsed(t *testing.T) {
 	if got := testutil.ToFloat64(r.e.opts.Metrics.evicted.WithLabelValues("over")); got != 1 {
 		t.Errorf("evicted{over} = %v, want 1", got)
 	}
+	if !r.e.Note("over") || r.e.Note("calm") {
+		t.Fatal("Note: want over limited and calm not")
+	}
 	if n, release := r.e.Admit(ctx, "calm", []string{r.key("calm", 2)}); n != 1 {
 		t.Fatalf("calm, no quota: admitted %d of 1", n)
 	} else {

@@ -54,6 +54,10 @@ type Store interface {
 
 // Quotas keeps the tenants within their quotas in the store.
 type Quotas interface {
+	// Note records a save of tenant (its usage is shown) and reports
+	// whether the tenant has a quota, so that a save of an unlimited
+	// tenant costs no more.
+	Note(tenant string) (limited bool)
 	// Admit says how many of keys, new keys of one save of tenant in
 	// order, may be put (the rest are skipped with reason quota), after
 	// making room when the tenant's quota evicts; release ends their

@@ -163,7 +163,7 @@ func (p *Processor) saveGroups(ctx context.Context, s *save, groups []int, gated
 // others with reason quota; release ends the admitted items' reservation
 // once their puts are answered.
 func (p *Processor) admitQuota(ctx context.Context, s *save, items []item) (admitted []item, release func()) {
-	if p.quotas == nil {
+	if p.quotas == nil || !p.quotas.Note(s.task.Tenant) {
 		return items, func() {}
 	}
 	slices.SortStableFunc(items, func(a, b item) int { return a.Chunk.Start - b.Chunk.Start })
