@@ -30,7 +30,7 @@ type quotaRig struct {
 
 func newQuotaRig(t *testing.T) *quotaRig {
 	t.Helper()
-	url := testenv.RedisURL(t)
+	url := testenv.StartRedis(t).URL() // a server of its own: the shared one may be full and evict the idle keys the test sets up
 	store, err := kvstore.NewRedis(context.Background(), url, kvstore.RedisOptions{})
 	if err != nil {
 		t.Fatal(err)
