@@ -104,11 +104,11 @@ func BenchmarkSeedSaturated(b *testing.B) {
 	b.ReportMetric(rawBusy.Seconds()/busy.Seconds(), "ratio_vs_raw_set")
 }
 
-// startSeedMesh starts the services of the seed's configuration at TP1
-// and waits until each is ready.
-func startSeedMesh(b *testing.B) *meshtest.Mesh {
+// startSeedMesh starts the services of the seed's configuration at TP1,
+// with env's settings added, and waits until each is ready.
+func startSeedMesh(b *testing.B, env ...string) *meshtest.Mesh {
 	b.Helper()
-	mesh := meshtest.New(b, "bench-seed", "KVMESH_MODEL="+seedBenchModel, "KVMESH_LOG_LEVEL=info")
+	mesh := meshtest.New(b, "bench-seed", append([]string{"KVMESH_MODEL=" + seedBenchModel, "KVMESH_LOG_LEVEL=info"}, env...)...)
 	start := func(name, service string, env ...string) {
 		if _, err := mesh.Start(name, service, env...); err != nil {
 			b.Fatal(err)

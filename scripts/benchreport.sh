@@ -64,6 +64,21 @@ figure() {
   # the same values at the same parallelism (MiB/s).
   figure cluster_save_1m MiB/s BenchmarkClusterPut MiB/s BenchmarkClusterPut raw_MiB/s
   figure cluster_load_1m MiB/s BenchmarkClusterGet MiB/s BenchmarkClusterGet raw_MiB/s
+  # The object tier (a private versitygw and redis-server on loopback), 64
+  # framed 1 MiB values a round, median of 5 rounds in turns with the
+  # baseline: a save — the write-behind: Tier.Put in calls of 4 keys, 4 at
+  # once, over an in-process hot store, then Drain until the writers
+  # stored every copy in the bucket — and a load of values only the bucket
+  # holds — Tier.GetEach in calls of 4 keys, 4 at once, each value checked
+  # (DecodeValue) and promoted into Redis in the background — against the
+  # raw minio-go client's PUT (single part, unsigned payload, as the tier
+  # sends) and GET (GetObject, io.ReadAll) of the same objects at the same
+  # concurrency (MiB/s). Then the seed (TP1 shape) on the mesh with the
+  # tier: its replay on fresh engines after a Redis FLUSHALL, hit rate from
+  # the tier, against its replay with Redis intact (%).
+  figure tier_save_1m MiB/s BenchmarkTierSave1M MiB/s BenchmarkTierSave1M raw_MiB/s
+  figure tier_load_1m MiB/s BenchmarkTierLoad1M MiB/s BenchmarkTierLoad1M raw_MiB/s
+  figure seed_after_flush % BenchmarkSeedAfterFlush after_flush_hit_% BenchmarkSeedAfterFlush intact_hit_%
   # Seed preset at --rate 0 (TP1 shape) through the full mesh: store bytes
   # the gpuworkers moved (save_put + load_get) per second of the run,
   # against raw SET of the same bytes in the model's block sizes (MB/s).

@@ -225,10 +225,17 @@ prometheus_install() {
   say "prometheus: installed $(prometheus --version 2>&1 | head -n 1)"
 }
 
+# write_env writes its two lines and keeps the lines other scripts put in
+# .dev/env (scripts/s3server.sh up: KVMESH_DEV_TIER_*).
 write_env() {
+  local keep=""
+  if [ -f "$dev/env" ]; then
+    keep=$(grep -v -e '^export KVMESH_DATABASE_URL=' -e '^export KVMESH_REDIS_URL=' "$dev/env" || true)
+  fi
   {
     echo "export KVMESH_DATABASE_URL='$(cat "$dev/pg.url")'"
     echo "export KVMESH_REDIS_URL='$(cat "$dev/redis.url")'"
+    if [ -n "$keep" ]; then echo "$keep"; fi
   } >"$dev/env"
 }
 

@@ -162,6 +162,9 @@ main() {
   if compgen -G "$dev/pids/*" >/dev/null; then
     local f
     for f in "$dev"/pids/*; do
+      # The background versitygw build (scripts/s3server.sh build-bg, which
+      # `make deps` starts) is no stack service.
+      [ "$(basename "$f")" != versitygw-build ] || continue
       kill -0 "$(cat "$f")" 2>/dev/null &&
         die "$(basename "$f") is already running (scripts/stack.sh status); stop it first: scripts/stack.sh down"
     done

@@ -437,10 +437,12 @@ type LedgerReport struct {
 	LoadBytes int64 `json:"load_bytes"`
 	// LoadTasks counts the load tasks reported, LoadResults their results
 	// (one per rank of a multi-rank engine), LoadErrorBlocks the load
-	// errors of those results.
+	// errors of those results, LoadTierBlocks the blocks they read from
+	// the capacity tier rather than Redis.
 	LoadTasks       int `json:"load_tasks"`
 	LoadResults     int `json:"load_results"`
 	LoadErrorBlocks int `json:"load_error_blocks"`
+	LoadTierBlocks  int `json:"load_tier_blocks"`
 	// Engines splits the ledger by engine, in engine id order: the run's
 	// ledger balances when every engine's does and no run-wide difference
 	// is left.
@@ -556,6 +558,7 @@ func (l *ledger) report() LedgerReport {
 		r.LoadResults++
 		r.LoadBytes += res.Bytes
 		r.LoadErrorBlocks += len(res.LoadErrors)
+		r.LoadTierBlocks += res.TierBlocks
 	}
 	r.LoadTasks = len(loadTasks)
 	r.Differences = append(r.Differences, l.spanDifferences(&r)...)

@@ -342,6 +342,9 @@ func (rep *Report) WriteText(w io.Writer) error {
 		okText(v.OK), v.Loads, v.VerifiedBlocks, rep.checkedText(), v.Mismatched, v.LoadErrorBlocks, v.LostBlocks, unavailableText(v.RankUnavailable))
 	row("save ledger", "%s: expected %d = stored %d + existing %d + skipped %d + dead-lettered %d  (+ failed %d); %d/%d tasks reported; engine expected %d saves",
 		balancedText(l.Balanced), l.ExpectedChunks, l.Stored, l.Existing, l.Skipped, l.DeadLettered, l.Failed, l.Reported, l.SaveTasks, l.EngineExpectedSaves)
+	if l.LoadTierBlocks > 0 {
+		row("capacity tier", "%d of the loaded blocks read from the object tier (the rest from Redis)", l.LoadTierBlocks)
+	}
 	rep.writeRankRows(row)
 	for _, tc := range rep.Tenants {
 		row("tenant "+tc.Tenant, "%d admissions (%d first turns): %d prompt tokens, hit rate %.1f%% (local hit %d, store loaded %d, first turns %d), %d keys stored%s",

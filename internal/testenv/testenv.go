@@ -1,10 +1,13 @@
 // Package testenv gives tests the real parts they run against: the addresses
 // of the servers that `make test` starts (PostgreSQL and Redis, via
 // scripts/devstack.sh), private redis-servers a test may stop (StartRedis),
-// the service binaries for tests that run and kill them (BuildBinary,
-// ServiceBinaries), a harness that runs those binaries as processes (Procs),
-// per-test key prefixes in the shared Redis (KeyPrefix, DropKeys), and span
-// collection (RecordSpans, StartOTLPReceiver).
+// private S3 servers whose objects are plain files (StartS3: versitygw,
+// which scripts/s3server.sh builds), a TCP proxy that makes a server slow or
+// unreachable (StartDelayProxy), the service binaries for tests that run and
+// kill them (BuildBinary, ServiceBinaries), a harness that runs those
+// binaries as processes (Procs), per-test key prefixes in the shared Redis
+// (KeyPrefix, DropKeys), and span collection (RecordSpans,
+// StartOTLPReceiver).
 //
 // When a variable or program is missing a test is skipped, unless
 // KVMESH_REQUIRE_SERVICES=1 (set by `make test` and CI), in which case it

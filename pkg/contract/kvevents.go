@@ -34,6 +34,14 @@ import (
 // an engine's own CPU tier.
 const MediumStore = "CPU"
 
+// MediumTier is the medium of the blocks the capacity tier holds (an
+// S3-compatible bucket below Redis, pkg/kvtier): vLLM's MEDIUM_STORAGE
+// (vllm/distributed/kv_events.py; vllm/v1/kv_offload/base.py,
+// Medium.STORAGE), the medium of file-system and object-store tiers, as
+// vLLM's offloading connector announces the blocks it stores there. Their
+// locality is LocalityStore: the bucket is shared by every engine.
+const MediumTier = "STORAGE"
+
 // LocalityStore is the locality (vLLM's BlockStored/BlockRemoved.locality,
 // vllm/v1/kv_offload/base.py, Locality: LOCAL or REMOTE relative to the
 // publisher) of the blocks kvmesh announces: the store pool is shared by

@@ -225,6 +225,9 @@ type TransferResult struct {
 	Groups     []GroupOutcome   `json:"groups,omitempty"`
 	LoadErrors []kvcore.BlockID `json:"load_errors,omitempty"`
 	Bytes      int64            `json:"bytes"`
+	// TierBlocks counts, of a load, the blocks read from the capacity
+	// tier (an S3-compatible bucket below Redis) rather than from Redis.
+	TierBlocks int `json:"tier_blocks,omitempty"`
 	// Rank is the worker rank whose load this reports (loads of a
 	// multi-rank engine: one result per rank of the task's Ranks).
 	Rank *kvcore.Rank `json:"rank,omitempty"`

@@ -14,6 +14,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/database"
 	"github.com/kvmesh/kvmesh/pkg/httpserver"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/kvtier"
 )
 
 // Deps are the connections a service opens at start, each registering its
@@ -26,8 +27,15 @@ type Deps struct {
 	Registry *prometheus.Registry
 	// Pool is the PostgreSQL pool, after OpenDatabase.
 	Pool *pgxpool.Pool
-	// Store is the store pool, after OpenStore.
+	// Store is the store pool (Redis), after OpenStore.
 	Store kvstore.Store
+	// Blocks is the store of block bytes, after OpenStore: the Tier over
+	// Store when a capacity tier is configured, else Store itself. Use it
+	// for block existence, puts, gets and removals; use Store for Redis's
+	// own indexes (store times, quotas).
+	Blocks kvstore.Store
+	// Tier is the capacity tier, after OpenStore (nil: none).
+	Tier *kvtier.Tier
 	// Producer publishes to Kafka, after OpenBus.
 	Producer *bus.Producer
 
@@ -67,11 +75,11 @@ func (d *Deps) OpenDatabase(ctx context.Context, url, appName string, migrate bo
 	return nil
 }
 
-// OpenStore connects to the Redis store pool at url, over TLS as tlsFiles
-// says for a rediss:// URL; the service is not ready while the store does
+// OpenStore connects to the Redis store pool of s, over TLS as its files
+// say for a rediss:// URL; the service is not ready while the store does
 // not answer.
-func (d *Deps) OpenStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS) error {
-	return d.openStore(ctx, url, tlsFiles, false)
+func (d *Deps) OpenStore(ctx context.Context, s Store) error {
+	return d.openStore(ctx, s, false)
 }
 
 // OpenOptionalStore connects to the Redis store pool, as OpenStore does,
@@ -79,18 +87,44 @@ func (d *Deps) OpenStore(ctx context.Context, url string, tlsFiles kvstore.Redis
 // child fails open): a store that does not answer leaves the service
 // ready, and /readyz lists it as failed and degraded
 // (httpserver.ReadyCheck.Optional).
-func (d *Deps) OpenOptionalStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS) error {
-	return d.openStore(ctx, url, tlsFiles, true)
+func (d *Deps) OpenOptionalStore(ctx context.Context, s Store) error {
+	return d.openStore(ctx, s, true)
 }
 
-func (d *Deps) openStore(ctx context.Context, url string, tlsFiles kvstore.RedisTLS, optional bool) error {
-	st, err := kvstore.NewRedis(ctx, url, kvstore.RedisOptions{TLS: tlsFiles})
+func (d *Deps) openStore(ctx context.Context, s Store, optional bool) error {
+	st, err := kvstore.NewRedis(ctx, s.RedisURL, kvstore.RedisOptions{TLS: s.RedisTLS})
 	if err != nil {
 		return fmt.Errorf("store: %w", err)
 	}
-	d.Store = st
+	d.Store, d.Blocks = st, st
 	d.closers = append(d.closers, func() { _ = st.Close() })
 	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "store", Optional: optional, Check: st.Ping})
+	return nil
+}
+
+// OpenTier connects to the capacity tier of s, when it names one, and puts
+// it over the store (Blocks); call it after OpenStore. A tier that does
+// not answer at start is an error (a misnamed bucket must not pass for an
+// empty one); later, its readiness check is optional: a mesh whose tier is
+// down serves from Redis, and its loads from the tier fail closed.
+func (d *Deps) OpenTier(ctx context.Context, s Tier) error {
+	if s.TierURL == "" {
+		return nil
+	}
+	obj, err := kvtier.Open(ctx, kvtier.Config{URL: s.TierURL, AccessKey: s.TierAccessKey, SecretKey: s.TierSecretKey,
+		Region: s.TierRegion, Timeout: s.TierTimeout})
+	if err != nil {
+		return fmt.Errorf("capacity tier: %w", err)
+	}
+	m, err := kvtier.NewMetrics(d.Registry)
+	if err != nil {
+		return err
+	}
+	t := kvtier.New(d.Store, obj, m, kvtier.Options{QueueBytes: s.TierQueueBytes, Log: d.Log})
+	d.Tier, d.Blocks = t, t
+	d.closers = append(d.closers, func() { _ = t.Close() })
+	d.checks = append(d.checks, httpserver.ReadyCheck{Name: "tier", Optional: true, Check: obj.Ping})
+	d.Log.Info("capacity tier on", "endpoint", obj.Location().Endpoint, "bucket", obj.Location().Bucket, "prefix", obj.Location().Prefix)
 	return nil
 }
 

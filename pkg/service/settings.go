@@ -5,6 +5,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/kvtier"
 	"github.com/kvmesh/kvmesh/pkg/registry"
 )
 
@@ -35,6 +36,30 @@ type Store struct {
 	// RedisTLS are the CA bundle, client certificate and server name of a
 	// rediss:// store pool (KVMESH_REDIS_CA_FILE, ...).
 	kvstore.RedisTLS
+}
+
+// Tier locates the capacity tier: an S3-compatible bucket below Redis
+// (pkg/kvtier). The gpuworkers write every stored block behind Redis into
+// it and load from it what Redis no longer holds; the lookup counts a
+// block present there once its object is confirmed.
+type Tier struct {
+	// TierURL is http(s)://host[:port]/bucket[/prefix].
+	TierURL string `env:"KVMESH_TIER_URL" doc:"capacity tier below Redis: the S3 API URL and bucket, http(s)://host:port/bucket[/prefix] (path-style); empty: no tier, blocks live in Redis only. Every lookup and gpuworker of a mesh must name the same; the bucket must exist"`
+	// TierAccessKey is the S3 access key.
+	TierAccessKey string `env:"KVMESH_TIER_ACCESS_KEY" secret:"true" doc:"S3 access key of the capacity tier"`
+	// TierSecretKey is the S3 secret key.
+	TierSecretKey string `env:"KVMESH_TIER_SECRET_KEY" secret:"true" doc:"S3 secret key of the capacity tier"`
+	// TierRegion is the bucket's region.
+	TierRegion string `env:"KVMESH_TIER_REGION" doc:"region of the capacity tier's bucket (SigV4 signing)"`
+	// TierQueueBytes bounds the write-behind queue.
+	TierQueueBytes int64 `env:"KVMESH_TIER_QUEUE_BYTES" doc:"bytes of stored blocks a gpuworker may hold waiting to be written behind Redis into the tier; a block that finds the queue full stays in Redis only (kvmesh_tier_writes_total{result=\"dropped\"})"`
+	// TierTimeout bounds one object call.
+	TierTimeout time.Duration `env:"KVMESH_TIER_TIMEOUT" doc:"bound of one object call to the capacity tier (a slower one fails: a load from it fails and the engine recomputes, a confirmation counts the block absent)"`
+}
+
+// SetDefaults gives the tier's region, queue and timeout (config.Defaulter).
+func (t *Tier) SetDefaults() {
+	t.TierRegion, t.TierQueueBytes, t.TierTimeout = "us-east-1", kvtier.DefaultQueueBytes, 5*time.Second
 }
 
 // Workers is how the services that call gpuworkers judge the worker

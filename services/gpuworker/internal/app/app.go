@@ -27,6 +27,7 @@ import (
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/load"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
+	"github.com/kvmesh/kvmesh/services/gpuworker/internal/tierevents"
 )
 
 // errNotRegistered is the readiness answer until the worker registry holds
@@ -42,6 +43,7 @@ type Config struct {
 	service.Database
 	// Store locates the store pool, with its TLS settings.
 	service.Store
+	service.Tier
 	// EngineID is the engine whose pool this worker holds.
 	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
 	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
@@ -170,6 +172,8 @@ type App struct {
 	worker      registry.Worker
 	// registered is set while the registry holds this worker.
 	registered atomic.Bool
+	// tierEvents announces the blocks the capacity tier stored (nil: no tier).
+	tierEvents *tierevents.Announcer
 }
 
 // New opens the service's connections and binds the HTTP address, in a
@@ -200,11 +204,20 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-gpuworker", false); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
+	if err = a.deps.OpenStore(ctx, cfg.Store); err != nil {
+		return nil, err
+	}
+	if err = a.deps.OpenTier(ctx, cfg.Tier); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
 		return nil, err
+	}
+	if a.deps.Tier != nil {
+		if a.tierEvents, err = tierevents.New(tierevents.Options{Publisher: a.deps.Producer, Registry: a.deps.Registry, Logger: a.deps.Log}); err != nil {
+			return nil, err
+		}
+		a.deps.Tier.OnStored(a.tierEvents.Stored)
 	}
 	// Not ready until registered: a sender finds workers in the registry.
 	a.deps.AddCheck(httpserver.ReadyCheck{Name: "registry", Check: a.registeredCheck})
@@ -225,11 +238,11 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	// A gpuworker serves one engine: its store calls carry vLLM's base
 	// labels from the start (kvstore.VLLMLabels).
 	vllmLabels := kvstore.VLLMLabels{ModelName: a.model.Name, Engine: cfg.EngineID}
-	loadStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Get: metrics.OpLoadGet}).WithLabels(vllmLabels)
+	loadStore := kvstore.Instrument(a.deps.Blocks, sm, kvstore.OpNames{Get: metrics.OpLoadGet}).WithLabels(vllmLabels)
 	if a.consumer, err = a.newConsumer(keys, loadStore, m); err != nil {
 		return nil, err
 	}
-	putStore := kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Put: metrics.OpSavePut}).WithLabels(vllmLabels)
+	putStore := kvstore.Instrument(a.deps.Blocks, sm, kvstore.OpNames{Put: metrics.OpSavePut}).WithLabels(vllmLabels)
 	dp := dataplaneapi.New(a.pool, putStore, a.model.Fingerprint(), cfg.MaxBatchBytes, m).
 		WithStreams(dataplaneapi.Streams{N: cfg.StoreStreams, ChunkBytes: cfg.StreamChunkBytes})
 	if st, ok := a.deps.Store.(kvstore.StoreTimes); ok {
@@ -316,11 +329,15 @@ func (a *App) Worker() registry.Worker { return a.worker }
 func (a *App) Run(ctx context.Context) error {
 	defer a.deps.Close()
 	defer a.gpus.Close()
-	return service.Run(ctx, a.deps.Log,
-		service.Task{Name: "http", Run: a.srv.Run},
-		service.Task{Name: "load-consumer", Run: a.consumer.Run},
-		service.Task{Name: "registry", Run: a.keepRegistered},
-	)
+	tasks := []service.Task{
+		{Name: "http", Run: a.srv.Run},
+		{Name: "load-consumer", Run: a.consumer.Run},
+		{Name: "registry", Run: a.keepRegistered},
+	}
+	if a.tierEvents != nil {
+		tasks = append(tasks, service.Task{Name: "tier-events", Run: a.tierEvents.Run})
+	}
+	return service.Run(ctx, a.deps.Log, tasks...)
 }
 
 // keepRegistered registers the worker with its device inventory, heartbeats

@@ -25,6 +25,7 @@ import (
 	"github.com/kvmesh/kvmesh/pkg/dataplane"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/kvtier"
 	"github.com/kvmesh/kvmesh/pkg/telemetry"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/metrics"
 	"github.com/kvmesh/kvmesh/services/gpuworker/internal/pool"
@@ -295,6 +296,7 @@ func (l *Loader) result(task *kvcore.LoadTask, res outcome) contract.TransferRes
 		Status:     "done",
 		LoadErrors: res.failed.list,
 		Bytes:      res.bytes,
+		TierBlocks: res.tierBlocks,
 	}
 }
 
@@ -336,6 +338,8 @@ type outcome struct {
 	failed *blockSet
 	// bytes counts the block bytes written.
 	bytes int64
+	// tierBlocks counts the blocks read from the capacity tier.
+	tierBlocks int
 	// planErr is set when the task could not be planned.
 	planErr error
 	// firstErr is the first per-block or batch failure, for the log.
@@ -368,10 +372,12 @@ func (l *Loader) loadStore(ctx context.Context, task *kvcore.LoadTask) outcome {
 	res := outcome{failed: newBlockSet(nil)}
 	errs := make([]error, len(items))
 	var written atomic.Int64
+	var reads kvtier.ReadCounts
+	ctx = kvtier.CountReads(ctx, &reads)
 	l.eachBatch(len(items), func(i int) int64 { return l.cfg.Model.Groups[items[i].Group].BytesPerBlock }, func(lo, hi int) {
 		written.Add(l.getBatch(ctx, task.RequestID, items[lo:hi], errs[lo:hi]))
 	})
-	res.bytes = written.Load()
+	res.bytes, res.tierBlocks = written.Load(), int(reads.FromTier.Load())
 	for i, it := range items {
 		if errs[i] != nil {
 			res.fail(it.Block, errs[i])

@@ -32,6 +32,7 @@ type Config struct {
 	service.HTTP
 	// Store locates the store pool, with its TLS settings.
 	service.Store
+	service.Tier
 	// Enabled turns lookups on; disabled, every lookup is answered 0.
 	Enabled bool `env:"KVMESH_LOOKUP_ENABLED" doc:"answer lookups from the connector chain; false answers every lookup with 0 tokens and no LoadSpec"`
 	// Connectors is the MultiConnector chain, in order.
@@ -171,7 +172,10 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	// degraded), as do kvmesh_lookup_child_failures_total and
 	// kvmesh_store_failed_keys_total{op="lookup_exists"}. The broker check
 	// stays required: a decision that cannot be published is a 503.
-	if err = a.deps.OpenOptionalStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
+	if err = a.deps.OpenOptionalStore(ctx, cfg.Store); err != nil {
+		return nil, err
+	}
+	if err = a.deps.OpenTier(ctx, cfg.Tier); err != nil {
 		return nil, err
 	}
 	// The lookup publishes only decisions, each on the engine's critical
@@ -226,7 +230,7 @@ func (a *App) handler(cfg Config, idx *engines.Index) (*api.Handler, *api.ScoreH
 			Model: m,
 			Keys:  kb,
 			// The engine of each call comes with its query (connector.Store).
-			Store: kvstore.Instrument(a.deps.Store, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: m.Name}),
+			Store: kvstore.Instrument(a.deps.Blocks, sm, kvstore.OpNames{Exists: StoreOp}).WithLabels(kvstore.VLLMLabels{ModelName: m.Name}),
 		})
 		if err != nil {
 			return nil, nil, err

@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvstore"
+	"github.com/kvmesh/kvmesh/pkg/kvtier"
 )
 
 // Store is the store child: MooncakeStoreConnector's lookup. It plans the
@@ -48,8 +49,11 @@ func (s *Store) Lookup(ctx context.Context, q *Query) (Answer, error) {
 	if len(keys) == 0 {
 		return Answer{}, nil
 	}
-	// vLLM's engine label of lookup_exists is the asking engine.
-	exists, err := s.store.Exists(kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: q.EngineID}), keys)
+	// vLLM's engine label of lookup_exists is the asking engine. Over a
+	// capacity tier, the plan chooses which keys Redis lacks are worth
+	// asking the bucket about (kvcore.LookupPlan.Probe).
+	ctx = kvtier.WithProber(kvstore.WithVLLMLabels(ctx, kvstore.VLLMLabels{Engine: q.EngineID}), plan)
+	exists, err := s.store.Exists(ctx, keys)
 	if err != nil {
 		return Answer{Failed: fmt.Errorf("%w (%d keys): %w", ErrStore, len(keys), err)}, nil
 	}

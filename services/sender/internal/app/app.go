@@ -162,7 +162,7 @@ func New(ctx context.Context, cfg Config, log *slog.Logger) (_ *App, err error) 
 	if err = a.deps.OpenDatabase(ctx, cfg.DatabaseURL, "kvmesh-sender", false); err != nil {
 		return nil, err
 	}
-	if err = a.deps.OpenStore(ctx, cfg.RedisURL, cfg.RedisTLS); err != nil {
+	if err = a.deps.OpenStore(ctx, cfg.Store); err != nil {
 		return nil, err
 	}
 	if err = a.deps.OpenBus(ctx, &cfg.Common); err != nil {
