@@ -18,7 +18,7 @@ SERVICES  := lookup scheduler sender gpuworker
 
 .PHONY: help
 help: ## List the targets.
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## Build the four services and the kvmesh CLI into bin/.
@@ -26,8 +26,13 @@ build: ## Build the four services and the kvmesh CLI into bin/.
 	$(GO) build -o $(BIN)/ ./cmd/kvmesh $(addprefix ./services/,$(SERVICES))
 
 .PHONY: deps
-deps: ## Start (or reuse) the local PostgreSQL and Redis; writes .dev/env.
+# deps also starts building versitygw (the S3 server the tests run) into
+# .dev/bin in the background, unless it is there: the build (~3-5 minutes
+# of CPU) overlaps the Python tests, the race build and the tests that need
+# no S3 server; a test that needs one waits for it (testenv.StartS3).
+deps: ## Start (or reuse) the local PostgreSQL and Redis; writes .dev/env; builds versitygw into .dev/bin in the background.
 	@scripts/devstack.sh up >/dev/null
+	@scripts/s3server.sh build-bg
 
 .PHONY: up
 up: build deps ## Start the broker and the four services in the background (logs in .dev/logs).
@@ -36,11 +41,28 @@ up: build deps ## Start the broker and the four services in the background (logs
 .PHONY: down
 down: ## Stop everything `make up` / `make run` / `make test` started.
 	@scripts/stack.sh down || true
+	@scripts/s3server.sh down || true
 	@scripts/devstack.sh down
 
 .PHONY: run
-run: up ## The main job: the stack, the demo workload (seed preset) and its report; the stack stays up.
-	@scripts/run.sh $(RUN_ARGS)
+# TIER=on: the stack with the capacity tier below Redis — the dev S3 server
+# (scripts/s3server.sh up: versitygw, built once into .dev/bin) as the
+# lookup's and the gpuworkers' KVMESH_TIER_*, Redis database 9 of the dev
+# Redis (KVMESH_DEV_TIER_REDIS_DB) — then the demo as without it (unsalted,
+# on a random workload seed), and, once the write-behind queues are empty,
+# that Redis database flushed, the workload replayed on fresh engines and
+# both runs' hit rates and tier loads compared (scripts/run.sh). A stack
+# running in the other mode must be stopped first (make down). Without
+# TIER, run is build, deps and what `make up` starts, as before.
+run: build deps ## The main job: the stack, the demo workload (seed preset) and its report; the stack stays up. TIER=on: with the capacity tier (a dev S3 server), then Redis flushed and the workload replayed from the tier.
+	@case "$(TIER)" in "" | on | off) ;; *) echo "TIER=$(TIER): want on or off" >&2; exit 2 ;; esac
+	@$(if $(filter on,$(TIER)),scripts/s3server.sh up,true)
+	@$(if $(TIER),KVMESH_DEV_TIER=$(TIER) )scripts/stack.sh up
+	@$(if $(TIER),KVMESH_DEV_TIER=$(TIER) )scripts/run.sh $(RUN_ARGS)
+
+.PHONY: s3server
+s3server: ## Build versitygw once into .dev/bin and start a dev S3 server on 127.0.0.1:17070 (bucket kvmesh; KVMESH_DEV_TIER_* in .dev/env).
+	@scripts/s3server.sh up
 
 .PHONY: traces
 traces: build deps ## Build Jaeger v2 once into .dev/bin (5-17 min), run the stack and a 20-request sim exporting to it, check one trace per request through all four services.

@@ -122,6 +122,10 @@ type Dependency struct {
 	// Condition is service_started, service_healthy or
 	// service_completed_successfully.
 	Condition string
+	// Required is false for an optional dependency (required: false):
+	// compose drops it when the service depended on does not run, as one
+	// of a profile that is not enabled.
+	Required bool
 }
 
 // Conditions of a dependency.
@@ -174,7 +178,7 @@ func LoadCompose(root string) (*Compose, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read compose file: %w", err)
 	}
-	c, err := parseCompose(root, data, func(string) (string, bool) { return "", false })
+	c, err := parseCompose(root, data, func(string) (string, bool) { return "", false }, nil)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", ComposeFile, err)
 	}
@@ -186,11 +190,26 @@ func LoadCompose(root string) (*Compose, error) {
 // loaded; paths are kept as written; dependencies are not checked against
 // the services (the deploy checks report those themselves).
 func ParseCompose(data []byte, lookup func(string) (string, bool)) (*Compose, error) {
-	return parseCompose(".", data, lookup)
+	return parseCompose(".", data, lookup, nil)
 }
 
-// parseCompose loads data as the compose file of directory dir.
-func parseCompose(dir string, data []byte, lookup func(string) (string, bool)) (*Compose, error) {
+// ParseComposeProfiles loads a compose file as `docker compose --profile P
+// ...` would for each of profiles (none: a plain `docker compose up`):
+// only the services without a profile and those of an enabled profile,
+// and the project's consistency checked as compose checks it before
+// running anything (a service that depends on one that does not run is
+// an error, unless the dependency is optional: required: false).
+func ParseComposeProfiles(data []byte, lookup func(string) (string, bool), profiles []string) (*Compose, error) {
+	if profiles == nil {
+		profiles = []string{}
+	}
+	return parseCompose(".", data, lookup, profiles)
+}
+
+// parseCompose loads data as the compose file of directory dir: every
+// profile's services without the consistency check when profiles is nil,
+// else those profiles' with it.
+func parseCompose(dir string, data []byte, lookup func(string) (string, bool), profiles []string) (*Compose, error) {
 	details := types.ConfigDetails{
 		WorkingDir:  dir,
 		ConfigFiles: []types.ConfigFile{{Filename: filepath.Join(dir, ComposeFile), Content: data}},
@@ -199,8 +218,11 @@ func parseCompose(dir string, data []byte, lookup func(string) (string, bool)) (
 	p, err := loader.LoadWithContext(context.Background(), details, func(o *loader.Options) {
 		o.SetProjectName("kvmesh", true)
 		o.ResolvePaths = false
-		o.SkipConsistencyCheck = true
-		o.Profiles = []string{"*"}
+		o.SkipConsistencyCheck = profiles == nil
+		o.Profiles = profiles
+		if profiles == nil {
+			o.Profiles = []string{"*"}
+		}
 		o.Interpolate.LookupValue = lookup
 	})
 	if err != nil {
@@ -258,7 +280,7 @@ func service(s types.ServiceConfig) Service {
 		if cond == "" {
 			cond = ConditionStarted
 		}
-		out.DependsOn[name] = Dependency{Condition: cond}
+		out.DependsOn[name] = Dependency{Condition: cond, Required: d.Required}
 	}
 	if h := s.HealthCheck; h != nil {
 		out.Healthcheck = &Healthcheck{Test: StringList(h.Test), Disable: h.Disable}

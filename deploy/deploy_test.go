@@ -94,11 +94,14 @@ func TestDeployComposeServices(t *testing.T) {
 			t.Errorf("no %s service", name)
 		}
 	}
+	// The services a plain `docker compose up` leaves out: the simulator
+	// and the capacity tier's S3 server, each in a profile of its own name.
+	optional := map[string]bool{"sim": true, "tier": true}
 	for name, s := range c.Services {
 		switch {
-		case name == "sim" && !slices.Equal(s.Profiles, []string{"sim"}):
-			t.Errorf("sim: profiles %v, want [sim] so that a plain up does not run it", s.Profiles)
-		case name != "sim" && len(s.Profiles) > 0:
+		case optional[name] && !slices.Equal(s.Profiles, []string{name}):
+			t.Errorf("%s: profiles %v, want [%s] so that a plain up does not run it", name, s.Profiles, name)
+		case !optional[name] && len(s.Profiles) > 0:
 			t.Errorf("%s: profiles %v: a plain `docker compose up` must start it", name, s.Profiles)
 		}
 		if s.Image == "" {
@@ -131,6 +134,11 @@ func TestDeployComposeDependencies(t *testing.T) {
 				}
 			default:
 				t.Errorf("%s: depends on %s with unknown condition %q", name, dep, d.Condition)
+			}
+			// A service of a profile s does not share may not run with s:
+			// compose refuses a required dependency on it.
+			if len(target.Profiles) > 0 && d.Required && !slices.ContainsFunc(s.Profiles, func(p string) bool { return slices.Contains(target.Profiles, p) }) {
+				t.Errorf("%s depends on %s (profiles %v) as required: a run without the profile would refuse to start; want required: false", name, dep, target.Profiles)
 			}
 		}
 	}

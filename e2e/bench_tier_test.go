@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"context"
-	"io"
-	"net/http"
 	"testing"
 	"time"
 
@@ -13,7 +11,6 @@ import (
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 	"github.com/kvmesh/kvmesh/pkg/kvtier"
-	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // BenchmarkSeedAfterFlush plays the seed preset (at TP1, as
@@ -92,21 +89,8 @@ func tierDrained(b *testing.B, workers []string) {
 	b.Helper()
 	for _, u := range workers {
 		testenv.Eventually(b, time.Minute, u+"'s write-behind queue drained", func() bool {
-			resp, err := http.Get(u + "/metrics")
-			if err != nil {
-				return false
-			}
-			defer resp.Body.Close()
-			body, err := io.ReadAll(resp.Body)
-			if err != nil {
-				return false
-			}
-			fams, err := telemetry.ParseExposition(body)
-			if err != nil {
-				return false
-			}
-			q := telemetry.SumSeries(fams[kvtier.MetricQueueBytes], "", "")
-			return q != nil && *q == 0
+			q, ok := testenv.MetricSum(u, kvtier.MetricQueueBytes, "", "")
+			return ok && q == 0
 		})
 	}
 }

@@ -30,6 +30,19 @@
 # preset needs it; stop the stack first, a running gpuworker keeps its
 # pool), KVMESH_MODEL=hybrid-mla-linear KVMESH_TP=1 runs single-rank
 # engines (the presets other than seed).
+#
+# KVMESH_DEV_TIER=on (`make run TIER=on`; default: what `up` recorded in
+# .dev/tier, else off) runs the stack with the capacity tier below Redis:
+# the dev S3 server of scripts/s3server.sh (which must be up: its
+# KVMESH_DEV_TIER_URL, _ACCESS_KEY and _SECRET_KEY in .dev/env) becomes the
+# KVMESH_TIER_URL, _ACCESS_KEY and _SECRET_KEY of the lookup and every
+# gpuworker (the programs that read them), and every process uses Redis
+# database KVMESH_DEV_TIER_REDIS_DB (default 9) of the dev Redis instead of
+# .dev/env's, a database of the tier stack alone: the dev Redis is shared
+# with the tests, and scripts/run.sh flushes that database to replay the
+# workload from the tier. `env` then exports that Redis URL, for the
+# simulator's check of the stored values. `up` refuses to change the mode
+# of a running stack: `make down` first.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,6 +60,21 @@ engines=${KVMESH_ENGINES:-$(cat "$dev/engines" 2>/dev/null || echo 1)}
 # recorded, else the seed's; and its worker ranks ("tp pcp dcp pp" lines).
 KVMESH_MODEL=${KVMESH_MODEL:-$(cat "$dev/model" 2>/dev/null || echo hybrid-mla-linear-tp8)}
 export KVMESH_MODEL
+# The capacity tier (KVMESH_DEV_TIER, on or off): given, else what `up`
+# recorded (.dev/tier holds the Redis database of a tier stack), else off.
+recorded_tier=off
+[ -f "$dev/tier" ] && recorded_tier=on
+tier=${KVMESH_DEV_TIER:-$recorded_tier}
+case $tier in
+  on | off) ;;
+  *) die "KVMESH_DEV_TIER=$tier: want on or off" ;;
+esac
+# The Redis database of a tier stack: the recorded one, else
+# KVMESH_DEV_TIER_REDIS_DB, else 9.
+tier_db=$(cat "$dev/tier" 2>/dev/null || true)
+tier_db=${tier_db:-${KVMESH_DEV_TIER_REDIS_DB:-9}}
+[[ $tier_db =~ ^[0-9]+$ ]] || die "KVMESH_DEV_TIER_REDIS_DB=$tier_db: want a Redis database number"
+
 # The parallel overrides `up` recorded, unless given now.
 if [ "${1:-}" != up ] && [ -f "$dev/parallel" ]; then
   while read -r kv; do v=${kv%%=*}; [ -n "${!v:-}" ] || export "$kv"; done <"$dev/parallel"
@@ -95,12 +123,13 @@ binary() {
 
 # service_env NAME: the settings that differ per process (KVMESH_LOOKUP_CONNECTORS,
 # KVMESH_DEV_DECODE_ENGINE and KVMESH_DEV_PREFILL_ENGINE override them, the
-# latter two for engine pair 0): a gpuworker's engine id and rank.
+# latter two for engine pair 0): a gpuworker's engine id and rank; with the
+# tier on, the lookup's and every gpuworker's tier settings (tier_env).
 service_env() {
   local name=$1 rank=0 pair=0 engine
   case $name in
-    lookup) echo "KVMESH_LOOKUP_CONNECTORS=${KVMESH_LOOKUP_CONNECTORS:-pd,store}"; return ;;
-    gpuworker*) ;;
+    lookup) echo "KVMESH_LOOKUP_CONNECTORS=${KVMESH_LOOKUP_CONNECTORS:-pd,store} $(tier_env)"; return ;;
+    gpuworker*) tier_env ;;
     *) return ;;
   esac
   if [[ $name =~ -rank([0-9]+)$ ]]; then rank=${BASH_REMATCH[1]}; name=${name%-rank*}; fi
@@ -111,6 +140,29 @@ service_env() {
   esac
   local r=(${ranks[$rank]})
   echo "KVMESH_ENGINE_ID=$engine KVMESH_RANK_TP=${r[0]} KVMESH_RANK_PCP=${r[1]} KVMESH_RANK_DCP=${r[2]} KVMESH_RANK_PP=${r[3]}"
+}
+
+# tier_env prints the tier settings of the programs that read them (the
+# lookup and the gpuworkers): the dev S3 server's URL and root credentials
+# from .dev/env (scripts/s3server.sh up); nothing with the tier off.
+tier_env() {
+  [ "$tier" = on ] || return 0
+  echo "KVMESH_TIER_URL=$KVMESH_DEV_TIER_URL KVMESH_TIER_ACCESS_KEY=$KVMESH_DEV_TIER_ACCESS_KEY KVMESH_TIER_SECRET_KEY=$KVMESH_DEV_TIER_SECRET_KEY"
+}
+
+# redis_url prints the Redis URL every process uses: .dev/env's, on
+# database tier_db with the tier on.
+redis_url() {
+  local url
+  # shellcheck disable=SC1091
+  url=$(source "$dev/env" && echo "${KVMESH_REDIS_URL:-}")
+  [ -n "$url" ] || die "no KVMESH_REDIS_URL in $dev/env (scripts/devstack.sh up writes it)"
+  if [ "$tier" = on ]; then
+    [[ $url =~ ^(rediss?://[^/?]+)(/[0-9]*)?(\?.*)?$ ]] ||
+      die "cannot put Redis database $tier_db into $url"
+    url="${BASH_REMATCH[1]}/$tier_db${BASH_REMATCH[3]}"
+  fi
+  echo "$url"
 }
 
 running() { [ -f "$dev/pids/$1" ] && kill -0 "$(cat "$dev/pids/$1")" 2>/dev/null; }
@@ -151,8 +203,10 @@ service_up() {
   (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && die "port $port for $name is in use"
   # shellcheck disable=SC1091
   source "$dev/env"
+  KVMESH_REDIS_URL=$(redis_url)
   # shellcheck disable=SC2046
   env KVMESH_HTTP_ADDR="127.0.0.1:$port" \
+    KVMESH_REDIS_URL="$KVMESH_REDIS_URL" \
     KVMESH_KAFKA_BROKERS="$(cat "$dev/broker.addr")" \
     KVMESH_ADMIN_TOKEN="${KVMESH_ADMIN_TOKEN:-$(cat "$dev/admin-token")}" \
     $(auth_env) \
@@ -190,6 +244,7 @@ up() {
   [ -f "$dev/env" ] || die "run scripts/devstack.sh up first (make up does)"
   [ -f "$dev/admin-token" ] || head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/admin-token"
   [ -f "$dev/auth.key" ] || (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dev/auth.key")
+  tier_up
   broker_up
   echo "$engines" >"$dev/engines"
   echo "$KVMESH_MODEL" >"$dev/model"
@@ -201,6 +256,38 @@ up() {
       die "${s%%:*} not ready on :${s##*:}; see $dev/logs/${s%%:*}.log"
   done
   say "all services ready (model $KVMESH_MODEL, $world rank(s) per engine, $engines engine pair(s): gpuworkers on :8084-:$((8084 + 2 * engines * world - 1)))"
+  if [ "$tier" = on ]; then
+    # shellcheck disable=SC1091
+    say "capacity tier on: $(source "$dev/env" && echo "$KVMESH_DEV_TIER_URL") (lookup, gpuworkers); Redis database $tier_db"
+  fi
+}
+
+# tier_up checks the tier mode against a running stack's and records it:
+# a running stack keeps the mode it was started with, so asking for the
+# other one is an error rather than a stack half of each.
+tier_up() {
+  local s any=
+  for s in broker "${services[@]}"; do
+    if running "${s%%:*}"; then any=${s%%:*}; break; fi
+  done
+  if [ -n "$any" ] && [ "$tier" != "$recorded_tier" ]; then
+    die "the stack is running with the capacity tier $recorded_tier ($any is up); KVMESH_DEV_TIER=$tier needs a fresh one: make down (or scripts/stack.sh down) first"
+  fi
+  # A record of a stack no longer running (stopped without down) is no
+  # default: a fresh stack runs without the tier unless asked.
+  if [ -z "$any" ]; then
+    [ -n "${KVMESH_DEV_TIER:-}" ] || tier=off
+    tier_db=${KVMESH_DEV_TIER_REDIS_DB:-9}
+    [[ $tier_db =~ ^[0-9]+$ ]] || die "KVMESH_DEV_TIER_REDIS_DB=$tier_db: want a Redis database number"
+  fi
+  if [ "$tier" = on ]; then
+    # shellcheck disable=SC1091
+    (source "$dev/env" && [ -n "${KVMESH_DEV_TIER_URL:-}" ] && [ -n "${KVMESH_DEV_TIER_ACCESS_KEY:-}" ]) ||
+      die "KVMESH_DEV_TIER=on: no dev S3 server in $dev/env: run scripts/s3server.sh up first (make run TIER=on does)"
+    echo "$tier_db" >"$dev/tier"
+  else
+    rm -f "$dev/tier"
+  fi
 }
 
 stop_one() {
@@ -223,7 +310,7 @@ down() {
   stop_one broker
   # What up recorded describes the stack that ran: the next up starts from
   # the environment and the defaults again.
-  rm -f "$dev/engines" "$dev/model" "$dev/parallel"
+  rm -f "$dev/engines" "$dev/model" "$dev/parallel" "$dev/tier"
 }
 
 status() {
@@ -241,6 +328,10 @@ status() {
     state=$(readyz "$port")
     printf '%-26s %-7s %-22s %s\n' "$name" "$pid" "http://127.0.0.1:$port" "$state"
   done
+  if [ "$tier" = on ]; then
+    # shellcheck disable=SC1091
+    printf 'capacity tier on: %s (lookup, gpuworkers); Redis database %s\n' "$(source "$dev/env" && echo "${KVMESH_DEV_TIER_URL:-?}")" "$tier_db"
+  fi
 }
 
 # env prints what run.sh, demo.sh and traces.sh need to know of the stack.
@@ -255,6 +346,11 @@ env_exports() {
   for v in KVMESH_TP KVMESH_PCP KVMESH_DCP KVMESH_PP; do
     if [ -n "${!v:-}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
   done
+  # A tier stack's mode and store: its Redis database, for the simulator's
+  # check of the stored values (scripts/demo.sh) and scripts/run.sh.
+  if [ "$tier" = on ]; then
+    printf 'export KVMESH_DEV_TIER=on KVMESH_REDIS_URL=%q\n' "$(redis_url)"
+  fi
 }
 
 case "${1:-}" in

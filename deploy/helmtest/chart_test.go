@@ -49,6 +49,9 @@ type renderCase struct {
 	// models is the KVMESH_MODELS of the lookup, the scheduler and the
 	// sender (the values' models); empty: none.
 	models string
+	// tierSecret: the chart renders the tier's Secret; tierServer: the
+	// tier's S3 server (a Deployment, a Service and a claim).
+	tierSecret, tierServer bool
 }
 
 // testAuthKey is the auth.key of the renders that need one (the chart
@@ -72,6 +75,22 @@ var cases = []renderCase{
 	{name: "many models", rel: helmtest.Release{Name: "mm", Namespace: "models",
 		ValuesFiles: []string{"ci/many-models-values.yaml"}},
 		workers: 6, secret: true, migrate: true, models: "dense,full-swa-mamba"},
+	{name: "tier with its server", rel: helmtest.Release{Name: "kvt", Namespace: "tiered",
+		ValuesFiles: []string{"ci/tier-values.yaml"}},
+		workers: 2, secret: true, monitor: true, migrate: true, tierSecret: true, tierServer: true},
+	{name: "tier on an external bucket, existing secrets", rel: helmtest.Release{Name: "ext", Namespace: "infer",
+		Set: []string{"existingSecret=kvmesh-credentials", "tier.enabled=true", "tier.url=https://s3.example.com/kv-cache/prod",
+			"tier.existingSecret=s3-credentials"}},
+		workers: 2, migrate: true, admin: true},
+}
+
+// tierComponent is the component label of the tier's S3 server's objects.
+const tierComponent = "tier"
+
+// isTierServer reports whether labels are those of the tier's S3 server,
+// which runs no kvmesh program.
+func isTierServer(labels map[string]string) bool {
+	return labels["app.kubernetes.io/component"] == tierComponent && labels["app.kubernetes.io/name"] == "versitygw"
 }
 
 // render renders c, failing t on an error.
@@ -103,12 +122,16 @@ type container struct {
 	refs       map[string]*corev1.SecretKeySelector
 }
 
-// containers returns the kvmesh container of every Deployment.
+// containers returns the kvmesh container of every Deployment but the
+// tier's S3 server (TestChartTier).
 func containers(t *testing.T, m *helmtest.Manifests) []container {
 	t.Helper()
 	var out []container
 	for i := range m.Deployments {
 		d := &m.Deployments[i]
+		if isTierServer(d.Labels) {
+			continue
+		}
 		cs := d.Spec.Template.Spec.Containers
 		if len(cs) != 1 {
 			t.Errorf("%s: %d containers, want 1", d.Name, len(cs))
@@ -242,13 +265,17 @@ func TestChartRenders(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			m := render(t, c)
-			if got, want := len(m.Deployments), 3+c.workers; got != want {
+			server := map[bool]int{true: 1}[c.tierServer]
+			if got, want := len(m.Deployments), 3+c.workers+server; got != want {
 				t.Errorf("%d Deployments, want %d", got, want)
 			}
-			if got, want := len(m.Services), 3+c.workers; got != want {
+			if got, want := len(m.Services), 3+c.workers+server; got != want {
 				t.Errorf("%d Services, want %d", got, want)
 			}
-			if got, want := len(m.Secrets), map[bool]int{true: 1}[c.secret]; got != want {
+			if got, want := len(m.Claims), server; got != want {
+				t.Errorf("%d PersistentVolumeClaims, want %d", got, want)
+			}
+			if got, want := len(m.Secrets), map[bool]int{true: 1}[c.secret]+map[bool]int{true: 1}[c.tierSecret]; got != want {
 				t.Errorf("%d Secrets, want %d", got, want)
 			}
 			if got, want := len(m.ServiceMonitors), map[bool]int{true: 1}[c.monitor]; got != want {
@@ -515,7 +542,10 @@ func TestChartSecrets(t *testing.T) {
 				t.Error("no container reads a Secret")
 			}
 			if c.secret {
-				s := m.Secrets[0]
+				s := m.Secret(senderContainer(t, m).refs["KVMESH_REDIS_URL"].Name)
+				if s == nil {
+					t.Fatal("the services' KVMESH_REDIS_URL is not from the chart's Secret")
+				}
 				for _, k := range []string{"KVMESH_DATABASE_URL", "KVMESH_REDIS_URL"} {
 					if v, ok := m.SecretValue(s.Name, k); !ok || v == "" {
 						t.Errorf("Secret %s: no %s", s.Name, k)
@@ -732,6 +762,13 @@ func TestChartServiceMonitor(t *testing.T) {
 			}
 			sel := labels.SelectorFromSet(sm.Spec.Selector.MatchLabels)
 			for _, s := range m.Services {
+				if isTierServer(s.Labels) {
+					// versitygw serves no Prometheus /metrics.
+					if sel.Matches(labels.Set(s.Labels)) {
+						t.Errorf("selects the tier server's Service %s", s.Name)
+					}
+					continue
+				}
 				if !sel.Matches(labels.Set(s.Labels)) {
 					t.Errorf("does not select Service %s (labels %v)", s.Name, s.Labels)
 				}
@@ -853,6 +890,9 @@ func TestChartImage(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			m := render(t, c)
 			for _, d := range m.Deployments {
+				if isTierServer(d.Labels) {
+					continue // versitygw's own image: TestChartTier
+				}
 				spec := d.Spec.Template.Spec
 				for _, ctr := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
 					if len(ctr.Command) == 0 || path.Dir(ctr.Command[0]) != "/usr/local/bin" || !built[path.Base(ctr.Command[0])] {

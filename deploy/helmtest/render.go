@@ -45,13 +45,15 @@ type Release struct {
 
 // Manifests are the decoded objects of one render.
 type Manifests struct {
-	// Deployments, Services, Secrets, ServiceMonitors and Jobs (the hooks)
-	// by kind, in the order rendered (template file name, then document).
+	// Deployments, Services, Secrets, ServiceMonitors, Jobs (the hooks)
+	// and PersistentVolumeClaims by kind, in the order rendered (template
+	// file name, then document).
 	Deployments     []appsv1.Deployment
 	Services        []corev1.Service
 	Secrets         []corev1.Secret
 	ServiceMonitors []ServiceMonitor
 	Jobs            []batchv1.Job
+	Claims          []corev1.PersistentVolumeClaim
 	// Notes is the rendered NOTES.txt.
 	Notes string
 	// Namespace is the release's namespace.
@@ -172,6 +174,8 @@ func (m *Manifests) add(doc string) error {
 		m.ServiceMonitors, err = decodeInto(doc, m.ServiceMonitors)
 	case "batch/v1/Job":
 		m.Jobs, err = decodeInto(doc, m.Jobs)
+	case "v1/PersistentVolumeClaim":
+		m.Claims, err = decodeInto(doc, m.Claims)
 	default:
 		return fmt.Errorf("%w: %s %s", ErrUnknownKind, head.APIVersion, head.Kind)
 	}

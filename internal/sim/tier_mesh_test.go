@@ -3,8 +3,6 @@ package sim
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
 	"testing"
@@ -15,7 +13,6 @@ import (
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
 	"github.com/kvmesh/kvmesh/pkg/kvtier"
-	"github.com/kvmesh/kvmesh/pkg/telemetry"
 )
 
 // tierMesh is a mesh over a Redis of its own and a capacity tier on a
@@ -73,33 +70,17 @@ func (tm *tierMesh) play(ctx context.Context, t *testing.T, name string) *Report
 	return rep
 }
 
-// drained waits until every gpuworker's write-behind queue is empty and
-// at least one block was written behind.
+// drained waits until the gpuworker's write-behind queue is empty and at
+// least one block was written behind; it returns the blocks written.
 func (tm *tierMesh) drained(t *testing.T) float64 {
 	t.Helper()
 	var stored float64
 	url := tm.mesh.Procs.Process(rankWorkerName("decode-0", 0)).URL()
 	testenv.Eventually(t, 30*time.Second, "the gpuworker's write-behind queue drained", func() bool {
-		resp, err := http.Get(url + "/metrics")
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return false
-		}
-		fams, err := telemetry.ParseExposition(body)
-		if err != nil {
-			return false
-		}
-		queue := telemetry.SumSeries(fams[kvtier.MetricQueueBytes], "", "")
-		s := telemetry.SumSeries(fams[kvtier.MetricWrites], "result", "stored")
-		if queue == nil || s == nil {
-			return false
-		}
-		stored = *s
-		return *queue == 0 && stored > 0
+		queue, ok := testenv.MetricSum(url, kvtier.MetricQueueBytes, "", "")
+		s, ok2 := testenv.MetricSum(url, kvtier.MetricWrites, "result", "stored")
+		stored = s
+		return ok && ok2 && queue == 0 && stored > 0
 	})
 	return stored
 }
@@ -133,8 +114,9 @@ func (tm *tierMesh) objectFiles(t *testing.T) []string {
 // TestTierOnMesh plays a workload on a mesh with the capacity tier, then
 // replays it on fresh engines: with Redis intact, after a Redis flush (the
 // blocks load from the object tier, verified, and are promoted), after a
-// flush with every object altered behind the server's back (every load from
-// the tier fails its checksum: load errors, recomputed, nothing wrong), and
+// flush with every object altered or truncated behind the server's back
+// (every load from the tier fails its checks: load errors, recomputed,
+// nothing wrong), and
 // after a flush with the object store down (nothing counts present: the
 // prompts are computed). Every run is clean: 0 mismatched bytes, the
 // ledger balanced.
@@ -147,6 +129,14 @@ func TestTierOnMesh(t *testing.T) {
 		t.Fatal("the first run stored nothing")
 	}
 	stored := tm.drained(t)
+	worker, lookup := tm.mesh.Procs.Process(rankWorkerName("decode-0", 0)).URL(), tm.mesh.Procs.Process("lookup").URL()
+	testenv.Eventually(t, 30*time.Second, "every block written behind announced as BlockStored of medium STORAGE", func() bool {
+		n, ok := testenv.MetricSum(worker, "kvmesh_gpuworker_tier_events_published_total", "", "")
+		return ok && n == stored
+	})
+	asked, _ := testenv.MetricSum(lookup, "kvmesh_store_keys_total", "op", "lookup_exists")
+	confirms, _ := testenv.MetricSum(lookup, kvtier.MetricConfirms, "", "")
+	t.Logf("first run: the lookups asked Redis about %v keys and the bucket about %v", asked, confirms)
 	intact := tm.play(ctx, t, "replay, Redis intact")
 	if intact.Tokens.Loaded["store"] == 0 || intact.Ledger.LoadTierBlocks != 0 {
 		t.Fatalf("replay with Redis intact: loaded %v, %d blocks from the tier; want Redis's blocks only", intact.Tokens.Loaded, intact.Ledger.LoadTierBlocks)
@@ -169,19 +159,23 @@ func TestTierOnMesh(t *testing.T) {
 
 	tm.drained(t)
 	altered := 0
-	for _, f := range tm.objectFiles(t) {
+	for i, f := range tm.objectFiles(t) {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
 		}
-		b[len(b)-1] ^= 0xff
+		if i%2 == 0 {
+			b[len(b)-1] ^= 0xff // a flipped byte
+		} else {
+			b = b[:len(b)/2] // truncated
+		}
 		if err := os.WriteFile(f, b, 0o644); err != nil {
 			t.Fatal(err)
 		}
 		altered++
 	}
 	tm.flushRedis(t)
-	spoilt := tm.play(ctx, t, fmt.Sprintf("replay after a flush, %d objects altered", altered))
+	spoilt := tm.play(ctx, t, fmt.Sprintf("replay after a flush, %d objects altered or truncated", altered))
 	if spoilt.Ledger.LoadTierBlocks != 0 || spoilt.Verification.LoadErrorBlocks == 0 || spoilt.Tokens.Recomputed == 0 {
 		t.Fatalf("replay over altered objects: %d blocks from the tier, %d load errors, %d tokens recomputed; want every tier load refused and recomputed",
 			spoilt.Ledger.LoadTierBlocks, spoilt.Verification.LoadErrorBlocks, spoilt.Tokens.Recomputed)

@@ -249,6 +249,11 @@ spec:
         {{- if not $root.Values.existingSecret }}
         checksum/secret: {{ include (print $root.Template.BasePath "/secret.yaml") $root | sha256sum }}
         {{- end }}
+        {{- if has .component (include "kvmesh.tierComponents" $root | splitList ",") }}
+        {{- with include "kvmesh.tierSecretData" $root }}
+        checksum/tier-secret: {{ . | sha256sum }}
+        {{- end }}
+        {{- end }}
         {{- with $root.Values.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -385,4 +390,138 @@ spec:
       targetPort: {{ .name }}
       protocol: TCP
     {{- end }}
+{{- end }}
+
+{{/* The capacity tier is on: "true" with tier.enabled, else empty. */}}
+{{- define "kvmesh.tierEnabled" -}}
+{{- if and .Values.tier .Values.tier.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The in-chart S3 server runs: "true" with tier.enabled and tier.server.enabled. */}}
+{{- define "kvmesh.tierServer" -}}
+{{- if and (include "kvmesh.tierEnabled" .) .Values.tier.server .Values.tier.server.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The name of the tier's objects: its Secret and the server's Deployment, Service and claim. */}}
+{{- define "kvmesh.tierName" -}}
+{{- printf "%s-tier" (include "kvmesh.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The S3 API port of the in-chart server. */}}
+{{- define "kvmesh.tierPort" -}}7070{{- end }}
+
+{{/* The bucket the in-chart server makes: tier.server.bucket, an S3 bucket name. */}}
+{{- define "kvmesh.tierBucket" -}}
+{{- $b := default "kvmesh" .Values.tier.server.bucket | toString }}
+{{- if not (regexMatch "^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$" $b) }}
+{{- fail (printf "tier.server.bucket: %q is not an S3 bucket name (3 to 63 of a-z, 0-9, '.' and '-', a letter or digit at each end)" $b) }}
+{{- end }}
+{{- $b }}
+{{- end }}
+
+{{/*
+KVMESH_TIER_URL: tier.url, else the in-chart server's bucket; a path-style
+http(s) URL naming a bucket (anything else fails the render).
+*/}}
+{{- define "kvmesh.tierURL" -}}
+{{- $url := default "" .Values.tier.url | toString }}
+{{- if and (not $url) (include "kvmesh.tierServer" .) }}
+{{- $url = printf "http://%s.%s.svc:%s/%s" (include "kvmesh.tierName" .) .Release.Namespace (include "kvmesh.tierPort" .) (include "kvmesh.tierBucket" .) }}
+{{- end }}
+{{- if not $url }}
+{{- fail "tier.url is required with tier.enabled: the S3 API URL and bucket, http(s)://host:port/bucket[/prefix] (or set tier.server.enabled to run an S3 server in the release)" }}
+{{- end }}
+{{- if not (regexMatch "^https?://[^/?#@\\s]+/[^/?#\\s]+(/[^?#\\s]*)?$" $url) }}
+{{- fail (printf "tier.url: %q is not http(s)://host[:port]/bucket[/prefix] (path-style, no credentials or query: the keys go in tier.accessKey and tier.secretKey or tier.existingSecret)" $url) }}
+{{- end }}
+{{- $url }}
+{{- end }}
+
+{{/*
+The Secret holding the tier's credentials under the keys accessKey and
+secretKey: tier.existingSecret, else the chart's when tier.accessKey and
+tier.secretKey are set; empty when there are none (unsigned requests).
+*/}}
+{{- define "kvmesh.tierSecretName" -}}
+{{- $t := .Values.tier }}
+{{- if $t.existingSecret }}
+{{- $t.existingSecret }}
+{{- else }}
+{{- if or (and $t.accessKey (not $t.secretKey)) (and $t.secretKey (not $t.accessKey)) }}
+{{- fail "tier.accessKey and tier.secretKey: set both (or neither, or tier.existingSecret)" }}
+{{- end }}
+{{- if $t.accessKey }}{{ include "kvmesh.tierName" . }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* The data of the chart's tier Secret; empty when the chart makes none. */}}
+{{- define "kvmesh.tierSecretData" -}}
+{{- if and (include "kvmesh.tierEnabled" .) (not .Values.tier.existingSecret) (include "kvmesh.tierSecretName" .) }}
+accessKey: {{ .Values.tier.accessKey | toString | quote }}
+secretKey: {{ .Values.tier.secretKey | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* A variable from the tier's Secret; dict: root, name, key. */}}
+{{- define "kvmesh.tierSecretEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvmesh.tierSecretName" .root }}
+      key: {{ .key }}
+{{- end }}
+
+{{/* The components that read the tier's settings (service.Tier in their Config). */}}
+{{- define "kvmesh.tierComponents" -}}lookup,gpuworker{{- end }}
+
+{{/*
+The tier's settings of the lookup and the gpuworkers (empty with the tier
+off): the URL, the credentials from the tier's Secret, and the region,
+queue and timeout when set.
+*/}}
+{{- define "kvmesh.tierEnv" -}}
+{{- if include "kvmesh.tierEnabled" . }}
+{{- $t := .Values.tier }}
+{{- if and (include "kvmesh.tierServer" .) (not (include "kvmesh.tierSecretName" .)) }}
+{{- fail "tier.server.enabled needs the server's root credentials: set tier.accessKey and tier.secretKey, or tier.existingSecret" }}
+{{- end }}
+- name: KVMESH_TIER_URL
+  value: {{ include "kvmesh.tierURL" . | quote }}
+{{- if include "kvmesh.tierSecretName" . }}
+{{ include "kvmesh.tierSecretEnv" (dict "root" . "name" "KVMESH_TIER_ACCESS_KEY" "key" "accessKey") }}
+{{ include "kvmesh.tierSecretEnv" (dict "root" . "name" "KVMESH_TIER_SECRET_KEY" "key" "secretKey") }}
+{{- end }}
+{{- with $t.region }}
+- name: KVMESH_TIER_REGION
+  value: {{ . | toString | quote }}
+{{- end }}
+{{- with $t.queueBytes }}
+- name: KVMESH_TIER_QUEUE_BYTES
+  value: {{ include "kvmesh.envValue" . | quote }}
+{{- end }}
+{{- with $t.timeout }}
+- name: KVMESH_TIER_TIMEOUT
+  value: {{ . | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of the in-chart S3 server. */}}
+{{- define "kvmesh.tierSelectorLabels" -}}
+app.kubernetes.io/name: versitygw
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: tier
+{{- end }}
+
+{{/*
+Labels of the in-chart S3 server's objects: not the mesh's name, so that
+neither the ServiceMonitor (versitygw serves no /metrics) nor a kvmesh
+Service selects them.
+*/}}
+{{- define "kvmesh.tierLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvmesh.tierSelectorLabels" . }}
+app.kubernetes.io/part-of: kvmesh
+app.kubernetes.io/version: {{ .Values.tier.server.image.tag | toString | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
