@@ -87,11 +87,17 @@ PYTEST    := PYTHONPATH=$(CURDIR)/connectors/vllm PYTHONDONTWRITEBYTECODE=1 $(PY
 
 # KVMESH_REQUIRE_PYTHON=1: a Go test that needs the Python packages fails
 # instead of skipping without them (python-deps installed them first).
-test: deps test-python ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, the connector's Python tests, plus bounded fuzzing of the domain core.
-	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ $(addprefix ./services/,$(SERVICES))
+#
+# The Python tests (one core) run beside the race build of the services.
+test: deps python-deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, the connector's Python tests, plus bounded fuzzing of the domain core.
+	@$(MAKE) --no-print-directory -j2 test-python race-bins
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_REQUIRE_PYTHON=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
 		$(GO) test -race -count=1 -timeout 18m $(PKGS)
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
+
+.PHONY: race-bins
+race-bins:
+	@mkdir -p $(TESTBIN) && $(GO) build -race -o $(TESTBIN)/ $(addprefix ./services/,$(SERVICES))
 
 .PHONY: python-deps
 python-deps: ## Install python3-confluent-kafka, -numpy, -pytest, -torch, -pip, -setuptools, -wheel and -venv for /usr/bin/python3 when missing (as root; else print the apt-get command and fail).

@@ -157,7 +157,9 @@ build_bg() {
   # Its own session: a Ctrl-C of the make that started it does not stop it.
   local detach=()
   if command -v setsid >/dev/null; then detach=(setsid); fi
-  nohup "${detach[@]}" "$self" build-job </dev/null >/dev/null 2>&1 &
+  # At the lowest CPU priority: the build only takes the CPU the tests that
+  # run meanwhile leave idle (make test's tests that need no S3 server).
+  nohup "${detach[@]}" nice -n 19 "$self" build-job </dev/null >/dev/null 2>&1 &
   echo $! >"$build_pid"
   say "building versitygw $VERSITYGW_VERSION in the background (pid $!; log: .dev/logs/versitygw-build.log; scripts/s3server.sh wait)"
 }
