@@ -73,10 +73,6 @@ traces: build deps ## Build Jaeger v2 once into .dev/bin (5-17 min), run the sta
 # once, with -race (so they share the compiled dependencies with the test
 # binaries, and a data race in a service process stops it: GORACE below).
 TESTBIN   := $(DEV)/testbin
-# The end-to-end tests that `make test` runs in a go test process of their
-# own, beside the others' (scripts/gotest.sh): the vLLM, llm-d and
-# observability tests.
-E2E_FIRST := ^(TestVLLMConnector|TestVLLMConnectorTP8|TestVLLMScheduler|TestHarnessProblems|TestComparisonTable|TestLLMDIndexesTheStore|TestPrometheusDashboards|TestObservability|TestRequestTraces)$$
 # Fuzz targets that `make test` runs for FUZZTIME; `make fuzz` runs them all.
 TESTFUZZ  := ./services/scheduler/requeststate
 
@@ -96,7 +92,7 @@ PYTEST    := PYTHONPATH=$(CURDIR)/connectors/vllm PYTHONDONTWRITEBYTECODE=1 $(PY
 test: deps python-deps ## All tests against real PostgreSQL, Redis and the embedded broker, race detector on, the connector's Python tests, plus bounded fuzzing of the domain core.
 	@$(MAKE) --no-print-directory -j2 test-python race-bins
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 KVMESH_REQUIRE_PYTHON=1 KVMESH_TEST_BIN_DIR=$(CURDIR)/$(TESTBIN) GORACE=halt_on_error=1 \
-		PATH="$(dir $(shell command -v $(GO))):$$PATH" scripts/gotest.sh '$(E2E_FIRST)' $(PKGS)
+		$(GO) test -race -count=1 -timeout 18m $(PKGS)
 	@source $(DEV)/env && KVMESH_REQUIRE_SERVICES=1 scripts/fuzz.sh $(FUZZTIME) $(TESTFUZZ)
 
 .PHONY: race-bins
