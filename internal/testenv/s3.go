@@ -1,9 +1,7 @@
 package testenv
 
 import (
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -16,6 +14,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
 )
 
 // S3Bucket is the bucket StartS3 creates.
@@ -197,57 +198,22 @@ func answersHTTP(addr string) error {
 	return resp.Body.Close()
 }
 
-// emptySHA256 is the hex SHA-256 of an empty payload.
-const emptySHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-
-// createBucket sends CreateBucket for S3Bucket, signed with AWS Signature
-// Version 4; an existing bucket (a restarted server) is fine.
+// createBucket makes S3Bucket through the minio-go client (signed with
+// the server's root credentials); an existing bucket (a restarted server)
+// is fine.
 func (s *S3Server) createBucket() error {
-	host, path := s.Addr(), "/"+S3Bucket
-	now := time.Now().UTC()
-	stamp, day := now.Format("20060102T150405Z"), now.Format("20060102")
-	const signed = "host;x-amz-content-sha256;x-amz-date"
-	canonical := strings.Join([]string{
-		http.MethodPut, path, "",
-		"host:" + host, "x-amz-content-sha256:" + emptySHA256, "x-amz-date:" + stamp, "",
-		signed, emptySHA256,
-	}, "\n")
-	scope := day + "/" + S3Region + "/s3/aws4_request"
-	sum := sha256.Sum256([]byte(canonical))
-	key := []byte("AWS4" + s.secret)
-	for _, part := range []string{day, S3Region, "s3", "aws4_request"} {
-		key = hmacSHA256(key, part)
-	}
-	sig := hmacSHA256(key, "AWS4-HMAC-SHA256\n"+stamp+"\n"+scope+"\n"+hex.EncodeToString(sum[:]))
-
-	req, err := http.NewRequest(http.MethodPut, "http://"+host+path, nil)
+	c, err := minio.New(s.Addr(), &minio.Options{Creds: credentials.NewStaticV4(s.access, s.secret, ""), Region: S3Region,
+		BucketLookup: minio.BucketLookupPath, Transport: &http.Transport{DisableKeepAlives: true}})
 	if err != nil {
 		return err
 	}
-	req.Header.Set("X-Amz-Content-Sha256", emptySHA256)
-	req.Header.Set("X-Amz-Date", stamp)
-	req.Header.Set("Authorization", fmt.Sprintf("AWS4-HMAC-SHA256 Credential=%s/%s, SignedHeaders=%s, Signature=%s",
-		s.access, scope, signed, hex.EncodeToString(sig)))
-	c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	resp, err := c.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	switch {
-	case resp.StatusCode == http.StatusOK:
-		return nil
-	case resp.StatusCode == http.StatusConflict && strings.Contains(string(body), "BucketAlreadyOwnedByYou"):
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err = c.MakeBucket(ctx, S3Bucket, minio.MakeBucketOptions{Region: S3Region})
+	if code := minio.ToErrorResponse(err).Code; code == minio.BucketAlreadyOwnedByYou {
 		return nil
 	}
-	return fmt.Errorf("%s: %s", resp.Status, body)
-}
-
-func hmacSHA256(key []byte, data string) []byte {
-	m := hmac.New(sha256.New, key)
-	m.Write([]byte(data))
-	return m.Sum(nil)
+	return err
 }
 
 // s3BuildWait bounds how long StartS3 waits for a background build of

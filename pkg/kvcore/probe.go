@@ -93,7 +93,6 @@ func (p *LookupPlan) unknownSlots(lg *lookupGroup, i int, found, tried []bool) [
 // at or before limit tokens.
 func (p *LookupPlan) unknownUpTo(found, tried []bool, limit int, chosen func(*lookupGroup) bool) []int {
 	var out []int
-	seen := make(map[int]bool)
 	for g := range p.groups {
 		lg := &p.groups[g]
 		if !chosen(lg) {
@@ -103,15 +102,10 @@ func (p *LookupPlan) unknownUpTo(found, tried []bool, limit int, chosen func(*lo
 			if p.unitEnd(lg, i) > limit {
 				break
 			}
-			for _, s := range p.unknownSlots(lg, i, found, tried) {
-				if !seen[s] {
-					seen[s] = true
-					out = append(out, s)
-				}
-			}
+			out = append(out, p.unknownSlots(lg, i, found, tried)...)
 		}
 	}
-	return out
+	return dedupe(out)
 }
 
 // unitEnd is the token end of unit i of lg: its chunk's, or under partial

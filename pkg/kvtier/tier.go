@@ -119,12 +119,6 @@ func New(hot kvstore.Store, obj *Objects, m *Metrics, opts Options) *Tier {
 	return t
 }
 
-// Objects is the bucket.
-func (t *Tier) Objects() *Objects { return t.obj }
-
-// Pending is the value bytes queued or being written behind.
-func (t *Tier) Pending() int64 { return t.pending.Load() }
-
 // observe records one object call's latency.
 func (t *Tier) observe(op string, start time.Time) {
 	t.m.duration.WithLabelValues(op).Observe(time.Since(start).Seconds())

@@ -29,12 +29,13 @@ type Deps struct {
 	Pool *pgxpool.Pool
 	// Store is the store pool (Redis), after OpenStore.
 	Store kvstore.Store
-	// Blocks is the store of block bytes, after OpenStore: the Tier over
-	// Store when a capacity tier is configured, else Store itself. Use it
-	// for block existence, puts, gets and removals; use Store for Redis's
-	// own indexes (store times, quotas).
+	// Blocks is the store of block bytes, after OpenStore and OpenTier:
+	// the Tier over Store when a capacity tier is configured, else Store
+	// itself. The lookup's existence checks and the gpuworkers' puts and
+	// loads use it; Redis-only checks (the sender's, the score's) and
+	// Redis's own indexes (store times, quotas) use Store.
 	Blocks kvstore.Store
-	// Tier is the capacity tier, after OpenStore (nil: none).
+	// Tier is the capacity tier, after OpenTier (nil: none).
 	Tier *kvtier.Tier
 	// Producer publishes to Kafka, after OpenBus.
 	Producer *bus.Producer

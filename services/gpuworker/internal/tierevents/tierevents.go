@@ -288,13 +288,13 @@ func (a *Announcer) flush(ctx context.Context, final bool) {
 	msgs := make([]bus.Message, 0, len(recs))
 	blocks := 0
 	for _, r := range recs {
-		key, value, headers, err := contract.EncodeKVEventRecord(r, a.opts.Form)
+		m, err := bus.KVEventMessage(r, a.opts.Form)
 		if err != nil { // cannot happen for records built from parsed keys
 			a.dropped.WithLabelValues(DropPublishFailed).Add(float64(len(r.Hashes)))
 			a.opts.Logger.Error("cannot encode BlockStored events of the object tier; not announced", "namespace", r.Namespace, "err", err)
 			continue
 		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+		msgs = append(msgs, m)
 		blocks += len(r.Hashes)
 	}
 	if err := a.publish(ctx, msgs); err != nil {

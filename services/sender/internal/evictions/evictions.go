@@ -634,11 +634,11 @@ func (w *Watcher) publishCleared(ctx context.Context, afterGap bool) error {
 func (w *Watcher) publish(ctx context.Context, recs []contract.KVEventRecord) error {
 	msgs := make([]bus.Message, 0, len(recs))
 	for _, r := range recs {
-		key, value, headers, err := contract.EncodeKVEventRecord(r, w.opts.Form)
+		m, err := bus.KVEventMessage(r, w.opts.Form)
 		if err != nil {
 			return err
 		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: value, Headers: headers})
+		msgs = append(msgs, m)
 	}
 	_, err := retry.Do(ctx, w.opts.Backoff, func() (struct{}, error) {
 		return struct{}{}, w.opts.Publisher.Publish(ctx, msgs...)

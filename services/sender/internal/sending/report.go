@@ -138,11 +138,11 @@ func resultMessages(res contract.TransferResult, events []contract.KVEventRecord
 	}
 	msgs := []bus.Message{{Topic: contract.TopicTransferResults, Key: res.RequestID, Value: v}}
 	for _, e := range events {
-		key, ev, headers, err := contract.EncodeKVEventRecord(e, form)
+		m, err := bus.KVEventMessage(e, form)
 		if err != nil {
 			return nil, fmt.Errorf("encode kv event: %w", err)
 		}
-		msgs = append(msgs, bus.Message{Topic: contract.TopicKVEvents, Key: key, Value: ev, Headers: headers})
+		msgs = append(msgs, m)
 	}
 	return msgs, nil
 }
