@@ -24,13 +24,16 @@ import (
 // Object-tier benchmark sizes: 64 framed values of a 1 MiB payload per
 // round, moved in calls of 4 keys with 4 calls in flight (the gpuworker's
 // sub-batches: its 4 MiB chunks hold 3 to 4 such blocks, DefaultStreams 4
-// at once), 5 timed rounds per operation after an untimed warm-up round.
+// at once), timed rounds per operation after an untimed warm-up round: 9
+// of a save (each some 250 ms) and 31 of a load (each some 40 ms, so more
+// of them for a median that holds still on a shared machine).
 const (
-	tierBenchValues  = 64
-	tierBenchPayload = 1 << 20
-	tierBenchBatch   = 4
-	tierBenchStreams = 4
-	tierBenchRounds  = 5
+	tierBenchValues     = 64
+	tierBenchPayload    = 1 << 20
+	tierBenchBatch      = 4
+	tierBenchStreams    = 4
+	tierBenchSaveRounds = 9
+	tierBenchLoadRounds = 31
 )
 
 // benchRig is a Tier over a private redis-server and a private versitygw,
@@ -85,6 +88,33 @@ func benchTier(b *testing.B, hot kvstore.Store, obj *kvtier.Objects, opts kvtier
 	return tier
 }
 
+// acceptingStore is a hot store that accepts every put and keeps nothing.
+type acceptingStore struct{}
+
+func (acceptingStore) Exists(_ context.Context, keys []string) ([]bool, error) {
+	return make([]bool, len(keys)), nil
+}
+
+func (acceptingStore) Put(_ context.Context, items []kvstore.Item) ([]error, error) {
+	return make([]error, len(items)), nil
+}
+
+func (acceptingStore) Get(_ context.Context, keys []string) ([][]byte, []error, error) {
+	errs := make([]error, len(keys))
+	for i := range errs {
+		errs[i] = kvstore.ErrNotFound
+	}
+	return make([][]byte, len(keys)), errs, nil
+}
+
+func (s acceptingStore) Remove(ctx context.Context, keys []string) ([]error, error) {
+	_, errs, err := s.Get(ctx, keys)
+	return errs, err
+}
+
+func (acceptingStore) Ping(context.Context) error { return nil }
+func (acceptingStore) Close() error               { return nil }
+
 // benchItems are n framed values of a random 1 MiB payload each, under
 // keys of the mesh's shape.
 func benchItems(prefix string, n int) []kvstore.Item {
@@ -136,11 +166,11 @@ type benchSide struct {
 }
 
 // benchRounds runs every side once untimed (connections, server caches,
-// the bucket's directories), then tierBenchRounds rounds per b.Loop
+// the bucket's directories), then the given rounds per b.Loop
 // iteration, the side that goes first rotating from round to round so that
 // none always finds the machine in the same state. It returns each side's
 // timed runs.
-func benchRounds(b *testing.B, sides []benchSide) [][]time.Duration {
+func benchRounds(b *testing.B, rounds int, sides []benchSide) [][]time.Duration {
 	b.Helper()
 	untimed := func(name string, f func() error) {
 		if f == nil {
@@ -168,7 +198,7 @@ func benchRounds(b *testing.B, sides []benchSide) [][]time.Duration {
 	took := make([][]time.Duration, len(sides))
 	round := 0
 	for b.Loop() {
-		for range tierBenchRounds {
+		for range rounds {
 			for k := range sides {
 				i := (round + k) % len(sides)
 				took[i] = append(took[i], once(sides[i]))
@@ -192,24 +222,26 @@ func mibps(size int, took []time.Duration) float64 {
 
 // BenchmarkTierSave1M writes 64 framed values of 1 MiB through the object
 // tier's write-behind as the gpuworkers' puts feed it: Tier.Put in calls
-// of 4 keys, 4 calls at once, over an in-process hot store (the Redis put
-// is the mesh's own save, measured by BenchmarkSaveThroughput; here the
-// tier's part is timed: the copy into the queue and the writers' PUTs with
-// the key's metadata), then Tier.Drain until the writers (DefaultWriters)
-// have stored every copy in the bucket. Against it, the raw minio-go client
-// PUTs the same values under other object names, DefaultWriters at once,
-// with the tier's transfer options (single PUT, unsigned payload: the
-// cheapest plain PUT the client makes). Before each round every key is
-// absent from the bucket (untimed), so both sides write new objects. It
-// reports MiB/s (bytes reaching the bucket over the wall time from the
-// first Put to Drain's return; the median round), raw_MiB/s (the median
-// raw round) and ratio, and stored_MiB/s (to the moment the writers stored
-// the last object, without Drain's polling).
+// of 4 keys, 4 calls at once, over a hot store that accepts every value
+// and keeps none (the Redis put is the mesh's own save, measured by
+// BenchmarkSaveThroughput; here the tier's part is timed: the copy into
+// the queue and the writers' PUTs with the key's metadata), then
+// Tier.Drain until the writers (DefaultWriters) have stored every copy in
+// the bucket. Against it, the raw minio-go client PUTs the same values
+// under other object names, DefaultWriters at once, with the tier's
+// transfer options (single PUT, unsigned payload: the cheapest plain PUT
+// the client makes). Before each round every key is absent from the bucket
+// (untimed), so both sides write new objects. It reports MiB/s (bytes
+// reaching the bucket over the wall time from the first Put to Drain's
+// return; the median round), raw_MiB/s (the median raw round) and ratio,
+// and stored_MiB/s (to the moment the writers stored the last object,
+// without Drain's polling).
 func BenchmarkTierSave1M(b *testing.B) {
 	r := newBenchRig(b)
-	// The tier's own part of a save: over an in-process hot store, so the
-	// Redis put (the mesh's save, measured by save_1m) is not charged to it.
-	r.tier = benchTier(b, kvstore.NewMemory(kvstore.MemoryOptions{}), r.obj, kvtier.Options{})
+	// The tier's own part of a save: over a hot store that accepts every
+	// value without keeping it, so neither the Redis put (the mesh's save,
+	// measured by save_1m) nor an in-process store's copy is charged to it.
+	r.tier = benchTier(b, acceptingStore{}, r.obj, kvtier.Options{})
 	ctx := context.Background()
 	items := benchItems("bench-save", tierBenchValues)
 	keys := keysOf(items)
@@ -274,7 +306,7 @@ func BenchmarkTierSave1M(b *testing.B) {
 		})
 	}
 	var stored []time.Duration
-	took := benchRounds(b, []benchSide{
+	took := benchRounds(b, tierBenchSaveRounds, []benchSide{
 		{name: "raw PUT", prep: reset, run: raw},
 		{name: "tier save", prep: reset, run: func() error {
 			err := tier()
@@ -294,13 +326,18 @@ func BenchmarkTierSave1M(b *testing.B) {
 // Tier.GetEach as the gpuworker's loader does: calls of 4 keys, 4 at once
 // (DefaultReaders objects in flight), each value checked with
 // dataplane.DecodeValue (fingerprint and checksum) and promoted into Redis
-// (in the background, as the tier does; the round ends when GetEach
-// returns, as a load does).
-// Against it, the raw minio-go client GETs the same objects (GetObject and
-// io.ReadAll), DefaultReaders at once. Before each tier round the values
-// are removed from Redis again (untimed). It reports MiB/s (the median
-// round), raw_MiB/s, ratio, and nopromote_MiB/s: the same load through a
-// Tier with Options.NoPromote.
+// (in the background after the loads, as the tier does; the round ends
+// when GetEach returns, as a load does).
+// Against it, the raw minio-go client GETs the same objects, DefaultReaders
+// at once, each body read into a buffer of its size kept across rounds (the
+// raw client's best case) and handed to the same check: the check is the
+// loader's, made on every value whichever store it comes from, so the ratio
+// is what the tier adds to a load. Before each tier round the values are
+// removed from Redis again (untimed). It reports MiB/s (the median round),
+// raw_MiB/s, ratio, nopromote_MiB/s (the same load through a Tier with
+// Options.NoPromote), promoted_MiB/s (each tier round to the moment its
+// promotions are in Redis) and unchecked_raw_MiB/s (the raw GETs without
+// the check).
 func BenchmarkTierLoad1M(b *testing.B) {
 	r := newBenchRig(b)
 	ctx := context.Background()
@@ -358,24 +395,32 @@ func BenchmarkTierLoad1M(b *testing.B) {
 		return err
 	}
 	client, bucket := r.obj.Client(), r.obj.Location().Bucket
-	raw := func() error {
-		return parallel(len(keys), kvtier.DefaultReaders, func(i int) error {
-			obj, err := client.GetObject(ctx, bucket, r.obj.Name(keys[i]), minio.GetObjectOptions{})
-			if err != nil {
-				return err
-			}
-			defer obj.Close()
-			v, err := io.ReadAll(obj)
-			if err != nil {
-				return err
-			}
-			if len(v) != len(items[i].Value) {
-				return fmt.Errorf("raw GET %s: %d of %d bytes", keys[i], len(v), len(items[i].Value))
-			}
-			return nil
-		})
+	rawBufs := make([][]byte, len(items)) // the raw side's best case: each body read into a buffer of its size, kept across rounds
+	for i, it := range items {
+		rawBufs[i] = make([]byte, len(it.Value))
 	}
+	raw := func(check bool) func() error {
+		return func() error {
+			return parallel(len(keys), kvtier.DefaultReaders, func(i int) error {
+				obj, err := client.GetObject(ctx, bucket, r.obj.Name(keys[i]), minio.GetObjectOptions{})
+				if err != nil {
+					return err
+				}
+				defer obj.Close()
+				if _, err := io.ReadFull(obj, rawBufs[i]); err != nil {
+					return fmt.Errorf("raw GET %s: %w", keys[i], err)
+				}
+				if check {
+					_, err = dataplane.DecodeValue(fp, rawBufs[i])
+				}
+				return err
+			})
+		}
+	}
+	var loaded time.Time // when the last promoting load's GetEach calls returned
+	var promotedIn []time.Duration
 	promoted := func() error { // the promoting load put every value back into Redis
+		defer func() { promotedIn = append(promotedIn, time.Since(loaded)) }()
 		dctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		if err := r.tier.Drain(dctx); err != nil { // nothing to write; a tier that promotes behind the load would finish here
@@ -390,14 +435,25 @@ func BenchmarkTierLoad1M(b *testing.B) {
 		}
 		return nil
 	}
-	took := benchRounds(b, []benchSide{
-		{name: "raw GET", run: raw},
-		{name: "tier load", prep: evict, run: func() error { return load(r.tier) }, check: promoted},
+	took := benchRounds(b, tierBenchLoadRounds, []benchSide{
+		{name: "raw GET", run: raw(true)},
+		{name: "tier load", prep: evict, run: func() error {
+			err := load(r.tier)
+			loaded = time.Now()
+			return err
+		}, check: promoted},
 		{name: "tier load without promotion", prep: evict, run: func() error { return load(nopromote) }},
+		{name: "raw GET unchecked", run: raw(false)},
 	})
 	rawMiBps, tierMiBps := mibps(size, took[0]), mibps(size, took[1])
 	b.ReportMetric(tierMiBps, "MiB/s")
 	b.ReportMetric(rawMiBps, "raw_MiB/s")
 	b.ReportMetric(tierMiBps/rawMiBps, "ratio")
 	b.ReportMetric(mibps(size, took[2]), "nopromote_MiB/s")
+	withPromotion := make([]time.Duration, len(took[1]))
+	for i, d := range took[1] {
+		withPromotion[i] = d + promotedIn[i+1] // promotedIn[0]: the warm-up
+	}
+	b.ReportMetric(mibps(size, withPromotion), "promoted_MiB/s")
+	b.ReportMetric(mibps(size, took[3]), "unchecked_raw_MiB/s")
 }

@@ -218,6 +218,11 @@ func checkInfo(key string, info minio.ObjectInfo) error {
 // size is ErrTruncated. The bytes are not otherwise checked: the caller
 // verifies them as it would a Redis value.
 func (o *Objects) Get(ctx context.Context, key string) ([]byte, error) {
+	return o.read(ctx, key, func(n int) []byte { return make([]byte, n) })
+}
+
+// read is Get with the body read into alloc(size+1)[:n].
+func (o *Objects) read(ctx context.Context, key string, alloc func(n int) []byte) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
 	// minio.Core's GetObject answers the body and the object's info from
@@ -230,7 +235,7 @@ func (o *Objects) Get(ctx context.Context, key string) ([]byte, error) {
 	if err := checkInfo(key, info); err != nil {
 		return nil, err
 	}
-	buf := make([]byte, info.Size+1) // one more: a longer body is seen
+	buf := alloc(int(info.Size) + 1) // one more: a longer body is seen
 	n, err := io.ReadFull(body, buf)
 	switch {
 	case errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF):

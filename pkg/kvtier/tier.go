@@ -22,6 +22,8 @@ const (
 	DefaultWriters = 8
 	// DefaultReaders is how many objects one batch reads or confirms at once.
 	DefaultReaders = 16
+	// DefaultPromoteDelay bounds how long a promotion waits for loads.
+	DefaultPromoteDelay = 2 * time.Second
 )
 
 // Options tune a Tier.
@@ -37,6 +39,9 @@ type Options struct {
 	Readers int
 	// NoPromote leaves blocks read from the bucket out of Redis.
 	NoPromote bool
+	// PromoteDelay bounds how long a promotion waits for the loads in
+	// progress to end (default DefaultPromoteDelay).
+	PromoteDelay time.Duration
 	// Log receives the tier's warnings (default slog.Default()).
 	Log *slog.Logger
 }
@@ -50,6 +55,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.Readers <= 0 {
 		o.Readers = DefaultReaders
+	}
+	if o.PromoteDelay <= 0 {
+		o.PromoteDelay = DefaultPromoteDelay
 	}
 	if o.Log == nil {
 		o.Log = slog.Default()
@@ -89,9 +97,13 @@ type Tier struct {
 	promoting atomic.Int64
 	pwg       sync.WaitGroup
 	promoteMu sync.Mutex
-	wg        sync.WaitGroup
-	stop      context.CancelFunc
-	stored    atomic.Pointer[func(key string)]
+	// loads tracks the GetEach calls in progress: promotions wait until
+	// none is (PromoteDelay at most), so a load keeps the CPU.
+	loads  activity
+	bufs   buffers
+	wg     sync.WaitGroup
+	stop   context.CancelFunc
+	stored atomic.Pointer[func(key string)]
 }
 
 // OnStored has every writer call fn with each key whose object it has
@@ -137,16 +149,20 @@ func (t *Tier) write(ctx context.Context) {
 func (t *Tier) writeOne(ctx context.Context, j job) {
 	defer t.done(j)
 	if t.wasRemoved(j.key) {
+		t.bufs.put(j.value)
 		return
 	}
 	start := time.Now()
 	err := t.obj.Put(ctx, j.key, j.value)
 	t.observe("put", start)
 	if err != nil {
+		// The buffer is not reused: after a failed request the HTTP
+		// transport may still be reading the body.
 		t.m.writes.WithLabelValues("failed").Inc()
 		t.opts.Log.Warn("object tier write failed; the block stays in Redis only", "key", j.key, "err", err)
 		return
 	}
+	t.bufs.put(j.value)      // the store answered: it has read the whole body
 	if t.wasRemoved(j.key) { // removed while it was being written
 		_ = t.obj.Remove(ctx, j.key)
 		return
@@ -199,7 +215,8 @@ func (t *Tier) enqueue(key string, value []byte) {
 		t.m.writes.WithLabelValues("dropped").Inc()
 		return
 	}
-	j := job{key: key, value: append([]byte(nil), value...)}
+	j := job{key: key, value: t.bufs.get(len(value))}
+	copy(j.value, value)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
@@ -329,10 +346,9 @@ func (t *Tier) Get(ctx context.Context, keys []string) ([][]byte, []error, error
 	if err != nil {
 		return nil, nil, err
 	}
-	got := t.fetch(ctx, keys, notFound(errs))
-	for i, v := range got {
-		values[i], errs[i] = v.value, v.err
-	}
+	t.fetch(ctx, keys, notFound(errs), func(n int) []byte { return make([]byte, n) }, func(i int, f fetched) {
+		values[i], errs[i] = f.value, f.err
+	})
 	return values, errs, nil
 }
 
@@ -354,59 +370,78 @@ func notFound(errs []error) []int {
 }
 
 // fetch reads the objects of keys[idx...] from the bucket, Readers at a
-// time. An absent object keeps the key's ErrNotFound.
-func (t *Tier) fetch(ctx context.Context, keys []string, idx []int) map[int]fetched {
-	out := make(map[int]fetched, len(idx))
-	var mu sync.Mutex
-	t.each(ctx, idx, func(ctx context.Context, i int) {
-		start := time.Now()
-		v, err := t.obj.Get(ctx, keys[i])
-		t.observe("get", start)
-		switch {
-		case err == nil:
-			t.m.readBytes.Add(float64(len(v)))
-		case errors.Is(err, ErrNotFound):
-			t.m.reads.WithLabelValues("miss").Inc()
-			err = fmt.Errorf("%w: %w", kvstore.ErrNotFound, err)
-		default:
-			t.m.reads.WithLabelValues("error").Inc()
+// time, each into alloc's buffer, and hands each to visit in idx's order as
+// soon as it and those before it are read (visit works on one value while
+// the next are read). An absent object keeps the key's ErrNotFound.
+func (t *Tier) fetch(ctx context.Context, keys []string, idx []int, alloc func(int) []byte, visit func(i int, f fetched)) {
+	if len(idx) == 0 {
+		return
+	}
+	res := make([]chan fetched, len(idx))
+	for k := range res {
+		res[k] = make(chan fetched, 1)
+	}
+	var g errgroup.Group
+	g.SetLimit(t.opts.Readers)
+	go func() { // g.Go waits for a free reader: start them beside the visits
+		for k, i := range idx {
+			g.Go(func() error { res[k] <- t.read(ctx, keys[i], alloc); return nil })
 		}
-		mu.Lock()
-		out[i] = fetched{value: v, err: err}
-		mu.Unlock()
-	})
-	return out
+	}()
+	for k, i := range idx {
+		visit(i, <-res[k])
+	}
+	_ = g.Wait() // every read has answered above; read records its own outcome
+}
+
+// read reads key's object into alloc's buffer, counting the outcome.
+func (t *Tier) read(ctx context.Context, key string, alloc func(int) []byte) fetched {
+	start := time.Now()
+	v, err := t.obj.read(ctx, key, alloc)
+	t.observe("get", start)
+	switch {
+	case err == nil:
+		t.m.readBytes.Add(float64(len(v)))
+	case errors.Is(err, ErrNotFound):
+		t.m.reads.WithLabelValues("miss").Inc()
+		err = fmt.Errorf("%w: %w", kvstore.ErrNotFound, err)
+	default:
+		t.m.reads.WithLabelValues("error").Inc()
+	}
+	return fetched{value: v, err: err}
 }
 
 // GetEach implements kvstore.ValueVisitor: hot's values through use, then
 // the bucket's values of the keys hot does not hold, each through use in
 // input order; those use accepts are promoted into hot.
 func (t *Tier) GetEach(ctx context.Context, keys []string, use func(i int, value []byte) error) ([]error, error) {
+	t.loads.begin()
+	defer t.loads.end()
 	errs, err := kvstore.GetEach(ctx, t.hot, keys, use)
 	if err != nil {
 		return nil, err
 	}
 	idx := notFound(errs)
-	got := t.fetch(ctx, keys, idx)
 	var promote []kvstore.Item
 	var rejected []string
-	for _, i := range idx {
-		f := got[i]
+	// each value is valid only until use returns: its buffer is recycled
+	t.fetch(ctx, keys, idx, t.bufs.get, func(i int, f fetched) {
 		if f.err != nil {
 			errs[i] = f.err
-			continue
+			return
 		}
 		if err := use(i, f.value); err != nil {
+			t.bufs.put(f.value)
 			t.m.reads.WithLabelValues("rejected").Inc()
 			errs[i] = fmt.Errorf("object tier: %w", err)
 			rejected = append(rejected, keys[i])
-			continue
+			return
 		}
 		t.m.reads.WithLabelValues("hit").Inc()
 		countHit(ctx)
 		errs[i] = nil
 		promote = append(promote, kvstore.Item{Key: keys[i], Value: f.value})
-	}
+	})
 	t.promote(ctx, promote)
 	t.quarantine(ctx, rejected)
 	return errs, nil
@@ -427,26 +462,33 @@ func (t *Tier) quarantine(ctx context.Context, keys []string) {
 
 // promote puts verified values back into hot (without writing them
 // behind: the bucket holds them), in the background so the load does not
-// wait on Redis: at most QueueBytes of values are promoted at once, and a
-// value that finds no room is not promoted (counted failed; the next load
-// reads it from the bucket again).
+// wait on Redis, and after the loads in progress (PromoteDelay at most)
+// so it does not take their CPU: at most QueueBytes of values are
+// promoted at once, and a value that finds no room is not promoted
+// (counted failed; the next load reads it from the bucket again). The
+// values' buffers are recycled once hot has them.
 func (t *Tier) promote(ctx context.Context, items []kvstore.Item) {
-	if len(items) == 0 || t.opts.NoPromote {
+	if len(items) == 0 {
 		return
 	}
 	var size int64
 	for _, it := range items {
 		size += int64(len(it.Value))
 	}
-	if t.promoting.Add(size) > t.opts.QueueBytes {
-		t.promoting.Add(-size)
-		t.m.promoted.WithLabelValues("failed").Add(float64(len(items)))
+	if t.opts.NoPromote || t.promoting.Add(size) > t.opts.QueueBytes {
+		if !t.opts.NoPromote {
+			t.promoting.Add(-size)
+			t.m.promoted.WithLabelValues("failed").Add(float64(len(items)))
+		}
+		t.recycle(items)
 		return
 	}
 	t.pwg.Add(1)
 	go func() {
 		defer t.pwg.Done()
 		defer t.promoting.Add(-size)
+		defer t.recycle(items)
+		t.loads.wait(t.opts.PromoteDelay)
 		t.promoteMu.Lock() // one promotion at a time: loads keep the CPU
 		defer t.promoteMu.Unlock()
 		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.obj.timeout)
@@ -460,6 +502,13 @@ func (t *Tier) promote(ctx context.Context, items []kvstore.Item) {
 			}
 		}
 	}()
+}
+
+// recycle hands the values of items back to the buffers.
+func (t *Tier) recycle(items []kvstore.Item) {
+	for _, it := range items {
+		t.bufs.put(it.Value)
+	}
 }
 
 // Remove implements kvstore.Store: removes from both tiers; a key either
