@@ -232,7 +232,7 @@ func freeTCPAddr(t *testing.T) string {
 // llmdCase is one run of TestLLMDIndexesTheStore.
 type llmdCase struct {
 	name, model string
-	// senderForm is the sender's KVMESH_SENDER_KV_EVENTS_FORM: the form of
+	// senderForm is the mesh's KVMESH_KV_EVENTS_FORM: the form of
 	// the Kafka records llm-d reads directly.
 	senderForm string
 	// hybrid: llm-d folds the model's groups into one key, so its score is
@@ -274,7 +274,7 @@ func TestLLMDIndexesTheStore(t *testing.T) {
 func testLLMD(t *testing.T, tc llmdCase) {
 	zmqAddr := freeTCPAddr(t)
 	o := stackOptions{model: tc.model, connectors: "store", poolBlocks: 96, env: []string{
-		"KVMESH_SENDER_KV_EVENTS_FORM=" + tc.senderForm,
+		"KVMESH_KV_EVENTS_FORM=" + tc.senderForm,
 		"KVMESH_LOOKUP_KV_EVENTS_ZMQ_ENDPOINT=tcp://" + zmqAddr,
 		"KVMESH_LOOKUP_KV_EVENTS_ZMQ_FORM=array",
 	}}

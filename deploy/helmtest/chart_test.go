@@ -1017,6 +1017,7 @@ func TestChartRejectsBadValues(t *testing.T) {
 		{"engine id not a DNS label", []string{"gpuworker.engines[0].id=Decode_0"}, "not a DNS label"},
 		{"duplicate rank", []string{"gpuworker.engines[0].id=a", "gpuworker.engines[0].ranks[0].tp=1", "gpuworker.engines[0].ranks[1].tp=1"}, "twice"},
 		{"no brokers", []string{"kafka.brokers=null"}, "kafka.brokers"},
+		{"an unknown event form", []string{"kvEventsForm=list"}, `kvEventsForm: "list" is not map or array`},
 		{"no database", []string{"postgres.url="}, "postgres.url is required"},
 		{"no engines", []string{"gpuworker.engines=null"}, "gpuworker.engines"},
 		{"auth required without a key", []string{"auth.key="},
@@ -1383,5 +1384,39 @@ func TestChartQuotaJobRuns(t *testing.T) {
 	defer mu.Unlock()
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("quotas PUT %+v, want %+v", got, want)
+	}
+}
+
+// TestChartKVEventsForm: kvEventsForm reaches the sender and every
+// gpuworker as KVMESH_KV_EVENTS_FORM (map by default), and no other
+// service.
+func TestChartKVEventsForm(t *testing.T) {
+	for _, tc := range []struct{ set, want string }{{"", "map"}, {"kvEventsForm=array", "array"}} {
+		set := []string{"auth.key=" + testAuthKey}
+		if tc.set != "" {
+			set = append(set, tc.set)
+		}
+		m, err := helmtest.Render(testenv.ModuleRoot(t), helmtest.Release{Name: "kvmesh", Namespace: "kvmesh", Set: set})
+		if err != nil {
+			t.Fatal(err)
+		}
+		writers := 0
+		for _, ct := range containers(t, m) {
+			got, ok := ct.env["KVMESH_KV_EVENTS_FORM"]
+			switch ct.program {
+			case "sender", "gpuworker":
+				writers++
+				if !ok || got != tc.want {
+					t.Errorf("%s (%s): KVMESH_KV_EVENTS_FORM %q, want %q", ct.deployment.Name, tc.set, got, tc.want)
+				}
+			default:
+				if ok {
+					t.Errorf("%s: sets KVMESH_KV_EVENTS_FORM, which only the sender and the gpuworkers read", ct.deployment.Name)
+				}
+			}
+		}
+		if writers < 3 {
+			t.Errorf("%d containers of the sender and gpuworkers, want the sender and both gpuworkers", writers)
+		}
 	}
 }

@@ -69,6 +69,10 @@ var (
 	// ErrSecretFile means a secret's NAME_FILE could not be read, or was set
 	// next to NAME.
 	ErrSecretFile = errors.New("config: secret file")
+	// ErrRenamed means a variable that was renamed is still set: a
+	// service's Validate refuses it, naming the new variable, rather than
+	// ignore what the operator meant.
+	ErrRenamed = errors.New("config: the variable was renamed")
 )
 
 // FileSuffix is appended to a secret setting's variable name to name the

@@ -1,6 +1,7 @@
 package service
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/kvmesh/kvmesh/pkg/contract"
@@ -60,6 +61,26 @@ type Tier struct {
 // SetDefaults gives the tier's region, queue and timeout (config.Defaulter).
 func (t *Tier) SetDefaults() {
 	t.TierRegion, t.TierQueueBytes, t.TierTimeout = "us-east-1", kvtier.DefaultQueueBytes, 5*time.Second
+}
+
+// KVEvents is the wire form of the vLLM events in the records the sender
+// (BlockStored of Redis's blocks, BlockRemoved, AllBlocksCleared) and the
+// gpuworkers (BlockStored of the capacity tier's blocks) write to
+// kvmesh.kv.events: one topic, read by one consumer, so one setting.
+type KVEvents struct {
+	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
+	KVEventsForm contract.KVEventForm `env:"KVMESH_KV_EVENTS_FORM" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender (BlockStored, BlockRemoved, AllBlocksCleared) and the gpuworkers (BlockStored of the capacity tier's blocks) write: map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the same in the sender and every gpuworker, which refuse to start on any other value"`
+}
+
+// SetDefaults gives the map form (config.Defaulter).
+func (k *KVEvents) SetDefaults() { k.KVEventsForm = contract.KVEventFormMap }
+
+// Validate checks the form, naming the setting.
+func (k *KVEvents) Validate() error {
+	if err := k.KVEventsForm.Validate(); err != nil {
+		return fmt.Errorf("KVMESH_KV_EVENTS_FORM: %w", err)
+	}
+	return nil
 }
 
 // Workers is how the services that call gpuworkers judge the worker

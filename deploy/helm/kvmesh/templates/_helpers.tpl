@@ -525,3 +525,14 @@ app.kubernetes.io/part-of: kvmesh
 app.kubernetes.io/version: {{ .Values.tier.server.image.tag | toString | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/* The form of the events the sender and the gpuworkers write to
+kvmesh.kv.events (KVMESH_KV_EVENTS_FORM): map or array. */}}
+{{- define "kvmesh.kvEventsEnv" -}}
+{{- $f := .Values.kvEventsForm | default "map" -}}
+{{- if not (has $f (list "map" "array")) -}}
+{{- fail (printf "kvEventsForm: %q is not map or array" $f) -}}
+{{- end -}}
+- name: KVMESH_KV_EVENTS_FORM
+  value: {{ $f | quote }}
+{{- end }}

@@ -44,6 +44,9 @@ type Config struct {
 	// Store locates the store pool, with its TLS settings.
 	service.Store
 	service.Tier
+	// KVEvents is the form of the capacity tier's BlockStored records,
+	// the sender's.
+	service.KVEvents
 	// EngineID is the engine whose pool this worker holds.
 	EngineID string `env:"KVMESH_ENGINE_ID" required:"true" doc:"engine id whose KV pool this worker holds (one process per engine id and rank)"`
 	// RankTP, RankPCP, RankDCP and RankPP are the worker's rank in the engine.
@@ -88,7 +91,7 @@ func DefaultConfig() Config { return config.Defaults[Config]() }
 
 // Validate checks the configuration.
 func (c *Config) Validate() error {
-	errs := []error{c.Common.Validate()}
+	errs := []error{c.Common.Validate(), c.KVEvents.Validate()}
 	if strings.TrimSpace(c.EngineID) == "" {
 		errs = append(errs, errors.New("KVMESH_ENGINE_ID: required"))
 	}
@@ -214,7 +217,7 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 		return nil, err
 	}
 	if a.deps.Tier != nil {
-		if a.tierEvents, err = tierevents.New(tierevents.Options{Publisher: a.deps.Producer, Registry: a.deps.Registry, Logger: a.deps.Log}); err != nil {
+		if a.tierEvents, err = tierevents.New(tierevents.Options{Publisher: a.deps.Producer, Registry: a.deps.Registry, Logger: a.deps.Log, Form: cfg.KVEventsForm}); err != nil {
 			return nil, err
 		}
 		a.deps.Tier.OnStored(a.tierEvents.Stored)

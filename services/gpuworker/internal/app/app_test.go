@@ -52,6 +52,7 @@ func TestConfigValidation(t *testing.T) {
 		{"empty pool", func(c *app.Config) { c.PoolBlocks = 0 }, "KVMESH_POOL_BLOCKS"},
 		{"tiny batch", func(c *app.Config) { c.MaxBatchBytes = 1000 }, "KVMESH_MAX_BATCH_BYTES"},
 		{"stale before heartbeat", func(c *app.Config) { c.WorkerStaleAfter = c.HeartbeatInterval }, "KVMESH_HEARTBEAT_INTERVAL"},
+		{"events form", func(c *app.Config) { c.KVEventsForm = "list" }, "KVMESH_KV_EVENTS_FORM"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

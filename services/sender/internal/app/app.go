@@ -64,8 +64,11 @@ type Config struct {
 	Evictions bool `env:"KVMESH_SENDER_EVICTIONS" doc:"publish BlockRemoved to kvmesh.kv.events for every store key Redis evicts, expires or deletes, observed through keyspace notifications (one sender replica per deployment watches, elected through a PostgreSQL advisory lock); false turns the watcher off"`
 	// EvictionsConfigure lets the watcher set notify-keyspace-events.
 	EvictionsConfigure bool `env:"KVMESH_SENDER_EVICTIONS_CONFIGURE" doc:"let the removal watcher add the flags it needs (Egxe) to Redis's notify-keyspace-events with CONFIG SET; false only checks them (a server that refuses CONFIG is then trusted to have them) and the sender refuses to start when they are missing"`
-	// KVEventsForm is the wire form of the events on kvmesh.kv.events.
-	KVEventsForm contract.KVEventForm `env:"KVMESH_SENDER_KV_EVENTS_FORM" doc:"wire form of the vLLM events in the kvmesh.kv.events records the sender writes (BlockStored, BlockRemoved, AllBlocksCleared): map (each event a map tagged under \"type\", as vLLM writes them since vllm-project/vllm#42892; the only form with locality) or array (vLLM's older positional array_like events, the only form llm-d-kv-cache up to v0.8.1 decodes); the sender refuses to start on any other value"`
+	// KVEvents is the wire form of the events on kvmesh.kv.events, shared
+	// with the gpuworkers.
+	service.KVEvents
+	// RenamedKVEventsForm is the setting's former name, refused.
+	RenamedKVEventsForm string `env:"KVMESH_SENDER_KV_EVENTS_FORM" doc:"renamed KVMESH_KV_EVENTS_FORM (the gpuworkers' capacity-tier events share it); the sender refuses to start while this is set"`
 	// PublishOnCommit is the outbox's publish-on-commit switch.
 	service.PublishOnCommit
 }
@@ -87,7 +90,6 @@ func (c *Config) SetDefaults() {
 	c.PutTimeout = sending.DefaultPutTimeout
 	c.Evictions = true
 	c.EvictionsConfigure = true
-	c.KVEventsForm = contract.KVEventFormMap
 }
 
 // DefaultConfig returns the sender's configuration with every default set:
@@ -106,8 +108,11 @@ func (c *Config) Validate() error {
 	if c.Concurrency < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_CONCURRENCY: %d is not positive", c.Concurrency))
 	}
-	if err := c.KVEventsForm.Validate(); err != nil {
-		errs = append(errs, fmt.Errorf("KVMESH_SENDER_KV_EVENTS_FORM: %w", err))
+	if err := c.KVEvents.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.RenamedKVEventsForm != "" {
+		errs = append(errs, fmt.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=%q: %w to KVMESH_KV_EVENTS_FORM", c.RenamedKVEventsForm, config.ErrRenamed))
 	}
 	if c.RetryAttempts < 1 {
 		errs = append(errs, fmt.Errorf("KVMESH_SENDER_RETRY_ATTEMPTS: %d is not positive", c.RetryAttempts))

@@ -73,7 +73,7 @@ func TestConfigRejectsBadValues(t *testing.T) {
 		"KVMESH_SENDER_CONCURRENCY":    "0",
 		"KVMESH_SENDER_RETRY_ATTEMPTS": "0",
 		"KVMESH_SENDER_PUT_TIMEOUT":    "-1s",
-		"KVMESH_SENDER_KV_EVENTS_FORM": "list",
+		"KVMESH_KV_EVENTS_FORM":        "list",
 	}
 	for name, value := range cases {
 		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", name: value}
@@ -85,25 +85,37 @@ func TestConfigRejectsBadValues(t *testing.T) {
 	}
 }
 
-// TestKVEventsFormSetting: KVMESH_SENDER_KV_EVENTS_FORM defaults to map,
-// reads array, and refuses any other value with an error that names the
-// setting and the forms it takes, also when Validate sees it set directly.
+// TestKVEventsFormSetting: KVMESH_KV_EVENTS_FORM (shared with the
+// gpuworkers) defaults to map, reads array, and refuses any other value
+// with an error that names the setting and the forms it takes, also when
+// Validate sees it set directly; the setting's former name,
+// KVMESH_SENDER_KV_EVENTS_FORM, is refused whatever its value, naming the
+// new one.
 func TestKVEventsFormSetting(t *testing.T) {
-	for value, want := range map[string]contract.KVEventForm{"": contract.KVEventFormMap, "array": contract.KVEventFormArray, "map": contract.KVEventFormMap} {
-		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", "KVMESH_AUTH": "off", "KVMESH_SENDER_KV_EVENTS_FORM": value}
+	load := func(extra map[string]string) (app.Config, error) {
+		vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", "KVMESH_AUTH": "off"}
+		maps.Copy(vars, extra)
 		var cfg app.Config
-		if err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok }); err != nil || cfg.KVEventsForm != want {
-			t.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=%q: %q, %v; want %q", value, cfg.KVEventsForm, err, want)
+		err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok })
+		return cfg, err
+	}
+	for value, want := range map[string]contract.KVEventForm{"": contract.KVEventFormMap, "array": contract.KVEventFormArray, "map": contract.KVEventFormMap} {
+		if cfg, err := load(map[string]string{"KVMESH_KV_EVENTS_FORM": value}); err != nil || cfg.KVEventsForm != want {
+			t.Errorf("KVMESH_KV_EVENTS_FORM=%q: %q, %v; want %q", value, cfg.KVEventsForm, err, want)
 		}
 	}
-	vars := map[string]string{"KVMESH_DATABASE_URL": "postgres://x", "KVMESH_REDIS_URL": "redis://x", "KVMESH_SENDER_KV_EVENTS_FORM": "json"}
-	var cfg app.Config
-	err := config.Load(&cfg, func(k string) (string, bool) { v, ok := vars[k]; return v, ok })
-	if err == nil || !strings.Contains(err.Error(), "KVMESH_SENDER_KV_EVENTS_FORM") || !strings.Contains(err.Error(), "want map or array") {
-		t.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=json: error %v, want one naming the setting and its forms", err)
+	cfg, err := load(map[string]string{"KVMESH_KV_EVENTS_FORM": "json"})
+	if err == nil || !strings.Contains(err.Error(), "KVMESH_KV_EVENTS_FORM") || !strings.Contains(err.Error(), "want map or array") {
+		t.Errorf("KVMESH_KV_EVENTS_FORM=json: error %v, want one naming the setting and its forms", err)
 	}
 	cfg.KVEventsForm = "json"
-	if err := cfg.Validate(); !errors.Is(err, contract.ErrKVEventForm) || !strings.Contains(err.Error(), "KVMESH_SENDER_KV_EVENTS_FORM") {
+	if err := cfg.Validate(); !errors.Is(err, contract.ErrKVEventForm) || !strings.Contains(err.Error(), "KVMESH_KV_EVENTS_FORM") {
 		t.Errorf("Validate with form json: %v", err)
+	}
+	for _, value := range []string{"array", "map"} {
+		_, err := load(map[string]string{"KVMESH_SENDER_KV_EVENTS_FORM": value})
+		if !errors.Is(err, config.ErrRenamed) || !strings.Contains(err.Error(), "KVMESH_KV_EVENTS_FORM") {
+			t.Errorf("KVMESH_SENDER_KV_EVENTS_FORM=%s: error %v, want config.ErrRenamed naming KVMESH_KV_EVENTS_FORM", value, err)
+		}
 	}
 }

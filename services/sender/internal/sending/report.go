@@ -129,7 +129,7 @@ func (p *Processor) commit(ctx context.Context, src ledger.Source, s *save) erro
 // resultMessages encodes the TransferResult and the KV-event records
 // (contract.EncodeKVEventRecord: vLLM's KVEventBatch as the value,
 // kvmesh's fields in headers, keyed by store namespace; the batch's events
-// in form, KVMESH_SENDER_KV_EVENTS_FORM), which the ledger writes to the
+// in form, KVMESH_KV_EVENTS_FORM), which the ledger writes to the
 // outbox in the transaction that records the outcome.
 func resultMessages(res contract.TransferResult, events []contract.KVEventRecord, form contract.KVEventForm) ([]bus.Message, error) {
 	v, err := json.Marshal(res)
