@@ -4,20 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"sync"
-
 	"encoding/json"
 	"fmt"
-	"github.com/go-zeromq/zmq4"
 	"net"
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
-	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
+	"github.com/go-zeromq/zmq4"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents"
@@ -25,15 +23,13 @@ import (
 	"github.com/redis/go-redis/v9"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
+	"github.com/kvmesh/kvmesh/internal/llmdtest"
 	"github.com/kvmesh/kvmesh/internal/sim"
 	"github.com/kvmesh/kvmesh/pkg/adminapi"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
 )
-
-// quietLLMD sets controller-runtime's root logger once per test binary.
-var quietLLMD sync.Once
 
 // llmdPod is the pod name kvmesh's ZMQ publisher announces the store as
 // (the lookup's default), and the one the Kafka-fed index uses.
@@ -56,23 +52,7 @@ type llmdIndex struct {
 // model's hash block size, llm-d's canonical block).
 func newLLMDIndex(ctx context.Context, t *testing.T, blockSize int) *llmdIndex {
 	t.Helper()
-	// llm-d logs through controller-runtime's root logger, which prints a
-	// stack trace ("log.SetLogger(...) was never called") when nothing is
-	// set; the subscriber's own lines go through subscribe's logger.
-	quietLLMD.Do(func() { log.SetLogger(logr.Discard()) })
-	tp, err := kvblock.NewChunkedTokenDatabase(&kvblock.TokenProcessorConfig{BlockSizeTokens: blockSize})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := kvcache.NewDefaultConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.BackendConfigs = []*kvcache.KVCacheBackendConfig{{Name: "gpu", Weight: 1}, {Name: "cpu", Weight: 1}}
-	ix, err := kvcache.NewKVCacheIndexer(ctx, cfg, tp)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ix, tp := llmdtest.NewIndexer(ctx, t, blockSize)
 	return &llmdIndex{ix: ix, tp: tp, adapter: engineadapter.NewVLLMAdapter()}
 }
 

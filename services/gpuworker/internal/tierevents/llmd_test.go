@@ -3,16 +3,14 @@ package tierevents
 import (
 	"context"
 	"slices"
-	"sync"
 	"testing"
 
-	"github.com/go-logr/logr"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents/engineadapter"
-	"sigs.k8s.io/controller-runtime/pkg/log"
 
+	"github.com/kvmesh/kvmesh/internal/llmdtest"
 	"github.com/kvmesh/kvmesh/pkg/bus"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvcore"
@@ -26,24 +24,9 @@ type llmdRouter struct {
 	pod, topic string
 }
 
-var quietLLMD sync.Once
-
 func newLLMDRouter(t *testing.T, blockSize int, model string) *llmdRouter {
 	t.Helper()
-	quietLLMD.Do(func() { log.SetLogger(logr.Discard()) })
-	tp, err := kvblock.NewChunkedTokenDatabase(&kvblock.TokenProcessorConfig{BlockSizeTokens: blockSize})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := kvcache.NewDefaultConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.BackendConfigs = []*kvcache.KVCacheBackendConfig{{Name: "gpu", Weight: 1}, {Name: "cpu", Weight: 1}, {Name: "storage", Weight: 1}}
-	ix, err := kvcache.NewKVCacheIndexer(t.Context(), cfg, tp)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ix, tp := llmdtest.NewIndexer(t.Context(), t, blockSize)
 	return &llmdRouter{ix: ix, tp: tp, pod: "kvmesh-store", topic: "kv@kvmesh-store@" + model}
 }
 

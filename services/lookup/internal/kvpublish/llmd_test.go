@@ -10,10 +10,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache"
-	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents/engineadapter"
 
+	"github.com/kvmesh/kvmesh/internal/llmdtest"
 	"github.com/kvmesh/kvmesh/pkg/contract"
 )
 
@@ -32,19 +32,7 @@ type llmd struct {
 func newLLMD(t *testing.T) *llmd {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cfg, err := kvcache.NewDefaultConfig()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.BackendConfigs = []*kvcache.KVCacheBackendConfig{{Name: "gpu", Weight: 1}, {Name: "cpu", Weight: 1}}
-	tp, err := kvblock.NewChunkedTokenDatabase(kvblock.DefaultTokenProcessorConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	indexer, err := kvcache.NewKVCacheIndexer(ctx, cfg, tp)
-	if err != nil {
-		t.Fatal(err)
-	}
+	indexer, tp := llmdtest.NewIndexer(ctx, t, 0)
 	pool := kvevents.NewPool(&kvevents.Config{Concurrency: 1}, indexer.KVBlockIndex(), tp, engineadapter.NewVLLMAdapter())
 	pool.Start(ctx)
 	subs := kvevents.NewSubscriberManager(pool)
