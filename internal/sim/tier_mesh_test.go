@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/internal/testenv"
 	"github.com/kvmesh/kvmesh/internal/testenv/meshtest"
+	"github.com/kvmesh/kvmesh/pkg/contract"
 	"github.com/kvmesh/kvmesh/pkg/kvtier"
 )
 
@@ -131,7 +132,7 @@ func TestTierOnMesh(t *testing.T) {
 	stored := tm.drained(t)
 	worker, lookup := tm.mesh.Procs.Process(rankWorkerName("decode-0", 0)).URL(), tm.mesh.Procs.Process("lookup").URL()
 	testenv.Eventually(t, 30*time.Second, "every block written behind announced as BlockStored of medium STORAGE", func() bool {
-		n, ok := testenv.MetricSum(worker, "kvmesh_gpuworker_tier_events_published_total", "", "")
+		n, ok := testenv.MetricSum(worker, "kvmesh_gpuworker_tier_events_published_total", "medium", contract.MediumTier)
 		return ok && n == stored
 	})
 	asked, _ := testenv.MetricSum(lookup, "kvmesh_store_keys_total", "op", "lookup_exists")
@@ -152,6 +153,15 @@ func TestTierOnMesh(t *testing.T) {
 	}
 	t.Logf("%v blocks written behind; hit rate intact %.1f%%, after the flush %.1f%% (%d blocks from the tier)",
 		stored, 100*intact.PrefixHitRate, 100*after.PrefixHitRate, after.Ledger.LoadTierBlocks)
+	var inRedis float64 // the blocks promoted back into Redis, announced in Redis's medium again
+	testenv.Eventually(t, 30*time.Second, "the promoted blocks announced as BlockStored of medium CPU", func() bool {
+		inRedis, _ = testenv.MetricSum(worker, "kvmesh_gpuworker_tier_events_published_total", "medium", contract.MediumStore)
+		return inRedis > 0
+	})
+	if inRedis > float64(after.Ledger.LoadTierBlocks) {
+		t.Fatalf("%v blocks announced promoted into Redis, more than the %d loaded from the tier", inRedis, after.Ledger.LoadTierBlocks)
+	}
+	t.Logf("%v blocks promoted back into Redis announced as BlockStored of medium CPU", inRedis)
 	promoted := tm.play(ctx, t, "replay after promotion")
 	if promoted.Ledger.LoadTierBlocks != 0 || promoted.Tokens.Loaded["store"] == 0 {
 		t.Fatalf("replay after the tier's hits were promoted: %d blocks from the tier, loaded %v; want Redis's", promoted.Ledger.LoadTierBlocks, promoted.Tokens.Loaded)

@@ -104,6 +104,8 @@ type Tier struct {
 	wg     sync.WaitGroup
 	stop   context.CancelFunc
 	stored atomic.Pointer[func(key string)]
+	// promoted is OnPromoted's callback.
+	promoted atomic.Pointer[func(ctx context.Context, keys []string)]
 }
 
 // OnStored has every writer call fn with each key whose object it has
@@ -111,6 +113,12 @@ type Tier struct {
 // long (a gpuworker batches the keys into BlockStored events of medium
 // STORAGE).
 func (t *Tier) OnStored(fn func(key string)) { t.stored.Store(&fn) }
+
+// OnPromoted has each promotion call fn with the keys it has just stored
+// in hot (not those hot already held), under the promotion's context; fn
+// must not block for long (a gpuworker records their store times and
+// announces them as BlockStored events of Redis's medium).
+func (t *Tier) OnPromoted(fn func(ctx context.Context, keys []string)) { t.promoted.Store(&fn) }
 
 // job is one value to write behind.
 type job struct {
@@ -494,12 +502,20 @@ func (t *Tier) promote(ctx context.Context, items []kvstore.Item) {
 		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.obj.timeout)
 		defer cancel()
 		errs, err := t.hot.Put(pctx, items)
+		var stored []string
 		for i := range items {
-			if err == nil && (errs[i] == nil || errors.Is(errs[i], kvstore.ErrExists)) {
+			switch {
+			case err == nil && errs[i] == nil:
+				stored = append(stored, items[i].Key)
 				t.m.promoted.WithLabelValues("stored").Inc()
-			} else {
+			case err == nil && errors.Is(errs[i], kvstore.ErrExists):
+				t.m.promoted.WithLabelValues("stored").Inc()
+			default:
 				t.m.promoted.WithLabelValues("failed").Inc()
 			}
+		}
+		if fn := t.promoted.Load(); fn != nil && len(stored) > 0 {
+			(*fn)(pctx, stored)
 		}
 	}()
 }

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -192,6 +194,19 @@ func TestTierOutlivesRedis(t *testing.T) {
 	ctx := context.Background()
 	items := values("outlive", 12)
 	keys := keysOf(items)
+	sortedKeys := slices.Sorted(slices.Values(keys))
+	var mu sync.Mutex
+	var seen []string
+	r.tier.OnPromoted(func(_ context.Context, keys []string) {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, keys...)
+	})
+	promoted := func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Sorted(slices.Values(seen))
+	}
 	errs, err := r.tier.Put(ctx, items)
 	if err != nil {
 		t.Fatal(err)
@@ -240,6 +255,17 @@ func TestTierOutlivesRedis(t *testing.T) {
 	}
 	if got := r.counter(t, kvtier.MetricPromoted, "stored"); got != float64(len(keys)) {
 		t.Fatalf("promoted = %v, want %d", got, len(keys))
+	}
+	if got := promoted(); !slices.Equal(got, sortedKeys) {
+		t.Fatalf("OnPromoted saw %d keys, want the %d promoted", len(got), len(keys))
+	}
+	// A load of blocks Redis holds again promotes nothing.
+	if errs, _ := getEach(t, r.tier, keys); errors.Join(errs...) != nil {
+		t.Fatal(errs)
+	}
+	drain(t, r.tier)
+	if got := promoted(); len(got) != len(keys) {
+		t.Fatalf("OnPromoted saw %d keys after a load from Redis, want still %d", len(got), len(keys))
 	}
 	// A remove takes the block from both tiers.
 	rmErrs, err := r.tier.Remove(ctx, keys[:1])

@@ -251,6 +251,12 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if st, ok := a.deps.Store.(kvstore.StoreTimes); ok {
 		dp.WithStoreTimes(st, time.Now)
 	}
+	if a.deps.Tier != nil { // a block promoted into Redis: its store time, and Redis's medium announced
+		a.deps.Tier.OnPromoted(func(ctx context.Context, keys []string) {
+			dp.RecordStored(ctx, keys)
+			a.tierEvents.Promoted(keys)
+		})
+	}
 	dp.Mount(a.srv.Router())
 	dataplaneapi.NewKVMemory(a.pool, a.model).Mount(a.srv.Router())
 	a.mountAPI()

@@ -219,13 +219,15 @@ func (h *Handler) putBatch(ctx context.Context, items []dataplane.PutItem, idx [
 		}
 	}
 	h.metrics.StoreBytes(metrics.OpSavePut, stored)
-	h.recordStored(ctx, keys)
+	h.RecordStored(ctx, keys)
 	return stored, nil
 }
 
-// recordStored records now as the store time of keys, when h keeps store
-// times; a failure is counted, never the put's.
-func (h *Handler) recordStored(ctx context.Context, keys []string) {
+// RecordStored records now as the store time of keys, when h keeps store
+// times; a failure is counted, never the caller's. The handler's puts call
+// it, and so does the capacity tier's promotion of blocks back into Redis
+// (kvtier.Tier.OnPromoted), so a promoted block's removal has its age.
+func (h *Handler) RecordStored(ctx context.Context, keys []string) {
 	if h.times == nil || len(keys) == 0 {
 		return
 	}

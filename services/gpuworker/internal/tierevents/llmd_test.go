@@ -76,7 +76,9 @@ func (r *llmdRouter) tiers(t *testing.T, tokens []uint32, model string) [][]stri
 // capacity tier (medium STORAGE, no tokens) in the array form its adapter
 // reads, lists every block under both tiers; after the sender's
 // BlockRemoved of Redis's copies it still lists them under storage, and
-// still scores the prompt's every block for the store's pod.
+// still scores the prompt's every block for the store's pod; the
+// placeholders of medium CPU the gpuworker announces for blocks promoted
+// back into Redis list those under cpu again.
 func TestLLMDIndexesTierBlocks(t *testing.T) {
 	t.Parallel()
 	const blockSize, blocks, model = 16, 4, "llama"
@@ -135,5 +137,22 @@ func TestLLMDIndexesTierBlocks(t *testing.T) {
 	}
 	if got := int(scores[r.pod]); got != blocks {
 		t.Fatalf("llm-d scores %d blocks for the store after Redis's removal, want %d (the capacity tier's)", got, blocks)
+	}
+
+	// A load from the tier promotes two blocks back into Redis: their
+	// placeholders of medium CPU put them back under cpu.
+	pub.reset()
+	a.Promoted([]string{kb.Key(kvcore.Rank{}, group, hashOf(1)), kb.Key(kvcore.Rank{}, group, hashOf(2))})
+	a.drain()
+	a.flush(t.Context(), true)
+	r.apply(t, pub.messages())
+	for i, got := range r.tiers(t, tokens, model) {
+		want := []string{"storage"}
+		if i < 2 {
+			want = []string{"cpu", "storage"}
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("block %d after the promotion of blocks 0 and 1: llm-d lists tiers %v, want %v", i, got, want)
+		}
 	}
 }

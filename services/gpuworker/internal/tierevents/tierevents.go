@@ -15,6 +15,11 @@
 // locality REMOTE. Each event stands alone (no parent), so the order in
 // which the tier's writers confirm keys does not matter.
 //
+// A block a load promotes from the bucket back into Redis
+// ((*kvtier.Tier).OnPromoted) is announced the same way in Redis's medium
+// (CPU, contract.MediumStore), so a router that indexes media sees it in
+// Redis again; the two media's keys are batched apart.
+//
 // Announcing is best effort and never slows the tier: OnStored only puts
 // the key on a bounded queue; a key that finds it full is counted
 // (kvmesh_gpuworker_tier_events_dropped_total{reason="queue_full"}) and
@@ -134,19 +139,30 @@ func (o Options) withDefaults() Options {
 // Stored may be called from any goroutine; Run it once.
 type Announcer struct {
 	opts      Options
-	queue     chan string
-	published prometheus.Counter
+	queue     chan item
+	published *prometheus.CounterVec
 	dropped   *prometheus.CounterVec
 	// finalTimeout bounds the last flush (finalFlushTimeout; tests shorten it).
 	finalTimeout time.Duration
 
 	// The batches, owned by Run's goroutine.
-	pending map[string]*batch
-	order   []string // namespaces in the order their first key came
+	pending map[batchKey]*batch
+	order   []batchKey // batches in the order their first key came
 }
 
-// batch is the pending keys of one namespace.
+// item is one key handed over, with the medium it is announced in.
+type item struct {
+	key, medium string
+}
+
+// batchKey names a batch: the keys of one namespace in one medium.
+type batchKey struct {
+	ns, medium string
+}
+
+// batch is the pending keys of one namespace in one medium.
 type batch struct {
+	medium                     string
 	model, fingerprint, tenant string
 	group                      int
 	hashes                     []string // hex, as in the keys
@@ -164,20 +180,23 @@ func New(opts Options) (*Announcer, error) {
 	opts = opts.withDefaults()
 	a := &Announcer{
 		opts:  opts,
-		queue: make(chan string, opts.Queue),
-		published: prometheus.NewCounter(prometheus.CounterOpts{
+		queue: make(chan item, opts.Queue),
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_tier_events_published_total",
-			Help: "Blocks stored in the capacity tier announced as BlockStored events of medium STORAGE on " + contract.TopicKVEvents + ".",
-		}),
+			Help: "Blocks announced as placeholder BlockStored events on " + contract.TopicKVEvents + ", by medium: STORAGE (stored in the capacity tier), CPU (promoted from it back into Redis).",
+		}, []string{"medium"}),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_tier_events_dropped_total",
 			Help: "Blocks stored in the capacity tier that were not announced, by reason: queue_full (the announcer's queue was full), unparsable (not a store key), publish_failed (not published before shutdown, or not encodable).",
 		}, []string{"reason"}),
 		finalTimeout: finalFlushTimeout,
-		pending:      map[string]*batch{},
+		pending:      map[batchKey]*batch{},
 	}
 	for _, r := range []string{DropQueueFull, DropUnparsable, DropPublishFailed} {
 		a.dropped.WithLabelValues(r)
+	}
+	for _, m := range []string{contract.MediumTier, contract.MediumStore} {
+		a.published.WithLabelValues(m)
 	}
 	if opts.Registry != nil {
 		var err error
@@ -194,9 +213,23 @@ func New(opts Options) (*Announcer, error) {
 // Stored hands over one key the tier has stored: the callback for
 // (*kvtier.Tier).OnStored. It never blocks: a key that finds the queue
 // full is counted dropped (queue_full) and not announced.
-func (a *Announcer) Stored(key string) {
+func (a *Announcer) Stored(key string) { a.hand(item{key: key, medium: contract.MediumTier}) }
+
+// Promoted hands over keys the tier has promoted from its bucket back into
+// Redis: the callback for (*kvtier.Tier).OnPromoted. Each becomes a
+// placeholder BlockStored of medium CPU (Redis's, contract.MediumStore),
+// so a router that indexes media sees the block in Redis again. It never
+// blocks, as Stored.
+func (a *Announcer) Promoted(keys []string) {
+	for _, k := range keys {
+		a.hand(item{key: k, medium: contract.MediumStore})
+	}
+}
+
+// hand queues it, or counts it dropped (queue_full) when the queue is full.
+func (a *Announcer) hand(it item) {
 	select {
-	case a.queue <- key:
+	case a.queue <- it:
 	default:
 		a.dropped.WithLabelValues(DropQueueFull).Inc()
 	}
@@ -220,9 +253,9 @@ func (a *Announcer) Run(ctx context.Context) error {
 			a.flush(final, true)
 			cancel()
 			return nil
-		case key := <-a.queue:
+		case it := <-a.queue:
 			first := len(a.order) == 0
-			full := a.add(key)
+			full := a.add(it)
 			if full {
 				timer.Stop()
 				a.flush(ctx, false)
@@ -239,17 +272,18 @@ func (a *Announcer) Run(ctx context.Context) error {
 func (a *Announcer) drain() {
 	for {
 		select {
-		case key := <-a.queue:
-			a.add(key)
+		case it := <-a.queue:
+			a.add(it)
 		default:
 			return
 		}
 	}
 }
 
-// add puts key into its namespace's batch, or counts it unparsable. It
-// reports whether that batch now holds MaxBatch keys.
-func (a *Announcer) add(key string) bool {
+// add puts it into the batch of its namespace and medium, or counts it
+// unparsable. It reports whether that batch now holds MaxBatch keys.
+func (a *Announcer) add(it item) bool {
+	key := it.key
 	ns, hx, ok := kvcore.SplitKey(key)
 	if !ok {
 		a.unparsable(key, errors.New("no '@' before a block hash"))
@@ -260,11 +294,12 @@ func (a *Announcer) add(key string) bool {
 		a.unparsable(key, err)
 		return false
 	}
-	b := a.pending[ns]
+	bk := batchKey{ns: ns, medium: it.medium}
+	b := a.pending[bk]
 	if b == nil {
-		b = &batch{model: p.Model, fingerprint: p.Fingerprint, tenant: p.Tenant, group: p.Group}
-		a.pending[ns] = b
-		a.order = append(a.order, ns)
+		b = &batch{medium: it.medium, model: p.Model, fingerprint: p.Fingerprint, tenant: p.Tenant, group: p.Group}
+		a.pending[bk] = b
+		a.order = append(a.order, bk)
 	}
 	b.hashes = append(b.hashes, hx)
 	b.wire = append(b.wire, contract.WireHash(p.Hash))
@@ -286,7 +321,7 @@ func (a *Announcer) flush(ctx context.Context, final bool) {
 	}
 	recs := a.records(a.opts.Now())
 	msgs := make([]bus.Message, 0, len(recs))
-	blocks := 0
+	blocks, byMedium := 0, map[string]int{}
 	for _, r := range recs {
 		m, err := bus.KVEventMessage(r, a.opts.Form)
 		if err != nil { // cannot happen for records built from parsed keys
@@ -296,6 +331,7 @@ func (a *Announcer) flush(ctx context.Context, final bool) {
 		}
 		msgs = append(msgs, m)
 		blocks += len(r.Hashes)
+		byMedium[*r.Batch.Events[0].Medium] += len(r.Hashes)
 	}
 	if err := a.publish(ctx, msgs); err != nil {
 		if !final {
@@ -304,7 +340,9 @@ func (a *Announcer) flush(ctx context.Context, final bool) {
 		a.dropped.WithLabelValues(DropPublishFailed).Add(float64(blocks))
 		a.opts.Logger.Warn("BlockStored events of the object tier not published before shutdown", "blocks", blocks, "err", err)
 	} else {
-		a.published.Add(float64(blocks))
+		for medium, n := range byMedium {
+			a.published.WithLabelValues(medium).Add(float64(n))
+		}
 	}
 	clear(a.pending)
 	a.order = a.order[:0]
@@ -315,17 +353,17 @@ func (a *Announcer) flush(ctx context.Context, final bool) {
 func (a *Announcer) records(now time.Time) []contract.KVEventRecord {
 	ts := contract.UnixSeconds(now)
 	var recs []contract.KVEventRecord
-	for _, ns := range a.order {
-		b := a.pending[ns]
+	for _, bk := range a.order {
+		b := a.pending[bk]
 		for start := 0; start < len(b.hashes); start += a.opts.MaxBatch {
 			end := min(start+a.opts.MaxBatch, len(b.hashes))
 			events := make([]contract.KVEvent, 0, end-start)
 			for _, h := range b.wire[start:end] {
-				events = append(events, placeholderStored(h, b.group))
+				events = append(events, placeholderStored(h, b.group, b.medium))
 			}
 			recs = append(recs, contract.KVEventRecord{
 				Batch: contract.KVEventBatch{TS: ts, DataParallelRank: new(int), Events: events},
-				Model: b.model, Fingerprint: b.fingerprint, Namespace: ns, Hashes: b.hashes[start:end:end],
+				Model: b.model, Fingerprint: b.fingerprint, Namespace: bk.ns, Hashes: b.hashes[start:end:end],
 				Tenant: b.tenant,
 			})
 		}
@@ -335,9 +373,9 @@ func (a *Announcer) records(now time.Time) []contract.KVEventRecord {
 
 // placeholderStored is vLLM's placeholder BlockStored of one block of
 // group (offloading/events.py, _placeholder_stored): the hash alone,
-// no parent, no tokens, block size 0, no LoRA, medium STORAGE, REMOTE.
-func placeholderStored(hash uint64, group int) contract.KVEvent {
-	medium, locality := contract.MediumTier, contract.LocalityStore
+// no parent, no tokens, block size 0, no LoRA, in medium, REMOTE.
+func placeholderStored(hash uint64, group int, medium string) contract.KVEvent {
+	locality := contract.LocalityStore
 	return contract.KVEvent{
 		Kind: contract.BlockStored, BlockHashes: []uint64{hash}, ParentBlockHash: nil,
 		TokenIDs: []uint32{}, BlockSize: 0, LoraID: nil, Medium: &medium, LoraName: nil,

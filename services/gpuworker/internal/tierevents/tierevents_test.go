@@ -41,6 +41,13 @@ func (p *fakePublisher) Publish(_ context.Context, msgs ...bus.Message) error {
 	return nil
 }
 
+// reset forgets what was published.
+func (p *fakePublisher) reset() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.msgs = nil
+}
+
 func (p *fakePublisher) messages() []bus.Message {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -293,7 +300,7 @@ func TestBatchBySize(t *testing.T) {
 	if len(recs) != 3 || !slices.Equal(recs[2].Hashes, []string{hashOf(4).Hex()}) {
 		t.Fatalf("after stop %d records, want a third with the fifth key", len(recs))
 	}
-	if got := testutil.ToFloat64(a.published); got != 6 {
+	if got := testutil.ToFloat64(a.published.WithLabelValues(contract.MediumTier)); got != 6 {
 		t.Errorf("published_total %v, want 6", got)
 	}
 }
@@ -372,7 +379,7 @@ func TestUnparsableKeysCounted(t *testing.T) {
 	if len(recs) != 1 || !slices.Equal(recs[0].Keys(), []string{good}) {
 		t.Fatalf("published %d records, want one of %s", len(recs), good)
 	}
-	if got := testutil.ToFloat64(a.published); got != 1 {
+	if got := testutil.ToFloat64(a.published.WithLabelValues(contract.MediumTier)); got != 1 {
 		t.Errorf("published_total %v, want 1", got)
 	}
 }
@@ -423,7 +430,7 @@ func TestPublishFailedCounted(t *testing.T) {
 	if n := dropped(a, DropPublishFailed); n != 3 {
 		t.Errorf("dropped{publish_failed} %d, want 3", n)
 	}
-	if got := testutil.ToFloat64(a.published); got != 0 {
+	if got := testutil.ToFloat64(a.published.WithLabelValues(contract.MediumTier)); got != 0 {
 		t.Errorf("published_total %v, want 0", got)
 	}
 }
@@ -457,7 +464,7 @@ func TestStoredConcurrently(t *testing.T) {
 			seen[k] = true
 		}
 	}
-	if got := testutil.ToFloat64(a.published); got != writers*each {
+	if got := testutil.ToFloat64(a.published.WithLabelValues(contract.MediumTier)); got != writers*each {
 		t.Errorf("published_total %v, want %d", got, writers*each)
 	}
 }
@@ -477,8 +484,8 @@ func TestNewOptions(t *testing.T) {
 		}
 	}
 	n, err := testutil.GatherAndCount(reg, "kvmesh_gpuworker_tier_events_published_total", "kvmesh_gpuworker_tier_events_dropped_total")
-	if err != nil || n != 4 {
-		t.Errorf("gathered %d series (%v), want published and three drop reasons", n, err)
+	if err != nil || n != 5 {
+		t.Errorf("gathered %d series (%v), want published of two media and three drop reasons", n, err)
 	}
 	a, err := New(Options{Publisher: &fakePublisher{}})
 	if err != nil {
@@ -487,5 +494,43 @@ func TestNewOptions(t *testing.T) {
 	if a.opts.Form != contract.KVEventFormMap || a.opts.MaxBatch != DefaultMaxBatch || a.opts.FlushEvery != DefaultFlushEvery ||
 		cap(a.queue) != DefaultQueue {
 		t.Errorf("defaults %+v, queue %d", a.opts, cap(a.queue))
+	}
+}
+
+// TestPromotedAnnouncedInRedis: keys promoted back into Redis become
+// placeholders of medium CPU, batched apart from the same namespace's
+// STORAGE placeholders and counted by medium.
+func TestPromotedAnnouncedInRedis(t *testing.T) {
+	t.Parallel()
+	pub := &fakePublisher{}
+	a := newAnnouncer(t, pub, Options{})
+	kb := kvcore.KeyBuilder{Model: "llama", Fingerprint: fp}
+	a.Stored(kb.Key(kvcore.Rank{}, 0, hashOf(1)))
+	a.Promoted([]string{kb.Key(kvcore.Rank{}, 0, hashOf(1)), kb.Key(kvcore.Rank{}, 0, hashOf(2))})
+	a.drain()
+	a.flush(t.Context(), true)
+	recs := pub.records(t)
+	if len(recs) != 2 {
+		t.Fatalf("%d records, want one per medium", len(recs))
+	}
+	for i, want := range []struct {
+		medium string
+		hashes []kvcore.BlockHash
+	}{{contract.MediumTier, []kvcore.BlockHash{hashOf(1)}}, {contract.MediumStore, []kvcore.BlockHash{hashOf(1), hashOf(2)}}} {
+		r := recs[i]
+		if len(r.Batch.Events) != len(want.hashes) {
+			t.Fatalf("record %d: %d events, want %d", i, len(r.Batch.Events), len(want.hashes))
+		}
+		for j, e := range r.Batch.Events {
+			if e.Medium == nil || *e.Medium != want.medium || !slices.Equal(e.BlockHashes, []uint64{contract.WireHash(want.hashes[j])}) ||
+				len(e.TokenIDs) != 0 || e.ParentBlockHash != nil {
+				t.Errorf("record %d event %d: %+v, want a placeholder of %s in medium %s", i, j, e, want.hashes[j].Hex(), want.medium)
+			}
+		}
+	}
+	for medium, want := range map[string]float64{contract.MediumTier: 1, contract.MediumStore: 2} {
+		if got := testutil.ToFloat64(a.published.WithLabelValues(medium)); got != want {
+			t.Errorf("published{medium=%q} = %v, want %v", medium, got, want)
+		}
 	}
 }
