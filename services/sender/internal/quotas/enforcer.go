@@ -1,6 +1,7 @@
 package quotas
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -92,6 +93,10 @@ type Enforcer struct {
 	evicted  map[string]int64
 	skipped  map[string]int64
 	shown    map[string]bool // tenants with usage series
+	// admitting holds a lock per tenant with a quota, taken by Admit from
+	// its usage read to its reservation: two admissions that read the
+	// same usage would each evict the same blocks and admit as many.
+	admitting sync.Map // tenant → *sync.Mutex
 }
 
 // New returns an Enforcer with no quota loaded (Load or Run reads them).
@@ -259,6 +264,9 @@ func (e *Enforcer) Admit(ctx context.Context, tenant string, keys []string) (adm
 	if !ok || len(keys) == 0 {
 		return len(keys), nothing
 	}
+	lock, _ := e.admitting.LoadOrStore(tenant, new(sync.Mutex))
+	lock.(*sync.Mutex).Lock()
+	defer lock.(*sync.Mutex).Unlock()
 	spaces := e.opts.Spaces(tenant)
 	sizes := valueSizes(spaces, keys)
 	n, err := e.admit(ctx, q, spaces, sizes)
@@ -336,9 +344,14 @@ func (e *Enforcer) evict(ctx context.Context, tenant string, spaces []Space, nee
 	out := make([]kvstore.StoredKey, len(victims))
 	for i, v := range victims {
 		out[i] = kvstore.StoredKey{Key: v.Key, StoredAt: v.StoredAt}
-		freed = freed.Add(sendpolicy.Usage{Bytes: v.Bytes, Keys: 1})
 	}
 	removed, err := e.opts.Store.RemoveForQuota(ctx, out, e.opts.Now())
+	// Only what was removed is freed (a victim another replica removed
+	// first frees nothing here); not knowing which, count the smallest.
+	slices.SortFunc(victims, func(a, b sendpolicy.QuotaCandidate) int { return cmp.Compare(a.Bytes, b.Bytes) })
+	for _, v := range victims[:min(removed, len(victims))] {
+		freed = freed.Add(sendpolicy.Usage{Bytes: v.Bytes, Keys: 1})
+	}
 	if removed > 0 {
 		e.mu.Lock()
 		e.evicted[tenant] += int64(removed)

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvmesh/kvmesh/internal/dbtest"
 	"github.com/kvmesh/kvmesh/internal/testenv"
@@ -234,4 +235,47 @@ func TestSpacesOf(t *testing.T) {
 	if len(perModel) != 2 {
 		t.Errorf("spaces per model %v, want both models", perModel)
 	}
+}
+
+// TestEnforcerConcurrentAdmits: saves of one tenant admitted at once, each
+// storing what it was admitted before releasing it (as the sender's puts
+// do), never leave the tenant over its evicting quota: two admissions
+// reading the same usage would each evict the same idlest blocks, count
+// them freed and admit as many new ones.
+func TestEnforcerConcurrentAdmits(t *testing.T) {
+	r := newQuotaRig(t)
+	ctx := context.Background()
+	const limit, saves, each = 8, 8, 2
+	t0 := time.Now().Add(-time.Hour)
+	for i := range limit {
+		r.stored(t, "busy", i, t0.Add(time.Duration(i)*time.Second), 100+i, false)
+	}
+	if _, err := r.e.Set(ctx, Quota{Tenant: "busy", MaxKeys: limit}); err != nil {
+		t.Fatal(err)
+	}
+	var g errgroup.Group
+	for s := range saves {
+		g.Go(func() error {
+			keys := []string{r.key("busy", 100+s*each), r.key("busy", 101+s*each)}
+			n, release := r.e.Admit(ctx, "busy", keys)
+			defer release()
+			for i := range n {
+				if err := r.client.Set(ctx, keys[i], "v", 0).Err(); err != nil {
+					return err
+				}
+				if err := r.store.MarkStored(ctx, keys[i:i+1], time.Now()); err != nil { // after the put, as a gpuworker does
+					return err
+				}
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.e.Status(ctx, "busy")
+	if err != nil || st.UsageKeys > limit {
+		t.Fatalf("Status = %+v, %v; want at most %d keys after %d concurrent saves", st, err, limit, saves)
+	}
+	t.Logf("after %d concurrent saves of %d keys: %d keys, %d evicted, %d skipped", saves, each, st.UsageKeys, st.EvictedBlocks, st.SkippedBlocks)
 }
