@@ -55,14 +55,14 @@ const (
 // (the smallest blocks; the dense model's 2 MiB blocks made the same
 // scenarios four times as long under the race detector, 80 s against
 // 20 s), on the oldest the dense one (that tree loads nothing external
-// for a Mamba model, so there the MLA + linear model plays all but the
-// Kafka outage without hits). This keeps make test within its time.
+// for a Mamba model, so there the MLA + linear model plays the basic
+// scenarios only). This keeps make test within its time.
 var vllmModels = []struct {
 	name string
 	only map[string]string // by tree; a tree not named plays every scenario
 }{
 	{"dense", map[string]string{vllmNewest: basicScenarios}},
-	{model, map[string]string{vllmOldest: "not kafka"}},
+	{model, map[string]string{vllmOldest: basicScenarios}},
 	{"full-swa-mamba", map[string]string{vllmOldest: basicScenarios, vllmNewest: basicScenarios}},
 }
 
