@@ -218,8 +218,11 @@ func checkInfo(key string, info minio.ObjectInfo) error {
 // size is ErrTruncated. The bytes are not otherwise checked: the caller
 // verifies them as it would a Redis value.
 func (o *Objects) Get(ctx context.Context, key string) ([]byte, error) {
-	return o.read(ctx, key, func(n int) []byte { return make([]byte, n) })
+	return o.read(ctx, key, newBuffer)
 }
+
+// newBuffer is a fresh buffer of length n, for a value its caller keeps.
+func newBuffer(n int) []byte { return make([]byte, n) }
 
 // read is Get with the body read into alloc(size+1)[:n].
 func (o *Objects) read(ctx context.Context, key string, alloc func(n int) []byte) ([]byte, error) {

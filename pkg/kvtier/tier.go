@@ -354,7 +354,7 @@ func (t *Tier) Get(ctx context.Context, keys []string) ([][]byte, []error, error
 	if err != nil {
 		return nil, nil, err
 	}
-	t.fetch(ctx, keys, notFound(errs), func(n int) []byte { return make([]byte, n) }, func(i int, f fetched) {
+	t.fetch(ctx, keys, notFound(errs), newBuffer, func(i int, f fetched) {
 		values[i], errs[i] = f.value, f.err
 	})
 	return values, errs, nil
@@ -483,11 +483,13 @@ func (t *Tier) promote(ctx context.Context, items []kvstore.Item) {
 	for _, it := range items {
 		size += int64(len(it.Value))
 	}
-	if t.opts.NoPromote || t.promoting.Add(size) > t.opts.QueueBytes {
-		if !t.opts.NoPromote {
-			t.promoting.Add(-size)
-			t.m.promoted.WithLabelValues("failed").Add(float64(len(items)))
-		}
+	if t.opts.NoPromote {
+		t.recycle(items)
+		return
+	}
+	if t.promoting.Add(size) > t.opts.QueueBytes {
+		t.promoting.Add(-size)
+		t.m.promoted.WithLabelValues("failed").Add(float64(len(items)))
 		t.recycle(items)
 		return
 	}

@@ -220,7 +220,6 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 		if a.tierEvents, err = tierevents.New(tierevents.Options{Publisher: a.deps.Producer, Registry: a.deps.Registry, Logger: a.deps.Log, Form: cfg.KVEventsForm}); err != nil {
 			return nil, err
 		}
-		a.deps.Tier.OnStored(a.tierEvents.Stored)
 	}
 	// Not ready until registered: a sender finds workers in the registry.
 	a.deps.AddCheck(httpserver.ReadyCheck{Name: "registry", Check: a.registeredCheck})
@@ -251,7 +250,8 @@ func NewWithDevices(ctx context.Context, cfg Config, log *slog.Logger, gpus *dev
 	if st, ok := a.deps.Store.(kvstore.StoreTimes); ok {
 		dp.WithStoreTimes(st, time.Now)
 	}
-	if a.deps.Tier != nil { // a block promoted into Redis: its store time, and Redis's medium announced
+	if a.deps.Tier != nil { // the tier's blocks announced; a block promoted into Redis gets its store time too
+		a.deps.Tier.OnStored(a.tierEvents.Stored)
 		a.deps.Tier.OnPromoted(func(ctx context.Context, keys []string) {
 			dp.RecordStored(ctx, keys)
 			a.tierEvents.Promoted(keys)

@@ -162,7 +162,6 @@ type batchKey struct {
 
 // batch is the pending keys of one namespace in one medium.
 type batch struct {
-	medium                     string
 	model, fingerprint, tenant string
 	group                      int
 	hashes                     []string // hex, as in the keys
@@ -187,7 +186,7 @@ func New(opts Options) (*Announcer, error) {
 		}, []string{"medium"}),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmesh_gpuworker_tier_events_dropped_total",
-			Help: "Blocks stored in the capacity tier that were not announced, by reason: queue_full (the announcer's queue was full), unparsable (not a store key), publish_failed (not published before shutdown, or not encodable).",
+			Help: "Blocks of the capacity tier (stored in it, or promoted from it into Redis) that were not announced, by reason: queue_full (the announcer's queue was full), unparsable (not a store key), publish_failed (not published before shutdown, or not encodable).",
 		}, []string{"reason"}),
 		finalTimeout: finalFlushTimeout,
 		pending:      map[batchKey]*batch{},
@@ -297,7 +296,7 @@ func (a *Announcer) add(it item) bool {
 	bk := batchKey{ns: ns, medium: it.medium}
 	b := a.pending[bk]
 	if b == nil {
-		b = &batch{medium: it.medium, model: p.Model, fingerprint: p.Fingerprint, tenant: p.Tenant, group: p.Group}
+		b = &batch{model: p.Model, fingerprint: p.Fingerprint, tenant: p.Tenant, group: p.Group}
 		a.pending[bk] = b
 		a.order = append(a.order, bk)
 	}
@@ -359,7 +358,7 @@ func (a *Announcer) records(now time.Time) []contract.KVEventRecord {
 			end := min(start+a.opts.MaxBatch, len(b.hashes))
 			events := make([]contract.KVEvent, 0, end-start)
 			for _, h := range b.wire[start:end] {
-				events = append(events, placeholderStored(h, b.group, b.medium))
+				events = append(events, placeholderStored(h, b.group, bk.medium))
 			}
 			recs = append(recs, contract.KVEventRecord{
 				Batch: contract.KVEventBatch{TS: ts, DataParallelRank: new(int), Events: events},
